@@ -1,0 +1,71 @@
+"""The admin HTTP port every service serves: ``/healthz``, ``/readyz``, ``/metrics``.
+
+Metrics live in a registry the service owns (never prometheus' global one), so
+two services in one test process never see each other's counters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+ReadinessCheck = Callable[[], str | None]
+"""Returns ``None`` when ready, else the reason it is not."""
+
+
+class AdminServer:
+    """A tiny aiohttp server; extra routes can be added before ``start()``."""
+
+    def __init__(
+        self,
+        service: str,
+        registry: CollectorRegistry,
+        *,
+        host: str,
+        port: int,
+        readiness: ReadinessCheck | None = None,
+    ) -> None:
+        self.service = service
+        self.registry = registry
+        self.host = host
+        self.port = port
+        self._readiness = readiness
+        self.app = web.Application()
+        self.app.router.add_get("/healthz", self._healthz)
+        self.app.router.add_get("/readyz", self._readyz)
+        self.app.router.add_get("/metrics", self._metrics)
+        self._runner: web.AppRunner | None = None
+        self.started = asyncio.Event()  # set once bound: a readiness signal for tests
+
+    async def start(self) -> int:
+        """Bind and serve; returns the bound port (useful when configured as 0)."""
+        self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self.port, reuse_address=True)
+        await site.start()
+        server = site._server  # aiohttp exposes the bound socket only here
+        if server is not None and server.sockets:  # type: ignore[attr-defined]
+            self.port = server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
+        self.started.set()
+        return self.port
+
+    async def close(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def _healthz(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "service": self.service})
+
+    async def _readyz(self, request: web.Request) -> web.Response:
+        reason = self._readiness() if self._readiness else None
+        if reason is not None:
+            return web.json_response({"status": "not_ready", "reason": reason}, status=503)
+        return web.json_response({"status": "ready", "service": self.service})
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        body = generate_latest(self.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})

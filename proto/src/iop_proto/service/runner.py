@@ -1,0 +1,109 @@
+"""Run one service from ``--config FILE`` until SIGTERM or SIGINT, then stop gracefully.
+
+Signals are handled only here, by setting an event; the service's own objects
+never see them. Teardown is the reverse of start-up (``AsyncExitStack``) and is
+bounded by the service's ``shutdown_timeout_s``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import signal
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+from loguru import logger
+from prometheus_client import CollectorRegistry, Info
+
+from iop_proto.errors import IopError, SettingsError
+from iop_proto.service.admin import AdminServer
+from iop_proto.service.logging import configure_logging
+from iop_proto.service.settings import ServiceSettings, load_settings
+
+SettingsT = TypeVar("SettingsT", bound=ServiceSettings)
+
+ServiceFactory = Callable[
+    [SettingsT, CollectorRegistry, AdminServer], contextlib.AbstractAsyncContextManager[object]
+]
+"""``bootstrap.build``: makes every object of a service and owns their lifetimes.
+
+Entering the context starts the service; leaving it stops it. The admin server
+is passed in so a service can add its own routes or readiness check.
+"""
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_BAD_SETTINGS = 2
+
+
+def parse_args(prog: str, argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog=prog, description=f"Run the IOP {prog} service.")
+    parser.add_argument("--config", type=Path, required=True, help="settings YAML file")
+    return parser.parse_args(argv)
+
+
+async def serve(
+    name: str,
+    version: str,
+    settings: SettingsT,
+    build: ServiceFactory[SettingsT],
+    stop: asyncio.Event,
+) -> None:
+    """Start the service and its admin port, wait for ``stop``, then tear down."""
+    registry = CollectorRegistry()
+    Info("iop_build", "Version of this IOP service", registry=registry).info(
+        {"service": name, "version": version, "service_id": settings.service_id}
+    )
+    if not settings.tls.enabled:
+        logger.warning("tls.enabled is false: IOP traffic is plaintext, for debugging only")
+    admin = AdminServer(name, registry, host=settings.admin.host, port=settings.admin.port)
+    async with contextlib.AsyncExitStack() as stack:
+        await stack.enter_async_context(build(settings, registry, admin))
+        port = await admin.start()
+        stack.push_async_callback(admin.close)
+        logger.info("ready: {} admin http://{}:{}", settings.service_id, settings.admin.host, port)
+        await stop.wait()
+        logger.info("stopping {} (up to {:.0f}s)", settings.service_id, settings.shutdown_timeout_s)
+        async with asyncio.timeout(settings.shutdown_timeout_s):
+            await stack.aclose()
+    logger.info("stopped {}", settings.service_id)
+
+
+async def _main(
+    name: str, version: str, settings: SettingsT, build: ServiceFactory[SettingsT]
+) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    await serve(name, version, settings, build, stop)
+
+
+def run_service(
+    name: str,
+    version: str,
+    settings_model: type[SettingsT],
+    build: ServiceFactory[SettingsT],
+    argv: list[str] | None = None,
+) -> int:
+    """The whole life of a service process; returns its exit code."""
+    args = parse_args(f"iop-{name}", argv)
+    try:
+        settings = load_settings(settings_model, args.config)
+    except SettingsError as exc:
+        print(f"iop-{name}: {exc}", file=sys.stderr)
+        return EXIT_BAD_SETTINGS
+    configure_logging(settings.service_id, settings.log)
+    try:
+        asyncio.run(_main(name, version, settings, build))
+    except IopError as exc:
+        logger.error("{} failed: {}", settings.service_id, exc)
+        return EXIT_FAILED
+    except Exception:
+        logger.exception("{} crashed", settings.service_id)
+        return EXIT_FAILED
+    return EXIT_OK

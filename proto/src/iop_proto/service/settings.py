@@ -1,0 +1,85 @@
+"""Settings: a YAML file plus ``IOP_*`` environment overrides, validated once by pydantic.
+
+dynaconf merges the file and the environment (``IOP_ADMIN__PORT=9100`` sets
+``admin.port``); pydantic turns the merged mapping into a frozen model. A bad
+value fails before anything starts, with the field and the file named.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+from dynaconf import Dynaconf
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from iop_proto.errors import SettingsError
+from iop_proto.tls import TlsSettings
+
+ENV_PREFIX = "IOP"
+
+
+class FrozenModel(BaseModel):
+    """Base of every settings model: immutable, and unknown keys are mistakes."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class AdminSettings(FrozenModel):
+    """The admin HTTP port: ``/healthz`` and ``/metrics``."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=0, ge=0, le=65535, description="0 picks a free port")
+
+
+class LogSettings(FrozenModel):
+    level: Literal["TRACE", "DEBUG", "INFO", "SUCCESS", "WARNING", "ERROR", "CRITICAL"] = "INFO"
+    json_format: bool = Field(default=False, alias="json")
+
+
+class ServiceSettings(FrozenModel):
+    """What every service has; each service's settings model extends it."""
+
+    service_id: str = Field(min_length=1)
+    admin: AdminSettings = AdminSettings()
+    log: LogSettings = LogSettings()
+    shutdown_timeout_s: float = Field(default=10.0, gt=0)
+    tls: TlsSettings = Field(description="every IOP link is mutual TLS; see certs/README.md")
+
+
+SettingsT = TypeVar("SettingsT", bound=BaseModel)
+
+
+def _lower_keys(value: Any) -> Any:
+    """dynaconf upper-cases keys; our models use lower-case field names."""
+    if isinstance(value, dict):
+        return {str(k).lower(): _lower_keys(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_lower_keys(v) for v in value]
+    return value
+
+
+def _describe(error: ValidationError, config_file: Path) -> str:
+    lines = [f"invalid settings in {config_file} (or its {ENV_PREFIX}_* overrides):"]
+    for item in error.errors():
+        field = ".".join(str(part) for part in item["loc"]) or "(root)"
+        env_name = f"{ENV_PREFIX}_" + "__".join(str(p).upper() for p in item["loc"])
+        given = (
+            f" (got {item['input']!r})"
+            if "input" in item and not isinstance(item["input"], dict)
+            else ""
+        )
+        lines.append(f"  {field}: {item['msg']}{given} [env: {env_name}]")
+    return "\n".join(lines)
+
+
+def load_settings(model: type[SettingsT], config_file: Path) -> SettingsT:
+    """Read ``config_file`` and the environment into ``model``, or raise ``SettingsError``."""
+    if not config_file.is_file():
+        raise SettingsError(f"settings file {config_file} does not exist")
+    raw = Dynaconf(settings_files=[str(config_file)], envvar_prefix=ENV_PREFIX)
+    data = _lower_keys(raw.as_dict())
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise SettingsError(_describe(exc, config_file)) from None

@@ -1,0 +1,179 @@
+"""Test support shared by every service's tests: throwaway CAs and loopback servers.
+
+Shipped in the contract package (like ``aiohttp.test_utils``) because every
+service tests its IOP links the same way. ``trustme`` is a development
+dependency, imported only when a CA is made.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+import signal
+import ssl
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from iop_proto.tls import TlsSettings, client_context, server_context
+
+if TYPE_CHECKING:
+    import trustme
+
+
+def write_identity(ca: trustme.CA, directory: Path, name: str, role: str) -> TlsSettings:
+    """Issue ``name`` (CN) with ``role`` (OU) from ``ca`` and return settings pointing at it."""
+    directory.mkdir(parents=True, exist_ok=True)
+    cert = ca.issue_cert("127.0.0.1", "localhost", common_name=name, organization_unit_name=role)
+    ca_file = directory / "ca.pem"
+    cert_file = directory / f"{name}.pem"
+    key_file = directory / f"{name}.key"
+    ca.cert_pem.write_to_path(str(ca_file))
+    cert.cert_chain_pems[0].write_to_path(str(cert_file))
+    cert.private_key_pem.write_to_path(str(key_file))
+    return TlsSettings(ca_file=ca_file, cert_file=cert_file, key_file=key_file)
+
+
+@dataclass(frozen=True)
+class Pki:
+    """One fleet CA with an edge (server) and a node (client) identity."""
+
+    ca: trustme.CA
+    edge: TlsSettings
+    node: TlsSettings
+
+    @classmethod
+    def create(cls, directory: Path) -> Pki:
+        import trustme
+
+        ca = trustme.CA()
+        return cls(
+            ca=ca,
+            edge=write_identity(ca, directory, "edge", "edge"),
+            node=write_identity(ca, directory, "node-a", "node"),
+        )
+
+    def server(self) -> ssl.SSLContext:
+        return server_context(self.edge)
+
+    def client(self) -> ssl.SSLContext:
+        return client_context(self.node)
+
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+@contextlib.asynccontextmanager
+async def loopback_server(handler: Handler, context: ssl.SSLContext | None) -> AsyncIterator[int]:
+    """Serve ``handler`` on 127.0.0.1 (ephemeral port); yields the port.
+
+    Handler tasks are owned here and cancelled on exit so no test leaks one.
+    """
+    tasks: set[asyncio.Task[None]] = set()
+
+    async def owned(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        tasks.add(task)
+        try:
+            await handler(reader, writer)
+        finally:
+            tasks.discard(task)
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+
+    server = await asyncio.start_server(owned, "127.0.0.1", 0, ssl=context)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        yield port
+    finally:
+        server.close()
+        for task in list(tasks):
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await server.wait_closed()
+
+
+async def open_client(
+    port: int, context: ssl.SSLContext | None
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    return await asyncio.open_connection(
+        "127.0.0.1", port, ssl=context, server_hostname="localhost" if context else None
+    )
+
+
+@dataclass
+class RunningService:
+    """A service started as a real process by ``running_service``."""
+
+    process: asyncio.subprocess.Process
+    admin_url: str
+    log: list[str]
+
+
+_READY = re.compile(r"ready: \S+ admin (http://\S+)")
+
+
+async def _read_until_ready(process: asyncio.subprocess.Process, log: list[str]) -> str:
+    assert process.stderr is not None
+    while True:
+        raw = await process.stderr.readline()
+        if not raw:
+            raise RuntimeError("service exited before it was ready:\n" + "".join(log))
+        line = raw.decode(errors="replace")
+        log.append(line)
+        match = _READY.search(line)
+        if match:
+            return match.group(1)
+
+
+async def _drain(stream: asyncio.StreamReader, log: list[str]) -> None:
+    while raw := await stream.readline():
+        log.append(raw.decode(errors="replace"))
+
+
+@contextlib.asynccontextmanager
+async def running_service(
+    script: str,
+    config: Path,
+    env: dict[str, str] | None = None,
+    ready_timeout: float = 30.0,
+) -> AsyncIterator[RunningService]:
+    """Start ``script --config config`` and wait for its ``ready:`` log line.
+
+    The readiness line is the explicit signal (it names the admin URL, so port 0
+    works); the process is killed on exit if the test did not stop it.
+    """
+    bin_dir = Path(sys.executable).parent
+    process = await asyncio.create_subprocess_exec(
+        str(bin_dir / script),
+        "--config",
+        str(config),
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, **(env or {})},
+    )
+    log: list[str] = []
+    drain: asyncio.Task[None] | None = None
+    try:
+        admin_url = await asyncio.wait_for(_read_until_ready(process, log), ready_timeout)
+        assert process.stderr is not None
+        drain = asyncio.create_task(_drain(process.stderr, log))
+        yield RunningService(process=process, admin_url=admin_url, log=log)
+    finally:
+        if process.returncode is None:
+            process.kill()
+        await process.wait()
+        if drain is not None:
+            await drain
+
+
+async def stop_service(service: RunningService, signal_number: int = signal.SIGTERM) -> int:
+    """Signal the service and wait for it to exit; returns its exit code."""
+    service.process.send_signal(signal_number)
+    return await asyncio.wait_for(service.process.wait(), 30)

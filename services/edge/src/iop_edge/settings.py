@@ -1,0 +1,11 @@
+"""Settings of the edge, validated once at start (see `iop_proto.service.settings`)."""
+
+from __future__ import annotations
+
+from iop_proto.service import ServiceSettings
+
+
+class EdgeSettings(ServiceSettings):
+    """The edge's settings file; `IOP_*` environment variables override any key."""
+
+    service_id: str = "edge"
