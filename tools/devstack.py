@@ -1,0 +1,549 @@
+"""Run the whole IOP stack as local processes in the foreground: the program behind ``make run``.
+
+One parent owns every child so that Ctrl-C is all it takes to stop the stack and
+nothing is left running: children live in their own process groups (a terminal's
+Ctrl-C reaches only us), and we stop them in reverse start order, then clean up
+whatever they left in their groups. Services start one at a time, each only once
+the previous one says it is ready, because later services connect to earlier ones.
+
+Every line a child writes is prefixed with its name, like ``docker compose`` or
+foreman, so the interleaved logs stay readable. The processes are declared in
+``SERVICES``; adding one (a llama.cpp server, say) is adding an entry.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import re
+import signal
+import socket
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+REPO = Path(__file__).resolve().parent.parent
+HOST = "127.0.0.1"
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceSpec:
+    """One process of the stack; its place in ``SERVICES`` is its start order."""
+
+    name: str
+    script: str  # console script in --bin
+    config: str  # settings file, relative to the repository root
+    admin_port: int  # before --port-offset
+    tls: bool = True  # gets the certificate files named after ``name`` from --certs
+    health_path: str = "/healthz"
+
+
+SERVICES: tuple[ServiceSpec, ...] = (
+    ServiceSpec("control-plane", "iop-control-plane", "configs/dev/control-plane.yaml", 9100),
+    ServiceSpec("edge", "iop-edge", "configs/dev/edge.yaml", 9101),
+    ServiceSpec("node-a", "iop-node", "configs/dev/node-a.yaml", 9102),
+    ServiceSpec("node-b", "iop-node", "configs/dev/node-b.yaml", 9103),
+    ServiceSpec("worker", "iop-worker", "configs/dev/worker.yaml", 9104),
+)
+
+SELF = "devstack"
+READY_TIMEOUT_S = 30.0
+STOP_TIMEOUT_S = 10.0
+POLL_INTERVAL_S = 0.1
+DRAIN_TIMEOUT_S = 2.0
+LINE_LIMIT = 1 << 20
+# What iop_proto.service.runner logs once a service serves its admin port.
+READY_LINE = re.compile(r"\bready: \S+ admin http://\S+")
+EXIT_OK, EXIT_FAILED, EXIT_PREFLIGHT = 0, 1, 2
+COLORS = ("36", "33", "32", "35", "34", "91", "92", "93", "94", "95")
+
+
+@dataclass(frozen=True, slots=True)
+class Options:
+    port_offset: int
+    certs: Path
+    bin_dir: Path
+    run_dir: Path
+    ready_timeout: float
+    stop_timeout: float
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """A service resolved against the options: exactly what will run, and where."""
+
+    spec: ServiceSpec
+    port: int
+    argv: tuple[str, ...]
+    env: Mapping[str, str]
+    pid_file: Path
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def admin_url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+
+def cert_files(certs: Path, name: str) -> dict[str, Path]:
+    """The settings keys a certificate directory fills in, as ``tools/devcerts.py`` names them."""
+    return {
+        "CA_FILE": certs / "ca.pem",
+        "CERT_FILE": certs / f"{name}.pem",
+        "KEY_FILE": certs / f"{name}.key",
+    }
+
+
+def child_env(spec: ServiceSpec, port: int, certs: Path) -> dict[str, str]:
+    """Our environment plus overrides, so the dev settings files never need editing."""
+    env = dict(os.environ)
+    env["PYTHONUNBUFFERED"] = "1"  # lines should reach us as they are written
+    env["IOP_ADMIN__HOST"] = HOST  # the address whose ports the preflight checked
+    env["IOP_ADMIN__PORT"] = str(port)
+    if spec.tls:
+        for key, path in cert_files(certs, spec.name).items():
+            env[f"IOP_TLS__{key}"] = str(path)
+    return env
+
+
+def make_plan(spec: ServiceSpec, opts: Options) -> Plan:
+    port = spec.admin_port + opts.port_offset
+    config = REPO / spec.config
+    return Plan(
+        spec=spec,
+        port=port,
+        argv=(str(opts.bin_dir / spec.script), "--config", str(config)),
+        env=child_env(spec, port, opts.certs),
+        pid_file=opts.run_dir / f"{spec.name}.pid",
+    )
+
+
+# --- preflight: everything that can be wrong is found before anything starts ---------------
+
+
+def port_is_free(port: int) -> bool:
+    """Bind and listen as the services will (aiohttp sets SO_REUSEADDR), then let go."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((HOST, port))
+            sock.listen()
+        except OSError:
+            return False
+    return True
+
+
+def check_ports(plans: Sequence[Plan]) -> list[str]:
+    problems: list[str] = []
+    for plan in plans:
+        if not 0 < plan.port < 65536:
+            problems.append(f"{plan.name} admin port {plan.port} is out of range (--port-offset?)")
+        elif not port_is_free(plan.port):
+            problems.append(
+                f"port {plan.port} on {HOST} (admin port of {plan.name}) is already in use; "
+                "stop whatever holds it or choose another --port-offset"
+            )
+    return problems
+
+
+def check_files(plans: Sequence[Plan], opts: Options) -> list[str]:
+    problems: list[str] = []
+    for plan in plans:
+        script, config = Path(plan.argv[0]), Path(plan.argv[2])
+        if not os.access(script, os.X_OK):
+            problems.append(f"{plan.name}: {script} is missing or not executable (make install?)")
+        if not config.is_file():
+            problems.append(f"{plan.name}: settings file {config} does not exist")
+        if plan.spec.tls:
+            missing = [p for p in cert_files(opts.certs, plan.name).values() if not p.is_file()]
+            problems += [f"{plan.name}: {p} does not exist (make certs?)" for p in missing]
+    return problems
+
+
+def process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process, but it exists
+    return True
+
+
+def runs_script(pid: int, script: str) -> bool:
+    """Guard against a recycled pid where /proc lets us look; elsewhere trust the pid."""
+    if not Path("/proc/self").exists():
+        return True
+    try:
+        return script in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        return False
+
+
+def live_pid(plan: Plan) -> int | None:
+    """The process a pid file names if it is still ours and running; ``None`` if stale."""
+    try:
+        pid = int(plan.pid_file.read_text().strip())
+    except (OSError, ValueError):
+        return None
+    if pid > 0 and process_exists(pid) and runs_script(pid, plan.spec.script):
+        return pid
+    return None
+
+
+def check_pid_files(plans: Sequence[Plan]) -> list[str]:
+    """Refuse to run a second copy over a live one; a stale pid file is just removed."""
+    problems: list[str] = []
+    for plan in plans:
+        if not plan.pid_file.exists():
+            continue
+        pid = live_pid(plan)
+        if pid is None:
+            plan.pid_file.unlink(missing_ok=True)
+        else:
+            problems.append(
+                f"{plan.name} is already running as pid {pid} ({plan.pid_file}); "
+                f"stop it first (kill -TERM -{pid}) or use another --run-dir"
+            )
+    return problems
+
+
+def preflight(plans: Sequence[Plan], opts: Options) -> list[str]:
+    return check_ports(plans) + check_files(plans, opts) + check_pid_files(plans)
+
+
+# --- output ------------------------------------------------------------------------------
+
+
+class Console:
+    """Writes every line of the stack to our stdout, each prefixed with whose it is."""
+
+    def __init__(self, names: Sequence[str], *, color: bool) -> None:
+        self.width = max(len(n) for n in (*names, SELF))
+        codes = {name: COLORS[i % len(COLORS)] for i, name in enumerate(names)}
+        self.colors = codes if color else {}
+
+    def line(self, name: str, text: str) -> None:
+        prefix = f"{name:<{self.width}} |"
+        if name in self.colors:
+            prefix = f"\033[{self.colors[name]}m{prefix}\033[0m"
+        self.write(f"{prefix} {text}")
+
+    def say(self, text: str) -> None:
+        self.line(SELF, text)
+
+    def error(self, text: str) -> None:
+        print(f"{SELF}: error: {text}", file=sys.stderr, flush=True)
+
+    @staticmethod
+    def write(text: str) -> None:
+        with contextlib.suppress(BrokenPipeError):  # `make run | head` is no reason to crash
+            print(text, flush=True)
+
+
+def wants_color() -> bool:
+    return sys.stdout.isatty() and "NO_COLOR" not in os.environ
+
+
+async def pump_output(
+    stream: asyncio.StreamReader, name: str, console: Console, ready: asyncio.Event
+) -> None:
+    """Copy a child's merged stdout/stderr line by line, and notice its ``ready:`` line."""
+    while True:
+        try:
+            raw = await stream.readline()
+        except ValueError:  # longer than LINE_LIMIT; asyncio has already dropped it
+            console.line(name, f"[devstack: dropped a line longer than {LINE_LIMIT} bytes]")
+            continue
+        if not raw:
+            return
+        text = raw.decode(errors="replace").rstrip("\r\n")
+        console.line(name, text)
+        if READY_LINE.search(text):
+            ready.set()
+
+
+# --- children ----------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class Child:
+    """A started service: its process, and the tasks that follow its output and its exit."""
+
+    plan: Plan
+    proc: asyncio.subprocess.Process
+    exited: asyncio.Task[int]
+    pump: asyncio.Task[None]
+    ready: asyncio.Event
+
+
+def signal_group(pgid: int, signum: signal.Signals) -> None:
+    """Signal a child's whole process group; a group that is already gone is fine."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signum)
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        return f"killed by {signal.Signals(-code).name}"
+    return f"exit code {code}"
+
+
+def write_pid_file(path: Path, pid: int) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"{pid}\n")
+
+
+async def spawn(plan: Plan, console: Console) -> Child:
+    """Start one service in its own session, so only we decide when it gets a signal."""
+    proc = await asyncio.create_subprocess_exec(
+        *plan.argv,
+        cwd=REPO,
+        env=dict(plan.env),
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+        start_new_session=True,
+        limit=LINE_LIMIT,
+    )
+    ready = asyncio.Event()
+    assert proc.stdout is not None
+    pump = asyncio.create_task(pump_output(proc.stdout, plan.name, console, ready))
+    return Child(plan, proc, asyncio.create_task(proc.wait()), pump, ready)
+
+
+async def poll_health(session: aiohttp.ClientSession, url: str) -> None:
+    """Return once ``url`` answers 200: the readiness signal for a child that logs no line."""
+    timeout = aiohttp.ClientTimeout(total=1.0)
+    while True:
+        with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError):
+            async with session.get(url, timeout=timeout) as response:
+                if response.status == 200:
+                    return
+        await asyncio.sleep(POLL_INTERVAL_S)
+
+
+async def cancel_all(tasks: Sequence[asyncio.Task[Any]]) -> None:
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class Stack:
+    """The children started so far, in start order, and how to stop them all."""
+
+    def __init__(self, console: Console, opts: Options) -> None:
+        self.console = console
+        self.opts = opts
+        self.children: list[Child] = []
+        self.hurry = asyncio.Event()  # a second Ctrl-C: stop waiting for graceful exits
+
+    async def start(self, plans: Sequence[Plan], stop: asyncio.Event) -> str | None:
+        """Start each service once the previous one is ready; return a failure or ``None``."""
+        async with aiohttp.ClientSession() as session:
+            for plan in plans:
+                if stop.is_set():
+                    return None
+                failure = await self.start_one(plan, session, stop)
+                if failure is not None:
+                    return failure
+        return None
+
+    async def start_one(
+        self, plan: Plan, session: aiohttp.ClientSession, stop: asyncio.Event
+    ) -> str | None:
+        self.console.say(f"starting {plan.name} (admin {plan.admin_url})")
+        try:
+            child = await spawn(plan, self.console)
+        except OSError as exc:
+            return f"could not start {plan.name}: {exc}"
+        self.children.append(child)  # from here on, stop_all() owns it
+        try:
+            write_pid_file(plan.pid_file, child.proc.pid)
+        except OSError as exc:
+            return f"could not write {plan.pid_file}: {exc}"
+        failure = await self.wait_ready(child, session, stop)
+        if failure is None and not stop.is_set():
+            self.console.say(f"{plan.name} is ready")
+        return failure
+
+    async def wait_ready(
+        self, child: Child, session: aiohttp.ClientSession, stop: asyncio.Event
+    ) -> str | None:
+        """Wait for the ready line or a healthy /healthz; return why not, or ``None`` when ready.
+
+        Every child started so far is watched too: the stack is only as up as its weakest
+        member. A stop request also returns ``None``; the caller checks ``stop`` itself.
+        """
+        url = child.plan.admin_url + child.plan.spec.health_path
+        helpers: list[asyncio.Task[Any]] = [
+            asyncio.create_task(poll_health(session, url)),
+            asyncio.create_task(child.ready.wait()),
+            asyncio.create_task(stop.wait()),
+        ]
+        exits = {c.exited for c in self.children}
+        try:
+            done, _ = await asyncio.wait(
+                {*exits, *helpers},
+                timeout=self.opts.ready_timeout,
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+        finally:
+            await cancel_all(helpers)
+        if not done:
+            return f"{child.plan.name} was not ready within {self.opts.ready_timeout:.0f}s"
+        return self.exit_failure(done, "during start-up")
+
+    def exit_failure(self, done: set[asyncio.Task[Any]], when: str) -> str | None:
+        """Name the first child among ``done`` exit tasks, with how it exited."""
+        for child in self.children:
+            if child.exited in done:
+                how = describe_exit(child.exited.result())
+                return f"{child.plan.name} exited unexpectedly {when} ({how})"
+        return None
+
+    async def watch(self, stop: asyncio.Event) -> str | None:
+        """Wait for a stop request, or for a child to exit on its own (a failure)."""
+        stopping = asyncio.create_task(stop.wait())
+        try:
+            exits = {child.exited for child in self.children}
+            done, _ = await asyncio.wait({stopping, *exits}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            await cancel_all([stopping])
+        return self.exit_failure(done, "while running")
+
+    async def stop_all(self) -> None:
+        """Stop in reverse start order, so nothing outlives what it depends on."""
+        for child in reversed(self.children):
+            await self.stop_one(child)
+        pumps = [child.pump for child in self.children]
+        if pumps:
+            await asyncio.wait(pumps, timeout=DRAIN_TIMEOUT_S)
+            await cancel_all(pumps)
+
+    async def stop_one(self, child: Child) -> None:
+        pgid, name = child.proc.pid, child.plan.name
+        if not child.exited.done():
+            self.console.say(f"stopping {name}")
+            signal_group(pgid, signal.SIGTERM)
+            if not await self.stopped_in_time(child):
+                self.console.say(f"{name} did not stop in time; killing it")
+                signal_group(pgid, signal.SIGKILL)
+                await child.exited
+        # Anything the service started in its group and left behind goes with it.
+        signal_group(pgid, signal.SIGKILL)
+        child.plan.pid_file.unlink(missing_ok=True)
+        self.console.say(f"stopped {name} ({describe_exit(child.exited.result())})")
+
+    async def stopped_in_time(self, child: Child) -> bool:
+        """Give a child ``--stop-timeout`` seconds to exit, or less after a second Ctrl-C."""
+        hurry = asyncio.create_task(self.hurry.wait())
+        try:
+            await asyncio.wait(
+                {child.exited, hurry},
+                timeout=self.opts.stop_timeout,
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+        finally:
+            await cancel_all([hurry])
+        return child.exited.done()
+
+
+def install_signal_handlers(stop: asyncio.Event, stack: Stack) -> None:
+    """SIGINT and SIGTERM ask for a graceful stop; a second one asks to kill right away."""
+
+    def on_signal() -> None:
+        if stop.is_set():
+            stack.hurry.set()
+        stop.set()
+
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, on_signal)
+
+
+def up_line(plans: Sequence[Plan]) -> str:
+    urls = ", ".join(f"{plan.name} {plan.admin_url}" for plan in plans)
+    return f"IOP is up: {urls} (Ctrl-C stops it)"
+
+
+async def run(plans: Sequence[Plan], opts: Options, console: Console) -> int:
+    """Start, watch, and always stop: the ``finally`` is what leaves nothing running."""
+    stop = asyncio.Event()
+    stack = Stack(console, opts)
+    install_signal_handlers(stop, stack)
+    failure: str | None = None
+    try:
+        failure = await stack.start(plans, stop)
+        if failure is None and not stop.is_set():
+            console.write(up_line(plans))
+            failure = await stack.watch(stop)
+        if failure is not None:
+            console.say(f"{failure}; stopping the rest")
+    finally:
+        await stack.stop_all()
+    if failure is not None:
+        console.error(failure)
+        return EXIT_FAILED
+    console.say("all stopped")
+    return EXIT_OK
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="devstack", description="Run every IOP service locally; Ctrl-C stops them all."
+    )
+    parser.add_argument(
+        "--port-offset", type=int, default=0, help="add N to every admin port (default 0)"
+    )
+    parser.add_argument(
+        "--certs", type=Path, default=REPO / "certs" / "dev", help="dev certificate directory"
+    )
+    parser.add_argument(
+        "--bin",
+        type=Path,
+        default=Path(sys.executable).parent,
+        help="directory of the iop-* console scripts (default: this Python's)",
+    )
+    parser.add_argument(
+        "--run-dir", type=Path, default=REPO / "var" / "run", help="where pid files go"
+    )
+    parser.add_argument("--ready-timeout", type=float, default=READY_TIMEOUT_S, help="seconds")
+    parser.add_argument("--stop-timeout", type=float, default=STOP_TIMEOUT_S, help="seconds")
+    return parser.parse_args(argv)
+
+
+def options_from(args: argparse.Namespace) -> Options:
+    return Options(
+        port_offset=args.port_offset,
+        certs=args.certs.absolute(),
+        bin_dir=args.bin.absolute(),
+        run_dir=args.run_dir.absolute(),
+        ready_timeout=args.ready_timeout,
+        stop_timeout=args.stop_timeout,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    opts = options_from(parse_args(argv))
+    plans = [make_plan(spec, opts) for spec in SERVICES]
+    console = Console([plan.name for plan in plans], color=wants_color())
+    problems = preflight(plans, opts)
+    if problems:
+        for problem in problems:
+            console.error(problem)
+        console.error("nothing was started")
+        return EXIT_PREFLIGHT
+    return asyncio.run(run(plans, opts, console))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
