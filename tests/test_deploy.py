@@ -436,3 +436,13 @@ def test_docker_build(name: str) -> None:
     command = [docker, "build", "--file", dockerfile_path, "--tag", f"iop-{name}:test", "."]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=1700)
     assert result.returncode == 0, result.stderr[-4000:]
+
+
+def test_compose_fleet_file_is_valid() -> None:
+    """The fleet the compose stack mounts passes the control-plane's own validation."""
+    from iop_control_plane.adapters.fleet_file import load_fleet_file
+
+    parsed = load_fleet_file(ROOT / "deploy" / "compose" / "fleet.yaml")
+    assert parsed.warnings == []
+    endpoints = {provider.endpoint for node in parsed.spec.nodes for provider in node.providers}
+    assert {"http://ollama:11434", "http://vllm:8000"} <= endpoints

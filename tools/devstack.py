@@ -22,7 +22,7 @@ import signal
 import socket
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -42,10 +42,30 @@ class ServiceSpec:
     admin_port: int  # before --port-offset
     tls: bool = True  # gets the certificate files named after ``name`` from --certs
     health_path: str = "/healthz"
+    # Further listening ports: settings override (env name) -> port before --port-offset.
+    ports: Mapping[str, int] = field(default_factory=dict)
+    # State files: settings override (env name) -> file name under the state directory.
+    state: Mapping[str, str] = field(default_factory=dict)
+    # Ports of earlier services this one dials: env name -> base port (shifted too).
+    dials: Mapping[str, int] = field(default_factory=dict)
+
+    def all_ports(self) -> dict[str, int]:
+        """Every port this service listens on, keyed by what it is for."""
+        return {"admin port": self.admin_port} | {
+            f"{env.removeprefix('IOP_').lower().replace('__', '.')}": port
+            for env, port in self.ports.items()
+        }
 
 
 SERVICES: tuple[ServiceSpec, ...] = (
-    ServiceSpec("control-plane", "iop-control-plane", "configs/dev/control-plane.yaml", 9100),
+    ServiceSpec(
+        "control-plane",
+        "iop-control-plane",
+        "configs/dev/control-plane.yaml",
+        9100,
+        ports={"IOP_LISTEN__PORT": 7100},
+        state={"IOP_DATABASE": "control-plane.db", "IOP_PID_FILE": "control-plane.server.pid"},
+    ),
     ServiceSpec("edge", "iop-edge", "configs/dev/edge.yaml", 9101),
     ServiceSpec("node-a", "iop-node", "configs/dev/node-a.yaml", 9102),
     ServiceSpec("node-b", "iop-node", "configs/dev/node-b.yaml", 9103),
@@ -70,6 +90,7 @@ class Options:
     certs: Path
     bin_dir: Path
     run_dir: Path
+    state_dir: Path
     ready_timeout: float
     stop_timeout: float
 
@@ -102,12 +123,17 @@ def cert_files(certs: Path, name: str) -> dict[str, Path]:
     }
 
 
-def child_env(spec: ServiceSpec, port: int, certs: Path) -> dict[str, str]:
+def child_env(spec: ServiceSpec, opts: Options) -> dict[str, str]:
     """Our environment plus overrides, so the dev settings files never need editing."""
+    certs = opts.certs
     env = dict(os.environ)
     env["PYTHONUNBUFFERED"] = "1"  # lines should reach us as they are written
     env["IOP_ADMIN__HOST"] = HOST  # the address whose ports the preflight checked
-    env["IOP_ADMIN__PORT"] = str(port)
+    env["IOP_ADMIN__PORT"] = str(spec.admin_port + opts.port_offset)
+    for name, port in {**spec.ports, **spec.dials}.items():
+        env[name] = str(port + opts.port_offset)
+    for name, file_name in spec.state.items():
+        env[name] = str(opts.state_dir / file_name)
     if spec.tls:
         for key, path in cert_files(certs, spec.name).items():
             env[f"IOP_TLS__{key}"] = str(path)
@@ -121,7 +147,7 @@ def make_plan(spec: ServiceSpec, opts: Options) -> Plan:
         spec=spec,
         port=port,
         argv=(str(opts.bin_dir / spec.script), "--config", str(config)),
-        env=child_env(spec, port, opts.certs),
+        env=child_env(spec, opts),
         pid_file=opts.run_dir / f"{spec.name}.pid",
     )
 
@@ -141,16 +167,18 @@ def port_is_free(port: int) -> bool:
     return True
 
 
-def check_ports(plans: Sequence[Plan]) -> list[str]:
+def check_ports(plans: Sequence[Plan], opts: Options) -> list[str]:
     problems: list[str] = []
     for plan in plans:
-        if not 0 < plan.port < 65536:
-            problems.append(f"{plan.name} admin port {plan.port} is out of range (--port-offset?)")
-        elif not port_is_free(plan.port):
-            problems.append(
-                f"port {plan.port} on {HOST} (admin port of {plan.name}) is already in use; "
-                "stop whatever holds it or choose another --port-offset"
-            )
+        for purpose, base in plan.spec.all_ports().items():
+            port = base + opts.port_offset
+            if not 0 < port < 65536:
+                problems.append(f"{plan.name} {purpose} {port} is out of range (--port-offset?)")
+            elif not port_is_free(port):
+                problems.append(
+                    f"port {port} on {HOST} ({purpose} of {plan.name}) is already in use; "
+                    "stop whatever holds it or choose another --port-offset"
+                )
     return problems
 
 
@@ -217,7 +245,7 @@ def check_pid_files(plans: Sequence[Plan]) -> list[str]:
 
 
 def preflight(plans: Sequence[Plan], opts: Options) -> list[str]:
-    return check_ports(plans) + check_files(plans, opts) + check_pid_files(plans)
+    return check_ports(plans, opts) + check_files(plans, opts) + check_pid_files(plans)
 
 
 # --- output ------------------------------------------------------------------------------
@@ -502,7 +530,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         prog="devstack", description="Run every IOP service locally; Ctrl-C stops them all."
     )
     parser.add_argument(
-        "--port-offset", type=int, default=0, help="add N to every admin port (default 0)"
+        "--port-offset", type=int, default=0, help="add N to every port (default 0)"
     )
     parser.add_argument(
         "--certs", type=Path, default=REPO / "certs" / "dev", help="dev certificate directory"
@@ -516,6 +544,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--run-dir", type=Path, default=REPO / "var" / "run", help="where pid files go"
     )
+    parser.add_argument(
+        "--state-dir",
+        type=Path,
+        default=REPO / "var" / "dev",
+        help="where services keep their state (databases)",
+    )
     parser.add_argument("--ready-timeout", type=float, default=READY_TIMEOUT_S, help="seconds")
     parser.add_argument("--stop-timeout", type=float, default=STOP_TIMEOUT_S, help="seconds")
     return parser.parse_args(argv)
@@ -527,6 +561,7 @@ def options_from(args: argparse.Namespace) -> Options:
         certs=args.certs.absolute(),
         bin_dir=args.bin.absolute(),
         run_dir=args.run_dir.absolute(),
+        state_dir=args.state_dir.absolute(),
         ready_timeout=args.ready_timeout,
         stop_timeout=args.stop_timeout,
     )

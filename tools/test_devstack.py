@@ -48,6 +48,8 @@ def _load_devstack() -> ModuleType:
 devstack = _load_devstack()
 NAMES: list[str] = [spec.name for spec in devstack.SERVICES]
 BASE_PORTS: list[int] = [spec.admin_port for spec in devstack.SERVICES]
+# Every port the stack listens on (admin ports and the IOP listeners), before the offset.
+ALL_PORTS: list[int] = [port for spec in devstack.SERVICES for port in spec.all_ports().values()]
 
 
 def port_is_free(port: int) -> bool:
@@ -64,7 +66,7 @@ def free_port_offset() -> int:
     rng = random.Random()
     for _ in range(200):
         offset = rng.randrange(20000, 30000) - min(BASE_PORTS)
-        if all(port_is_free(port + offset) for port in BASE_PORTS):
+        if all(port_is_free(port + offset) for port in ALL_PORTS):
             return offset
     pytest.fail("found no range of free ports for the stack")
 
@@ -152,6 +154,8 @@ async def launch(*args: str, run_dir: Path) -> AsyncIterator[Devstack]:
         str(SCRIPT),
         "--run-dir",
         str(run_dir),
+        "--state-dir",
+        str(run_dir.parent / "state"),
         *args,
         cwd=REPO,
         stdin=asyncio.subprocess.DEVNULL,
@@ -228,7 +232,7 @@ async def test_stack_comes_up_and_stops_cleanly(tmp_path: Path, certs: Path, off
     assert [pid for pid in pids.values() if not process_gone(pid)] == []
     assert list(run_dir.glob("*.pid")) == []
     assert_prefixed(stack.lines)
-    assert all(port_is_free(port) for port in ports.values())
+    assert all(port_is_free(port + offset) for port in ALL_PORTS)
 
 
 def assert_prefixed(lines: list[str]) -> None:

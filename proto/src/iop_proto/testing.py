@@ -15,7 +15,7 @@ import signal
 import ssl
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -114,6 +114,28 @@ class RunningService:
     process: asyncio.subprocess.Process
     admin_url: str
     log: list[str]
+    _grew: asyncio.Condition = field(default_factory=asyncio.Condition)
+    _done: bool = False  # the log stream ended
+
+    async def wait_for_line(self, text: str) -> str:
+        """The first log line containing ``text``, waiting for it to be written."""
+        async with self._grew:
+            while True:
+                for line in self.log:
+                    if text in line:
+                        return line
+                if self.process.returncode is not None and self._done:
+                    raise AssertionError(f"the service exited without logging {text!r}")
+                await self._grew.wait()
+
+    async def _record(self, stream: asyncio.StreamReader) -> None:
+        while raw := await stream.readline():
+            async with self._grew:
+                self.log.append(raw.decode(errors="replace"))
+                self._grew.notify_all()
+        async with self._grew:
+            self._done = True
+            self._grew.notify_all()
 
 
 _READY = re.compile(r"ready: \S+ admin (http://\S+)")
@@ -130,11 +152,6 @@ async def _read_until_ready(process: asyncio.subprocess.Process, log: list[str])
         match = _READY.search(line)
         if match:
             return match.group(1)
-
-
-async def _drain(stream: asyncio.StreamReader, log: list[str]) -> None:
-    while raw := await stream.readline():
-        log.append(raw.decode(errors="replace"))
 
 
 @contextlib.asynccontextmanager
@@ -163,8 +180,9 @@ async def running_service(
     try:
         admin_url = await asyncio.wait_for(_read_until_ready(process, log), ready_timeout)
         assert process.stderr is not None
-        drain = asyncio.create_task(_drain(process.stderr, log))
-        yield RunningService(process=process, admin_url=admin_url, log=log)
+        service = RunningService(process=process, admin_url=admin_url, log=log)
+        drain = asyncio.create_task(service._record(process.stderr))
+        yield service
     finally:
         if process.returncode is None:
             process.kill()

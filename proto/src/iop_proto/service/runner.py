@@ -14,7 +14,7 @@ import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import Protocol, TypeVar, runtime_checkable
 
 from loguru import logger
 from prometheus_client import CollectorRegistry, Info
@@ -35,6 +35,14 @@ Entering the context starts the service; leaving it stops it. The admin server
 is passed in so a service can add its own routes or readiness check.
 """
 
+
+@runtime_checkable
+class Reloadable(Protocol):
+    """A service that re-reads its configuration on SIGHUP (without restarting)."""
+
+    async def reload(self) -> None: ...
+
+
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_BAD_SETTINGS = 2
@@ -52,8 +60,14 @@ async def serve(
     settings: SettingsT,
     build: ServiceFactory[SettingsT],
     stop: asyncio.Event,
+    reload: asyncio.Event | None = None,
 ) -> None:
-    """Start the service and its admin port, wait for ``stop``, then tear down."""
+    """Start the service and its admin port, wait for ``stop``, then tear down.
+
+    ``reload`` (set on SIGHUP) calls ``service.reload()`` when the object the
+    service's context yields is ``Reloadable``; a failed reload is logged and the
+    service keeps running with what it had.
+    """
     registry = CollectorRegistry()
     Info("iop_build", "Version of this IOP service", registry=registry).info(
         {"service": name, "version": version, "service_id": settings.service_id}
@@ -62,25 +76,47 @@ async def serve(
         logger.warning("tls.enabled is false: IOP traffic is plaintext, for debugging only")
     admin = AdminServer(name, registry, host=settings.admin.host, port=settings.admin.port)
     async with contextlib.AsyncExitStack() as stack:
-        await stack.enter_async_context(build(settings, registry, admin))
+        service = await stack.enter_async_context(build(settings, registry, admin))
         port = await admin.start()
         stack.push_async_callback(admin.close)
         logger.info("ready: {} admin http://{}:{}", settings.service_id, settings.admin.host, port)
-        await stop.wait()
+        await _wait_for_stop(stop, reload or asyncio.Event(), service)
         logger.info("stopping {} (up to {:.0f}s)", settings.service_id, settings.shutdown_timeout_s)
         async with asyncio.timeout(settings.shutdown_timeout_s):
             await stack.aclose()
     logger.info("stopped {}", settings.service_id)
 
 
+async def _wait_for_stop(stop: asyncio.Event, reload: asyncio.Event, service: object) -> None:
+    while not stop.is_set():
+        waiters = {asyncio.create_task(stop.wait()), asyncio.create_task(reload.wait())}
+        try:
+            await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiter in waiters:
+                waiter.cancel()
+            await asyncio.gather(*waiters, return_exceptions=True)
+        if reload.is_set() and not stop.is_set():
+            reload.clear()
+            if not isinstance(service, Reloadable):
+                logger.info("SIGHUP ignored: this service has nothing to reload")
+                continue
+            try:
+                await service.reload()
+            except Exception:
+                logger.exception("reload failed; keeping the running configuration")
+
+
 async def _main(
     name: str, version: str, settings: SettingsT, build: ServiceFactory[SettingsT]
 ) -> None:
     stop = asyncio.Event()
+    reload = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
-    await serve(name, version, settings, build, stop)
+    loop.add_signal_handler(signal.SIGHUP, reload.set)
+    await serve(name, version, settings, build, stop, reload)
 
 
 def run_service(

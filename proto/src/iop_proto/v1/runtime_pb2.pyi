@@ -418,18 +418,18 @@ class ApiKeyPolicy(_message.Message):
     def __init__(self, key_id: _Optional[str] = ..., name: _Optional[str] = ..., key_hash: _Optional[str] = ..., models: _Optional[_Iterable[str]] = ..., max_concurrent: _Optional[int] = ...) -> None: ...
 
 class FleetConfig(_message.Message):
-    __slots__ = ("version", "models", "nodes", "api_keys", "revoked_node_ids")
+    __slots__ = ("version", "models", "nodes", "api_keys", "revoked_token_ids")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MODELS_FIELD_NUMBER: _ClassVar[int]
     NODES_FIELD_NUMBER: _ClassVar[int]
     API_KEYS_FIELD_NUMBER: _ClassVar[int]
-    REVOKED_NODE_IDS_FIELD_NUMBER: _ClassVar[int]
+    REVOKED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     version: int
     models: _containers.RepeatedCompositeFieldContainer[ModelConfig]
     nodes: _containers.RepeatedCompositeFieldContainer[NodeConfig]
     api_keys: _containers.RepeatedCompositeFieldContainer[ApiKeyPolicy]
-    revoked_node_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, version: _Optional[int] = ..., models: _Optional[_Iterable[_Union[ModelConfig, _Mapping]]] = ..., nodes: _Optional[_Iterable[_Union[NodeConfig, _Mapping]]] = ..., api_keys: _Optional[_Iterable[_Union[ApiKeyPolicy, _Mapping]]] = ..., revoked_node_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    revoked_token_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, version: _Optional[int] = ..., models: _Optional[_Iterable[_Union[ModelConfig, _Mapping]]] = ..., nodes: _Optional[_Iterable[_Union[NodeConfig, _Mapping]]] = ..., api_keys: _Optional[_Iterable[_Union[ApiKeyPolicy, _Mapping]]] = ..., revoked_token_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class AuthorizeNodeRequest(_message.Message):
     __slots__ = ("node_id", "token", "certificate_identity")
@@ -442,14 +442,16 @@ class AuthorizeNodeRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., token: _Optional[str] = ..., certificate_identity: _Optional[str] = ...) -> None: ...
 
 class AuthorizeNodeResponse(_message.Message):
-    __slots__ = ("accepted", "reason", "node_config")
+    __slots__ = ("accepted", "reason", "node_config", "token_id")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     NODE_CONFIG_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     accepted: bool
     reason: str
     node_config: NodeConfig
-    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., node_config: _Optional[_Union[NodeConfig, _Mapping]] = ...) -> None: ...
+    token_id: str
+    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., node_config: _Optional[_Union[NodeConfig, _Mapping]] = ..., token_id: _Optional[str] = ...) -> None: ...
 
 class LeaseRequest(_message.Message):
     __slots__ = ("worker_id",)

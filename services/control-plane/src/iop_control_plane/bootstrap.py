@@ -2,22 +2,91 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import os
 from collections.abc import AsyncIterator
+from pathlib import Path
 
+from loguru import logger
 from prometheus_client import CollectorRegistry
 
+from iop_control_plane.adapters.sqlite_store import SqliteCredentialStore
+from iop_control_plane.authority import FleetAuthority
+from iop_control_plane.entrypoints.admin_routes import add_fleet_routes
+from iop_control_plane.entrypoints.edge_server import EdgeServer
+from iop_control_plane.metrics import ControlPlaneMetrics
 from iop_control_plane.settings import ControlPlaneSettings
 from iop_proto.service import AdminServer
 from iop_proto.tls import server_context
 
 
+class ControlPlane:
+    """The running service as the runner sees it: SIGHUP calls ``reload()``."""
+
+    def __init__(self, authority: FleetAuthority, edge_server: EdgeServer) -> None:
+        self.authority = authority
+        self.edge_server = edge_server
+
+    async def reload(self) -> None:
+        logger.info("reload requested")
+        await self.authority.reload_fleet()
+        await self.authority.refresh_credentials()
+
+
+async def _watch_credentials(authority: FleetAuthority, interval_s: float) -> None:
+    """Notice tokens and keys the CLI issued or revoked (another process, same database)."""
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            await authority.refresh_credentials()
+        except Exception:
+            logger.exception("refreshing credentials failed; will retry")
+
+
+async def _cancel(task: asyncio.Task[None]) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+def _write_pid_file(path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"{os.getpid()}\n")
+
+
+def _remove_pid_file(path: Path) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        if path.read_text().strip() == str(os.getpid()):
+            path.unlink()
+
+
 @contextlib.asynccontextmanager
 async def build(
     settings: ControlPlaneSettings, registry: CollectorRegistry, admin: AdminServer
-) -> AsyncIterator[None]:
+) -> AsyncIterator[ControlPlane]:
     """Start the control-plane; leaving the context stops it in reverse order."""
-    if settings.tls.enabled:
-        # Load the certificates now so a broken file fails the start, not the first peer.
-        server_context(settings.tls)
-    yield
+    metrics = ControlPlaneMetrics.create(registry)
+    tls = server_context(settings.tls) if settings.tls.enabled else None
+    async with contextlib.AsyncExitStack() as stack:
+        store = await SqliteCredentialStore.open(settings.database)
+        stack.push_async_callback(store.aclose)
+
+        authority = FleetAuthority(settings.fleet_file, store, metrics)
+        await authority.start()
+
+        edge_server = EdgeServer(settings, authority, metrics, tls)
+        await edge_server.start()
+        stack.push_async_callback(edge_server.aclose)
+
+        watcher = asyncio.create_task(
+            _watch_credentials(authority, settings.credentials_poll_s), name="credentials-watch"
+        )
+        stack.push_async_callback(_cancel, watcher)
+
+        pid_file = settings.resolved_pid_file
+        _write_pid_file(pid_file)
+        stack.callback(_remove_pid_file, pid_file)
+
+        add_fleet_routes(admin.app, authority)
+        yield ControlPlane(authority, edge_server)

@@ -19,6 +19,8 @@ async def test_boots_from_example_config_and_stops_on_sigterm(tmp_path: Path) ->
         "IOP_TLS__CA_FILE": str(tls.ca_file),
         "IOP_TLS__CERT_FILE": str(tls.cert_file),
         "IOP_TLS__KEY_FILE": str(tls.key_file),
+        "IOP_LISTEN__PORT": "0",
+        "IOP_DATABASE": str(tmp_path / "cp.db"),
     }
     async with running_service(
         "iop-control-plane", ROOT / "configs" / "control-plane.yaml", env

@@ -1,0 +1,98 @@
+"""The fleet on the wire and in the admin API: `FleetSpec` -> protobuf and a JSON view.
+
+The domain stays free of protobuf (see STYLE.md); this is the one place that knows the
+``NodeConfig``/``ModelConfig`` messages and the category enum.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Final
+
+from iop_control_plane.domain.fleet import Category, FleetSpec, NodeSpec, ProviderSpec
+from iop_proto.v1 import runtime_pb2 as pb
+
+CATEGORY_TO_PROTO: Final[dict[Category, pb.ProviderCategory]] = {
+    "api": pb.PROVIDER_CATEGORY_API,
+    "cli": pb.PROVIDER_CATEGORY_CLI,
+    "local_inference": pb.PROVIDER_CATEGORY_LOCAL_INFERENCE,
+}
+
+
+def settings_json(provider: ProviderSpec) -> bytes:
+    """The type's settings as compact JSON with sorted keys: identical specs, identical bytes."""
+    return json.dumps(provider.type_settings(), separators=(",", ":"), sort_keys=True).encode()
+
+
+def provider_config_to_proto(provider: ProviderSpec) -> pb.ProviderConfig:
+    return pb.ProviderConfig(
+        id=provider.id,
+        type=provider.type,
+        category=CATEGORY_TO_PROTO[provider.category],
+        models=provider.models,
+        capacity=provider.capacity,
+        max_queue=provider.max_queue,
+        queue_timeout_ms=provider.queue_timeout_ms,
+        request_timeout_ms=provider.request_timeout_ms,
+        settings_json=settings_json(provider),
+    )
+
+
+def node_config_to_proto(node: NodeSpec) -> pb.NodeConfig:
+    """What a node receives when it is authorized: its own providers, nothing else."""
+    return pb.NodeConfig(
+        node_id=node.id, providers=[provider_config_to_proto(p) for p in node.providers]
+    )
+
+
+def models_to_proto(spec: FleetSpec) -> list[pb.ModelConfig]:
+    """The model catalog for the edge: public id, display name, provider id -> served name."""
+    return [
+        pb.ModelConfig(id=m.id, display_name=m.display_name, providers=m.providers)
+        for m in spec.models
+    ]
+
+
+def fleet_view(spec: FleetSpec) -> dict[str, Any]:
+    """A read-only, JSON-ready view of the fleet for operators (the admin API).
+
+    Holds no secrets: upstream keys live in environment variables and only the variable's
+    name (``api_key_env``) appears here.
+    """
+    models = []
+    for model in spec.models:
+        routes = []
+        for provider_id, served in model.providers.items():
+            found = spec.provider(provider_id)
+            node_id, provider = (found[0].id, found[1]) if found else (None, None)
+            routes.append(
+                {
+                    "provider_id": provider_id,
+                    "node_id": node_id,
+                    "served_name": served,
+                    "type": provider.type if provider else None,
+                    "category": provider.category if provider else None,
+                }
+            )
+        models.append({"id": model.id, "display_name": model.display_name, "providers": routes})
+    nodes = [
+        {
+            "id": node.id,
+            "providers": [
+                {
+                    "id": p.id,
+                    "type": p.type,
+                    "category": p.category,
+                    "models": list(p.models),
+                    "capacity": p.capacity,
+                    "max_queue": p.max_queue,
+                    "queue_timeout_ms": p.queue_timeout_ms,
+                    "request_timeout_ms": p.request_timeout_ms,
+                    "settings": p.type_settings(),
+                }
+                for p in node.providers
+            ],
+        }
+        for node in spec.nodes
+    ]
+    return {"models": models, "nodes": nodes}

@@ -1,0 +1,256 @@
+"""The credential store in one SQLite file, shared by the running server and the admin CLI.
+
+WAL journal mode lets the server keep reading while a CLI process writes. Every
+write is one statement in autocommit mode, so two coroutines sharing the
+connection can never interleave inside a transaction; only the schema set-up
+needs an explicit one. ``synchronous`` stays at SQLite's default (FULL): a
+revocation that a power cut could undo is not a revocation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sqlite3
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import aiosqlite
+
+from iop_control_plane.domain.credentials import ApiKey, NodeToken, as_utc
+from iop_control_plane.errors import CredentialError
+
+SCHEMA_VERSION = 1
+"""Kept in ``PRAGMA user_version``; bump it with a migration when the tables change."""
+
+BUSY_TIMEOUT_S = 5.0
+"""How long a write waits for another process's write to finish before failing."""
+
+_SCHEMA = (
+    """CREATE TABLE IF NOT EXISTS node_tokens (
+        token_id    TEXT PRIMARY KEY,
+        node_id     TEXT NOT NULL,
+        secret_hash TEXT NOT NULL,
+        created_at  TEXT NOT NULL,
+        revoked_at  TEXT
+    )""",
+    "CREATE UNIQUE INDEX IF NOT EXISTS node_tokens_secret_hash ON node_tokens (secret_hash)",
+    """CREATE TABLE IF NOT EXISTS api_keys (
+        key_id         TEXT PRIMARY KEY,
+        name           TEXT NOT NULL,
+        secret_hash    TEXT NOT NULL,
+        models         TEXT NOT NULL,
+        max_concurrent INTEGER NOT NULL CHECK (max_concurrent >= 0),
+        created_at     TEXT NOT NULL,
+        revoked_at     TEXT
+    )""",
+    "CREATE UNIQUE INDEX IF NOT EXISTS api_keys_secret_hash ON api_keys (secret_hash)",
+)
+"""Statement by statement, not ``executescript``: that would commit the open transaction."""
+
+_TOKEN_COLUMNS = "token_id, node_id, secret_hash, created_at, revoked_at"
+_KEY_COLUMNS = "key_id, name, secret_hash, models, max_concurrent, created_at, revoked_at"
+
+
+def _to_text(moment: datetime) -> str:
+    # Fixed width (always microseconds, always +00:00), so text order is time order.
+    return as_utc(moment).isoformat(timespec="microseconds")
+
+
+def _to_optional_text(moment: datetime | None) -> str | None:
+    return None if moment is None else _to_text(moment)
+
+
+def _from_text(text: str) -> datetime:
+    return datetime.fromisoformat(text)
+
+
+def _from_optional_text(text: str | None) -> datetime | None:
+    return None if text is None else datetime.fromisoformat(text)
+
+
+def _token_from_row(row: sqlite3.Row) -> NodeToken:
+    return NodeToken(
+        token_id=row["token_id"],
+        node_id=row["node_id"],
+        secret_hash=row["secret_hash"],
+        created_at=_from_text(row["created_at"]),
+        revoked_at=_from_optional_text(row["revoked_at"]),
+    )
+
+
+def _key_from_row(row: sqlite3.Row) -> ApiKey:
+    return ApiKey(
+        key_id=row["key_id"],
+        name=row["name"],
+        secret_hash=row["secret_hash"],
+        models=tuple(json.loads(row["models"])),
+        max_concurrent=row["max_concurrent"],
+        created_at=_from_text(row["created_at"]),
+        revoked_at=_from_optional_text(row["revoked_at"]),
+    )
+
+
+def _prepare_file(path: Path) -> None:
+    """Create the directory and an owner-only database file before SQLite opens it.
+
+    SQLite gives its -wal and -shm files the database file's permissions, so
+    this one ``touch`` keeps all three private.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    path.touch(mode=0o600, exist_ok=True)
+
+
+class SqliteCredentialStore:
+    """A ``CredentialStore`` on one aiosqlite connection; make it with ``await open(path)``."""
+
+    def __init__(self, db: aiosqlite.Connection, path: Path) -> None:
+        self._db = db
+        self.path = path
+        # PRAGMA data_version only moves for other connections' commits; our own count here.
+        self._own_writes = 0
+
+    @classmethod
+    async def open(cls, path: Path) -> SqliteCredentialStore:
+        """Open (creating if needed) the database at ``path``; the caller must ``aclose()`` it."""
+        await asyncio.to_thread(_prepare_file, path)
+        # isolation_level=None: autocommit; sqlite3's implicit BEGIN would hold write
+        # transactions open across awaits and block the other process.
+        db = await aiosqlite.connect(path, isolation_level=None, timeout=BUSY_TIMEOUT_S)
+        try:
+            db.row_factory = sqlite3.Row
+            await cls._set_up(db, path)
+        except BaseException:
+            await db.close()
+            raise
+        return cls(db, path)
+
+    @staticmethod
+    async def _set_up(db: aiosqlite.Connection, path: Path) -> None:
+        async with db.execute("PRAGMA journal_mode = WAL") as cursor:
+            row = await cursor.fetchone()
+        mode = str(row[0]).lower() if row is not None else "unknown"
+        if mode != "wal":
+            raise CredentialError(
+                f"{path}: SQLite refused WAL journal mode (got {mode!r}); "
+                "put the database on a local filesystem"
+            )
+        # IMMEDIATE: two processes opening a new file at once must not both create the schema.
+        await db.execute("BEGIN IMMEDIATE")
+        try:
+            version = await _user_version(db)
+            if version > SCHEMA_VERSION:
+                raise CredentialError(
+                    f"{path}: credential database schema version {version} is newer than "
+                    f"this control-plane understands ({SCHEMA_VERSION}); upgrade it"
+                )
+            if version < SCHEMA_VERSION:
+                for statement in _SCHEMA:
+                    await db.execute(statement)
+                await db.execute(f"PRAGMA user_version = {SCHEMA_VERSION:d}")
+            await db.execute("COMMIT")
+        except BaseException:
+            await db.execute("ROLLBACK")
+            raise
+
+    async def aclose(self) -> None:
+        """Close the connection (checkpointing the WAL if it is the last one); idempotent."""
+        await self._db.close()
+
+    async def _write(self, sql: str, parameters: tuple[Any, ...]) -> int:
+        """Run one write statement; returns the number of rows it changed."""
+        try:
+            async with self._db.execute(sql, parameters) as cursor:
+                changed = cursor.rowcount
+        except sqlite3.IntegrityError as exc:
+            # Ids are 32 random bits: a clash is rare but possible; hashes clash never.
+            raise CredentialError(f"credential already stored ({exc})") from None
+        if changed > 0:
+            self._own_writes += 1
+        return changed
+
+    async def _fetch(self, sql: str, parameters: tuple[Any, ...] = ()) -> list[sqlite3.Row]:
+        return list(await self._db.execute_fetchall(sql, parameters))
+
+    async def add_node_token(self, token: NodeToken) -> None:
+        await self._write(
+            f"INSERT INTO node_tokens ({_TOKEN_COLUMNS}) VALUES (?, ?, ?, ?, ?)",
+            (
+                token.token_id,
+                token.node_id,
+                token.secret_hash,
+                _to_text(token.created_at),
+                _to_optional_text(token.revoked_at),
+            ),
+        )
+
+    async def find_node_token(self, secret_hash: str) -> NodeToken | None:
+        rows = await self._fetch(
+            f"SELECT {_TOKEN_COLUMNS} FROM node_tokens WHERE secret_hash = ?", (secret_hash,)
+        )
+        return _token_from_row(rows[0]) if rows else None
+
+    async def list_node_tokens(self) -> list[NodeToken]:
+        rows = await self._fetch(
+            f"SELECT {_TOKEN_COLUMNS} FROM node_tokens ORDER BY created_at, token_id"
+        )
+        return [_token_from_row(row) for row in rows]
+
+    async def revoke_node_token(self, token_id: str, now: datetime) -> NodeToken:
+        # "AND revoked_at IS NULL" keeps the first revocation time on a repeat.
+        await self._write(
+            "UPDATE node_tokens SET revoked_at = ? WHERE token_id = ? AND revoked_at IS NULL",
+            (_to_text(now), token_id),
+        )
+        rows = await self._fetch(
+            f"SELECT {_TOKEN_COLUMNS} FROM node_tokens WHERE token_id = ?", (token_id,)
+        )
+        if not rows:
+            raise CredentialError(f"no node token with id {token_id!r}")
+        return _token_from_row(rows[0])
+
+    async def add_api_key(self, key: ApiKey) -> None:
+        await self._write(
+            f"INSERT INTO api_keys ({_KEY_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?)",
+            (
+                key.key_id,
+                key.name,
+                key.secret_hash,
+                json.dumps(list(key.models)),
+                key.max_concurrent,
+                _to_text(key.created_at),
+                _to_optional_text(key.revoked_at),
+            ),
+        )
+
+    async def find_api_key(self, secret_hash: str) -> ApiKey | None:
+        rows = await self._fetch(
+            f"SELECT {_KEY_COLUMNS} FROM api_keys WHERE secret_hash = ?", (secret_hash,)
+        )
+        return _key_from_row(rows[0]) if rows else None
+
+    async def list_api_keys(self) -> list[ApiKey]:
+        rows = await self._fetch(f"SELECT {_KEY_COLUMNS} FROM api_keys ORDER BY created_at, key_id")
+        return [_key_from_row(row) for row in rows]
+
+    async def revoke_api_key(self, key_id: str, now: datetime) -> ApiKey:
+        await self._write(
+            "UPDATE api_keys SET revoked_at = ? WHERE key_id = ? AND revoked_at IS NULL",
+            (_to_text(now), key_id),
+        )
+        rows = await self._fetch(f"SELECT {_KEY_COLUMNS} FROM api_keys WHERE key_id = ?", (key_id,))
+        if not rows:
+            raise CredentialError(f"no API key with id {key_id!r}")
+        return _key_from_row(rows[0])
+
+    async def change_marker(self) -> int:
+        # Both terms only grow, so their sum moves whenever either does.
+        rows = await self._fetch("PRAGMA data_version")
+        return int(rows[0][0]) + self._own_writes
+
+
+async def _user_version(db: aiosqlite.Connection) -> int:
+    async with db.execute("PRAGMA user_version") as cursor:
+        row = await cursor.fetchone()
+    return int(row[0]) if row is not None else 0

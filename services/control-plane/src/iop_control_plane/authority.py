@@ -1,0 +1,197 @@
+"""The fleet authority: the running configuration, credentials, and who must hear of changes.
+
+Everything an edge can learn from the control-plane comes from one immutable
+snapshot (``pb.FleetConfig``), rebuilt only when the fleet file, a key or a
+revocation actually changed; its version then moves forward. A refused fleet
+file never replaces the running one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+from loguru import logger
+
+from iop_control_plane.adapters.fleet_file import load_fleet_file
+from iop_control_plane.adapters.fleet_proto import models_to_proto, node_config_to_proto
+from iop_control_plane.domain.authorization import Decision, authorize
+from iop_control_plane.domain.credentials import hash_secret
+from iop_control_plane.domain.fleet import FleetSpec, ParsedFleet
+from iop_control_plane.errors import FleetConfigError
+from iop_control_plane.metrics import ControlPlaneMetrics
+from iop_control_plane.ports import CredentialStore
+from iop_proto.v1 import runtime_pb2 as pb
+
+ChangeListener = Callable[[pb.FleetConfig], Awaitable[None]]
+
+
+class FleetAuthority:
+    """Owns the served fleet snapshot; the edge server asks it and listens to it."""
+
+    def __init__(
+        self,
+        fleet_file: Path,
+        store: CredentialStore,
+        metrics: ControlPlaneMetrics,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._fleet_file = fleet_file
+        self._store = store
+        self._metrics = metrics
+        self._clock = clock
+        self._fleet: ParsedFleet | None = None
+        self._api_keys: list[pb.ApiKeyPolicy] = []
+        self._revoked_token_ids: list[str] = []
+        self._store_marker: int | None = None
+        self._snapshot = pb.FleetConfig()
+        self._digest = b""
+        self._listeners: set[ChangeListener] = set()
+
+    # ------------------------------------------------------------ state
+
+    @property
+    def fleet(self) -> FleetSpec:
+        if self._fleet is None:
+            raise RuntimeError("the fleet authority has not started")
+        return self._fleet.spec
+
+    @property
+    def snapshot(self) -> pb.FleetConfig:
+        """The configuration edges receive; never mutated after it is built."""
+        return self._snapshot
+
+    @property
+    def version(self) -> int:
+        return self._snapshot.version
+
+    async def start(self) -> None:
+        """Load the fleet file and the credentials; a bad file stops the start."""
+        self._fleet = load_fleet_file(self._fleet_file)
+        for warning in self._fleet.warnings:
+            logger.warning("{}: {}", self._fleet_file, warning)
+        await self._load_credentials()
+        self._rebuild()
+        logger.info(
+            "fleet {} loaded: {} models, {} nodes, version {}",
+            self._fleet_file,
+            len(self.fleet.models),
+            len(self.fleet.nodes),
+            self.version,
+        )
+
+    # ------------------------------------------------------------ changes
+
+    def subscribe(self, listener: ChangeListener) -> None:
+        self._listeners.add(listener)
+
+    def unsubscribe(self, listener: ChangeListener) -> None:
+        self._listeners.discard(listener)
+
+    async def reload_fleet(self) -> list[str]:
+        """Re-read the fleet file; returns the problems when it was refused."""
+        try:
+            parsed = load_fleet_file(self._fleet_file)
+        except FleetConfigError as exc:
+            self._metrics.reloads.labels(result="refused").inc()
+            for problem in exc.problems:
+                logger.error("fleet reload refused, keeping version {}: {}", self.version, problem)
+            return exc.problems
+        for warning in parsed.warnings:
+            logger.warning("{}: {}", self._fleet_file, warning)
+        self._fleet = parsed
+        changed = self._rebuild()
+        self._metrics.reloads.labels(result="applied" if changed else "unchanged").inc()
+        logger.info(
+            "fleet reload {}: version {}", "applied" if changed else "unchanged", self.version
+        )
+        if changed:
+            await self._notify()
+        return []
+
+    async def refresh_credentials(self) -> bool:
+        """Pick up token and key changes (made by the CLI); push them when they matter."""
+        marker = await self._store.change_marker()
+        if marker == self._store_marker:
+            return False
+        await self._load_credentials(marker)
+        if not self._rebuild():
+            return False
+        logger.info("credentials changed: version {}", self.version)
+        await self._notify()
+        return True
+
+    async def _load_credentials(self, marker: int | None = None) -> None:
+        self._store_marker = marker if marker is not None else await self._store.change_marker()
+        self._api_keys = [
+            pb.ApiKeyPolicy(
+                key_id=key.key_id,
+                name=key.name,
+                key_hash=key.secret_hash,
+                models=list(key.models),
+                max_concurrent=key.max_concurrent,
+            )
+            for key in await self._store.list_api_keys()
+            if not key.revoked
+        ]
+        self._revoked_token_ids = sorted(
+            token.token_id for token in await self._store.list_node_tokens() if token.revoked
+        )
+
+    def _rebuild(self) -> bool:
+        """Rebuild the snapshot; the version moves only when the content changed."""
+        content = pb.FleetConfig(
+            models=models_to_proto(self.fleet),
+            nodes=[node_config_to_proto(node) for node in self.fleet.nodes],
+            api_keys=self._api_keys,
+            revoked_token_ids=self._revoked_token_ids,
+        )
+        digest = hashlib.sha256(content.SerializeToString(deterministic=True)).digest()
+        if digest == self._digest:
+            return False
+        # Wall-clock milliseconds keep versions increasing across restarts without storage.
+        content.version = max(self._snapshot.version + 1, int(self._clock() * 1000))
+        self._digest = digest
+        self._snapshot = content
+        self._metrics.config_version.set(content.version)
+        return True
+
+    async def _notify(self) -> None:
+        """Push to every listener at once, so one slow edge does not delay the rest."""
+        snapshot = self._snapshot
+        results = await asyncio.gather(
+            *(listener(snapshot) for listener in list(self._listeners)), return_exceptions=True
+        )
+        for result in results:
+            if isinstance(result, Exception):
+                logger.opt(exception=result).warning("a config push failed")
+
+    # ------------------------------------------------------------ authorization
+
+    async def authorize(self, request: pb.AuthorizeNodeRequest) -> Decision:
+        """Decide a node registration an edge forwards, and count the outcome."""
+        token = (
+            await self._store.find_node_token(hash_secret(request.token)) if request.token else None
+        )
+        decision = authorize(request.node_id, request.certificate_identity, token, self.fleet)
+        reason = decision.refusal.value if decision.refusal else "accepted"
+        self._metrics.authorizations.labels(
+            result="accepted" if decision.accepted else "refused", reason=reason
+        ).inc()
+        if decision.accepted:
+            logger.info("node {} authorized (token {})", request.node_id, decision.token_id)
+        else:
+            logger.warning("node {} refused: {}", request.node_id or "?", decision.reason)
+        return decision
+
+    def authorization_response(self, decision: Decision) -> pb.AuthorizeNodeResponse:
+        if decision.node is None:
+            return pb.AuthorizeNodeResponse(accepted=False, reason=decision.reason)
+        return pb.AuthorizeNodeResponse(
+            accepted=True,
+            node_config=node_config_to_proto(decision.node),
+            token_id=decision.token_id,
+        )

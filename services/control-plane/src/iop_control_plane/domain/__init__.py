@@ -1,0 +1,1 @@
+"""Pure control-plane logic: fleet configuration, credentials, authorization (no I/O)."""

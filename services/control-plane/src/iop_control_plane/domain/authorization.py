@@ -1,0 +1,73 @@
+"""Whether a node may join the fleet: the control-plane's one authorization rule.
+
+Pure so it can be tested exhaustively: the caller looks the token up and passes
+the current fleet. The certificate identity is checked before the token so a
+stolen token is useless without the node's own certificate, and the order of
+checks never tells a caller more than the first failing reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+from iop_control_plane.domain.credentials import NodeToken
+from iop_control_plane.domain.fleet import FleetSpec, NodeSpec
+
+
+class Refusal(StrEnum):
+    """Why a registration was refused; values are metric labels."""
+
+    MALFORMED = "malformed_request"
+    IDENTITY_MISMATCH = "identity_mismatch"
+    UNKNOWN_TOKEN = "unknown_token"
+    REVOKED = "token_revoked"
+    OTHER_NODE = "token_of_another_node"
+    UNKNOWN_NODE = "node_not_in_fleet"
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """The answer to one registration: accepted with the node's config, or why not."""
+
+    node: NodeSpec | None
+    token_id: str = ""
+    refusal: Refusal | None = None
+    reason: str = ""
+
+    @property
+    def accepted(self) -> bool:
+        return self.refusal is None
+
+
+def authorize(
+    node_id: str,
+    certificate_identity: str,
+    token: NodeToken | None,
+    fleet: FleetSpec,
+) -> Decision:
+    """Decide a registration of ``node_id`` presenting ``token`` over a certificate."""
+    if not node_id or not certificate_identity:
+        return _refuse(Refusal.MALFORMED, "node id and certificate identity are required")
+    if certificate_identity != node_id:
+        return _refuse(
+            Refusal.IDENTITY_MISMATCH,
+            f"certificate identity {certificate_identity!r} does not match node id {node_id!r}",
+        )
+    if token is None:
+        return _refuse(Refusal.UNKNOWN_TOKEN, f"the token presented by {node_id!r} is not known")
+    if token.revoked:
+        return _refuse(Refusal.REVOKED, f"token {token.token_id} was revoked")
+    if token.node_id != node_id:
+        return _refuse(
+            Refusal.OTHER_NODE,
+            f"token {token.token_id} was issued for node {token.node_id!r}, not {node_id!r}",
+        )
+    node = fleet.node(node_id)
+    if node is None:
+        return _refuse(Refusal.UNKNOWN_NODE, f"node {node_id!r} is not in the fleet configuration")
+    return Decision(node=node, token_id=token.token_id)
+
+
+def _refuse(refusal: Refusal, reason: str) -> Decision:
+    return Decision(node=None, refusal=refusal, reason=reason)

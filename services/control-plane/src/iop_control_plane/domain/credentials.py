@@ -1,0 +1,160 @@
+"""Node tokens and API keys: how secrets are made, what of them is kept, and how they are checked.
+
+A secret is shown once, when it is issued; only its SHA-256 is stored and compared.
+A slow password hash (bcrypt, argon2) would buy nothing here: the secrets are 256
+random bits, not something a person chose, so no dictionary or brute force can
+reach them, and a plain digest lets the edge look a presented key up in a dict
+with one hash per request.
+
+Pure: no clock, no storage. Callers pass ``now`` and keep the records.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import secrets
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+from iop_control_plane.errors import CredentialError
+
+NODE_TOKEN_PREFIX = "iopnt_"
+"""Marks a node token in a config file or a leaked log, so scanners and people can spot it."""
+
+API_KEY_PREFIX = "sk-iop-"
+"""OpenAI-like, so clients and secret scanners that expect ``sk-...`` keys accept it."""
+
+SECRET_BYTES = 32
+"""256 bits of randomness per secret: what makes the fast hash below safe."""
+
+TOKEN_ID_PREFIX = "tok_"
+KEY_ID_PREFIX = "key_"
+
+
+def hash_secret(plaintext: str) -> str:
+    """The stored, compared form of a secret: SHA-256 of its UTF-8 bytes, in lower-case hex."""
+    return hashlib.sha256(plaintext.encode()).hexdigest()
+
+
+def as_utc(moment: datetime) -> datetime:
+    """``moment`` in UTC; a naive datetime is refused because its zone would be a guess."""
+    if moment.tzinfo is None or moment.utcoffset() is None:
+        raise ValueError(f"timestamp {moment.isoformat()} has no time zone")
+    return moment.astimezone(UTC)
+
+
+@dataclass(frozen=True, slots=True)
+class NodeToken:
+    """What is kept of a node token: who it is for, when it was made and revoked, not the secret."""
+
+    token_id: str
+    node_id: str
+    secret_hash: str = field(repr=False)
+    created_at: datetime
+    revoked_at: datetime | None = None
+
+    @property
+    def revoked(self) -> bool:
+        return self.revoked_at is not None
+
+    def revoke(self, now: datetime) -> NodeToken:
+        """This token revoked at ``now``; an earlier revocation time stands."""
+        if self.revoked_at is not None:
+            return self
+        return dataclasses.replace(self, revoked_at=as_utc(now))
+
+
+@dataclass(frozen=True, slots=True)
+class ApiKey:
+    """What is kept of an API key: its policy and history, not the secret.
+
+    ``models`` empty means every model; ``max_concurrent`` 0 means no limit.
+    """
+
+    key_id: str
+    name: str
+    secret_hash: str = field(repr=False)
+    models: tuple[str, ...]
+    max_concurrent: int
+    created_at: datetime
+    revoked_at: datetime | None = None
+
+    @property
+    def revoked(self) -> bool:
+        return self.revoked_at is not None
+
+    def allows_model(self, model: str) -> bool:
+        """Whether this key's policy names ``model`` (an empty list allows every model)."""
+        return not self.models or model in self.models
+
+    def revoke(self, now: datetime) -> ApiKey:
+        """This key revoked at ``now``; an earlier revocation time stands."""
+        if self.revoked_at is not None:
+            return self
+        return dataclasses.replace(self, revoked_at=as_utc(now))
+
+
+@dataclass(frozen=True, slots=True)
+class IssuedToken:
+    """A new node token and its plaintext: the only time the plaintext exists outside the node."""
+
+    token: NodeToken
+    plaintext: str = field(repr=False)  # repr=False: logging this object must not leak it
+
+
+@dataclass(frozen=True, slots=True)
+class IssuedKey:
+    """A new API key and its plaintext: the only time the plaintext exists outside the client."""
+
+    key: ApiKey
+    plaintext: str = field(repr=False)
+
+
+def new_node_token(node_id: str, now: datetime) -> IssuedToken:
+    """Make a token for ``node_id``; store ``.token``, hand ``.plaintext`` to the operator once."""
+    node_id = node_id.strip()
+    if not node_id:
+        raise CredentialError("a node token needs a node id (got an empty one)")
+    plaintext = NODE_TOKEN_PREFIX + secrets.token_urlsafe(SECRET_BYTES)
+    token = NodeToken(
+        token_id=TOKEN_ID_PREFIX + secrets.token_hex(4),
+        node_id=node_id,
+        secret_hash=hash_secret(plaintext),
+        created_at=as_utc(now),
+    )
+    return IssuedToken(token=token, plaintext=plaintext)
+
+
+def new_api_key(name: str, models: Iterable[str], max_concurrent: int, now: datetime) -> IssuedKey:
+    """Make an API key named ``name`` limited to ``models`` (none: all) and ``max_concurrent``.
+
+    Model names are stripped and de-duplicated, first occurrence kept.
+    """
+    name = name.strip()
+    if not name:
+        raise CredentialError("an API key needs a name (got an empty one)")
+    if isinstance(models, str):
+        # A bare string is an iterable of one-letter "models": certainly a caller's mistake.
+        raise TypeError("models must be a collection of model names, not one string")
+    names: dict[str, None] = {}
+    for model in models:
+        model = model.strip()
+        if not model:
+            raise CredentialError("an API key's model list has an empty model name")
+        names[model] = None
+    if max_concurrent < 0:
+        raise CredentialError(
+            f"max_concurrent must be 0 (unlimited) or more (got {max_concurrent})"
+        )
+    plaintext = API_KEY_PREFIX + secrets.token_urlsafe(SECRET_BYTES)
+    key = ApiKey(
+        key_id=KEY_ID_PREFIX + secrets.token_hex(4),
+        name=name,
+        secret_hash=hash_secret(plaintext),
+        models=tuple(names),
+        max_concurrent=max_concurrent,
+        created_at=as_utc(now),
+    )
+    return IssuedKey(key=key, plaintext=plaintext)

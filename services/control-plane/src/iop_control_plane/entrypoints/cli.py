@@ -1,0 +1,348 @@
+"""The operator's credential commands: issue, revoke and list node tokens and API keys.
+
+    token issue --node ID          token revoke TOKEN_ID      token list [--json]
+    key issue --name NAME [--models a,b] [--max-concurrent N]
+    key revoke KEY_ID              key list [--json]
+
+A secret is printed once, by the command that issues it, and goes nowhere else:
+not into the store (only its hash), not into listings, not into any log. Each
+command is a function of a store and output streams returning an exit code, so
+tests drive them with a real store and a ``StringIO``; the console script only
+parses arguments and opens the store.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Awaitable, Callable, Sequence
+from datetime import UTC, datetime
+from typing import Any, TextIO
+
+from iop_control_plane.domain.credentials import (
+    ApiKey,
+    NodeToken,
+    as_utc,
+    new_api_key,
+    new_node_token,
+)
+from iop_control_plane.errors import CredentialError
+from iop_control_plane.ports import CredentialStore
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+
+_PROG = "iop-control-plane"
+_SHOWN_ONCE = "Copy it now: it will not be shown again (only its hash is stored)."
+
+_Handler = Callable[[argparse.Namespace, CredentialStore, TextIO, TextIO], Awaitable[int]]
+_HANDLER = "credential_command"  # the Namespace attribute naming the chosen command
+
+
+def _fail(err: TextIO | None, exc: CredentialError) -> int:
+    print(f"{_PROG}: {exc}", file=err if err is not None else sys.stderr)
+    return EXIT_FAILED
+
+
+def _when(now: datetime | None) -> datetime:
+    return datetime.now(UTC) if now is None else as_utc(now)
+
+
+def _show_time(moment: datetime | None) -> str:
+    return "-" if moment is None else moment.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%SZ")
+
+
+def _json_time(moment: datetime | None) -> str | None:
+    return None if moment is None else moment.astimezone(UTC).isoformat()
+
+
+def _show_models(models: Sequence[str]) -> str:
+    return ",".join(models) if models else "(all)"
+
+
+def _show_limit(max_concurrent: int) -> str:
+    return str(max_concurrent) if max_concurrent else "unlimited"
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(cell) for cell in column) for column in zip(headers, *rows, strict=True)]
+    lines = [
+        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        for row in (headers, *rows)
+    ]
+    return "\n".join(lines)
+
+
+# --- node tokens -------------------------------------------------------------------------
+
+
+async def issue_token(
+    store: CredentialStore,
+    out: TextIO,
+    node_id: str,
+    *,
+    err: TextIO | None = None,
+    now: datetime | None = None,
+) -> int:
+    """Issue a token for ``node_id`` and print its plaintext, the one time it is ever shown."""
+    try:
+        issued = new_node_token(node_id, _when(now))
+        await store.add_node_token(issued.token)
+    except CredentialError as exc:
+        return _fail(err, exc)
+    token = issued.token
+    print(f"Issued node token {token.token_id} for node {token.node_id!r}:", file=out)
+    print(f"\n{issued.plaintext}\n", file=out)
+    print(_SHOWN_ONCE, file=out)
+    return EXIT_OK
+
+
+async def revoke_token(
+    store: CredentialStore,
+    out: TextIO,
+    token_id: str,
+    *,
+    err: TextIO | None = None,
+    now: datetime | None = None,
+) -> int:
+    """Revoke a token by id; an unknown id fails, a repeat reports the first revocation."""
+    when = _when(now)
+    try:
+        token = await store.revoke_node_token(token_id, when)
+    except CredentialError as exc:
+        return _fail(err, exc)
+    if token.revoked_at != when:
+        print(
+            f"Node token {token_id} was already revoked at {_show_time(token.revoked_at)}.",
+            file=out,
+        )
+    else:
+        print(f"Revoked node token {token_id} (node {token.node_id!r}).", file=out)
+    return EXIT_OK
+
+
+def _token_json(token: NodeToken) -> dict[str, Any]:
+    # Field by field, never dataclasses.asdict: that would carry the hash along.
+    return {
+        "token_id": token.token_id,
+        "node_id": token.node_id,
+        "created_at": _json_time(token.created_at),
+        "revoked_at": _json_time(token.revoked_at),
+    }
+
+
+async def list_tokens(store: CredentialStore, out: TextIO, *, as_json: bool = False) -> int:
+    """Print every node token, revoked ones too; never a secret or a hash."""
+    tokens = await store.list_node_tokens()
+    if as_json:
+        print(json.dumps([_token_json(token) for token in tokens], indent=2), file=out)
+    elif not tokens:
+        print("No node tokens.", file=out)
+    else:
+        rows = [
+            [t.token_id, t.node_id, _show_time(t.created_at), _show_time(t.revoked_at)]
+            for t in tokens
+        ]
+        print(_table(["ID", "NODE", "CREATED", "REVOKED"], rows), file=out)
+    return EXIT_OK
+
+
+# --- API keys ----------------------------------------------------------------------------
+
+
+async def issue_key(
+    store: CredentialStore,
+    out: TextIO,
+    name: str,
+    models: Sequence[str] = (),
+    max_concurrent: int = 0,
+    *,
+    err: TextIO | None = None,
+    now: datetime | None = None,
+) -> int:
+    """Issue an API key and print its plaintext, the one time it is ever shown."""
+    try:
+        issued = new_api_key(name, models, max_concurrent, _when(now))
+        await store.add_api_key(issued.key)
+    except CredentialError as exc:
+        return _fail(err, exc)
+    key = issued.key
+    print(
+        f"Issued API key {key.key_id} named {key.name!r} "
+        f"(models: {_show_models(key.models)}; "
+        f"max concurrent: {_show_limit(key.max_concurrent)}):",
+        file=out,
+    )
+    print(f"\n{issued.plaintext}\n", file=out)
+    print(_SHOWN_ONCE, file=out)
+    return EXIT_OK
+
+
+async def revoke_key(
+    store: CredentialStore,
+    out: TextIO,
+    key_id: str,
+    *,
+    err: TextIO | None = None,
+    now: datetime | None = None,
+) -> int:
+    """Revoke an API key by id; an unknown id fails, a repeat reports the first revocation."""
+    when = _when(now)
+    try:
+        key = await store.revoke_api_key(key_id, when)
+    except CredentialError as exc:
+        return _fail(err, exc)
+    if key.revoked_at != when:
+        print(f"API key {key_id} was already revoked at {_show_time(key.revoked_at)}.", file=out)
+    else:
+        print(f"Revoked API key {key_id} ({key.name!r}).", file=out)
+    return EXIT_OK
+
+
+def _key_json(key: ApiKey) -> dict[str, Any]:
+    return {
+        "key_id": key.key_id,
+        "name": key.name,
+        "models": list(key.models),
+        "max_concurrent": key.max_concurrent,
+        "created_at": _json_time(key.created_at),
+        "revoked_at": _json_time(key.revoked_at),
+    }
+
+
+async def list_keys(store: CredentialStore, out: TextIO, *, as_json: bool = False) -> int:
+    """Print every API key and its policy, revoked ones too; never a secret or a hash."""
+    keys = await store.list_api_keys()
+    if as_json:
+        print(json.dumps([_key_json(key) for key in keys], indent=2), file=out)
+    elif not keys:
+        print("No API keys.", file=out)
+    else:
+        rows = [
+            [
+                k.key_id,
+                k.name,
+                _show_models(k.models),
+                _show_limit(k.max_concurrent),
+                _show_time(k.created_at),
+                _show_time(k.revoked_at),
+            ]
+            for k in keys
+        ]
+        headers = ["ID", "NAME", "MODELS", "MAX_CONCURRENT", "CREATED", "REVOKED"]
+        print(_table(headers, rows), file=out)
+    return EXIT_OK
+
+
+# --- argument parsing --------------------------------------------------------------------
+
+
+def _model_list(text: str) -> list[str]:
+    models = [part.strip() for part in text.split(",")]
+    if not all(models):
+        # Refuse rather than drop: "--models ''" silently meaning "every model" would be a trap.
+        raise argparse.ArgumentTypeError(
+            f"empty model name in {text!r}; leave --models out to allow every model"
+        )
+    return models
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 (unlimited) or more, got {value}")
+    return value
+
+
+async def _run_token_issue(
+    args: argparse.Namespace, store: CredentialStore, out: TextIO, err: TextIO
+) -> int:
+    return await issue_token(store, out, args.node, err=err)
+
+
+async def _run_token_revoke(
+    args: argparse.Namespace, store: CredentialStore, out: TextIO, err: TextIO
+) -> int:
+    return await revoke_token(store, out, args.token_id, err=err)
+
+
+async def _run_token_list(
+    args: argparse.Namespace, store: CredentialStore, out: TextIO, err: TextIO
+) -> int:
+    return await list_tokens(store, out, as_json=args.json)
+
+
+async def _run_key_issue(
+    args: argparse.Namespace, store: CredentialStore, out: TextIO, err: TextIO
+) -> int:
+    return await issue_key(store, out, args.name, args.models, args.max_concurrent, err=err)
+
+
+async def _run_key_revoke(
+    args: argparse.Namespace, store: CredentialStore, out: TextIO, err: TextIO
+) -> int:
+    return await revoke_key(store, out, args.key_id, err=err)
+
+
+async def _run_key_list(
+    args: argparse.Namespace, store: CredentialStore, out: TextIO, err: TextIO
+) -> int:
+    return await list_keys(store, out, as_json=args.json)
+
+
+def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Register ``token ...`` and ``key ...`` on the console script's sub-command parser."""
+    token = subparsers.add_parser("token", help="issue, revoke or list node tokens")
+    token_actions = token.add_subparsers(dest="token_action", metavar="ACTION", required=True)
+    issue = token_actions.add_parser("issue", help="issue a node token (printed once)")
+    issue.add_argument("--node", required=True, metavar="ID", help="the node it authenticates")
+    issue.set_defaults(**{_HANDLER: _run_token_issue})
+    revoke = token_actions.add_parser("revoke", help="revoke a node token")
+    revoke.add_argument("token_id", metavar="TOKEN_ID", help="as shown by 'token list'")
+    revoke.set_defaults(**{_HANDLER: _run_token_revoke})
+    listing = token_actions.add_parser("list", help="list node tokens (never their secrets)")
+    listing.add_argument("--json", action="store_true", help="print JSON")
+    listing.set_defaults(**{_HANDLER: _run_token_list})
+
+    key = subparsers.add_parser("key", help="issue, revoke or list API keys")
+    key_actions = key.add_subparsers(dest="key_action", metavar="ACTION", required=True)
+    issue = key_actions.add_parser("issue", help="issue an API key (printed once)")
+    issue.add_argument("--name", required=True, help="who or what the key is for")
+    issue.add_argument(
+        "--models",
+        type=_model_list,
+        default=[],
+        metavar="A,B",
+        help="models the key may use (default: every model)",
+    )
+    issue.add_argument(
+        "--max-concurrent",
+        type=_non_negative_int,
+        default=0,
+        metavar="N",
+        help="requests in flight at once (default: 0, unlimited)",
+    )
+    issue.set_defaults(**{_HANDLER: _run_key_issue})
+    revoke = key_actions.add_parser("revoke", help="revoke an API key")
+    revoke.add_argument("key_id", metavar="KEY_ID", help="as shown by 'key list'")
+    revoke.set_defaults(**{_HANDLER: _run_key_revoke})
+    listing = key_actions.add_parser("list", help="list API keys (never their secrets)")
+    listing.add_argument("--json", action="store_true", help="print JSON")
+    listing.set_defaults(**{_HANDLER: _run_key_list})
+
+
+async def run_command(
+    args: argparse.Namespace,
+    store: CredentialStore,
+    out: TextIO,
+    err: TextIO | None = None,
+) -> int:
+    """Run the credential command ``args`` names; ``err`` defaults to ``sys.stderr``."""
+    handler: _Handler | None = getattr(args, _HANDLER, None)
+    if handler is None:
+        raise ValueError("args do not name a credential command (see add_commands)")
+    return await handler(args, store, out, err if err is not None else sys.stderr)

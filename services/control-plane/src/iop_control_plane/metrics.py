@@ -1,0 +1,48 @@
+"""The control-plane's Prometheus metrics, registered in the registry the runner owns."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+
+@dataclass(frozen=True, slots=True)
+class ControlPlaneMetrics:
+    edges_connected: Gauge
+    config_version: Gauge
+    authorizations: Counter
+    reloads: Counter
+    pushes: Counter
+
+    @classmethod
+    def create(cls, registry: CollectorRegistry) -> ControlPlaneMetrics:
+        return cls(
+            edges_connected=Gauge(
+                "iop_control_plane_edges_connected",
+                "Edges connected over IOP right now",
+                registry=registry,
+            ),
+            config_version=Gauge(
+                "iop_control_plane_config_version",
+                "Version of the fleet configuration being served",
+                registry=registry,
+            ),
+            authorizations=Counter(
+                "iop_control_plane_authorizations",
+                "Node registrations decided, by result and refusal reason",
+                ["result", "reason"],
+                registry=registry,
+            ),
+            reloads=Counter(
+                "iop_control_plane_config_reloads",
+                "Fleet file reloads, by result (applied, unchanged, refused)",
+                ["result"],
+                registry=registry,
+            ),
+            pushes=Counter(
+                "iop_control_plane_config_pushes",
+                "Fleet configurations sent to edges",
+                registry=registry,
+            ),
+        )

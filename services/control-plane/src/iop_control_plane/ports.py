@@ -1,0 +1,68 @@
+"""The control-plane's ports: what the domain and entrypoints need from the outside world."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Protocol
+
+from iop_control_plane.domain.credentials import ApiKey, NodeToken
+
+
+class CredentialStore(Protocol):
+    """Durable node tokens and API keys, shared by the running server and the admin CLI.
+
+    Only records are stored (hashes, never plaintext). Lookups return revoked
+    records too, so a caller can tell "revoked" from "never existed" in its logs;
+    deciding to refuse a revoked credential is the caller's job. Several
+    processes may use one store at once: the CLI writes while the server reads,
+    which is why ``change_marker`` exists.
+    """
+
+    async def add_node_token(self, token: NodeToken) -> None:
+        """Keep ``token``; raises ``CredentialError`` if its id or hash is already stored."""
+        ...
+
+    async def find_node_token(self, secret_hash: str) -> NodeToken | None:
+        """The token whose secret hashes to ``secret_hash``, revoked or not, or ``None``."""
+        ...
+
+    async def list_node_tokens(self) -> list[NodeToken]:
+        """Every token, revoked ones included, oldest first."""
+        ...
+
+    async def revoke_node_token(self, token_id: str, now: datetime) -> NodeToken:
+        """Revoke a token and return it; ``CredentialError`` if the id is unknown.
+
+        Revoking twice is not an error and keeps the first revocation time, so a
+        retried command is harmless and the audit trail keeps the real moment.
+        """
+        ...
+
+    async def add_api_key(self, key: ApiKey) -> None:
+        """Keep ``key``; raises ``CredentialError`` if its id or hash is already stored."""
+        ...
+
+    async def find_api_key(self, secret_hash: str) -> ApiKey | None:
+        """The key whose secret hashes to ``secret_hash``, revoked or not, or ``None``."""
+        ...
+
+    async def list_api_keys(self) -> list[ApiKey]:
+        """Every key, revoked ones included, oldest first."""
+        ...
+
+    async def revoke_api_key(self, key_id: str, now: datetime) -> ApiKey:
+        """Revoke a key and return it; ``CredentialError`` if the id is unknown.
+
+        As with tokens, a second revocation keeps the first time.
+        """
+        ...
+
+    async def change_marker(self) -> int:
+        """A number that differs once anyone, in any process, has committed a change.
+
+        Cheap enough to poll every second: the server compares it with the last
+        value it saw and reloads its token and key tables only when it moved.
+        Only comparable between calls on the same store instance; it may also
+        move without a visible change (that costs one needless reload, no more).
+        """
+        ...

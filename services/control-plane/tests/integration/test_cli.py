@@ -1,0 +1,238 @@
+"""The credential commands against a real SQLite file: a secret is printed once, then never."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import logging
+import re
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+from loguru import logger
+
+from iop_control_plane.adapters.sqlite_store import SqliteCredentialStore
+from iop_control_plane.domain.credentials import hash_secret
+from iop_control_plane.entrypoints.cli import add_commands, run_command
+
+TOKEN = re.compile(r"iopnt_[A-Za-z0-9_-]{43}")
+KEY = re.compile(r"sk-iop-[A-Za-z0-9_-]{43}")
+
+
+def _parser() -> argparse.ArgumentParser:
+    """The console script's shape: global options, then the sub-commands."""
+    parser = argparse.ArgumentParser(prog="iop-control-plane")
+    add_commands(parser.add_subparsers(dest="command", required=True))
+    return parser
+
+
+class Run:
+    """One command's exit code and what it wrote."""
+
+    def __init__(self, code: int, out: str, err: str) -> None:
+        self.code, self.out, self.err = code, out, err
+
+
+@pytest.fixture
+async def store(tmp_path: Path) -> AsyncIterator[SqliteCredentialStore]:
+    opened = await SqliteCredentialStore.open(tmp_path / "credentials.db")
+    try:
+        yield opened
+    finally:
+        await opened.aclose()
+
+
+class Logs:
+    """Every log record, stdlib (aiosqlite's debug lines included) and loguru, at any level."""
+
+    def __init__(self, caplog: pytest.LogCaptureFixture) -> None:
+        self._caplog = caplog
+        self._loguru: list[str] = []
+
+    def sink(self, message: object) -> None:
+        self._loguru.append(str(message))
+
+    def text(self) -> str:
+        return "\n".join([*self._loguru, *(r.getMessage() for r in self._caplog.records)])
+
+
+@pytest.fixture
+def logs(caplog: pytest.LogCaptureFixture) -> Iterator[Logs]:
+    caplog.set_level(logging.DEBUG)
+    captured = Logs(caplog)
+    sink = logger.add(captured.sink, level="TRACE")
+    try:
+        yield captured
+    finally:
+        logger.remove(sink)
+
+
+async def _run(store: SqliteCredentialStore, *argv: str) -> Run:
+    out, err = io.StringIO(), io.StringIO()
+    code = await run_command(_parser().parse_args(argv), store, out, err)
+    return Run(code, out.getvalue(), err.getvalue())
+
+
+async def test_token_issue_prints_the_secret_once_and_stores_its_hash(
+    store: SqliteCredentialStore, logs: Logs
+) -> None:
+    run = await _run(store, "token", "issue", "--node", "gpu-1")
+    assert run.code == 0
+    assert run.err == ""
+    secrets = TOKEN.findall(run.out)
+    assert len(secrets) == 1
+    assert "will not be shown again" in run.out
+    token = await store.find_node_token(hash_secret(secrets[0]))
+    assert token is not None
+    assert token.node_id == "gpu-1"
+    assert token.token_id in run.out
+    assert token.secret_hash not in run.out
+
+    listing = await _run(store, "token", "list")
+    as_json = await _run(store, "token", "list", "--json")
+    for text in (listing.out, as_json.out):
+        assert token.token_id in text
+        assert "gpu-1" in text
+        assert secrets[0] not in text
+        assert token.secret_hash not in text
+    assert json.loads(as_json.out) == [
+        {
+            "token_id": token.token_id,
+            "node_id": "gpu-1",
+            "created_at": token.created_at.isoformat(),
+            "revoked_at": None,
+        }
+    ]
+    assert "INSERT INTO" in logs.text()  # the capture works: aiosqlite logged the statement
+    assert secrets[0] not in logs.text()
+
+
+async def test_key_issue_prints_the_secret_once_with_its_policy(
+    store: SqliteCredentialStore, logs: Logs
+) -> None:
+    run = await _run(
+        store,
+        "key",
+        "issue",
+        "--name",
+        "team-a",
+        "--models",
+        "llama3, qwen",
+        "--max-concurrent",
+        "4",
+    )
+    assert run.code == 0
+    secrets = KEY.findall(run.out)
+    assert len(secrets) == 1
+    assert "will not be shown again" in run.out
+    key = await store.find_api_key(hash_secret(secrets[0]))
+    assert key is not None
+    assert key.key_id in run.out
+    assert (key.name, key.models, key.max_concurrent) == ("team-a", ("llama3", "qwen"), 4)
+
+    listing = await _run(store, "key", "list")
+    assert key.key_id in listing.out
+    assert "team-a" in listing.out
+    assert "llama3,qwen" in listing.out
+    assert secrets[0] not in listing.out
+    assert key.secret_hash not in listing.out
+    [entry] = json.loads((await _run(store, "key", "list", "--json")).out)
+    assert entry["models"] == ["llama3", "qwen"]
+    assert entry["max_concurrent"] == 4
+    assert secrets[0] not in json.dumps(entry)
+    assert key.secret_hash not in json.dumps(entry)
+    assert "INSERT INTO" in logs.text()  # the capture works: aiosqlite logged the statement
+    assert secrets[0] not in logs.text()
+
+
+async def test_key_without_policy_allows_every_model_without_limit(
+    store: SqliteCredentialStore,
+) -> None:
+    assert (await _run(store, "key", "issue", "--name", "ops")).code == 0
+    [key] = await store.list_api_keys()
+    assert (key.models, key.max_concurrent) == ((), 0)
+    listing = (await _run(store, "key", "list")).out
+    assert "(all)" in listing
+    assert "unlimited" in listing
+
+
+async def test_revoke_marks_the_listing_and_a_repeat_is_harmless(
+    store: SqliteCredentialStore,
+) -> None:
+    await _run(store, "token", "issue", "--node", "gpu-1")
+    [token] = await store.list_node_tokens()
+    revoked = await _run(store, "token", "revoke", token.token_id)
+    assert revoked.code == 0
+    assert f"Revoked node token {token.token_id}" in revoked.out
+    [entry] = json.loads((await _run(store, "token", "list", "--json")).out)
+    assert entry["revoked_at"] is not None
+    again = await _run(store, "token", "revoke", token.token_id)
+    assert again.code == 0
+    assert "already revoked" in again.out
+
+    await _run(store, "key", "issue", "--name", "team-a")
+    [key] = await store.list_api_keys()
+    assert (await _run(store, "key", "revoke", key.key_id)).code == 0
+    [found] = await store.list_api_keys()
+    assert found.revoked
+
+
+@pytest.mark.parametrize(
+    ("argv", "unknown"),
+    [
+        (("token", "revoke", "tok_00000000"), "tok_00000000"),
+        (("key", "revoke", "key_00000000"), "key_00000000"),
+    ],
+)
+async def test_revoking_an_unknown_id_fails_on_stderr(
+    store: SqliteCredentialStore, argv: tuple[str, ...], unknown: str
+) -> None:
+    run = await _run(store, *argv)
+    assert run.code == 1
+    assert run.out == ""
+    assert unknown in run.err
+
+
+async def test_an_empty_node_id_fails_without_storing_anything(
+    store: SqliteCredentialStore,
+) -> None:
+    run = await _run(store, "token", "issue", "--node", " ")
+    assert run.code == 1
+    assert "node id" in run.err
+    assert TOKEN.search(run.out + run.err) is None
+    assert await store.list_node_tokens() == []
+
+
+async def test_empty_listings_say_so(store: SqliteCredentialStore) -> None:
+    assert "No node tokens" in (await _run(store, "token", "list")).out
+    assert "No API keys" in (await _run(store, "key", "list")).out
+    assert json.loads((await _run(store, "key", "list", "--json")).out) == []
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (("key", "issue", "--name", "a", "--models", "llama3,,qwen"), "empty model name"),
+        (("key", "issue", "--name", "a", "--models", ""), "leave --models out"),
+        (("key", "issue", "--name", "a", "--max-concurrent", "-1"), "0 (unlimited) or more"),
+        (("key", "issue", "--name", "a", "--max-concurrent", "two"), "not a whole number"),
+        (("token", "issue"), "--node"),
+        (("token",), "ACTION"),
+    ],
+)
+def test_bad_arguments_are_refused_by_the_parser(
+    argv: tuple[str, ...], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        _parser().parse_args(argv)
+    assert exited.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+async def test_run_command_refuses_args_without_a_credential_command(
+    store: SqliteCredentialStore,
+) -> None:
+    with pytest.raises(ValueError, match="credential command"):
+        await run_command(argparse.Namespace(command="serve"), store, io.StringIO())
