@@ -20,6 +20,7 @@ import os
 import re
 import signal
 import socket
+import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -67,8 +68,22 @@ SERVICES: tuple[ServiceSpec, ...] = (
         state={"IOP_DATABASE": "control-plane.db", "IOP_PID_FILE": "control-plane.server.pid"},
     ),
     ServiceSpec("edge", "iop-edge", "configs/dev/edge.yaml", 9101),
-    ServiceSpec("node-a", "iop-node", "configs/dev/node-a.yaml", 9102),
-    ServiceSpec("node-b", "iop-node", "configs/dev/node-b.yaml", 9103),
+    ServiceSpec(
+        "node-a",
+        "iop-node",
+        "configs/dev/node-a.yaml",
+        9102,
+        state={"IOP_TOKEN_FILE": "node-a.token", "IOP_HISTORY_DB": "node-a-history.db"},
+        dials={"IOP_EDGE__PORT": 7000},
+    ),
+    ServiceSpec(
+        "node-b",
+        "iop-node",
+        "configs/dev/node-b.yaml",
+        9103,
+        state={"IOP_TOKEN_FILE": "node-b.token", "IOP_HISTORY_DB": "node-b-history.db"},
+        dials={"IOP_EDGE__PORT": 7000},
+    ),
     ServiceSpec("worker", "iop-worker", "configs/dev/worker.yaml", 9104),
 )
 
@@ -567,6 +582,47 @@ def options_from(args: argparse.Namespace) -> Options:
     )
 
 
+def issue_dev_tokens(plans: Sequence[Plan], opts: Options, console: Console) -> list[str]:
+    """Give every node a token from the dev control-plane's database, once.
+
+    The token file and the database both live in the state directory, so they
+    are made and wiped together; an existing token file is kept.
+    """
+    control_plane = next(p for p in plans if p.spec.script == "iop-control-plane")
+    problems: list[str] = []
+    for plan in plans:
+        token_name = plan.spec.state.get("IOP_TOKEN_FILE")
+        if token_name is None:
+            continue
+        token_file = opts.state_dir / token_name
+        if token_file.is_file():
+            continue
+        token_file.parent.mkdir(parents=True, exist_ok=True)
+        result = subprocess.run(
+            [
+                control_plane.argv[0],
+                "--config",
+                control_plane.argv[2],
+                "token",
+                "issue",
+                "--node",
+                plan.name,
+            ],
+            env=dict(control_plane.env),
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        token = re.search(r"\biopnt_\S+", result.stdout)
+        if result.returncode != 0 or token is None:
+            problems.append(f"could not issue a dev token for {plan.name}: {result.stderr.strip()}")
+            continue
+        token_file.touch(mode=0o600)
+        token_file.write_text(token.group(0) + "\n")
+        console.say(f"issued a dev token for {plan.name} ({token_file})")
+    return problems
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     opts = options_from(parse_args(argv))
     plans = [make_plan(spec, opts) for spec in SERVICES]
@@ -576,6 +632,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         for problem in problems:
             console.error(problem)
         console.error("nothing was started")
+        return EXIT_PREFLIGHT
+    problems = issue_dev_tokens(plans, opts, console)
+    if problems:
+        for problem in problems:
+            console.error(problem)
         return EXIT_PREFLIGHT
     return asyncio.run(run(plans, opts, console))
 

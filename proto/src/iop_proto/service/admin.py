@@ -40,6 +40,10 @@ class AdminServer:
         self._runner: web.AppRunner | None = None
         self.started = asyncio.Event()  # set once bound: a readiness signal for tests
 
+    def set_readiness(self, check: ReadinessCheck) -> None:
+        """Let the service decide ``/readyz`` (e.g. "registered with the edge")."""
+        self._readiness = check
+
     async def start(self) -> int:
         """Bind and serve; returns the bound port (useful when configured as 0)."""
         self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False)

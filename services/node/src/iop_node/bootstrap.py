@@ -1,23 +1,72 @@
-"""The node's composition root: every object is made here and owned by one exit stack."""
+"""The node's composition root: adapters are registered here, explicitly, one line each."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+import os
+from collections.abc import AsyncIterator, Mapping
 
+import aiohttp
 from prometheus_client import CollectorRegistry
 
+from iop_node import __version__
+from iop_node.adapters import cli, mock, ollama, openai_compat
+from iop_node.adapters.sqlite_history import SqliteRunHistory
+from iop_node.entrypoints.edge_link import EdgeLink
+from iop_node.metrics import NodeMetrics
+from iop_node.node import NodeCore, ProbeSettings
+from iop_node.ports import AdapterContext, AdapterFactory
 from iop_node.settings import NodeSettings
 from iop_proto.service import AdminServer
 from iop_proto.tls import client_context
+
+ADAPTERS: Mapping[str, AdapterFactory] = {
+    "mock": mock.MockAdapter,
+    "cli": cli.CliAdapter,
+    "ollama": ollama.OllamaAdapter,
+    "vllm": openai_compat.factory("vllm"),
+    "sglang": openai_compat.factory("sglang"),
+    "lemonade": openai_compat.factory("lemonade"),
+    "llamacpp": openai_compat.factory("llamacpp"),
+    "openai_api": openai_compat.factory("openai_api"),
+}
+
+
+async def _cancel(task: asyncio.Task[None]) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
 
 
 @contextlib.asynccontextmanager
 async def build(
     settings: NodeSettings, registry: CollectorRegistry, admin: AdminServer
-) -> AsyncIterator[None]:
+) -> AsyncIterator[NodeCore]:
     """Start the node; leaving the context stops it in reverse order."""
-    if settings.tls.enabled:
-        # Load the certificates now so a broken file fails the start, not the first peer.
-        client_context(settings.tls)
-    yield
+    tls = client_context(settings.tls) if settings.tls.enabled else None
+    token = settings.read_token()
+    metrics = NodeMetrics.create(registry)
+    async with contextlib.AsyncExitStack() as stack:
+        http = await stack.enter_async_context(
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=10))
+        )
+        history = await SqliteRunHistory.open(settings.history_db)
+        stack.push_async_callback(history.aclose)
+
+        core = NodeCore(
+            settings.service_id,
+            ADAPTERS,
+            AdapterContext(http=http, environ=dict(os.environ)),
+            history,
+            metrics,
+            ProbeSettings(**settings.probes.model_dump()),
+        )
+        stack.push_async_callback(core.aclose)
+
+        link = EdgeLink(settings, core, tls, token, metrics, __version__)
+        link_task = asyncio.create_task(link.run(), name="edge-link")
+        stack.push_async_callback(_cancel, link_task)
+
+        admin.set_readiness(lambda: None if link.registered.is_set() else "not registered")
+        yield core

@@ -2,10 +2,68 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from pydantic import Field, SecretStr, model_validator
+
+from iop_proto.framing import DEFAULT_MAX_FRAME_SIZE
 from iop_proto.service import ServiceSettings
+from iop_proto.service.settings import FrozenModel
+
+
+class EdgeAddress(FrozenModel):
+    """The edge this node dials (IOP over mTLS)."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=7000, ge=1, le=65535)
+    server_name: str | None = Field(
+        default=None, description="name the edge's certificate must carry; default: host"
+    )
+
+
+class ProbeSettingsModel(FrozenModel):
+    """Provider probes: cheap, periodic, with hysteresis (see domain/health.py)."""
+
+    interval_s: float = Field(default=5.0, gt=0)
+    timeout_s: float = Field(default=2.0, gt=0)
+    rise: int = Field(default=1, ge=1, description="successes in a row to become available")
+    fall: int = Field(default=2, ge=1, description="failures in a row to become unavailable")
+
+
+class ReconnectSettings(FrozenModel):
+    initial_s: float = Field(default=0.5, gt=0)
+    max_s: float = Field(default=15.0, gt=0)
 
 
 class NodeSettings(ServiceSettings):
-    """The node's settings file; `IOP_*` environment variables override any key."""
+    """The node's settings file; `IOP_*` environment variables override any key.
+
+    ``service_id`` is the node id: it must equal the CN of the node's certificate
+    and have a token issued by the control-plane.
+    """
 
     service_id: str = "node"
+    edge: EdgeAddress = EdgeAddress()
+    token_file: Path | None = Field(default=None, description="file holding the node token")
+    token: SecretStr | None = Field(default=None, description="the node token (prefer token_file)")
+    history_db: Path = Field(default=Path("var/node/history.db"), description="run history")
+    probes: ProbeSettingsModel = ProbeSettingsModel()
+    reconnect: ReconnectSettings = ReconnectSettings()
+    register_timeout_s: float = Field(default=10.0, gt=0)
+    snapshot_interval_s: float = Field(
+        default=10.0, gt=0, description="a snapshot is also sent on every change"
+    )
+    max_frame_size: int = Field(default=DEFAULT_MAX_FRAME_SIZE, ge=1024)
+
+    @model_validator(mode="after")
+    def _one_token_source(self) -> NodeSettings:
+        if self.token_file is None and self.token is None:
+            raise ValueError("set token_file (or token): the node registers with a token")
+        return self
+
+    def read_token(self) -> str:
+        """The token, read at start so a missing file fails the start, not a registration."""
+        if self.token is not None:
+            return self.token.get_secret_value().strip()
+        assert self.token_file is not None
+        return self.token_file.read_text().strip()

@@ -19,6 +19,9 @@ async def test_boots_from_example_config_and_stops_on_sigterm(tmp_path: Path) ->
         "IOP_TLS__CA_FILE": str(tls.ca_file),
         "IOP_TLS__CERT_FILE": str(tls.cert_file),
         "IOP_TLS__KEY_FILE": str(tls.key_file),
+        "IOP_TOKEN": "iopnt_boot-test",
+        "IOP_HISTORY_DB": str(tmp_path / "history.db"),
+        "IOP_EDGE__PORT": "1",  # nothing listens there: the node keeps retrying, still healthy
     }
     config = ROOT / "configs" / "node.yaml"
     async with running_service("iop-node", config, env) as service:

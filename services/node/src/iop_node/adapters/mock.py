@@ -1,0 +1,360 @@
+"""The ``mock`` provider type: a deterministic, paced fake model for tests and load drills.
+
+It answers every operation without a network, so the whole gateway (edge, link,
+queues, SSE) can be exercised and failure paths rehearsed on demand. The output
+depends only on the request, so tests can assert exact text; the pace is set by
+``tokens_per_second`` so streaming and capacity behave like a slow real model.
+
+Failure drills ride in the request body, which the edge passes through untouched::
+
+    "iop_mock": {"fail": "provider_error" | "unavailable" | "timeout",
+                 "after_tokens": N, "status": 500, "delay_ms": N}
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import json
+import math
+import struct
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from iop_node.domain.health import ProbeResult
+from iop_node.domain.provider import ProviderConfig
+from iop_node.domain.runs import Completion, Delta, ExecutionSpec, Operation, ToolCallDelta, Usage
+from iop_node.errors import (
+    ConfigError,
+    InvalidRequest,
+    ProviderFailed,
+    ProviderTimeout,
+    ProviderUnavailable,
+)
+from iop_node.ports import AdapterContext, EventSink, LifecycleFlags
+
+WORDS = (
+    "the", "quick", "brown", "fox", "jumps", "over", "the", "lazy", "dog",
+    "while", "a", "mock", "model", "streams", "deterministic", "tokens",
+)  # fmt: skip
+"""The answer cycles through these; token ``i`` is ``WORDS[i % len(WORDS)] + " "``."""
+
+UNPACED_RATE = 1_000_000.0
+"""At or above this rate (or at 0) tokens are produced as fast as possible."""
+
+EMBEDDING_DIMENSIONS = 8
+FAIL_MODES = ("provider_error", "unavailable", "timeout")
+
+
+@dataclass(frozen=True, slots=True)
+class FailureDrill:
+    """The parsed ``iop_mock`` hook of one request."""
+
+    fail: str = ""
+    after_tokens: int = 0
+    status: int = 500
+    delay_ms: float = 0.0
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> FailureDrill:
+        raw = body.get("iop_mock")
+        if raw is None:
+            return cls()
+        if not isinstance(raw, Mapping):
+            raise InvalidRequest("iop_mock must be an object")
+        fail = raw.get("fail", "")
+        if fail and fail not in FAIL_MODES:
+            raise InvalidRequest(f"iop_mock.fail must be one of {', '.join(FAIL_MODES)}")
+        return cls(
+            fail=fail or "",
+            after_tokens=_count(raw.get("after_tokens", 0), "iop_mock.after_tokens"),
+            status=_count(raw.get("status", 500), "iop_mock.status"),
+            delay_ms=float(_number(raw.get("delay_ms", 0), "iop_mock.delay_ms")),
+        )
+
+
+class MockAdapter:
+    """A fake provider whose answers are a pure function of the request.
+
+    Settings: ``tokens_per_second`` (default 50; 0 = unpaced) and
+    ``default_tokens`` (default 32), the answer length when the request sets no
+    ``max_tokens``. Usage counts words: prompt tokens are the whitespace-separated
+    words of the messages (or prompt, or embedding input), completion tokens the
+    tokens produced.
+    """
+
+    def __init__(self, config: ProviderConfig, context: AdapterContext) -> None:
+        self._config = config
+        self._context = context
+        try:
+            rate = float(_number(config.setting("tokens_per_second", 50), "tokens_per_second"))
+            self._default_tokens = _count(config.setting("default_tokens", 32), "default_tokens")
+        except InvalidRequest as exc:
+            raise ConfigError(f"provider {config.id}: {exc.message}") from exc
+        self._rate = 0.0 if rate >= UNPACED_RATE else rate
+
+    @property
+    def name(self) -> str:
+        return "mock"
+
+    def capabilities(self) -> LifecycleFlags:
+        return LifecycleFlags(list_models=True)
+
+    async def probe(self) -> ProbeResult:
+        return ProbeResult(ok=True, models=self._config.models)
+
+    async def aclose(self) -> None:
+        """Nothing to release; present because every adapter is closed the same way."""
+
+    async def execute(self, spec: ExecutionSpec, sink: EventSink) -> Completion:
+        drill = FailureDrill.from_body(spec.body)
+        scope = asyncio.timeout_at(spec.deadline)
+        try:
+            async with scope:
+                if drill.delay_ms > 0:
+                    await asyncio.sleep(drill.delay_ms / 1000)
+                if spec.operation is Operation.EMBEDDINGS:
+                    await self._maybe_fail(drill, produced=0, planned=0)
+                    return _embeddings(spec)
+                return await self._generate(spec, sink, drill)
+        except TimeoutError as exc:
+            if scope.expired():
+                raise ProviderTimeout(f"mock run {spec.run_id} passed its deadline") from exc
+            raise
+
+    async def _generate(
+        self, spec: ExecutionSpec, sink: EventSink, drill: FailureDrill
+    ) -> Completion:
+        body = spec.body
+        chat = spec.operation is Operation.CHAT_COMPLETIONS
+        prompt_tokens = _prompt_words(body, spec.operation)
+        tool = _forced_tool(body) if chat else None
+        if tool is not None:
+            await self._maybe_fail(drill, produced=0, planned=1)
+            call_id = f"call_{spec.run_id}"
+            if spec.stream:
+                head = ToolCallDelta(0, id=call_id, type="function", function_name=tool)
+                await sink.delta(Delta(role="assistant", tool_calls=(head,)))
+                await sink.delta(Delta(tool_calls=(ToolCallDelta(0, function_arguments="{}"),)))
+            await self._maybe_fail(drill, produced=1, planned=1)
+            usage = Usage.of(prompt_tokens, 1)
+            message = {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": call_id,
+                        "type": "function",
+                        "function": {"name": tool, "arguments": "{}"},
+                    }
+                ],
+            }
+            return self._finish(spec, "tool_calls", usage, message=message)
+
+        limit = _max_tokens(body)
+        planned = self._default_tokens if limit is None else limit
+        finish_reason = "stop" if limit is None else "length"
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        pieces: list[str] = []
+        for index in range(planned):
+            await self._maybe_fail(drill, produced=index, planned=planned)
+            await self._pace(loop, start, index)
+            piece = WORDS[index % len(WORDS)] + " "
+            if spec.stream:
+                role = "assistant" if chat and index == 0 else ""
+                await sink.delta(Delta(text=piece, role=role))
+            else:
+                pieces.append(piece)
+        await self._maybe_fail(drill, produced=planned, planned=planned)
+        if spec.stream and chat and planned == 0:
+            await sink.delta(Delta(role="assistant"))  # the client still learns who spoke
+        usage = Usage.of(prompt_tokens, planned)
+        return self._finish(spec, finish_reason, usage, text="".join(pieces))
+
+    async def _pace(self, loop: asyncio.AbstractEventLoop, start: float, index: int) -> None:
+        """Sleep until token ``index`` is due; due times come from ``start``, so no drift."""
+        if self._rate <= 0:
+            await asyncio.sleep(0)  # stay cancellable even when the sink never yields
+            return
+        await asyncio.sleep(max(0.0, start + (index + 1) / self._rate - loop.time()))
+
+    async def _maybe_fail(self, drill: FailureDrill, *, produced: int, planned: int) -> None:
+        """Run the failure drill once ``after_tokens`` tokens (or all of them) are out."""
+        if not drill.fail or produced < min(drill.after_tokens, planned):
+            return
+        if drill.fail == "provider_error":
+            raise ProviderFailed(
+                f"mock provider error {drill.status} after {produced} tokens",
+                provider_status=drill.status,
+            )
+        if drill.fail == "unavailable":
+            raise ProviderUnavailable(f"mock provider unavailable after {produced} tokens")
+        # "timeout": hang like a stuck provider until the deadline (or a cancel) ends the run.
+        await asyncio.get_running_loop().create_future()
+
+    def _finish(
+        self,
+        spec: ExecutionSpec,
+        finish_reason: str,
+        usage: Usage,
+        *,
+        text: str = "",
+        message: dict[str, Any] | None = None,
+    ) -> Completion:
+        if spec.stream:
+            return Completion(finish_reason=finish_reason, usage=usage)
+        return Completion(
+            finish_reason=finish_reason,
+            usage=usage,
+            result=_completion_body(spec, finish_reason, usage, text=text, message=message),
+        )
+
+
+def _completion_body(
+    spec: ExecutionSpec,
+    finish_reason: str,
+    usage: Usage,
+    *,
+    text: str,
+    message: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """The OpenAI non-streaming response body for a chat or text completion."""
+    if spec.operation is Operation.CHAT_COMPLETIONS:
+        object_, id_ = "chat.completion", f"chatcmpl-{spec.run_id}"
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": message or {"role": "assistant", "content": text},
+            "logprobs": None,
+            "finish_reason": finish_reason,
+        }
+    else:
+        object_, id_ = "text_completion", f"cmpl-{spec.run_id}"
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    return {
+        "id": id_,
+        "object": object_,
+        "created": int(time.time()),
+        "model": spec.target,
+        "choices": [choice],
+        "usage": _usage_body(usage),
+    }
+
+
+def _usage_body(usage: Usage) -> dict[str, int]:
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.total_tokens,
+    }
+
+
+def _embeddings(spec: ExecutionSpec) -> Completion:
+    """A unit vector per input, derived from a hash of the input: same input, same vector."""
+    body = spec.body
+    raw = body.get("input")
+    inputs: list[Any]
+    if isinstance(raw, str) or (isinstance(raw, list) and raw and isinstance(raw[0], int)):
+        inputs = [raw]  # one string, or one pre-tokenised input
+    elif isinstance(raw, list) and raw and all(isinstance(item, str | list) for item in raw):
+        inputs = raw
+    else:
+        raise InvalidRequest("input must be a string, a list of strings or token arrays")
+    dimensions = _count(body.get("dimensions", EMBEDDING_DIMENSIONS), "dimensions")
+    if dimensions == 0:
+        raise InvalidRequest("dimensions must be at least 1")
+    as_base64 = body.get("encoding_format") == "base64"
+    data: list[dict[str, Any]] = []
+    for index, item in enumerate(inputs):
+        vector = _vector(json.dumps(item), dimensions)
+        embedding: Any = vector
+        if as_base64:
+            embedding = base64.b64encode(struct.pack(f"<{dimensions}f", *vector)).decode()
+        data.append({"object": "embedding", "index": index, "embedding": embedding})
+    prompt_tokens = sum(_words(item) for item in inputs)
+    usage = Usage.of(prompt_tokens, 0)
+    result = {
+        "object": "list",
+        "data": data,
+        "model": spec.target,
+        "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
+    }
+    return Completion(usage=usage, result=result)
+
+
+def _vector(key: str, dimensions: int) -> list[float]:
+    values: list[float] = []
+    block = 0
+    while len(values) < dimensions:
+        digest = hashlib.sha256(f"{block}:{key}".encode()).digest()
+        values.extend(n / 2**31 - 1.0 for n in struct.unpack("<8I", digest))
+        block += 1
+    values = values[:dimensions]
+    norm = math.sqrt(sum(v * v for v in values)) or 1.0
+    return [v / norm for v in values]
+
+
+def _forced_tool(body: Mapping[str, Any]) -> str | None:
+    """The function a request forces (``tool_choice`` required or named), else None."""
+    tools = body.get("tools")
+    choice = body.get("tool_choice")
+    if not tools or choice is None or choice in ("auto", "none"):
+        return None
+    if not isinstance(tools, list) or not all(isinstance(t, Mapping) for t in tools):
+        raise InvalidRequest("tools must be a list of objects")
+    names = [str((t.get("function") or {}).get("name", "")) for t in tools]
+    if choice == "required":
+        if not names[0]:
+            raise InvalidRequest("tools[0].function.name is missing")
+        return names[0]
+    if isinstance(choice, Mapping):
+        name = str((choice.get("function") or {}).get("name", ""))
+        if name not in names or not name:
+            raise InvalidRequest(f"tool_choice names an unknown function {name!r}")
+        return name
+    raise InvalidRequest("tool_choice must be none, auto, required or a named function")
+
+
+def _max_tokens(body: Mapping[str, Any]) -> int | None:
+    for key in ("max_completion_tokens", "max_tokens"):
+        value = body.get(key)
+        if value is not None:
+            return _count(value, key)
+    return None
+
+
+def _prompt_words(body: Mapping[str, Any], operation: Operation) -> int:
+    if operation is Operation.CHAT_COMPLETIONS:
+        messages = body.get("messages")
+        if not isinstance(messages, list):
+            raise InvalidRequest("messages must be a list")
+        return sum(_words(m.get("content")) for m in messages if isinstance(m, Mapping))
+    return _words(body.get("prompt"))
+
+
+def _words(content: Any) -> int:
+    """Whitespace-separated words of a content value (string, parts, token ids)."""
+    if isinstance(content, str):
+        return len(content.split())
+    if isinstance(content, int) and not isinstance(content, bool):
+        return 1  # a token id of a pre-tokenised prompt
+    if isinstance(content, list):
+        return sum(_words(part) for part in content)
+    if isinstance(content, Mapping):
+        return _words(content.get("text"))
+    return 0
+
+
+def _number(value: Any, field: str) -> float | int:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+        raise InvalidRequest(f"{field} must be a non-negative number")
+    return value
+
+
+def _count(value: Any, field: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidRequest(f"{field} must be a non-negative integer")
+    return value

@@ -1,0 +1,411 @@
+"""One adapter for every provider that speaks the OpenAI HTTP API.
+
+vLLM, SGLang, Lemonade, llama.cpp's server and OpenAI itself differ only in
+small facts (lifecycle capabilities, the probe path), so they share this code
+and differ by a ``Flavor``. The request body travels as the client wrote it
+(with ``model`` already the served name): the node forwards every parameter it
+does not interpret, and only forces what streaming needs (``stream`` and
+``stream_options.include_usage``, so usage is always counted; the edge decides
+whether the client sees it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import aiohttp
+
+from iop_node.adapters.sse import iter_sse_data
+from iop_node.domain.health import ProbeResult
+from iop_node.domain.provider import ProviderConfig
+from iop_node.domain.runs import Completion, Delta, ExecutionSpec, Operation, ToolCallDelta, Usage
+from iop_node.errors import (
+    ConfigError,
+    InvalidRequest,
+    ProviderFailed,
+    ProviderTimeout,
+    ProviderUnavailable,
+    RunFailure,
+)
+from iop_node.ports import Adapter, AdapterContext, AdapterFactory, EventSink, LifecycleFlags
+
+PROBE_TIMEOUT_S: Final = 2.0
+CONNECT_TIMEOUT_S: Final = 10.0
+"""Only the TCP connect has its own bound: a long generation is bounded by the run's
+deadline alone (aiohttp's default 5-minute total would cut off legitimate runs)."""
+ERROR_BODY_LIMIT: Final = 64 * 1024
+CLIENT_FAULT_STATUSES: Final = frozenset({400, 404, 422})
+"""Statuses that mean the request itself is wrong: the client's fault, not the provider's."""
+
+_PATHS: Final[Mapping[Operation, str]] = {
+    Operation.CHAT_COMPLETIONS: "/v1/chat/completions",
+    Operation.COMPLETIONS: "/v1/completions",
+    Operation.EMBEDDINGS: "/v1/embeddings",
+}
+_RUN_TIMEOUT: Final = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S)
+_PROBE_TIMEOUT: Final = aiohttp.ClientTimeout(total=None, sock_connect=PROBE_TIMEOUT_S)
+
+
+@dataclass(frozen=True, slots=True)
+class Flavor:
+    """What distinguishes one OpenAI-compatible provider type from another."""
+
+    provider_type: str
+    probe_path: str = "/v1/models"
+    lifecycle: LifecycleFlags = field(default_factory=lambda: LifecycleFlags(list_models=True))
+    stream_usage: bool = True
+    """Whether the server honours ``stream_options.include_usage`` (all known ones do)."""
+
+
+FLAVORS: Final[Mapping[str, Flavor]] = {
+    "vllm": Flavor("vllm"),
+    "sglang": Flavor("sglang"),
+    "llamacpp": Flavor("llamacpp"),
+    "openai_api": Flavor("openai_api"),
+    "lemonade": Flavor(
+        "lemonade",
+        lifecycle=LifecycleFlags(
+            list_models=True,
+            load_model=True,
+            unload_model=True,
+            pull_model=True,
+            delete_model=True,
+        ),
+    ),
+}
+
+
+def factory(provider_type: str) -> AdapterFactory:
+    """The constructor ``bootstrap`` registers for one OpenAI-compatible provider type."""
+    try:
+        flavor = FLAVORS[provider_type]
+    except KeyError:
+        known = ", ".join(sorted(FLAVORS))
+        raise ConfigError(
+            f"{provider_type!r} is not an OpenAI-compatible provider type ({known})"
+        ) from None
+
+    def make(config: ProviderConfig, context: AdapterContext) -> Adapter:
+        return OpenAICompatAdapter(config, context, flavor=flavor)
+
+    return make
+
+
+def normalise_endpoint(endpoint: str) -> str:
+    """The base URL the API paths (``/v1/...``) hang from, with or without ``/v1`` given.
+
+    ``http://h:8000``, ``http://h:8000/`` and ``http://h:8000/v1`` all become
+    ``http://h:8000``; Lemonade's ``http://h:8000/api/v1`` becomes ``http://h:8000/api``.
+    """
+    base = endpoint.strip().rstrip("/")
+    if base.endswith("/v1"):
+        base = base[: -len("/v1")]
+    if not base.startswith(("http://", "https://")):
+        raise ConfigError(f"endpoint {endpoint!r} is not an http:// or https:// URL")
+    return base
+
+
+class OpenAICompatAdapter:
+    """A provider reached over the OpenAI HTTP API (``/v1/chat/completions`` ...).
+
+    Holds no connection of its own: requests go through the node's shared
+    session, and each run's response is closed when the run ends, at once on
+    cancellation so the provider sees the disconnect and frees its slot.
+    """
+
+    def __init__(self, config: ProviderConfig, context: AdapterContext, *, flavor: Flavor) -> None:
+        endpoint = config.setting("endpoint")
+        if not isinstance(endpoint, str) or not endpoint:
+            raise ConfigError(f"provider {config.id!r}: settings.endpoint is required")
+        self._flavor = flavor
+        self._http = context.http
+        self._base = normalise_endpoint(endpoint)
+        self._headers: dict[str, str] = {}
+        # Why the provider cannot be called, decided once: settings are read at start.
+        self._key_problem = ""
+        key_env = config.setting("api_key_env")
+        if key_env:
+            key = context.environ.get(str(key_env))
+            if key:
+                self._headers["Authorization"] = f"Bearer {key}"
+            else:
+                self._key_problem = f"api_key_env {key_env} is not set in the node's environment"
+
+    @property
+    def name(self) -> str:
+        return self._flavor.provider_type
+
+    def capabilities(self) -> LifecycleFlags:
+        return self._flavor.lifecycle
+
+    async def aclose(self) -> None:
+        """Nothing to release: the HTTP session belongs to the node."""
+
+    async def probe(self) -> ProbeResult:
+        """GET the probe path (``/v1/models``): cheap, and it lists the served models."""
+        if self._key_problem:
+            return ProbeResult(ok=False, detail=self._key_problem)
+        url = self._base + self._flavor.probe_path
+        try:
+            async with asyncio.timeout(PROBE_TIMEOUT_S):
+                async with self._http.get(
+                    url, headers=self._headers, timeout=_PROBE_TIMEOUT, raise_for_status=False
+                ) as response:
+                    status = response.status
+                    body = await response.read()
+        except TimeoutError:
+            return ProbeResult(ok=False, detail=f"{url}: no answer within {PROBE_TIMEOUT_S:g} s")
+        except aiohttp.ClientError as exc:
+            return ProbeResult(ok=False, detail=f"{url}: {_describe(exc)}")
+        if status >= 400:
+            return ProbeResult(ok=False, detail=f"{url}: HTTP {status}: {_error_message(body)}")
+        try:
+            document = json.loads(body)
+        except ValueError:
+            return ProbeResult(ok=False, detail=f"{url}: HTTP {status} but the body is not JSON")
+        return ProbeResult(ok=True, models=_model_ids(document))
+
+    async def execute(self, spec: ExecutionSpec, sink: EventSink) -> Completion:
+        """Run ``spec`` on the provider, streaming deltas into ``sink`` when asked to."""
+        if self._key_problem:
+            raise ProviderUnavailable(self._key_problem)
+        timeout = asyncio.timeout_at(spec.deadline)
+        try:
+            async with timeout:
+                return await self._execute(spec, sink)
+        except TimeoutError:
+            if timeout.expired():
+                raise ProviderTimeout(f"{self.name} run passed its deadline") from None
+            raise
+
+    async def _execute(self, spec: ExecutionSpec, sink: EventSink) -> Completion:
+        url = self._base + _PATHS[spec.operation]
+        data = json.dumps(self._payload(spec), ensure_ascii=False, separators=(",", ":")).encode()
+        headers = {**self._headers, "Content-Type": "application/json"}
+        try:
+            response = await self._http.post(
+                url, data=data, headers=headers, timeout=_RUN_TIMEOUT, raise_for_status=False
+            )
+        except aiohttp.ClientError as exc:
+            # No response at all: refused, DNS, TLS, reset or connect timeout.
+            raise ProviderUnavailable(f"{url}: {_describe(exc)}") from exc
+        try:
+            if response.status >= 400:
+                failure = await _http_failure(response)
+                response.release()  # read to the end (usually): the connection can be reused
+                raise failure
+            if spec.stream and response.content_type != "application/json":
+                completion = await _read_stream(response, spec, sink)
+            elif spec.stream:
+                # A server that ignored ``stream`` answers with one JSON body: an error
+                # object at best, and nothing we could replay as deltas otherwise.
+                _read_result(await response.read(), spec.operation)
+                raise ProviderFailed(f"{url}: asked for a stream, got one JSON body")
+            else:
+                completion = _read_result(await response.read(), spec.operation)
+        except aiohttp.ClientError as exc:
+            response.close()
+            raise ProviderFailed(f"{url}: connection lost mid-response: {_describe(exc)}") from exc
+        except BaseException:
+            # Cancellation, deadline, sink gone or a bad answer: drop the connection so
+            # the provider stops generating (a pooled connection would keep the slot busy).
+            response.close()
+            raise
+        response.release()
+        return completion
+
+    def _payload(self, spec: ExecutionSpec) -> dict[str, Any]:
+        """The upstream body: the client's, with only the streaming switches forced."""
+        payload = dict(spec.body)
+        payload["model"] = spec.target
+        if spec.operation is Operation.EMBEDDINGS:
+            if spec.stream:
+                raise InvalidRequest("embeddings cannot be streamed")
+            return payload
+        payload["stream"] = spec.stream
+        if spec.stream and self._flavor.stream_usage:
+            options = payload.get("stream_options")
+            merged = dict(options) if isinstance(options, dict) else {}
+            merged["include_usage"] = True
+            payload["stream_options"] = merged
+        return payload
+
+
+async def _read_stream(
+    response: aiohttp.ClientResponse, spec: ExecutionSpec, sink: EventSink
+) -> Completion:
+    text_mode = spec.operation is Operation.COMPLETIONS
+    finish_reasons: dict[int, str] = {}
+    usage: Usage | None = None
+    # aclosing: a run that stops early (cancelled, sink gone) finalises the reader now,
+    # not whenever the garbage collector finds it.
+    async with contextlib.aclosing(iter_sse_data(response)) as events:
+        async for data in events:
+            try:
+                chunk = json.loads(data)
+            except ValueError:
+                raise ProviderFailed(f"malformed stream chunk: {_tail(data)}") from None
+            if not isinstance(chunk, dict):
+                raise ProviderFailed(f"stream chunk is not an object: {_tail(data)}")
+            if "error" in chunk:
+                raise _error_from_object(chunk["error"])
+            if chunk.get("usage"):
+                usage = _usage(chunk["usage"]) or usage
+            for choice in chunk.get("choices") or ():
+                delta = _choice_delta(choice, text_mode)
+                if delta is None:
+                    continue
+                if delta.finish_reason:
+                    finish_reasons[delta.choice_index] = delta.finish_reason
+                await sink.delta(delta)
+    finish = finish_reasons.get(0) or next(iter(finish_reasons.values()), "")
+    return Completion(finish_reason=finish, usage=usage, result=None)
+
+
+def _choice_delta(choice: Any, text_mode: bool) -> Delta | None:
+    """One choice of a chunk as a ``Delta``; ``None`` when it carries nothing."""
+    if not isinstance(choice, dict):
+        return None
+    index = _int(choice.get("index"))
+    finish = _str(choice.get("finish_reason"))
+    if text_mode:
+        text = _str(choice.get("text"))
+        if not text and not finish:
+            return None
+        return Delta(text=text, choice_index=index, finish_reason=finish)
+    body = choice.get("delta")
+    if not isinstance(body, dict):
+        body = {}
+    text = _str(body.get("content"))
+    role = _str(body.get("role"))
+    reasoning = _str(body.get("reasoning_content")) or _str(body.get("reasoning"))
+    calls = body.get("tool_calls") or ()
+    tool_calls = tuple(
+        _tool_call(call, i) for i, call in enumerate(calls) if isinstance(call, dict)
+    )
+    if not (text or role or reasoning or tool_calls or finish):
+        return None
+    return Delta(
+        text=text,
+        role=role,
+        choice_index=index,
+        tool_calls=tool_calls,
+        finish_reason=finish,
+        reasoning_text=reasoning,
+    )
+
+
+def _tool_call(call: dict[str, Any], position: int) -> ToolCallDelta:
+    function = call.get("function")
+    if not isinstance(function, dict):
+        function = {}
+    index = call.get("index")
+    return ToolCallDelta(
+        index=index if isinstance(index, int) else position,
+        id=_str(call.get("id")),
+        type=_str(call.get("type")),
+        function_name=_str(function.get("name")),
+        function_arguments=_str(function.get("arguments")),
+    )
+
+
+def _read_result(body: bytes, operation: Operation) -> Completion:
+    try:
+        result = json.loads(body)
+    except ValueError:
+        raise ProviderFailed(f"response is not JSON: {_tail(body)}") from None
+    if not isinstance(result, dict):
+        raise ProviderFailed(f"response is not a JSON object: {_tail(body)}")
+    if "error" in result:
+        raise _error_from_object(result["error"])
+    finish = ""
+    if operation is not Operation.EMBEDDINGS:
+        choices = result.get("choices")
+        if choices and isinstance(choices[0], dict):
+            finish = _str(choices[0].get("finish_reason"))
+    return Completion(finish_reason=finish, usage=_usage(result.get("usage")), result=result)
+
+
+def _usage(value: Any) -> Usage | None:
+    if not isinstance(value, dict):
+        return None
+    prompt = _int(value.get("prompt_tokens"))
+    completion = _int(value.get("completion_tokens"))
+    total = _int(value.get("total_tokens")) or prompt + completion
+    return Usage(prompt, completion, total)
+
+
+def _model_ids(document: Any) -> tuple[str, ...]:
+    data = document.get("data") if isinstance(document, dict) else None
+    if not isinstance(data, list):
+        return ()
+    return tuple(str(m["id"]) for m in data if isinstance(m, dict) and m.get("id"))
+
+
+async def _http_failure(response: aiohttp.ClientResponse) -> RunFailure:
+    """The failure an HTTP error status stands for, with the provider's own message."""
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in response.content.iter_any():
+        chunks.append(chunk)
+        size += len(chunk)
+        if size >= ERROR_BODY_LIMIT:
+            break
+    message = f"HTTP {response.status}: {_error_message(b''.join(chunks))}"
+    if response.status in CLIENT_FAULT_STATUSES:
+        return InvalidRequest(message, provider_status=response.status)
+    return ProviderFailed(message, provider_status=response.status)
+
+
+def _error_from_object(error: Any) -> ProviderFailed:
+    """An ``{"error": ...}`` the provider sent with a 200 (mid-stream, usually)."""
+    status = 0
+    if isinstance(error, dict):
+        message = str(error.get("message") or error)
+        code = error.get("code")
+        if isinstance(code, int) and 400 <= code < 600:
+            status = code
+    else:
+        message = str(error)
+    return ProviderFailed(f"provider error: {message}", provider_status=status)
+
+
+def _error_message(body: bytes) -> str:
+    """The message of an OpenAI error object (or vLLM's, FastAPI's), else the body's tail."""
+    try:
+        document = json.loads(body)
+    except ValueError:
+        return _tail(body)
+    if isinstance(document, dict):
+        error = document.get("error")
+        if isinstance(error, dict) and error.get("message"):
+            return str(error["message"])
+        if isinstance(error, str) and error:
+            return error
+        for key in ("message", "detail"):
+            if document.get(key):
+                return str(document[key])
+    return _tail(body)
+
+
+def _str(value: Any) -> str:
+    """A string field of a provider's JSON; ``null`` (or a stray non-string) is empty."""
+    return value if isinstance(value, str) else ""
+
+
+def _int(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def _tail(body: bytes, limit: int = 500) -> str:
+    text = body.decode("utf-8", errors="replace").strip()
+    return text if len(text) <= limit else "..." + text[-limit:]
+
+
+def _describe(exc: BaseException) -> str:
+    return str(exc) or type(exc).__name__

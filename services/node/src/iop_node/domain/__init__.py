@@ -1,0 +1,1 @@
+"""Pure node logic: execution specs, run events, provider health, admission (no I/O)."""

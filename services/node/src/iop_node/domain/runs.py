@@ -1,0 +1,99 @@
+"""What a run is inside the node: the spec an adapter executes and the events it emits.
+
+Domain dataclasses, converted from and to protobuf at the edge link, so adapters
+never see the wire format. The request body is parsed once (at the link) into
+``ExecutionSpec.body``; adapters forward what they do not interpret unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+
+class Operation(StrEnum):
+    CHAT_COMPLETIONS = "chat_completions"
+    COMPLETIONS = "completions"
+    EMBEDDINGS = "embeddings"
+
+
+@dataclass(frozen=True, slots=True)
+class ExecutionSpec:
+    """Everything an adapter needs to run one request on its provider.
+
+    ``target`` is the served model name the edge chose (the node never rewrites
+    model names); ``body`` is the client's OpenAI request with ``model`` already
+    set to ``target``. ``deadline`` is on the event loop's clock
+    (``loop.time()``) and bounds the whole run, queue wait included.
+    """
+
+    run_id: str
+    model: str
+    provider_id: str
+    adapter: str
+    target: str
+    operation: Operation
+    body: dict[str, Any]
+    stream: bool
+    include_usage: bool
+    deadline: float
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+    @classmethod
+    def of(cls, prompt: int, completion: int) -> Usage:
+        return cls(prompt, completion, prompt + completion)
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCallDelta:
+    index: int
+    id: str = ""
+    type: str = ""
+    function_name: str = ""
+    function_arguments: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Delta:
+    """A piece of a streamed answer (one SSE chunk's worth)."""
+
+    text: str = ""
+    role: str = ""
+    choice_index: int = 0
+    tool_calls: tuple[ToolCallDelta, ...] = ()
+    finish_reason: str = ""
+    reasoning_text: str = ""
+    usage: Usage | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    """How a run ended well: returned by ``Adapter.execute``.
+
+    For a non-streaming run ``result`` is the OpenAI-shaped response body
+    (``chat.completion``, ``text_completion`` or the embeddings ``list``) with the
+    provider's fields kept; for a streaming run it is ``None`` (the deltas were
+    the answer).
+    """
+
+    finish_reason: str = ""
+    usage: Usage | None = None
+    result: dict[str, Any] | None = None
+
+
+@dataclass(slots=True)
+class RunTimings:
+    """Event-loop timestamps of a run's life, for history and metrics."""
+
+    received: float
+    started: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+    extra: dict[str, float] = field(default_factory=dict)

@@ -1,0 +1,218 @@
+"""The node's link to the edge: dial, register, serve runs, report state, reconnect.
+
+The node dials the edge (never the reverse) so nodes can sit behind NAT. After
+any loss the link cancels the runs the edge can no longer receive (the provider
+calls are aborted and their slots freed), waits a jittered, growing delay, and
+registers again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import ssl
+
+from loguru import logger
+
+from iop_node.domain.runs import Completion, Delta
+from iop_node.entrypoints import wire
+from iop_node.errors import RunCancelled
+from iop_node.metrics import NodeMetrics
+from iop_node.node import NodeCore
+from iop_node.settings import NodeSettings
+from iop_proto.connection import Connection
+from iop_proto.errors import ConnectionClosed, ProtocolError, UnexpectedMessage
+from iop_proto.v1 import runtime_pb2 as pb
+
+SNAPSHOT_MIN_GAP_S = 0.02  # coalesce bursts of changes into one snapshot
+
+
+class ConnectionChannel:
+    """One run's events on the edge connection, numbered 0, 1, 2 ... without gaps."""
+
+    def __init__(self, conn: Connection, run_id: str) -> None:
+        self._conn = conn
+        self._run_id = run_id
+        self._sequence = 0
+
+    async def _send(self, event: pb.RunEvent) -> None:
+        event.run_id = self._run_id
+        event.sequence = self._sequence
+        self._sequence += 1
+        try:
+            await self._conn.send(event, correlation_id=self._run_id)
+        except ConnectionClosed as exc:
+            raise RunCancelled("the edge connection is gone") from exc
+
+    async def started(self, provider_id: str, target: str, queue_wait_ms: int) -> None:
+        start = pb.RunStart(provider_id=provider_id, target=target, queue_wait_ms=queue_wait_ms)
+        await self._send(pb.RunEvent(start=start))
+
+    async def delta(self, delta: Delta) -> None:
+        await self._send(pb.RunEvent(delta=wire.run_delta(delta)))
+
+    async def completed(self, completion: Completion) -> None:
+        await self._send(pb.RunEvent(complete=wire.run_complete(completion)))
+
+    async def failed(self, code: int, message: str, provider_status: int) -> None:
+        error = pb.RunError(code=code, message=message, provider_status=provider_status)  # type: ignore[arg-type]
+        await self._send(pb.RunEvent(error=error))
+
+
+class EdgeLink:
+    """Keeps the node registered with the edge for as long as it runs."""
+
+    def __init__(
+        self,
+        settings: NodeSettings,
+        core: NodeCore,
+        tls: ssl.SSLContext | None,
+        token: str,
+        metrics: NodeMetrics,
+        version: str,
+    ) -> None:
+        self._settings = settings
+        self._core = core
+        self._tls = tls
+        self._token = token
+        self._metrics = metrics
+        self._version = version
+        self._dirty = asyncio.Event()
+        self.registered = asyncio.Event()
+        self.registrations = 0
+        core.on_change(self._dirty.set)
+
+    async def run(self) -> None:
+        """Connect, serve, and reconnect with jittered exponential backoff, until cancelled."""
+        reconnect = self._settings.reconnect
+        delay = reconnect.initial_s
+        while True:
+            registered = await self._connect_and_serve()
+            if registered:
+                delay = reconnect.initial_s  # it worked: the next loss retries quickly
+            pause = delay * random.uniform(0.5, 1.5)
+            logger.info("reconnecting to the edge in {:.1f}s", pause)
+            await asyncio.sleep(pause)
+            delay = min(delay * 2, reconnect.max_s)
+
+    async def _connect_and_serve(self) -> bool:
+        edge = self._settings.edge
+        try:
+            reader, writer = await asyncio.wait_for(
+                asyncio.open_connection(
+                    edge.host,
+                    edge.port,
+                    ssl=self._tls,
+                    server_hostname=(edge.server_name or edge.host) if self._tls else None,
+                ),
+                self._settings.register_timeout_s,
+            )
+        except (OSError, TimeoutError) as exc:
+            logger.warning("cannot reach the edge at {}:{}: {}", edge.host, edge.port, exc)
+            return False
+        conn = Connection(
+            reader,
+            writer,
+            sender_id=self._settings.service_id,
+            max_frame_size=self._settings.max_frame_size,
+        )
+        registered = False
+        try:
+            registered = await self._register(conn)
+            if registered:
+                await self._serve(conn)
+        except ProtocolError as exc:
+            await conn.abort(exc)
+            logger.warning("edge connection closed: {}", exc)
+        except (ConnectionClosed, ConnectionError, TimeoutError) as exc:
+            logger.warning("edge connection lost: {}", exc or type(exc).__name__)
+        finally:
+            self.registered.clear()
+            self._metrics.edge_connected.set(0)
+            await conn.close()
+            if self._core.runs_in_flight:
+                logger.warning(
+                    "cancelling {} runs of the lost connection", self._core.runs_in_flight
+                )
+            await self._core.cancel_all()
+        return registered
+
+    async def _register(self, conn: Connection) -> bool:
+        request = pb.RegisterRequest(
+            peer_id=self._settings.service_id,
+            token=self._token,
+            version=self._version,
+            role=pb.PEER_ROLE_NODE,
+            providers=[wire.provider_state(s) for s in self._core.states()],
+        )
+        sent = await conn.send(request)
+        answer = await asyncio.wait_for(conn.receive(), self._settings.register_timeout_s)
+        kind = answer.WhichOneof("body")
+        if kind == "error":
+            logger.error("the edge refused the registration: {}", answer.error.message)
+            return False
+        if kind != "register_response" or answer.correlation_id != sent.message_id:
+            raise UnexpectedMessage(f"expected register_response, got {kind}")
+        response = answer.register_response
+        if not response.accepted:
+            logger.error("the edge refused the registration: {}", response.reason)
+            return False
+        await self._apply(response.node_config)
+        if response.heartbeat_interval_ms:
+            conn.heartbeat_interval = response.heartbeat_interval_ms / 1000
+        conn.start_heartbeats()
+        self.registrations += 1
+        self.registered.set()
+        self._metrics.edge_connected.set(1)
+        logger.info(
+            "registered with edge {} ({} providers)",
+            response.edge_id or conn.peer_name,
+            len(response.node_config.providers),
+        )
+        return True
+
+    async def _apply(self, config: pb.NodeConfig) -> None:
+        await self._core.apply_config([wire.provider_config(p) for p in config.providers])
+
+    async def _serve(self, conn: Connection) -> None:
+        snapshots = asyncio.create_task(self._send_snapshots(conn), name="snapshots")
+        try:
+            await self._receive(conn)
+        finally:
+            snapshots.cancel()
+            await asyncio.gather(snapshots, return_exceptions=True)
+
+    async def _receive(self, conn: Connection) -> None:
+        async for envelope in conn:
+            kind = envelope.WhichOneof("body")
+            if kind == "run_request":
+                self._core.start_run(
+                    envelope.run_request, ConnectionChannel(conn, envelope.run_request.run_id)
+                )
+            elif kind == "cancel_request":
+                self._core.cancel(envelope.cancel_request.run_id)
+            elif kind == "register_response":
+                # the edge pushes config changes the same way it answered the registration
+                await self._apply(envelope.register_response.node_config)
+            elif kind == "error":
+                logger.warning("edge reported: {}", envelope.error.message)
+            else:
+                raise UnexpectedMessage(f"a node does not accept {kind} from the edge")
+
+    async def _send_snapshots(self, conn: Connection) -> None:
+        """On every change (coalesced) and every ``snapshot_interval_s`` anyway."""
+        self._dirty.set()
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._dirty.wait(), self._settings.snapshot_interval_s)
+            self._dirty.clear()
+            snapshot = pb.ProviderSnapshot(
+                node_id=self._settings.service_id,
+                providers=[wire.provider_state(s) for s in self._core.states()],
+            )
+            try:
+                await conn.send(snapshot)
+            except ConnectionClosed:
+                return  # the receive loop sees the end too
+            await asyncio.sleep(SNAPSHOT_MIN_GAP_S)

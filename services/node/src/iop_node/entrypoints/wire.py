@@ -1,0 +1,101 @@
+"""Conversions between the node's domain types and the protobuf contract (the one place)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from iop_node.domain.health import Health
+from iop_node.domain.provider import ProviderConfig
+from iop_node.domain.runs import Completion, Delta, Usage
+from iop_node.node import ProviderStatus
+from iop_proto.v1 import runtime_pb2 as pb
+
+_HEALTH = {
+    Health.UNKNOWN: pb.HEALTH_UNKNOWN,
+    Health.AVAILABLE: pb.HEALTH_AVAILABLE,
+    Health.UNAVAILABLE: pb.HEALTH_UNAVAILABLE,
+}
+_CATEGORY_FROM_PB = {
+    pb.PROVIDER_CATEGORY_API: "api",
+    pb.PROVIDER_CATEGORY_CLI: "cli",
+    pb.PROVIDER_CATEGORY_LOCAL_INFERENCE: "local_inference",
+}
+_CATEGORY_TO_PB = {name: value for value, name in _CATEGORY_FROM_PB.items()}
+
+
+def provider_config(message: pb.ProviderConfig) -> ProviderConfig:
+    settings: dict[str, Any] = json.loads(message.settings_json) if message.settings_json else {}
+    return ProviderConfig(
+        id=message.id,
+        type=message.type,
+        category=_CATEGORY_FROM_PB.get(message.category, "local_inference"),
+        models=tuple(message.models),
+        capacity=message.capacity,
+        max_queue=message.max_queue,
+        queue_timeout_ms=message.queue_timeout_ms,
+        request_timeout_ms=message.request_timeout_ms,
+        settings=settings,
+    )
+
+
+def usage(value: Usage) -> pb.Usage:
+    return pb.Usage(
+        prompt_tokens=value.prompt_tokens,
+        completion_tokens=value.completion_tokens,
+        total_tokens=value.total_tokens,
+    )
+
+
+def run_delta(delta: Delta) -> pb.RunDelta:
+    message = pb.RunDelta(
+        choice_index=delta.choice_index,
+        role=delta.role,
+        text=delta.text,
+        finish_reason=delta.finish_reason,
+        reasoning_text=delta.reasoning_text,
+    )
+    for call in delta.tool_calls:
+        message.tool_calls.add(
+            index=call.index,
+            id=call.id,
+            type=call.type,
+            function_name=call.function_name,
+            function_arguments=call.function_arguments,
+        )
+    if delta.usage is not None:
+        message.usage.CopyFrom(usage(delta.usage))
+    return message
+
+
+def run_complete(completion: Completion) -> pb.RunComplete:
+    message = pb.RunComplete(finish_reason=completion.finish_reason)
+    if completion.usage is not None:
+        message.usage.CopyFrom(usage(completion.usage))
+    if completion.result is not None:
+        message.result_json = json.dumps(completion.result, separators=(",", ":")).encode()
+    return message
+
+
+def provider_state(status: ProviderStatus) -> pb.ProviderState:
+    config, flags = status.config, status.capabilities
+    return pb.ProviderState(
+        provider_id=config.id,
+        type=config.type,
+        category=_CATEGORY_TO_PB.get(config.category, pb.PROVIDER_CATEGORY_UNSPECIFIED),
+        health=_HEALTH[status.health],
+        capacity=config.capacity,
+        in_flight=status.in_flight,
+        queued=status.queued,
+        max_queue=config.max_queue,
+        models=list(status.models),
+        capabilities=pb.LifecycleCapabilities(
+            list_models=flags.list_models,
+            load_model=flags.load_model,
+            unload_model=flags.unload_model,
+            pull_model=flags.pull_model,
+            delete_model=flags.delete_model,
+        ),
+        last_probe_unix_ms=status.last_probe_unix_ms,
+        detail=status.detail,
+    )

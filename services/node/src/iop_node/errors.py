@@ -1,0 +1,70 @@
+"""The node's exception hierarchy. ``RunFailure`` subclasses become run errors with codes.
+
+Each failure carries the protocol error code it becomes on the wire, so the
+translation to ``run.event`` errors happens in exactly one place (the executor).
+"""
+
+from __future__ import annotations
+
+from iop_proto.v1 import runtime_pb2 as pb
+
+
+class NodeError(Exception):
+    """Root of every error the node raises on purpose."""
+
+
+class RunFailure(NodeError):
+    """A run ended without a result; ``code`` is its ``run.event`` error code."""
+
+    code: int = pb.ERROR_CODE_INTERNAL
+
+    def __init__(self, message: str, *, provider_status: int = 0) -> None:
+        super().__init__(message)
+        self.message = message
+        self.provider_status = provider_status
+
+
+class InvalidRequest(RunFailure, ValueError):
+    """The run request cannot be executed as given (bad body, unknown provider, wrong target)."""
+
+    code = pb.ERROR_CODE_INVALID_REQUEST
+
+
+class UnknownProvider(InvalidRequest):
+    code = pb.ERROR_CODE_NOT_FOUND
+
+
+class QueueFull(RunFailure):
+    code = pb.ERROR_CODE_QUEUE_FULL
+
+
+class QueueTimeout(RunFailure, TimeoutError):
+    code = pb.ERROR_CODE_QUEUE_TIMEOUT
+
+
+class ProviderUnavailable(RunFailure, ConnectionError):
+    """The provider could not be reached (connection refused, DNS, reset before a reply)."""
+
+    code = pb.ERROR_CODE_PROVIDER_UNAVAILABLE
+
+
+class ProviderFailed(RunFailure):
+    """The provider answered with an error (HTTP status, non-zero exit, error object)."""
+
+    code = pb.ERROR_CODE_PROVIDER_ERROR
+
+
+class ProviderTimeout(RunFailure, TimeoutError):
+    """The run passed its deadline (request_timeout_ms or the edge's deadline)."""
+
+    code = pb.ERROR_CODE_PROVIDER_TIMEOUT
+
+
+class RunCancelled(RunFailure):
+    """The edge cancelled the run (client gone) or its connection dropped."""
+
+    code = pb.ERROR_CODE_CANCELLED
+
+
+class ConfigError(NodeError, ValueError):
+    """A provider config from the edge cannot be applied (unknown type, bad settings)."""

@@ -1,0 +1,182 @@
+"""The node's common execution wrapper: admission, the adapter call, one terminal event, history.
+
+Every run goes through ``execute_run`` whatever its provider type, so capacity,
+queueing, deadlines, error codes and history are the same for all adapters.
+Whatever ends a run (result, failure, deadline, cancellation), its slot or
+queue place is released and exactly one terminal event is attempted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+from dataclasses import replace
+
+from loguru import logger
+
+from iop_node.domain.health import Health
+from iop_node.domain.runs import Completion, Delta, ExecutionSpec
+from iop_node.errors import (
+    ProviderTimeout,
+    ProviderUnavailable,
+    QueueFull,
+    QueueTimeout,
+    RunCancelled,
+    RunFailure,
+)
+from iop_node.metrics import NodeMetrics
+from iop_node.ports import RunChannel, RunHistory, RunRecord
+from iop_node.runtime import ProviderRuntime
+from iop_proto.v1 import runtime_pb2 as pb
+
+ChangeCallback = Callable[[], None]
+
+
+def _code_name(code: int) -> str:
+    """History and metrics name codes as the edge's errors do: ``queue_full``, ``cancelled``."""
+    return pb.ErrorCode.Name(code).removeprefix("ERROR_CODE_").lower()
+
+
+def _unix_ms() -> int:
+    return int(time.time() * 1000)
+
+
+class _FirstTokenSink:
+    """Passes deltas to the channel and notes when the first one went out."""
+
+    def __init__(self, channel: RunChannel) -> None:
+        self._channel = channel
+        self.first_token_ms = 0
+
+    async def delta(self, delta: Delta) -> None:
+        if not self.first_token_ms:
+            self.first_token_ms = _unix_ms()
+        await self._channel.delta(delta)
+
+
+class RunExecutor:
+    """Runs requests on providers; owns nothing but references to shared services."""
+
+    def __init__(
+        self, history: RunHistory, metrics: NodeMetrics, on_change: ChangeCallback
+    ) -> None:
+        self._history = history
+        self._metrics = metrics
+        self._on_change = on_change
+
+    async def execute_run(
+        self, runtime: ProviderRuntime, spec: ExecutionSpec, channel: RunChannel
+    ) -> None:
+        """Run ``spec`` to its end. Raises only ``CancelledError`` (after cleaning up)."""
+        loop = asyncio.get_running_loop()
+        record = RunRecord(
+            run_id=spec.run_id,
+            model=spec.model,
+            provider_id=spec.provider_id,
+            target=spec.target,
+            operation=spec.operation.value,
+            stream=spec.stream,
+            outcome="running",
+            received_ms=_unix_ms(),
+        )
+        sink = _FirstTokenSink(channel)
+        outcome, code, message, completion = "failed", "", "", None
+        slot_taken_at: float | None = None
+        adapter = runtime.adapter  # a config change must not swap it mid-run
+        queue_timeout_s = min(runtime.config.queue_timeout_ms / 1000, spec.deadline - loop.time())
+        try:
+            admission = runtime.gate.admit(max(queue_timeout_s, 0.0))
+            self._on_change()  # queued may have grown
+            async with admission:
+                slot_taken_at = loop.time()
+                self._on_change()
+                self._metrics.queue_wait.labels(spec.provider_id).observe(admission.queue_wait_s)
+                record = replace(record, started_ms=_unix_ms())
+                await self._history.run_started(record)
+                await channel.started(
+                    spec.provider_id, spec.target, int(admission.queue_wait_s * 1000)
+                )
+                try:
+                    async with asyncio.timeout_at(spec.deadline):
+                        completion = await adapter.execute(spec, sink)
+                except TimeoutError:
+                    raise ProviderTimeout(
+                        f"provider {spec.provider_id} did not finish before the deadline"
+                    ) from None
+            outcome = "completed"
+            await channel.completed(completion)
+        except RunFailure as failure:
+            outcome = "rejected" if isinstance(failure, QueueFull | QueueTimeout) else "failed"
+            code, message = _code_name(failure.code), failure.message
+            if isinstance(failure, ProviderUnavailable):
+                self._mark_unavailable(runtime, failure.message)
+            await self._fail_quietly(
+                channel, failure.code, failure.message, failure.provider_status
+            )
+        except asyncio.CancelledError:
+            outcome, code, message = "cancelled", _code_name(pb.ERROR_CODE_CANCELLED), "cancelled"
+            with contextlib.suppress(BaseException):
+                await asyncio.shield(
+                    self._fail_quietly(channel, pb.ERROR_CODE_CANCELLED, "run cancelled", 0)
+                )
+            raise
+        except Exception as exc:
+            logger.exception("run {} on {} failed unexpectedly", spec.run_id, spec.provider_id)
+            outcome, code, message = (
+                "failed",
+                _code_name(pb.ERROR_CODE_INTERNAL),
+                f"internal error: {exc}",
+            )
+            await self._fail_quietly(channel, pb.ERROR_CODE_INTERNAL, message, 0)
+        finally:
+            await self._finish(runtime, spec, record, outcome, code, message, completion, sink)
+            if slot_taken_at is not None:
+                self._metrics.service_time.labels(spec.provider_id).observe(
+                    loop.time() - slot_taken_at
+                )
+            self._on_change()
+
+    async def _fail_quietly(
+        self, channel: RunChannel, code: int, message: str, provider_status: int
+    ) -> None:
+        """The edge may be gone already: a failed error report changes nothing."""
+        with contextlib.suppress(RunCancelled, ConnectionError, OSError):
+            await channel.failed(code, message, provider_status)
+
+    def _mark_unavailable(self, runtime: ProviderRuntime, detail: str) -> None:
+        if runtime.health.mark_unavailable(detail):
+            logger.warning("provider {} unavailable: {}", runtime.config.id, detail)
+        assert runtime.health.state is Health.UNAVAILABLE
+
+    async def _finish(
+        self,
+        runtime: ProviderRuntime,
+        spec: ExecutionSpec,
+        record: RunRecord,
+        outcome: str,
+        code: str,
+        message: str,
+        completion: Completion | None,
+        sink: _FirstTokenSink,
+    ) -> None:
+        usage = completion.usage if completion else None
+        final = replace(
+            record,
+            outcome=outcome,
+            error_code=code,
+            error_message=message[:500],
+            first_token_ms=sink.first_token_ms,
+            finished_ms=_unix_ms(),
+            prompt_tokens=usage.prompt_tokens if usage else 0,
+            completion_tokens=usage.completion_tokens if usage else 0,
+        )
+        # complete_run only queues the record (the store writes in batches off the
+        # request path), so awaiting it here, even while cancelling, costs nothing.
+        await self._history.complete_run(final)
+        self._metrics.runs.labels(spec.provider_id, outcome, code or "ok").inc()
+        if usage:
+            self._metrics.tokens.labels(spec.provider_id, "prompt").inc(usage.prompt_tokens)
+            self._metrics.tokens.labels(spec.provider_id, "completion").inc(usage.completion_tokens)
+        runtime.publish(self._metrics)

@@ -1,0 +1,82 @@
+"""The node's Prometheus metrics, per provider, in the registry the runner owns."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_SERVICE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+
+
+@dataclass(frozen=True, slots=True)
+class NodeMetrics:
+    in_flight: Gauge
+    queued: Gauge
+    capacity: Gauge
+    health: Gauge
+    queue_wait: Histogram
+    service_time: Histogram
+    runs: Counter
+    tokens: Counter
+    edge_connected: Gauge
+
+    @classmethod
+    def create(cls, registry: CollectorRegistry) -> NodeMetrics:
+        provider = ["provider"]
+        return cls(
+            in_flight=Gauge(
+                "iop_node_provider_in_flight", "Runs executing", provider, registry=registry
+            ),
+            queued=Gauge(
+                "iop_node_provider_queued", "Runs waiting for a slot", provider, registry=registry
+            ),
+            capacity=Gauge(
+                "iop_node_provider_capacity", "Configured slots", provider, registry=registry
+            ),
+            health=Gauge(
+                "iop_node_provider_health",
+                "1 for the provider's current state, 0 for the others",
+                ["provider", "state"],
+                registry=registry,
+            ),
+            queue_wait=Histogram(
+                "iop_node_queue_wait_seconds",
+                "Time runs spent in the provider's FIFO queue",
+                provider,
+                buckets=_WAIT_BUCKETS,
+                registry=registry,
+            ),
+            service_time=Histogram(
+                "iop_node_service_seconds",
+                "Time from a slot being taken to the run's end",
+                provider,
+                buckets=_SERVICE_BUCKETS,
+                registry=registry,
+            ),
+            runs=Counter(
+                "iop_node_runs",
+                "Runs ended, by outcome and error code",
+                ["provider", "outcome", "code"],
+                registry=registry,
+            ),
+            tokens=Counter(
+                "iop_node_tokens",
+                "Tokens reported by providers",
+                ["provider", "kind"],
+                registry=registry,
+            ),
+            edge_connected=Gauge(
+                "iop_node_edge_connected",
+                "1 while registered with the edge",
+                registry=registry,
+            ),
+        )
+
+    def forget(self, provider_id: str) -> None:
+        """Drop a removed provider's series so a dashboard does not show ghosts."""
+        for gauge in (self.in_flight, self.queued, self.capacity):
+            with contextlib.suppress(KeyError):
+                gauge.remove(provider_id)

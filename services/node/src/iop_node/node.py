@@ -1,0 +1,279 @@
+"""The node's application core: its providers, their probes, and the runs in flight.
+
+The edge link calls ``start_run``/``cancel`` and reads ``states()``; it never
+touches adapters or gates directly. Config updates (``apply_config``) add,
+change and retire providers without dropping runs in flight: a changed adapter
+serves new runs while old runs finish on the adapter they started with.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from loguru import logger
+
+from iop_node.domain.admission import AdmissionGate
+from iop_node.domain.health import Health, HealthTracker, ProbeResult
+from iop_node.domain.provider import ProviderConfig
+from iop_node.errors import ConfigError, RunFailure
+from iop_node.executor import RunExecutor
+from iop_node.metrics import NodeMetrics
+from iop_node.ports import AdapterContext, AdapterFactory, LifecycleFlags, RunChannel, RunHistory
+from iop_node.router import resolve
+from iop_node.runtime import ProviderRuntime
+from iop_proto.v1 import runtime_pb2 as pb
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeSettings:
+    interval_s: float = 5.0
+    timeout_s: float = 2.0
+    rise: int = 1
+    fall: int = 2
+
+
+@dataclass(frozen=True, slots=True)
+class ProviderStatus:
+    """What the edge is told about one provider (converted to ``pb.ProviderState``)."""
+
+    config: ProviderConfig
+    health: Health
+    in_flight: int
+    queued: int
+    models: tuple[str, ...]
+    capabilities: LifecycleFlags
+    last_probe_unix_ms: int
+    detail: str
+
+
+class NodeCore:
+    """Providers and runs of one node; every task it starts it also stops."""
+
+    def __init__(
+        self,
+        node_id: str,
+        factories: Mapping[str, AdapterFactory],
+        context: AdapterContext,
+        history: RunHistory,
+        metrics: NodeMetrics,
+        probes: ProbeSettings,
+    ) -> None:
+        self.node_id = node_id
+        self._factories = factories
+        self._context = context
+        self._metrics = metrics
+        self._probes = probes
+        self.providers: dict[str, ProviderRuntime] = {}
+        self._probe_tasks: dict[str, asyncio.Task[None]] = {}
+        self._last_probe_ms: dict[str, int] = {}
+        self._runs: dict[str, asyncio.Task[None]] = {}
+        self._retiring: set[asyncio.Task[None]] = set()
+        self._listeners: list[Callable[[], None]] = []
+        self._executor = RunExecutor(history, metrics, self._changed)
+
+    # ------------------------------------------------------------ change notification
+
+    def on_change(self, listener: Callable[[], None]) -> None:
+        """Called (synchronously, cheaply) whenever a provider's state may have changed."""
+        self._listeners.append(listener)
+
+    def _changed(self) -> None:
+        for listener in self._listeners:
+            listener()
+
+    # ------------------------------------------------------------ configuration
+
+    async def apply_config(self, configs: list[ProviderConfig]) -> None:
+        """Make the providers match ``configs``; runs in flight are never dropped."""
+        wanted = {config.id: config for config in configs}
+        for provider_id in list(self.providers):
+            if provider_id not in wanted:
+                self._retire(self.providers.pop(provider_id))
+        for config in configs:
+            current = self.providers.get(config.id)
+            try:
+                if current is None:
+                    self.providers[config.id] = self._build(config)
+                    self._start_probe(config.id)
+                elif current.config != config:
+                    await self._update(current, config)
+            except ConfigError as exc:
+                logger.error("provider {} not applied: {}", config.id, exc)
+        self._changed()
+
+    def _build(self, config: ProviderConfig) -> ProviderRuntime:
+        factory = self._factories.get(config.type)
+        if factory is None:
+            raise ConfigError(f"no adapter for provider type {config.type!r}")
+        runtime = ProviderRuntime(
+            config=config,
+            adapter=factory(config, self._context),
+            gate=AdmissionGate(config.id, config.capacity, config.max_queue),
+            health=HealthTracker(self._probes.rise, self._probes.fall),
+        )
+        runtime.publish(self._metrics)
+        logger.info(
+            "provider {} ({}) configured, capacity {}", config.id, config.type, config.capacity
+        )
+        return runtime
+
+    async def _update(self, runtime: ProviderRuntime, config: ProviderConfig) -> None:
+        old = runtime.config
+        if (old.type, dict(old.settings)) != (config.type, dict(config.settings)):
+            factory = self._factories.get(config.type)
+            if factory is None:
+                raise ConfigError(f"no adapter for provider type {config.type!r}")
+            old_adapter, runtime.adapter = runtime.adapter, factory(config, self._context)
+            runtime.health = HealthTracker(self._probes.rise, self._probes.fall)
+            self._close_when_idle(runtime, old_adapter)
+        runtime.gate.resize(config.capacity, config.max_queue)
+        runtime.config = config
+        runtime.publish(self._metrics)
+        logger.info("provider {} updated", config.id)
+
+    def _retire(self, runtime: ProviderRuntime) -> None:
+        runtime.retired = True
+        self._stop_probe(runtime.config.id)
+        self._close_when_idle(runtime, runtime.adapter)
+        self._metrics.forget(runtime.config.id)
+        logger.info("provider {} removed (its runs in flight finish first)", runtime.config.id)
+
+    def _close_when_idle(self, runtime: ProviderRuntime, adapter: object) -> None:
+        """Close an adapter no new run will use, once the runs in flight now are done."""
+        runs = [task for task in self._runs.values() if not task.done()]
+
+        async def close_later() -> None:
+            if runs:
+                await asyncio.wait(runs)
+            aclose = getattr(adapter, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+        task = asyncio.create_task(close_later(), name=f"retire:{runtime.config.id}")
+        self._retiring.add(task)
+        task.add_done_callback(self._retiring.discard)
+
+    # ------------------------------------------------------------ probes
+
+    def _start_probe(self, provider_id: str) -> None:
+        self._probe_tasks[provider_id] = asyncio.create_task(
+            self._probe_loop(provider_id), name=f"probe:{provider_id}"
+        )
+
+    def _stop_probe(self, provider_id: str) -> None:
+        task = self._probe_tasks.pop(provider_id, None)
+        if task is not None:
+            task.cancel()
+
+    async def probe_once(self, provider_id: str) -> bool:
+        """Probe one provider now; returns True when its health changed."""
+        runtime = self.providers[provider_id]
+        try:
+            async with asyncio.timeout(self._probes.timeout_s):
+                result = await runtime.adapter.probe()
+        except TimeoutError:
+            result = ProbeResult(
+                ok=False, detail=f"probe timed out after {self._probes.timeout_s}s"
+            )
+        except Exception as exc:
+            result = ProbeResult(ok=False, detail=f"probe failed: {exc}")
+        self._last_probe_ms[provider_id] = int(time.time() * 1000)
+        changed = runtime.health.observe(result)
+        if changed:
+            logger.info(
+                "provider {} is {}{}",
+                provider_id,
+                runtime.health.state.value,
+                f" ({result.detail})" if result.detail else "",
+            )
+            runtime.publish(self._metrics)
+            self._changed()
+        return changed
+
+    async def _probe_loop(self, provider_id: str) -> None:
+        while provider_id in self.providers:
+            try:
+                await self.probe_once(provider_id)
+            except Exception:
+                logger.exception("probing {} failed", provider_id)
+            await asyncio.sleep(self._probes.interval_s)
+
+    # ------------------------------------------------------------ runs
+
+    def start_run(self, request: pb.RunRequest, channel: RunChannel) -> bool:
+        """Start a run in its own task; a request that cannot run fails on its channel."""
+        if request.run_id in self._runs:
+            logger.warning("duplicate run id {} ignored", request.run_id)
+            return False
+        loop = asyncio.get_running_loop()
+        configs = {pid: rt.config for pid, rt in self.providers.items()}
+        try:
+            config, spec = resolve(
+                request, configs, loop_now=loop.time(), unix_now_ms=int(time.time() * 1000)
+            )
+        except RunFailure as failure:
+            task = asyncio.create_task(
+                channel.failed(failure.code, failure.message, failure.provider_status)
+            )
+        else:
+            runtime = self.providers[config.id]
+            task = asyncio.create_task(
+                self._executor.execute_run(runtime, spec, channel), name=f"run:{spec.run_id}"
+            )
+        self._runs[request.run_id] = task
+        task.add_done_callback(lambda _: self._runs.pop(request.run_id, None))
+        return True
+
+    def cancel(self, run_id: str) -> bool:
+        task = self._runs.get(run_id)
+        if task is None:
+            return False
+        task.cancel()
+        return True
+
+    async def cancel_all(self) -> None:
+        """Cancel every run (the edge connection is gone) and wait until they let go."""
+        tasks = list(self._runs.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    @property
+    def runs_in_flight(self) -> int:
+        return len(self._runs)
+
+    # ------------------------------------------------------------ state
+
+    def states(self) -> list[ProviderStatus]:
+        return [
+            ProviderStatus(
+                config=rt.config,
+                health=rt.health.state,
+                in_flight=rt.gate.in_flight,
+                queued=rt.gate.queued,
+                models=rt.health.models or rt.config.models,
+                capabilities=rt.adapter.capabilities(),
+                last_probe_unix_ms=self._last_probe_ms.get(pid, 0),
+                detail=rt.health.detail,
+            )
+            for pid, rt in self.providers.items()
+        ]
+
+    async def aclose(self) -> None:
+        """Cancel runs and probes, then close every adapter."""
+        await self.cancel_all()
+        probes = list(self._probe_tasks.values())
+        for provider_id in list(self._probe_tasks):
+            self._stop_probe(provider_id)
+        await asyncio.gather(*probes, return_exceptions=True)
+        for task in list(self._retiring):
+            task.cancel()
+        await asyncio.gather(*self._retiring, return_exceptions=True)
+        for runtime in self.providers.values():
+            with contextlib.suppress(Exception):
+                await runtime.adapter.aclose()
+        self.providers.clear()

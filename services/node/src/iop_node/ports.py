@@ -1,0 +1,121 @@
+"""The node's ports: what the core needs from adapters, the event sink and the history store.
+
+Small, all-async protocols. An adapter knows one provider type and nothing of
+capacity, queues, the edge or history: the executor wraps every adapter the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+import aiohttp
+
+from iop_node.domain.health import ProbeResult
+from iop_node.domain.provider import ProviderConfig
+from iop_node.domain.runs import Completion, Delta, ExecutionSpec
+
+
+@dataclass(frozen=True, slots=True)
+class LifecycleFlags:
+    """Coarse model lifecycle capabilities of a provider type (catalog flags, seed D05)."""
+
+    list_models: bool = False
+    load_model: bool = False
+    unload_model: bool = False
+    pull_model: bool = False
+    delete_model: bool = False
+
+
+class EventSink(Protocol):
+    """Where an adapter sends the pieces of a streamed answer, in order."""
+
+    async def delta(self, delta: Delta) -> None:
+        """Send one delta; raises ``RunCancelled`` once the run's consumer is gone."""
+        ...
+
+
+class RunChannel(EventSink, Protocol):
+    """Where one run's events go (the edge connection): exactly one terminal event.
+
+    ``started`` precedes every delta; then ``completed`` or ``failed`` ends the run.
+    The executor guarantees the order; the channel numbers the events.
+    """
+
+    async def started(self, provider_id: str, target: str, queue_wait_ms: int) -> None: ...
+
+    async def completed(self, completion: Completion) -> None: ...
+
+    async def failed(self, code: int, message: str, provider_status: int) -> None: ...
+
+
+class Adapter(Protocol):
+    """One provider instance (one ``nodes[].providers[]`` entry) of one provider type.
+
+    ``execute`` returns the run's ``Completion`` or raises a ``RunFailure``
+    subclass; it must stop promptly when cancelled (``CancelledError``) and
+    abort the provider call, and never outlive ``spec.deadline`` (the executor
+    also enforces it). ``probe`` must be cheap: never a completion.
+    """
+
+    @property
+    def name(self) -> str:
+        """The provider type (``mock``, ``ollama``, ``vllm`` ...)."""
+        ...
+
+    def capabilities(self) -> LifecycleFlags: ...
+
+    async def probe(self) -> ProbeResult: ...
+
+    async def execute(self, spec: ExecutionSpec, sink: EventSink) -> Completion: ...
+
+    async def aclose(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterContext:
+    """What the node lends every adapter: one pooled HTTP client, and the environment
+    (where ``api_key_env`` settings are looked up; keys never travel in configs)."""
+
+    http: aiohttp.ClientSession
+    environ: Mapping[str, str]
+
+
+AdapterFactory = Callable[[ProviderConfig, AdapterContext], Adapter]
+"""An adapter class (or a function) registered for one provider type in ``bootstrap``."""
+
+
+@dataclass(frozen=True, slots=True)
+class RunRecord:
+    """One run as history keeps it. Times are Unix milliseconds; 0 = did not happen."""
+
+    run_id: str
+    model: str
+    provider_id: str
+    target: str
+    operation: str
+    stream: bool
+    outcome: str  # running | completed | failed | cancelled | rejected
+    error_code: str = ""
+    error_message: str = ""
+    received_ms: int = 0
+    started_ms: int = 0
+    first_token_ms: int = 0
+    finished_ms: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+class RunHistory(Protocol):
+    """Run history that survives restarts; never blocks the request path."""
+
+    async def run_started(self, record: RunRecord) -> None:
+        """Note a run that was admitted (so a crash leaves a trace of it)."""
+        ...
+
+    async def complete_run(self, record: RunRecord) -> None:
+        """Record how a run ended (replaces the started record)."""
+        ...
+
+    async def recent(self, limit: int) -> list[RunRecord]: ...

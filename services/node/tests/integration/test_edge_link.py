@@ -1,0 +1,271 @@
+"""The node against a test edge over real mTLS: register, snapshot, run, cancel, reconnect."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import trustme
+from prometheus_client import CollectorRegistry
+
+from iop_node.bootstrap import build
+from iop_node.settings import NodeSettings
+from iop_proto.connection import Connection
+from iop_proto.errors import ConnectionClosed
+from iop_proto.service import AdminServer
+from iop_proto.testing import loopback_server, write_identity
+from iop_proto.tls import TlsSettings, server_context
+from iop_proto.v1 import runtime_pb2 as pb
+
+TOKEN = "iopnt_test-token"
+
+
+def mock_provider(
+    provider_id: str = "node-a-mock", tokens_per_second: float = 0
+) -> pb.ProviderConfig:
+    return pb.ProviderConfig(
+        id=provider_id,
+        type="mock",
+        category=pb.PROVIDER_CATEGORY_LOCAL_INFERENCE,
+        models=["mock-small"],
+        capacity=2,
+        max_queue=4,
+        queue_timeout_ms=5000,
+        request_timeout_ms=30_000,
+        settings_json=json.dumps(
+            {"tokens_per_second": tokens_per_second, "default_tokens": 8}
+        ).encode(),
+    )
+
+
+@dataclass
+class NodeSession:
+    """One registered node connection, seen from the edge."""
+
+    conn: Connection
+    register: pb.RegisterRequest
+    inbox: asyncio.Queue[pb.Envelope] = field(default_factory=asyncio.Queue)
+    snapshots: list[pb.ProviderSnapshot] = field(default_factory=list)
+    snapshot_seen: asyncio.Condition = field(default_factory=asyncio.Condition)
+
+    async def pump(self) -> None:
+        try:
+            async for envelope in self.conn:
+                if envelope.WhichOneof("body") == "provider_snapshot":
+                    async with self.snapshot_seen:
+                        self.snapshots.append(envelope.provider_snapshot)
+                        self.snapshot_seen.notify_all()
+                else:
+                    await self.inbox.put(envelope)
+        except ConnectionClosed:
+            pass
+
+    async def wait_for_snapshot(
+        self, check: Callable[[pb.ProviderState], bool]
+    ) -> pb.ProviderSnapshot:
+        async with asyncio.timeout(10), self.snapshot_seen:
+            while True:
+                for snapshot in self.snapshots:
+                    if snapshot.providers and all(check(p) for p in snapshot.providers):
+                        return snapshot
+                await self.snapshot_seen.wait()
+
+    async def run(self, run_id: str, body: dict[str, object], stream: bool) -> None:
+        request = pb.RunRequest(
+            run_id=run_id,
+            model="mock-small",
+            provider_id="node-a-mock",
+            adapter="mock",
+            target="mock-small",
+            operation=pb.OPERATION_CHAT_COMPLETIONS,
+            body_json=json.dumps({"model": "mock-small", **body}).encode(),
+            stream=stream,
+        )
+        await self.conn.send(request, correlation_id=run_id)
+
+    async def events(self, run_id: str) -> list[pb.RunEvent]:
+        """Events of one run up to its terminal event."""
+        events: list[pb.RunEvent] = []
+        async with asyncio.timeout(10):
+            while True:
+                envelope = await self.inbox.get()
+                assert envelope.WhichOneof("body") == "run_event", envelope
+                assert envelope.run_event.run_id == run_id
+                events.append(envelope.run_event)
+                if envelope.run_event.WhichOneof("kind") in ("complete", "error"):
+                    return events
+
+
+class FakeEdge:
+    """The edge's side of node registration, just enough to drive a real node."""
+
+    def __init__(self, providers: list[pb.ProviderConfig]) -> None:
+        self.providers = providers
+        self.sessions: asyncio.Queue[NodeSession] = asyncio.Queue()
+        self._pumps: set[asyncio.Task[None]] = set()
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        async with Connection(reader, writer, sender_id="edge", heartbeat_interval=0) as conn:
+            hello = await conn.receive()
+            register = hello.register_request
+            accepted = register.token == TOKEN and conn.peer is not None
+            accepted = accepted and conn.peer.name == register.peer_id
+            await conn.send(
+                pb.RegisterResponse(
+                    accepted=accepted,
+                    reason="" if accepted else "bad token",
+                    node_config=pb.NodeConfig(node_id=register.peer_id, providers=self.providers),
+                    heartbeat_interval_ms=30_000,
+                    edge_id="test-edge",
+                ),
+                correlation_id=hello.message_id,
+            )
+            if not accepted:
+                return
+            session = NodeSession(conn, register)
+            await self.sessions.put(session)
+            await session.pump()
+
+
+@dataclass
+class Pki:
+    edge: TlsSettings
+    node: TlsSettings
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
+    ca = trustme.CA()
+    directory = tmp_path_factory.mktemp("pki")
+    return Pki(
+        edge=write_identity(ca, directory, "edge", "edge"),
+        node=write_identity(ca, directory, "node-a", "node"),
+    )
+
+
+@contextlib.asynccontextmanager
+async def running_node(pki: Pki, port: int, tmp_path: Path) -> AsyncIterator[None]:
+    settings = NodeSettings.model_validate(
+        {
+            "service_id": "node-a",
+            "tls": pki.node.model_dump(),
+            "edge": {"host": "127.0.0.1", "port": port, "server_name": "localhost"},
+            "token": TOKEN,
+            "history_db": str(tmp_path / "history.db"),
+            "probes": {"interval_s": 0.1},
+            "reconnect": {"initial_s": 0.05, "max_s": 0.2},
+        }
+    )
+    registry = CollectorRegistry()
+    admin = AdminServer("node", registry, host="127.0.0.1", port=0)
+    async with build(settings, registry, admin):
+        yield
+
+
+@pytest.fixture
+async def edge_and_node(pki: Pki, tmp_path: Path) -> AsyncIterator[FakeEdge]:
+    edge = FakeEdge([mock_provider(tokens_per_second=0)])
+    async with loopback_server(edge.handle, server_context(pki.edge)) as port:
+        async with running_node(pki, port, tmp_path):
+            yield edge
+
+
+async def test_registers_reports_available_and_streams_a_run(edge_and_node: FakeEdge) -> None:
+    session = await asyncio.wait_for(edge_and_node.sessions.get(), 10)
+    assert session.register.peer_id == "node-a"
+    assert session.register.role == pb.PEER_ROLE_NODE
+
+    snapshot = await session.wait_for_snapshot(lambda p: p.health == pb.HEALTH_AVAILABLE)
+    [state] = snapshot.providers
+    assert (state.provider_id, state.capacity, state.in_flight, state.queued) == (
+        "node-a-mock",
+        2,
+        0,
+        0,
+    )
+    assert list(state.models) == ["mock-small"]
+    assert state.capabilities.list_models
+
+    await session.run(
+        "run-1", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}, stream=True
+    )
+    events = await session.events("run-1")
+    assert [e.sequence for e in events] == list(range(len(events)))
+    kinds = [e.WhichOneof("kind") for e in events]
+    assert kinds[0] == "start"
+    assert kinds[-1] == "complete"
+    assert kinds.count("delta") == 5
+    assert events[-1].complete.usage.completion_tokens == 5
+    assert events[0].start.provider_id == "node-a-mock"
+
+
+async def test_non_streaming_run_returns_the_whole_result(edge_and_node: FakeEdge) -> None:
+    session = await asyncio.wait_for(edge_and_node.sessions.get(), 10)
+    await session.run(
+        "run-2", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}, stream=False
+    )
+    events = await session.events("run-2")
+    assert [e.WhichOneof("kind") for e in events] == ["start", "complete"]
+    result = json.loads(events[-1].complete.result_json)
+    assert result["object"] == "chat.completion"
+    assert result["usage"]["completion_tokens"] == 3
+
+
+async def test_cancel_frees_the_slot(pki: Pki, tmp_path: Path) -> None:
+    edge = FakeEdge([mock_provider(tokens_per_second=20)])
+    async with loopback_server(edge.handle, server_context(pki.edge)) as port:
+        async with running_node(pki, port, tmp_path):
+            session = await asyncio.wait_for(edge.sessions.get(), 10)
+            await session.run("slow", {"messages": [], "max_tokens": 1000}, stream=True)
+            first = await asyncio.wait_for(session.inbox.get(), 10)
+            assert first.run_event.WhichOneof("kind") == "start"
+            await session.wait_for_snapshot(lambda p: p.in_flight == 1)
+            await session.conn.send(pb.CancelRequest(run_id="slow", reason="client gone"))
+            while True:
+                envelope = await asyncio.wait_for(session.inbox.get(), 10)
+                if envelope.run_event.WhichOneof("kind") == "error":
+                    break
+            assert envelope.run_event.error.code == pb.ERROR_CODE_CANCELLED
+            session.snapshots.clear()
+            await session.wait_for_snapshot(lambda p: p.in_flight == 0 and p.queued == 0)
+
+
+async def test_reconnects_after_the_edge_drops_and_cancels_the_lost_runs(
+    pki: Pki, tmp_path: Path
+) -> None:
+    edge = FakeEdge([mock_provider(tokens_per_second=20)])
+    async with loopback_server(edge.handle, server_context(pki.edge)) as port:
+        async with running_node(pki, port, tmp_path):
+            first = await asyncio.wait_for(edge.sessions.get(), 10)
+            await first.run("lost", {"messages": [], "max_tokens": 1000}, stream=True)
+            await first.wait_for_snapshot(lambda p: p.in_flight == 1)
+            await first.conn.close()  # the edge drops the node
+
+            second = await asyncio.wait_for(edge.sessions.get(), 10)
+            assert second.register.peer_id == "node-a"
+            # the run of the lost connection was cancelled at the provider: its slot is free
+            await second.wait_for_snapshot(lambda p: p.in_flight == 0)
+            await second.run("after", {"messages": [], "max_tokens": 2}, stream=True)
+            events = await second.events("after")
+            assert events[-1].WhichOneof("kind") == "complete"
+
+
+async def test_unknown_provider_fails_the_run_not_the_link(edge_and_node: FakeEdge) -> None:
+    session = await asyncio.wait_for(edge_and_node.sessions.get(), 10)
+    request = pb.RunRequest(
+        run_id="bad",
+        provider_id="nope",
+        target="x",
+        operation=pb.OPERATION_CHAT_COMPLETIONS,
+        body_json=b"{}",
+    )
+    await session.conn.send(request)
+    events = await session.events("bad")
+    assert events[-1].error.code == pb.ERROR_CODE_NOT_FOUND
+    await session.run("ok", {"messages": [], "max_tokens": 1}, stream=True)
+    assert (await session.events("ok"))[-1].WhichOneof("kind") == "complete"

@@ -1,0 +1,383 @@
+"""The mock adapter: deterministic answers, limits, usage, tools, embeddings and drills."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import struct
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import pytest
+
+from iop_node.adapters.mock import WORDS, MockAdapter
+from iop_node.domain.provider import ProviderConfig
+from iop_node.domain.runs import Delta, ExecutionSpec, Operation, Usage
+from iop_node.errors import (
+    ConfigError,
+    InvalidRequest,
+    ProviderFailed,
+    ProviderTimeout,
+    ProviderUnavailable,
+)
+from iop_node.ports import AdapterContext, LifecycleFlags
+
+CHAT = {
+    "messages": [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "hi there you"},
+    ]
+}
+CHAT_WORDS = 5
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {}}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {}}},
+]
+
+
+class Collect:
+    """An event sink that keeps every delta and can signal the first one."""
+
+    def __init__(self) -> None:
+        self.deltas: list[Delta] = []
+        self.first = asyncio.Event()
+
+    async def delta(self, delta: Delta) -> None:
+        self.deltas.append(delta)
+        self.first.set()
+
+    @property
+    def text(self) -> str:
+        return "".join(d.text for d in self.deltas)
+
+
+@pytest.fixture
+async def context() -> AsyncIterator[AdapterContext]:
+    async with aiohttp.ClientSession() as http:
+        yield AdapterContext(http=http, environ={})
+
+
+def mock(context: AdapterContext, **settings: Any) -> MockAdapter:
+    settings.setdefault("tokens_per_second", 0)
+    config = ProviderConfig(id="m1", type="mock", models=("m-a", "m-b"), settings=settings)
+    return MockAdapter(config, context)
+
+
+def spec(
+    body: dict[str, Any],
+    *,
+    operation: Operation = Operation.CHAT_COMPLETIONS,
+    stream: bool = True,
+    timeout: float = 30.0,
+    run_id: str = "r1",
+) -> ExecutionSpec:
+    return ExecutionSpec(
+        run_id=run_id,
+        model="m-a",
+        provider_id="m1",
+        adapter="mock",
+        target="m-a",
+        operation=operation,
+        body={"model": "m-a", **body},
+        stream=stream,
+        include_usage=True,
+        deadline=asyncio.get_running_loop().time() + timeout,
+    )
+
+
+def expected_text(tokens: int) -> str:
+    return "".join(WORDS[i % len(WORDS)] + " " for i in range(tokens))
+
+
+async def test_streams_one_delta_per_token_deterministically(context: AdapterContext) -> None:
+    adapter = mock(context, default_tokens=20)
+    first, second = Collect(), Collect()
+    completion = await adapter.execute(spec(CHAT), first)
+    await adapter.execute(spec(CHAT, run_id="r2"), second)
+
+    assert first.text == second.text == expected_text(20)
+    assert len(first.deltas) == 20
+    assert [d.role for d in first.deltas] == ["assistant"] + [""] * 19
+    assert completion.finish_reason == "stop"
+    assert completion.usage == Usage.of(CHAT_WORDS, 20)
+    assert completion.result is None
+
+
+@pytest.mark.parametrize("key", ["max_tokens", "max_completion_tokens"])
+async def test_max_tokens_sets_the_length_and_finishes_with_length(
+    context: AdapterContext, key: str
+) -> None:
+    sink = Collect()
+    completion = await mock(context).execute(spec({**CHAT, key: 40}), sink)
+    assert sink.text == expected_text(40)
+    assert completion.finish_reason == "length"
+    assert completion.usage == Usage.of(CHAT_WORDS, 40)
+
+
+async def test_default_length_comes_from_settings(context: AdapterContext) -> None:
+    completion = await mock(context).execute(spec(CHAT, stream=False), Collect())
+    assert completion.usage is not None
+    assert completion.usage.completion_tokens == 32
+
+
+async def test_non_streaming_chat_returns_an_openai_body(context: AdapterContext) -> None:
+    sink = Collect()
+    completion = await mock(context).execute(spec({**CHAT, "max_tokens": 3}, stream=False), sink)
+    assert sink.deltas == []
+    body = completion.result
+    assert body is not None
+    assert body["id"] == "chatcmpl-r1"
+    assert body["object"] == "chat.completion"
+    assert body["model"] == "m-a"
+    assert isinstance(body["created"], int)
+    assert body["choices"] == [
+        {
+            "index": 0,
+            "message": {"role": "assistant", "content": "the quick brown "},
+            "logprobs": None,
+            "finish_reason": "length",
+        }
+    ]
+    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
+
+
+async def test_completions_count_the_prompt_and_return_text(context: AdapterContext) -> None:
+    adapter = mock(context, default_tokens=2)
+    body = {"prompt": "one two three"}
+    completion = await adapter.execute(
+        spec(body, operation=Operation.COMPLETIONS, stream=False), Collect()
+    )
+    assert completion.result is not None
+    assert completion.result["object"] == "text_completion"
+    assert completion.result["choices"][0]["text"] == "the quick "
+    assert completion.result["choices"][0]["finish_reason"] == "stop"
+    assert completion.usage == Usage.of(3, 2)
+
+    sink = Collect()
+    await adapter.execute(spec(body, operation=Operation.COMPLETIONS), sink)
+    assert [(d.text, d.role) for d in sink.deltas] == [("the ", ""), ("quick ", "")]
+
+
+async def test_prompt_words_include_text_parts(context: AdapterContext) -> None:
+    parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "a b c d"}]}]}
+    completion = await mock(context, default_tokens=0).execute(spec(parts), Collect())
+    assert completion.usage == Usage.of(4, 0)
+
+
+async def test_paced_tokens_are_not_faster_than_the_rate(context: AdapterContext) -> None:
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    await mock(context, tokens_per_second=200).execute(spec({**CHAT, "max_tokens": 20}), Collect())
+    # 20 tokens at 200/s cannot take less than 0.1 s; slack for the loop's clock resolution.
+    assert loop.time() - started >= 0.09
+
+
+async def test_delay_comes_before_the_first_token(context: AdapterContext) -> None:
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    sink = Collect()
+    await mock(context).execute(
+        spec({**CHAT, "max_tokens": 1, "iop_mock": {"delay_ms": 100}}), sink
+    )
+    assert loop.time() - started >= 0.09
+    assert sink.text == "the "
+
+
+async def test_embeddings_are_deterministic_unit_vectors(context: AdapterContext) -> None:
+    adapter = mock(context)
+    body = {"input": ["hello world", "other text here"]}
+    first = await adapter.execute(
+        spec(body, operation=Operation.EMBEDDINGS, stream=False), Collect()
+    )
+    again = await adapter.execute(
+        spec(body, operation=Operation.EMBEDDINGS, stream=False), Collect()
+    )
+    assert first.result is not None
+    assert again.result is not None
+    assert first.result["data"] == again.result["data"]
+    assert first.result["object"] == "list"
+    assert first.result["model"] == "m-a"
+    assert first.result["usage"] == {"prompt_tokens": 5, "total_tokens": 5}
+    assert first.usage == Usage.of(5, 0)
+    vectors = [item["embedding"] for item in first.result["data"]]
+    assert [item["index"] for item in first.result["data"]] == [0, 1]
+    assert all(len(v) == 8 for v in vectors)
+    assert vectors[0] != vectors[1]
+    assert abs(sum(x * x for x in vectors[0]) - 1.0) < 1e-9
+
+
+async def test_embeddings_in_base64_decode_to_the_float_vector(context: AdapterContext) -> None:
+    adapter = mock(context)
+    floats = await adapter.execute(spec({"input": "x"}, operation=Operation.EMBEDDINGS), Collect())
+    packed = await adapter.execute(
+        spec({"input": "x", "encoding_format": "base64"}, operation=Operation.EMBEDDINGS), Collect()
+    )
+    assert floats.result is not None
+    assert packed.result is not None
+    raw = base64.b64decode(packed.result["data"][0]["embedding"])
+    decoded = struct.unpack("<8f", raw)
+    assert decoded == pytest.approx(floats.result["data"][0]["embedding"], abs=1e-6)
+
+
+async def test_required_tool_choice_calls_the_first_function(context: AdapterContext) -> None:
+    body = {**CHAT, "tools": TOOLS, "tool_choice": "required"}
+    completion = await mock(context).execute(spec(body, stream=False), Collect())
+    assert completion.finish_reason == "tool_calls"
+    assert completion.result is not None
+    message = completion.result["choices"][0]["message"]
+    assert message["content"] is None
+    assert message["tool_calls"] == [
+        {
+            "id": "call_r1",
+            "type": "function",
+            "function": {"name": "get_weather", "arguments": "{}"},
+        }
+    ]
+    assert completion.result["choices"][0]["finish_reason"] == "tool_calls"
+
+
+async def test_named_tool_choice_streams_tool_call_deltas(context: AdapterContext) -> None:
+    choice = {"type": "function", "function": {"name": "get_time"}}
+    sink = Collect()
+    completion = await mock(context).execute(
+        spec({**CHAT, "tools": TOOLS, "tool_choice": choice}), sink
+    )
+    assert completion.finish_reason == "tool_calls"
+    head, args = sink.deltas
+    assert head.role == "assistant"
+    assert head.tool_calls[0].function_name == "get_time"
+    assert head.tool_calls[0].id == "call_r1"
+    assert head.tool_calls[0].type == "function"
+    assert args.tool_calls[0].function_arguments == "{}"
+    assert sink.text == ""
+
+
+async def test_auto_tool_choice_answers_with_text(context: AdapterContext) -> None:
+    sink = Collect()
+    completion = await mock(context, default_tokens=2).execute(
+        spec({**CHAT, "tools": TOOLS, "tool_choice": "auto"}), sink
+    )
+    assert completion.finish_reason == "stop"
+    assert sink.text == "the quick "
+
+
+async def test_unknown_named_tool_is_an_invalid_request(context: AdapterContext) -> None:
+    choice = {"type": "function", "function": {"name": "nope"}}
+    with pytest.raises(InvalidRequest):
+        await mock(context).execute(
+            spec({**CHAT, "tools": TOOLS, "tool_choice": choice}), Collect()
+        )
+
+
+async def test_provider_error_drill_fails_after_n_tokens(context: AdapterContext) -> None:
+    sink = Collect()
+    drill = {"fail": "provider_error", "after_tokens": 3, "status": 503}
+    with pytest.raises(ProviderFailed) as caught:
+        await mock(context).execute(spec({**CHAT, "iop_mock": drill}), sink)
+    assert caught.value.provider_status == 503
+    assert sink.text == expected_text(3)
+
+
+async def test_unavailable_drill_defaults_to_failing_at_once(context: AdapterContext) -> None:
+    sink = Collect()
+    with pytest.raises(ProviderUnavailable):
+        await mock(context).execute(spec({**CHAT, "iop_mock": {"fail": "unavailable"}}), sink)
+    assert sink.deltas == []
+
+
+async def test_drill_after_more_tokens_than_the_answer_fails_at_the_end(
+    context: AdapterContext,
+) -> None:
+    sink = Collect()
+    drill = {"fail": "provider_error", "after_tokens": 100}
+    with pytest.raises(ProviderFailed) as caught:
+        await mock(context).execute(spec({**CHAT, "max_tokens": 4, "iop_mock": drill}), sink)
+    assert caught.value.provider_status == 500
+    assert sink.text == expected_text(4)
+
+
+async def test_timeout_drill_hangs_until_the_deadline(context: AdapterContext) -> None:
+    sink = Collect()
+    drill = {"fail": "timeout", "after_tokens": 2}
+    with pytest.raises(ProviderTimeout):
+        await mock(context).execute(spec({**CHAT, "iop_mock": drill}, timeout=0.2), sink)
+    assert sink.text == expected_text(2)
+
+
+async def test_embeddings_honour_the_drill(context: AdapterContext) -> None:
+    body = {"input": "x", "iop_mock": {"fail": "provider_error", "status": 429}}
+    with pytest.raises(ProviderFailed) as caught:
+        await mock(context).execute(spec(body, operation=Operation.EMBEDDINGS), Collect())
+    assert caught.value.provider_status == 429
+
+
+async def test_slow_answer_past_the_deadline_is_a_provider_timeout(context: AdapterContext) -> None:
+    adapter = mock(context, tokens_per_second=20, default_tokens=1000)
+    sink = Collect()
+    with pytest.raises(ProviderTimeout):
+        await adapter.execute(spec(CHAT, timeout=0.2), sink)
+    assert 0 < len(sink.deltas) < 1000
+
+
+async def test_cancel_stops_the_run(context: AdapterContext) -> None:
+    adapter = mock(context, tokens_per_second=50, default_tokens=1000)
+    sink = Collect()
+    task = asyncio.create_task(adapter.execute(spec(CHAT), sink))
+    await sink.first.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    produced = len(sink.deltas)
+    await asyncio.sleep(0.05)
+    assert len(sink.deltas) == produced < 1000
+
+
+async def test_unpaced_run_stays_cancellable(context: AdapterContext) -> None:
+    adapter = mock(context, tokens_per_second=0, default_tokens=10_000_000)
+
+    class Quiet:
+        """A sink that never yields: the adapter itself must give the loop a turn."""
+
+        async def delta(self, delta: Delta) -> None:
+            return None
+
+    task = asyncio.create_task(adapter.execute(spec(CHAT), Quiet()))
+    await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+@pytest.mark.parametrize(
+    "hook",
+    [
+        "fail",
+        {"fail": "explode"},
+        {"fail": "provider_error", "after_tokens": -1},
+        {"delay_ms": "soon"},
+    ],
+)
+async def test_malformed_hook_is_an_invalid_request(context: AdapterContext, hook: Any) -> None:
+    with pytest.raises(InvalidRequest):
+        await mock(context).execute(spec({**CHAT, "iop_mock": hook}), Collect())
+
+
+@pytest.mark.parametrize(
+    "settings", [{"tokens_per_second": -1}, {"default_tokens": "many"}, {"default_tokens": 1.5}]
+)
+async def test_bad_settings_are_a_config_error(
+    context: AdapterContext, settings: dict[str, Any]
+) -> None:
+    with pytest.raises(ConfigError):
+        mock(context, **settings)
+
+
+async def test_probe_lists_the_configured_models(context: AdapterContext) -> None:
+    adapter = mock(context)
+    result = await adapter.probe()
+    assert result.ok
+    assert result.models == ("m-a", "m-b")
+    assert adapter.name == "mock"
+    assert adapter.capabilities() == LifecycleFlags(list_models=True)
+    await adapter.aclose()

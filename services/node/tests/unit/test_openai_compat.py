@@ -1,0 +1,595 @@
+"""The OpenAI-compatible adapter against a small OpenAI-shaped server on 127.0.0.1.
+
+The server records every request it gets and answers with whatever the test
+scripts, down to raw SSE bytes written in awkward pieces, so parsing, error
+mapping and cancellation are checked on a real socket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from iop_node.adapters import openai_compat
+from iop_node.adapters.openai_compat import OpenAICompatAdapter, normalise_endpoint
+from iop_node.adapters.sse import iter_sse_data
+from iop_node.domain.provider import ProviderConfig
+from iop_node.domain.runs import Delta, ExecutionSpec, Operation, ToolCallDelta, Usage
+from iop_node.errors import (
+    ConfigError,
+    InvalidRequest,
+    ProviderFailed,
+    ProviderTimeout,
+    ProviderUnavailable,
+    RunCancelled,
+)
+from iop_node.ports import AdapterContext, LifecycleFlags
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+CHAT_RESULT: dict[str, Any] = {
+    "id": "chatcmpl-1",
+    "object": "chat.completion",
+    "model": "served/model",
+    "choices": [
+        {"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}
+    ],
+    "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6},
+    "x_provider_field": {"kept": True},
+}
+
+
+@dataclass
+class Received:
+    path: str
+    headers: dict[str, str]
+    body: dict[str, Any]
+
+
+@dataclass
+class FakeProvider:
+    """An OpenAI-shaped server; ``reply`` answers every POST, ``models`` the probe."""
+
+    url: str = ""
+    reply: Handler | None = None
+    models: Handler | None = None
+    requests: list[Received] = field(default_factory=list)
+    disconnected: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def handle_post(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.requests.append(Received(request.path, dict(request.headers), body))
+        try:
+            if self.reply is None:
+                return web.json_response(CHAT_RESULT)
+            return await self.reply(request)
+        except (asyncio.CancelledError, ConnectionResetError):
+            # handler_cancellation: the client went away while we were answering.
+            self.disconnected.set()
+            raise
+
+    async def handle_models(self, request: web.Request) -> web.StreamResponse:
+        self.requests.append(Received(request.path, dict(request.headers), {}))
+        if self.models is not None:
+            return await self.models(request)
+        return web.json_response({"object": "list", "data": [{"id": "a"}, {"id": "b/c"}]})
+
+
+@pytest.fixture
+async def provider() -> AsyncIterator[FakeProvider]:
+    fake = FakeProvider()
+    app = web.Application()
+    app.router.add_post("/{tail:.*}", fake.handle_post)
+    app.router.add_get("/v1/models", fake.handle_models)
+    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=1)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    host, port = runner.addresses[0][:2]
+    fake.url = f"http://{host}:{port}"
+    try:
+        yield fake
+    finally:
+        await runner.cleanup()
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as session:
+        yield session
+
+
+class Sink:
+    """Collects deltas; ``first`` is set by the first one."""
+
+    def __init__(self, *, fail_after: int | None = None) -> None:
+        self.deltas: list[Delta] = []
+        self.first = asyncio.Event()
+        self._fail_after = fail_after
+
+    async def delta(self, delta: Delta) -> None:
+        if self._fail_after is not None and len(self.deltas) >= self._fail_after:
+            raise RunCancelled("consumer gone")
+        self.deltas.append(delta)
+        self.first.set()
+
+    @property
+    def text(self) -> str:
+        return "".join(d.text for d in self.deltas)
+
+
+def make_adapter(
+    http: aiohttp.ClientSession,
+    endpoint: str,
+    *,
+    provider_type: str = "vllm",
+    environ: dict[str, str] | None = None,
+    **settings: Any,
+) -> OpenAICompatAdapter:
+    config = ProviderConfig(
+        id="p1", type=provider_type, settings={"endpoint": endpoint, **settings}
+    )
+    adapter = openai_compat.factory(provider_type)(config, AdapterContext(http, environ or {}))
+    assert isinstance(adapter, OpenAICompatAdapter)
+    return adapter
+
+
+def make_spec(
+    body: dict[str, Any],
+    *,
+    operation: Operation = Operation.CHAT_COMPLETIONS,
+    stream: bool = False,
+    seconds: float = 10.0,
+) -> ExecutionSpec:
+    return ExecutionSpec(
+        run_id="r1",
+        model="public-name",
+        provider_id="p1",
+        adapter="vllm",
+        target="served/model",
+        operation=operation,
+        body={"model": "served/model", **body},
+        stream=stream,
+        include_usage=False,
+        deadline=asyncio.get_running_loop().time() + seconds,
+    )
+
+
+def chunk(**delta: Any) -> bytes:
+    finish = delta.pop("finish_reason", None)
+    event = {"object": "chat.completion.chunk", "choices": [
+        {"index": 0, "delta": delta, "finish_reason": finish}
+    ]}  # fmt: skip
+    return b"data: " + json.dumps(event).encode() + b"\n\n"
+
+
+USAGE_CHUNK = b'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":2}}\n\n'
+
+
+def sse_reply(pieces: Sequence[bytes], *, pause: float = 0.0) -> Handler:
+    """Answer with ``pieces`` written one by one (each flushed), as a provider streams."""
+
+    async def reply(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for piece in pieces:
+            await response.write(piece)
+            if pause:
+                await asyncio.sleep(pause)
+        await response.write_eof()
+        return response
+
+    return reply
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+    return port
+
+
+# --- request shape ---------------------------------------------------------------------
+
+
+async def test_non_stream_forwards_every_field_and_returns_the_body(
+    provider: FakeProvider, http: aiohttp.ClientSession
+) -> None:
+    body = {
+        "messages": [{"role": "user", "content": "héllo"}],
+        "seed": 7,
+        "logit_bias": {"50256": -100},
+        "response_format": {"type": "json_object"},
+        "x_vendor_knob": [1, {"deep": None}],
+    }
+    completion = await make_adapter(http, provider.url).execute(make_spec(body), Sink())
+
+    (got,) = provider.requests
+    assert got.path == "/v1/chat/completions"
+    assert got.body == {"model": "served/model", **body, "stream": False}
+    assert completion.result == CHAT_RESULT  # provider fields kept
+    assert completion.finish_reason == "stop"
+    assert completion.usage == Usage(5, 1, 6)
+    assert "Authorization" not in got.headers
+
+
+async def test_stream_asks_for_usage_and_keeps_other_stream_options(
+    provider: FakeProvider, http: aiohttp.ClientSession
+) -> None:
+    provider.reply = sse_reply([chunk(role="assistant"), chunk(content="a"), b"data: [DONE]\n\n"])
+    spec = make_spec(
+        {"messages": [], "stream_options": {"continuous_usage_stats": True}}, stream=True
+    )
+    await make_adapter(http, provider.url).execute(spec, Sink())
+
+    sent = provider.requests[0].body
+    assert sent["stream"] is True
+    assert sent["stream_options"] == {"continuous_usage_stats": True, "include_usage": True}
+    assert spec.body["stream_options"] == {"continuous_usage_stats": True}  # not mutated
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "base"),
+    [
+        ("http://h:8000", "http://h:8000"),
+        ("http://h:8000/", "http://h:8000"),
+        ("http://h:8000/v1", "http://h:8000"),
+        ("http://h:8000/v1/", "http://h:8000"),
+        ("http://h:8000/api/v1", "http://h:8000/api"),
+    ],
+)
+def test_endpoint_is_normalised_with_or_without_v1(endpoint: str, base: str) -> None:
+    assert normalise_endpoint(endpoint) == base
+
+
+async def test_endpoint_with_v1_reaches_the_same_paths(
+    provider: FakeProvider, http: aiohttp.ClientSession
+) -> None:
+    await make_adapter(http, provider.url + "/v1/").execute(make_spec({"messages": []}), Sink())
+    assert provider.requests[0].path == "/v1/chat/completions"
+
+
+async def test_factory_builds_each_flavor(http: aiohttp.ClientSession) -> None:
+    for kind in ("vllm", "sglang", "llamacpp", "openai_api"):
+        adapter = make_adapter(http, "http://h:1", provider_type=kind)
+        assert adapter.name == kind
+        assert adapter.capabilities() == LifecycleFlags(list_models=True)
+    lemonade = make_adapter(http, "http://h:1", provider_type="lemonade")
+    assert lemonade.capabilities() == LifecycleFlags(True, True, True, True, True)
+    with pytest.raises(ConfigError, match="ollama"):
+        openai_compat.factory("ollama")
+
+
+async def test_missing_endpoint_is_a_config_error(http: aiohttp.ClientSession) -> None:
+    config = ProviderConfig(id="p1", type="vllm", settings={})
+    with pytest.raises(ConfigError, match="endpoint"):
+        OpenAICompatAdapter(config, AdapterContext(http, {}), flavor=openai_compat.FLAVORS["vllm"])
+
+
+async def test_api_key_env_becomes_a_bearer_header(
+    provider: FakeProvider, http: aiohttp.ClientSession
+) -> None:
+    adapter = make_adapter(http, provider.url, environ={"K": "sk-secret"}, api_key_env="K")
+    await adapter.execute(make_spec({"messages": []}), Sink())
+    assert (await adapter.probe()).ok
+    assert [r.headers["Authorization"] for r in provider.requests] == ["Bearer sk-secret"] * 2
+
+
+async def test_missing_api_key_variable_is_reported_not_sent(
+    provider: FakeProvider, http: aiohttp.ClientSession
+) -> None:
+    adapter = make_adapter(http, provider.url, environ={}, api_key_env="OPENAI_KEY")
+    result = await adapter.probe()
+    assert not result.ok
+    assert "OPENAI_KEY" in result.detail
+    with pytest.raises(ProviderUnavailable, match="OPENAI_KEY"):
+        await adapter.execute(make_spec({"messages": []}), Sink())
+    assert provider.requests == []
+
+
+async def test_embeddings(provider: FakeProvider, http: aiohttp.ClientSession) -> None:
+    result = {
+        "object": "list",
+        "data": [{"object": "embedding", "index": 0, "embedding": [0.1, 0.2]}],
+        "usage": {"prompt_tokens": 4, "total_tokens": 4},
+    }
+
+    async def reply(request: web.Request) -> web.StreamResponse:
+        return web.json_response(result)
+
+    provider.reply = reply
+    spec = make_spec({"input": ["a", "b"], "dimensions": 2}, operation=Operation.EMBEDDINGS)
+    completion = await make_adapter(http, provider.url).execute(spec, Sink())
+
+    got = provider.requests[0]
+    assert got.path == "/v1/embeddings"
+    assert got.body == {"model": "served/model", "input": ["a", "b"], "dimensions": 2}
+    assert completion.result == result
+    assert completion.finish_reason == ""
+    assert completion.usage == Usage(4, 0, 4)
+
+
+# --- streaming ---------------------------------------------------------------------------
+
+
+async def test_sse_reader_handles_crlf_comments_multiline_and_split_writes(
+    provider: FakeProvider, http: aiohttp.ClientSession
+) -> None:
+    body = (
+        b": keep-alive comment\r\n\r\n"
+        b"event: message\r\nid: 1\r\ndata: first\r\n\r\n"
+        b"data: two\ndata:  lines\n\n"  # only one space after the colon is dropped
+        b"retry: 10\n\n"  # an event without data is skipped
+        b"data\n\n"  # a bare field name: empty data
+        b"data: " + b"x" * 70_000 + b"\n\n"  # longer than aiohttp's default line buffer
+        b"data: [DONE]\n\n"
+        b"data: after-done\n\n"
+    )
+    # Cut everywhere awkward: inside "data:", between \r and \n, between the two \n.
+    cuts = sorted(
+        {
+            3,
+            body.index(b"\r\n") + 1,  # between \r and \n
+            body.index(b"data: first") + 3,  # inside "data:"
+            body.index(b"first\r\n") + 6,
+            body.index(b"lines\n\n") + 6,  # between the two \n
+            body.index(b"xxx") + 100,  # inside the long line
+            body.index(b"[DONE]") + 2,
+            len(body),
+        }
+    )
+    pieces = [body[a:b] for a, b in zip([0, *cuts], cuts, strict=False)]
+    provider.reply = sse_reply(pieces, pause=0.001)
+
+    async with http.post(provider.url + "/v1/chat/completions", json={}) as response:
+        events = [data async for data in iter_sse_data(response)]
+    assert events == [b"first", b"two\n lines", b"", b"x" * 70_000]
+
+
+async def test_sse_reader_keeps_a_last_event_without_blank_line(
+    provider: FakeProvider, http: aiohttp.ClientSession
+) -> None:
+    provider.reply = sse_reply([b"data: a\n\ndata: b\r\n"])
+    async with http.post(provider.url + "/v1/chat/completions", json={}) as response:
+        assert [data async for data in iter_sse_data(response)] == [b"a", b"b"]
+
+
+async def test_multi_line_json_chunks_and_usage(
+    provider: FakeProvider, http: aiohttp.ClientSession
+) -> None:
+    provider.reply = sse_reply(
+        [
+            chunk(role="assistant", content=None),
+            b'data: {"choices": [{"index": 0,\r\ndata:  "delta": {"content": "Hel"}}]}\r\n\r\n',
+            b": ping\n\n",
+            chunk(content="lo", reasoning_content="thinking"),
+            chunk(finish_reason="length"),
+            USAGE_CHUNK,
+            b"data: [DONE]\n\n",
+        ]
+    )
+    sink = Sink()
+    spec = make_spec({"messages": []}, stream=True)
+    completion = await make_adapter(http, provider.url).execute(spec, sink)
+
+    assert sink.deltas[0] == Delta(role="assistant")
+    assert sink.text == "Hello"
+    assert [d.reasoning_text for d in sink.deltas] == ["", "", "thinking", ""]
+    assert sink.deltas[-1].finish_reason == "length"
+    assert completion.finish_reason == "length"
+    assert completion.usage == Usage(3, 2, 5)
+    assert completion.result is None
+
+
+async def test_tool_call_deltas(provider: FakeProvider, http: aiohttp.ClientSession) -> None:
+    first = {"index": 0, "id": "call_1", "type": "function", "function": {"name": "get_w"}}
+    provider.reply = sse_reply(
+        [
+            chunk(role="assistant", tool_calls=[first]),
+            chunk(tool_calls=[{"index": 0, "function": {"arguments": '{"city":'}}]),
+            chunk(tool_calls=[{"index": 0, "function": {"arguments": '"Oslo"}'}}]),
+            chunk(finish_reason="tool_calls"),
+            b"data: [DONE]\n\n",
+        ]
+    )
+    sink = Sink()
+    completion = await make_adapter(http, provider.url).execute(
+        make_spec({"messages": [], "tools": [{"type": "function"}]}, stream=True), sink
+    )
+    calls = [call for d in sink.deltas for call in d.tool_calls]
+    assert calls == [
+        ToolCallDelta(index=0, id="call_1", type="function", function_name="get_w"),
+        ToolCallDelta(index=0, function_arguments='{"city":'),
+        ToolCallDelta(index=0, function_arguments='"Oslo"}'),
+    ]
+    assert completion.finish_reason == "tool_calls"
+    assert provider.requests[0].body["tools"] == [{"type": "function"}]
+
+
+async def test_text_completion_stream(provider: FakeProvider, http: aiohttp.ClientSession) -> None:
+    def text(value: str, finish: str | None = None) -> bytes:
+        event = {"object": "text_completion", "choices": [
+            {"index": 0, "text": value, "finish_reason": finish}
+        ]}  # fmt: skip
+        return b"data: " + json.dumps(event).encode() + b"\n\n"
+
+    provider.reply = sse_reply([text("Once"), text(" upon"), text("", "stop"), USAGE_CHUNK])
+    sink = Sink()
+    spec = make_spec({"prompt": "x"}, operation=Operation.COMPLETIONS, stream=True)
+    completion = await make_adapter(http, provider.url).execute(spec, sink)
+
+    assert provider.requests[0].path == "/v1/completions"
+    assert sink.text == "Once upon"
+    assert completion.finish_reason == "stop"
+    assert completion.usage == Usage(3, 2, 5)
+
+
+# --- errors ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("status", "kind"),
+    [
+        (400, InvalidRequest),
+        (404, InvalidRequest),
+        (422, InvalidRequest),
+        (401, ProviderFailed),
+        (429, ProviderFailed),
+        (500, ProviderFailed),
+        (503, ProviderFailed),
+    ],
+)
+async def test_http_errors_map_to_failures_with_provider_status(
+    provider: FakeProvider, http: aiohttp.ClientSession, status: int, kind: type[Exception]
+) -> None:
+    async def reply(request: web.Request) -> web.StreamResponse:
+        error = {"error": {"message": f"nope {status}", "type": "x", "code": status}}
+        return web.json_response(error, status=status)
+
+    provider.reply = reply
+    for stream in (False, True):
+        with pytest.raises(kind, match=f"nope {status}") as caught:
+            await make_adapter(http, provider.url).execute(
+                make_spec({"messages": []}, stream=stream), Sink()
+            )
+        assert isinstance(caught.value, ProviderFailed | InvalidRequest)
+        assert caught.value.provider_status == status
+        assert type(caught.value) is kind
+
+
+@pytest.mark.parametrize(
+    ("payload", "message"),
+    [
+        (b'{"object":"error","message":"vllm says no","code":400}', "vllm says no"),
+        (b'{"detail":"fastapi says no"}', "fastapi says no"),
+        (b"<html>" + b"." * 2000 + b"bad gateway</html>", "bad gateway</html>"),
+    ],
+)
+async def test_error_message_from_other_shapes(
+    provider: FakeProvider, http: aiohttp.ClientSession, payload: bytes, message: str
+) -> None:
+    async def reply(request: web.Request) -> web.StreamResponse:
+        return web.Response(body=payload, status=502, content_type="text/plain")
+
+    provider.reply = reply
+    with pytest.raises(ProviderFailed, match=message) as caught:
+        await make_adapter(http, provider.url).execute(make_spec({"messages": []}), Sink())
+    assert caught.value.provider_status == 502
+    assert len(caught.value.message) < 600
+
+
+async def test_error_object_mid_stream(provider: FakeProvider, http: aiohttp.ClientSession) -> None:
+    provider.reply = sse_reply(
+        [chunk(content="partial"), b'data: {"error": {"message": "kv cache full"}}\n\n']
+    )
+    sink = Sink()
+    with pytest.raises(ProviderFailed, match="kv cache full"):
+        await make_adapter(http, provider.url).execute(
+            make_spec({"messages": []}, stream=True), sink
+        )
+    assert sink.text == "partial"
+
+
+async def test_malformed_chunk_fails(provider: FakeProvider, http: aiohttp.ClientSession) -> None:
+    provider.reply = sse_reply([b"data: {not json\n\n"])
+    with pytest.raises(ProviderFailed, match="malformed"):
+        await make_adapter(http, provider.url).execute(
+            make_spec({"messages": []}, stream=True), Sink()
+        )
+
+
+async def test_connection_refused_is_unavailable(http: aiohttp.ClientSession) -> None:
+    adapter = make_adapter(http, f"http://127.0.0.1:{free_port()}")
+    with pytest.raises(ProviderUnavailable):
+        await adapter.execute(make_spec({"messages": []}), Sink())
+    result = await adapter.probe()
+    assert not result.ok
+    assert "127.0.0.1" in result.detail
+
+
+async def test_deadline_becomes_provider_timeout(
+    provider: FakeProvider, http: aiohttp.ClientSession
+) -> None:
+    async def reply(request: web.Request) -> web.StreamResponse:
+        await asyncio.Event().wait()  # never answers; cancelled when the client leaves
+        raise AssertionError("unreachable")
+
+    provider.reply = reply
+    adapter = make_adapter(http, provider.url)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    with pytest.raises(ProviderTimeout):
+        await adapter.execute(make_spec({"messages": []}, seconds=0.3), Sink())
+    assert loop.time() - started < 2
+    await asyncio.wait_for(provider.disconnected.wait(), 5)
+
+    with pytest.raises(ProviderTimeout):  # already past: fails without waiting
+        await adapter.execute(make_spec({"messages": []}, seconds=-1), Sink())
+
+
+async def test_cancel_mid_stream_disconnects_from_the_provider(
+    provider: FakeProvider, http: aiohttp.ClientSession
+) -> None:
+    provider.reply = sse_reply([chunk(content="t")] * 500, pause=0.02)
+    sink = Sink()
+    run = asyncio.create_task(
+        make_adapter(http, provider.url).execute(make_spec({"messages": []}, stream=True), sink)
+    )
+    await asyncio.wait_for(sink.first.wait(), 5)
+    run.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await run
+    await asyncio.wait_for(provider.disconnected.wait(), 5)
+    assert len(sink.deltas) < 500
+
+
+async def test_sink_gone_stops_the_run_and_disconnects(
+    provider: FakeProvider, http: aiohttp.ClientSession
+) -> None:
+    provider.reply = sse_reply([chunk(content="t")] * 500, pause=0.02)
+    with pytest.raises(RunCancelled):
+        await make_adapter(http, provider.url).execute(
+            make_spec({"messages": []}, stream=True), Sink(fail_after=2)
+        )
+    await asyncio.wait_for(provider.disconnected.wait(), 5)
+
+
+# --- probe -------------------------------------------------------------------------------
+
+
+async def test_probe_lists_models(provider: FakeProvider, http: aiohttp.ClientSession) -> None:
+    result = await make_adapter(http, provider.url + "/v1").probe()
+    assert result.ok
+    assert result.models == ("a", "b/c")
+    assert [r.path for r in provider.requests] == ["/v1/models"]  # never a completion
+
+
+async def test_probe_error_status_is_not_ok(
+    provider: FakeProvider, http: aiohttp.ClientSession
+) -> None:
+    async def models(request: web.Request) -> web.StreamResponse:
+        return web.json_response({"error": {"message": "Loading model"}}, status=503)
+
+    provider.models = models
+    result = await make_adapter(http, provider.url).probe()
+    assert not result.ok
+    assert "503" in result.detail
+    assert "Loading model" in result.detail
+
+
+async def test_probe_of_a_down_server_is_not_ok(http: aiohttp.ClientSession) -> None:
+    with contextlib.closing(socket.socket()) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # bound, not listening: connections are refused
+        result = await make_adapter(http, f"http://127.0.0.1:{port}").probe()
+    assert not result.ok
+    assert result.detail

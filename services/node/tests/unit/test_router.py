@@ -1,0 +1,76 @@
+"""router.resolve(): the run request must fit the provider it names; the body is parsed once."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from iop_node.domain.provider import ProviderConfig
+from iop_node.domain.runs import Operation
+from iop_node.errors import InvalidRequest, UnknownProvider
+from iop_node.router import resolve
+from iop_proto.v1 import runtime_pb2 as pb
+
+PROVIDERS = {
+    "p1": ProviderConfig(
+        id="p1", type="vllm", models=("Qwen/Q", "other"), request_timeout_ms=60_000
+    )
+}
+
+
+def request(**changes: object) -> pb.RunRequest:
+    fields: dict[str, object] = {
+        "run_id": "r1",
+        "model": "qwen:35b",
+        "provider_id": "p1",
+        "adapter": "vllm",
+        "target": "Qwen/Q",
+        "operation": pb.OPERATION_CHAT_COMPLETIONS,
+        "body_json": json.dumps({"model": "Qwen/Q", "messages": [], "seed": 3}).encode(),
+        "stream": True,
+    }
+    fields.update(changes)
+    return pb.RunRequest(**fields)  # type: ignore[arg-type]
+
+
+def test_a_fitting_request_becomes_a_spec() -> None:
+    config, spec = resolve(request(), PROVIDERS, loop_now=100.0, unix_now_ms=1_000_000)
+    assert config is PROVIDERS["p1"]
+    assert spec.operation is Operation.CHAT_COMPLETIONS
+    assert spec.body == {"model": "Qwen/Q", "messages": [], "seed": 3}
+    assert spec.model == "qwen:35b"
+    assert spec.target == "Qwen/Q"
+    assert spec.deadline == pytest.approx(160.0)  # the provider's request timeout
+
+
+def test_the_edge_deadline_wins_when_earlier() -> None:
+    _, spec = resolve(
+        request(deadline_unix_ms=1_005_000), PROVIDERS, loop_now=100.0, unix_now_ms=1_000_000
+    )
+    assert spec.deadline == pytest.approx(105.0)
+
+
+@pytest.mark.parametrize(
+    ("changes", "error", "message"),
+    [
+        ({"provider_id": "nope"}, UnknownProvider, "no provider 'nope'"),
+        ({"adapter": "ollama"}, InvalidRequest, "of type 'vllm', not 'ollama'"),
+        ({"target": "qwen:35b"}, InvalidRequest, "does not serve 'qwen:35b'"),
+        ({"body_json": b"{not json"}, InvalidRequest, "not JSON"),
+        ({"body_json": b"[1, 2]"}, InvalidRequest, "must be a JSON object"),
+        ({"operation": pb.OPERATION_UNSPECIFIED}, InvalidRequest, "unsupported operation"),
+        ({"run_id": ""}, InvalidRequest, "without a run id"),
+    ],
+)
+def test_requests_that_do_not_fit_are_refused(
+    changes: dict[str, object], error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error, match=message):
+        resolve(request(**changes), PROVIDERS, loop_now=0.0, unix_now_ms=0)
+
+
+def test_model_in_the_body_is_the_target() -> None:
+    body = json.dumps({"model": "qwen:35b", "messages": []}).encode()
+    _, spec = resolve(request(body_json=body), PROVIDERS, loop_now=0.0, unix_now_ms=0)
+    assert spec.body["model"] == "Qwen/Q"
