@@ -67,7 +67,15 @@ SERVICES: tuple[ServiceSpec, ...] = (
         ports={"IOP_LISTEN__PORT": 7100},
         state={"IOP_DATABASE": "control-plane.db", "IOP_PID_FILE": "control-plane.server.pid"},
     ),
-    ServiceSpec("edge", "iop-edge", "configs/dev/edge.yaml", 9101),
+    ServiceSpec(
+        "edge",
+        "iop-edge",
+        "configs/dev/edge.yaml",
+        9101,
+        ports={"IOP_HTTP__PORT": 8080, "IOP_NODE_LISTENER__PORT": 7000},
+        state={"IOP_CONFIG_CACHE": "edge-fleet-config.pb", "IOP_HISTORY_DB": "edge-runs.db"},
+        dials={"IOP_CONTROL_PLANE__PORT": 7100},
+    ),
     ServiceSpec(
         "node-a",
         "iop-node",

@@ -53,7 +53,10 @@ ALL_PORTS: list[int] = [port for spec in devstack.SERVICES for port in spec.all_
 
 
 def port_is_free(port: int) -> bool:
+    """Free for the next start: bindable as the services bind (SO_REUSEADDR, so the
+    TIME_WAIT of connections the stack closed does not count as taken)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((HOST, port))
         except OSError:

@@ -199,4 +199,4 @@ async def test_send_refuses_a_non_body_message() -> None:
 
     conn = Connection(reader, _Writer(), sender_id="x", heartbeat_interval=0)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="Usage"):
-        conn._envelope(pb.Usage())
+        conn.envelope(pb.Usage())

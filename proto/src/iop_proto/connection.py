@@ -106,7 +106,7 @@ class Connection:
                 await task
         if error is not None and not self._writer.is_closing():
             with contextlib.suppress(ConnectionError, ProtocolError, OSError):
-                self._writer.write(encode_frame(self._envelope(error), self.max_frame_size))
+                self._writer.write(encode_frame(self.envelope(error), self.max_frame_size))
         self._writer.close()
         with contextlib.suppress(ConnectionError, OSError, TimeoutError, asyncio.TimeoutError):
             async with asyncio.timeout(_CLOSE_TIMEOUT):
@@ -121,7 +121,8 @@ class Connection:
 
     # ------------------------------------------------------------ sending
 
-    def _envelope(self, body: object, correlation_id: str = "") -> pb.Envelope:
+    def envelope(self, body: object, correlation_id: str = "") -> pb.Envelope:
+        """Wrap a body in a new envelope (its id is known before it is sent)."""
         envelope = pb.Envelope(
             message_id=f"{self._sender_id}-{next(self._ids)}",
             correlation_id=correlation_id,
@@ -135,7 +136,7 @@ class Connection:
 
     async def send(self, body: object, *, correlation_id: str = "") -> pb.Envelope:
         """Wrap a body message in an envelope, send it, and wait for drain."""
-        envelope = self._envelope(body, correlation_id)
+        envelope = self.envelope(body, correlation_id)
         await self.send_envelope(envelope)
         return envelope
 

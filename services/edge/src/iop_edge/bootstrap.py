@@ -2,22 +2,125 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
+from aiohttp import web
+from loguru import logger
 from prometheus_client import CollectorRegistry
 
+from iop_edge import __version__
+from iop_edge.adapters.control_plane import ControlPlaneClient
+from iop_edge.adapters.fleet_proto import fleet_from_proto
+from iop_edge.adapters.node_server import NodeServer
+from iop_edge.adapters.sqlite_runlog import SqliteRunLog
+from iop_edge.catalog import FleetKeyRing, PoolCatalog
+from iop_edge.dispatch import Dispatcher
+from iop_edge.entrypoints.api_metrics import ApiMetrics
+from iop_edge.entrypoints.http_api import create_api_app, load_openapi
+from iop_edge.metrics import EdgeMetrics
 from iop_edge.settings import EdgeSettings
 from iop_proto.service import AdminServer
-from iop_proto.tls import server_context
+from iop_proto.tls import client_context, server_context
+from iop_proto.v1 import runtime_pb2 as pb
+
+
+async def _cancel(task: asyncio.Task[None]) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+class Edge:
+    """The running edge, for tests and the runner: its parts and bound ports."""
+
+    def __init__(
+        self, dispatcher: Dispatcher, nodes: NodeServer, control_plane: ControlPlaneClient
+    ) -> None:
+        self.dispatcher = dispatcher
+        self.nodes = nodes
+        self.control_plane = control_plane
+        self.http_port = 0
 
 
 @contextlib.asynccontextmanager
 async def build(
     settings: EdgeSettings, registry: CollectorRegistry, admin: AdminServer
-) -> AsyncIterator[None]:
+) -> AsyncIterator[Edge]:
     """Start the edge; leaving the context stops it in reverse order."""
-    if settings.tls.enabled:
-        # Load the certificates now so a broken file fails the start, not the first peer.
-        server_context(settings.tls)
-    yield
+    server_tls = server_context(settings.tls) if settings.tls.enabled else None
+    client_tls = client_context(settings.tls) if settings.tls.enabled else None
+    metrics = EdgeMetrics.create(registry)
+    dispatcher = Dispatcher(metrics)
+    catalog = PoolCatalog(dispatcher)
+    keys = FleetKeyRing(dispatcher)
+    nodes: NodeServer | None = None
+    keys_were_open: bool | None = None
+
+    async def on_fleet(config: pb.FleetConfig) -> None:
+        nonlocal keys_were_open
+        dispatcher.apply_fleet(fleet_from_proto(config))
+        metrics.config_version.set(config.version)
+        if nodes is not None:
+            await nodes.apply_fleet(config)
+        if keys.open is not keys_were_open:
+            keys_were_open = keys.open
+            if keys.open:
+                logger.warning("no API keys configured: the OpenAI API is open to anyone")
+            else:
+                logger.info("API keys configured: requests need a Bearer key")
+
+    async with contextlib.AsyncExitStack() as stack:
+        runlog = await SqliteRunLog.open(settings.history_db)
+        stack.push_async_callback(runlog.aclose)
+
+        cp = settings.control_plane
+        control_plane = ControlPlaneClient(
+            host=cp.host,
+            port=cp.port,
+            server_name=cp.server_name,
+            edge_id=settings.service_id,
+            version=__version__,
+            tls=client_tls,
+            cache_file=settings.config_cache,
+            on_fleet=on_fleet,
+            heartbeat_interval_s=settings.heartbeat_interval_s,
+        )
+        await control_plane.load_cache()
+        cp_task = asyncio.create_task(control_plane.run(), name="control-plane")
+        stack.push_async_callback(_cancel, cp_task)
+
+        nodes = NodeServer(
+            host=settings.node_listener.host,
+            port=settings.node_listener.port,
+            edge_id=settings.service_id,
+            dispatcher=dispatcher,
+            authorizer=control_plane,
+            metrics=metrics,
+            tls=server_tls,
+            heartbeat_interval_s=settings.heartbeat_interval_s,
+            max_frame_size=settings.max_frame_size,
+        )
+        await nodes.start()
+        stack.push_async_callback(nodes.aclose)
+
+        app = create_api_app(
+            dispatcher, catalog, keys, runlog, ApiMetrics.create(registry), openapi=load_openapi()
+        )
+        # handler_cancellation: a client that disconnects cancels its handler, which
+        # cancels its run at the node (aiohttp leaves it off by default).
+        runner = web.AppRunner(
+            app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0
+        )
+        await runner.setup()
+        stack.push_async_callback(runner.cleanup)
+        # Runs end first (their clients get an error), so the HTTP server stops promptly.
+        stack.push_async_callback(dispatcher.fail_all, "edge is stopping")
+        site = web.TCPSite(runner, settings.http.host, settings.http.port, reuse_address=True)
+        await site.start()
+        edge = Edge(dispatcher, nodes, control_plane)
+        edge.http_port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        logger.info("OpenAI API on http://{}:{}/v1", settings.http.host, edge.http_port)
+        admin.set_readiness(lambda: None if catalog.any_available() else "no provider is available")
+        yield edge

@@ -2,10 +2,48 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from pydantic import Field
+
+from iop_proto.framing import DEFAULT_MAX_FRAME_SIZE
 from iop_proto.service import ServiceSettings
+from iop_proto.service.settings import FrozenModel
+
+
+class HttpSettings(FrozenModel):
+    """The public OpenAI-compatible API."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=8080, ge=0, le=65535, description="0 picks a free port")
+
+
+class NodeListenerSettings(FrozenModel):
+    """Where nodes and workers dial in (IOP over mTLS)."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=7000, ge=0, le=65535, description="0 picks a free port")
+
+
+class ControlPlaneAddress(FrozenModel):
+    host: str = "127.0.0.1"
+    port: int = Field(default=7100, ge=1, le=65535)
+    server_name: str | None = Field(
+        default=None, description="name the control-plane's certificate must carry; default: host"
+    )
 
 
 class EdgeSettings(ServiceSettings):
     """The edge's settings file; `IOP_*` environment variables override any key."""
 
     service_id: str = "edge"
+    http: HttpSettings = HttpSettings()
+    node_listener: NodeListenerSettings = NodeListenerSettings()
+    control_plane: ControlPlaneAddress = ControlPlaneAddress()
+    config_cache: Path = Field(
+        default=Path("var/edge/fleet-config.pb"),
+        description="the last good fleet config, served while the control-plane is away",
+    )
+    history_db: Path = Field(default=Path("var/edge/runs.db"), description="runs dispatched")
+    heartbeat_interval_s: float = Field(default=30.0, gt=0)
+    max_frame_size: int = Field(default=DEFAULT_MAX_FRAME_SIZE, ge=1024)

@@ -1,0 +1,205 @@
+"""The edge's link to the control-plane: fleet config and its pushes, node authorizations.
+
+The last good config is kept on disk, so a control-plane outage (or an edge
+restart during one) does not stop serving; node registrations fail closed
+while the control-plane is away, because only it can vouch for a token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import random
+import ssl
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+from loguru import logger
+
+from iop_edge.errors import ControlPlaneUnavailable
+from iop_proto.connection import Connection
+from iop_proto.errors import ConnectionClosed, ProtocolError, UnexpectedMessage
+from iop_proto.v1 import runtime_pb2 as pb
+
+FleetListener = Callable[[pb.FleetConfig], Awaitable[None]]
+AUTHORIZE_TIMEOUT_S = 10.0
+
+
+class ControlPlaneClient:
+    """Keeps a connection to the control-plane and the fleet config it serves."""
+
+    def __init__(
+        self,
+        *,
+        host: str,
+        port: int,
+        server_name: str | None,
+        edge_id: str,
+        version: str,
+        tls: ssl.SSLContext | None,
+        cache_file: Path,
+        on_fleet: FleetListener,
+        heartbeat_interval_s: float,
+        reconnect_max_s: float = 10.0,
+    ) -> None:
+        self._host, self._port = host, port
+        self._server_name = server_name or host
+        self._edge_id = edge_id
+        self._version = version
+        self._tls = tls
+        self._cache_file = cache_file
+        self._on_fleet = on_fleet
+        self._heartbeat_interval_s = heartbeat_interval_s
+        self._reconnect_max_s = reconnect_max_s
+        self._conn: Connection | None = None
+        self._pending: dict[str, asyncio.Future[pb.AuthorizeNodeResponse]] = {}
+        self.config: pb.FleetConfig | None = None
+        self.connected = asyncio.Event()
+
+    # ------------------------------------------------------------ config
+
+    async def load_cache(self) -> bool:
+        """Serve the last good config from disk until the control-plane answers."""
+        try:
+            data = await asyncio.to_thread(self._cache_file.read_bytes)
+        except FileNotFoundError:
+            return False
+        config = pb.FleetConfig()
+        try:
+            config.ParseFromString(data)
+        except Exception as exc:
+            logger.warning("ignoring unreadable config cache {}: {}", self._cache_file, exc)
+            return False
+        logger.info("serving the cached fleet config version {}", config.version)
+        await self._apply(config, save=False)
+        return True
+
+    async def _apply(self, config: pb.FleetConfig, *, save: bool) -> None:
+        if self.config is not None and config.version < self.config.version:
+            logger.warning(
+                "ignoring fleet config version {} older than {}",
+                config.version,
+                self.config.version,
+            )
+            return
+        self.config = config
+        await self._on_fleet(config)
+        if save:
+            await asyncio.to_thread(self._save, config.SerializeToString())
+
+    def _save(self, data: bytes) -> None:
+        self._cache_file.parent.mkdir(parents=True, exist_ok=True)
+        temporary = self._cache_file.with_suffix(".tmp")
+        temporary.write_bytes(data)
+        os.replace(temporary, self._cache_file)  # never a half-written cache
+
+    # ------------------------------------------------------------ authorization
+
+    async def authorize(
+        self, node_id: str, token: str, certificate_identity: str
+    ) -> pb.AuthorizeNodeResponse:
+        conn = self._conn
+        if conn is None or not self.connected.is_set():
+            raise ControlPlaneUnavailable(
+                "the control-plane is unreachable: new registrations are refused until it returns"
+            )
+        request = pb.AuthorizeNodeRequest(
+            node_id=node_id, token=token, certificate_identity=certificate_identity
+        )
+        future: asyncio.Future[pb.AuthorizeNodeResponse] = (
+            asyncio.get_running_loop().create_future()
+        )
+        envelope = conn.envelope(request)  # its id is registered before any answer can arrive
+        self._pending[envelope.message_id] = future
+        try:
+            await conn.send_envelope(envelope)
+            async with asyncio.timeout(AUTHORIZE_TIMEOUT_S):
+                return await future
+        except (ConnectionClosed, TimeoutError) as exc:
+            raise ControlPlaneUnavailable(f"the control-plane did not answer: {exc}") from None
+        finally:
+            self._pending.pop(envelope.message_id, None)
+
+    # ------------------------------------------------------------ connection
+
+    async def run(self) -> None:
+        """Connect, follow pushes, reconnect with jittered backoff; until cancelled."""
+        delay = 0.2
+        while True:
+            if await self._connect_and_follow():
+                delay = 0.2
+            pause = delay * random.uniform(0.5, 1.5)
+            logger.info("reconnecting to the control-plane in {:.1f}s", pause)
+            await asyncio.sleep(pause)
+            delay = min(delay * 2, self._reconnect_max_s)
+
+    async def _connect_and_follow(self) -> bool:
+        try:
+            reader, writer = await asyncio.wait_for(
+                asyncio.open_connection(
+                    self._host,
+                    self._port,
+                    ssl=self._tls,
+                    server_hostname=self._server_name if self._tls else None,
+                ),
+                10,
+            )
+        except (OSError, TimeoutError) as exc:
+            logger.warning("control-plane at {}:{} unreachable: {}", self._host, self._port, exc)
+            return False
+        conn = Connection(
+            reader, writer, sender_id=self._edge_id, heartbeat_interval=self._heartbeat_interval_s
+        )
+        followed = False
+        try:
+            async with conn:
+                known = self.config.version if self.config else 0
+                await conn.send(
+                    pb.EdgeHello(
+                        edge_id=self._edge_id, version=self._version, known_config_version=known
+                    )
+                )
+                first = await asyncio.wait_for(conn.receive(), 10)
+                if first.WhichOneof("body") != "fleet_config":
+                    raise UnexpectedMessage(
+                        f"expected fleet_config, got {first.WhichOneof('body')}"
+                    )
+                await self._apply(first.fleet_config, save=True)
+                self._conn = conn
+                self.connected.set()
+                followed = True
+                logger.info("connected to the control-plane (config version {})", self.version)
+                async for envelope in conn:
+                    await self._handle(envelope)
+        except ProtocolError as exc:
+            logger.warning("control-plane connection closed: {}", exc)
+        except (ConnectionClosed, ConnectionError, TimeoutError) as exc:
+            logger.warning("control-plane connection lost: {}", exc or type(exc).__name__)
+        finally:
+            self._conn = None
+            self.connected.clear()
+            for future in self._pending.values():
+                if not future.done():
+                    future.set_exception(ConnectionClosed("control-plane connection lost"))
+            with contextlib.suppress(Exception):
+                await conn.close()
+        return followed
+
+    async def _handle(self, envelope: pb.Envelope) -> None:
+        kind = envelope.WhichOneof("body")
+        if kind == "fleet_config":
+            await self._apply(envelope.fleet_config, save=True)
+            logger.info("fleet config version {} pushed", envelope.fleet_config.version)
+        elif kind == "authorize_node_response":
+            future = self._pending.get(envelope.correlation_id)
+            if future is not None and not future.done():
+                future.set_result(envelope.authorize_node_response)
+        elif kind == "error":
+            logger.warning("control-plane reported: {}", envelope.error.message)
+        else:
+            raise UnexpectedMessage(f"an edge does not accept {kind} from the control-plane")
+
+    @property
+    def version(self) -> int:
+        return self.config.version if self.config else 0

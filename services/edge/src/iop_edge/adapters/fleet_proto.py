@@ -1,0 +1,57 @@
+"""The fleet config from the control-plane (protobuf) as the edge's domain ``Fleet``."""
+
+from __future__ import annotations
+
+from iop_edge.domain.fleet import ApiKeyEntry, Fleet, ModelEntry, ProviderEntry
+from iop_proto.v1 import runtime_pb2 as pb
+
+_CATEGORY = {
+    pb.PROVIDER_CATEGORY_API: "api",
+    pb.PROVIDER_CATEGORY_CLI: "cli",
+    pb.PROVIDER_CATEGORY_LOCAL_INFERENCE: "local_inference",
+}
+
+
+def fleet_from_proto(config: pb.FleetConfig) -> Fleet:
+    providers = {
+        p.id: ProviderEntry(
+            id=p.id,
+            node_id=node.node_id,
+            type=p.type,
+            category=_CATEGORY.get(p.category, "unspecified"),
+            models=tuple(p.models),
+            capacity=p.capacity,
+            max_queue=p.max_queue,
+            queue_timeout_ms=p.queue_timeout_ms,
+            request_timeout_ms=p.request_timeout_ms,
+        )
+        for node in config.nodes
+        for p in node.providers
+    }
+    models = {
+        m.id: ModelEntry(
+            id=m.id,
+            display_name=m.display_name or m.id,
+            # proto maps lose order; the catalog order (and the tie-break) follows the
+            # node/provider order of the fleet file instead
+            providers={pid: m.providers[pid] for pid in providers if pid in m.providers},
+        )
+        for m in config.models
+    }
+    keys = {
+        k.key_hash: ApiKeyEntry(
+            key_id=k.key_id,
+            name=k.name,
+            key_hash=k.key_hash,
+            models=frozenset(k.models),
+            max_concurrent=k.max_concurrent,
+        )
+        for k in config.api_keys
+    }
+    return Fleet(
+        version=config.version,
+        models=models,
+        providers=providers,
+        api_keys=keys,
+        revoked_token_ids=frozenset(config.revoked_token_ids),
+    )

@@ -1,0 +1,233 @@
+"""The listener nodes dial: registration, snapshots, run events, config updates.
+
+A node is admitted only when its certificate identity equals the node id it
+registers as and the control-plane vouches for its token. Its providers are
+routable while its connection lives; when the connection drops or goes silent
+they are unavailable at once and its runs end with an error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from typing import Protocol
+
+from loguru import logger
+
+from iop_edge.dispatch import Dispatcher
+from iop_edge.errors import ControlPlaneUnavailable
+from iop_edge.metrics import EdgeMetrics
+from iop_proto.connection import Connection, error_body
+from iop_proto.errors import ConnectionClosed, ProtocolError, UnexpectedMessage
+from iop_proto.v1 import runtime_pb2 as pb
+
+REGISTER_TIMEOUT_S = 10.0
+
+
+class Authorizer(Protocol):
+    """What registration needs from the control-plane client."""
+
+    async def authorize(
+        self, node_id: str, token: str, certificate_identity: str
+    ) -> pb.AuthorizeNodeResponse: ...
+
+
+class NodeConnection:
+    """A registered node, as dispatch sees it (implements ``NodeLink``)."""
+
+    def __init__(
+        self, node_id: str, conn: Connection, token_id: str, config: pb.NodeConfig
+    ) -> None:
+        self.node_id = node_id
+        self.conn = conn
+        self.token_id = token_id
+        self.config = config
+
+    async def send_run(self, request: pb.RunRequest) -> None:
+        await self.conn.send(request, correlation_id=request.run_id)
+
+    async def send_cancel(self, run_id: str, reason: str) -> None:
+        await self.conn.send(pb.CancelRequest(run_id=run_id, reason=reason), correlation_id=run_id)
+
+
+class NodeServer:
+    """Accepts node connections over mTLS and keeps the dispatcher's pool in step."""
+
+    def __init__(
+        self,
+        *,
+        host: str,
+        port: int,
+        edge_id: str,
+        dispatcher: Dispatcher,
+        authorizer: Authorizer,
+        metrics: EdgeMetrics,
+        tls: ssl.SSLContext | None,
+        heartbeat_interval_s: float,
+        max_frame_size: int,
+        node_roles: tuple[str, ...] = ("node",),
+    ) -> None:
+        self._host, self.port = host, port
+        self._edge_id = edge_id
+        self._dispatcher = dispatcher
+        self._authorizer = authorizer
+        self._metrics = metrics
+        self._tls = tls
+        self._heartbeat_interval_s = heartbeat_interval_s
+        self._max_frame_size = max_frame_size
+        self._node_roles = node_roles
+        self._server: asyncio.Server | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.nodes: dict[str, NodeConnection] = {}
+
+    async def start(self) -> int:
+        self._server = await asyncio.start_server(
+            self._handle, self._host, self.port, ssl=self._tls
+        )
+        self.port = self._server.sockets[0].getsockname()[1]
+        logger.info("listening for nodes on {}:{}", self._host, self.port)
+        return self.port
+
+    async def aclose(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        going = error_body(pb.ERROR_CODE_SHUTTING_DOWN, "edge is stopping")
+        await asyncio.gather(
+            *(node.conn.close(going) for node in list(self.nodes.values())), return_exceptions=True
+        )
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._server is not None:
+            await self._server.wait_closed()
+
+    # ------------------------------------------------------------ config pushes
+
+    async def apply_fleet(self, config: pb.FleetConfig) -> None:
+        """Push changed node configs; drop nodes admitted with a now revoked token."""
+        revoked = set(config.revoked_token_ids)
+        configs = {node.node_id: node for node in config.nodes}
+        for node in list(self.nodes.values()):
+            if node.token_id in revoked:
+                logger.warning("node {}: its token {} was revoked", node.node_id, node.token_id)
+                await node.conn.close(error_body(pb.ERROR_CODE_UNAUTHENTICATED, "token revoked"))
+                continue
+            new = configs.get(node.node_id, pb.NodeConfig(node_id=node.node_id))
+            if new != node.config:
+                node.config = new
+                update = pb.RegisterResponse(accepted=True, node_config=new, edge_id=self._edge_id)
+                try:
+                    await node.conn.send(update)
+                except ConnectionClosed:
+                    continue
+
+    # ------------------------------------------------------------ connections
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)
+        conn = Connection(
+            reader,
+            writer,
+            sender_id=self._edge_id,
+            max_frame_size=self._max_frame_size,
+            heartbeat_interval=self._heartbeat_interval_s,
+        )
+        node: NodeConnection | None = None
+        reason = "connection closed"
+        try:
+            node = await self._register(conn)
+            if node is not None:
+                conn.start_heartbeats()
+                await self._follow(node)
+        except ProtocolError as exc:
+            reason = str(exc)
+            await conn.abort(exc)
+        except TimeoutError:
+            reason = "no register_request in time"
+            await conn.abort(UnexpectedMessage(reason))
+        except (ConnectionClosed, ConnectionError) as exc:
+            reason = str(exc) or type(exc).__name__
+        except Exception:
+            # The per-connection boundary: one node's failure never reaches the others.
+            logger.exception("node connection {} failed", conn.peer_name)
+            reason = "internal error"
+            await conn.close(error_body(pb.ERROR_CODE_INTERNAL, reason))
+        finally:
+            await conn.close()
+            if node is not None:
+                if self.nodes.get(node.node_id) is node:
+                    del self.nodes[node.node_id]
+                self._dispatcher.node_disconnected(node, reason)
+                self._metrics.nodes_connected.set(len(self.nodes))
+                logger.warning("node {} disconnected: {}", node.node_id, reason)
+            self._tasks.discard(task)
+
+    async def _register(self, conn: Connection) -> NodeConnection | None:
+        first = await asyncio.wait_for(conn.receive(), REGISTER_TIMEOUT_S)
+        if first.WhichOneof("body") != "register_request":
+            raise UnexpectedMessage(f"expected register_request, got {first.WhichOneof('body')}")
+        request = first.register_request
+        identity = conn.peer.name if conn.peer else request.peer_id  # plaintext: no identity
+        role = conn.peer.role if conn.peer else "node"
+        refusal = None
+        if self._tls is not None and role not in self._node_roles:
+            refusal = f"certificate role {role!r} may not register as a node"
+        elif identity != request.peer_id:
+            refusal = (
+                f"certificate identity {identity!r} does not match node id {request.peer_id!r}"
+            )
+        answer: pb.AuthorizeNodeResponse | None = None
+        if refusal is None:
+            try:
+                answer = await self._authorizer.authorize(request.peer_id, request.token, identity)
+            except ControlPlaneUnavailable as exc:
+                refusal = exc.message
+            else:
+                refusal = None if answer.accepted else answer.reason
+        if refusal is not None or answer is None:
+            self._metrics.registrations.labels("refused").inc()
+            logger.warning("node {} refused: {}", request.peer_id or "?", refusal)
+            await conn.send(
+                pb.RegisterResponse(accepted=False, reason=refusal or "refused"),
+                correlation_id=first.message_id,
+            )
+            await conn.close()
+            return None
+        node = NodeConnection(request.peer_id, conn, answer.token_id, answer.node_config)
+        previous = self.nodes.get(node.node_id)
+        if previous is not None:
+            await previous.conn.close(
+                error_body(pb.ERROR_CODE_UNEXPECTED_MESSAGE, "replaced by a new connection")
+            )
+        await conn.send(
+            pb.RegisterResponse(
+                accepted=True,
+                node_config=answer.node_config,
+                heartbeat_interval_ms=int(self._heartbeat_interval_s * 1000),
+                edge_id=self._edge_id,
+            ),
+            correlation_id=first.message_id,
+        )
+        self.nodes[node.node_id] = node
+        self._dispatcher.node_connected(node, request.providers)
+        self._metrics.registrations.labels("accepted").inc()
+        self._metrics.nodes_connected.set(len(self.nodes))
+        logger.info(
+            "node {} registered ({} providers)", node.node_id, len(answer.node_config.providers)
+        )
+        return node
+
+    async def _follow(self, node: NodeConnection) -> None:
+        dispatcher = self._dispatcher
+        async for envelope in node.conn:
+            kind = envelope.WhichOneof("body")
+            if kind == "run_event":
+                dispatcher.deliver(envelope.run_event)  # unknown run ids: cancelled here already
+            elif kind == "provider_snapshot":
+                dispatcher.apply_snapshot(node.node_id, envelope.provider_snapshot.providers)
+            elif kind == "error":
+                logger.warning("node {} reported: {}", node.node_id, envelope.error.message)
+            else:
+                raise UnexpectedMessage(f"an edge does not accept {kind} from a node")

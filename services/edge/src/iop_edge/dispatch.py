@@ -1,0 +1,258 @@
+"""Dispatch: the model id stays the key until the last moment (S01), then a provider is
+chosen (S04), the target rewritten to its served name (S03), and the run sent to its node.
+
+Owns the live pool (one ``ProviderSlot`` per provider), the per-model FIFO
+queues and the runs in flight. Every slot taken is released exactly once, by the
+run's end, and every release first serves the queues of the models it can serve.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import Iterable
+
+from iop_edge.domain.fleet import Fleet, ModelEntry, Operation
+from iop_edge.domain.pool import AVAILABLE, UNAVAILABLE, ProviderSlot, select
+from iop_edge.domain.queue import ModelQueue
+from iop_edge.errors import ModelNotFound, NoProviderAvailable, QueueFull, QueueTimeout
+from iop_edge.metrics import EdgeMetrics
+from iop_edge.ports import RunSpec
+from iop_edge.runs import EdgeRun, NodeLink
+from iop_proto.v1 import runtime_pb2 as pb
+
+_OPERATIONS = {
+    Operation.CHAT_COMPLETIONS: pb.OPERATION_CHAT_COMPLETIONS,
+    Operation.COMPLETIONS: pb.OPERATION_COMPLETIONS,
+    Operation.EMBEDDINGS: pb.OPERATION_EMBEDDINGS,
+}
+_HEALTH = {pb.HEALTH_AVAILABLE: AVAILABLE, pb.HEALTH_UNAVAILABLE: UNAVAILABLE}
+
+
+class Dispatcher:
+    """Implements ``RunService``; the node listener feeds it connections and events."""
+
+    def __init__(self, metrics: EdgeMetrics) -> None:
+        self.fleet = Fleet()
+        self.slots: dict[str, ProviderSlot] = {}
+        self.links: dict[str, NodeLink] = {}
+        self.queues: dict[str, ModelQueue[ProviderSlot]] = {}
+        self.runs: dict[str, EdgeRun] = {}
+        self._metrics = metrics
+
+    # ------------------------------------------------------------ fleet and nodes
+
+    def apply_fleet(self, fleet: Fleet) -> None:
+        """Swap in a new fleet config; live state of providers that stay is kept."""
+        self.fleet = fleet
+        for provider_id in list(self.slots):
+            if provider_id not in fleet.providers:
+                del self.slots[provider_id]
+        for entry in fleet.providers.values():
+            slot = self.slots.get(entry.id)
+            if slot is None:
+                slot = self.slots[entry.id] = ProviderSlot(entry.id, entry.node_id)
+                slot.connected = entry.node_id in self.links
+            slot.node_id, slot.type, slot.category = entry.node_id, entry.type, entry.category
+            slot.capacity = entry.capacity
+        for model_id in fleet.models:
+            self.queues.setdefault(model_id, ModelQueue(model_id))
+        for model_id in list(self.queues):
+            if model_id not in fleet.models:
+                self._fail_waiters(self.queues.pop(model_id), "the model was removed")
+        self._serve_queues(fleet.models)
+
+    def node_connected(self, link: NodeLink, providers: Iterable[pb.ProviderState]) -> None:
+        self.links[link.node_id] = link
+        for slot in self._slots_of_node(link.node_id):
+            slot.connected = True
+        self.apply_snapshot(link.node_id, providers)
+
+    def node_disconnected(self, link: NodeLink, reason: str) -> None:
+        """The node's providers are unavailable at once and its runs end with an error."""
+        if self.links.get(link.node_id) is not link:
+            return  # a newer connection of the same node replaced this one
+        del self.links[link.node_id]
+        for slot in self._slots_of_node(link.node_id):
+            slot.connected = False
+            slot.reported_in_flight = 0
+            self._metrics.publish_slot(slot)
+        for run in [r for r in self.runs.values() if r.node_id == link.node_id]:
+            run.fail(pb.ERROR_CODE_PROVIDER_UNAVAILABLE, f"node {link.node_id} lost: {reason}")
+
+    def apply_snapshot(self, node_id: str, providers: Iterable[pb.ProviderState]) -> None:
+        changed: list[str] = []
+        for state in providers:
+            slot = self.slots.get(state.provider_id)
+            if slot is None or slot.node_id != node_id:
+                continue  # not in the fleet (or not this node's): never routable
+            slot.health = _HEALTH.get(state.health, "unknown")
+            slot.reported_in_flight = state.in_flight
+            slot.node_queued = state.queued
+            slot.models = tuple(state.models)
+            slot.detail = state.detail
+            caps = state.capabilities
+            slot.lifecycle = {
+                "list_models": caps.list_models,
+                "load_model": caps.load_model,
+                "unload_model": caps.unload_model,
+                "pull_model": caps.pull_model,
+                "delete_model": caps.delete_model,
+            }
+            self._metrics.publish_slot(slot)
+            changed.append(slot.provider_id)
+        self._serve_queues(self._models_of(changed))
+
+    def deliver(self, event: pb.RunEvent) -> bool:
+        """Route a node's run event to its run; False for an unknown run id."""
+        run = self.runs.get(event.run_id)
+        if run is None:
+            return False
+        run.deliver(event)
+        return True
+
+    # ------------------------------------------------------------ runs
+
+    async def open_run(self, spec: RunSpec) -> EdgeRun:
+        model = self.fleet.models.get(spec.model)
+        if model is None:
+            raise ModelNotFound(f"The model '{spec.model}' does not exist", param="model")
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        slot = await self._acquire(model, spec.batch)
+        queue_wait_s = loop.time() - started
+        try:
+            run = self._start(model, slot, spec)
+        except BaseException:
+            self._release(slot)
+            raise
+        run.edge_queue_wait_s = queue_wait_s
+        try:
+            await self.links[slot.node_id].send_run(run.request)
+        except (ConnectionError, KeyError) as exc:
+            run.fail(pb.ERROR_CODE_PROVIDER_UNAVAILABLE, f"node {slot.node_id} unreachable: {exc}")
+        return run
+
+    def _candidates(self, model: ModelEntry) -> list[ProviderSlot]:
+        return [self.slots[p] for p in model.providers if p in self.slots]
+
+    async def _acquire(self, model: ModelEntry, batch: bool) -> ProviderSlot:
+        queue = self.queues[model.id]
+        candidates = self._candidates(model)
+        # FIFO: nobody overtakes a waiter of its own class (and batch waits behind all).
+        overtakes = len(queue) > 0 if batch else queue.interactive > 0
+        slot = None if overtakes else select(candidates)
+        if slot is not None:
+            slot.take()
+            self._metrics.publish_slot(slot)
+            return slot
+        if not any(c.usable for c in candidates):
+            raise NoProviderAvailable(f"No provider of '{model.id}' is available right now")
+        max_queue, timeout_s = self.fleet.queue_limits(model.id)
+        if len(queue) >= max_queue:
+            raise QueueFull(f"The queue of '{model.id}' is full ({max_queue} waiting); retry later")
+        waiter: asyncio.Future[ProviderSlot] = asyncio.get_running_loop().create_future()
+        queue.push(waiter, batch=batch)
+        self._metrics.queued.labels(model.id).set(len(queue))
+        try:
+            async with asyncio.timeout(timeout_s):
+                return await waiter
+        except BaseException as exc:
+            if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
+                self._release(waiter.result())  # handed a slot as we gave up: pass it on
+            else:
+                waiter.cancel()
+                queue.remove(waiter)
+            if isinstance(exc, TimeoutError):
+                raise QueueTimeout(
+                    f"No provider of '{model.id}' had a free slot within {timeout_s * 1000:.0f} ms"
+                ) from None
+            raise
+        finally:
+            self._metrics.queued.labels(model.id).set(len(queue))
+
+    def _start(self, model: ModelEntry, slot: ProviderSlot, spec: RunSpec) -> EdgeRun:
+        served = model.providers[slot.provider_id]
+        entry = self.fleet.providers[slot.provider_id]
+        body = dict(spec.body)
+        body["model"] = served  # target rewrite happens here and only here (S03)
+        run_id = uuid.uuid4().hex
+        timeout_ms = entry.request_timeout_ms or 600_000
+        request = pb.RunRequest(
+            run_id=run_id,
+            model=model.id,
+            provider_id=slot.provider_id,
+            adapter=entry.type,
+            target=served,
+            operation=_OPERATIONS[spec.operation],
+            body_json=json.dumps(body, separators=(",", ":")).encode(),
+            stream=spec.stream,
+            deadline_unix_ms=int(time.time() * 1000) + timeout_ms,
+            include_usage=spec.include_usage,
+        )
+        run = EdgeRun(
+            run_id,
+            request,
+            slot.provider_id,
+            self.links[slot.node_id],
+            served,
+            asyncio.get_running_loop().time() + timeout_ms / 1000,
+            self._run_finished,
+        )
+        self.runs[run_id] = run
+        return run
+
+    def _run_finished(self, run: EdgeRun) -> None:
+        self.runs.pop(run.run_id, None)
+        slot = self.slots.get(run.provider_id)
+        if slot is not None:
+            self._release(slot)
+
+    def _release(self, slot: ProviderSlot) -> None:
+        slot.release()
+        self._metrics.publish_slot(slot)
+        self._serve_queues(self._models_of([slot.provider_id]))
+
+    def _serve_queues(self, model_ids: Iterable[str]) -> None:
+        """Hand free slots to the heads of these models' queues, FIFO, interactive first."""
+        for model_id in model_ids:
+            queue = self.queues.get(model_id)
+            model = self.fleet.models.get(model_id)
+            if not queue or model is None:
+                continue
+            candidates = self._candidates(model)
+            while queue:
+                slot = select(candidates)
+                if slot is None:
+                    break
+                waiter = queue.pop_waiting()
+                if waiter is None:
+                    break
+                slot.take()
+                self._metrics.publish_slot(slot)
+                waiter.set_result(slot)
+            self._metrics.queued.labels(model_id).set(len(queue))
+
+    def _fail_waiters(self, queue: ModelQueue[ProviderSlot], reason: str) -> None:
+        while (waiter := queue.pop_waiting()) is not None:
+            waiter.set_exception(NoProviderAvailable(reason))
+
+    def _slots_of_node(self, node_id: str) -> list[ProviderSlot]:
+        return [slot for slot in self.slots.values() if slot.node_id == node_id]
+
+    def _models_of(self, provider_ids: Iterable[str]) -> list[str]:
+        wanted = set(provider_ids)
+        return [m.id for m in self.fleet.models.values() if wanted.intersection(m.providers)]
+
+    async def fail_all(self, reason: str) -> None:
+        """The edge is stopping: end every run and every waiter."""
+        for run in list(self.runs.values()):
+            await run.cancel(reason)
+        for queue in self.queues.values():
+            self._fail_waiters(queue, reason)
+
+    def queued(self, model_id: str) -> int:
+        queue = self.queues.get(model_id)
+        return len(queue) if queue else 0

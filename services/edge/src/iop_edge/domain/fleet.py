@@ -1,0 +1,80 @@
+"""The fleet as the edge serves it: models, providers, API keys (from the control-plane).
+
+Immutable: a config push builds a new ``Fleet`` and swaps it in whole, so a
+request never sees half of an update.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+
+class Operation(StrEnum):
+    CHAT_COMPLETIONS = "chat_completions"
+    COMPLETIONS = "completions"
+    EMBEDDINGS = "embeddings"
+
+
+@dataclass(frozen=True, slots=True)
+class ModelEntry:
+    """One public model: its id is the queue and catalog key (seed S01)."""
+
+    id: str
+    display_name: str
+    providers: Mapping[str, str]  # provider id -> served name, in the fleet file's order
+
+
+@dataclass(frozen=True, slots=True)
+class ProviderEntry:
+    """One provider as the fleet file declares it (live state lives in the pool)."""
+
+    id: str
+    node_id: str
+    type: str
+    category: str
+    models: tuple[str, ...]
+    capacity: int
+    max_queue: int
+    queue_timeout_ms: int
+    request_timeout_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class ApiKeyEntry:
+    """An API key's policy; the key itself is never known to the edge, only its sha256."""
+
+    key_id: str
+    name: str
+    key_hash: str
+    models: frozenset[str]  # empty = every model
+    max_concurrent: int  # 0 = unlimited
+
+    def allows(self, model: str) -> bool:
+        return not self.models or model in self.models
+
+
+@dataclass(frozen=True, slots=True)
+class Fleet:
+    version: int = 0
+    models: Mapping[str, ModelEntry] = field(default_factory=dict)
+    providers: Mapping[str, ProviderEntry] = field(default_factory=dict)
+    api_keys: Mapping[str, ApiKeyEntry] = field(default_factory=dict)  # by key_hash
+    revoked_token_ids: frozenset[str] = frozenset()
+
+    def models_of_provider(self, provider_id: str) -> list[str]:
+        return [m.id for m in self.models.values() if provider_id in m.providers]
+
+    def queue_limits(self, model_id: str) -> tuple[int, float]:
+        """A model's queue: room for its providers' ``max_queue`` together, and the
+        longest of their ``queue_timeout_ms`` (the queue serves the whole pool)."""
+        entries = [
+            self.providers[p] for p in self.models[model_id].providers if p in self.providers
+        ]
+        if not entries:
+            return 0, 0.0
+        return (
+            sum(e.max_queue for e in entries),
+            max(e.queue_timeout_ms for e in entries) / 1000,
+        )

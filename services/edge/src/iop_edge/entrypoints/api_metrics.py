@@ -1,0 +1,67 @@
+"""The edge API's Prometheus metrics, in the registry the service owns.
+
+Label values are public model ids the catalog knows, or ``""`` when the
+request named no known model: a client inventing model names must not be able
+to grow the metric series without bound.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Final
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_WAIT_BUCKETS: Final = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_TTFT_BUCKETS: Final = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60)
+_DURATION_BUCKETS: Final = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+
+
+@dataclass(frozen=True, slots=True)
+class ApiMetrics:
+    """Per-model request metrics of ``/v1/chat/completions``, ``/completions``, ``/embeddings``."""
+
+    requests: Counter  # by model and the HTTP status the client got (499: it left)
+    queue_wait: Histogram  # edge queue + node queue, for runs that started
+    ttft: Histogram  # request received -> first delta
+    duration: Histogram  # request received -> last byte (or the error)
+    in_flight: Gauge  # requests past validation, not yet answered
+
+    @classmethod
+    def create(cls, registry: CollectorRegistry) -> ApiMetrics:
+        model = ["model"]
+        return cls(
+            requests=Counter(
+                "iop_edge_requests",
+                "Inference requests answered, by model and HTTP status",
+                ["model", "status"],
+                registry=registry,
+            ),
+            queue_wait=Histogram(
+                "iop_edge_queue_wait_seconds",
+                "Time a run waited for a provider (edge queue plus node queue)",
+                model,
+                buckets=_WAIT_BUCKETS,
+                registry=registry,
+            ),
+            ttft=Histogram(
+                "iop_edge_time_to_first_token_seconds",
+                "Time from the request to its first delta",
+                model,
+                buckets=_TTFT_BUCKETS,
+                registry=registry,
+            ),
+            duration=Histogram(
+                "iop_edge_request_duration_seconds",
+                "Time from the request to its end (success, error or disconnect)",
+                model,
+                buckets=_DURATION_BUCKETS,
+                registry=registry,
+            ),
+            in_flight=Gauge(
+                "iop_edge_requests_in_flight",
+                "Inference requests being served (queued or running)",
+                model,
+                registry=registry,
+            ),
+        )

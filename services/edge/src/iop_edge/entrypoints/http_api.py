@@ -1,0 +1,180 @@
+"""The edge's public HTTP API: the OpenAI-compatible ``/v1`` and IOP's read-only additions.
+
+``create_api_app`` builds the aiohttp application from the ports; ``bootstrap``
+owns the runner. The inference endpoints live in ``inference_routes``; this
+module holds the small read-only routes and the one outermost error boundary.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from importlib import resources
+from typing import Any, Final
+
+from aiohttp import web
+from aiohttp.typedefs import Handler
+from loguru import logger
+
+from iop_edge.domain.fleet import ApiKeyEntry, ModelEntry
+from iop_edge.entrypoints.api_auth import authenticate
+from iop_edge.entrypoints.api_metrics import ApiMetrics
+from iop_edge.entrypoints.inference_routes import InferenceRoutes
+from iop_edge.entrypoints.openai_errors import (
+    error_response,
+    from_http_exception,
+    internal_error,
+)
+from iop_edge.errors import EdgeError, InvalidRequest, ModelNotFound
+from iop_edge.ports import Catalog, KeyRing, RunLog, RunService
+
+MAX_BODY_BYTES: Final = 64 * 1024 * 1024
+"""Chat requests carry base64 images and long contexts: aiohttp's 1 MiB default is too small."""
+RUNS_DEFAULT_LIMIT: Final = 50
+RUNS_MAX_LIMIT: Final = 1000
+
+
+def load_openapi() -> dict[str, Any]:
+    """The OpenAPI 3.1 document shipped in the package (read once, by ``bootstrap``)."""
+    text = resources.files("iop_edge.entrypoints").joinpath("openapi.json").read_text("utf-8")
+    document: dict[str, Any] = json.loads(text)
+    return document
+
+
+def create_api_app(
+    service: RunService,
+    catalog: Catalog,
+    keys: KeyRing,
+    runlog: RunLog,
+    metrics: ApiMetrics,
+    *,
+    openapi: dict[str, Any],
+    max_body_bytes: int = MAX_BODY_BYTES,
+) -> web.Application:
+    """The API application; serve it with ``web.AppRunner(app, handler_cancellation=True)``.
+
+    ``handler_cancellation=True`` is required, not a tuning knob: it is how
+    aiohttp tells a handler that its client disconnected while nothing was being
+    written (queued in ``open_run``, waiting for the first token or for a
+    non-streaming result). Without it the handler only learns at its next write,
+    and a run whose client is gone keeps a provider slot until it finishes.
+    """
+    app = web.Application(middlewares=[openai_error_boundary], client_max_size=max_body_bytes)
+    InferenceRoutes(service, catalog, keys, runlog, metrics).register(app)
+    ReadRoutes(catalog, keys, runlog, openapi).register(app)
+    return app
+
+
+@web.middleware
+async def openai_error_boundary(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """The outermost boundary: every error leaves as an OpenAI error object.
+
+    ``EdgeError``s and aiohttp's own 4xx (unknown route, wrong method) are
+    expected; anything else is a bug, logged with its traceback, answered 500.
+    ``CancelledError`` is not an ``Exception`` and passes through.
+    """
+    try:
+        return await handler(request)
+    except EdgeError as exc:
+        return error_response(exc)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise  # a redirect is not an error
+        return error_response(from_http_exception(request, exc))
+    except Exception:
+        logger.exception("unhandled error serving {} {}", request.method, request.path)
+        return error_response(internal_error())
+
+
+class ReadRoutes:
+    """Models, the IOP catalog, recent runs, health, readiness and the OpenAPI document."""
+
+    def __init__(
+        self, catalog: Catalog, keys: KeyRing, runlog: RunLog, openapi: dict[str, Any]
+    ) -> None:
+        self._catalog = catalog
+        self._keys = keys
+        self._runlog = runlog
+        self._openapi = json.dumps(openapi, separators=(",", ":")).encode()
+
+    def register(self, app: web.Application) -> None:
+        router = app.router
+        router.add_get("/v1/models", self.list_models)
+        # Model ids contain ':' and '/' (``llama3.1:8b``, ``org/model``).
+        router.add_get("/v1/models/{model_id:.+}", self.retrieve_model)
+        router.add_get("/iop/v1/catalog/providers", self.catalog_providers)
+        router.add_get("/iop/v1/catalog/models", self.catalog_models)
+        router.add_get("/iop/v1/runs", self.runs)
+        router.add_get("/healthz", self.healthz)
+        router.add_get("/readyz", self.readyz)
+        router.add_get("/openapi.json", self.openapi)
+
+    async def list_models(self, request: web.Request) -> web.Response:
+        key = authenticate(request, self._keys)
+        data = [model_object(m) for m in self._catalog.models() if _visible(key, m.id)]
+        return web.json_response({"object": "list", "data": data})
+
+    async def retrieve_model(self, request: web.Request) -> web.Response:
+        key = authenticate(request, self._keys)
+        model_id = request.match_info["model_id"]
+        entry = self._catalog.model(model_id) if _visible(key, model_id) else None
+        if entry is None:
+            # A model outside the key's list is as absent as one that does not exist.
+            raise ModelNotFound(f"The model '{model_id}' does not exist.", param="model")
+        return web.json_response(model_object(entry))
+
+    async def catalog_providers(self, request: web.Request) -> web.Response:
+        authenticate(request, self._keys)
+        return web.json_response({"data": self._catalog.provider_views()})
+
+    async def catalog_models(self, request: web.Request) -> web.Response:
+        authenticate(request, self._keys)
+        return web.json_response({"data": self._catalog.model_views()})
+
+    async def runs(self, request: web.Request) -> web.Response:
+        authenticate(request, self._keys)
+        limit = _limit(request.query.get("limit"))
+        records = await self._runlog.recent(limit)
+        return web.json_response({"data": [asdict(record) for record in records]})
+
+    async def healthz(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def readyz(self, request: web.Request) -> web.Response:
+        if self._catalog.any_available():
+            return web.json_response({"status": "ready"})
+        return web.json_response(
+            {"status": "not_ready", "reason": "no provider is available"}, status=503
+        )
+
+    async def openapi(self, request: web.Request) -> web.Response:
+        return web.Response(body=self._openapi, content_type="application/json")
+
+
+def model_object(entry: ModelEntry) -> dict[str, Any]:
+    """OpenAI's model object, with IOP's display name."""
+    return {
+        "id": entry.id,
+        "object": "model",
+        "created": 0,
+        "owned_by": "iop",
+        "display_name": entry.display_name,
+    }
+
+
+def _visible(key: ApiKeyEntry | None, model_id: str) -> bool:
+    return key is None or key.allows(model_id)
+
+
+def _limit(raw: str | None) -> int:
+    if raw is None:
+        return RUNS_DEFAULT_LIMIT
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= RUNS_MAX_LIMIT:
+        raise InvalidRequest(
+            f"'limit' must be an integer from 1 to {RUNS_MAX_LIMIT}.", param="limit"
+        )
+    return value

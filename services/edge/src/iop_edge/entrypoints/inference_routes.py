@@ -1,0 +1,283 @@
+"""``POST /v1/chat/completions``, ``/v1/completions``, ``/v1/embeddings``.
+
+One request: authenticate, parse the body once, check it, resolve the model,
+take a slot of the key, ``RunService.open_run``, then relay the run's events
+(as SSE chunks the moment each arrives, or as one JSON body at the end).
+
+Whatever way a request ends, the run is never left behind: a client that
+disconnects (the handler is cancelled, or a write fails) gets its run
+cancelled on the node, and exactly one ``EdgeRunRecord`` is written.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import time
+from typing import Final
+
+from aiohttp import web
+from loguru import logger
+
+from iop_edge.domain.fleet import Operation
+from iop_edge.entrypoints.api_auth import KeySlots, authenticate
+from iop_edge.entrypoints.api_metrics import ApiMetrics
+from iop_edge.entrypoints.inference_request import parse_params, read_json_body
+from iop_edge.entrypoints.openai_errors import error_payload, error_response, internal_error
+from iop_edge.entrypoints.openai_format import DONE, ChunkStream, render_result, sse_event
+from iop_edge.entrypoints.run_trace import RunTrace
+from iop_edge.errors import (
+    EdgeError,
+    ModelNotAllowed,
+    ModelNotFound,
+    ProviderFailed,
+    from_run_error,
+)
+from iop_edge.ports import Catalog, KeyRing, RunEvents, RunLog, RunService, RunSpec
+from iop_proto.v1 import runtime_pb2 as pb
+
+RENDER_OFFLOAD_BYTES: Final = 256 * 1024
+"""A provider result larger than this (embeddings of many inputs) is re-serialised
+in a worker thread, so the event loop keeps serving streams meanwhile."""
+
+CLIENT_DISCONNECTED: Final = "client disconnected"
+
+
+class InferenceRoutes:
+    """The three inference endpoints over one ``RunService``."""
+
+    def __init__(
+        self,
+        service: RunService,
+        catalog: Catalog,
+        keys: KeyRing,
+        runlog: RunLog,
+        metrics: ApiMetrics,
+    ) -> None:
+        self._service = service
+        self._catalog = catalog
+        self._keys = keys
+        self._runlog = runlog
+        self._metrics = metrics
+        self._slots = KeySlots()
+
+    def register(self, app: web.Application) -> None:
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/embeddings", self.embeddings)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, Operation.CHAT_COMPLETIONS)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, Operation.COMPLETIONS)
+
+    async def embeddings(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, Operation.EMBEDDINGS)
+
+    async def _serve(self, request: web.Request, operation: Operation) -> web.StreamResponse:
+        """Answer one request and account for it, on every path out."""
+        trace = RunTrace.begin(operation)
+        try:
+            return await self._handle(request, operation, trace)
+        except EdgeError as exc:
+            trace.failed(exc, status=exc.status)
+            response = error_response(exc)
+            response.headers["X-Request-Id"] = trace.request_id
+            return response
+        except asyncio.CancelledError:
+            trace.client_gone()
+            raise
+        except Exception:
+            trace.crashed()  # the middleware logs it and answers 500
+            raise
+        finally:
+            await self._account(trace)
+
+    async def _handle(
+        self, request: web.Request, operation: Operation, trace: RunTrace
+    ) -> web.StreamResponse:
+        key = authenticate(request, self._keys)
+        body = await read_json_body(request)
+        params = parse_params(operation, body)
+        trace.stream = params.stream
+        if key is not None and not key.allows(params.model):
+            # Checked before the catalog: a restricted key cannot probe which models exist.
+            raise ModelNotAllowed(
+                f"This API key is not allowed to use the model '{params.model}'.", param="model"
+            )
+        if self._catalog.model(params.model) is None:
+            raise ModelNotFound(f"The model '{params.model}' does not exist.", param="model")
+        trace.model = params.model
+        spec = RunSpec(
+            model=params.model,
+            operation=operation,
+            body=body,
+            stream=params.stream,
+            include_usage=params.include_usage,
+        )
+        with self._slots.hold(key), self._metrics.in_flight.labels(spec.model).track_inprogress():
+            opened_at = time.monotonic()
+            # Cancelled here (client gone while queued), the dispatcher leaves the queue.
+            events = await self._service.open_run(spec)
+            trace.dispatched(events, time.monotonic() - opened_at)
+            try:
+                if spec.stream:
+                    return await self._stream(request, spec, events, trace)
+                return await self._collect(spec, events, trace)
+            except BaseException as exc:
+                if not trace.run_ended:
+                    reason = (
+                        CLIENT_DISCONNECTED
+                        if isinstance(exc, asyncio.CancelledError | ConnectionResetError)
+                        else f"edge failed: {type(exc).__name__}"
+                    )
+                    await _cancel(events, trace, reason)
+                raise
+
+    async def _stream(
+        self, request: web.Request, spec: RunSpec, events: RunEvents, trace: RunTrace
+    ) -> web.StreamResponse:
+        """Relay the run as SSE; the status line waits for the first delta, so a run
+        that fails before producing anything still gets a real HTTP error."""
+        response = web.StreamResponse(
+            headers={
+                "Content-Type": "text/event-stream",
+                "Cache-Control": "no-cache",
+                "X-Accel-Buffering": "no",  # proxies must not hold tokens back either
+                "X-Request-Id": events.run_id,
+            }
+        )
+        try:
+            error = await _relay(request, response, spec, events, trace)
+            if error is not None:
+                if not response.prepared:
+                    raise error
+                trace.failed(error, status=200)
+                await _end_with_error(response, error)
+        except ConnectionResetError:
+            # The client left between two tokens; aiohttp ignores the closed transport.
+            trace.client_gone()
+            if not trace.run_ended:
+                await _cancel(events, trace, CLIENT_DISCONNECTED)
+        except Exception as exc:
+            if not response.prepared:
+                raise  # the boundary can still answer with a 500
+            # The status line is out: the outermost boundary could only write a second
+            # response into this stream, so the stream itself ends the way a failed run's does.
+            logger.exception("streaming run {} failed in the edge", events.run_id)
+            trace.crashed(status=200)
+            if not trace.run_ended:
+                await _cancel(events, trace, f"edge failed: {type(exc).__name__}")
+            with contextlib.suppress(ConnectionResetError):
+                await _end_with_error(response, internal_error())
+        return response
+
+    async def _collect(self, spec: RunSpec, events: RunEvents, trace: RunTrace) -> web.Response:
+        """Wait for the run's end and answer with the whole result."""
+        deltas: list[pb.RunDelta] = []
+        async for event in events:
+            kind = event.WhichOneof("kind")
+            if kind == "complete":
+                complete = event.complete
+                trace.completed(complete)
+                body = await _render(spec, complete, deltas, trace)
+                trace.status = 200
+                return web.Response(
+                    body=body,
+                    content_type="application/json",
+                    headers={"X-Request-Id": events.run_id},
+                )
+            if kind == "delta":
+                trace.first_delta()
+                deltas.append(event.delta)
+            elif kind == "error":
+                trace.run_ended = True
+                raise from_run_error(event.error)
+            elif kind == "start":
+                trace.started(event.start)
+        trace.run_ended = True
+        raise ProviderFailed("the run ended without a result")
+
+    async def _account(self, trace: RunTrace) -> None:
+        """One record and the metrics; a failing run log never fails the request."""
+        trace.observe(self._metrics)
+        record = trace.record()
+        try:
+            # Shielded: a second cancellation (server shutdown) must not lose the record.
+            await asyncio.shield(self._runlog.record(record))
+        except Exception:
+            logger.exception("could not record run {}", record.run_id)
+
+
+async def _relay(
+    request: web.Request,
+    response: web.StreamResponse,
+    spec: RunSpec,
+    events: RunEvents,
+    trace: RunTrace,
+) -> EdgeError | None:
+    """Write each event as it arrives; ``None`` when the run completed, else its error."""
+    chunks = ChunkStream(
+        spec.operation, run_id=events.run_id, model=spec.model, created=trace.created
+    )
+    async for event in events:
+        kind = event.WhichOneof("kind")
+        if kind == "delta":
+            if not response.prepared:
+                trace.first_delta()
+                trace.status = 200
+                await response.prepare(request)
+            await response.write(chunks.delta(event.delta))
+        elif kind == "complete":
+            complete = event.complete
+            trace.completed(complete)
+            if not response.prepared:
+                trace.status = 200
+                await response.prepare(request)
+            tail = chunks.finish(complete)
+            if spec.include_usage:
+                tail += chunks.usage_chunk(complete)
+            await response.write(tail + DONE)
+            await response.write_eof()
+            return None
+        elif kind == "error":
+            trace.run_ended = True
+            return from_run_error(event.error)
+        elif kind == "start":
+            trace.started(event.start)
+    trace.run_ended = True
+    return ProviderFailed("the run ended without a result")
+
+
+async def _end_with_error(response: web.StreamResponse, error: EdgeError) -> None:
+    """An error after the first byte: an SSE error event, then ``[DONE]``."""
+    await response.write(sse_event(error_payload(error)) + DONE)
+    await response.write_eof()
+
+
+async def _cancel(events: RunEvents, trace: RunTrace, reason: str) -> None:
+    """Tell the dispatcher to stop the run; shielded so the cancel is sent even while
+    this task is being cancelled again."""
+    if trace.cancel_sent:
+        return
+    trace.cancel_sent = True
+    await asyncio.shield(events.cancel(reason))
+
+
+async def _render(
+    spec: RunSpec, complete: pb.RunComplete, deltas: list[pb.RunDelta], trace: RunTrace
+) -> bytes:
+    render = functools.partial(
+        render_result,
+        spec.operation,
+        complete,
+        deltas,
+        run_id=trace.run_id,
+        model=spec.model,
+        created=trace.created,
+    )
+    if len(complete.result_json) > RENDER_OFFLOAD_BYTES:
+        return await asyncio.to_thread(render)
+    return render()

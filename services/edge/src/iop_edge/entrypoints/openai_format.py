@@ -1,0 +1,292 @@
+"""Node run events as OpenAI wire objects: SSE chunks and whole (non-streaming) results.
+
+This is the per-token hot path. A stream's constant part (id, object, created,
+public model id) is serialised once when the stream starts. The common token (a
+plain text fragment of choice 0) is then written into a byte template with only
+its string JSON-escaped (the C string encoder: well under a microsecond);
+anything else (role, tool calls, reasoning, finish) goes through a small dict
+and the standard encoder. That keeps the standard library fast enough without
+orjson. Nothing here does I/O, so every function can be tested on its own.
+
+The client only ever sees the PUBLIC model id: chunks are built here from
+deltas, and a provider's whole result has its ``model`` replaced.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from typing import Any, Final
+
+from iop_edge.domain.fleet import Operation
+from iop_edge.errors import ProviderFailed
+from iop_proto.v1 import runtime_pb2 as pb
+
+DONE: Final = b"data: [DONE]\n\n"
+_EVENT_END: Final = b"\n\n"
+_TOKEN_END: Final = b',"logprobs":null,"finish_reason":null}]}\n\n'
+
+# Stateless and reused: ``json.dumps`` with options builds a new encoder on every call.
+_ENCODER: Final = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
+
+
+def dumps(value: Any) -> str:
+    """Compact JSON, UTF-8 kept as is (``ensure_ascii`` would triple non-Latin text)."""
+    return _ENCODER.encode(value)
+
+
+def sse_event(payload: dict[str, Any]) -> bytes:
+    """One ``data:`` event (used for errors; chunks go through ``ChunkStream``)."""
+    return b"data: " + dumps(payload).encode() + _EVENT_END
+
+
+def usage_object(usage: pb.Usage) -> dict[str, int]:
+    prompt, completion = usage.prompt_tokens, usage.completion_tokens
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": usage.total_tokens or prompt + completion,
+    }
+
+
+def tool_call_delta(call: pb.ToolCallDelta) -> dict[str, Any]:
+    """A streamed tool-call fragment: ``id``/``type``/``name`` only when the node sent them."""
+    function: dict[str, str] = {}
+    if call.function_name:
+        function["name"] = call.function_name
+    if call.function_arguments or call.function_name:
+        function["arguments"] = call.function_arguments
+    out: dict[str, Any] = {"index": call.index}
+    if call.id:
+        out["id"] = call.id
+    if call.type or call.id:
+        out["type"] = call.type or "function"
+    out["function"] = function
+    return out
+
+
+def chat_choice(delta: pb.RunDelta, *, first: bool) -> dict[str, Any]:
+    """A ``chat.completion.chunk`` choice; the first of a choice names the role."""
+    body: dict[str, Any] = {}
+    if delta.role:
+        body["role"] = delta.role
+    elif first:
+        body["role"] = "assistant"
+    if delta.text:
+        body["content"] = delta.text
+    if delta.reasoning_text:
+        body["reasoning_content"] = delta.reasoning_text
+    if delta.tool_calls:
+        body["tool_calls"] = [tool_call_delta(call) for call in delta.tool_calls]
+    return {
+        "index": delta.choice_index,
+        "delta": body,
+        "logprobs": None,
+        "finish_reason": delta.finish_reason or None,
+    }
+
+
+def text_choice(delta: pb.RunDelta) -> dict[str, Any]:
+    """A streamed ``text_completion`` choice (``/v1/completions``)."""
+    return {
+        "index": delta.choice_index,
+        "text": delta.text,
+        "logprobs": None,
+        "finish_reason": delta.finish_reason or None,
+    }
+
+
+class ChunkStream:
+    """Encodes one run's stream: chunks, the closing finish chunk, the usage chunk.
+
+    Stateful only in what OpenAI's framing needs: which choices have spoken
+    (the first chunk carries the role) and which have finished (a provider that
+    reports ``finish_reason`` only in ``complete`` still gets a closing chunk).
+    """
+
+    __slots__ = ("_chat", "_finished", "_head", "_seen", "_token_head", "usage")
+
+    def __init__(self, operation: Operation, *, run_id: str, model: str, created: int) -> None:
+        self._chat = operation is Operation.CHAT_COMPLETIONS
+        if self._chat:
+            head = {"id": f"chatcmpl-{run_id}", "object": "chat.completion.chunk"}
+        else:
+            head = {"id": f"cmpl-{run_id}", "object": "text_completion"}
+        # '{"id":...,"model":"m"}' without its closing brace: each chunk appends its choices.
+        envelope = dumps({**head, "created": created, "model": model})[:-1]
+        self._head = b"data: " + envelope.encode() + b',"choices":'
+        opening = b'[{"index":0,"delta":{"content":' if self._chat else b'[{"index":0,"text":'
+        self._token_head = self._head + opening
+        self._seen: set[int] = set()
+        self._finished: set[int] = set()
+        self.usage: pb.Usage | None = None  # the last usage a delta carried (rare)
+
+    def delta(self, delta: pb.RunDelta) -> bytes:
+        """The SSE event for one delta."""
+        index = delta.choice_index
+        if (
+            index in self._seen
+            and index == 0
+            and delta.text
+            and not (delta.role or delta.reasoning_text or delta.tool_calls or delta.finish_reason)
+            and not delta.HasField("usage")
+        ):
+            # The common token: a template and one escaped string (same JSON as below).
+            text = _ENCODER.encode(delta.text).encode()
+            return self._token_head + (text + b"}" if self._chat else text) + _TOKEN_END
+        if delta.finish_reason:
+            self._finished.add(index)
+        if delta.HasField("usage"):
+            self.usage = delta.usage
+        if self._chat:
+            first = index not in self._seen
+            if first:
+                self._seen.add(index)
+            choice = chat_choice(delta, first=first)
+        else:
+            self._seen.add(index)
+            choice = text_choice(delta)
+        return self._head + b"[" + dumps(choice).encode() + b"]}" + _EVENT_END
+
+    def finish(self, complete: pb.RunComplete) -> bytes:
+        """Closing chunks for choices whose deltas never said why they ended."""
+        reason = complete.finish_reason or "stop"
+        out = b""
+        for index in sorted(self._seen or {0}):
+            if index in self._finished:
+                continue
+            if self._chat:
+                body: dict[str, Any] = {} if index in self._seen else {"role": "assistant"}
+                choice: dict[str, Any] = {"index": index, "delta": body}
+            else:
+                choice = {"index": index, "text": ""}
+            choice["logprobs"] = None
+            choice["finish_reason"] = reason
+            out += self._head + b"[" + dumps(choice).encode() + b"]}" + _EVENT_END
+        return out
+
+    def usage_chunk(self, complete: pb.RunComplete) -> bytes:
+        """The ``stream_options.include_usage`` chunk: no choices, the run's usage."""
+        if complete.HasField("usage"):
+            usage = complete.usage
+        else:
+            usage = self.usage if self.usage is not None else pb.Usage()
+        return self._head + b'[],"usage":' + dumps(usage_object(usage)).encode() + b"}\n\n"
+
+
+def render_result(
+    operation: Operation,
+    complete: pb.RunComplete,
+    deltas: Iterable[pb.RunDelta],
+    *,
+    run_id: str,
+    model: str,
+    created: int,
+) -> bytes:
+    """The body of a non-streaming answer, with ``model`` the public id.
+
+    The provider's own result (``result_json``) is parsed once and returned with
+    only ``model`` replaced; a provider that reported deltas instead (a CLI
+    program) gets an OpenAI result built from them.
+    """
+    if complete.result_json:
+        try:
+            result = json.loads(complete.result_json)
+        except ValueError:
+            raise ProviderFailed("the provider's result is not JSON") from None
+        if not isinstance(result, dict):
+            raise ProviderFailed("the provider's result is not a JSON object")
+        result["model"] = model
+        return dumps(result).encode()
+    if operation is Operation.EMBEDDINGS:
+        raise ProviderFailed("the provider returned no embeddings")
+    return dumps(_result_from_deltas(operation, complete, deltas, run_id, model, created)).encode()
+
+
+def _result_from_deltas(
+    operation: Operation,
+    complete: pb.RunComplete,
+    deltas: Iterable[pb.RunDelta],
+    run_id: str,
+    model: str,
+    created: int,
+) -> dict[str, Any]:
+    choices: dict[int, _Choice] = {}
+    usage = complete.usage if complete.HasField("usage") else None
+    for delta in deltas:
+        choices.setdefault(delta.choice_index, _Choice()).add(delta)
+        if usage is None and delta.HasField("usage"):
+            usage = delta.usage
+    if not choices:
+        choices[0] = _Choice()
+    chat = operation is Operation.CHAT_COMPLETIONS
+    rendered = [
+        choices[i].as_chat(i, complete.finish_reason) if chat else choices[i].as_text(i, complete)
+        for i in sorted(choices)
+    ]
+    return {
+        "id": f"{'chatcmpl' if chat else 'cmpl'}-{run_id}",
+        "object": "chat.completion" if chat else "text_completion",
+        "created": created,
+        "model": model,
+        "choices": rendered,
+        "usage": usage_object(usage if usage is not None else pb.Usage()),
+    }
+
+
+class _Choice:
+    """One choice's deltas put back together (text, reasoning, tool calls by index)."""
+
+    def __init__(self) -> None:
+        self.role = ""
+        self.parts: list[str] = []
+        self.reasoning: list[str] = []
+        self.finish_reason = ""
+        self.calls: dict[int, dict[str, Any]] = {}
+
+    def add(self, delta: pb.RunDelta) -> None:
+        self.role = self.role or delta.role
+        if delta.text:
+            self.parts.append(delta.text)
+        if delta.reasoning_text:
+            self.reasoning.append(delta.reasoning_text)
+        self.finish_reason = delta.finish_reason or self.finish_reason
+        for part in delta.tool_calls:
+            call = self.calls.setdefault(
+                part.index, {"id": "", "type": "function", "name": "", "arguments": ""}
+            )
+            call["id"] = call["id"] or part.id
+            call["type"] = part.type or call["type"]
+            call["name"] += part.function_name
+            call["arguments"] += part.function_arguments
+
+    def as_chat(self, index: int, fallback_reason: str) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": self.role or "assistant", "content": None}
+        if self.parts:
+            message["content"] = "".join(self.parts)
+        if self.reasoning:
+            message["reasoning_content"] = "".join(self.reasoning)
+        if self.calls:
+            message["tool_calls"] = [
+                {
+                    "id": call["id"],
+                    "type": call["type"],
+                    "function": {"name": call["name"], "arguments": call["arguments"]},
+                }
+                for _, call in sorted(self.calls.items())
+            ]
+        default = "tool_calls" if self.calls else "stop"
+        return {
+            "index": index,
+            "message": message,
+            "logprobs": None,
+            "finish_reason": self.finish_reason or fallback_reason or default,
+        }
+
+    def as_text(self, index: int, complete: pb.RunComplete) -> dict[str, Any]:
+        return {
+            "index": index,
+            "text": "".join(self.parts),
+            "logprobs": None,
+            "finish_reason": self.finish_reason or complete.finish_reason or "stop",
+        }

@@ -1,0 +1,146 @@
+"""What one inference request went through, gathered as it happens, recorded once.
+
+Handlers note facts (dispatched, started, first delta, completed, failed, client
+gone) as they occur; at the end ``record()`` and ``observe()`` turn them into the
+``EdgeRunRecord`` and the metrics, whatever way the request ended.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+
+from iop_edge.domain.fleet import Operation
+from iop_edge.entrypoints.api_metrics import ApiMetrics
+from iop_edge.errors import EdgeError
+from iop_edge.ports import EdgeRunRecord, RunEvents
+from iop_proto.v1 import runtime_pb2 as pb
+
+CLIENT_CLOSED = 499
+"""The status recorded when the client left before any response was sent (nginx's)."""
+
+
+@dataclass(slots=True)
+class RunTrace:
+    """The mutable facts of one request; times from ``time.monotonic()``."""
+
+    operation: Operation
+    received_ms: int  # Unix ms, for the record
+    received_at: float  # monotonic, for durations
+    created: int  # Unix s, the ``created`` of OpenAI objects
+    model: str = ""  # the public model id, once the catalog knows it (metric label)
+    stream: bool = False
+    run_id: str = ""  # set once RunService dispatched the request
+    local_id: str = ""  # the log's id for a request that never became a run
+    provider_id: str = ""
+    node_id: str = ""
+    edge_wait_s: float = 0.0  # inside RunService.open_run: the model's queue
+    node_wait_ms: int = 0  # the node's FIFO queue (RunStart)
+    first_delta_at: float = 0.0
+    run_ended: bool = False  # complete or error received: nothing left to cancel
+    cancel_sent: bool = False
+    outcome: str = ""
+    status: int = 0
+    error_code: str = ""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    @classmethod
+    def begin(cls, operation: Operation) -> RunTrace:
+        now = time.time()
+        return cls(
+            operation=operation,
+            received_ms=int(now * 1000),
+            received_at=time.monotonic(),
+            created=int(now),
+        )
+
+    @property
+    def request_id(self) -> str:
+        """The run id once dispatched; a rejected request gets its own id for the log."""
+        if self.run_id:
+            return self.run_id
+        if not self.local_id:
+            self.local_id = "req-" + uuid.uuid4().hex
+        return self.local_id
+
+    def dispatched(self, events: RunEvents, edge_wait_s: float) -> None:
+        self.run_id = events.run_id
+        self.provider_id = events.provider_id
+        self.node_id = events.node_id
+        self.edge_wait_s = edge_wait_s
+
+    def started(self, start: pb.RunStart) -> None:
+        self.node_wait_ms = start.queue_wait_ms
+        self.provider_id = start.provider_id or self.provider_id
+
+    def first_delta(self) -> None:
+        if not self.first_delta_at:
+            self.first_delta_at = time.monotonic()
+
+    def completed(self, complete: pb.RunComplete) -> None:
+        self.run_ended = True
+        self.outcome = "completed"
+        if complete.HasField("usage"):
+            self.prompt_tokens = complete.usage.prompt_tokens
+            self.completion_tokens = complete.usage.completion_tokens
+
+    def failed(self, exc: EdgeError, *, status: int) -> None:
+        """The request ended in ``exc``; ``status`` is what the client got (200 mid-stream)."""
+        # Nothing dispatched: the edge turned it away (auth, validation, queue full ...).
+        self.outcome = "failed" if self.run_id else "rejected"
+        self.status = status
+        self.error_code = exc.code or exc.type
+
+    def client_gone(self) -> None:
+        """The client disconnected; a response already started keeps its status."""
+        if self.outcome in ("completed", "failed"):
+            return  # the run had ended: only the last bytes were lost
+        self.outcome = "cancelled"
+        self.status = self.status or CLIENT_CLOSED
+        self.error_code = "client_disconnected"
+
+    def crashed(self, *, status: int = 500) -> None:
+        """An unexpected exception: the boundary answers 500 (or the stream ends, 200)."""
+        self.outcome = "failed"
+        self.status = status
+        self.error_code = "internal_error"
+
+    def record(self) -> EdgeRunRecord:
+        # 0 means "did not happen" in the record: anything that happened is at least 1 ms.
+        ttft_ms = _ms(self.first_delta_at - self.received_at) if self.first_delta_at else 0
+        return EdgeRunRecord(
+            run_id=self.request_id,
+            model=self.model,
+            provider_id=self.provider_id,
+            node_id=self.node_id,
+            operation=self.operation.value,
+            stream=self.stream,
+            outcome=self.outcome or "failed",
+            status=self.status or 500,
+            error_code=self.error_code,
+            received_ms=self.received_ms,
+            queue_wait_ms=self.queue_wait_ms,
+            ttft_ms=ttft_ms,
+            duration_ms=_ms(time.monotonic() - self.received_at),
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.completion_tokens,
+        )
+
+    @property
+    def queue_wait_ms(self) -> int:
+        return round(self.edge_wait_s * 1000) + self.node_wait_ms
+
+    def observe(self, metrics: ApiMetrics) -> None:
+        model = self.model
+        metrics.requests.labels(model, str(self.status or 500)).inc()
+        metrics.duration.labels(model).observe(time.monotonic() - self.received_at)
+        if self.run_id:
+            metrics.queue_wait.labels(model).observe(self.queue_wait_ms / 1000)
+        if self.first_delta_at:
+            metrics.ttft.labels(model).observe(self.first_delta_at - self.received_at)
+
+
+def _ms(seconds: float) -> int:
+    return max(1, round(seconds * 1000))

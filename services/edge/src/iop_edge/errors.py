@@ -1,0 +1,98 @@
+"""The edge's exception hierarchy; each expected failure knows its OpenAI error shape.
+
+Errors become HTTP statuses and OpenAI error objects in exactly one place
+(``entrypoints/openai_errors.py``); raising code only picks the right class.
+"""
+
+from __future__ import annotations
+
+from iop_proto.v1 import runtime_pb2 as pb
+
+
+class EdgeError(Exception):
+    """Root of every error the edge raises on purpose (and an OpenAI error when it escapes)."""
+
+    status: int = 500
+    type: str = "server_error"
+    code: str | None = None
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+
+
+class InvalidRequest(EdgeError, ValueError):
+    status, type, code = 400, "invalid_request_error", None
+
+
+class AuthenticationFailed(EdgeError):
+    status, type, code = 401, "invalid_request_error", "invalid_api_key"
+
+
+class ModelNotAllowed(EdgeError):
+    status, type, code = 403, "invalid_request_error", "model_not_allowed"
+
+
+class ModelNotFound(EdgeError, LookupError):
+    status, type, code = 404, "invalid_request_error", "model_not_found"
+
+
+class QueueFull(EdgeError):
+    """429 with ``Retry-After``: the model's queue (or the key's concurrency) is full."""
+
+    status, type, code = 429, "rate_limit_error", "queue_full"
+    retry_after_s = 1
+
+
+class TooManyConcurrent(QueueFull):
+    code = "concurrency_limit_exceeded"
+
+
+class NoProviderAvailable(EdgeError):
+    status, type, code = 503, "server_error", "no_provider_available"
+
+
+class QueueTimeout(EdgeError, TimeoutError):
+    status, type, code = 503, "server_error", "queue_timeout"
+
+
+class ProviderFailed(EdgeError):
+    """The provider answered with an error (or could not run the request)."""
+
+    status, type, code = 502, "server_error", "provider_error"
+
+
+class ProviderTimeout(EdgeError, TimeoutError):
+    status, type, code = 504, "server_error", "provider_timeout"
+
+
+class ControlPlaneUnavailable(EdgeError, ConnectionError):
+    """Registrations fail closed while the control-plane is away."""
+
+    status, type, code = 503, "server_error", "control_plane_unavailable"
+
+
+def from_run_error(error: pb.RunError) -> EdgeError:
+    """The one mapping from a node's run error code to what the client sees."""
+    message = error.message or pb.ErrorCode.Name(error.code)
+    code = error.code
+    if code == pb.ERROR_CODE_INVALID_REQUEST:
+        return InvalidRequest(message)
+    if code == pb.ERROR_CODE_NOT_FOUND:
+        return ModelNotFound(message)
+    if code == pb.ERROR_CODE_QUEUE_FULL:
+        return QueueFull(message)
+    if code == pb.ERROR_CODE_QUEUE_TIMEOUT:
+        return QueueTimeout(message)
+    if code == pb.ERROR_CODE_PROVIDER_UNAVAILABLE:
+        return NoProviderAvailable(message, code="provider_unavailable")
+    if code in (pb.ERROR_CODE_PROVIDER_TIMEOUT, pb.ERROR_CODE_DEADLINE_EXCEEDED):
+        return ProviderTimeout(message)
+    if code == pb.ERROR_CODE_PROVIDER_ERROR:
+        return ProviderFailed(message)
+    if code == pb.ERROR_CODE_CANCELLED:
+        return ProviderFailed(message, code="cancelled")
+    return EdgeError(message, code="internal_error")

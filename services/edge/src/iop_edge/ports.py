@@ -1,0 +1,119 @@
+"""The edge's ports: what the HTTP API needs from the dispatcher, the keys and the history.
+
+The HTTP layer knows nothing of nodes, pools or protobuf framing; it asks
+``RunService`` for a run and reads its events. Unit tests drive the HTTP layer
+with small fakes of these protocols.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from iop_edge.domain.fleet import ApiKeyEntry, ModelEntry, Operation
+from iop_proto.v1 import runtime_pb2 as pb
+
+
+@dataclass(frozen=True, slots=True)
+class RunSpec:
+    """A client request the HTTP layer has validated; ``body`` was parsed once."""
+
+    model: str  # the public model id
+    operation: Operation
+    body: dict[str, Any]
+    stream: bool
+    include_usage: bool
+    batch: bool = False  # batch lines yield to interactive requests (worker issue)
+
+
+class RunEvents(Protocol):
+    """One dispatched run: its events in order, ending with ``complete`` or ``error``.
+
+    The node's events are passed through as ``pb.RunEvent`` (converting each
+    token's event into another object would only cost time on the hottest path).
+    """
+
+    run_id: str
+    provider_id: str
+    node_id: str
+    target: str
+
+    def __aiter__(self) -> AsyncIterator[pb.RunEvent]: ...
+
+    async def cancel(self, reason: str) -> None:
+        """Stop the run (client gone): the node aborts the provider call, slots free."""
+        ...
+
+
+class RunService(Protocol):
+    """Dispatch: selection, the per-model queue, target rewrite, the node link."""
+
+    async def open_run(self, spec: RunSpec) -> RunEvents:
+        """Choose a provider (waiting in the model's queue if needed) and start the run.
+
+        Raises ``ModelNotFound``, ``NoProviderAvailable``, ``QueueFull``, ``QueueTimeout``.
+        """
+        ...
+
+
+class Catalog(Protocol):
+    """The read-only catalog (seed S06-S08, D06): no control operations."""
+
+    def models(self) -> list[ModelEntry]: ...
+
+    def model(self, model_id: str) -> ModelEntry | None: ...
+
+    def provider_views(self) -> list[dict[str, Any]]:
+        """``/iop/v1/catalog/providers`` rows: provider_id, node_id, type, category, health,
+        capacity, in_flight, load_ratio, queued, models, lifecycle_capabilities."""
+        ...
+
+    def model_views(self) -> list[dict[str, Any]]:
+        """``/iop/v1/catalog/models`` rows: id, display_name, providers,
+        available_providers, queued."""
+        ...
+
+    def any_available(self) -> bool:
+        """At least one provider can take work (``/readyz``)."""
+        ...
+
+
+class KeyRing(Protocol):
+    """API keys from the control-plane's policy (hashes only)."""
+
+    @property
+    def open(self) -> bool:
+        """No keys configured: the API is open (and says so in the log)."""
+        ...
+
+    def lookup(self, presented_key: str) -> ApiKeyEntry | None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class EdgeRunRecord:
+    """What the edge keeps of a run it dispatched. Times are Unix ms; 0 = did not happen."""
+
+    run_id: str
+    model: str
+    provider_id: str
+    node_id: str
+    operation: str
+    stream: bool
+    outcome: str  # completed | failed | cancelled | rejected
+    status: int  # the HTTP status the client got
+    error_code: str = ""
+    received_ms: int = 0
+    queue_wait_ms: int = 0
+    ttft_ms: int = 0
+    duration_ms: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+class RunLog(Protocol):
+    """The edge's run history (SQLite), written off the request path, once per run."""
+
+    async def record(self, run: EdgeRunRecord) -> None: ...
+
+    async def recent(self, limit: int) -> list[EdgeRunRecord]: ...

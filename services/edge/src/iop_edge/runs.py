@@ -1,0 +1,103 @@
+"""One dispatched run as the edge holds it: events from the node, cancel, one release.
+
+The node link delivers events; the HTTP layer iterates them. Whatever ends the
+run (terminal event, cancel, node loss, the edge's own deadline guard), the
+provider slot is released exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable
+from typing import Protocol
+
+from iop_proto.v1 import runtime_pb2 as pb
+
+DEADLINE_GRACE_S = 5.0  # the node enforces the deadline; this only catches a silent node
+_TERMINAL = ("complete", "error")
+
+
+class NodeLink(Protocol):
+    """A registered node's connection, as dispatch uses it."""
+
+    node_id: str
+
+    async def send_run(self, request: pb.RunRequest) -> None: ...
+
+    async def send_cancel(self, run_id: str, reason: str) -> None: ...
+
+
+def error_event(run_id: str, code: int, message: str) -> pb.RunEvent:
+    return pb.RunEvent(run_id=run_id, error=pb.RunError(code=code, message=message))  # type: ignore[arg-type]
+
+
+class EdgeRun:
+    """Implements ``RunEvents`` for one run on one provider."""
+
+    def __init__(
+        self,
+        run_id: str,
+        request: pb.RunRequest,
+        provider_id: str,
+        node: NodeLink,
+        target: str,
+        deadline: float,
+        on_finish: Callable[[EdgeRun], None],
+    ) -> None:
+        self.run_id = run_id
+        self.request = request
+        self.provider_id = provider_id
+        self.node_id = node.node_id
+        self.target = target
+        self._node = node
+        self._deadline = deadline
+        self._on_finish = on_finish
+        self._events: asyncio.Queue[pb.RunEvent] = asyncio.Queue()
+        self.finished = False
+        self.edge_queue_wait_s = 0.0
+
+    def deliver(self, event: pb.RunEvent) -> None:
+        """From the node link: queue the event; a terminal one releases the slot now."""
+        if self.finished:
+            return
+        self._events.put_nowait(event)
+        if event.WhichOneof("kind") in _TERMINAL:
+            self._finish()
+
+    def fail(self, code: int, message: str) -> None:
+        """End the run from the edge's side (node lost, edge stopping)."""
+        self.deliver(error_event(self.run_id, code, message))
+
+    async def __aiter__(self) -> AsyncIterator[pb.RunEvent]:
+        while True:
+            try:
+                async with asyncio.timeout_at(self._deadline + DEADLINE_GRACE_S):
+                    event = await self._events.get()
+            except TimeoutError:
+                await self.cancel("deadline passed without an answer from the node")
+                yield error_event(
+                    self.run_id,
+                    pb.ERROR_CODE_PROVIDER_TIMEOUT,
+                    "the provider did not answer in time",
+                )
+                return
+            yield event
+            if event.WhichOneof("kind") in _TERMINAL:
+                return
+
+    async def cancel(self, reason: str) -> None:
+        """Client gone: tell the node to abort the provider call, and free the slot."""
+        if self.finished:
+            return
+        # Whoever iterates the events (if anyone) ends with this run's terminal event.
+        self._events.put_nowait(error_event(self.run_id, pb.ERROR_CODE_CANCELLED, reason))
+        self._finish()
+        # A node that is gone cancelled its runs with its connection already.
+        with contextlib.suppress(ConnectionError):
+            await self._node.send_cancel(self.run_id, reason)
+
+    def _finish(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self._on_finish(self)

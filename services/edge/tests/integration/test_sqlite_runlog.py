@@ -1,0 +1,258 @@
+"""The edge's SQLite run log against real database files: batched, never in the caller's way."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import sqlite3
+import stat
+from collections.abc import AsyncIterator, Coroutine, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from loguru import logger
+
+from iop_edge.adapters.sqlite_runlog import (
+    SCHEMA_VERSION,
+    RunLogClosed,
+    RunLogError,
+    SqliteRunLog,
+)
+from iop_edge.ports import EdgeRunRecord, RunLog
+
+T0 = 1_740_830_400_000  # 2025-03-01 12:00 UTC in Unix milliseconds
+
+
+def run(run_id: str, received_ms: int = T0) -> EdgeRunRecord:
+    """Every field set to a value of its own, so a round trip checks each column."""
+    return EdgeRunRecord(
+        run_id=run_id,
+        model="llama3",
+        provider_id="ollama-1",
+        node_id="node-a",
+        operation="chat_completions",
+        stream=True,
+        outcome="failed",
+        status=502,
+        error_code="provider_error",
+        received_ms=received_ms,
+        queue_wait_ms=7,
+        ttft_ms=40,
+        duration_ms=900,
+        prompt_tokens=12,
+        completion_tokens=34,
+    )
+
+
+def rows(path: Path) -> list[tuple[Any, ...]]:
+    """What is on disk, read by a connection of its own (committed data only)."""
+    raw = sqlite3.connect(path)
+    try:
+        return raw.execute("SELECT * FROM runs ORDER BY run_id").fetchall()
+    finally:
+        raw.close()
+
+
+def returns_at_once(call: Coroutine[Any, Any, None]) -> None:
+    """Run a coroutine one step: it must finish without ever suspending (no I/O awaited)."""
+    with pytest.raises(StopIteration):
+        call.send(None)
+
+
+@pytest.fixture
+def db_path(tmp_path: Path) -> Path:
+    return tmp_path / "state" / "edge" / "runs.db"  # neither directory exists yet
+
+
+@pytest.fixture
+async def runlog(db_path: Path) -> AsyncIterator[SqliteRunLog]:
+    opened = await SqliteRunLog.open(db_path)
+    try:
+        yield opened
+    finally:
+        await opened.aclose()
+
+
+@pytest.fixture
+def log() -> Iterator[list[str]]:
+    lines: list[str] = []
+    handler = logger.add(lines.append, level="INFO", format="{level} {message}")
+    yield lines
+    logger.remove(handler)
+
+
+async def test_open_creates_a_private_wal_database_with_a_versioned_schema(
+    runlog: SqliteRunLog, db_path: Path, tmp_path: Path
+) -> None:
+    store: RunLog = runlog  # the port, satisfied
+    assert await store.recent(10) == []
+    paths = (tmp_path / "state", tmp_path / "state" / "edge", db_path)
+    assert await asyncio.to_thread(lambda: [stat.S_IMODE(p.stat().st_mode) for p in paths]) == [
+        0o700,
+        0o700,
+        0o600,
+    ]
+    raw = sqlite3.connect(db_path)
+    try:
+        assert raw.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+        assert raw.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+        assert "runs_received" in {row[0] for row in raw.execute("SELECT name FROM sqlite_master")}
+        columns = [row[1] for row in raw.execute("PRAGMA table_info(runs)")]
+    finally:
+        raw.close()
+    assert columns == [field.name for field in dataclasses.fields(EdgeRunRecord)]
+
+
+async def test_one_record_is_one_row_with_every_field(runlog: SqliteRunLog, db_path: Path) -> None:
+    await runlog.record(run("r1"))
+    await runlog.flush()
+
+    assert runlog.writes == 1
+    assert rows(db_path) == [dataclasses.astuple(dataclasses.replace(run("r1"), stream=1))]
+
+
+async def test_recent_lists_newest_first_including_unwritten_records(
+    runlog: SqliteRunLog,
+) -> None:
+    for n in (0, 1, 2):
+        await runlog.record(run(f"r{n}", T0 + n))
+    await runlog.flush()
+    await runlog.record(run("r4", T0 + 4))  # these two stay in memory: nothing yields
+    await runlog.record(run("r3-b", T0 + 3))
+    await runlog.record(run("r3-a", T0 + 3))  # same millisecond: run_id breaks the tie
+
+    assert [r.run_id for r in await runlog.recent(4)] == ["r4", "r3-b", "r3-a", "r2"]
+    assert [r.run_id for r in await runlog.recent(10)] == [
+        "r4",
+        "r3-b",
+        "r3-a",
+        "r2",
+        "r1",
+        "r0",
+    ]
+    assert await runlog.recent(0) == []
+
+
+async def test_a_record_survives_a_reopen_with_every_field(db_path: Path) -> None:
+    first = await SqliteRunLog.open(db_path)
+    await first.record(run("r1", T0))
+    await first.record(run("r2", T0 + 1))
+    await first.aclose()  # writes what is pending
+
+    second = await SqliteRunLog.open(db_path)
+    try:
+        assert await second.recent(10) == [run("r2", T0 + 1), run("r1", T0)]
+    finally:
+        await second.aclose()
+
+
+async def test_record_returns_at_once_while_another_connection_holds_the_write_lock(
+    db_path: Path,
+) -> None:
+    runlog = await SqliteRunLog.open(db_path, busy_timeout_s=0.05, retry_delay_s=0.02)
+    failed = asyncio.Event()
+    failures: list[str] = []
+
+    def on_error(message: str) -> None:
+        failures.append(message)
+        failed.set()
+
+    handler = logger.add(on_error, level="ERROR", format="{message}")
+    lock = sqlite3.connect(db_path, isolation_level=None)
+    try:
+        lock.execute("BEGIN EXCLUSIVE")
+        returns_at_once(runlog.record(run("r1")))
+        flushed = asyncio.create_task(runlog.flush())
+        async with asyncio.timeout(10):
+            await failed.wait()  # the writer tried, was refused, and said so
+
+        assert not flushed.done()
+        assert lock.execute("SELECT count(*) FROM runs").fetchone()[0] == 0
+        assert "writing 1 run record(s) failed" in failures[0]
+        assert "database is locked" in failures[0]  # with the traceback
+        assert [r.run_id for r in await runlog.recent(5)] == ["r1"]  # still visible
+
+        lock.execute("COMMIT")  # the lock goes; the writer's next retry gets through
+        async with asyncio.timeout(10):
+            await flushed
+        assert runlog.failed_writes >= 1
+        assert runlog.writes == 1
+        assert [row[0] for row in rows(db_path)] == ["r1"]
+    finally:
+        lock.close()
+        logger.remove(handler)
+        await runlog.aclose()
+
+
+async def test_aclose_gives_up_on_a_locked_database_after_its_timeout(
+    db_path: Path, log: list[str]
+) -> None:
+    runlog = await SqliteRunLog.open(db_path, busy_timeout_s=0.05, retry_delay_s=0.02)
+    lock = sqlite3.connect(db_path, isolation_level=None)
+    try:
+        lock.execute("BEGIN EXCLUSIVE")
+        await runlog.record(run("r1"))
+        async with asyncio.timeout(10):
+            await runlog.aclose(timeout_s=0.3)
+    finally:
+        lock.close()
+
+    assert runlog.writes == 0
+    assert any("1 run record(s) not written within 0.3s of shutdown" in line for line in log)
+
+
+async def test_ten_thousand_records_are_written_in_a_few_batches(
+    runlog: SqliteRunLog, db_path: Path
+) -> None:
+    for n in range(10_000):
+        await runlog.record(run(f"r{n:05}", T0 + n))
+    await runlog.flush()
+
+    assert runlog.writes <= 25  # 10,000 / max_batch 500 = 20
+    assert len(rows(db_path)) == 10_000
+    assert (await runlog.recent(1))[0].run_id == "r09999"
+
+
+async def test_pending_records_are_bounded_dropping_the_oldest(
+    db_path: Path, log: list[str]
+) -> None:
+    runlog = await SqliteRunLog.open(db_path, max_pending=10)
+    try:
+        for n in range(12):  # no await yields to the writer, so all of these stay pending
+            await runlog.record(run(f"r{n:02}", T0 + n))
+        await runlog.flush()
+    finally:
+        await runlog.aclose()
+
+    assert runlog.dropped == 2  # one line for the first, one for the second excess record
+    assert [row[0] for row in rows(db_path)] == [f"r{n:02}" for n in range(2, 12)]
+    assert sum("unwritten run record(s) dropped" in line for line in log) == 2
+
+
+async def test_after_aclose_every_call_raises(runlog: SqliteRunLog) -> None:
+    await runlog.aclose()
+    await runlog.aclose()  # idempotent
+
+    with pytest.raises(RunLogClosed):
+        await runlog.record(run("r1"))
+    with pytest.raises(RunLogClosed):
+        await runlog.recent(1)
+    with pytest.raises(RunLogClosed):
+        await runlog.flush()
+
+
+async def test_a_schema_from_a_newer_edge_is_refused_and_left_alone(db_path: Path) -> None:
+    db_path.parent.mkdir(parents=True)
+    raw = sqlite3.connect(db_path)
+    raw.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1:d}")
+    raw.close()
+
+    with pytest.raises(RunLogError, match="newer than this edge understands"):
+        await SqliteRunLog.open(db_path)
+
+    raw = sqlite3.connect(db_path)
+    try:
+        assert raw.execute("PRAGMA journal_mode").fetchone()[0] == "delete"  # untouched
+    finally:
+        raw.close()

@@ -1,0 +1,920 @@
+"""The edge's HTTP API, served for real on 127.0.0.1, driven by the official OpenAI SDK.
+
+The ports behind the API are small fakes written here: a run is a list of
+``pb.RunEvent``s (optionally hanging at the end, to test disconnects), so every
+test states exactly what the node said and checks exactly what the client saw.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+from aiohttp import web
+from openai import AsyncOpenAI
+from prometheus_client import CollectorRegistry
+
+from iop_edge.domain.fleet import ApiKeyEntry, ModelEntry, Operation
+from iop_edge.entrypoints.api_metrics import ApiMetrics
+from iop_edge.entrypoints.http_api import create_api_app, load_openapi
+from iop_edge.errors import EdgeError, NoProviderAvailable, QueueFull, QueueTimeout
+from iop_edge.ports import EdgeRunRecord, RunSpec
+from iop_proto.v1 import runtime_pb2 as pb
+
+CHAT = "llama3.1:8b"  # ids with ':' and '/' must survive routing
+EMBED = "org/embed-v1"
+OTHER = "qwen/qwen2.5:7b"
+SERVED = "served-name-q4"  # what the provider calls it: never shown to a client
+WAIT = 5.0  # upper bound on waiting for an explicit signal (never a sleep)
+
+# ---------------------------------------------------------------- fakes of the ports
+
+
+def usage(prompt: int = 5, completion: int = 2) -> pb.Usage:
+    return pb.Usage(prompt_tokens=prompt, completion_tokens=completion)
+
+
+def start() -> pb.RunEvent:
+    return pb.RunEvent(start=pb.RunStart(provider_id="p1", target=SERVED, queue_wait_ms=7))
+
+
+def delta(text: str = "", **fields: Any) -> pb.RunEvent:
+    return pb.RunEvent(delta=pb.RunDelta(text=text, **fields))
+
+
+def complete(result: dict[str, Any] | None = None, **fields: Any) -> pb.RunEvent:
+    body = json.dumps(result).encode() if result is not None else b""
+    return pb.RunEvent(complete=pb.RunComplete(result_json=body, **fields))
+
+
+def run_error(code: int, message: str = "boom") -> pb.RunEvent:
+    return pb.RunEvent(error=pb.RunError(code=code, message=message))  # type: ignore[arg-type]
+
+
+class FakeRun:
+    """A run whose events are given; after them it hangs forever, or raises ``fail``."""
+
+    def __init__(
+        self, events: list[pb.RunEvent], *, hang: bool = False, fail: Exception | None = None
+    ) -> None:
+        self.run_id = "run-1"
+        self.provider_id = "p1"
+        self.node_id = "n1"
+        self.target = SERVED
+        self._events = events
+        self._hang = hang
+        self._fail = fail
+        self.hanging = asyncio.Event()
+        self.cancelled = asyncio.Event()
+        self.cancel_reasons: list[str] = []
+
+    def __aiter__(self) -> AsyncIterator[pb.RunEvent]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[pb.RunEvent]:
+        for sequence, event in enumerate(self._events):
+            event.run_id, event.sequence = self.run_id, sequence
+            yield event
+        if self._fail is not None:
+            raise self._fail
+        if self._hang:
+            self.hanging.set()
+            await asyncio.Event().wait()
+
+    async def cancel(self, reason: str) -> None:
+        self.cancel_reasons.append(reason)
+        self.cancelled.set()
+
+
+def standard_run(spec: RunSpec) -> FakeRun:
+    """What a healthy provider says for each operation, streaming or not."""
+    if spec.operation is Operation.EMBEDDINGS:
+        result: dict[str, Any] = {
+            "object": "list",
+            "model": SERVED,
+            "data": [{"object": "embedding", "index": 0, "embedding": [0.5, -1.0]}],
+            "usage": {"prompt_tokens": 3, "total_tokens": 3},
+        }
+        return FakeRun([start(), complete(result, usage=usage(3, 0))])
+    chat = spec.operation is Operation.CHAT_COMPLETIONS
+    if spec.stream:
+        first = delta("Hel", role="assistant") if chat else delta("Hel")
+        return FakeRun(
+            [start(), first, delta("lo"), delta(finish_reason="stop"), complete(usage=usage())]
+        )
+    choice: dict[str, Any] = {"index": 0, "finish_reason": "stop", "logprobs": None}
+    if chat:
+        choice["message"] = {"role": "assistant", "content": "Hello"}
+    else:
+        choice["text"] = "Hello"
+    result = {
+        "id": "provider-id",
+        "object": "chat.completion" if chat else "text_completion",
+        "created": 1,
+        "model": SERVED,
+        "choices": [choice],
+        "usage": {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7},
+    }
+    return FakeRun([start(), complete(result, finish_reason="stop", usage=usage())])
+
+
+class FakeService:
+    """``RunService``: records each spec; ``plan`` makes the run, ``error`` refuses it."""
+
+    def __init__(self) -> None:
+        self.specs: list[RunSpec] = []
+        self.runs: list[FakeRun] = []
+        self.plan: Callable[[RunSpec], FakeRun] = standard_run
+        self.error: BaseException | None = None
+        self.queue_forever = False
+        self.queued = asyncio.Event()
+        self.left_queue = asyncio.Event()
+
+    async def open_run(self, spec: RunSpec) -> FakeRun:
+        self.specs.append(spec)
+        if self.error is not None:
+            raise self.error
+        if self.queue_forever:
+            self.queued.set()
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                self.left_queue.set()
+                raise
+        run = self.plan(spec)
+        self.runs.append(run)
+        return run
+
+
+@dataclass
+class FakeCatalog:
+    entries: list[ModelEntry]
+    available: bool = True
+
+    def models(self) -> list[ModelEntry]:
+        return list(self.entries)
+
+    def model(self, model_id: str) -> ModelEntry | None:
+        return next((m for m in self.entries if m.id == model_id), None)
+
+    def provider_views(self) -> list[dict[str, Any]]:
+        return [{"provider_id": "p1", "node_id": "n1", "health": "available"}]
+
+    def model_views(self) -> list[dict[str, Any]]:
+        return [{"id": m.id, "display_name": m.display_name} for m in self.entries]
+
+    def any_available(self) -> bool:
+        return self.available
+
+
+@dataclass
+class FakeKeys:
+    by_key: dict[str, ApiKeyEntry] | None  # None: no keys configured
+
+    @property
+    def open(self) -> bool:
+        return self.by_key is None
+
+    def lookup(self, presented_key: str) -> ApiKeyEntry | None:
+        return (self.by_key or {}).get(presented_key)
+
+
+@dataclass
+class FakeRunLog:
+    records: list[EdgeRunRecord] = field(default_factory=list)
+    changed: asyncio.Condition = field(default_factory=asyncio.Condition)
+
+    async def record(self, run: EdgeRunRecord) -> None:
+        async with self.changed:
+            self.records.append(run)
+            self.changed.notify_all()
+
+    async def recent(self, limit: int) -> list[EdgeRunRecord]:
+        return self.records[::-1][:limit]
+
+    async def wait_for(self, count: int) -> list[EdgeRunRecord]:
+        async with asyncio.timeout(WAIT), self.changed:
+            await self.changed.wait_for(lambda: len(self.records) >= count)
+        return self.records
+
+
+def key(key_id: str, *models: str, max_concurrent: int = 0) -> ApiKeyEntry:
+    return ApiKeyEntry(key_id, key_id, f"hash-{key_id}", frozenset(models), max_concurrent)
+
+
+@dataclass
+class Edge:
+    url: str
+    service: FakeService
+    catalog: FakeCatalog
+    runlog: FakeRunLog
+    registry: CollectorRegistry
+
+    def sdk(self, api_key: str = "sk-any") -> AsyncOpenAI:
+        return AsyncOpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0)
+
+    def metric(self, name: str, **labels: str) -> float:
+        return self.registry.get_sample_value(name, labels) or 0.0
+
+
+@contextlib.asynccontextmanager
+async def serve(keys: dict[str, ApiKeyEntry] | None = None) -> AsyncIterator[Edge]:
+    models = [
+        ModelEntry(CHAT, "Llama 3.1 8B", {"p1": SERVED}),
+        ModelEntry(EMBED, "Embed v1", {"p1": SERVED}),
+        ModelEntry(OTHER, "Qwen 2.5 7B", {"p1": SERVED}),
+    ]
+    service, catalog, runlog = FakeService(), FakeCatalog(models), FakeRunLog()
+    registry = CollectorRegistry()
+    app = create_api_app(
+        service,
+        catalog,
+        FakeKeys(keys),
+        runlog,
+        ApiMetrics.create(registry),
+        openapi=load_openapi(),
+    )
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        host, port = runner.addresses[0][:2]
+        yield Edge(f"http://{host}:{port}", service, catalog, runlog, registry)
+    finally:
+        await runner.cleanup()
+
+
+@pytest.fixture
+async def edge() -> AsyncIterator[Edge]:
+    async with serve() as served:
+        yield served
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as session:
+        yield session
+
+
+def chat_body(**extra: Any) -> dict[str, Any]:
+    return {"model": CHAT, "messages": [{"role": "user", "content": "hi"}], **extra}
+
+
+def sse_data(text: str) -> list[str]:
+    """The ``data:`` payloads of an SSE body, checking every event is one ``data:`` line."""
+    events = text.split("\n\n")
+    assert events[-1] == ""
+    payloads = []
+    for event in events[:-1]:
+        assert event.startswith("data: "), event
+        assert "\n" not in event, event
+        payloads.append(event.removeprefix("data: "))
+    return payloads
+
+
+# ---------------------------------------------------------------- the OpenAI SDK as client
+
+
+async def test_chat_stream_with_usage(edge: Edge) -> None:
+    async with edge.sdk() as client:
+        stream = await client.chat.completions.create(
+            model=CHAT,
+            messages=[{"role": "user", "content": "hi"}],
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        chunks = [chunk async for chunk in stream]
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == "Hello"
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert {c.model for c in chunks} == {CHAT}
+    assert {c.id for c in chunks} == {"chatcmpl-run-1"}
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    assert chunks[-1].choices == []
+    assert chunks[-1].usage is not None
+    assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.total_tokens) == (5, 7)
+    assert edge.service.specs[0].include_usage
+    assert edge.service.specs[0].stream
+
+
+async def test_chat_stream_without_include_usage_has_no_usage_chunk(edge: Edge) -> None:
+    async with edge.sdk() as client:
+        stream = await client.chat.completions.create(
+            model=CHAT, messages=[{"role": "user", "content": "hi"}], stream=True
+        )
+        chunks = [chunk async for chunk in stream]
+    assert all(c.choices and c.usage is None for c in chunks)
+
+
+async def test_chat_non_stream_returns_the_provider_result_under_the_public_id(
+    edge: Edge,
+) -> None:
+    async with edge.sdk() as client:
+        result = await client.chat.completions.create(
+            model=CHAT, messages=[{"role": "user", "content": "hi"}]
+        )
+    assert result.model == CHAT
+    assert result.id == "provider-id"
+    assert result.choices[0].message.content == "Hello"
+    assert result.usage is not None
+    assert result.usage.total_tokens == 7
+
+
+async def test_tool_call_deltas_are_reassembled_by_the_sdk(edge: Edge) -> None:
+    call = pb.ToolCallDelta
+    edge.service.plan = lambda spec: FakeRun(
+        [
+            start(),
+            delta(role="assistant", tool_calls=[call(index=0, id="call_1", type="function")]),
+            delta(tool_calls=[call(index=0, function_name="weather", function_arguments="")]),
+            delta(tool_calls=[call(index=0, function_arguments='{"city":')]),
+            delta(tool_calls=[call(index=0, function_arguments='"Paris"}')]),
+            delta(finish_reason="tool_calls"),
+            complete(finish_reason="tool_calls", usage=usage()),
+        ]
+    )
+    tool: Any = {
+        "type": "function",
+        "function": {"name": "weather", "parameters": {"type": "object", "properties": {}}},
+    }
+    async with edge.sdk() as client:
+        async with client.chat.completions.stream(
+            model=CHAT, messages=[{"role": "user", "content": "weather?"}], tools=[tool]
+        ) as stream:
+            final = await stream.get_final_completion()
+    choice = final.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.tool_calls is not None
+    (tool_call,) = choice.message.tool_calls
+    assert tool_call.id == "call_1"
+    assert tool_call.function.name == "weather"
+    assert json.loads(tool_call.function.arguments) == {"city": "Paris"}
+    assert edge.service.specs[0].body["tools"] == [tool]
+
+
+async def test_completions_stream_and_not(edge: Edge) -> None:
+    async with edge.sdk() as client:
+        result = await client.completions.create(model=CHAT, prompt="Say hello")
+        stream = await client.completions.create(
+            model=CHAT, prompt="Say hello", stream=True, stream_options={"include_usage": True}
+        )
+        chunks = [chunk async for chunk in stream]
+    assert (result.model, result.choices[0].text) == (CHAT, "Hello")
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == "Hello"
+    assert {c.object for c in chunks} == {"text_completion"}
+    assert {c.model for c in chunks} == {CHAT}
+    assert chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == 2
+
+
+async def test_embeddings(edge: Edge) -> None:
+    async with edge.sdk() as client:
+        result = await client.embeddings.create(model=EMBED, input="hello", encoding_format="float")
+    assert result.model == EMBED
+    assert result.data[0].embedding == [0.5, -1.0]
+    assert edge.service.specs[0].operation is Operation.EMBEDDINGS
+
+
+async def test_models_list_and_retrieve_ids_with_colon_and_slash(edge: Edge) -> None:
+    async with edge.sdk() as client:
+        listed = await client.models.list()
+        one = await client.models.retrieve(OTHER)
+        with pytest.raises(openai.NotFoundError) as missing:
+            await client.models.retrieve("no/such:model")
+    assert [m.id for m in listed.data] == [CHAT, EMBED, OTHER]
+    assert (one.id, one.owned_by, one.created) == (OTHER, "iop", 0)
+    assert one.model_extra == {"display_name": "Qwen 2.5 7B"}
+    assert missing.value.code == "model_not_found"
+
+
+# ---------------------------------------------------------------- errors, as the SDK sees them
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"messages": [{"role": "user", "content": "x"}]}, "model"),
+        ({"model": 7, "messages": [{"role": "user", "content": "x"}]}, "model"),
+        ({"model": CHAT}, "messages"),
+        ({"model": CHAT, "messages": []}, "messages"),
+        (chat_body(n=2), "n"),
+        (chat_body(stream="yes"), "stream"),
+        (chat_body(stream_options={"include_usage": True}), "stream_options"),
+        (
+            chat_body(stream=True, stream_options={"include_usage": 1}),
+            "stream_options.include_usage",
+        ),
+    ],
+)
+async def test_invalid_chat_requests_name_the_param(
+    edge: Edge, body: dict[str, Any], param: str
+) -> None:
+    async with edge.sdk() as client:
+        with pytest.raises(openai.BadRequestError) as caught:
+            await client.post("/chat/completions", body=body, cast_to=object)
+    assert caught.value.param == param
+    assert caught.value.type == "invalid_request_error"
+    assert edge.service.specs == []
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/completions", {"model": CHAT}, "prompt"),
+        ("/v1/embeddings", {"model": EMBED}, "input"),
+        ("/v1/embeddings", {"model": EMBED, "input": "x", "stream": True}, "stream"),
+    ],
+)
+async def test_invalid_completion_and_embedding_requests(
+    edge: Edge, http: aiohttp.ClientSession, path: str, body: dict[str, Any], param: str
+) -> None:
+    async with http.post(edge.url + path, json=body) as response:
+        assert response.status == 400
+        assert (await response.json())["error"]["param"] == param
+
+
+@pytest.mark.parametrize("raw", [b"{not json", b"[1, 2]", b"", b'{"model": NaN}'])
+async def test_a_body_that_is_not_a_json_object_is_400(
+    edge: Edge, http: aiohttp.ClientSession, raw: bytes
+) -> None:
+    async with http.post(f"{edge.url}/v1/chat/completions", data=raw) as response:
+        assert response.status == 400
+        error = (await response.json())["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error"
+
+
+async def test_keys_401_for_missing_or_unknown_and_403_for_a_model_not_allowed() -> None:
+    async with serve({"sk-chat": key("k1", CHAT)}) as edge:
+        async with edge.sdk("sk-wrong") as client:
+            with pytest.raises(openai.AuthenticationError) as unknown:
+                await client.chat.completions.create(model=CHAT, messages=[])
+        async with edge.sdk("sk-chat") as client:
+            with pytest.raises(openai.PermissionDeniedError) as denied:
+                await client.embeddings.create(model=EMBED, input="x")
+            with pytest.raises(openai.PermissionDeniedError):
+                await client.embeddings.create(model="does-not-exist", input="x")
+            ok = await client.chat.completions.create(
+                model=CHAT, messages=[{"role": "user", "content": "hi"}]
+            )
+        async with aiohttp.ClientSession() as http:
+            async with http.get(f"{edge.url}/v1/models") as response:
+                assert response.status == 401
+    assert unknown.value.code == "invalid_api_key"
+    assert denied.value.code == "model_not_allowed"
+    assert ok.model == CHAT
+    assert len(edge.service.specs) == 1
+
+
+async def test_unknown_model_is_404_before_dispatch(edge: Edge) -> None:
+    async with edge.sdk() as client:
+        with pytest.raises(openai.NotFoundError) as caught:
+            await client.chat.completions.create(
+                model="gpt-nope", messages=[{"role": "user", "content": "hi"}]
+            )
+    assert (caught.value.code, caught.value.param) == ("model_not_found", "model")
+    assert edge.service.specs == []
+
+
+async def test_queue_full_is_429_with_retry_after(edge: Edge, http: aiohttp.ClientSession) -> None:
+    edge.service.error = QueueFull("the queue of llama3.1:8b is full")
+    async with http.post(f"{edge.url}/v1/chat/completions", json=chat_body()) as response:
+        assert response.status == 429
+        assert response.headers["Retry-After"] == "1"
+        assert (await response.json())["error"]["code"] == "queue_full"
+    async with edge.sdk() as client:
+        with pytest.raises(openai.RateLimitError) as caught:
+            await client.chat.completions.create(model=CHAT, messages=chat_body()["messages"])
+    assert caught.value.type == "rate_limit_error"
+    assert len(edge.service.specs) == 2  # max_retries=0: the SDK did not try again
+
+
+@pytest.mark.parametrize(
+    ("error", "code"),
+    [
+        (NoProviderAvailable("no provider of llama3.1:8b is available"), "no_provider_available"),
+        (QueueTimeout("waited 30 s in the queue"), "queue_timeout"),
+    ],
+)
+async def test_dispatch_failures_are_503(edge: Edge, error: EdgeError, code: str) -> None:
+    edge.service.error = error
+    async with edge.sdk() as client:
+        with pytest.raises(openai.InternalServerError) as caught:
+            await client.chat.completions.create(model=CHAT, messages=chat_body()["messages"])
+    assert (caught.value.status_code, caught.value.code) == (503, code)
+    (record,) = await edge.runlog.wait_for(1)
+    assert (record.outcome, record.status, record.error_code) == ("rejected", 503, code)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_run_error_before_any_delta_is_a_real_http_error(edge: Edge, stream: bool) -> None:
+    edge.service.plan = lambda spec: FakeRun(
+        [start(), run_error(pb.ERROR_CODE_PROVIDER_TIMEOUT, "no answer in 60 s")]
+    )
+    async with edge.sdk() as client:
+        with pytest.raises(openai.InternalServerError) as caught:
+            await client.chat.completions.create(
+                model=CHAT, messages=chat_body()["messages"], stream=stream
+            )
+    assert (caught.value.status_code, caught.value.code) == (504, "provider_timeout")
+    assert "no answer in 60 s" in caught.value.message
+    (record,) = await edge.runlog.wait_for(1)
+    assert (record.outcome, record.status, record.run_id) == ("failed", 504, "run-1")
+    assert edge.service.runs[0].cancel_reasons == []  # the run had ended
+
+
+async def test_a_run_error_mid_stream_is_an_sse_error_event(
+    edge: Edge, http: aiohttp.ClientSession
+) -> None:
+    edge.service.plan = lambda spec: FakeRun(
+        [start(), delta("Hel", role="assistant"), run_error(pb.ERROR_CODE_PROVIDER_ERROR)]
+    )
+    async with edge.sdk() as client:
+        stream = await client.chat.completions.create(
+            model=CHAT, messages=chat_body()["messages"], stream=True
+        )
+        with pytest.raises(openai.APIError) as caught:
+            async for _ in stream:
+                pass
+    assert caught.value.code == "provider_error"
+    async with http.post(
+        f"{edge.url}/v1/chat/completions", json=chat_body(stream=True)
+    ) as response:
+        assert response.status == 200
+        payloads = sse_data(await response.text())
+    assert json.loads(payloads[-2]) == {
+        "error": {
+            "message": "boom",
+            "type": "server_error",
+            "param": None,
+            "code": "provider_error",
+        }
+    }
+    assert payloads[-1] == "[DONE]"
+    records = await edge.runlog.wait_for(2)
+    assert {(r.outcome, r.status, r.error_code) for r in records} == {
+        ("failed", 200, "provider_error")
+    }
+
+
+# ---------------------------------------------------------------- the wire, read raw
+
+
+async def test_sse_framing_chunk_by_chunk(edge: Edge, http: aiohttp.ClientSession) -> None:
+    body = chat_body(stream=True, stream_options={"include_usage": True})
+    async with http.post(f"{edge.url}/v1/chat/completions", json=body) as response:
+        assert response.status == 200
+        assert response.headers["Content-Type"] == "text/event-stream"
+        assert response.headers["Cache-Control"] == "no-cache"
+        assert response.headers["X-Request-Id"] == "run-1"
+        text = await response.text()
+    payloads = sse_data(text)
+    assert payloads[-1] == "[DONE]"
+    chunks = [json.loads(p) for p in payloads[:-1]]
+    assert [c["choices"][0]["delta"] for c in chunks[:3]] == [
+        {"role": "assistant", "content": "Hel"},
+        {"content": "lo"},
+        {},
+    ]
+    assert chunks[0] == {
+        "id": "chatcmpl-run-1",
+        "object": "chat.completion.chunk",
+        "created": chunks[0]["created"],
+        "model": CHAT,
+        "choices": [
+            {
+                "index": 0,
+                "delta": {"role": "assistant", "content": "Hel"},
+                "logprobs": None,
+                "finish_reason": None,
+            }
+        ],
+    }
+    assert chunks[2]["choices"][0]["finish_reason"] == "stop"
+    assert chunks[3]["choices"] == []
+    assert chunks[3]["usage"] == {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}
+    assert len(chunks) == 4  # the finish came in a delta: no extra closing chunk
+
+
+async def test_a_finish_reason_known_only_at_complete_gets_a_closing_chunk(
+    edge: Edge, http: aiohttp.ClientSession
+) -> None:
+    edge.service.plan = lambda spec: FakeRun(
+        [start(), delta("Hi"), complete(finish_reason="length", usage=usage())]
+    )
+    async with http.post(
+        f"{edge.url}/v1/chat/completions", json=chat_body(stream=True)
+    ) as response:
+        chunks = [json.loads(p) for p in sse_data(await response.text())[:-1]]
+    assert [c["choices"][0]["delta"] for c in chunks] == [
+        {"role": "assistant", "content": "Hi"},  # the role is added when the node sent none
+        {},
+    ]
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None, "length"]
+
+
+async def test_the_client_never_sees_the_served_name(
+    edge: Edge, http: aiohttp.ClientSession
+) -> None:
+    for body in (chat_body(), chat_body(stream=True)):
+        async with http.post(f"{edge.url}/v1/chat/completions", json=body) as response:
+            text = await response.text()
+        assert SERVED not in text
+        assert CHAT in text
+
+
+async def test_a_result_without_result_json_is_built_from_deltas(
+    edge: Edge, http: aiohttp.ClientSession
+) -> None:
+    call = pb.ToolCallDelta(index=0, id="c1", type="function", function_name="f")
+    edge.service.plan = lambda spec: FakeRun(
+        [
+            start(),
+            delta("Hel", role="assistant", reasoning_text="think"),
+            delta("lo", tool_calls=[call]),
+            delta(tool_calls=[pb.ToolCallDelta(index=0, function_arguments="{}")]),
+            complete(finish_reason="stop", usage=usage()),
+        ]
+    )
+    async with http.post(f"{edge.url}/v1/chat/completions", json=chat_body()) as response:
+        result = await response.json()
+    assert result["id"] == "chatcmpl-run-1"
+    assert result["object"] == "chat.completion"
+    assert result["model"] == CHAT
+    assert result["choices"] == [
+        {
+            "index": 0,
+            "message": {
+                "role": "assistant",
+                "content": "Hello",
+                "reasoning_content": "think",
+                "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+                ],
+            },
+            "logprobs": None,
+            "finish_reason": "stop",
+        }
+    ]
+    assert result["usage"]["total_tokens"] == 7
+
+
+async def test_unknown_params_reach_the_run_spec_untouched(
+    edge: Edge, http: aiohttp.ClientSession
+) -> None:
+    body = chat_body(
+        seed=42,
+        logprobs=True,
+        top_logprobs=2,
+        response_format={"type": "json_schema", "json_schema": {"name": "x", "strict": True}},
+        vendor_extension={"top_k": 40, "ids": [1, 2, 3], "big": 12345678901234567890},
+        temperature=0.25,
+    )
+    async with http.post(f"{edge.url}/v1/chat/completions", json=body) as response:
+        assert response.status == 200
+    (spec,) = edge.service.specs
+    assert spec.body == body
+    assert type(spec.body["vendor_extension"]["big"]) is int
+    assert (spec.model, spec.stream, spec.include_usage) == (CHAT, False, False)
+
+
+async def test_one_record_per_request(edge: Edge, http: aiohttp.ClientSession) -> None:
+    url = f"{edge.url}/v1/chat/completions"
+    for body in (chat_body(), chat_body(stream=True), chat_body(model="nope"), {"x": 1}):
+        async with http.post(url, json=body) as response:
+            await response.read()
+    records = await edge.runlog.wait_for(4)
+    assert len(records) == 4
+    assert [(r.outcome, r.status, r.stream) for r in records] == [
+        ("completed", 200, False),
+        ("completed", 200, True),
+        ("rejected", 404, False),
+        ("rejected", 400, False),
+    ]
+    done = records[1]
+    assert (done.run_id, done.model, done.provider_id, done.node_id) == ("run-1", CHAT, "p1", "n1")
+    assert (done.prompt_tokens, done.completion_tokens) == (5, 2)
+    assert done.queue_wait_ms >= 7
+    assert done.received_ms > 0
+    assert 1 <= done.ttft_ms <= done.duration_ms
+    assert records[0].ttft_ms == 0  # a non-streaming run sent no delta
+    assert records[2].model == ""
+    assert records[2].run_id.startswith("req-")
+    assert edge.metric("iop_edge_requests_total", model=CHAT, status="200") == 2
+    assert edge.metric("iop_edge_requests_total", model="", status="404") == 1
+    assert edge.metric("iop_edge_requests_in_flight", model=CHAT) == 0
+    assert edge.metric("iop_edge_queue_wait_seconds_count", model=CHAT) == 2
+
+
+# ---------------------------------------------------------------- disconnects cancel the run
+
+
+async def test_disconnect_mid_stream_cancels_the_run(
+    edge: Edge, http: aiohttp.ClientSession
+) -> None:
+    run = FakeRun([start(), delta("Hel", role="assistant")], hang=True)
+    edge.service.plan = lambda spec: run
+    response = await http.post(f"{edge.url}/v1/chat/completions", json=chat_body(stream=True))
+    assert response.status == 200
+    assert (await response.content.readuntil(b"\n\n")).startswith(b"data: ")
+    response.close()  # the client goes away mid-stream
+    async with asyncio.timeout(WAIT):
+        await run.cancelled.wait()
+    assert run.cancel_reasons == ["client disconnected"]
+    (record,) = await edge.runlog.wait_for(1)
+    assert (record.outcome, record.status, record.error_code) == (
+        "cancelled",
+        200,
+        "client_disconnected",
+    )
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_disconnect_while_waiting_for_the_first_token_cancels_the_run(
+    edge: Edge, http: aiohttp.ClientSession, stream: bool
+) -> None:
+    run = FakeRun([start()], hang=True)
+    edge.service.plan = lambda spec: run
+    request = asyncio.create_task(
+        http.post(f"{edge.url}/v1/chat/completions", json=chat_body(stream=stream))
+    )
+    async with asyncio.timeout(WAIT):
+        await run.hanging.wait()
+    request.cancel()  # closes the connection before any byte of the response
+    with pytest.raises(asyncio.CancelledError):
+        await request
+    async with asyncio.timeout(WAIT):
+        await run.cancelled.wait()
+    assert run.cancel_reasons == ["client disconnected"]
+    (record,) = await edge.runlog.wait_for(1)
+    assert (record.outcome, record.status) == ("cancelled", 499)
+    assert edge.metric("iop_edge_requests_in_flight", model=CHAT) == 0
+
+
+async def test_disconnect_while_queued_leaves_the_queue(
+    edge: Edge, http: aiohttp.ClientSession
+) -> None:
+    edge.service.queue_forever = True
+    request = asyncio.create_task(http.post(f"{edge.url}/v1/chat/completions", json=chat_body()))
+    async with asyncio.timeout(WAIT):
+        await edge.service.queued.wait()
+    request.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await request
+    async with asyncio.timeout(WAIT):
+        await edge.service.left_queue.wait()
+    (record,) = await edge.runlog.wait_for(1)
+    assert (record.outcome, record.status, record.run_id[:4]) == ("cancelled", 499, "req-")
+
+
+async def test_key_concurrency_is_limited_and_released() -> None:
+    run = FakeRun([start(), delta("Hel", role="assistant")], hang=True)
+    async with serve({"sk-one": key("k1", max_concurrent=1)}) as edge:
+        edge.service.plan = lambda spec: run
+        auth = {"Authorization": "Bearer sk-one"}
+        url = f"{edge.url}/v1/chat/completions"
+        async with aiohttp.ClientSession(headers=auth) as http:
+            first = await http.post(url, json=chat_body(stream=True))
+            await first.content.readuntil(b"\n\n")
+            async with http.post(url, json=chat_body()) as second:
+                assert second.status == 429
+                assert second.headers["Retry-After"] == "1"
+                assert (await second.json())["error"]["code"] == "concurrency_limit_exceeded"
+            first.close()
+            await edge.runlog.wait_for(2)  # the first's record comes after its slot is freed
+            edge.service.plan = standard_run
+            async with http.post(url, json=chat_body()) as third:
+                assert third.status == 200
+
+
+# ---------------------------------------------------------------- the other routes
+
+
+async def test_models_respect_the_key_allow_list() -> None:
+    keys = {"sk-chat": key("k1", CHAT, OTHER), "sk-all": key("k2")}
+    async with serve(keys) as edge:
+        async with edge.sdk("sk-chat") as client:
+            listed = await client.models.list()
+            with pytest.raises(openai.NotFoundError):
+                await client.models.retrieve(EMBED)  # exists, but not for this key
+        async with edge.sdk("sk-all") as client:
+            everything = await client.models.list()
+    assert [m.id for m in listed.data] == [CHAT, OTHER]
+    assert [m.id for m in everything.data] == [CHAT, EMBED, OTHER]
+
+
+async def test_iop_catalog_and_runs(edge: Edge, http: aiohttp.ClientSession) -> None:
+    async with http.get(f"{edge.url}/iop/v1/catalog/providers") as response:
+        assert await response.json() == {"data": edge.catalog.provider_views()}
+    async with http.get(f"{edge.url}/iop/v1/catalog/models") as response:
+        assert await response.json() == {"data": edge.catalog.model_views()}
+    for model in (CHAT, OTHER):
+        async with http.post(
+            f"{edge.url}/v1/chat/completions", json=chat_body(model=model)
+        ) as response:
+            assert response.status == 200
+    await edge.runlog.wait_for(2)
+    async with http.get(f"{edge.url}/iop/v1/runs") as response:
+        runs = (await response.json())["data"]
+    assert [r["model"] for r in runs] == [OTHER, CHAT]  # newest first
+    assert runs[0]["outcome"] == "completed"
+    assert runs[0]["operation"] == "chat_completions"
+    async with http.get(f"{edge.url}/iop/v1/runs", params={"limit": "1"}) as response:
+        assert len((await response.json())["data"]) == 1
+    for bad in ("0", "1001", "ten"):
+        async with http.get(f"{edge.url}/iop/v1/runs", params={"limit": bad}) as response:
+            assert response.status == 400
+            assert (await response.json())["error"]["param"] == "limit"
+
+
+async def test_iop_endpoints_need_a_key_when_keys_are_configured() -> None:
+    async with serve({"sk-a": key("k1", CHAT)}) as edge, aiohttp.ClientSession() as http:
+        for path in ("/iop/v1/catalog/providers", "/iop/v1/catalog/models", "/iop/v1/runs"):
+            async with http.get(edge.url + path) as response:
+                assert response.status == 401
+            headers = {"Authorization": "Bearer sk-a"}
+            async with http.get(edge.url + path, headers=headers) as response:
+                assert response.status == 200
+        async with http.get(f"{edge.url}/healthz") as response:
+            assert response.status == 200  # health never needs a key
+
+
+async def test_health_readiness_and_openapi(edge: Edge, http: aiohttp.ClientSession) -> None:
+    async with http.get(f"{edge.url}/healthz") as response:
+        assert await response.json() == {"status": "ok"}
+    async with http.get(f"{edge.url}/readyz") as response:
+        assert response.status == 200
+    edge.catalog.available = False
+    async with http.get(f"{edge.url}/readyz") as response:
+        assert response.status == 503
+        assert (await response.json())["reason"]
+    async with http.get(f"{edge.url}/openapi.json") as response:
+        document = await response.json()
+    assert document == load_openapi()
+    assert document["openapi"].startswith("3.1")
+    assert set(document["paths"]) == {
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/embeddings",
+        "/v1/models",
+        "/v1/models/{model_id}",
+        "/iop/v1/catalog/providers",
+        "/iop/v1/catalog/models",
+        "/iop/v1/runs",
+        "/healthz",
+        "/readyz",
+        "/openapi.json",
+    }
+
+
+async def test_unknown_routes_and_methods_are_openai_errors(
+    edge: Edge, http: aiohttp.ClientSession
+) -> None:
+    async with http.post(f"{edge.url}/v1/nothing-here", json={}) as response:
+        assert response.status == 404
+        error = (await response.json())["error"]
+        assert error["type"] == "invalid_request_error"
+        assert "/v1/nothing-here" in error["message"]
+    async with http.get(f"{edge.url}/v1/chat/completions") as response:
+        assert response.status == 405
+        assert "POST" in response.headers["Allow"]
+        assert (await response.json())["error"]["code"] == "method_not_allowed"
+
+
+async def test_an_unexpected_exception_is_a_500_and_still_recorded(
+    edge: Edge, http: aiohttp.ClientSession
+) -> None:
+    edge.service.error = RuntimeError("a bug in the dispatcher")
+    async with http.post(f"{edge.url}/v1/chat/completions", json=chat_body()) as response:
+        assert response.status == 500
+        error = (await response.json())["error"]
+    assert error["type"] == "server_error"
+    assert "a bug" not in error["message"]  # internals stay in the log
+    (record,) = await edge.runlog.wait_for(1)
+    assert (record.outcome, record.status, record.error_code) == ("failed", 500, "internal_error")
+
+
+async def test_an_edge_failure_mid_stream_ends_the_stream_with_an_error_event(
+    edge: Edge, http: aiohttp.ClientSession
+) -> None:
+    run = FakeRun([start(), delta("Hel", role="assistant")], fail=RuntimeError("link bug"))
+    edge.service.plan = lambda spec: run
+    async with http.post(
+        f"{edge.url}/v1/chat/completions", json=chat_body(stream=True)
+    ) as response:
+        assert response.status == 200
+        payloads = sse_data(await response.text())  # one well-formed stream, no 2nd response
+    assert json.loads(payloads[0])["choices"][0]["delta"]["content"] == "Hel"
+    assert json.loads(payloads[1])["error"]["code"] == "internal_error"
+    assert payloads[2:] == ["[DONE]"]
+    assert run.cancel_reasons == ["edge failed: RuntimeError"]
+    (record,) = await edge.runlog.wait_for(1)
+    assert (record.outcome, record.status, record.error_code) == ("failed", 200, "internal_error")

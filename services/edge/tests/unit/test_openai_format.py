@@ -1,0 +1,119 @@
+"""The wire objects built from run events, checked without a server.
+
+The per-token fast path writes JSON from a byte template; a property test holds
+it to exactly what the general (dict + encoder) path produces for any text.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from iop_edge.domain.fleet import Operation
+from iop_edge.entrypoints.openai_format import ChunkStream, chat_choice, render_result, text_choice
+from iop_edge.errors import ProviderFailed
+from iop_proto.v1 import runtime_pb2 as pb
+
+
+def event(frame: bytes) -> dict[str, Any]:
+    assert frame.startswith(b"data: ")
+    assert frame.endswith(b"\n\n")
+    assert frame.count(b"\n") == 2  # one line per event, whatever the text holds
+    parsed: dict[str, Any] = json.loads(frame[len(b"data: ") : -2])
+    return parsed
+
+
+@given(st.text(min_size=1))
+def test_the_token_fast_path_matches_the_general_encoding(text: str) -> None:
+    for operation, general in (
+        (Operation.CHAT_COMPLETIONS, lambda d: chat_choice(d, first=False)),
+        (Operation.COMPLETIONS, text_choice),
+    ):
+        stream = ChunkStream(operation, run_id="r", model="m:1/x", created=5)
+        stream.delta(pb.RunDelta(text="first"))  # the first chunk of a choice takes the slow path
+        token = pb.RunDelta(text=text)
+        chunk = event(stream.delta(token))
+        assert chunk["choices"] == [general(token)]
+        assert chunk["model"] == "m:1/x"
+
+
+def test_the_first_chat_chunk_names_the_role_and_later_ones_do_not() -> None:
+    stream = ChunkStream(Operation.CHAT_COMPLETIONS, run_id="r", model="m", created=5)
+    first = event(stream.delta(pb.RunDelta(text="a")))
+    second = event(stream.delta(pb.RunDelta(text="b", reasoning_text="why")))
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": "a"}
+    assert second["choices"][0]["delta"] == {"content": "b", "reasoning_content": "why"}
+
+
+def test_tool_call_fragments_carry_only_what_the_node_sent() -> None:
+    stream = ChunkStream(Operation.CHAT_COMPLETIONS, run_id="r", model="m", created=5)
+    opening = pb.ToolCallDelta(index=1, id="c", type="function", function_name="f")
+    later = pb.ToolCallDelta(index=1, function_arguments='{"a":')
+    head = event(stream.delta(pb.RunDelta(tool_calls=[opening])))
+    tail = event(stream.delta(pb.RunDelta(tool_calls=[later])))
+    assert head["choices"][0]["delta"]["tool_calls"] == [
+        {"index": 1, "id": "c", "type": "function", "function": {"name": "f", "arguments": ""}}
+    ]
+    assert tail["choices"][0]["delta"]["tool_calls"] == [
+        {"index": 1, "function": {"arguments": '{"a":'}}
+    ]
+
+
+def test_usage_chunk_falls_back_to_a_delta_usage() -> None:
+    stream = ChunkStream(Operation.COMPLETIONS, run_id="r", model="m", created=5)
+    stream.delta(pb.RunDelta(text="x", usage=pb.Usage(prompt_tokens=2, completion_tokens=1)))
+    chunk = event(stream.usage_chunk(pb.RunComplete()))
+    assert chunk["choices"] == []
+    assert chunk["usage"] == {"prompt_tokens": 2, "completion_tokens": 1, "total_tokens": 3}
+
+
+def test_a_stream_without_deltas_still_closes_with_a_finish_chunk() -> None:
+    stream = ChunkStream(Operation.CHAT_COMPLETIONS, run_id="r", model="m", created=5)
+    chunk = event(stream.finish(pb.RunComplete()))
+    assert chunk["choices"] == [
+        {"index": 0, "delta": {"role": "assistant"}, "logprobs": None, "finish_reason": "stop"}
+    ]
+
+
+def test_render_result_replaces_only_the_model() -> None:
+    provider = {"id": "x", "model": "served", "choices": [], "n": 12345678901234567890}
+    complete = pb.RunComplete(result_json=json.dumps(provider).encode())
+    body = render_result(
+        Operation.CHAT_COMPLETIONS, complete, [], run_id="r", model="public", created=5
+    )
+    assert json.loads(body) == {**provider, "model": "public"}
+
+
+@pytest.mark.parametrize("raw", [b"not json", b"[1]"])
+def test_a_broken_provider_result_is_a_provider_failure(raw: bytes) -> None:
+    with pytest.raises(ProviderFailed):
+        render_result(
+            Operation.CHAT_COMPLETIONS,
+            pb.RunComplete(result_json=raw),
+            [],
+            run_id="r",
+            model="m",
+            created=5,
+        )
+
+
+def test_embeddings_need_the_provider_result() -> None:
+    with pytest.raises(ProviderFailed):
+        render_result(Operation.EMBEDDINGS, pb.RunComplete(), [], run_id="r", model="m", created=5)
+
+
+def test_a_completion_built_from_deltas() -> None:
+    deltas = [pb.RunDelta(text="Hel"), pb.RunDelta(text="lo", finish_reason="length")]
+    body = render_result(
+        Operation.COMPLETIONS, pb.RunComplete(), deltas, run_id="r", model="m", created=5
+    )
+    result = json.loads(body)
+    assert (result["id"], result["object"], result["model"]) == ("cmpl-r", "text_completion", "m")
+    assert result["choices"] == [
+        {"index": 0, "text": "Hello", "logprobs": None, "finish_reason": "length"}
+    ]
+    assert result["usage"] == {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}

@@ -1,0 +1,175 @@
+"""A real IOP stack for end-to-end tests: control-plane, edge and two nodes as processes.
+
+Every link is real: mTLS with certificates from a throwaway CA, the fleet file,
+tokens issued by the control-plane's CLI, SQLite files, and mock providers
+(the mock adapter is one adapter among others; the transport is all real).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import sys
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+import trustme
+import yaml
+
+from iop_proto.testing import RunningService, running_service, write_identity
+
+ROLES = {"control-plane": "control-plane", "edge": "edge", "node-a": "node", "node-b": "node"}
+
+
+def mock(provider_id: str, served: str, capacity: int = 2, **settings: object) -> dict[str, object]:
+    return {
+        "id": provider_id,
+        "type": "mock",
+        "category": "local_inference",
+        "models": [served],
+        "capacity": capacity,
+        "max_queue": 2,
+        "queue_timeout_ms": 1500,
+        "request_timeout_ms": 20_000,
+        "tokens_per_second": 200,
+        **settings,
+    }
+
+
+FLEET: dict[str, object] = {
+    "models": [
+        {
+            "id": "mock-small",
+            "display_name": "Mock (small)",
+            "providers": {"node-a-mock": "mock-small", "node-b-mock": "mock-small-b"},
+        },
+        {"id": "solo", "providers": {"node-a-solo": "solo-served"}},
+    ],
+    "nodes": [
+        {
+            "id": "node-a",
+            "providers": [mock("node-a-mock", "mock-small"), mock("node-a-solo", "solo-served", 1)],
+        },
+        {"id": "node-b", "providers": [mock("node-b-mock", "mock-small-b")]},
+    ],
+}
+
+
+@dataclass
+class Stack:
+    root: Path
+    services: dict[str, RunningService] = field(default_factory=dict)
+    api_url: str = ""
+    edge_admin: str = ""
+    fleet_file: Path = Path()
+    cp_settings: Path = Path()
+
+    def settings_file(self, name: str, data: dict[str, object]) -> Path:
+        tls = {
+            "ca_file": str(self.root / "pki" / "ca.pem"),
+            "cert_file": str(self.root / "pki" / f"{name}.pem"),
+            "key_file": str(self.root / "pki" / f"{name}.key"),
+        }
+        path = self.root / f"{name}.yaml"
+        base = {"service_id": name, "admin": {"host": "127.0.0.1", "port": 0}, "tls": tls}
+        path.write_text(yaml.safe_dump({**base, **data}))
+        return path
+
+    async def control_plane_cli(self, *args: str) -> str:
+        process = await asyncio.create_subprocess_exec(
+            str(Path(sys.executable).parent / "iop-control-plane"),
+            "--config",
+            str(self.cp_settings),
+            *args,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        out, err = await process.communicate()
+        assert process.returncode == 0, err.decode()
+        return out.decode()
+
+
+def _port(service: RunningService, pattern: str) -> int:
+    for line in service.log:
+        match = re.search(pattern, line)
+        if match:
+            return int(match.group(1))
+    raise AssertionError(f"no line matching {pattern!r} in:\n{''.join(service.log)}")
+
+
+@contextlib.asynccontextmanager
+async def start_stack(root: Path, fleet: dict[str, object]) -> AsyncIterator[Stack]:
+    ca = trustme.CA()
+    for name, role in ROLES.items():
+        write_identity(ca, root / "pki", name, role)
+    stack = Stack(root)
+    stack.fleet_file = root / "fleet.yaml"
+    stack.fleet_file.write_text(yaml.safe_dump(fleet))
+    stack.cp_settings = stack.settings_file(
+        "control-plane",
+        {
+            "fleet_file": str(stack.fleet_file),
+            "database": str(root / "cp.db"),
+            "listen": {"host": "127.0.0.1", "port": 0},
+            "credentials_poll_s": 0.2,
+        },
+    )
+    async with contextlib.AsyncExitStack() as exits:
+        cp = await exits.enter_async_context(
+            running_service("iop-control-plane", stack.cp_settings)
+        )
+        stack.services["control-plane"] = cp
+        cp_port = _port(cp, r"listening for edges on [\d.]+:(\d+)")
+        edge_settings = stack.settings_file(
+            "edge",
+            {
+                "http": {"host": "127.0.0.1", "port": 0},
+                "node_listener": {"host": "127.0.0.1", "port": 0},
+                "control_plane": {"host": "127.0.0.1", "port": cp_port, "server_name": "localhost"},
+                "config_cache": str(root / "edge-cache.pb"),
+                "history_db": str(root / "edge-runs.db"),
+            },
+        )
+        edge = await exits.enter_async_context(running_service("iop-edge", edge_settings))
+        stack.services["edge"] = edge
+        stack.edge_admin = edge.admin_url
+        api_port = _port(edge, r"OpenAI API on http://[\d.]+:(\d+)/v1")
+        stack.api_url = f"http://127.0.0.1:{api_port}/v1"
+        node_port = _port(edge, r"listening for nodes on [\d.]+:(\d+)")
+        for node in ("node-a", "node-b"):
+            out = await stack.control_plane_cli("token", "issue", "--node", node)
+            token = re.search(r"iopnt_\S+", out)
+            assert token is not None
+            settings = stack.settings_file(
+                node,
+                {
+                    "edge": {"host": "127.0.0.1", "port": node_port, "server_name": "localhost"},
+                    "token": token.group(0),
+                    "history_db": str(root / f"{node}-history.db"),
+                    "probes": {"interval_s": 0.2},
+                    "reconnect": {"initial_s": 0.1, "max_s": 0.5},
+                },
+            )
+            service = await exits.enter_async_context(running_service("iop-node", settings))
+            stack.services[node] = service
+        for node in ("node-a", "node-b"):
+            await asyncio.wait_for(
+                stack.services["edge"].wait_for_line(f"node {node} registered"), 20
+            )
+        yield stack
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def stack(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Stack]:
+    async with start_stack(tmp_path_factory.mktemp("stack"), FLEET) as running:
+        yield running
+
+
+@pytest.fixture(scope="session")
+def start_stack_factory() -> object:
+    """``start_stack`` for test modules that need a stack with a fleet of their own."""
+    return start_stack

@@ -1,0 +1,237 @@
+"""The official openai SDK against a real edge, control-plane and two nodes with mock providers."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+import pytest_asyncio
+from openai import AsyncOpenAI
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+Stack = Any  # the `stack` fixture of conftest.py (a conftest cannot be imported)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def sdk(stack: Stack) -> AsyncIterator[AsyncOpenAI]:
+    # max_retries=0: the SDK would retry 429/503 and hide what the edge answered
+    async with AsyncOpenAI(base_url=stack.api_url, api_key="unused", max_retries=0) as client:
+        yield client
+
+
+async def catalog(stack: Stack, kind: str) -> list[dict[str, Any]]:
+    async with aiohttp.ClientSession() as http:
+        async with http.get(stack.api_url.replace("/v1", f"/iop/v1/catalog/{kind}")) as response:
+            assert response.status == 200
+            return (await response.json())["data"]
+
+
+async def wait_until_available(stack: Stack, providers: set[str]) -> None:
+    async with asyncio.timeout(15):
+        while True:
+            rows = await catalog(stack, "providers")
+            ready = {r["provider_id"] for r in rows if r["health"] == "available"}
+            if providers <= ready:
+                return
+            await asyncio.sleep(0.1)
+
+
+async def test_models_list_and_retrieve(stack: Stack, sdk: AsyncOpenAI) -> None:
+    models = await sdk.models.list()
+    assert [m.id for m in models.data] == ["mock-small", "solo"]
+    model = await sdk.models.retrieve("mock-small")
+    assert model.id == "mock-small"
+    with pytest.raises(openai.NotFoundError) as info:
+        await sdk.models.retrieve("nope")
+    assert info.value.code == "model_not_found"
+
+
+async def test_chat_non_streaming_with_usage_and_the_public_model_id(
+    stack: Stack, sdk: AsyncOpenAI
+) -> None:
+    await wait_until_available(stack, {"node-a-mock", "node-b-mock"})
+    served_by: set[str] = set()
+    for _ in range(2):
+        answer = await sdk.chat.completions.create(
+            model="mock-small",
+            messages=[{"role": "user", "content": "say something"}],
+            max_tokens=6,
+        )
+        assert answer.model == "mock-small"  # never the served name (mock-small-b)
+        assert answer.choices[0].message.content
+        assert answer.choices[0].finish_reason == "length"
+        assert answer.usage is not None
+        assert answer.usage.completion_tokens == 6
+        served_by.add(answer.id)
+    assert len(served_by) == 2
+
+
+async def test_chat_streaming_with_usage(stack: Stack, sdk: AsyncOpenAI) -> None:
+    await wait_until_available(stack, {"node-a-mock", "node-b-mock"})
+    stream = await sdk.chat.completions.create(
+        model="mock-small",
+        messages=[{"role": "user", "content": "stream please"}],
+        max_tokens=5,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    text, finish, usage, models = "", None, None, set()
+    async for chunk in stream:
+        models.add(chunk.model)
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+            finish = chunk.choices[0].finish_reason or finish
+        if chunk.usage:
+            usage = chunk.usage
+    assert models == {"mock-small"}
+    assert len(text.split()) == 5
+    assert finish == "length"
+    assert usage is not None
+    assert usage.completion_tokens == 5
+
+
+async def test_tools_pass_through_and_tool_calls_come_back(stack: Stack, sdk: AsyncOpenAI) -> None:
+    await wait_until_available(stack, {"node-a-mock", "node-b-mock"})
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+            },
+        }
+    ]
+    answer = await sdk.chat.completions.create(
+        model="mock-small",
+        messages=[{"role": "user", "content": "weather?"}],
+        tools=tools,  # type: ignore[arg-type]
+        tool_choice="required",
+    )
+    [call] = answer.choices[0].message.tool_calls or []
+    assert call.function.name == "get_weather"
+    assert answer.choices[0].finish_reason == "tool_calls"
+
+    stream = await sdk.chat.completions.create(
+        model="mock-small",
+        messages=[{"role": "user", "content": "weather?"}],
+        tools=tools,  # type: ignore[arg-type]
+        tool_choice="required",
+        stream=True,
+    )
+    names = [
+        tc.function.name
+        async for chunk in stream
+        if chunk.choices
+        for tc in (chunk.choices[0].delta.tool_calls or [])
+        if tc.function and tc.function.name
+    ]
+    assert names == ["get_weather"]
+
+
+async def test_completions_and_embeddings(stack: Stack, sdk: AsyncOpenAI) -> None:
+    await wait_until_available(stack, {"node-a-mock", "node-b-mock"})
+    completion = await sdk.completions.create(model="mock-small", prompt="once upon", max_tokens=4)
+    assert completion.model == "mock-small"
+    assert len(completion.choices[0].text.split()) == 4
+    embeddings = await sdk.embeddings.create(model="mock-small", input=["a", "b"])
+    assert [e.index for e in embeddings.data] == [0, 1]
+    assert len(embeddings.data[0].embedding) > 0
+
+
+async def test_error_cases(stack: Stack, sdk: AsyncOpenAI) -> None:
+    await wait_until_available(stack, {"node-a-mock", "node-b-mock", "node-a-solo"})
+    with pytest.raises(openai.NotFoundError) as not_found:
+        await sdk.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+    assert not_found.value.code == "model_not_found"
+
+    with pytest.raises(openai.BadRequestError) as bad:
+        await sdk.chat.completions.create(model="mock-small", messages=[])
+    assert bad.value.param == "messages"
+
+    with pytest.raises(openai.APIStatusError) as failed:
+        await sdk.chat.completions.create(
+            model="mock-small",
+            messages=[{"role": "user", "content": "x"}],
+            extra_body={"iop_mock": {"fail": "provider_error", "status": 500}},
+        )
+    assert failed.value.status_code == 502
+
+    # "solo" has one provider with one slot and a queue of two: fill it, then overflow
+    slow = {"iop_mock": {"delay_ms": 4000}}
+    holders = [
+        asyncio.create_task(
+            sdk.chat.completions.create(
+                model="solo", messages=[{"role": "user", "content": "x"}], extra_body=slow
+            )
+        )
+        for _ in range(3)
+    ]
+    await asyncio.sleep(0.5)
+    with pytest.raises(openai.RateLimitError) as full:
+        await sdk.chat.completions.create(model="solo", messages=[{"role": "user", "content": "x"}])
+    assert full.value.code == "queue_full"
+    assert full.value.response.headers.get("retry-after")
+    results = await asyncio.gather(*holders, return_exceptions=True)
+    timeouts = [r for r in results if isinstance(r, openai.APIStatusError)]
+    assert timeouts, "queued requests behind a 4 s run must hit the 1.5 s queue timeout"
+    assert all(t.status_code == 503 and t.code == "queue_timeout" for t in timeouts)
+
+
+async def test_client_disconnect_mid_stream_frees_the_slot_on_edge_and_node(stack: Stack) -> None:
+    await wait_until_available(stack, {"node-a-solo"})
+    async with aiohttp.ClientSession() as http:
+        response = await http.post(
+            f"{stack.api_url}/chat/completions",
+            json={
+                "model": "solo",
+                "messages": [{"role": "user", "content": "long"}],
+                "max_tokens": 100_000,
+                "stream": True,
+            },
+        )
+        assert response.status == 200
+        await response.content.readline()  # the first chunk arrived: the run is going
+        rows = {r["provider_id"]: r for r in await catalog(stack, "providers")}
+        assert rows["node-a-solo"]["in_flight"] == 1
+        response.close()  # the client goes away mid-stream
+    async with asyncio.timeout(10):
+        while True:
+            rows = {r["provider_id"]: r for r in await catalog(stack, "providers")}
+            node_metrics = await _metrics(stack.services["node-a"].admin_url)
+            node_busy = 'iop_node_provider_in_flight{provider="node-a-solo"} 1.0' in node_metrics
+            if rows["node-a-solo"]["in_flight"] == 0 and not node_busy:
+                break
+            await asyncio.sleep(0.1)
+    assert 'outcome="cancelled"' in await _metrics(stack.services["node-a"].admin_url)
+
+
+async def _metrics(admin_url: str) -> str:
+    async with aiohttp.ClientSession() as http:
+        async with http.get(f"{admin_url}/metrics") as response:
+            return await response.text()
+
+
+async def test_catalog_shows_the_pool(stack: Stack) -> None:
+    await wait_until_available(stack, {"node-a-mock", "node-b-mock"})
+    providers = {r["provider_id"]: r for r in await catalog(stack, "providers")}
+    row = providers["node-b-mock"]
+    assert (row["node_id"], row["type"], row["category"]) == ("node-b", "mock", "local_inference")
+    assert row["capacity"] == 2
+    assert set(row["lifecycle_capabilities"]) == {
+        "list_models",
+        "load_model",
+        "unload_model",
+        "pull_model",
+        "delete_model",
+    }
+    models = {m["id"]: m for m in await catalog(stack, "models")}
+    assert models["mock-small"]["providers"] == {
+        "node-a-mock": "mock-small",
+        "node-b-mock": "mock-small-b",
+    }
+    assert set(models["mock-small"]["available_providers"]) == {"node-a-mock", "node-b-mock"}
