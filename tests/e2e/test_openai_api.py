@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import sqlite3
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -235,3 +236,65 @@ async def test_catalog_shows_the_pool(stack: Stack) -> None:
         "node-b-mock": "mock-small-b",
     }
     assert set(models["mock-small"]["available_providers"]) == {"node-a-mock", "node-b-mock"}
+
+
+async def test_client_disconnect_before_the_first_token_frees_the_slot(stack: Stack) -> None:
+    await wait_until_available(stack, {"node-a-solo"})
+    async with aiohttp.ClientSession() as http:
+        request = asyncio.create_task(
+            http.post(
+                f"{stack.api_url}/chat/completions",
+                json={
+                    "model": "solo",
+                    "messages": [{"role": "user", "content": "slow start"}],
+                    "stream": True,
+                    "iop_mock": {"delay_ms": 30_000},
+                },
+            )
+        )
+        await eventually(lambda: _in_flight(stack, "node-a-solo", 1))
+        request.cancel()  # the client gives up before any token
+        await asyncio.gather(request, return_exceptions=True)
+    await eventually(lambda: _in_flight(stack, "node-a-solo", 0))
+    await eventually(lambda: _node_in_flight(stack, "node-a", "node-a-solo", 0))
+
+
+async def eventually(check: Callable[[], Awaitable[bool]]) -> None:
+    """Poll another process's observable state until ``check`` holds (10 s at most)."""
+    async with asyncio.timeout(10):
+        while not await check():  # noqa: ASYNC110 - the state lives in another process
+            await asyncio.sleep(0.05)
+
+
+async def _in_flight(stack: Stack, provider_id: str, expected: int) -> bool:
+    rows = {r["provider_id"]: r for r in await catalog(stack, "providers")}
+    return bool(rows[provider_id]["in_flight"] == expected)
+
+
+async def _node_in_flight(stack: Stack, node: str, provider_id: str, expected: int) -> bool:
+    metrics = await _metrics(stack.services[node].admin_url)
+    return f'iop_node_provider_in_flight{{provider="{provider_id}"}} {expected:.1f}' in metrics
+
+
+async def test_the_provider_receives_the_served_name(stack: Stack, sdk: AsyncOpenAI) -> None:
+    """S03: node-b's history shows the served name it ran; the client saw the public id."""
+    await wait_until_available(stack, {"node-a-mock", "node-b-mock"})
+    # concurrent, so the pool spreads them (sequential ones would all tie on node-a)
+    answers = await asyncio.gather(
+        *(
+            sdk.chat.completions.create(
+                model="mock-small", messages=[{"role": "user", "content": "x"}], max_tokens=20
+            )
+            for _ in range(4)
+        )
+    )
+    assert {a.model for a in answers} == {"mock-small"}
+    history = stack.root / "node-b-history.db"
+    async with asyncio.timeout(10):
+        while True:
+            with sqlite3.connect(history) as db:
+                targets = {row[0] for row in db.execute("SELECT target FROM runs")}
+            if targets:
+                break
+            await asyncio.sleep(0.1)
+    assert targets == {"mock-small-b"}
