@@ -117,3 +117,22 @@ class RunLog(Protocol):
     async def record(self, run: EdgeRunRecord) -> None: ...
 
     async def recent(self, limit: int) -> list[EdgeRunRecord]: ...
+
+
+class BatchLeases(Protocol):
+    """What workers do with batches over IOP (implemented by ``BatchService``)."""
+
+    async def lease(self, worker_id: str) -> pb.LeaseGrant:
+        """The oldest batch needing work, or an empty grant."""
+        ...
+
+    async def renew(self, lease_id: str) -> pb.LeaseGrant:
+        """Extend a lease; raises ``LeaseLost`` when it expired, was taken or is cancelling."""
+        ...
+
+    async def release(self, lease_id: str, finished: bool) -> None: ...
+
+    async def run_line(self, lease_id: str, line_number: int) -> pb.BatchLineResult:
+        """Run one line through normal dispatch (batch priority); a finished line is
+        answered from storage, never run twice."""
+        ...

@@ -14,9 +14,11 @@ from typing import Protocol
 
 from loguru import logger
 
+from iop_edge.adapters.worker_session import WorkerSession
 from iop_edge.dispatch import Dispatcher
 from iop_edge.errors import ControlPlaneUnavailable
 from iop_edge.metrics import EdgeMetrics
+from iop_edge.ports import BatchLeases
 from iop_proto.connection import Connection, error_body
 from iop_proto.errors import ConnectionClosed, ProtocolError, UnexpectedMessage
 from iop_proto.v1 import runtime_pb2 as pb
@@ -66,6 +68,8 @@ class NodeServer:
         heartbeat_interval_s: float,
         max_frame_size: int,
         node_roles: tuple[str, ...] = ("node",),
+        worker_roles: tuple[str, ...] = ("worker",),
+        batches: BatchLeases | None = None,
     ) -> None:
         self._host, self.port = host, port
         self._edge_id = edge_id
@@ -76,6 +80,9 @@ class NodeServer:
         self._heartbeat_interval_s = heartbeat_interval_s
         self._max_frame_size = max_frame_size
         self._node_roles = node_roles
+        self._worker_roles = worker_roles
+        self._batches = batches
+        self.workers: dict[str, WorkerSession] = {}
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self.nodes: dict[str, NodeConnection] = {}
@@ -169,6 +176,9 @@ class NodeServer:
         if first.WhichOneof("body") != "register_request":
             raise UnexpectedMessage(f"expected register_request, got {first.WhichOneof('body')}")
         request = first.register_request
+        if request.role == pb.PEER_ROLE_WORKER:
+            await self._serve_worker(conn, first)
+            return None
         identity = conn.peer.name if conn.peer else request.peer_id  # plaintext: no identity
         role = conn.peer.role if conn.peer else "node"
         refusal = None
@@ -218,6 +228,46 @@ class NodeServer:
             "node {} registered ({} providers)", node.node_id, len(answer.node_config.providers)
         )
         return node
+
+    async def _serve_worker(self, conn: Connection, first: pb.Envelope) -> None:
+        """Workers need no token: their certificate role is their credential."""
+        request = first.register_request
+        identity = conn.peer.name if conn.peer else request.peer_id
+        role = conn.peer.role if conn.peer else "worker"
+        refusal = None
+        if self._batches is None:
+            refusal = "this edge runs no batch jobs"
+        elif self._tls is not None and role not in self._worker_roles:
+            refusal = f"certificate role {role!r} may not register as a worker"
+        elif identity != request.peer_id:
+            refusal = (
+                f"certificate identity {identity!r} does not match worker id {request.peer_id!r}"
+            )
+        if refusal is not None or self._batches is None:
+            logger.warning("worker {} refused: {}", request.peer_id or "?", refusal)
+            await conn.send(
+                pb.RegisterResponse(accepted=False, reason=refusal or "refused"),
+                correlation_id=first.message_id,
+            )
+            return
+        await conn.send(
+            pb.RegisterResponse(
+                accepted=True,
+                heartbeat_interval_ms=int(self._heartbeat_interval_s * 1000),
+                edge_id=self._edge_id,
+            ),
+            correlation_id=first.message_id,
+        )
+        conn.start_heartbeats()
+        session = WorkerSession(request.peer_id, conn, self._batches)
+        self.workers[request.peer_id] = session
+        logger.info("worker {} registered", request.peer_id)
+        try:
+            await session.serve()
+        finally:
+            if self.workers.get(request.peer_id) is session:
+                del self.workers[request.peer_id]
+            logger.info("worker {} disconnected", request.peer_id)
 
     async def _follow(self, node: NodeConnection) -> None:
         dispatcher = self._dispatcher

@@ -1,4 +1,4 @@
-"""A real IOP stack for end-to-end tests: control-plane, edge and two nodes as processes.
+"""A real IOP stack for end-to-end and fault tests: control-plane, edge and two nodes as processes.
 
 Every link is real: mTLS with certificates from a throwaway CA, the fleet file,
 tokens issued by the control-plane's CLI, SQLite files, and mock providers
@@ -21,8 +21,16 @@ import trustme
 import yaml
 
 from iop_proto.testing import RunningService, running_service, write_identity
+from iop_proto.tls import TlsSettings
 
-ROLES = {"control-plane": "control-plane", "edge": "edge", "node-a": "node", "node-b": "node"}
+ROLES = {
+    "control-plane": "control-plane",
+    "edge": "edge",
+    "node-a": "node",
+    "node-b": "node",
+    "node-fuzz": "node",  # in the fleet without providers: fault tests register as it
+    "worker": "worker",
+}
 
 
 def mock(provider_id: str, served: str, capacity: int = 2, **settings: object) -> dict[str, object]:
@@ -55,6 +63,7 @@ FLEET: dict[str, object] = {
             "providers": [mock("node-a-mock", "mock-small"), mock("node-a-solo", "solo-served", 1)],
         },
         {"id": "node-b", "providers": [mock("node-b-mock", "mock-small-b")]},
+        {"id": "node-fuzz", "providers": []},
     ],
 }
 
@@ -67,6 +76,15 @@ class Stack:
     edge_admin: str = ""
     fleet_file: Path = Path()
     cp_settings: Path = Path()
+    cp_port: int = 0  # where edges dial the control-plane
+    node_port: int = 0  # where nodes and workers dial the edge
+
+    def tls(self, name: str) -> TlsSettings:
+        """Settings for one identity of the stack's throwaway CA."""
+        pki = self.root / "pki"
+        return TlsSettings(
+            ca_file=pki / "ca.pem", cert_file=pki / f"{name}.pem", key_file=pki / f"{name}.key"
+        )
 
     def settings_file(self, name: str, data: dict[str, object]) -> Path:
         tls = {
@@ -123,7 +141,7 @@ async def start_stack(root: Path, fleet: dict[str, object]) -> AsyncIterator[Sta
             running_service("iop-control-plane", stack.cp_settings)
         )
         stack.services["control-plane"] = cp
-        cp_port = _port(cp, r"listening for edges on [\d.]+:(\d+)")
+        cp_port = stack.cp_port = _port(cp, r"listening for edges on [\d.]+:(\d+)")
         edge_settings = stack.settings_file(
             "edge",
             {
@@ -139,7 +157,7 @@ async def start_stack(root: Path, fleet: dict[str, object]) -> AsyncIterator[Sta
         stack.edge_admin = edge.admin_url
         api_port = _port(edge, r"OpenAI API on http://[\d.]+:(\d+)/v1")
         stack.api_url = f"http://127.0.0.1:{api_port}/v1"
-        node_port = _port(edge, r"listening for nodes on [\d.]+:(\d+)")
+        node_port = stack.node_port = _port(edge, r"listening for nodes on [\d.]+:(\d+)")
         for node in ("node-a", "node-b"):
             out = await stack.control_plane_cli("token", "issue", "--node", node)
             token = re.search(r"iopnt_\S+", out)

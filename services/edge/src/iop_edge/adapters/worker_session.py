@@ -1,0 +1,72 @@
+"""A registered worker's connection: lease requests, renewals, line runs, releases.
+
+Lines run concurrently (the worker bounds how many); the receive loop never
+waits for a provider. When the worker's connection drops, its lines in flight
+are cancelled and its lease is left to expire, so another worker resumes from
+the first unfinished line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable
+
+from loguru import logger
+
+from iop_edge.errors import EdgeError
+from iop_edge.ports import BatchLeases
+from iop_proto.connection import Connection, error_body
+from iop_proto.errors import ConnectionClosed, UnexpectedMessage
+from iop_proto.v1 import runtime_pb2 as pb
+
+
+class WorkerSession:
+    def __init__(self, worker_id: str, conn: Connection, batches: BatchLeases) -> None:
+        self.worker_id = worker_id
+        self.conn = conn
+        self._batches = batches
+        self._lines: set[asyncio.Task[None]] = set()
+
+    async def serve(self) -> None:
+        try:
+            async for envelope in self.conn:
+                await self._answer(envelope)
+        finally:
+            for task in list(self._lines):
+                task.cancel()
+            await asyncio.gather(*self._lines, return_exceptions=True)
+
+    async def _answer(self, envelope: pb.Envelope) -> None:
+        kind = envelope.WhichOneof("body")
+        reply_to = envelope.message_id
+        if kind == "lease_request":
+            await self._reply(self._batches.lease(self.worker_id), reply_to)
+        elif kind == "lease_renew":
+            await self._reply(self._batches.renew(envelope.lease_renew.lease_id), reply_to)
+        elif kind == "lease_release":
+            release = envelope.lease_release
+            await self._batches.release(release.lease_id, release.finished)
+        elif kind == "batch_line_request":
+            line = envelope.batch_line_request
+            task = asyncio.create_task(
+                self._reply(self._batches.run_line(line.lease_id, line.line_number), reply_to),
+                name=f"batch-line:{line.lease_id}:{line.line_number}",
+            )
+            self._lines.add(task)
+            task.add_done_callback(self._lines.discard)
+        elif kind == "error":
+            logger.warning("worker {} reported: {}", self.worker_id, envelope.error.message)
+        else:
+            raise UnexpectedMessage(f"an edge does not accept {kind} from a worker")
+
+    async def _reply(self, answer: Awaitable[object], reply_to: str) -> None:
+        """Send the awaited answer, or the error it raised, correlated to the request."""
+        body: object
+        try:
+            body = await answer
+        except EdgeError as exc:
+            code = pb.ERROR_CODE_NOT_FOUND if exc.status == 404 else pb.ERROR_CODE_PERMISSION_DENIED
+            body = error_body(code, exc.message)
+        with contextlib.suppress(ConnectionClosed):
+            await self.conn.send(body, correlation_id=reply_to)
