@@ -10,10 +10,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
+import signal
+import socket
 import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 import pytest_asyncio
@@ -76,8 +79,35 @@ class Stack:
     edge_admin: str = ""
     fleet_file: Path = Path()
     cp_settings: Path = Path()
+    ca: Any = None  # the stack's trustme CA, for tests that need odd certificates
     cp_port: int = 0  # where edges dial the control-plane
     node_port: int = 0  # where nodes and workers dial the edge
+
+    _running: dict[str, contextlib.AbstractAsyncContextManager[RunningService]] = field(
+        default_factory=dict
+    )
+
+    async def start(self, name: str) -> RunningService:
+        """Start (or start again) a service from its settings file in the stack's root."""
+        script = SCRIPTS.get(name, "iop-node")
+        context = running_service(script, self.root / f"{name}.yaml")
+        service = await context.__aenter__()
+        self._running[name] = context
+        self.services[name] = service
+        return service
+
+    async def stop(self, name: str, signal_number: int = signal.SIGTERM) -> int:
+        """Stop one service (SIGKILL for a crash); returns its exit code."""
+        service = self.services[name]
+        if service.process.returncode is None:
+            service.process.send_signal(signal_number)
+        code = await asyncio.wait_for(service.process.wait(), 30)
+        await self._running.pop(name).__aexit__(None, None, None)
+        return code
+
+    async def stop_all(self) -> None:
+        for name in reversed(list(self._running)):
+            await self.stop(name)
 
     def tls(self, name: str) -> TlsSettings:
         """Settings for one identity of the stack's throwaway CA."""
@@ -111,12 +141,14 @@ class Stack:
         return out.decode()
 
 
-def _port(service: RunningService, pattern: str) -> int:
-    for line in service.log:
-        match = re.search(pattern, line)
-        if match:
-            return int(match.group(1))
-    raise AssertionError(f"no line matching {pattern!r} in:\n{''.join(service.log)}")
+def free_port() -> int:
+    """A port free right now: services that restart must come back on the same one."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+SCRIPTS = {"control-plane": "iop-control-plane", "edge": "iop-edge", "worker": "iop-worker"}
 
 
 @contextlib.asynccontextmanager
@@ -125,60 +157,78 @@ async def start_stack(root: Path, fleet: dict[str, object]) -> AsyncIterator[Sta
     for name, role in ROLES.items():
         write_identity(ca, root / "pki", name, role)
     stack = Stack(root)
+    stack.ca = ca
     stack.fleet_file = root / "fleet.yaml"
     stack.fleet_file.write_text(yaml.safe_dump(fleet))
+    stack.cp_port, stack.node_port, api_port = free_port(), free_port(), free_port()
+    stack.api_url = f"http://127.0.0.1:{api_port}/v1"
     stack.cp_settings = stack.settings_file(
         "control-plane",
         {
             "fleet_file": str(stack.fleet_file),
             "database": str(root / "cp.db"),
-            "listen": {"host": "127.0.0.1", "port": 0},
+            "listen": {"host": "127.0.0.1", "port": stack.cp_port},
             "credentials_poll_s": 0.2,
         },
     )
-    async with contextlib.AsyncExitStack() as exits:
-        cp = await exits.enter_async_context(
-            running_service("iop-control-plane", stack.cp_settings)
-        )
-        stack.services["control-plane"] = cp
-        cp_port = stack.cp_port = _port(cp, r"listening for edges on [\d.]+:(\d+)")
-        edge_settings = stack.settings_file(
-            "edge",
-            {
-                "http": {"host": "127.0.0.1", "port": 0},
-                "node_listener": {"host": "127.0.0.1", "port": 0},
-                "control_plane": {"host": "127.0.0.1", "port": cp_port, "server_name": "localhost"},
-                "config_cache": str(root / "edge-cache.pb"),
-                "history_db": str(root / "edge-runs.db"),
+    stack.settings_file(
+        "edge",
+        {
+            "http": {"host": "127.0.0.1", "port": api_port},
+            "node_listener": {"host": "127.0.0.1", "port": stack.node_port},
+            "control_plane": {
+                "host": "127.0.0.1",
+                "port": stack.cp_port,
+                "server_name": "localhost",
             },
-        )
-        edge = await exits.enter_async_context(running_service("iop-edge", edge_settings))
-        stack.services["edge"] = edge
+            "config_cache": str(root / "edge-cache.pb"),
+            "history_db": str(root / "edge-runs.db"),
+            "batch_db": str(root / "edge-batches.db"),
+            "batch_lease_ttl_s": 3,
+        },
+    )
+    stack.settings_file(
+        "worker",
+        {
+            "edge": {"host": "127.0.0.1", "port": stack.node_port, "server_name": "localhost"},
+            "concurrency": 4,
+            "poll_interval_s": 0.2,
+            "lease_renew_interval_s": 1,
+            "reconnect": {"initial_s": 0.1, "max_s": 0.5},
+        },
+    )
+    try:
+        await stack.start("control-plane")
+        edge = await stack.start("edge")
         stack.edge_admin = edge.admin_url
-        api_port = _port(edge, r"OpenAI API on http://[\d.]+:(\d+)/v1")
-        stack.api_url = f"http://127.0.0.1:{api_port}/v1"
-        node_port = stack.node_port = _port(edge, r"listening for nodes on [\d.]+:(\d+)")
         for node in ("node-a", "node-b"):
             out = await stack.control_plane_cli("token", "issue", "--node", node)
             token = re.search(r"iopnt_\S+", out)
             assert token is not None
-            settings = stack.settings_file(
+            stack.settings_file(
                 node,
                 {
-                    "edge": {"host": "127.0.0.1", "port": node_port, "server_name": "localhost"},
+                    "edge": {
+                        "host": "127.0.0.1",
+                        "port": stack.node_port,
+                        "server_name": "localhost",
+                    },
                     "token": token.group(0),
                     "history_db": str(root / f"{node}-history.db"),
                     "probes": {"interval_s": 0.2},
                     "reconnect": {"initial_s": 0.1, "max_s": 0.5},
                 },
             )
-            service = await exits.enter_async_context(running_service("iop-node", settings))
-            stack.services[node] = service
+            await stack.start(node)
         for node in ("node-a", "node-b"):
             await asyncio.wait_for(
                 stack.services["edge"].wait_for_line(f"node {node} registered"), 20
             )
+        await stack.start("worker")
+        await asyncio.wait_for(stack.services["edge"].wait_for_line("worker worker registered"), 20)
         yield stack
+    finally:
+        await stack.stop_all()
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")

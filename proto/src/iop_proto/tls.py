@@ -16,7 +16,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
-from iop_proto.errors import TlsConfigError
+from iop_proto.errors import IopError, TlsConfigError
 
 MINIMUM_VERSION = ssl.TLSVersion.TLSv1_2
 
@@ -99,3 +99,44 @@ def peer_identity(writer: asyncio.StreamWriter) -> PeerIdentity | None:
         return None
     cert = ssl_object.getpeercert()
     return identity_from_certificate(cert) if cert else None
+
+
+class TlsRefused(IopError):
+    """A peer failed the TLS handshake; ``reason`` is a short code for logs and metrics."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+def _refusal_reason(exc: BaseException) -> str:
+    if isinstance(exc, TimeoutError):
+        return "handshake_timeout"
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        message = (exc.verify_message or "").lower()
+        return "certificate_expired" if "expired" in message else "certificate_untrusted"
+    reason = getattr(exc, "reason", None) or ""
+    if reason in ("WRONG_VERSION_NUMBER", "HTTP_REQUEST", "UNKNOWN_PROTOCOL"):
+        return "not_tls"
+    if "CERTIFICATE" in reason and ("PEER_DID_NOT_RETURN" in reason or "NO_CERTIFICATE" in reason):
+        return "no_certificate"
+    if reason in ("CERTIFICATE_VERIFY_FAILED", "TLSV1_ALERT_UNKNOWN_CA"):
+        return "certificate_untrusted"
+    if "EXPIRED" in reason:
+        return "certificate_expired"
+    return "handshake_failed"
+
+
+async def accept_tls(
+    writer: asyncio.StreamWriter, context: ssl.SSLContext, timeout_s: float = 10.0
+) -> None:
+    """Upgrade an accepted connection to TLS, so each refusal can be named and counted.
+
+    ``asyncio.start_server(ssl=...)`` fails handshakes out of the server's sight;
+    accepting plain TCP and upgrading here keeps the reason in our hands.
+    """
+    try:
+        await writer.start_tls(context, ssl_handshake_timeout=timeout_s)
+    except (ssl.SSLError, ConnectionError, TimeoutError, OSError) as exc:
+        raise TlsRefused(_refusal_reason(exc), str(exc) or type(exc).__name__) from exc

@@ -442,16 +442,18 @@ class AuthorizeNodeRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., token: _Optional[str] = ..., certificate_identity: _Optional[str] = ...) -> None: ...
 
 class AuthorizeNodeResponse(_message.Message):
-    __slots__ = ("accepted", "reason", "node_config", "token_id")
+    __slots__ = ("accepted", "reason", "node_config", "token_id", "reason_code")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     NODE_CONFIG_FIELD_NUMBER: _ClassVar[int]
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_CODE_FIELD_NUMBER: _ClassVar[int]
     accepted: bool
     reason: str
     node_config: NodeConfig
     token_id: str
-    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., node_config: _Optional[_Union[NodeConfig, _Mapping]] = ..., token_id: _Optional[str] = ...) -> None: ...
+    reason_code: str
+    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., node_config: _Optional[_Union[NodeConfig, _Mapping]] = ..., token_id: _Optional[str] = ..., reason_code: _Optional[str] = ...) -> None: ...
 
 class LeaseRequest(_message.Message):
     __slots__ = ("worker_id",)

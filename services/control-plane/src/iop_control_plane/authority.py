@@ -189,7 +189,10 @@ class FleetAuthority:
 
     def authorization_response(self, decision: Decision) -> pb.AuthorizeNodeResponse:
         if decision.node is None:
-            return pb.AuthorizeNodeResponse(accepted=False, reason=decision.reason)
+            code = decision.refusal.value if decision.refusal else ""
+            return pb.AuthorizeNodeResponse(
+                accepted=False, reason=decision.reason, reason_code=code
+            )
         return pb.AuthorizeNodeResponse(
             accepted=True,
             node_config=node_config_to_proto(decision.node),

@@ -14,6 +14,7 @@ class ControlPlaneMetrics:
     authorizations: Counter
     reloads: Counter
     pushes: Counter
+    tls_refusals: Counter
 
     @classmethod
     def create(cls, registry: CollectorRegistry) -> ControlPlaneMetrics:
@@ -43,6 +44,12 @@ class ControlPlaneMetrics:
             pushes=Counter(
                 "iop_control_plane_config_pushes",
                 "Fleet configurations sent to edges",
+                registry=registry,
+            ),
+            tls_refusals=Counter(
+                "iop_control_plane_tls_refusals",
+                "Connections refused in the TLS handshake, by reason",
+                ["reason"],
                 registry=registry,
             ),
         )

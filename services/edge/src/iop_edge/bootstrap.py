@@ -11,11 +11,14 @@ from loguru import logger
 from prometheus_client import CollectorRegistry
 
 from iop_edge import __version__
+from iop_edge.adapters.batch_store import SqliteBatchStore
 from iop_edge.adapters.control_plane import ControlPlaneClient
 from iop_edge.adapters.fleet_proto import fleet_from_proto
 from iop_edge.adapters.node_server import NodeServer
 from iop_edge.adapters.sqlite_runlog import SqliteRunLog
+from iop_edge.batches import BatchService
 from iop_edge.catalog import FleetKeyRing, PoolCatalog
+from iop_edge.console import add_console_routes
 from iop_edge.dispatch import Dispatcher
 from iop_edge.entrypoints.api_metrics import ApiMetrics
 from iop_edge.entrypoints.http_api import create_api_app, load_openapi
@@ -74,6 +77,12 @@ async def build(
     async with contextlib.AsyncExitStack() as stack:
         runlog = await SqliteRunLog.open(settings.history_db)
         stack.push_async_callback(runlog.aclose)
+        batch_store = await SqliteBatchStore.open(settings.batch_db)
+        stack.push_async_callback(batch_store.aclose)
+        batches = BatchService(
+            batch_store, dispatcher, catalog, registry, lease_ttl_s=settings.batch_lease_ttl_s
+        )
+        await batches.refresh_metrics()
 
         cp = settings.control_plane
         control_plane = ControlPlaneClient(
@@ -101,13 +110,21 @@ async def build(
             tls=server_tls,
             heartbeat_interval_s=settings.heartbeat_interval_s,
             max_frame_size=settings.max_frame_size,
+            batches=batches,
         )
         await nodes.start()
         stack.push_async_callback(nodes.aclose)
 
         app = create_api_app(
-            dispatcher, catalog, keys, runlog, ApiMetrics.create(registry), openapi=load_openapi()
+            dispatcher,
+            catalog,
+            keys,
+            runlog,
+            ApiMetrics.create(registry),
+            openapi=load_openapi(),
+            batches=batches,
         )
+        add_console_routes(app)  # the read-only operator page (before setup locks the routes)
         # handler_cancellation: a client that disconnects cancels its handler, which
         # cancels its run at the node (aiohttp leaves it off by default).
         runner = web.AppRunner(

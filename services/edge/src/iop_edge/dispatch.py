@@ -151,7 +151,8 @@ class Dispatcher:
         if not any(c.usable for c in candidates):
             raise NoProviderAvailable(f"No provider of '{model.id}' is available right now")
         max_queue, timeout_s = self.fleet.queue_limits(model.id)
-        if len(queue) >= max_queue:
+        # Each class has its own room: batch lines never take an interactive place.
+        if (queue.batch if batch else queue.interactive) >= max_queue:
             raise QueueFull(f"The queue of '{model.id}' is full ({max_queue} waiting); retry later")
         waiter: asyncio.Future[ProviderSlot] = asyncio.get_running_loop().create_future()
         queue.push(waiter, batch=batch)

@@ -28,6 +28,19 @@ class InvalidRequest(EdgeError, ValueError):
     status, type, code = 400, "invalid_request_error", None
 
 
+class NotFound(EdgeError, LookupError):
+    """An unknown file or batch id (OpenAI: ``No such File object: <id>``, code null)."""
+
+    status, type, code = 404, "invalid_request_error", None
+
+
+class LeaseLost(EdgeError):
+    """A worker's batch lease is no longer its own (expired and taken, released, or the
+    batch is being cancelled or has ended): the worker stops working on that batch."""
+
+    status, type, code = 409, "invalid_request_error", "lease_lost"
+
+
 class AuthenticationFailed(EdgeError):
     status, type, code = 401, "invalid_request_error", "invalid_api_key"
 

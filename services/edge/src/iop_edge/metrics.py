@@ -16,6 +16,7 @@ class EdgeMetrics:
     provider_health: Gauge
     nodes_connected: Gauge
     registrations: Counter
+    refusals: Counter
     config_version: Gauge
 
     @classmethod
@@ -48,6 +49,12 @@ class EdgeMetrics:
                 ["result"],
                 registry=registry,
             ),
+            refusals=Counter(
+                "iop_edge_peer_refusals",
+                "Peers refused on the node port, by stage (tls, registration) and reason",
+                ["stage", "reason"],
+                registry=registry,
+            ),
             config_version=Gauge(
                 "iop_edge_config_version", "Fleet config version in use", registry=registry
             ),
@@ -58,3 +65,33 @@ class EdgeMetrics:
         state = slot.health if slot.connected else UNAVAILABLE
         for name in (AVAILABLE, UNAVAILABLE, UNKNOWN):
             self.provider_health.labels(slot.provider_id, name).set(1 if name == state else 0)
+
+
+@dataclass(frozen=True, slots=True)
+class BatchMetrics:
+    """Batch jobs (OpenAI Batch API): statuses, line outcomes, worker leases."""
+
+    batches: Gauge  # by status
+    lines: Counter  # finished lines by outcome: done | failed
+    lease_renewals: Counter
+    lease_expiries: Counter  # leases found expired (their worker went quiet)
+
+    @classmethod
+    def create(cls, registry: CollectorRegistry) -> BatchMetrics:
+        return cls(
+            batches=Gauge("iop_edge_batches", "Batches by status", ["status"], registry=registry),
+            lines=Counter(
+                "iop_edge_batch_lines",
+                "Batch lines finished, by outcome (done, failed)",
+                ["outcome"],
+                registry=registry,
+            ),
+            lease_renewals=Counter(
+                "iop_edge_batch_lease_renewals", "Batch lease renewals", registry=registry
+            ),
+            lease_expiries=Counter(
+                "iop_edge_batch_lease_expiries",
+                "Batch leases that expired without renewal or release",
+                registry=registry,
+            ),
+        )

@@ -45,5 +45,11 @@ class EdgeSettings(ServiceSettings):
         description="the last good fleet config, served while the control-plane is away",
     )
     history_db: Path = Field(default=Path("var/edge/runs.db"), description="runs dispatched")
+    batch_db: Path = Field(
+        default=Path("var/edge/batches.db"), description="Batch API files, batches, line results"
+    )
+    batch_lease_ttl_s: float = Field(
+        default=30.0, gt=0, description="a worker that stops renewing loses its batch after this"
+    )
     heartbeat_interval_s: float = Field(default=30.0, gt=0)
     max_frame_size: int = Field(default=DEFAULT_MAX_FRAME_SIZE, ge=1024)

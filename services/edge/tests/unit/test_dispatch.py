@@ -216,3 +216,19 @@ async def test_a_snapshot_making_a_provider_available_serves_the_queue(
     run = await asyncio.wait_for(waiting, 1)
     assert run.provider_id == "b"
     assert node_b.sent[0].target == "qwen-b"
+
+
+async def test_batch_waiters_never_take_an_interactive_queue_place(
+    dispatcher: Dispatcher,
+) -> None:
+    available(dispatcher, FakeNode("node-a"), "a")
+    await dispatcher.open_run(spec())
+    batch = [asyncio.create_task(dispatcher.open_run(spec(batch=True))) for _ in range(2)]
+    await asyncio.sleep(0)
+    interactive = asyncio.create_task(dispatcher.open_run(spec()))
+    await asyncio.sleep(0)
+    assert not interactive.done()  # queued, not refused, though two batch lines wait
+    assert dispatcher.queued("qwen:35b") == 3
+    for task in [*batch, interactive]:
+        task.cancel()
+    await asyncio.gather(*batch, interactive, return_exceptions=True)

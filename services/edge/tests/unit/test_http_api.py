@@ -872,6 +872,12 @@ async def test_health_readiness_and_openapi(edge: Edge, http: aiohttp.ClientSess
         "/healthz",
         "/readyz",
         "/openapi.json",
+        "/v1/files",
+        "/v1/files/{file_id}",
+        "/v1/files/{file_id}/content",
+        "/v1/batches",
+        "/v1/batches/{batch_id}",
+        "/v1/batches/{batch_id}/cancel",
     }
 
 

@@ -2,22 +2,60 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
+from loguru import logger
 from prometheus_client import CollectorRegistry
 
 from iop_proto.service import AdminServer
 from iop_proto.tls import client_context
+from iop_worker import __version__
+from iop_worker.batch_runner import BatchRunner
+from iop_worker.entrypoints.edge_link import EdgeLink
+from iop_worker.metrics import WorkerMetrics
 from iop_worker.settings import WorkerSettings
+
+# Of the shutdown budget, the share lines in flight get to end; the rest is for closing.
+DRAIN_SHARE = 0.8
+
+
+async def _stop(link: EdgeLink, task: asyncio.Task[None], grace_s: float) -> None:
+    """Let lines in flight end (up to ``grace_s``), then cancel what is left and log failures."""
+    link.stop()
+    done, _ = await asyncio.wait({task}, timeout=grace_s)
+    if not done:
+        logger.warning(
+            "the edge link did not stop within {:.1f}s; cancelling it "
+            "(lines still in flight are left to the lease expiry)",
+            grace_s,
+        )
+        task.cancel()
+    [outcome] = await asyncio.gather(task, return_exceptions=True)
+    if isinstance(outcome, Exception):
+        logger.opt(exception=outcome).error("the edge link failed")
 
 
 @contextlib.asynccontextmanager
 async def build(
     settings: WorkerSettings, registry: CollectorRegistry, admin: AdminServer
-) -> AsyncIterator[None]:
+) -> AsyncIterator[EdgeLink]:
     """Start the worker; leaving the context stops it in reverse order."""
-    if settings.tls.enabled:
-        # Load the certificates now so a broken file fails the start, not the first peer.
-        client_context(settings.tls)
-    yield
+    # Load the certificates now so a broken file fails the start, not the first connection.
+    tls = client_context(settings.tls) if settings.tls.enabled else None
+    metrics = WorkerMetrics.create(registry)
+    runner = BatchRunner(
+        metrics,
+        concurrency=settings.concurrency,
+        poll_interval_s=settings.poll_interval_s,
+        renew_interval_s=settings.lease_renew_interval_s,
+    )
+    link = EdgeLink(settings, runner, tls, metrics, __version__)
+    async with contextlib.AsyncExitStack() as stack:
+        task = asyncio.create_task(link.run(), name="edge-link")
+        stack.push_async_callback(_stop, link, task, settings.shutdown_timeout_s * DRAIN_SHARE)
+        admin.set_readiness(
+            lambda: None if link.registered.is_set() else "not registered with the edge"
+        )
+        yield link

@@ -2,10 +2,54 @@
 
 from __future__ import annotations
 
+from pydantic import Field, model_validator
+
 from iop_proto.service import ServiceSettings
+from iop_proto.service.settings import FrozenModel
+
+
+class EdgeAddress(FrozenModel):
+    """The edge this worker dials: its node listener (IOP over mTLS)."""
+
+    host: str = Field(default="127.0.0.1", min_length=1)
+    port: int = Field(default=7000, ge=1, le=65535)
+    server_name: str | None = Field(
+        default=None, description="name the edge's certificate must carry; default: host"
+    )
+
+
+class ReconnectSettings(FrozenModel):
+    """Jittered exponential backoff after any loss of the edge connection."""
+
+    initial_s: float = Field(default=0.5, gt=0)
+    max_s: float = Field(default=15.0, gt=0)
+
+    @model_validator(mode="after")
+    def _max_not_below_initial(self) -> ReconnectSettings:
+        if self.max_s < self.initial_s:
+            raise ValueError(f"max_s ({self.max_s}) is below initial_s ({self.initial_s})")
+        return self
 
 
 class WorkerSettings(ServiceSettings):
-    """The worker's settings file; `IOP_*` environment variables override any key."""
+    """The worker's settings file; `IOP_*` environment variables override any key.
+
+    ``service_id`` is the worker id the edge leases to: it must equal the CN of
+    the worker's certificate, whose role (OU ``worker``) is the credential, so
+    no token is needed.
+    """
 
     service_id: str = "worker"
+    edge: EdgeAddress = EdgeAddress()
+    concurrency: int = Field(default=4, ge=1, description="lines of one batch in flight at once")
+    poll_interval_s: float = Field(
+        default=1.0, gt=0, description="wait before asking again when there is nothing to lease"
+    )
+    lease_renew_interval_s: float = Field(default=10.0, gt=0)
+    request_timeout_s: float = Field(
+        default=900.0, gt=0, description="how long one line may take to be answered"
+    )
+    answer_timeout_s: float = Field(
+        default=10.0, gt=0, description="how long register, lease and renew answers may take"
+    )
+    reconnect: ReconnectSettings = ReconnectSettings()

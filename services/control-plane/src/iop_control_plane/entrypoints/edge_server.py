@@ -18,6 +18,7 @@ from iop_control_plane.metrics import ControlPlaneMetrics
 from iop_control_plane.settings import ControlPlaneSettings
 from iop_proto.connection import Connection, error_body
 from iop_proto.errors import ConnectionClosed, ProtocolError, UnexpectedMessage
+from iop_proto.tls import TlsRefused, accept_tls
 from iop_proto.v1 import runtime_pb2 as pb
 
 HELLO_TIMEOUT_S = 10.0
@@ -92,9 +93,8 @@ class EdgeServer:
 
     async def start(self) -> int:
         listen = self._settings.listen
-        self._server = await asyncio.start_server(
-            self._handle, listen.host, listen.port, ssl=self._tls
-        )
+        # Plain TCP, upgraded in _handle: a failed handshake is then ours to name and count.
+        self._server = await asyncio.start_server(self._handle, listen.host, listen.port)
         self.port = self._server.sockets[0].getsockname()[1]
         logger.info("listening for edges on {}:{}", listen.host, self.port)
         return self.port
@@ -118,6 +118,19 @@ class EdgeServer:
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         assert task is not None
+        if self._tls is not None:
+            try:
+                await accept_tls(writer, self._tls)
+            except TlsRefused as exc:
+                self._metrics.tls_refusals.labels(exc.reason).inc()
+                logger.warning(
+                    "refused {} in TLS ({}): {}",
+                    writer.get_extra_info("peername"),
+                    exc.reason,
+                    exc.detail,
+                )
+                writer.close()
+                return
         self._sessions.add(task)
         conn = Connection(
             reader,

@@ -172,6 +172,8 @@ class ControlPlaneClient:
                 logger.info("connected to the control-plane (config version {})", self.version)
                 async for envelope in conn:
                     await self._handle(envelope)
+                reason = conn.peer_error.message if conn.peer_error else "closed by its side"
+                logger.warning("control-plane connection lost: {}", reason)
         except ProtocolError as exc:
             logger.warning("control-plane connection closed: {}", exc)
         except (ConnectionClosed, ConnectionError, TimeoutError) as exc:

@@ -21,6 +21,7 @@ from iop_edge.metrics import EdgeMetrics
 from iop_edge.ports import BatchLeases
 from iop_proto.connection import Connection, error_body
 from iop_proto.errors import ConnectionClosed, ProtocolError, UnexpectedMessage
+from iop_proto.tls import TlsRefused, accept_tls
 from iop_proto.v1 import runtime_pb2 as pb
 
 REGISTER_TIMEOUT_S = 10.0
@@ -88,9 +89,8 @@ class NodeServer:
         self.nodes: dict[str, NodeConnection] = {}
 
     async def start(self) -> int:
-        self._server = await asyncio.start_server(
-            self._handle, self._host, self.port, ssl=self._tls
-        )
+        # Plain TCP, upgraded in _handle: a failed handshake is then ours to name and count.
+        self._server = await asyncio.start_server(self._handle, self._host, self.port)
         self.port = self._server.sockets[0].getsockname()[1]
         logger.info("listening for nodes on {}:{}", self._host, self.port)
         return self.port
@@ -134,6 +134,14 @@ class NodeServer:
         task = asyncio.current_task()
         assert task is not None
         self._tasks.add(task)
+        if self._tls is not None:
+            try:
+                await accept_tls(writer, self._tls)
+            except TlsRefused as exc:
+                self._refuse("tls", exc.reason, writer.get_extra_info("peername"), exc.detail)
+                writer.close()
+                self._tasks.discard(task)
+                return
         conn = Connection(
             reader,
             writer,
@@ -181,24 +189,26 @@ class NodeServer:
             return None
         identity = conn.peer.name if conn.peer else request.peer_id  # plaintext: no identity
         role = conn.peer.role if conn.peer else "node"
-        refusal = None
+        refusal, code = None, ""
         if self._tls is not None and role not in self._node_roles:
-            refusal = f"certificate role {role!r} may not register as a node"
+            refusal, code = f"certificate role {role!r} may not register as a node", "wrong_role"
         elif identity != request.peer_id:
             refusal = (
                 f"certificate identity {identity!r} does not match node id {request.peer_id!r}"
             )
+            code = "identity_mismatch"
         answer: pb.AuthorizeNodeResponse | None = None
         if refusal is None:
             try:
                 answer = await self._authorizer.authorize(request.peer_id, request.token, identity)
             except ControlPlaneUnavailable as exc:
-                refusal = exc.message
+                refusal, code = exc.message, "control_plane_unavailable"
             else:
-                refusal = None if answer.accepted else answer.reason
+                if not answer.accepted:
+                    refusal, code = answer.reason, answer.reason_code or "refused"
         if refusal is not None or answer is None:
             self._metrics.registrations.labels("refused").inc()
-            logger.warning("node {} refused: {}", request.peer_id or "?", refusal)
+            self._refuse("registration", code, request.peer_id or "?", refusal or "refused")
             await conn.send(
                 pb.RegisterResponse(accepted=False, reason=refusal or "refused"),
                 correlation_id=first.message_id,
@@ -229,6 +239,11 @@ class NodeServer:
         )
         return node
 
+    def _refuse(self, stage: str, reason: str, who: object, detail: str) -> None:
+        """One place where refusals are logged (never with a token) and counted."""
+        self._metrics.refusals.labels(stage, reason).inc()
+        logger.warning("refused {} at {} ({}): {}", who, stage, reason, detail)
+
     async def _serve_worker(self, conn: Connection, first: pb.Envelope) -> None:
         """Workers need no token: their certificate role is their credential."""
         request = first.register_request
@@ -244,7 +259,7 @@ class NodeServer:
                 f"certificate identity {identity!r} does not match worker id {request.peer_id!r}"
             )
         if refusal is not None or self._batches is None:
-            logger.warning("worker {} refused: {}", request.peer_id or "?", refusal)
+            self._refuse("registration", "worker_refused", request.peer_id or "?", str(refusal))
             await conn.send(
                 pb.RegisterResponse(accepted=False, reason=refusal or "refused"),
                 correlation_id=first.message_id,

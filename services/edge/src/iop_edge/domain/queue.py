@@ -29,6 +29,10 @@ class ModelQueue(Generic[T]):
     def interactive(self) -> int:
         return len(self._interactive)
 
+    @property
+    def batch(self) -> int:
+        return len(self._batch)
+
     def push(self, waiter: asyncio.Future[T], *, batch: bool = False) -> None:
         (self._batch if batch else self._interactive).append(waiter)
 

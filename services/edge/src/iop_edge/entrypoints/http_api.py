@@ -16,9 +16,11 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 from loguru import logger
 
+from iop_edge.batches import BatchService
 from iop_edge.domain.fleet import ApiKeyEntry, ModelEntry
 from iop_edge.entrypoints.api_auth import authenticate
 from iop_edge.entrypoints.api_metrics import ApiMetrics
+from iop_edge.entrypoints.batch_routes import BatchRoutes
 from iop_edge.entrypoints.inference_routes import InferenceRoutes
 from iop_edge.entrypoints.openai_errors import (
     error_response,
@@ -50,6 +52,7 @@ def create_api_app(
     *,
     openapi: dict[str, Any],
     max_body_bytes: int = MAX_BODY_BYTES,
+    batches: BatchService | None = None,
 ) -> web.Application:
     """The API application; serve it with ``web.AppRunner(app, handler_cancellation=True)``.
 
@@ -58,10 +61,14 @@ def create_api_app(
     written (queued in ``open_run``, waiting for the first token or for a
     non-streaming result). Without it the handler only learns at its next write,
     and a run whose client is gone keeps a provider slot until it finishes.
+
+    ``batches``: when given, ``/v1/files`` and ``/v1/batches`` are served too.
     """
     app = web.Application(middlewares=[openai_error_boundary], client_max_size=max_body_bytes)
     InferenceRoutes(service, catalog, keys, runlog, metrics).register(app)
     ReadRoutes(catalog, keys, runlog, openapi).register(app)
+    if batches is not None:
+        BatchRoutes(batches, keys).register(app)
     return app
 
 

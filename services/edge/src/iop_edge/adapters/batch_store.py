@@ -1,0 +1,364 @@
+"""Files, batches and per-line results in one SQLite file, through aiosqlite.
+
+Every statement runs on aiosqlite's thread, so a 200 MB upload or a finalize of
+50,000 lines never holds the event loop. Each call below is one transaction,
+and the calls of one connection are serialised by a lock: transactions of
+concurrent coroutines must not interleave on a shared connection.
+
+The file itself (mode, WAL, schema version) is ``batch_schema``'s.
+Durability: a line's result is committed (``synchronous = FULL`` under WAL)
+before ``finish_line`` returns, so a line that finished is never run again,
+even after a power loss. One edge process owns the file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Final
+
+import aiosqlite
+from loguru import logger
+
+from iop_edge.adapters.batch_schema import BUSY_TIMEOUT_S, connect, transaction
+from iop_edge.domain.batches import (
+    CANCELLED,
+    CANCELLING,
+    COMPLETED,
+    DONE,
+    EXPIRED,
+    FINALIZING,
+    IN_PROGRESS,
+    LINE_FAILED,
+    PENDING,
+    RUNNABLE,
+    STATUSES,
+    VALIDATING,
+    BatchRecord,
+    FileRecord,
+    InputLine,
+    LineRecord,
+    LineResult,
+)
+
+_BATCH_SELECT: Final = f"""SELECT b.id, b.input_file_id, b.endpoint, b.completion_window,
+    b.metadata, b.status, b.created_at, b.in_progress_at, b.finalizing_at, b.completed_at,
+    b.failed_at, b.expired_at, b.cancelling_at, b.cancelled_at, b.expires_at,
+    b.output_file_id, b.error_file_id, b.errors, b.total_lines,
+    (SELECT COUNT(*) FROM batch_lines l WHERE l.batch_id = b.id AND l.state = '{DONE}'),
+    (SELECT COUNT(*) FROM batch_lines l WHERE l.batch_id = b.id AND l.state = '{LINE_FAILED}'),
+    b.lease_id, b.lease_owner, b.lease_expires_at, b.finalize_as
+    FROM batches b"""
+_RUNNABLE_SQL: Final = ", ".join(f"'{status}'" for status in RUNNABLE)
+_LEASE_FREE: Final = "(b.lease_expires_at IS NULL OR b.lease_expires_at <= :now)"
+_LINE_COLUMNS: Final = (
+    "batch_id, line_number, custom_id, body, state, status_code, response, error, "
+    "request_id, result_id"
+)
+_TIMESTAMP_OF: Final = {
+    COMPLETED: "completed_at",
+    CANCELLED: "cancelled_at",
+    EXPIRED: "expired_at",
+}
+
+
+class SqliteBatchStore:
+    """Make it with ``await SqliteBatchStore.open(path)``; the caller must ``aclose()`` it."""
+
+    def __init__(self, db: aiosqlite.Connection, path: Path) -> None:
+        """Use ``open``."""
+        self.path = path
+        self._db = db
+        self._lock = asyncio.Lock()
+
+    @classmethod
+    async def open(cls, path: Path, *, busy_timeout_s: float = BUSY_TIMEOUT_S) -> SqliteBatchStore:
+        db = await connect(path, busy_timeout_s)
+        logger.info("batch store {}: opened", path)
+        return cls(db, path)
+
+    async def aclose(self) -> None:
+        async with self._lock:
+            await self._db.close()
+
+    @contextlib.asynccontextmanager
+    async def _write(self) -> AsyncIterator[aiosqlite.Connection]:
+        async with self._lock, transaction(self._db):
+            yield self._db
+
+    async def _fetch(self, sql: str, params: Sequence[Any] | Mapping[str, Any] = ()) -> list[Any]:
+        async with self._lock:
+            return list(await self._db.execute_fetchall(sql, params))
+
+    # -- files ---------------------------------------------------------------
+
+    async def insert_file(self, record: FileRecord, content: bytes) -> None:
+        async with self._write() as db:
+            await db.execute(_INSERT_FILE, (*_file_row(record), content))
+
+    async def get_file(self, file_id: str) -> FileRecord | None:
+        rows = await self._fetch(
+            "SELECT id, filename, purpose, bytes, created_at FROM files WHERE id = ?", (file_id,)
+        )
+        return FileRecord(*rows[0]) if rows else None
+
+    async def file_content(self, file_id: str) -> bytes | None:
+        rows = await self._fetch("SELECT content FROM files WHERE id = ?", (file_id,))
+        return bytes(rows[0][0]) if rows else None
+
+    async def delete_file(self, file_id: str) -> bool:
+        async with self._write() as db:
+            cursor = await db.execute("DELETE FROM files WHERE id = ?", (file_id,))
+            return cursor.rowcount > 0
+
+    # -- batches -------------------------------------------------------------
+
+    async def insert_batch(
+        self,
+        batch: BatchRecord,
+        lines: Sequence[InputLine],
+        results: Mapping[int, LineResult] | None = None,
+    ) -> None:
+        """The batch and all its lines (pending, or finished with ``results[index]``)."""
+        done = results or {}
+        async with self._write() as db:
+            await db.execute(
+                """INSERT INTO batches (id, input_file_id, endpoint, completion_window,
+                    metadata, status, created_at, failed_at, expires_at, errors, total_lines)
+                VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)""",
+                (
+                    batch.id,
+                    batch.input_file_id,
+                    batch.endpoint,
+                    batch.completion_window,
+                    _json(batch.metadata),
+                    batch.status,
+                    batch.created_at,
+                    batch.failed_at,
+                    batch.expires_at,
+                    _json(batch.errors),
+                    batch.total,
+                ),
+            )
+            await db.executemany(
+                f"INSERT INTO batch_lines ({_LINE_COLUMNS}, finished_at) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (_new_line(batch, line, done.get(line.index)) for line in lines),
+            )
+
+    async def get_batch(self, batch_id: str) -> BatchRecord | None:
+        rows = await self._fetch(f"{_BATCH_SELECT} WHERE b.id = ?", (batch_id,))
+        return _batch(rows[0]) if rows else None
+
+    async def list_batches(self, after: str | None, limit: int) -> list[BatchRecord]:
+        """Newest first; ``after`` is the last id of the previous page."""
+        where = "" if after is None else "WHERE b.seq < (SELECT seq FROM batches WHERE id = ?)"
+        params: tuple[Any, ...] = (limit,) if after is None else (after, limit)
+        rows = await self._fetch(f"{_BATCH_SELECT} {where} ORDER BY b.seq DESC LIMIT ?", params)
+        return [_batch(row) for row in rows]
+
+    async def batch_by_lease(self, lease_id: str) -> BatchRecord | None:
+        rows = await self._fetch(f"{_BATCH_SELECT} WHERE b.lease_id = ?", (lease_id,))
+        return _batch(rows[0]) if rows else None
+
+    async def leasable(self, now: float) -> BatchRecord | None:
+        """The oldest runnable batch nobody holds (a lease past its expiry holds nothing)."""
+        rows = await self._fetch(
+            f"""{_BATCH_SELECT} WHERE b.status IN ({_RUNNABLE_SQL}) AND b.finalize_as IS NULL
+            AND {_LEASE_FREE} ORDER BY b.seq LIMIT 1""",
+            {"now": now},
+        )
+        return _batch(rows[0]) if rows else None
+
+    async def to_finalize(self, now: float) -> list[BatchRecord]:
+        """Batches whose end is due: cancelling or past their window with no live lease,
+        and those left half-finalized (by a crash, or by a finalize in progress)."""
+        rows = await self._fetch(
+            f"""{_BATCH_SELECT} WHERE b.finalize_as IS NOT NULL
+            OR (b.status = '{CANCELLING}' AND {_LEASE_FREE})
+            OR (b.status IN ({_RUNNABLE_SQL}) AND b.expires_at <= :now AND {_LEASE_FREE})
+            ORDER BY b.seq""",
+            {"now": now},
+        )
+        return [_batch(row) for row in rows]
+
+    async def status_counts(self) -> dict[str, int]:
+        rows = await self._fetch("SELECT status, COUNT(*) FROM batches GROUP BY status")
+        counts = dict.fromkeys(STATUSES, 0)
+        counts.update({str(status): int(count) for status, count in rows})
+        return counts
+
+    async def set_lease(
+        self, batch_id: str, lease_id: str, owner: str, expires_at: float, now: int
+    ) -> None:
+        """Hand the batch to a worker; a validating batch starts here."""
+        async with self._write() as db:
+            await db.execute(
+                f"""UPDATE batches SET lease_id = ?, lease_owner = ?, lease_expires_at = ?,
+                    status = '{IN_PROGRESS}', in_progress_at = COALESCE(in_progress_at, ?)
+                WHERE id = ?""",
+                (lease_id, owner, expires_at, now, batch_id),
+            )
+
+    async def extend_lease(self, batch_id: str, expires_at: float) -> None:
+        async with self._write() as db:
+            await db.execute(
+                "UPDATE batches SET lease_expires_at = ? WHERE id = ?", (expires_at, batch_id)
+            )
+
+    async def free_lease(self, batch_id: str, not_before: float | None = None) -> None:
+        """Nobody holds the batch; ``not_before`` keeps it from being leased until then."""
+        async with self._write() as db:
+            await db.execute(
+                """UPDATE batches SET lease_id = NULL, lease_owner = NULL, lease_expires_at = ?
+                WHERE id = ?""",
+                (not_before, batch_id),
+            )
+
+    async def mark_cancelling(self, batch_id: str, now: int) -> None:
+        async with self._write() as db:
+            await db.execute(
+                f"UPDATE batches SET status = '{CANCELLING}', cancelling_at = ? WHERE id = ?",
+                (now, batch_id),
+            )
+
+    async def begin_finalize(self, batch_id: str, terminal: str, now: int) -> None:
+        """From here the batch takes no lease and no line result; a normal end shows
+        ``finalizing`` (a cancel or an expiry keeps its status until the end)."""
+        status = "status = ?, finalizing_at = ?," if terminal == COMPLETED else ""
+        params: tuple[Any, ...] = (FINALIZING, now) if terminal == COMPLETED else ()
+        async with self._write() as db:
+            await db.execute(
+                f"""UPDATE batches SET {status} finalize_as = ?,
+                    lease_id = NULL, lease_owner = NULL, lease_expires_at = NULL
+                WHERE id = ?""",
+                (*params, terminal, batch_id),
+            )
+
+    async def end_batch(
+        self,
+        batch_id: str,
+        terminal: str,
+        now: int,
+        output: tuple[FileRecord, bytes] | None,
+        error: tuple[FileRecord, bytes] | None,
+    ) -> None:
+        """The result files and the final status, in one transaction (so a crash leaves
+        the batch to be finalized again, never with half its files)."""
+        async with self._write() as db:
+            for file in (output, error):
+                if file is not None:
+                    await db.execute(_INSERT_FILE, (*_file_row(file[0]), file[1]))
+            await db.execute(
+                f"""UPDATE batches SET status = ?, {_TIMESTAMP_OF[terminal]} = ?,
+                    output_file_id = ?, error_file_id = ?, finalize_as = NULL,
+                    lease_id = NULL, lease_owner = NULL, lease_expires_at = NULL
+                WHERE id = ?""",
+                (
+                    terminal,
+                    now,
+                    None if output is None else output[0].id,
+                    None if error is None else error[0].id,
+                    batch_id,
+                ),
+            )
+
+    # -- lines ---------------------------------------------------------------
+
+    async def get_line(self, batch_id: str, index: int) -> LineRecord | None:
+        rows = await self._fetch(
+            f"SELECT {_LINE_COLUMNS} FROM batch_lines WHERE batch_id = ? AND line_number = ?",
+            (batch_id, index),
+        )
+        return _line(rows[0]) if rows else None
+
+    async def lines(self, batch_id: str) -> list[LineRecord]:
+        rows = await self._fetch(
+            f"SELECT {_LINE_COLUMNS} FROM batch_lines WHERE batch_id = ? ORDER BY line_number",
+            (batch_id,),
+        )
+        return [_line(row) for row in rows]
+
+    async def first_pending(self, batch_id: str) -> int | None:
+        rows = await self._fetch(
+            "SELECT MIN(line_number) FROM batch_lines WHERE batch_id = ? AND state = ?",
+            (batch_id, PENDING),
+        )
+        return None if rows[0][0] is None else int(rows[0][0])
+
+    async def finish_line(self, batch_id: str, index: int, result: LineResult, now: int) -> bool:
+        """Store a line's result, committed before this returns; False (nothing written)
+        when the line is already finished or the batch no longer takes results."""
+        async with self._write() as db:
+            cursor = await db.execute(
+                f"""UPDATE batch_lines SET state = ?, status_code = ?, response = ?, error = ?,
+                    request_id = ?, result_id = ?, finished_at = ?
+                WHERE batch_id = ? AND line_number = ? AND state = '{PENDING}'
+                AND EXISTS (SELECT 1 FROM batches WHERE id = ? AND finalize_as IS NULL
+                    AND status IN ('{VALIDATING}', '{IN_PROGRESS}', '{CANCELLING}'))""",
+                (
+                    result.state,
+                    result.status_code,
+                    result.response,
+                    result.error,
+                    result.request_id,
+                    result.result_id,
+                    now,
+                    batch_id,
+                    index,
+                    batch_id,
+                ),
+            )
+            return cursor.rowcount > 0
+
+
+_INSERT_FILE: Final = (
+    "INSERT INTO files (id, filename, purpose, bytes, created_at, content) "
+    "VALUES (?, ?, ?, ?, ?, ?)"
+)
+
+
+def _file_row(record: FileRecord) -> tuple[object, ...]:
+    return (record.id, record.filename, record.purpose, record.bytes, record.created_at)
+
+
+def _new_line(batch: BatchRecord, line: InputLine, result: LineResult | None) -> tuple[object, ...]:
+    head = (batch.id, line.index, line.custom_id, line.body_json)
+    if result is None:
+        return (*head, PENDING, None, None, None, None, None, None)
+    return (
+        *head,
+        result.state,
+        result.status_code,
+        result.response,
+        result.error,
+        result.request_id,
+        result.result_id,
+        batch.created_at,
+    )
+
+
+def _json(value: object) -> str | None:
+    return None if value is None else json.dumps(value, ensure_ascii=False)
+
+
+def _batch(row: Iterable[Any]) -> BatchRecord:
+    values = list(row)
+    values[4] = None if values[4] is None else json.loads(values[4])  # metadata
+    values[17] = None if values[17] is None else json.loads(values[17])  # errors
+    return BatchRecord(*values)
+
+
+def _line(row: Sequence[Any]) -> LineRecord:
+    batch_id, index, custom_id, body, state, status_code, response, error, request_id, result_id = (
+        row
+    )
+    result = (
+        None
+        if state == PENDING
+        else LineResult(state, status_code, response, error, request_id or "", result_id or "")
+    )
+    return LineRecord(batch_id, index, custom_id, body, result)

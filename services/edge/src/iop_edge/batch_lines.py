@@ -1,0 +1,147 @@
+"""One batch line through the edge's normal dispatch, at batch priority.
+
+A line ends in one of two ways. Final: the model answered, or the request
+itself failed (unknown model, provider error): the result is stored and goes
+to the output or error file, as OpenAI reports it. Transient: the fleet had no
+room for it (queue full, queue timeout, no provider available) or the run was
+cancelled from the edge's side (edge stopping, batch cancelled, worker gone):
+nothing is stored, the line stays pending and runs again later. A batch line
+waits behind every interactive request, so under load it may time out in the
+queue; that must delay the batch, never fail its lines.
+
+The OpenAI wire shapes come from the HTTP layer's pure formatting modules, so a
+line's body is exactly what the same request would have returned over HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from loguru import logger
+
+from iop_edge.domain.batches import DONE, ENDPOINTS, LINE_FAILED, LineRecord, LineResult
+from iop_edge.entrypoints.inference_routes import RENDER_OFFLOAD_BYTES
+from iop_edge.entrypoints.openai_errors import error_payload, internal_error
+from iop_edge.entrypoints.openai_format import dumps, render_result
+from iop_edge.errors import (
+    EdgeError,
+    InvalidRequest,
+    ModelNotFound,
+    NoProviderAvailable,
+    ProviderFailed,
+    QueueFull,
+    QueueTimeout,
+    from_run_error,
+)
+from iop_edge.ports import Catalog, RunEvents, RunService, RunSpec
+from iop_proto.v1 import runtime_pb2 as pb
+
+_TRANSIENT = (QueueFull, QueueTimeout, NoProviderAvailable)
+_NOT_FORWARDED = ("stream", "stream_options")  # a batch line is never streamed
+
+
+@dataclass(frozen=True, slots=True)
+class LineOutcome:
+    result: LineResult
+    transient: bool  # not stored: the line stays pending and is run again
+
+
+class LineRunner:
+    """Runs lines and knows which runs are in flight, so a batch that ends can stop them."""
+
+    def __init__(self, runs: RunService, catalog: Catalog, clock: Callable[[], float]) -> None:
+        self._runs = runs
+        self._catalog = catalog
+        self._clock = clock
+        self._live: dict[str, set[RunEvents]] = {}  # batch id -> runs in flight
+
+    async def run(self, endpoint: str, line: LineRecord, result_id: str) -> LineOutcome:
+        """Dispatch the line and wait for its end; never raises an ``EdgeError``."""
+        try:
+            spec = self._spec(endpoint, line)
+            events = await self._runs.open_run(spec)
+        except EdgeError as exc:
+            return _failure(exc, "", result_id)
+        live = self._live.setdefault(line.batch_id, set())
+        live.add(events)
+        try:
+            body = await self._collect(spec, events)
+        except EdgeError as exc:
+            return _failure(exc, events.run_id, result_id)
+        except asyncio.CancelledError:
+            # The worker is gone (its connection dropped): free the provider slot.
+            await asyncio.shield(events.cancel("the batch line was abandoned"))
+            raise
+        except Exception:
+            # Per-line boundary: one line's bug must not take the worker's session down.
+            logger.exception("batch {} line {} failed in the edge", line.batch_id, line.index)
+            await asyncio.shield(events.cancel("edge failed"))
+            return _failure(internal_error(), events.run_id, result_id)
+        finally:
+            live.discard(events)
+            if not live:
+                self._live.pop(line.batch_id, None)
+        result = LineResult(DONE, 200, body, None, events.run_id, result_id)
+        return LineOutcome(result, transient=False)
+
+    async def cancel_batch(self, batch_id: str, reason: str) -> None:
+        """Stop the runs of a batch that is ending; their lines stay unfinished."""
+        for events in list(self._live.get(batch_id, ())):
+            await events.cancel(reason)
+
+    def _spec(self, endpoint: str, line: LineRecord) -> RunSpec:
+        body = json.loads(line.body_json)
+        model = body.get("model")
+        if not isinstance(model, str) or not model:
+            raise InvalidRequest("You must provide a model parameter (a string).", param="model")
+        if self._catalog.model(model) is None:
+            raise ModelNotFound(
+                f"The model '{model}' does not exist or you do not have access to it.",
+                param="model",
+            )
+        for name in _NOT_FORWARDED:
+            body.pop(name, None)
+        return RunSpec(
+            model=model,
+            operation=ENDPOINTS[endpoint],
+            body=body,
+            stream=False,
+            include_usage=False,
+            batch=True,
+        )
+
+    async def _collect(self, spec: RunSpec, events: RunEvents) -> str:
+        """The run's OpenAI response body (public model id), or its error raised."""
+        deltas: list[pb.RunDelta] = []
+        async for event in events:
+            kind = event.WhichOneof("kind")
+            if kind == "complete":
+                render = functools.partial(
+                    render_result,
+                    spec.operation,
+                    event.complete,
+                    deltas,
+                    run_id=events.run_id,
+                    model=spec.model,
+                    created=int(self._clock()),
+                )
+                if len(event.complete.result_json) > RENDER_OFFLOAD_BYTES:
+                    return (await asyncio.to_thread(render)).decode()  # megabytes of embeddings
+                return render().decode()
+            if kind == "delta":
+                deltas.append(event.delta)
+            elif kind == "error":
+                raise from_run_error(event.error)
+        raise ProviderFailed("the run ended without a result")
+
+
+def _failure(exc: EdgeError, request_id: str, result_id: str) -> LineOutcome:
+    transient = isinstance(exc, _TRANSIENT) or exc.code == "cancelled"
+    result = LineResult(
+        LINE_FAILED, exc.status, None, dumps(error_payload(exc)), request_id, result_id
+    )
+    return LineOutcome(result, transient)

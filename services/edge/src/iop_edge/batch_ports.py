@@ -1,0 +1,85 @@
+"""The port of batch storage (``adapters/batch_store.py`` implements it).
+
+Kept apart from ``ports.py`` only because it is large; ``BatchService`` depends
+on this, never on SQLite. Every method is one atomic step: the service's
+invariants (a line is finished once, a finalizing batch takes no result)
+are enforced by the store, not by the order of the service's calls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Protocol
+
+from iop_edge.domain.batches import BatchRecord, FileRecord, InputLine, LineRecord, LineResult
+
+
+class BatchStore(Protocol):
+    async def insert_file(self, record: FileRecord, content: bytes) -> None: ...
+
+    async def get_file(self, file_id: str) -> FileRecord | None: ...
+
+    async def file_content(self, file_id: str) -> bytes | None: ...
+
+    async def delete_file(self, file_id: str) -> bool: ...
+
+    async def insert_batch(
+        self,
+        batch: BatchRecord,
+        lines: Sequence[InputLine],
+        results: Mapping[int, LineResult] | None = None,
+    ) -> None:
+        """The batch and its lines (pending, or finished with ``results[index]``), or nothing."""
+        ...
+
+    async def get_batch(self, batch_id: str) -> BatchRecord | None: ...
+
+    async def list_batches(self, after: str | None, limit: int) -> list[BatchRecord]:
+        """Newest first; ``after`` is the last id of the previous page."""
+        ...
+
+    async def batch_by_lease(self, lease_id: str) -> BatchRecord | None:
+        """The batch this lease currently holds (a replaced or freed lease finds nothing)."""
+        ...
+
+    async def leasable(self, now: float) -> BatchRecord | None:
+        """The oldest runnable batch whose lease is free or expired."""
+        ...
+
+    async def to_finalize(self, now: float) -> list[BatchRecord]:
+        """Batches whose end is due, or whose finalize began and did not finish."""
+        ...
+
+    async def status_counts(self) -> dict[str, int]: ...
+
+    async def set_lease(
+        self, batch_id: str, lease_id: str, owner: str, expires_at: float, now: int
+    ) -> None: ...
+
+    async def extend_lease(self, batch_id: str, expires_at: float) -> None: ...
+
+    async def free_lease(self, batch_id: str, not_before: float | None = None) -> None: ...
+
+    async def mark_cancelling(self, batch_id: str, now: int) -> None: ...
+
+    async def begin_finalize(self, batch_id: str, terminal: str, now: int) -> None: ...
+
+    async def end_batch(
+        self,
+        batch_id: str,
+        terminal: str,
+        now: int,
+        output: tuple[FileRecord, bytes] | None,
+        error: tuple[FileRecord, bytes] | None,
+    ) -> None: ...
+
+    async def get_line(self, batch_id: str, index: int) -> LineRecord | None: ...
+
+    async def lines(self, batch_id: str) -> list[LineRecord]: ...
+
+    async def first_pending(self, batch_id: str) -> int | None: ...
+
+    async def finish_line(self, batch_id: str, index: int, result: LineResult, now: int) -> bool:
+        """Store a finished line (committed on return); False when it was finished already
+        or its batch takes no more results."""
+        ...

@@ -1,0 +1,7 @@
+"""The operator console: a read-only web page over the edge's catalog and run history (D06)."""
+
+from __future__ import annotations
+
+from iop_edge.console.routes import CONSOLE_PATH, add_console_routes
+
+__all__ = ["CONSOLE_PATH", "add_console_routes"]

@@ -1,0 +1,145 @@
+"""``/v1/files`` and ``/v1/batches``: the OpenAI Batch API over ``BatchService``.
+
+Same keys as the rest of the API; errors leave through the app's error
+boundary as OpenAI error objects. An upload is read part by part and refused
+as soon as it passes the size limit, never buffered whole first (aiohttp's
+``client_max_size`` does not apply to a streamed multipart body).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+from aiohttp import BodyPartReader, web
+
+from iop_edge.batches import BatchService
+from iop_edge.entrypoints.api_auth import authenticate
+from iop_edge.entrypoints.inference_request import read_json_body
+from iop_edge.errors import InvalidRequest
+from iop_edge.ports import KeyRing
+
+LIST_DEFAULT_LIMIT: Final = 20
+LIST_MAX_LIMIT: Final = 100
+_CHUNK_BYTES: Final = 1024 * 1024
+_MAX_FIELD_BYTES: Final = 1024  # ``purpose`` and other small form fields
+
+
+class BatchRoutes:
+    """The eight Files and Batches endpoints the OpenAI SDKs call."""
+
+    def __init__(self, batches: BatchService, keys: KeyRing) -> None:
+        self._batches = batches
+        self._keys = keys
+
+    def register(self, app: web.Application) -> None:
+        router = app.router
+        router.add_post("/v1/files", self.create_file)
+        router.add_get("/v1/files/{file_id}", self.retrieve_file)
+        router.add_delete("/v1/files/{file_id}", self.delete_file)
+        router.add_get("/v1/files/{file_id}/content", self.file_content)
+        router.add_post("/v1/batches", self.create_batch)
+        router.add_get("/v1/batches", self.list_batches)
+        router.add_get("/v1/batches/{batch_id}", self.retrieve_batch)
+        router.add_post("/v1/batches/{batch_id}/cancel", self.cancel_batch)
+
+    async def create_file(self, request: web.Request) -> web.Response:
+        authenticate(request, self._keys)
+        if not request.content_type.startswith("multipart/form-data"):
+            raise InvalidRequest("Upload the file as multipart/form-data.", param="file")
+        fields: dict[str, str] = {}
+        filename, content = "", None
+        try:
+            reader = await request.multipart()
+            async for part in reader:
+                if not isinstance(part, BodyPartReader):
+                    raise InvalidRequest("Nested multipart bodies are not supported.")
+                if part.name == "file":
+                    filename = part.filename or ""
+                    content = await _read_part(part, self._batches.max_file_bytes, "file")
+                elif part.name:
+                    raw = await _read_part(part, _MAX_FIELD_BYTES, part.name)
+                    fields[part.name] = raw.decode("utf-8", "replace")
+        except InvalidRequest:
+            raise
+        except ValueError as exc:  # a malformed body (boundary, headers, length)
+            raise InvalidRequest(f"The multipart body could not be read: {exc}") from None
+        purpose = fields.get("purpose")
+        if purpose is None:
+            raise InvalidRequest("Missing required parameter: 'purpose'.", param="purpose")
+        if content is None:
+            raise InvalidRequest("Missing required parameter: 'file'.", param="file")
+        return web.json_response(await self._batches.create_file(filename, purpose, content))
+
+    async def retrieve_file(self, request: web.Request) -> web.Response:
+        authenticate(request, self._keys)
+        return web.json_response(await self._batches.get_file(request.match_info["file_id"]))
+
+    async def delete_file(self, request: web.Request) -> web.Response:
+        authenticate(request, self._keys)
+        return web.json_response(await self._batches.delete_file(request.match_info["file_id"]))
+
+    async def file_content(self, request: web.Request) -> web.Response:
+        authenticate(request, self._keys)
+        content = await self._batches.file_content(request.match_info["file_id"])
+        return web.Response(body=content, content_type="application/octet-stream")
+
+    async def create_batch(self, request: web.Request) -> web.Response:
+        key = authenticate(request, self._keys)
+        body = await read_json_body(request)
+        batch = await self._batches.create_batch(
+            _required_str(body, "input_file_id"),
+            _required_str(body, "endpoint"),
+            _required_str(body, "completion_window"),
+            body.get("metadata"),  # checked by the service (OpenAI's 16-pair rule)
+            key=key,
+        )
+        return web.json_response(batch)
+
+    async def list_batches(self, request: web.Request) -> web.Response:
+        authenticate(request, self._keys)
+        limit = _limit(request.query.get("limit"))
+        page = await self._batches.list_batches(request.query.get("after") or None, limit)
+        return web.json_response(page)
+
+    async def retrieve_batch(self, request: web.Request) -> web.Response:
+        authenticate(request, self._keys)
+        return web.json_response(await self._batches.get_batch(request.match_info["batch_id"]))
+
+    async def cancel_batch(self, request: web.Request) -> web.Response:
+        authenticate(request, self._keys)
+        return web.json_response(await self._batches.cancel_batch(request.match_info["batch_id"]))
+
+
+async def _read_part(part: BodyPartReader, limit: int, name: str) -> bytes:
+    """The part's bytes, refused (400) the moment they pass ``limit``."""
+    chunks: list[bytes] = []
+    size = 0
+    while chunk := await part.read_chunk(_CHUNK_BYTES):
+        size += len(chunk)
+        if size > limit:
+            raise InvalidRequest(
+                f"The '{name}' field is larger than the limit of {limit} bytes.", param=name
+            )
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _required_str(body: dict[str, Any], name: str) -> str:
+    value = body.get(name)
+    if not isinstance(value, str) or not value:
+        raise InvalidRequest(f"Missing required parameter: '{name}' (a string).", param=name)
+    return value
+
+
+def _limit(raw: str | None) -> int:
+    if raw is None:
+        return LIST_DEFAULT_LIMIT
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= LIST_MAX_LIMIT:
+        raise InvalidRequest(
+            f"'limit' must be an integer from 1 to {LIST_MAX_LIMIT}.", param="limit"
+        )
+    return value

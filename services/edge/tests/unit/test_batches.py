@@ -1,0 +1,735 @@
+"""``BatchService`` over a real SQLite store, with a fake ``RunService`` and a fake clock.
+
+The fake dispatch answers by model: ``good`` completes, ``broken`` fails at the
+provider, ``busy`` finds no room (transient), ``slow`` waits for the test.
+Every test states what the worker does (lease, run_line, renew, release) and
+checks what the client would read (batch object, output and error files).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import sqlite3
+import stat
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from iop_edge.adapters.batch_schema import SCHEMA_VERSION, BatchStoreError
+from iop_edge.adapters.batch_store import SqliteBatchStore
+from iop_edge.batches import BatchService
+from iop_edge.domain.fleet import ApiKeyEntry, ModelEntry, Operation
+from iop_edge.entrypoints.openai_errors import error_payload
+from iop_edge.errors import InvalidRequest, LeaseLost, NotFound, QueueTimeout
+from iop_edge.ports import RunSpec
+from iop_proto.v1 import runtime_pb2 as pb
+
+CHAT = "/v1/chat/completions"
+SERVED = "served-name"
+T0 = 1_750_000_000.0
+TTL = 30.0
+WAIT = 5.0
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = T0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+class FakeRun:
+    """Events of one run; a ``gate`` holds the terminal event back until the test sets it."""
+
+    def __init__(self, spec: RunSpec, run_id: str, gate: asyncio.Event | None = None) -> None:
+        self.run_id = run_id
+        self.provider_id, self.node_id, self.target = "p1", "n1", SERVED
+        self.spec = spec
+        self.gate = gate
+        self.cancel_reasons: list[str] = []
+        self._cancelled = asyncio.Event()
+
+    def __aiter__(self) -> AsyncIterator[pb.RunEvent]:
+        return self._events()
+
+    async def _events(self) -> AsyncIterator[pb.RunEvent]:
+        yield pb.RunEvent(run_id=self.run_id, start=pb.RunStart(provider_id="p1", target=SERVED))
+        if self.gate is not None:
+            waits = [asyncio.ensure_future(w.wait()) for w in (self.gate, self._cancelled)]
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            for w in waits:
+                w.cancel()
+            if self._cancelled.is_set():
+                yield pb.RunEvent(
+                    error=pb.RunError(code=pb.ERROR_CODE_CANCELLED, message="cancelled")
+                )
+                return
+        if self.spec.model == "broken":
+            yield pb.RunEvent(
+                error=pb.RunError(code=pb.ERROR_CODE_PROVIDER_ERROR, message="the GPU caught fire")
+            )
+            return
+        result = {
+            "id": f"chatcmpl-{self.run_id}",
+            "object": "chat.completion",
+            "created": 1,
+            "model": SERVED,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": f"echo {self.spec.body['n']}"},
+                    "finish_reason": "stop",
+                }
+            ],
+        }
+        complete = pb.RunComplete(result_json=json.dumps(result).encode())
+        yield pb.RunEvent(run_id=self.run_id, complete=complete)
+
+    async def cancel(self, reason: str) -> None:
+        self.cancel_reasons.append(reason)
+        self._cancelled.set()
+
+
+class FakeRuns:
+    """``RunService``: counts every run; ``busy`` finds no room, ``slow`` waits for ``gate``."""
+
+    def __init__(self) -> None:
+        self.specs: list[RunSpec] = []
+        self.runs: list[FakeRun] = []
+        self.gate = asyncio.Event()
+        self.started = asyncio.Event()
+
+    async def open_run(self, spec: RunSpec) -> FakeRun:
+        self.specs.append(spec)
+        if spec.model == "busy":
+            raise QueueTimeout("no slot in time")
+        run = FakeRun(spec, f"run-{len(self.specs)}", self.gate if spec.model == "slow" else None)
+        self.runs.append(run)
+        self.started.set()
+        return run
+
+
+class FakeCatalog:
+    def __init__(self, *model_ids: str) -> None:
+        self.entries = {m: ModelEntry(m, m, {"p1": SERVED}) for m in model_ids}
+
+    def models(self) -> list[ModelEntry]:
+        return list(self.entries.values())
+
+    def model(self, model_id: str) -> ModelEntry | None:
+        return self.entries.get(model_id)
+
+    def provider_views(self) -> list[dict[str, Any]]:
+        return []
+
+    def model_views(self) -> list[dict[str, Any]]:
+        return []
+
+    def any_available(self) -> bool:
+        return True
+
+
+class Harness:
+    def __init__(self, path: Path, store: SqliteBatchStore, clock: FakeClock) -> None:
+        self.path = path
+        self.store = store
+        self.clock = clock
+        self.runs = FakeRuns()
+        self.registry = CollectorRegistry()
+        self.service = BatchService(
+            store,
+            self.runs,
+            FakeCatalog("good", "broken", "busy", "slow"),
+            self.registry,
+            lease_ttl_s=TTL,
+            clock=clock,
+            max_file_bytes=10_000,
+        )
+
+    def metric(self, name: str, **labels: str) -> float:
+        return self.registry.get_sample_value(name, labels) or 0.0
+
+    async def batch(self, lines: list[dict[str, Any]] | bytes, **extra: Any) -> dict[str, Any]:
+        content = lines if isinstance(lines, bytes) else jsonl(lines)
+        file = await self.service.create_file("in.jsonl", "batch", content)
+        return await self.service.create_batch(file["id"], CHAT, "24h", None, **extra)
+
+    async def results(self, file_id: str | None) -> list[dict[str, Any]]:
+        if file_id is None:
+            return []
+        content = await self.service.file_content(file_id)
+        return [json.loads(line) for line in content.decode().splitlines()]
+
+
+@contextlib.asynccontextmanager
+async def opened(path: Path, clock: FakeClock) -> AsyncIterator[Harness]:
+    store = await SqliteBatchStore.open(path)
+    try:
+        yield Harness(path, store, clock)
+    finally:
+        await store.aclose()
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+async def h(tmp_path: Path, clock: FakeClock) -> AsyncIterator[Harness]:
+    async with opened(tmp_path / "state" / "batches.db", clock) as harness:
+        yield harness
+
+
+def request(custom_id: str, model: str = "good", n: int = 0, **extra: Any) -> dict[str, Any]:
+    body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "n": n}
+    return {"custom_id": custom_id, "method": "POST", "url": CHAT, "body": body, **extra}
+
+
+def jsonl(lines: list[dict[str, Any]]) -> bytes:
+    return "".join(json.dumps(line) + "\n" for line in lines).encode()
+
+
+def three() -> list[dict[str, Any]]:
+    return [request("a", n=1), request("b", model="nope"), request("c", model="broken")]
+
+
+# ---------------------------------------------------------------- files
+
+
+async def test_files_round_trip_and_404s(h: Harness) -> None:
+    created = await h.service.create_file("in.jsonl", "batch", b'{"x": 1}\n')
+    assert created["id"].startswith("file-")
+    assert created == {
+        "id": created["id"],
+        "object": "file",
+        "bytes": 9,
+        "created_at": int(T0),
+        "filename": "in.jsonl",
+        "purpose": "batch",
+        "status": "processed",
+        "status_details": None,
+    }
+    assert await h.service.get_file(created["id"]) == created
+    assert await h.service.file_content(created["id"]) == b'{"x": 1}\n'
+    deleted = await h.service.delete_file(created["id"])
+    assert deleted == {"id": created["id"], "object": "file", "deleted": True}
+    for call in (h.service.get_file, h.service.file_content, h.service.delete_file):
+        with pytest.raises(NotFound) as caught:
+            await call(created["id"])
+        assert error_payload(caught.value) == {
+            "error": {
+                "message": f"No such File object: {created['id']}",
+                "type": "invalid_request_error",
+                "param": "id",
+                "code": None,
+            }
+        }
+        assert caught.value.status == 404
+
+
+async def test_an_upload_needs_purpose_batch_and_a_modest_size(h: Harness) -> None:
+    with pytest.raises(InvalidRequest) as caught:
+        await h.service.create_file("x.jsonl", "fine-tune", b"{}")
+    assert caught.value.param == "purpose"
+    with pytest.raises(InvalidRequest) as caught:
+        await h.service.create_file("x.jsonl", "batch", b"x" * 10_001)
+    assert (caught.value.param, caught.value.status) == ("file", 400)
+
+
+async def test_the_store_file_is_owner_only_and_versioned(h: Harness) -> None:
+    assert stat.S_IMODE(h.path.stat().st_mode) == 0o600
+    assert stat.S_IMODE(h.path.parent.stat().st_mode) == 0o700
+    raw = sqlite3.connect(h.path)
+    try:
+        assert raw.execute("PRAGMA user_version").fetchone() == (SCHEMA_VERSION,)
+        assert raw.execute("PRAGMA journal_mode").fetchone() == ("wal",)
+    finally:
+        raw.close()
+
+
+async def test_a_store_from_a_newer_edge_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "batches.db"
+    raw = sqlite3.connect(path)
+    raw.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
+    raw.close()
+    with pytest.raises(BatchStoreError, match="newer"):
+        await SqliteBatchStore.open(path)
+
+
+# ---------------------------------------------------------------- create and validate
+
+
+async def test_every_validation_rule_names_its_line(h: Harness) -> None:
+    lines = [
+        json.dumps(request("ok")),
+        "{not json",
+        json.dumps({k: v for k, v in request("x").items() if k != "custom_id"}),
+        json.dumps(request("ok")),  # duplicate custom_id
+        json.dumps(request("get", method="GET")),
+        json.dumps(request("emb", url="/v1/embeddings")),
+        "",  # blank lines are skipped, not counted as errors
+        json.dumps({k: v for k, v in request("nobody").items() if k != "body"}),
+        "[1, 2]",
+    ]
+    batch = await h.batch("\n".join(lines).encode())
+    assert batch["status"] == "failed"
+    assert batch["failed_at"] == int(T0)
+    assert batch["errors"]["object"] == "list"
+    found = [(e["line"], e["code"], e["param"]) for e in batch["errors"]["data"]]
+    assert found == [
+        (2, "invalid_json_line", None),
+        (3, "missing_required_parameter", "custom_id"),
+        (4, "duplicate_custom_id", "custom_id"),
+        (5, "invalid_method", "method"),
+        (6, "invalid_url", "url"),
+        (8, "missing_required_parameter", "body"),
+        (9, "invalid_json_line", None),
+    ]
+    assert all(e["message"] for e in batch["errors"]["data"])
+    assert batch["request_counts"] == {"total": 0, "completed": 0, "failed": 0}
+    assert (await h.service.lease("w1")).batch_id == ""  # nothing runs
+    assert h.runs.specs == []
+    assert h.metric("iop_edge_batches", status="failed") == 1
+
+
+async def test_an_empty_file_fails_the_batch(h: Harness) -> None:
+    batch = await h.batch(b"\n\n")
+    assert batch["status"] == "failed"
+    assert [e["code"] for e in batch["errors"]["data"]] == ["empty_file"]
+
+
+async def test_batch_parameters_are_checked(h: Harness) -> None:
+    file = await h.service.create_file("in.jsonl", "batch", jsonl([request("a")]))
+    cases: list[tuple[tuple[Any, ...], str]] = [
+        ((file["id"], "/v1/responses", "24h", None), "endpoint"),
+        ((file["id"], CHAT, "1h", None), "completion_window"),
+        ((file["id"], CHAT, "24h", {"k": 1}), "metadata"),
+        ((file["id"], CHAT, "24h", {f"k{i}": "v" for i in range(17)}), "metadata"),
+    ]
+    for args, param in cases:
+        with pytest.raises(InvalidRequest) as caught:
+            await h.service.create_batch(*args)
+        assert caught.value.param == param
+    with pytest.raises(NotFound) as missing:
+        await h.service.create_batch("file-nope", CHAT, "24h", None)
+    assert missing.value.message == "No such File object: file-nope"
+
+
+async def test_a_valid_batch_is_an_openai_batch_object(h: Harness) -> None:
+    file = await h.service.create_file("in.jsonl", "batch", jsonl(three()))
+    batch = await h.service.create_batch(file["id"], CHAT, "24h", {"team": "search"})
+    assert batch["id"].startswith("batch_")
+    assert batch == {
+        "id": batch["id"],
+        "object": "batch",
+        "endpoint": CHAT,
+        "errors": None,
+        "input_file_id": file["id"],
+        "completion_window": "24h",
+        "status": "validating",
+        "output_file_id": None,
+        "error_file_id": None,
+        "created_at": int(T0),
+        "in_progress_at": None,
+        "expires_at": int(T0) + 24 * 3600,
+        "finalizing_at": None,
+        "completed_at": None,
+        "failed_at": None,
+        "expired_at": None,
+        "cancelling_at": None,
+        "cancelled_at": None,
+        "request_counts": {"total": 3, "completed": 0, "failed": 0},
+        "metadata": {"team": "search"},
+    }
+    assert await h.service.get_batch(batch["id"]) == batch
+    with pytest.raises(NotFound):
+        await h.service.get_batch("batch_nope")
+
+
+async def test_list_is_newest_first_with_a_cursor(h: Harness) -> None:
+    ids = [(await h.batch([request("a")]))["id"] for _ in range(3)]
+    page = await h.service.list_batches(None, 2)
+    assert [b["id"] for b in page["data"]] == ids[::-1][:2]
+    assert (page["object"], page["has_more"]) == ("list", True)
+    assert (page["first_id"], page["last_id"]) == (ids[2], ids[1])
+    rest = await h.service.list_batches(page["last_id"], 2)
+    assert [b["id"] for b in rest["data"]] == [ids[0]]
+    assert rest["has_more"] is False
+
+
+# ---------------------------------------------------------------- running
+
+
+async def run_all(h: Harness, grant: pb.LeaseGrant) -> list[pb.BatchLineResult]:
+    return [
+        await h.service.run_line(grant.lease_id, n)
+        for n in range(grant.next_line, grant.total_lines)
+    ]
+
+
+async def test_a_batch_runs_to_completion_with_output_and_error_files(h: Harness) -> None:
+    batch = await h.batch(three())
+    grant = await h.service.lease("w1")
+    assert (grant.batch_id, grant.endpoint, grant.next_line, grant.total_lines) == (
+        batch["id"],
+        CHAT,
+        0,
+        3,
+    )
+    assert grant.expires_at_unix_ms == int((T0 + TTL) * 1000)
+    running = await h.service.get_batch(batch["id"])
+    assert (running["status"], running["in_progress_at"]) == ("in_progress", int(T0))
+
+    results = await run_all(h, grant)
+    assert [(r.custom_id, r.status_code) for r in results] == [("a", 200), ("b", 404), ("c", 502)]
+    assert json.loads(results[0].response_json)["model"] == "good"  # the public id
+    assert json.loads(results[1].error_json)["error"]["code"] == "model_not_found"
+    assert [s.model for s in h.runs.specs] == ["good", "broken"]  # unknown: never dispatched
+    spec = h.runs.specs[0]
+    assert (spec.operation, spec.stream, spec.include_usage, spec.batch) == (
+        Operation.CHAT_COMPLETIONS,
+        False,
+        False,
+        True,
+    )
+
+    h.clock.advance(5)
+    await h.service.release(grant.lease_id, finished=True)
+    done = await h.service.get_batch(batch["id"])
+    assert done["status"] == "completed"
+    assert (done["finalizing_at"], done["completed_at"]) == (int(T0) + 5, int(T0) + 5)
+    assert done["request_counts"] == {"total": 3, "completed": 1, "failed": 2}
+    output = await h.results(done["output_file_id"])
+    errors = await h.results(done["error_file_id"])
+    assert [line["custom_id"] for line in output] == ["a"]
+    assert output[0]["id"].startswith("batch_req_")
+    assert output[0]["error"] is None
+    assert output[0]["response"]["status_code"] == 200
+    assert output[0]["response"]["request_id"] == "run-1"
+    assert output[0]["response"]["body"]["choices"][0]["message"]["content"] == "echo 1"
+    assert [(e["custom_id"], e["response"]["status_code"]) for e in errors] == [
+        ("b", 404),
+        ("c", 502),
+    ]
+    assert errors[0]["response"]["body"]["error"]["code"] == "model_not_found"
+    assert errors[1]["response"]["body"]["error"]["message"] == "the GPU caught fire"
+    output_file = await h.service.get_file(done["output_file_id"])
+    assert (output_file["purpose"], output_file["filename"]) == (
+        "batch_output",
+        f"{batch['id']}_output.jsonl",
+    )
+    assert h.metric("iop_edge_batch_lines_total", outcome="done") == 1
+    assert h.metric("iop_edge_batch_lines_total", outcome="failed") == 2
+    assert h.metric("iop_edge_batches", status="completed") == 1
+    assert h.metric("iop_edge_batches", status="in_progress") == 0
+    with pytest.raises(LeaseLost):
+        await h.service.run_line(grant.lease_id, 0)
+
+
+async def test_only_non_empty_result_files_are_written(h: Harness) -> None:
+    batch = await h.batch([request("a"), request("b")])
+    grant = await h.service.lease("w1")
+    await run_all(h, grant)
+    await h.service.release(grant.lease_id, finished=True)
+    done = await h.service.get_batch(batch["id"])
+    assert done["output_file_id"] is not None
+    assert done["error_file_id"] is None
+
+
+async def test_a_finished_line_is_never_run_again(h: Harness) -> None:
+    await h.batch(three())
+    grant = await h.service.lease("w1")
+    first = await h.service.run_line(grant.lease_id, 0)
+    again = await h.service.run_line(grant.lease_id, 0)
+    assert again == first
+    assert len(h.runs.specs) == 1
+    assert h.metric("iop_edge_batch_lines_total", outcome="done") == 1
+
+
+async def test_the_same_line_asked_twice_at_once_shares_one_run(h: Harness) -> None:
+    await h.batch([request("s", model="slow")])
+    grant = await h.service.lease("w1")
+    calls = [asyncio.create_task(h.service.run_line(grant.lease_id, 0)) for _ in range(2)]
+    async with asyncio.timeout(WAIT):
+        await h.runs.started.wait()
+        h.runs.gate.set()
+        first, second = await asyncio.gather(*calls)
+    assert first == second
+    assert first.status_code == 200
+    assert len(h.runs.specs) == 1
+
+
+async def test_a_line_out_of_range_is_not_found(h: Harness) -> None:
+    await h.batch([request("a")])
+    grant = await h.service.lease("w1")
+    with pytest.raises(NotFound):
+        await h.service.run_line(grant.lease_id, 1)
+
+
+async def test_a_line_whose_key_may_not_use_its_model_fails_without_running(h: Harness) -> None:
+    key = ApiKeyEntry("k1", "k1", "hash", frozenset({"good"}), 0)
+    batch = await h.batch([request("a"), request("b", model="broken")], key=key)
+    assert batch["request_counts"] == {"total": 2, "completed": 0, "failed": 1}
+    grant = await h.service.lease("w1")
+    results = await run_all(h, grant)
+    assert [r.status_code for r in results] == [200, 403]
+    assert [s.model for s in h.runs.specs] == ["good"]
+    await h.service.release(grant.lease_id, finished=True)
+    done = await h.service.get_batch(batch["id"])
+    (error,) = await h.results(done["error_file_id"])
+    assert error["response"]["body"]["error"]["code"] == "model_not_allowed"
+
+
+# ---------------------------------------------------------------- leases
+
+
+async def test_a_second_lease_while_the_first_is_live_gets_nothing(h: Harness) -> None:
+    await h.batch(three())
+    first = await h.service.lease("w1")
+    assert first.batch_id
+    h.clock.advance(TTL - 1)
+    assert (await h.service.lease("w2")).batch_id == ""
+
+
+async def test_renewal_extends_the_lease(h: Harness) -> None:
+    await h.batch(three())
+    grant = await h.service.lease("w1")
+    h.clock.advance(20)
+    renewed = await h.service.renew(grant.lease_id)
+    assert renewed.expires_at_unix_ms == int((T0 + 20 + TTL) * 1000)
+    assert (renewed.batch_id, renewed.lease_id) == (grant.batch_id, grant.lease_id)
+    h.clock.advance(20)  # 40 s after the lease, 20 after the renewal
+    assert (await h.service.lease("w2")).batch_id == ""
+    assert h.metric("iop_edge_batch_lease_renewals_total") == 1
+
+
+async def test_after_expiry_another_worker_resumes_at_the_first_unfinished_line(
+    h: Harness,
+) -> None:
+    await h.batch(three())
+    old = await h.service.lease("w1")
+    await h.service.run_line(old.lease_id, 0)
+    h.clock.advance(TTL + 1)
+    new = await h.service.lease("w2")
+    assert (new.batch_id, new.next_line, new.total_lines) == (old.batch_id, 1, 3)
+    assert new.lease_id != old.lease_id
+    assert h.metric("iop_edge_batch_lease_expiries_total") == 1
+    with pytest.raises(LeaseLost):
+        await h.service.renew(old.lease_id)
+    with pytest.raises(LeaseLost):
+        await h.service.run_line(old.lease_id, 1)
+    await h.service.release(old.lease_id, finished=True)  # stale: changes nothing
+    assert (await h.service.get_batch(old.batch_id))["status"] == "in_progress"
+    await run_all(h, new)
+    await h.service.release(new.lease_id, finished=True)
+    done = await h.service.get_batch(old.batch_id)
+    assert done["request_counts"] == {"total": 3, "completed": 1, "failed": 2}
+    assert len(h.runs.specs) == 2  # line 0 ran once, under the first lease
+
+
+async def test_an_expired_lease_not_yet_taken_can_still_be_renewed(h: Harness) -> None:
+    await h.batch(three())
+    grant = await h.service.lease("w1")
+    h.clock.advance(TTL + 5)
+    renewed = await h.service.renew(grant.lease_id)
+    assert renewed.batch_id == grant.batch_id
+
+
+async def test_a_release_unfinished_frees_the_batch_at_once(h: Harness) -> None:
+    await h.batch(three())
+    grant = await h.service.lease("w1")
+    await h.service.run_line(grant.lease_id, 0)
+    await h.service.release(grant.lease_id, finished=False)
+    again = await h.service.lease("w2")
+    assert (again.batch_id, again.next_line) == (grant.batch_id, 1)
+    assert h.metric("iop_edge_batch_lease_expiries_total") == 0
+
+
+async def test_a_line_without_room_stays_pending_and_is_retried(h: Harness) -> None:
+    batch = await h.batch([request("a"), request("b", model="busy")])
+    grant = await h.service.lease("w1")
+    results = await run_all(h, grant)
+    assert [r.status_code for r in results] == [200, 503]
+    assert json.loads(results[1].error_json)["error"]["code"] == "queue_timeout"
+    await h.service.release(grant.lease_id, finished=True)
+    waiting = await h.service.get_batch(batch["id"])
+    assert waiting["status"] == "in_progress"
+    assert waiting["request_counts"] == {"total": 2, "completed": 1, "failed": 0}
+    assert (await h.service.lease("w1")).batch_id == ""  # resting after a retry
+    h.clock.advance(10)
+    retry = await h.service.lease("w1")
+    assert (retry.batch_id, retry.next_line) == (batch["id"], 1)
+
+
+async def test_an_abandoned_line_cancels_its_run_and_stays_pending(h: Harness) -> None:
+    await h.batch([request("s", model="slow")])
+    grant = await h.service.lease("w1")
+    call = asyncio.create_task(h.service.run_line(grant.lease_id, 0))
+    async with asyncio.timeout(WAIT):
+        await h.runs.started.wait()
+    call.cancel()  # the worker's connection dropped
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    assert h.runs.runs[0].cancel_reasons == ["the batch line was abandoned"]
+    h.runs.gate.set()
+    again = await h.service.run_line(grant.lease_id, 0)
+    assert again.status_code == 200
+    assert len(h.runs.specs) == 2
+
+
+async def test_a_batch_past_its_window_expires_with_its_finished_lines(h: Harness) -> None:
+    batch = await h.batch(three())
+    grant = await h.service.lease("w1")
+    await h.service.run_line(grant.lease_id, 0)
+    h.clock.advance(24 * 3600)
+    with pytest.raises(LeaseLost):
+        await h.service.renew(grant.lease_id)
+    expired = await h.service.get_batch(batch["id"])
+    assert (expired["status"], expired["expired_at"]) == ("expired", int(T0) + 24 * 3600)
+    assert [line["custom_id"] for line in await h.results(expired["output_file_id"])] == ["a"]
+    errors = await h.results(expired["error_file_id"])
+    assert [(e["custom_id"], e["error"]["code"]) for e in errors] == [
+        ("b", "batch_expired"),
+        ("c", "batch_expired"),
+    ]
+    assert all(e["response"] is None for e in errors)
+
+
+async def test_an_unleased_batch_past_its_window_expires_at_the_next_lease(h: Harness) -> None:
+    batch = await h.batch(three())
+    h.clock.advance(24 * 3600 + 1)
+    assert (await h.service.lease("w1")).batch_id == ""
+    assert (await h.service.get_batch(batch["id"]))["status"] == "expired"
+
+
+# ---------------------------------------------------------------- cancel
+
+
+async def test_cancel_while_leased_is_cancelling_then_cancelled_on_release(h: Harness) -> None:
+    batch = await h.batch(three())
+    grant = await h.service.lease("w1")
+    await h.service.run_line(grant.lease_id, 0)
+    h.clock.advance(3)
+    cancelling = await h.service.cancel_batch(batch["id"])
+    assert (cancelling["status"], cancelling["cancelling_at"]) == ("cancelling", int(T0) + 3)
+    with pytest.raises(LeaseLost):
+        await h.service.renew(grant.lease_id)
+    with pytest.raises(LeaseLost):
+        await h.service.run_line(grant.lease_id, 1)
+    await h.service.release(grant.lease_id, finished=False)
+    cancelled = await h.service.get_batch(batch["id"])
+    assert (cancelled["status"], cancelled["cancelled_at"]) == ("cancelled", int(T0) + 3)
+    assert cancelled["request_counts"] == {"total": 3, "completed": 1, "failed": 0}
+    assert [line["custom_id"] for line in await h.results(cancelled["output_file_id"])] == ["a"]
+    errors = await h.results(cancelled["error_file_id"])
+    assert [(e["custom_id"], e["error"]["code"]) for e in errors] == [
+        ("b", "batch_cancelled"),
+        ("c", "batch_cancelled"),
+    ]
+    assert await h.service.cancel_batch(batch["id"]) == cancelled  # as is
+    assert h.metric("iop_edge_batches", status="cancelled") == 1
+
+
+async def test_cancel_without_a_worker_is_cancelled_at_once(h: Harness) -> None:
+    batch = await h.batch(three())
+    cancelled = await h.service.cancel_batch(batch["id"])
+    assert cancelled["status"] == "cancelled"
+    assert cancelled["output_file_id"] is None
+    assert len(await h.results(cancelled["error_file_id"])) == 3
+    assert (await h.service.lease("w1")).batch_id == ""
+
+
+async def test_a_cancelling_batch_whose_worker_vanished_is_cancelled_at_expiry(
+    h: Harness,
+) -> None:
+    batch = await h.batch(three())
+    await h.service.lease("w1")
+    await h.service.cancel_batch(batch["id"])
+    h.clock.advance(TTL + 1)
+    assert (await h.service.lease("w2")).batch_id == ""  # never leased, but finalized
+    assert (await h.service.get_batch(batch["id"]))["status"] == "cancelled"
+    assert h.metric("iop_edge_batch_lease_expiries_total") == 1
+
+
+async def test_a_finished_batch_cannot_be_cancelled(h: Harness) -> None:
+    batch = await h.batch([request("a")])
+    grant = await h.service.lease("w1")
+    await run_all(h, grant)
+    await h.service.release(grant.lease_id, finished=True)
+    done = await h.service.get_batch(batch["id"])
+    assert await h.service.cancel_batch(batch["id"]) == done
+    with pytest.raises(NotFound):
+        await h.service.cancel_batch("batch_nope")
+
+
+async def test_a_line_in_flight_when_its_batch_ends_is_stopped_and_not_stored(
+    h: Harness,
+) -> None:
+    batch = await h.batch([request("a"), request("s", model="slow")])
+    grant = await h.service.lease("w1")
+    await h.service.run_line(grant.lease_id, 0)
+    call = asyncio.create_task(h.service.run_line(grant.lease_id, 1))
+    async with asyncio.timeout(WAIT):
+        await h.runs.started.wait()
+        await h.service.cancel_batch(batch["id"])
+        await h.service.release(grant.lease_id, finished=False)
+        result = await call
+    assert result.status_code == 502  # cancelled from the edge's side: not stored
+    cancelled = await h.service.get_batch(batch["id"])
+    assert cancelled["status"] == "cancelled"
+    assert cancelled["request_counts"] == {"total": 2, "completed": 1, "failed": 0}
+    assert [e["custom_id"] for e in await h.results(cancelled["error_file_id"])] == ["s"]
+
+
+# ---------------------------------------------------------------- crashes
+
+
+async def test_the_store_survives_a_restart_mid_batch(tmp_path: Path, clock: FakeClock) -> None:
+    path = tmp_path / "batches.db"
+    async with opened(path, clock) as before:
+        batch = await before.batch(three())
+        grant = await before.service.lease("w1")
+        first = await before.service.run_line(grant.lease_id, 0)
+    clock.advance(TTL + 1)  # the old lease dies with the old process
+    async with opened(path, clock) as after:
+        resumed = await after.service.lease("w2")
+        assert (resumed.batch_id, resumed.next_line) == (batch["id"], 1)
+        assert await after.service.run_line(resumed.lease_id, 0) == pb.BatchLineResult(
+            lease_id=resumed.lease_id,
+            line_number=0,
+            custom_id="a",
+            status_code=200,
+            response_json=first.response_json,
+        )
+        assert after.runs.specs == []  # answered from storage
+        await run_all(after, resumed)
+        await after.service.release(resumed.lease_id, finished=True)
+        done = await after.service.get_batch(batch["id"])
+        assert done["request_counts"] == {"total": 3, "completed": 1, "failed": 2}
+
+
+async def test_a_finalize_cut_short_is_finished_by_the_next_lease(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    path = tmp_path / "batches.db"
+    async with opened(path, clock) as before:
+        batch = await before.batch([request("a")])
+        grant = await before.service.lease("w1")
+        await run_all(before, grant)
+        await before.store.begin_finalize(batch["id"], "completed", int(clock()))  # then: crash
+    async with opened(path, clock) as after:
+        assert (await after.service.get_batch(batch["id"]))["status"] == "finalizing"
+        assert (await after.service.lease("w2")).batch_id == ""
+        done = await after.service.get_batch(batch["id"])
+        assert done["status"] == "completed"
+        assert [line["custom_id"] for line in await after.results(done["output_file_id"])] == ["a"]

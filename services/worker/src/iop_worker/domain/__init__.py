@@ -1,0 +1,1 @@
+"""Pure batch logic: what a lease grants and what this worker has seen of its lines."""

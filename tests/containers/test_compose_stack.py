@@ -1,0 +1,133 @@
+"""docker-compose.yml for real: build the images, start the stack, chat through the edge.
+
+Each test starts a throwaway compose project (its own name, volumes and host ports) with the
+services up to one node, so the node's provider is the only one of its model that runs:
+node-b with the real ollama/ollama container (pulling smollm2:135m), node-a with the real
+llama.cpp server container, node-gpu with vLLM (gpu profile, and a GPU). iop-init, the
+control-plane, the edge and the provider's one-shots start as their dependencies. The chat
+completion goes through the edge's OpenAI API with the official SDK; the edge's run history
+then names the provider that served it.
+
+Where no Docker engine answers (here and in CI) every test skips, saying so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import time
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from openai import OpenAI
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]
+
+# First start: image builds, provider image pulls and model downloads.
+READY_WITHIN_S = 1800.0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def get_json(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return json.load(response)
+
+
+@contextlib.contextmanager
+def compose_project(
+    monkeypatch: pytest.MonkeyPatch, node: str, profiles: list[str] | None = None
+) -> Iterator[str]:
+    """Start `node` and what it depends on; yields the edge's API base URL; removes it all."""
+    from testcontainers.compose import DockerCompose  # after the engine check
+
+    api_port = free_port()
+    # Compose reads these from the environment of the `docker compose` it runs.
+    monkeypatch.setenv("COMPOSE_PROJECT_NAME", f"iop-test-{uuid.uuid4().hex[:8]}")
+    monkeypatch.setenv("EDGE_API_PORT", str(api_port))
+    monkeypatch.setenv("EDGE_NODE_PORT", str(free_port()))
+    monkeypatch.setenv("EDGE_ADMIN_PORT", str(free_port()))
+    stack = DockerCompose(
+        ROOT,
+        compose_file_name="docker-compose.yml",
+        build=True,
+        wait=False,  # the edge's catalog says when the provider is ready (below)
+        services=[node],
+        profiles=profiles,
+    )
+    try:
+        stack.start()
+        yield f"http://127.0.0.1:{api_port}"
+    except BaseException:
+        with contextlib.suppress(Exception):  # the logs help; their absence must not hide why
+            stdout, stderr = stack.get_logs()
+            print(stdout[-20000:], stderr[-20000:])  # pytest shows it with the failure
+        raise
+    finally:
+        stack.services = None  # `down` the whole throwaway project, with its volumes
+        stack.stop(down=True)
+
+
+def wait_for_provider(api: str, model: str, provider: str) -> None:
+    """Poll the edge's catalog, its explicit readiness signal, until `provider` serves."""
+    deadline = time.monotonic() + READY_WITHIN_S
+    while True:
+        with contextlib.suppress(OSError, ValueError):
+            entries = {
+                entry["id"]: entry for entry in get_json(f"{api}/iop/v1/catalog/models")["data"]
+            }
+            if provider in entries.get(model, {}).get("available_providers", []):
+                return
+        assert time.monotonic() < deadline, f"{provider} did not become available for {model}"
+        time.sleep(2)
+
+
+def chat_through_the_edge(api: str, model: str, provider: str) -> None:
+    wait_for_provider(api, model, provider)
+    client = OpenAI(base_url=f"{api}/v1", api_key="unused", max_retries=0, timeout=300)
+    completion = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "Say hello in one word."}],
+        max_tokens=16,
+        temperature=0,
+    )
+    # A small model's text varies: check the shape, never the content.
+    choice = completion.choices[0]
+    assert choice.message.role == "assistant"
+    assert choice.message.content
+    assert choice.finish_reason in {"stop", "length"}
+    assert completion.usage is not None
+    assert completion.usage.prompt_tokens > 0
+    assert completion.usage.completion_tokens > 0
+    client.close()
+    run = get_json(f"{api}/iop/v1/runs?limit=1")["data"][0]
+    assert (run["model"], run["provider_id"], run["outcome"]) == (model, provider, "completed")
+
+
+@pytest.mark.parametrize(
+    ("node", "provider"),
+    [("node-b", "node-b-ollama"), ("node-a", "node-a-llamacpp")],
+    ids=["ollama", "llamacpp"],
+)
+def test_chat_completion_through_the_edge_to_a_real_provider_container(
+    docker_compose: str, monkeypatch: pytest.MonkeyPatch, node: str, provider: str
+) -> None:
+    with compose_project(monkeypatch, node) as api:
+        chat_through_the_edge(api, "smollm2:135m", provider)
+
+
+def test_chat_completion_through_the_edge_to_vllm(
+    gpu: None, docker_compose: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with compose_project(monkeypatch, "node-gpu", profiles=["gpu"]) as api:
+        chat_through_the_edge(api, "qwen2.5:0.5b", "node-gpu-vllm")

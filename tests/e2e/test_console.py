@@ -1,0 +1,293 @@
+"""The operator console in a real headless Chromium, and ``iopctl``, against the real stack.
+
+The browser is Debian's ``chromium`` driven by Playwright's Python package (never
+``playwright install``: no download at test time). Where Chromium is missing or
+cannot start, the browser tests skip and say why; the ``iopctl`` tests still run.
+The browser test leaves ``test-artifacts/console.png`` (git-ignored) behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+import pytest
+import pytest_asyncio
+
+if TYPE_CHECKING:
+    from playwright.async_api import Browser, Page, Request, Route
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+Stack = Any  # the `stack` fixture of conftest.py (a conftest cannot be imported)
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",  # CI runs as root in a container, where Chromium's sandbox cannot start
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
+FLEET_PROVIDERS = {"node-a-mock", "node-a-solo", "node-b-mock"}
+WAIT_MS = 15_000  # upper bound for the page to show a state (it polls every second)
+
+
+@pytest.fixture(scope="module")
+def edge_url(stack: Stack) -> str:
+    return str(stack.api_url).removesuffix("/v1")
+
+
+@pytest.fixture(scope="module")
+def chromium() -> Path:
+    if not CHROMIUM.exists():
+        pytest.skip(f"{CHROMIUM} is missing (Debian: apt-get install chromium)")
+    return CHROMIUM
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def browser(chromium: Path) -> AsyncIterator[Browser]:
+    async_api = pytest.importorskip(
+        "playwright.async_api", reason="the playwright package is not installed"
+    )
+    async with async_api.async_playwright() as playwright:
+        try:
+            launched = await playwright.chromium.launch(
+                executable_path=str(chromium), args=CHROMIUM_ARGS, timeout=60_000
+            )
+        except async_api.Error as exc:
+            pytest.skip(f"playwright cannot launch {chromium}: {exc.message.splitlines()[0]}")
+        try:
+            yield launched
+        finally:
+            await launched.close()
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def page(browser: Browser) -> AsyncIterator[Page]:
+    context = await browser.new_context(viewport={"width": 1440, "height": 1000})
+    try:
+        yield await context.new_page()
+    finally:
+        await context.close()
+
+
+async def wait_until_available(edge_url: str, providers: set[str]) -> None:
+    async with aiohttp.ClientSession() as http:
+        async with asyncio.timeout(20):
+            while True:
+                async with http.get(f"{edge_url}/iop/v1/catalog/providers") as response:
+                    rows = (await response.json())["data"]
+                if providers <= {r["provider_id"] for r in rows if r["health"] == "available"}:
+                    return
+                await asyncio.sleep(0.1)  # the state lives in other processes
+
+
+def provider_row(page: Page, provider_id: str) -> Any:
+    # Each provider has one row under its node (and one under each model it serves).
+    return page.locator(
+        f'[data-testid="node-section"] [data-testid="provider-row"]'
+        f'[data-provider-id="{provider_id}"]'
+    )
+
+
+async def slow_stream(edge_url: str) -> str:
+    """A streaming run that holds node-a-solo's one slot for 3 s; its run id."""
+    body = {
+        "model": "solo",
+        "messages": [{"role": "user", "content": "take your time"}],
+        "max_tokens": 8,
+        "stream": True,
+        "iop_mock": {"delay_ms": 3000},
+    }
+    async with aiohttp.ClientSession() as http:
+        async with http.post(f"{edge_url}/v1/chat/completions", json=body) as response:
+            assert response.status == 200, await response.text()
+            assert (await response.read()).rstrip().endswith(b"data: [DONE]")
+            return response.headers["X-Request-Id"]
+
+
+# ---------------------------------------------------------------- the page in a browser
+
+
+async def test_console_shows_the_fleet_and_a_run_live(edge_url: str, page: Page) -> None:
+    from playwright.async_api import expect
+
+    await wait_until_available(edge_url, FLEET_PROVIDERS)
+    requests: list[Request] = []
+    page.on("request", lambda request: requests.append(request))
+    page_errors: list[str] = []
+    page.on("pageerror", lambda error: page_errors.append(str(error)))
+
+    await page.goto(f"{edge_url}/iop/console")
+    rows = page.locator('[data-testid="node-section"] [data-testid="provider-row"]')
+    await expect(rows).to_have_count(3, timeout=WAIT_MS)
+    assert set(await rows.evaluate_all("rs => rs.map(r => r.dataset.providerId)")) == (
+        FLEET_PROVIDERS
+    )
+    await expect(page.locator('[data-testid="node-section"]')).to_have_count(2)
+    mock_small = page.locator('[data-testid="model-section"][data-model-id="mock-small"]')
+    await expect(mock_small.locator('[data-testid="provider-row"]')).to_have_count(2)
+    await expect(mock_small.locator('[data-testid="model-available"]')).to_have_text("2 / 2")
+    solo = provider_row(page, "node-a-solo")
+    await expect(solo.locator('[data-testid="health"]')).to_have_text("available")
+    await expect(solo.locator('[data-testid="capacity"]')).to_have_text("1")
+    await expect(solo.locator('[data-testid="in-flight"]')).to_have_text("0")
+    await expect(page.locator("button")).to_have_count(0)  # read-only: nothing to press
+    # A reload would drop this marker: everything below must arrive by polling.
+    await page.evaluate("window.__sameDocument = true")
+
+    run = asyncio.create_task(slow_stream(edge_url))
+    try:
+        await expect(solo.locator('[data-testid="in-flight"]')).to_have_text("1", timeout=WAIT_MS)
+        await expect(solo.locator('[data-testid="load-ratio"]')).to_have_text("100%")
+        ARTIFACTS.mkdir(exist_ok=True)
+        await page.screenshot(path=ARTIFACTS / "console-in-flight.png", full_page=True)
+        run_id = await asyncio.wait_for(run, 20)
+    finally:
+        if not run.done():
+            run.cancel()
+            await asyncio.gather(run, return_exceptions=True)
+
+    run_row = page.locator(f'[data-testid="run-row"][data-run-id="{run_id}"]')
+    await expect(run_row).to_have_count(1, timeout=WAIT_MS)
+    await expect(run_row.locator('[data-testid="run-model"]')).to_have_text("solo")
+    await expect(run_row.locator('[data-testid="run-provider"]')).to_have_text("node-a-solo")
+    await expect(run_row.locator('[data-testid="run-outcome"]')).to_contain_text("completed")
+    await expect(solo.locator('[data-testid="in-flight"]')).to_have_text("0", timeout=WAIT_MS)
+    await page.screenshot(path=ARTIFACTS / "console.png", full_page=True)
+
+    assert await page.evaluate("window.__sameDocument") is True
+    assert page_errors == []
+    # Read-only and offline: the page only ever GETs from the edge it came from.
+    assert {r.method for r in requests} == {"GET"}
+    assert {r.url.split("/iop/", 1)[0] for r in requests} == {edge_url}
+    polled = {r.url.removeprefix(edge_url) for r in requests if "/iop/v1/" in r.url}
+    assert polled == {
+        "/iop/v1/catalog/providers",
+        "/iop/v1/catalog/models",
+        "/iop/v1/runs?limit=20",
+    }
+
+
+async def test_console_asks_for_a_key_and_sends_it_as_bearer(edge_url: str, page: Page) -> None:
+    """The stack's API is open, so a route in the browser plays an edge with one key:
+    the real key check is the API's own (its unit tests); this is the page's half."""
+    from playwright.async_api import expect
+
+    key = "sk-iop-console-test"
+    seen: list[str] = []
+
+    async def keyed_edge(route: Route, request: Request) -> None:
+        authorization = request.headers.get("authorization", "")
+        seen.append(authorization)
+        if authorization == f"Bearer {key}":
+            await route.continue_()
+        else:
+            error = {"message": "Incorrect API key provided.", "type": "invalid_request_error"}
+            await route.fulfill(status=401, json={"error": error})
+
+    await page.route("**/iop/v1/**", keyed_edge)
+    await page.goto(f"{edge_url}/iop/console")
+    banner = page.get_by_test_id("auth-status")
+    await expect(banner).to_contain_text("API key required", timeout=WAIT_MS)
+    await expect(page.locator('[data-testid="provider-row"]')).to_have_count(0)
+
+    await page.get_by_test_id("api-key").fill("wrong")
+    await page.get_by_test_id("api-key").press("Enter")
+    await expect(banner).to_contain_text("not accepted", timeout=WAIT_MS)
+
+    await page.get_by_test_id("api-key").fill(key)
+    await page.get_by_test_id("api-key").press("Enter")
+    rows = page.locator('[data-testid="node-section"] [data-testid="provider-row"]')
+    await expect(rows).to_have_count(3, timeout=WAIT_MS)
+    await expect(banner).to_be_hidden()
+    assert f"Bearer {key}" in seen
+
+    # The key lives in this tab's sessionStorage: a reload keeps the console signed in.
+    await page.reload()
+    await expect(rows).to_have_count(3, timeout=WAIT_MS)
+    await expect(banner).to_be_hidden()
+
+
+# ---------------------------------------------------------------- what the edge serves
+
+
+async def test_console_assets_are_served_from_the_package(edge_url: str) -> None:
+    async with aiohttp.ClientSession() as http:
+        async with http.get(f"{edge_url}/iop/console") as response:
+            assert response.status == 200
+            assert response.content_type == "text/html"
+            assert response.headers["Cache-Control"] == "no-cache"
+            csp = response.headers["Content-Security-Policy"]
+            assert "connect-src 'self'" in csp
+            html = await response.text()
+        assert "console/static/console.js" in html
+        for name, content_type in (("console.js", "text/javascript"), ("console.css", "text/css")):
+            url = f"{edge_url}/iop/console/static/{name}"
+            async with http.get(url) as response:
+                assert response.status == 200
+                assert response.content_type == content_type
+                assert response.charset == "utf-8"
+                etag = response.headers["ETag"]
+                text = await response.text()
+            # Offline: nothing is fetched from anywhere but the edge.
+            assert "http://" not in text
+            assert "https://" not in text
+            async with http.get(url, headers={"If-None-Match": etag}) as response:
+                assert response.status == 304
+        async with http.get(f"{edge_url}/iop/console/static/nope.js") as response:
+            assert response.status == 404
+        async with http.get(f"{edge_url}/iop/console/", allow_redirects=False) as response:
+            assert response.status == 308
+            assert response.headers["Location"] == "/iop/console"
+
+
+# ---------------------------------------------------------------- iopctl
+
+
+async def iopctl(*argv: str) -> tuple[int, str, str]:
+    process = await asyncio.create_subprocess_exec(
+        str(Path(sys.executable).parent / "iopctl"),
+        *argv,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(process.communicate(), 30)
+    assert process.returncode is not None
+    return process.returncode, out.decode(), err.decode()
+
+
+async def test_iopctl_providers_table_and_json(edge_url: str) -> None:
+    await wait_until_available(edge_url, FLEET_PROVIDERS)
+    status, out, err = await iopctl("providers", "--url", edge_url)
+    assert status == 0, err
+    header, *lines = out.splitlines()
+    assert header.split()[:4] == ["PROVIDER", "NODE", "TYPE", "HEALTH"]
+    assert {line.split()[0] for line in lines} == FLEET_PROVIDERS
+    solo = next(line.split() for line in lines if line.startswith("node-a-solo"))
+    assert solo[1:4] == ["node-a", "mock", "available"]
+    assert solo[-1] == "solo"
+
+    status, out, err = await iopctl("providers", "--json", "--url", edge_url)
+    assert status == 0, err
+    rows = json.loads(out)
+    assert {r["provider_id"] for r in rows} == FLEET_PROVIDERS
+    assert {r["node_id"] for r in rows} == {"node-a", "node-b"}
+
+
+async def test_iopctl_models_and_runs(edge_url: str) -> None:
+    status, out, err = await iopctl("models", "--url", f"{edge_url}/v1")
+    assert status == 0, err
+    assert [line.split()[0] for line in out.splitlines()] == ["ID", "mock-small", "solo"]
+    status, out, err = await iopctl("runs", "--json", "--limit", "5", "--url", edge_url)
+    assert status == 0, err
+    assert isinstance(json.loads(out), list)

@@ -1,0 +1,80 @@
+"""Control-plane down: the edge serves from its cached config, registrations fail closed,
+and when it returns, config changes and revocations made meanwhile reach the edge."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import yaml
+from openai import AsyncOpenAI
+
+from iop_proto.connection import Connection
+from iop_proto.testing import open_client
+from iop_proto.tls import client_context
+from iop_proto.v1 import runtime_pb2 as pb
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+
+async def register(stack: Any, node_id: str, token: str) -> pb.RegisterResponse:
+    reader, writer = await open_client(stack.node_port, client_context(stack.tls(node_id)))
+    async with Connection(reader, writer, sender_id=node_id, heartbeat_interval=0) as conn:
+        await conn.send(pb.RegisterRequest(peer_id=node_id, token=token, role=pb.PEER_ROLE_NODE))
+        answer = await asyncio.wait_for(conn.receive(), 15)
+        return answer.register_response
+
+
+async def chat(stack: Any) -> int:
+    async with AsyncOpenAI(base_url=stack.api_url, api_key="x", max_retries=0) as sdk:
+        answer = await sdk.chat.completions.create(
+            model="mock-small", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+        )
+    assert answer.usage is not None
+    return answer.usage.completion_tokens
+
+
+async def test_edge_serves_while_the_control_plane_is_away(
+    stack: Any, faults: Any, report: Callable[[str], None]
+) -> None:
+    out = await stack.control_plane_cli("token", "issue", "--node", "node-fuzz")
+    fuzz_token = re.search(r"iopnt_\S+", out)
+    assert fuzz_token is not None
+    tokens = await stack.control_plane_cli("token", "list", "--json")
+    node_b_token = next(t for t in yaml.safe_load(tokens) if t["node_id"] == "node-b")
+
+    assert await stack.stop("control-plane") == 0
+    await asyncio.wait_for(
+        stack.services["edge"].wait_for_line("control-plane connection lost"), 15
+    )
+    served = [await chat(stack) for _ in range(3)]
+    report(f"served {len(served)} requests with the control-plane down")
+
+    refused = await register(stack, "node-fuzz", fuzz_token.group(0))
+    assert not refused.accepted
+    assert "control-plane is unreachable" in refused.reason
+    report(f"registration refused: {refused.reason}")
+
+    # changes made while it was away: a new model, and node-b's token revoked (the CLI
+    # writes the same database the control-plane serves from)
+    fleet = yaml.safe_load(stack.fleet_file.read_text())
+    fleet["models"].append({"id": "added-later", "providers": {"node-a-mock": "mock-small"}})
+    stack.fleet_file.write_text(yaml.safe_dump(fleet))
+    await stack.control_plane_cli("token", "revoke", node_b_token["token_id"])
+
+    await stack.start("control-plane")
+    await asyncio.wait_for(stack.services["edge"].wait_for_line("node node-b disconnected"), 20)
+
+    async def synced() -> bool:
+        models = {m["id"] for m in await faults.catalog(stack.api_url, "models")}
+        return "added-later" in models
+
+    await faults.eventually(synced)
+    accepted = await register(stack, "node-fuzz", fuzz_token.group(0))
+    assert accepted.accepted, accepted.reason
+    providers = {r["provider_id"]: r for r in await faults.catalog(stack.api_url, "providers")}
+    assert not providers["node-b-mock"]["connected"]
+    assert await chat(stack) == 2  # node-a still serves the pool
