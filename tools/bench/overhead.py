@@ -1,0 +1,178 @@
+"""Gateway overhead: the same non-streamed requests direct, through IOP, through LiteLLM.
+
+Measured the way vllm-project/router's docs/benchmarks/router_overhead.md measures
+it: direct and routed requests in one run, alternating (the order rotates every
+round, so neither side always goes first on a warm cache), the routed figure
+minus the direct one as the gateway's cost.
+
+- concurrency 1: p50, p99 and mean latency; "added" is the gateway's minus direct;
+- concurrency 64, closed loop for a fixed time, rounds alternating: requests/s;
+- CPU seconds per 1,000 requests of the gateway's processes (edge + node for IOP)
+  over the concurrency-64 rounds, from /proc utime + stime;
+- peak RSS (VmHWM) of the gateway's processes at the end.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .client import Target, closed_loop, complete, session, summary_ms
+from .procs import Gateway
+from .results import Row, ScenarioResult, ratio
+
+SCENARIO = "overhead"
+
+
+@dataclass(frozen=True)
+class Settings:
+    warmup: int
+    pairs: int  # rounds at concurrency 1 (each target once per round)
+    concurrency: int
+    rounds: int  # rounds at concurrency 64 (each target once per round)
+    seconds: float  # per target per round
+
+
+def _rotated(names: list[str], i: int) -> list[str]:
+    k = i % len(names)
+    return names[k:] + names[:k]
+
+
+async def _latency(targets: dict[str, Target], settings: Settings) -> dict[str, list[float]]:
+    names = list(targets)
+    latencies: dict[str, list[float]] = {name: [] for name in names}
+    async with session(len(names)) as http:
+        for name in names:
+            for _ in range(settings.warmup):
+                await complete(http, targets[name])
+        for i in range(settings.pairs):
+            for name in _rotated(names, i):
+                latencies[name].append(await complete(http, targets[name]))
+    return latencies
+
+
+async def _throughput(
+    targets: dict[str, Target], gateways: dict[str, Gateway], settings: Settings
+) -> dict[str, dict[str, float]]:
+    names = list(targets)
+    totals = {name: {"done": 0.0, "failed": 0.0, "seconds": 0.0, "cpu_s": 0.0} for name in names}
+    async with session(settings.concurrency * len(names)) as http:
+        for name in names:  # open the connections before anything is timed
+            await closed_loop(http, targets[name], settings.concurrency, 0.3)
+        for i in range(settings.rounds):
+            for name in _rotated(names, i):
+                gateway = gateways.get(name)
+                cpu_before = gateway.cpu() if gateway else 0.0
+                done, failed, elapsed = await closed_loop(
+                    http, targets[name], settings.concurrency, settings.seconds
+                )
+                cpu_after = gateway.cpu() if gateway else 0.0
+                total = totals[name]
+                total["done"] += done
+                total["failed"] += failed
+                total["seconds"] += elapsed
+                total["cpu_s"] += cpu_after - cpu_before
+    return totals
+
+
+async def run(
+    targets: dict[str, Target],
+    gateways: dict[str, Gateway],
+    settings: Settings,
+    litellm_missing: str,
+) -> ScenarioResult:
+    """``targets`` has ``direct`` and ``iop``, and ``litellm`` unless it is missing
+    (then ``litellm_missing`` says why, in LiteLLM's column)."""
+    result = ScenarioResult(SCENARIO)
+    latencies = await _latency(targets, settings)
+    stats = {name: summary_ms(values) for name, values in latencies.items()}
+    totals = await _throughput(targets, gateways, settings)
+    rps = {
+        name: t["done"] / t["seconds"] if t["seconds"] else float("nan")
+        for name, t in totals.items()
+    }
+    cpu_per_1000 = {
+        name: totals[name]["cpu_s"] / totals[name]["done"] * 1000
+        for name in gateways
+        if totals.get(name, {}).get("done")
+    }
+    rss = {name: gateway.peak_rss() for name, gateway in gateways.items()}
+    result.data = {
+        "latency_ms": stats,
+        "throughput": {name: {**totals[name], "rps": rps[name]} for name in totals},
+        "cpu_s_per_1000": cpu_per_1000,
+        "peak_rss_mib": rss,
+        "settings": settings.__dict__,
+    }
+    failed = sum(int(t["failed"]) for t in totals.values())
+    if failed:
+        result.status = "failed"
+        result.reason = f"{failed} requests failed at concurrency {settings.concurrency}"
+
+    direct = stats["direct"]
+
+    def added(name: str, key: str) -> float | str:
+        if name not in stats:
+            return litellm_missing
+        return stats[name][key] - direct[key]
+
+    def lite(key: str) -> float | str:
+        return stats["litellm"][key] if "litellm" in stats else litellm_missing
+
+    iop_mean_added = added("iop", "mean")
+    lite_mean_added = added("litellm", "mean")
+    c = settings.concurrency
+    rows = [
+        Row(SCENARIO, "latency p50 at c=1", "ms", stats["iop"]["p50"], direct["p50"],
+            lite("p50")),
+        Row(SCENARIO, "latency p99 at c=1", "ms", stats["iop"]["p99"], direct["p99"],
+            lite("p99")),
+        _target_row("added p50 at c=1", added("iop", "p50"), added("litellm", "p50"),
+                    "IOP <= 1.0 ms", 1.0),
+        _target_row("added p99 at c=1", added("iop", "p99"), added("litellm", "p99"),
+                    "IOP <= 3 ms", 3.0),
+        Row(SCENARIO, "added mean at c=1 (mean minus direct)", "ms", _num(iop_mean_added), 0.0,
+            lite_mean_added, ratio(_num(iop_mean_added), lite_mean_added), "IOP/LiteLLM",
+            "IOP <= 1/5 of LiteLLM",
+            _met(ratio(_num(iop_mean_added), lite_mean_added), lambda r: r <= 0.2)),
+        Row(SCENARIO, f"throughput at c={c}", "req/s", rps["iop"], rps["direct"],
+            rps.get("litellm", litellm_missing), ratio(rps["iop"], rps["direct"]),
+            "IOP/direct", ">= 0.5x direct",
+            _met(ratio(rps["iop"], rps["direct"]), lambda r: r >= 0.5)),
+        Row(SCENARIO, f"throughput at c={c} vs LiteLLM (1 worker each)", "req/s", rps["iop"],
+            None, rps.get("litellm", litellm_missing),
+            ratio(rps["iop"], rps.get("litellm", litellm_missing)), "IOP/LiteLLM",
+            ">= 5x LiteLLM",
+            _met(ratio(rps["iop"], rps.get("litellm", litellm_missing)), lambda r: r >= 5)),
+        Row(SCENARIO, f"CPU per 1,000 requests at c={c}", "s", cpu_per_1000.get("iop"), None,
+            cpu_per_1000.get("litellm", litellm_missing),
+            ratio(cpu_per_1000.get("litellm"), cpu_per_1000.get("iop")), "LiteLLM/IOP"),
+        Row(SCENARIO, "peak RSS of the gateway processes", "MiB", rss["iop"]["total"], None,
+            rss["litellm"]["total"] if "litellm" in rss else litellm_missing),
+    ]  # fmt: skip
+    result.rows = rows
+    return result
+
+
+def _num(value: float | str) -> float | None:
+    return value if isinstance(value, float) else None
+
+
+def _met(value: float | None, check: Callable[[float], bool]) -> bool | None:
+    return None if value is None else check(value)
+
+
+def _target_row(
+    metric: str, iop: float | str, litellm: float | str, target: str, limit: float
+) -> Row:
+    value = _num(iop)
+    return Row(
+        SCENARIO,
+        metric,
+        "ms",
+        value,
+        0.0,
+        litellm,
+        target=target,
+        met=None if value is None else value <= limit,
+    )

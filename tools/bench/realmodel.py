@@ -1,0 +1,73 @@
+"""A real model: SmolLM2-135M on llama.cpp, tokens/s direct and through IOP.
+
+The fake backend shows what the gateway costs; this shows whether that cost
+matters next to real generation on the same 2 cores. Streams alternate direct /
+IOP with the same prompt, ``max_tokens`` and ``ignore_eos`` (llama.cpp's own
+parameter, passed through by IOP unchanged) so every stream generates exactly
+the same number of tokens. tokens/s = completion tokens / the stream's whole
+time (request sent to last byte); the decode rate between the first and last
+token is kept in the JSON too.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from typing import Any
+
+from .client import Target, session, stream
+from .results import Row, ScenarioResult, ratio
+
+SCENARIO = "realmodel"
+CONTENT: bytes = b'"content":"'
+
+
+@dataclass(frozen=True)
+class Settings:
+    rounds: int
+    tokens: int
+
+
+def skipped(reason: str) -> ScenarioResult:
+    return ScenarioResult(SCENARIO, status="skipped", reason=reason)
+
+
+async def run(targets: dict[str, Target], settings: Settings) -> ScenarioResult:
+    """``targets``: ``direct`` (the llama.cpp server) and ``iop``."""
+    result = ScenarioResult(SCENARIO)
+    rates: dict[str, list[float]] = {name: [] for name in targets}
+    decode: dict[str, list[float]] = {name: [] for name in targets}
+    extra: dict[str, Any] = {
+        "temperature": 0,
+        "seed": 7,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+    }
+    names = list(targets)
+    async with session(len(names), keepalive=False) as http:
+        for name in names:  # warm-up: load the prompt cache and the connections
+            await stream(http, targets[name], 4, marker=CONTENT, expect=1, **extra)
+        for i in range(settings.rounds):
+            for name in names[i % 2 :] + names[: i % 2]:
+                timing = await stream(
+                    http, targets[name], settings.tokens, marker=CONTENT, expect=1, **extra
+                )
+                tokens = timing.usage_tokens or timing.content_chunks
+                rates[name].append(tokens / timing.total_s)
+                span = timing.arrivals[-1] - timing.arrivals[0] if timing.arrivals else 0.0
+                if span > 0:
+                    decode[name].append((len(timing.arrivals) - 1) / span)
+    mean = {name: statistics.fmean(values) for name, values in rates.items()}
+    result.data = {
+        "tokens_per_s": rates,
+        "decode_tokens_per_s": decode,
+        "mean_tokens_per_s": mean,
+        "settings": settings.__dict__,
+    }
+    share = ratio(mean["iop"], mean["direct"])
+    result.rows = [
+        Row(SCENARIO, f"SmolLM2-135M tokens/s ({settings.tokens}-token streams)", "tokens/s",
+            mean["iop"], mean["direct"], "not measured (no LiteLLM route)", share,
+            "IOP/direct", ">= 0.97x direct", None if share is None else share >= 0.97),
+    ]  # fmt: skip
+    return result

@@ -1,0 +1,309 @@
+"""Run the IOP benchmarks: overhead, streaming, scale, a real model; print a table, write JSON.
+
+    tools/bench/run.py --quick  --out var/bench/results.json   # make bench (< 5 min)
+    tools/bench/run.py --full   --out ...                      # make bench-full
+    tools/bench/run.py --tiny   --out ...                      # CI smoke: seconds, no LiteLLM
+
+Everything runs on this machine: a fake OpenAI backend, IOP (control-plane, edge,
+one node with the ``openai_api`` adapter) and, when ``make bench-peers`` installed
+it, LiteLLM's proxy, all as child processes on 127.0.0.1, stopped at the end.
+Every loop is bounded in count and time. Exit status 1 when a scenario failed
+(an error, not a missed target: targets are reported, never enforced).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# Run as a script (``tools/bench/run.py``): tools/ holds the ``bench`` package.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench import overhead, realmodel, scale, streaming
+from bench.backends import SMOLLM2, fake_backend, llamacpp, llamacpp_missing
+from bench.client import Target
+from bench.peers import SKIPPED, litellm_available, litellm_version, start_litellm
+from bench.procs import Gateway
+from bench.results import Row, ScenarioResult, render
+from bench.stack import ProviderSpec, start_iop
+
+SCENARIOS = ("overhead", "streaming", "scale", "realmodel")
+FAKE_MODEL = "fake"
+
+
+@dataclass(frozen=True)
+class Profile:
+    """How much of everything one mode runs."""
+
+    name: str
+    overhead: overhead.Settings
+    streaming: streaming.Settings
+    scale: scale.Settings
+    realmodel: realmodel.Settings
+    litellm: bool  # start LiteLLM when it is installed
+    run_timeout_s: float
+
+
+PROFILES = {
+    "tiny": Profile(
+        "tiny",
+        overhead.Settings(warmup=2, pairs=5, concurrency=4, rounds=1, seconds=0.3),
+        streaming.Settings(
+            ttft_pairs=3, chunks=50, concurrency=2, seconds=0.3, rounds=1,
+            gap_streams=1, gap_chunks=10, gap_rate=200,
+        ),
+        scale.Settings(
+            providers=1000, nodes=100, decisions=200, queue_waiters=200,
+            registration_nodes=3, providers_per_node=2,
+        ),
+        realmodel.Settings(rounds=1, tokens=4),
+        litellm=False,
+        run_timeout_s=80,
+    ),
+    "quick": Profile(
+        "quick",
+        overhead.Settings(warmup=30, pairs=300, concurrency=64, rounds=2, seconds=4.0),
+        streaming.Settings(
+            ttft_pairs=100, chunks=1000, concurrency=8, seconds=4.0, rounds=1,
+            gap_streams=8, gap_chunks=100, gap_rate=200,
+        ),
+        scale.Settings(
+            providers=1000, nodes=100, decisions=20_000, queue_waiters=10_000,
+            registration_nodes=100,
+        ),
+        realmodel.Settings(rounds=6, tokens=64),
+        litellm=True,
+        run_timeout_s=600,
+    ),
+    "full": Profile(
+        "full",
+        overhead.Settings(warmup=100, pairs=2000, concurrency=64, rounds=5, seconds=10.0),
+        streaming.Settings(
+            ttft_pairs=500, chunks=1000, concurrency=8, seconds=10.0, rounds=3,
+            gap_streams=30, gap_chunks=200, gap_rate=200,
+        ),
+        scale.Settings(
+            providers=1000, nodes=100, decisions=50_000, queue_waiters=10_000,
+            registration_nodes=100,
+        ),
+        realmodel.Settings(rounds=10, tokens=128),
+        litellm=True,
+        run_timeout_s=1800,
+    ),
+}  # fmt: skip
+
+
+class Report:
+    """The scenarios' results as they come, with the machine they ran on."""
+
+    def __init__(self, profile: Profile) -> None:
+        self.profile = profile
+        self.results: dict[str, ScenarioResult] = {}
+        self.meta: dict[str, Any] = {
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "mode": profile.name,
+            "machine": {
+                "cpus": os.cpu_count(),
+                "platform": platform.platform(),
+                "python": platform.python_version(),
+                "load_average_at_start": os.getloadavg(),
+            },
+            "litellm_version": litellm_version(),
+        }
+
+    async def scenario(
+        self, name: str, body: Callable[[], Awaitable[ScenarioResult]]
+    ) -> ScenarioResult:
+        """Run one scenario; an error fails it (with the traceback kept), not the run."""
+        print(f"-- {name} ...", file=sys.stderr, flush=True)
+        started = time.monotonic()
+        try:
+            result = await body()
+        except Exception as exc:
+            traceback.print_exc()
+            result = ScenarioResult(name, status="failed", reason=f"{type(exc).__name__}: {exc}")
+        result.seconds = time.monotonic() - started
+        result.data.setdefault("load_average_after", os.getloadavg())
+        self.results[name] = result
+        print(f"   {name}: {result.status} in {result.seconds:.1f} s", file=sys.stderr)
+        return result
+
+    def skip(self, name: str, reason: str) -> None:
+        self.results[name] = ScenarioResult(name, status="skipped", reason=reason)
+
+    @property
+    def rows(self) -> list[Row]:
+        return [
+            row for name in SCENARIOS if name in self.results for row in self.results[name].rows
+        ]
+
+    @property
+    def failed(self) -> list[str]:
+        return [name for name, result in self.results.items() if result.status == "failed"]
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "meta": self.meta,
+            "scenarios": {
+                name: self.results[name].as_json() for name in SCENARIOS if name in self.results
+            },
+            "rows": [row.as_json() for row in self.rows],
+        }
+
+
+async def _gateways(report: Report, root: Path) -> None:
+    """The scenarios that need the gateways: overhead, streaming, the real model."""
+    profile = report.profile
+    llama_missing = llamacpp_missing()
+    async with contextlib.AsyncExitStack() as exits:
+        models = (FAKE_MODEL, f"{FAKE_MODEL}-r{profile.streaming.gap_rate}")
+        fake_url, _ = await exits.enter_async_context(
+            fake_backend(root / "fake-backend.log", *models)
+        )
+        providers = [ProviderSpec("bench-fake", "openai_api", "api", models, endpoint=fake_url)]
+        llama = None
+        if llama_missing is None:
+            try:
+                llama = await exits.enter_async_context(llamacpp(root / "llamacpp.log"))
+            except Exception as exc:  # the real model is optional; the rest still runs
+                llama_missing = f"llama.cpp did not start: {exc}"
+        if llama is not None:
+            providers.append(
+                ProviderSpec(
+                    "bench-llamacpp",
+                    "llamacpp",
+                    "local_inference",
+                    (SMOLLM2,),
+                    endpoint=llama.url,
+                    capacity=1,
+                )
+            )
+        print("   starting IOP (control-plane, edge, node)", file=sys.stderr, flush=True)
+        iop = await exits.enter_async_context(start_iop(root / "iop", providers))
+        targets = {
+            "direct": Target("direct", f"{fake_url}/v1", FAKE_MODEL),
+            "iop": Target("iop", iop.api_url, FAKE_MODEL),
+        }
+        gateways: dict[str, Gateway] = {"iop": iop.gateway()}
+        missing = SKIPPED
+        if not profile.litellm:
+            missing = f"skipped (not run in --{profile.name})"
+        elif litellm_available():
+            print("   starting LiteLLM (~30 s)", file=sys.stderr, flush=True)
+            try:
+                lite = await exits.enter_async_context(
+                    start_litellm(root / "litellm", fake_url, models)
+                )
+            except Exception as exc:  # a broken peer must not cost IOP its measurement
+                traceback.print_exc()
+                missing = f"skipped (LiteLLM did not start: {type(exc).__name__})"
+            else:
+                targets["litellm"] = Target("litellm", lite.base_url, FAKE_MODEL)
+                gateways["litellm"] = lite.gateway()
+        report.meta["litellm"] = "used" if "litellm" in targets else missing
+
+        await report.scenario(
+            "overhead", lambda: overhead.run(targets, gateways, profile.overhead, missing)
+        )
+        await report.scenario(
+            "streaming", lambda: streaming.run(targets, profile.streaming, missing)
+        )
+        if llama is None:
+            report.skip("realmodel", llama_missing or "llama.cpp did not start")
+        else:
+            real = {
+                "direct": Target("direct", f"{llama.url}/v1", SMOLLM2),
+                "iop": Target("iop", iop.api_url, SMOLLM2),
+            }
+            await report.scenario("realmodel", lambda: realmodel.run(real, profile.realmodel))
+
+
+async def main(profile: Profile) -> Report:
+    """Every scenario, each bounded; the report holds failures, never raises them."""
+    report = Report(profile)
+    with tempfile.TemporaryDirectory(prefix="iop-bench-") as scratch:
+        root = Path(scratch)
+        try:
+            async with asyncio.timeout(profile.run_timeout_s):
+                try:
+                    await _gateways(report, root)
+                except Exception as exc:  # a stack that did not start fails what it hosts
+                    traceback.print_exc()
+                    for name in ("overhead", "streaming", "realmodel"):
+                        if name not in report.results:
+                            report.results[name] = ScenarioResult(
+                                name, status="failed", reason=f"{type(exc).__name__}: {exc}"
+                            )
+                # The scale scenario starts its own edge: after the gateways stopped, so
+                # the machine is quiet for it.
+                await report.scenario("scale", lambda: scale.run(root / "scale", profile.scale))
+        except TimeoutError:
+            for name in SCENARIOS:
+                report.results.setdefault(
+                    name,
+                    ScenarioResult(
+                        name, status="failed", reason=f"run passed {profile.run_timeout_s:g} s"
+                    ),
+                )
+    return report
+
+
+def write(report: Report, out: Path) -> None:
+    """The JSON document, then the table and what did not run, on stdout."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report.as_json(), indent=2) + "\n")
+    print()
+    print(render(report.rows))
+    print()
+    for name in SCENARIOS:
+        result = report.results[name]
+        if result.status != "ok":
+            print(f"{name}: {result.status}: {result.reason}")
+    print(f"results: {out}")
+
+
+def _run(coro: Coroutine[Any, Any, Report]) -> Report:
+    """uvloop when installed: the client must not be the slowest part of the run."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
+def cli() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    mode = parser.add_mutually_exclusive_group()
+    for name, help_text in (
+        ("tiny", "a handful of requests per scenario (the CI smoke run)"),
+        ("quick", "the default: under 5 minutes on 2 cores"),
+        ("full", "more requests and longer rounds"),
+    ):
+        mode.add_argument(
+            f"--{name}", dest="mode", action="store_const", const=name, help=help_text
+        )
+    parser.add_argument("--out", type=Path, default=None, help="the JSON results file")
+    args = parser.parse_args()
+    profile = PROFILES[args.mode or "quick"]
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    out = args.out or Path("var/bench") / f"results-{stamp}.json"
+    report = _run(main(profile))
+    write(report, out)
+    return 1 if report.failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli())
