@@ -56,6 +56,9 @@ class EdgeRun:
         self._events: asyncio.Queue[pb.RunEvent] = asyncio.Queue()
         self.finished = False
         self.edge_queue_wait_s = 0.0
+        # One timer per run (not a timeout per event: that cost showed in profiles).
+        self._timed_out: pb.RunEvent | None = None
+        self._timer = asyncio.get_running_loop().call_at(deadline + DEADLINE_GRACE_S, self._expire)
 
     def deliver(self, event: pb.RunEvent) -> None:
         """From the node link: queue the event; a terminal one releases the slot now."""
@@ -71,20 +74,22 @@ class EdgeRun:
 
     async def __aiter__(self) -> AsyncIterator[pb.RunEvent]:
         while True:
-            try:
-                async with asyncio.timeout_at(self._deadline + DEADLINE_GRACE_S):
-                    event = await self._events.get()
-            except TimeoutError:
-                await self.cancel("deadline passed without an answer from the node")
-                yield error_event(
-                    self.run_id,
-                    pb.ERROR_CODE_PROVIDER_TIMEOUT,
-                    "the provider did not answer in time",
-                )
-                return
+            event = await self._events.get()
+            if event is self._timed_out:
+                await self._tell_node("deadline passed without an answer from the node")
             yield event
             if event.WhichOneof("kind") in _TERMINAL:
                 return
+
+    def _expire(self) -> None:
+        """The node never ended the run: end it here so no client waits forever."""
+        if self.finished:
+            return
+        self._timed_out = error_event(
+            self.run_id, pb.ERROR_CODE_PROVIDER_TIMEOUT, "the provider did not answer in time"
+        )
+        self._events.put_nowait(self._timed_out)
+        self._finish()
 
     async def cancel(self, reason: str) -> None:
         """Client gone: tell the node to abort the provider call, and free the slot."""
@@ -93,6 +98,9 @@ class EdgeRun:
         # Whoever iterates the events (if anyone) ends with this run's terminal event.
         self._events.put_nowait(error_event(self.run_id, pb.ERROR_CODE_CANCELLED, reason))
         self._finish()
+        await self._tell_node(reason)
+
+    async def _tell_node(self, reason: str) -> None:
         # A node that is gone cancelled its runs with its connection already.
         with contextlib.suppress(ConnectionError):
             await self._node.send_cancel(self.run_id, reason)
@@ -100,4 +108,5 @@ class EdgeRun:
     def _finish(self) -> None:
         if not self.finished:
             self.finished = True
+            self._timer.cancel()
             self._on_finish(self)

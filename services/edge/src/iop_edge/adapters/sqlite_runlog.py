@@ -143,7 +143,7 @@ class SqliteRunLog:
         cls,
         path: Path,
         *,
-        flush_interval_s: float = 0.05,
+        flush_interval_s: float = 0.25,
         max_batch: int = 500,
         max_pending: int = 100_000,
         retry_delay_s: float = 0.5,

@@ -81,9 +81,15 @@ def select(candidates: Iterable[ProviderSlot]) -> ProviderSlot | None:
     best: ProviderSlot | None = None
     best_ratio = 2.0
     for slot in candidates:
-        if not slot.has_free_slot:
+        # Plain attribute reads, no properties: this loop runs for every request.
+        capacity = slot.capacity
+        if capacity <= 0 or not slot.connected or slot.health != AVAILABLE:
             continue
-        ratio = slot.in_flight / slot.capacity
+        own, reported = slot.own_in_flight, slot.reported_in_flight
+        in_flight = own if own > reported else reported
+        if in_flight >= capacity:
+            continue
+        ratio = in_flight / capacity
         if ratio < best_ratio:  # strictly lower: an equal ratio keeps the earlier one
             best, best_ratio = slot, ratio
     return best

@@ -25,7 +25,7 @@ from iop_proto.connection import Connection
 from iop_proto.errors import ConnectionClosed, ProtocolError, UnexpectedMessage
 from iop_proto.v1 import runtime_pb2 as pb
 
-SNAPSHOT_MIN_GAP_S = 0.02  # coalesce bursts of changes into one snapshot
+SNAPSHOT_MIN_GAP_S = 0.1  # coalesce bursts of changes into one snapshot (each costs both sides)
 
 
 class ConnectionChannel:
