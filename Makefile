@@ -21,6 +21,7 @@ help:
 	@echo "make bench   quick benchmarks (< 5 min on 2 cores): table + var/bench/results-<time>.json"
 	@echo "make bench-full  the long benchmark run (same scenarios, more requests)"
 	@echo "make bench-peers install LiteLLM (pinned) into tools/bench/.peers/litellm for comparison"
+	@echo "make soak    10 min at 20 req/s with random node restarts: lost requests, RSS slopes (not in CI; SOAK_ARGS=--duration 60)"
 
 install: $(STAMP)
 
@@ -58,6 +59,11 @@ bench: install
 
 bench-full: install
 	$(BIN)/python tools/bench/run.py --full --out $(BENCH_OUT)
+
+# Not in CI: ten minutes of load with node restarts; exits 1 if any request was lost.
+.PHONY: soak
+soak: install
+	$(BIN)/python tools/soak.py $(SOAK_ARGS)
 
 # LiteLLM lives in a venv of its own: its dependency tree must not touch IOP's.
 bench-peers:

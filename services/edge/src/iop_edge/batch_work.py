@@ -68,6 +68,18 @@ class BatchWork:
     def _now(self) -> int:
         return int(self._clock())
 
+    async def worker_registered(self, worker_id: str) -> None:
+        """A worker (re)connected: the leases it held died with its old connection.
+
+        Without this an edge restart would stall each running batch until its lease
+        expired; freeing them lets the batch be leased again at once (finished lines
+        are stored, so nothing runs twice).
+        """
+        async with self._lock:
+            freed = await self._store.free_leases_of(worker_id)
+        if freed:
+            logger.info("worker {} reconnected: {} leases it held are free again", worker_id, freed)
+
     async def lease(self, worker_id: str) -> pb.LeaseGrant:
         """The oldest batch with work and no live lease; an empty grant when there is none.
 

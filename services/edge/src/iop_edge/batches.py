@@ -204,6 +204,9 @@ class BatchService:
 
     # ------------------------------------------------------------------ workers (BatchLeases)
 
+    async def worker_registered(self, worker_id: str) -> None:
+        await self._work.worker_registered(worker_id)
+
     async def lease(self, worker_id: str) -> pb.LeaseGrant:
         """The oldest batch with work and no live lease; an empty grant when there is none."""
         return await self._work.lease(worker_id)

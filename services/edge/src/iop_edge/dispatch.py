@@ -110,6 +110,15 @@ class Dispatcher:
         run = self.runs.get(event.run_id)
         if run is None:
             return False
+        if event.WhichOneof("kind") == "error" and (
+            event.error.code == pb.ERROR_CODE_PROVIDER_UNAVAILABLE
+        ):
+            # The node found its provider unreachable: stop routing to it now rather
+            # than at the node's next snapshot (which also brings it back when it is).
+            slot = self.slots.get(run.provider_id)
+            if slot is not None and slot.health == AVAILABLE:
+                slot.health = UNAVAILABLE
+                self._metrics.publish_slot(slot)
         run.deliver(event)
         return True
 

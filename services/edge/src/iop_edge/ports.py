@@ -122,6 +122,10 @@ class RunLog(Protocol):
 class BatchLeases(Protocol):
     """What workers do with batches over IOP (implemented by ``BatchService``)."""
 
+    async def worker_registered(self, worker_id: str) -> None:
+        """The worker (re)connected: leases it held before are free again."""
+        ...
+
     async def lease(self, worker_id: str) -> pb.LeaseGrant:
         """The oldest batch needing work, or an empty grant."""
         ...

@@ -733,3 +733,15 @@ async def test_a_finalize_cut_short_is_finished_by_the_next_lease(
         done = await after.service.get_batch(batch["id"])
         assert done["status"] == "completed"
         assert [line["custom_id"] for line in await after.results(done["output_file_id"])] == ["a"]
+
+
+async def test_a_reconnecting_worker_frees_the_leases_it_held(h: Harness) -> None:
+    """After an edge restart a worker registers again: its batch must not wait for the TTL."""
+    batch = await h.batch(three())
+    first = await h.service.lease("w1")
+    assert first.batch_id == batch["id"]
+    assert (await h.service.lease("w2")).batch_id == ""
+    await h.service.worker_registered("w1")
+    again = await h.service.lease("w1")
+    assert again.batch_id == batch["id"]
+    assert again.lease_id != first.lease_id

@@ -232,3 +232,18 @@ async def test_batch_waiters_never_take_an_interactive_queue_place(
     for task in [*batch, interactive]:
         task.cancel()
     await asyncio.gather(*batch, interactive, return_exceptions=True)
+
+
+async def test_a_provider_the_node_found_unreachable_is_skipped_at_once(
+    dispatcher: Dispatcher,
+) -> None:
+    dispatcher.apply_fleet(fleet(capacity_a=2, capacity_b=2))
+    node_a, node_b = FakeNode("node-a"), FakeNode("node-b")
+    available(dispatcher, node_a, "a")
+    available(dispatcher, node_b, "b")
+    run = await dispatcher.open_run(spec())
+    assert run.provider_id == "a"
+    failed = pb.RunError(code=pb.ERROR_CODE_PROVIDER_UNAVAILABLE, message="connection refused")
+    dispatcher.deliver(pb.RunEvent(run_id=run.run_id, error=failed))
+    # no snapshot yet, but the next request already goes to the other provider
+    assert [(await dispatcher.open_run(spec())).provider_id for _ in range(2)] == ["b", "b"]

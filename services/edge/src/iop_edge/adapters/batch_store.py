@@ -218,6 +218,16 @@ class SqliteBatchStore:
                 (not_before, batch_id),
             )
 
+    async def free_leases_of(self, owner: str) -> int:
+        """Free every lease a worker held: it came back and holds none of them now."""
+        async with self._write() as db:
+            cursor = await db.execute(
+                """UPDATE batches SET lease_id = NULL, lease_owner = NULL, lease_expires_at = NULL
+                WHERE lease_owner = ?""",
+                (owner,),
+            )
+            return cursor.rowcount
+
     async def mark_cancelling(self, batch_id: str, now: int) -> None:
         async with self._write() as db:
             await db.execute(

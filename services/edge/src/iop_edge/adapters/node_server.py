@@ -274,6 +274,7 @@ class NodeServer:
             correlation_id=first.message_id,
         )
         conn.start_heartbeats()
+        await self._batches.worker_registered(request.peer_id)
         session = WorkerSession(request.peer_id, conn, self._batches)
         self.workers[request.peer_id] = session
         logger.info("worker {} registered", request.peer_id)
