@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from iop_proto.connection import Connection
 from iop_proto.errors import ConnectionClosed, HeartbeatTimeout, ProtocolError, UnparsableFrame
-from iop_proto.framing import HEADER, encode_frame, read_frame
+from iop_proto.framing import HEADER, FrameReadTimeout, encode_frame, read_frame
 from iop_proto.testing import Pki, loopback_server, open_client
 from iop_proto.v1 import runtime_pb2 as pb
 
@@ -200,3 +200,108 @@ async def test_send_refuses_a_non_body_message() -> None:
     conn = Connection(reader, _Writer(), sender_id="x", heartbeat_interval=0)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="Usage"):
         conn.envelope(pb.Usage())
+
+
+class SlowlorisServer:
+    """A server whose connections bound each frame's payload to ``timeout`` seconds."""
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self.received: list[pb.Envelope] = []
+        self.faults: list[BaseException] = []
+        self.ended = asyncio.Event()
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        async with Connection(
+            reader, writer, sender_id="edge", heartbeat_interval=0, frame_read_timeout=self.timeout
+        ) as conn:
+            try:
+                async for envelope in conn:
+                    self.received.append(envelope)
+            except ProtocolError as exc:
+                self.faults.append(exc)
+        self.ended.set()
+
+
+async def trickle(writer: asyncio.StreamWriter, data: bytes, pause: float) -> None:
+    for index in range(len(data)):
+        writer.write(data[index : index + 1])
+        await writer.drain()
+        await asyncio.sleep(pause)
+
+
+@pytest.mark.parametrize("whole_frames_first", [0, 1])
+async def test_a_half_frame_trickled_slower_than_the_frame_timeout_is_cut(
+    pki: Pki, whole_frames_first: int
+) -> None:
+    """After a whole frame the watchdog is already armed for its deadline: it must
+    re-arm for the slow frame's own deadline, not cut it early."""
+    server = SlowlorisServer(timeout=0.3)
+    frame = encode_frame(PING)
+    async with loopback_server(server.handle, pki.server()) as port:
+        reader, writer = await open_client(port, pki.client())
+        loop = asyncio.get_running_loop()
+        for _ in range(whole_frames_first):
+            writer.write(frame)
+            await asyncio.sleep(0.2)
+        started = loop.time()
+        # the header at once, then one payload byte every 0.1 s: 1.5 s for the whole frame
+        sender = asyncio.create_task(trickle(writer, frame[HEADER.size :], 0.1))
+        writer.write(frame[: HEADER.size])
+        error = await asyncio.wait_for(read_frame(reader), 5)
+        took = loop.time() - started
+        sender.cancel()
+        await asyncio.gather(sender, return_exceptions=True)
+        writer.close()
+        await asyncio.wait_for(server.ended.wait(), 5)
+    assert error.error.code == pb.ERROR_CODE_BAD_FRAME
+    assert "did not arrive within 0.3s" in error.error.message
+    assert 0.3 <= took < 1.0
+    assert len(server.received) == whole_frames_first
+    assert len(server.faults) == 1
+    assert isinstance(server.faults[0], FrameReadTimeout)
+    assert server.faults[0].length == len(frame) - HEADER.size
+
+
+async def test_slow_frames_within_the_timeout_and_idle_gaps_are_fine(pki: Pki) -> None:
+    server = SlowlorisServer(timeout=0.5)
+    frame = encode_frame(PING)
+    async with loopback_server(server.handle, pki.server()) as port:
+        _, writer = await open_client(port, pki.client())
+        for _ in range(3):
+            # each payload takes ~0.2 s, the three frames ~1 s in all, with idle gaps
+            # between frames longer than the timeout: none of it is a fault
+            writer.write(frame[: HEADER.size])
+            await trickle(writer, frame[HEADER.size :], 0.2 / len(frame))
+            await asyncio.sleep(0.6)
+        writer.close()
+        await asyncio.wait_for(server.ended.wait(), 5)
+    assert len(server.received) == 3
+    assert server.faults == []
+
+
+async def test_an_outside_deadline_on_a_half_frame_stays_the_callers(pki: Pki) -> None:
+    """The frame watchdog turns only its own cancel into ``FrameReadTimeout``: a caller's
+    ``wait_for`` around ``receive()`` (the edge's registration deadline) still times out."""
+    outcome: list[BaseException] = []
+    done = asyncio.Event()
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        conn = Connection(
+            reader, writer, sender_id="edge", heartbeat_interval=0, frame_read_timeout=5
+        )
+        try:
+            await asyncio.wait_for(conn.receive(), 0.2)
+        except BaseException as exc:  # recorded, whatever it is
+            outcome.append(exc)
+        finally:
+            await conn.close()
+            done.set()
+
+    async with loopback_server(handler, pki.server()) as port:
+        _, writer = await open_client(port, pki.client())
+        writer.write(HEADER.pack(100) + b"\0")  # half a frame, then silence
+        await asyncio.wait_for(done.wait(), 5)
+        writer.close()
+    assert len(outcome) == 1
+    assert type(outcome[0]) is TimeoutError

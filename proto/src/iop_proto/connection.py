@@ -3,7 +3,9 @@
 The owner reads with ``receive()`` (or ``async for``) continuously; any frame
 counts as a sign of life, heartbeats are answered by nothing and never reach the
 owner. A protocol fault sends an ``error`` frame, closes this one connection and
-raises the typed error: it never takes the process down.
+raises the typed error: it never takes the process down. A frame whose header
+arrived must be complete within ``frame_read_timeout``: silence between frames
+is for the heartbeats to judge, half a frame held open is a fault.
 """
 
 from __future__ import annotations
@@ -18,7 +20,14 @@ from types import TracebackType
 from loguru import logger
 
 from iop_proto.errors import ConnectionClosed, HeartbeatTimeout, ProtocolError
-from iop_proto.framing import DEFAULT_MAX_FRAME_SIZE, encode_frame, read_frame
+from iop_proto.framing import (
+    DEFAULT_FRAME_READ_TIMEOUT,
+    DEFAULT_MAX_FRAME_SIZE,
+    FrameReadTimeout,
+    encode_frame,
+    read_header,
+    read_payload,
+)
 from iop_proto.tls import PeerIdentity, peer_identity
 from iop_proto.v1 import runtime_pb2 as pb
 
@@ -44,7 +53,10 @@ class Connection:
         max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
         heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL,
         missed_heartbeats: int = DEFAULT_MISSED_HEARTBEATS,
+        frame_read_timeout: float | None = DEFAULT_FRAME_READ_TIMEOUT,
     ) -> None:
+        """``frame_read_timeout``: seconds a frame's payload may take after its
+        header (``None`` or 0: unbounded)."""
         self._reader = reader
         self._writer = writer
         self._sender_id = sender_id
@@ -52,12 +64,21 @@ class Connection:
         self.max_frame_size = max_frame_size
         self.heartbeat_interval = heartbeat_interval
         self.missed_heartbeats = missed_heartbeats
+        self.frame_read_timeout = frame_read_timeout
         self.peer: PeerIdentity | None = peer_identity(writer)
         self.peer_error: pb.Error | None = None  # the last error frame the peer sent
         self._last_received = time.monotonic()
         self._closed = asyncio.Event()
         self._fault: ProtocolError | None = None
         self._heartbeat_task: asyncio.Task[None] | None = None
+        # The frame being read: its payload's deadline (None between frames), the task
+        # reading it and that task's cancel count then, and whether the watchdog cut it.
+        self._loop: asyncio.AbstractEventLoop | None = None  # the one it is used on
+        self._frame_deadline: float | None = None
+        self._frame_task: asyncio.Task[object] | None = None
+        self._frame_cancelling = 0
+        self._frame_expired = False
+        self._frame_watchdog: asyncio.TimerHandle | None = None
 
     # ------------------------------------------------------------ lifetime
 
@@ -99,6 +120,9 @@ class Connection:
         if self._closed.is_set():
             return
         self._closed.set()
+        if self._frame_watchdog is not None:
+            self._frame_watchdog.cancel()
+            self._frame_watchdog = None
         task, self._heartbeat_task = self._heartbeat_task, None
         if task is not None and task is not asyncio.current_task():
             task.cancel()
@@ -158,7 +182,7 @@ class Connection:
             if self._closed.is_set():
                 raise self._closed_error()
             try:
-                envelope = await read_frame(self._reader, self.max_frame_size)
+                envelope = await self._read_frame()
             except ProtocolError as fault:
                 if self._closed.is_set():  # our own close cut the read short
                     raise self._closed_error() from None
@@ -174,6 +198,56 @@ class Connection:
             if kind == "error":
                 self.peer_error = envelope.error
             return envelope
+
+    async def _read_frame(self) -> pb.Envelope:
+        """One frame; its payload must follow its header within ``frame_read_timeout``.
+
+        An ``asyncio.timeout`` per frame costs more than reading a small frame, so
+        one watchdog timer per connection is armed lazily instead and, when it fires,
+        re-armed for the frame then in progress (if any); most frames arrive whole
+        and the watchdog rarely exists. It cancels a late read, and the cancel is
+        turned into ``FrameReadTimeout`` here, the way ``asyncio.timeout`` does it.
+        """
+        length = await read_header(self._reader, self.max_frame_size)
+        timeout_s = self.frame_read_timeout
+        if not timeout_s:
+            return await read_payload(self._reader, length)
+        loop = self._loop
+        if loop is None:
+            loop = self._loop = asyncio.get_running_loop()
+        task = asyncio.current_task(loop)  # with the loop: a third of the cost without
+        assert task is not None  # receive() always runs in a task
+        self._frame_deadline = deadline = loop.time() + timeout_s
+        self._frame_task = task
+        self._frame_cancelling = task.cancelling()
+        if self._frame_watchdog is None:
+            self._frame_watchdog = loop.call_at(deadline, self._frame_overdue)
+        try:
+            return await read_payload(self._reader, length)
+        except asyncio.CancelledError:
+            # The watchdog's cancel becomes the typed fault; anyone else's stays a cancel.
+            if self._frame_expired and task.uncancel() <= self._frame_cancelling:
+                raise FrameReadTimeout(length, timeout_s) from None
+            raise
+        finally:
+            self._frame_deadline = None
+            self._frame_task = None
+            self._frame_expired = False
+
+    def _frame_overdue(self) -> None:
+        """The watchdog: cancel the read of a late frame (``_read_frame`` turns it into
+        ``FrameReadTimeout``, as ``asyncio.timeout`` does). The reader itself is left
+        alone: an exception set on it would also fail the writer's ``drain()``."""
+        self._frame_watchdog = None
+        deadline, task = self._frame_deadline, self._frame_task
+        if deadline is None or task is None or self._closed.is_set():
+            return  # between frames: the next header arms the watchdog again
+        loop = asyncio.get_running_loop()
+        if loop.time() < deadline:
+            self._frame_watchdog = loop.call_at(deadline, self._frame_overdue)
+            return
+        self._frame_expired = True
+        task.cancel()
 
     def _closed_error(self) -> ProtocolError | ConnectionClosed:
         if self._fault is not None:

@@ -2,7 +2,9 @@
 
 Kept to one small module so every service reads and writes frames identically.
 The maximum frame size is checked against the length prefix *before* reading the
-payload, so a hostile length never makes us allocate or wait for it.
+payload, so a hostile length never makes us allocate or wait for it. Reading is
+split into header and payload so a ``Connection`` can bound the time between
+the two (``FrameReadTimeout``): a peer must not hold half a frame forever.
 """
 
 from __future__ import annotations
@@ -12,11 +14,35 @@ import struct
 
 from google.protobuf.message import DecodeError
 
-from iop_proto.errors import ConnectionClosed, FrameTooLarge, ShortRead, UnparsableFrame
+from iop_proto.errors import (
+    ConnectionClosed,
+    FrameTooLarge,
+    ProtocolError,
+    ShortRead,
+    UnparsableFrame,
+)
 from iop_proto.v1 import runtime_pb2 as pb
 
 HEADER = struct.Struct(">I")
 DEFAULT_MAX_FRAME_SIZE = 16 * 1024 * 1024
+DEFAULT_FRAME_READ_TIMEOUT = 30.0
+"""Seconds a frame's payload may take once its header arrived (16 MiB at ~0.5 MiB/s)."""
+
+
+class FrameReadTimeout(ProtocolError, TimeoutError):
+    """A frame's header arrived but its payload did not follow in time (a slowloris peer).
+
+    A bad frame like a short read: the connection closes with a ``BAD_FRAME``
+    error frame. The wait *between* frames is not bounded by it; heartbeats
+    judge an idle peer.
+    """
+
+    def __init__(self, length: int, timeout_s: float) -> None:
+        super().__init__(
+            f"the {length}-byte payload of a frame did not arrive within {timeout_s:g}s"
+        )
+        self.length = length
+        self.timeout_s = timeout_s
 
 
 def encode_frame(envelope: pb.Envelope, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE) -> bytes:
@@ -52,6 +78,14 @@ async def read_frame(
     ``ShortRead`` when it ends inside one, ``FrameTooLarge`` and
     ``UnparsableFrame`` for bad frames.
     """
+    length = await read_header(reader, max_frame_size)
+    return await read_payload(reader, length)
+
+
+async def read_header(
+    reader: asyncio.StreamReader, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE
+) -> int:
+    """Read a frame's length prefix; the payload length, checked against the maximum."""
     try:
         header = await reader.readexactly(HEADER.size)
     except asyncio.IncompleteReadError as exc:
@@ -61,6 +95,11 @@ async def read_frame(
     (length,) = HEADER.unpack(header)
     if length > max_frame_size:
         raise FrameTooLarge(length, max_frame_size)
+    return int(length)
+
+
+async def read_payload(reader: asyncio.StreamReader, length: int) -> pb.Envelope:
+    """Read and parse the ``length`` payload bytes that follow a header."""
     try:
         payload = await reader.readexactly(length)
     except asyncio.IncompleteReadError as exc:

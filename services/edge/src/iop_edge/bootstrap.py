@@ -123,12 +123,20 @@ async def build(
             ApiMetrics.create(registry),
             openapi=load_openapi(),
             batches=batches,
+            read_timeout_s=settings.http.read_timeout_s,
         )
         add_console_routes(app)  # the read-only operator page (before setup locks the routes)
         # handler_cancellation: a client that disconnects cancels its handler, which
         # cancels its run at the node (aiohttp leaves it off by default).
+        # keepalive_timeout: aiohttp closes a connection that has not sent a whole request's
+        # headers this long after it opened or after its previous answer; it is the header
+        # read timeout (slowloris) as well as the idle keep-alive limit. Bodies: create_api_app.
         runner = web.AppRunner(
-            app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0
+            app,
+            handler_cancellation=True,
+            access_log=None,
+            shutdown_timeout=5.0,
+            keepalive_timeout=settings.http.read_timeout_s,
         )
         await runner.setup()
         stack.push_async_callback(runner.cleanup)

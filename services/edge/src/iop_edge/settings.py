@@ -16,6 +16,16 @@ class HttpSettings(FrozenModel):
 
     host: str = "127.0.0.1"
     port: int = Field(default=8080, ge=0, le=65535, description="0 picks a free port")
+    read_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        description=(
+            "slow clients are cut after this: a request's headers must arrive within it of the"
+            " connection opening (or of the previous answer, so idle keep-alive connections"
+            " close after it too); a body still arriving must grow by 16 KiB/s over each such"
+            " period"
+        ),
+    )
 
 
 class NodeListenerSettings(FrozenModel):

@@ -7,13 +7,15 @@ module holds the small read-only routes and the one outermost error boundary.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from dataclasses import asdict
 from importlib import resources
 from typing import Any, Final
 
 from aiohttp import web
-from aiohttp.typedefs import Handler
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.typedefs import Handler, Middleware
 from loguru import logger
 
 from iop_edge.batches import BatchService
@@ -32,6 +34,11 @@ from iop_edge.ports import Catalog, KeyRing, RunLog, RunService
 
 MAX_BODY_BYTES: Final = 64 * 1024 * 1024
 """Chat requests carry base64 images and long contexts: aiohttp's 1 MiB default is too small."""
+READ_TIMEOUT_S: Final = 30.0
+"""A body is judged every this many seconds until complete (``http.read_timeout_s``)."""
+MIN_BODY_RATE: Final = 16 * 1024
+"""Bytes per second a body must keep arriving at: far above a trickle, far below any real
+link (a 200 MB batch file needs less than four hours at this rate)."""
 RUNS_DEFAULT_LIMIT: Final = 50
 RUNS_MAX_LIMIT: Final = 1000
 
@@ -53,6 +60,7 @@ def create_api_app(
     openapi: dict[str, Any],
     max_body_bytes: int = MAX_BODY_BYTES,
     batches: BatchService | None = None,
+    read_timeout_s: float = READ_TIMEOUT_S,
 ) -> web.Application:
     """The API application; serve it with ``web.AppRunner(app, handler_cancellation=True)``.
 
@@ -63,8 +71,14 @@ def create_api_app(
     and a run whose client is gone keeps a provider slot until it finishes.
 
     ``batches``: when given, ``/v1/files`` and ``/v1/batches`` are served too.
+    ``read_timeout_s``: a client whose body, not yet complete, grew by less than
+    ``MIN_BODY_RATE`` bytes a second over that long is cut (``body_deadline``;
+    the runner's ``keepalive_timeout`` bounds the headers).
     """
-    app = web.Application(middlewares=[openai_error_boundary], client_max_size=max_body_bytes)
+    app = web.Application(
+        middlewares=[openai_error_boundary, body_deadline(read_timeout_s)],
+        client_max_size=max_body_bytes,
+    )
     InferenceRoutes(service, catalog, keys, runlog, metrics).register(app)
     ReadRoutes(catalog, keys, runlog, openapi).register(app)
     if batches is not None:
@@ -77,8 +91,10 @@ async def openai_error_boundary(request: web.Request, handler: Handler) -> web.S
     """The outermost boundary: every error leaves as an OpenAI error object.
 
     ``EdgeError``s and aiohttp's own 4xx (unknown route, wrong method) are
-    expected; anything else is a bug, logged with its traceback, answered 500.
-    ``CancelledError`` is not an ``Exception`` and passes through.
+    expected, and so is input aiohttp cannot parse while a handler reads it (a
+    multipart part's malformed headers, a broken chunked body): that is the
+    client's fault, a 400. Anything else is a bug, logged with its traceback,
+    answered 500. ``CancelledError`` is not an ``Exception`` and passes through.
     """
     try:
         return await handler(request)
@@ -88,9 +104,70 @@ async def openai_error_boundary(request: web.Request, handler: Handler) -> web.S
         if exc.status < 400:
             raise  # a redirect is not an error
         return error_response(from_http_exception(request, exc))
+    except (HttpProcessingError, web.RequestPayloadError) as exc:
+        detail = exc.message if isinstance(exc, HttpProcessingError) else str(exc)
+        return error_response(InvalidRequest(f"The request could not be read: {detail[:200]}"))
     except Exception:
         logger.exception("unhandled error serving {} {}", request.method, request.path)
         return error_response(internal_error())
+
+
+def body_deadline(timeout_s: float, min_rate: int = MIN_BODY_RATE) -> Middleware:
+    """Cut a client whose body trickles in (slowloris): every ``timeout_s`` seconds
+    until it is complete, a body must have grown by ``min_rate`` bytes a second.
+
+    aiohttp bounds nothing once the headers are in: a handler awaiting the body
+    would wait, holding a connection and a task, for as long as the client sends
+    a byte now and then. A rate rather than one deadline for the whole body, so a
+    large upload on a slow link still gets through (Apache's ``MinRate`` idea);
+    a watchdog timer rather than ``asyncio.timeout`` around the reads, because
+    uploads are read part by part in their handler. When it cuts, it closes the
+    connection, and the handler is cancelled like for any client that leaves.
+    """
+
+    @web.middleware
+    async def deadline(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if not request.body_exists or request.content.is_eof():
+            return await handler(request)
+        watchdog = _BodyWatchdog(request, timeout_s, min_rate)
+        try:
+            return await handler(request)
+        finally:
+            watchdog.cancel()
+
+    return deadline
+
+
+class _BodyWatchdog:
+    """One timer per request with a body, re-armed while the body keeps coming."""
+
+    def __init__(self, request: web.Request, window_s: float, min_rate: int) -> None:
+        self._request = request
+        self._window_s = window_s
+        self._min_bytes = window_s * min_rate
+        self._seen = request.content.total_bytes
+        self._timer = asyncio.get_running_loop().call_later(window_s, self._check)
+
+    def cancel(self) -> None:
+        self._timer.cancel()
+
+    def _check(self) -> None:
+        request, content = self._request, self._request.content
+        if content.is_eof() or request.transport is None:
+            return  # all of it arrived (maybe not read yet), or the client is gone already
+        if content.total_bytes - self._seen >= self._min_bytes:
+            self._seen = content.total_bytes
+            self._timer = asyncio.get_running_loop().call_later(self._window_s, self._check)
+            return
+        logger.warning(
+            "cut {} {} from {}: its body arrived slower than {} bytes in {:g}s",
+            request.method,
+            request.path,
+            request.remote,
+            int(self._min_bytes),
+            self._window_s,
+        )
+        request.transport.close()
 
 
 class ReadRoutes:

@@ -1,0 +1,295 @@
+"""The edge's HTTP API under hostile input: generated from its own /openapi.json, plus limits.
+
+schemathesis reads the OpenAPI document the edge serves and, for every
+operation, sends bodies, paths and queries that follow the schema (positive)
+and that break it (negative), seeded and bounded. Whatever it sends:
+
+- no 500, ever: that is an unhandled exception in the edge;
+- 502, 503 and 504 are allowed, as legitimate gateway answers (a provider
+  failed, nothing available or the queue timed out, a provider timed out):
+  well-formed bodies reach the mock providers, which can refuse them;
+- every 4xx and 5xx body is an OpenAI error object
+  ``{"error": {"message", "type", "param", "code"}}`` (``/healthz`` and
+  ``/readyz`` answer load balancers in their own documented shape);
+- schemathesis' own conformance checks hold: statuses, content types and
+  response bodies are the ones the document declares, and schema-breaking
+  input is refused with a 4xx.
+
+Then by hand: a body over the edge's limit gets 413, and malformed JSON, or a
+body in another format (form, multipart, text, XML), gets 400, each an OpenAI
+error object. The edge judges the body, not the ``Content-Type`` header: a
+JSON object sent as ``text/plain`` (``curl -d`` without ``-H``) is served.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import pytest
+import requests
+import schemathesis
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis.errors import Unsatisfiable
+from schemathesis.checks import CheckFunction
+from schemathesis.core.failures import FailureGroup
+from schemathesis.specs.openapi import checks as openapi_checks
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+MAX_EXAMPLES = 30  # per operation and per generation mode
+KNOWN_MODEL_EXAMPLES = 20  # positive inference bodies sent again with a model that exists
+KNOWN_MODEL = "mock-small"
+# Probes for load balancers, not OpenAI routes: a 503 "not_ready" is their documented answer.
+HEALTH_PROBES = ("GET /healthz", "GET /readyz")
+INFERENCE = ("POST /v1/chat/completions", "POST /v1/completions", "POST /v1/embeddings")
+GATEWAY_STATUSES = frozenset({502, 503, 504})
+MAX_BODY_BYTES = 64 * 1024 * 1024  # iop_edge.entrypoints.http_api.MAX_BODY_BYTES
+ERROR_FIELDS = {"message", "type", "param", "code"}
+CONFORMANCE_CHECKS: list[CheckFunction] = [
+    openapi_checks.status_code_conformance,
+    openapi_checks.content_type_conformance,
+    openapi_checks.response_schema_conformance,
+    openapi_checks.negative_data_rejection,
+]
+
+
+def openai_error_problem(status: int, body: bytes) -> str | None:
+    """Why ``body`` is not an OpenAI error object, or ``None`` when it is one."""
+    try:
+        payload = json.loads(body)
+    except ValueError:
+        return f"{status} with a body that is not JSON: {body[:120]!r}"
+    error = payload.get("error") if isinstance(payload, dict) else None
+    if not isinstance(error, dict) or set(error) != ERROR_FIELDS:
+        return f"{status} with a body that is not an OpenAI error object: {body[:200]!r}"
+    if not isinstance(error["message"], str) or not isinstance(error["type"], str):
+        return f"{status} with an error whose message or type is not a string: {error}"
+    return None
+
+
+def sse_problem(body: bytes, cut_short: bool) -> str | None:
+    """Why a stream is not chunk objects (or an error object) ending with ``[DONE]``.
+
+    schemathesis reads a long stream only up to a number of events and hangs up
+    (``cut_short``): then only the events it kept are judged, not the ending.
+    """
+    events = [line[6:] for line in body.decode().splitlines() if line.startswith("data: ")]
+    if cut_short:
+        events = events[:-1]  # the last one may be cut in the middle
+    elif not events or events[-1] != "[DONE]":
+        return f"a stream that does not end with [DONE]: {body[-200:]!r}"
+    for event in events:
+        if event == "[DONE]":
+            continue
+        payload = json.loads(event)
+        if "error" in payload:
+            problem = openai_error_problem(200, event.encode())
+            if problem is not None:
+                return f"a stream's error event: {problem}"
+        elif not str(payload.get("object", "")).endswith(".chunk") or "choices" not in payload:
+            return f"a stream event that is not a chunk: {event[:200]}"
+    return None
+
+
+@dataclass
+class Findings:
+    """Every response schemathesis got, counted; every violation, kept."""
+
+    statuses: Counter[str] = field(default_factory=Counter)
+    cases: Counter[str] = field(default_factory=Counter)
+    problems: list[str] = field(default_factory=list)
+    without_negative_cases: list[str] = field(default_factory=list)
+    streams: int = 0  # SSE answers, their events checked by ``sse_problem``
+    streams_cut_short: int = 0  # read only in part by schemathesis
+
+    def judge(self, case: schemathesis.Case, response: schemathesis.Response, mode: str) -> None:
+        status = response.status_code
+        self.cases[mode] += 1
+        self.statuses[f"{status // 100}xx" if status not in GATEWAY_STATUSES else str(status)] += 1
+        label = f"{case.operation.label} ({mode})"
+        if status >= 500 and status not in GATEWAY_STATUSES:
+            self.problems.append(f"{label}: server error {status}: {response.content[:300]!r}")
+        if status >= 400 and case.operation.label not in HEALTH_PROBES:
+            problem = openai_error_problem(status, response.content)
+            if problem is not None:
+                self.problems.append(f"{label}: {problem}")
+        checks = CONFORMANCE_CHECKS
+        if response.headers.get("content-type", [""])[0].startswith("text/event-stream"):
+            # The document gives a stream the schema {"type": "string"} (OpenAPI 3.1 has no
+            # per-event schema); schemathesis reads it as each event's (3.2's itemSchema)
+            # and would fail every stream. The events are checked here instead.
+            checks = [c for c in checks if c is not openapi_checks.response_schema_conformance]
+            self.streams += 1
+            self.streams_cut_short += response.stream_cut_short
+            problem = sse_problem(response.content, response.stream_cut_short)
+            if problem is not None:
+                self.problems.append(f"{label}: {problem}")
+        try:
+            case.validate_response(response, checks=checks)
+        except FailureGroup as group:
+            for failure in group.exceptions:
+                self.problems.append(f"{label}: {failure.title}: {failure.message[:300]}")
+
+
+def run_schemathesis(origin: str) -> Findings:
+    """The whole run, blocking (schemathesis speaks ``requests``): call it in a thread."""
+    schema = schemathesis.openapi.from_url(f"{origin}/openapi.json", timeout=10)
+    findings = Findings()
+    with requests.Session() as session:
+        session.trust_env = False  # no proxy from the environment: 127.0.0.1 only
+        for result in schema.get_all_operations():
+            operation = result.ok()
+            for mode in (
+                schemathesis.GenerationMode.POSITIVE,
+                schemathesis.GenerationMode.NEGATIVE,
+            ):
+                probe_operation(operation, mode, origin, session, findings)
+            if operation.label in INFERENCE:
+                # a random model id is a 404 before anything else: these reach the providers
+                probe_operation(
+                    operation,
+                    schemathesis.GenerationMode.POSITIVE,
+                    origin,
+                    session,
+                    findings,
+                    known_model=KNOWN_MODEL,
+                )
+    return findings
+
+
+def probe_operation(
+    operation: schemathesis.APIOperation,
+    mode: schemathesis.GenerationMode,
+    origin: str,
+    session: requests.Session,
+    findings: Findings,
+    known_model: str | None = None,
+) -> None:
+    """Up to ``MAX_EXAMPLES`` cases of one operation; every response is judged."""
+    strategy = operation.as_strategy(generation_mode=mode)
+    if known_model is not None:
+        strategy = strategy.map(lambda case: with_model(case, known_model))
+
+    @settings(
+        max_examples=KNOWN_MODEL_EXAMPLES if known_model else MAX_EXAMPLES,
+        derandomize=True,  # the same cases every run
+        database=None,
+        deadline=None,
+        phases=[Phase.explicit, Phase.generate],
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(case=strategy)
+    def probe(case: schemathesis.Case) -> None:
+        response = case.call(base_url=origin, session=session, timeout=30)
+        findings.judge(
+            case, response, f"{mode.value}, {known_model}" if known_model else mode.value
+        )
+
+    try:
+        probe()
+    except Unsatisfiable:
+        # nothing to break: an operation without parameters or body has no negative cases
+        assert mode is schemathesis.GenerationMode.NEGATIVE, operation.label
+        findings.without_negative_cases.append(operation.label)
+
+
+def with_model(case: schemathesis.Case, model: str) -> schemathesis.Case:
+    if isinstance(case.body, dict):
+        case.body["model"] = model
+    return case
+
+
+async def test_generated_requests_get_no_500_and_only_openai_errors(
+    stack: Any, report: Callable[[str], None]
+) -> None:
+    origin = stack.api_url.removesuffix("/v1")
+    findings = await asyncio.to_thread(run_schemathesis, origin)
+    report(
+        f"{sum(findings.cases.values())} generated requests {dict(findings.cases)}, "
+        f"statuses {dict(findings.statuses)}, {len(findings.problems)} problems; "
+        f"{findings.streams} of them SSE streams ({findings.streams_cut_short} read in part); "
+        f"no negative cases for {findings.without_negative_cases}"
+    )
+    for problem, count in Counter(findings.problems).most_common(20):
+        report(f"{count} x {problem}")
+    assert not findings.problems
+
+
+async def test_a_body_over_the_limit_gets_413(stack: Any, report: Callable[[str], None]) -> None:
+    head = b'{"model": "mock-small", "messages": [{"role": "user", "content": "'
+    tail = b'"}]}'
+    body = head + b"a" * (MAX_BODY_BYTES + 1 - len(head) - len(tail)) + tail
+    answers = {}
+    async with aiohttp.ClientSession() as http:
+        for route in ("chat/completions", "embeddings"):
+            started = time.monotonic()
+            async with http.post(
+                f"{stack.api_url}/{route}",
+                data=io.BytesIO(body),  # streamed, not one huge write
+                headers={"Content-Type": "application/json"},
+            ) as response:
+                answers[route] = (response.status, await response.read())
+            report(
+                f"{len(body)} bytes to /v1/{route}: {response.status} "
+                f"in {time.monotonic() - started:.2f}s"
+            )
+    for route, (status, payload) in answers.items():
+        assert status == 413, (route, status, payload[:200])
+        assert openai_error_problem(status, payload) is None
+        assert json.loads(payload)["error"]["code"] == "request_too_large"
+
+
+BAD_BODIES: dict[str, tuple[str, bytes]] = {
+    "truncated JSON": ("application/json", b'{"model": "mock-small", "messages": ['),
+    "not JSON at all": ("application/json", b"hello"),
+    "a JSON array": ("application/json", b'[{"model": "mock-small"}]'),
+    "a JSON string": ("application/json", b'"mock-small"'),
+    "empty body": ("application/json", b""),
+    "NaN": ("application/json", b'{"model": "mock-small", "temperature": NaN}'),
+    "invalid UTF-8": ("application/json", b'{"model": "\xff\xfe"}'),
+    "nested 100k deep": ("application/json", b"[" * 100_000 + b"]" * 100_000),
+    "form-encoded": ("application/x-www-form-urlencoded", b"model=mock-small&messages=hi"),
+    "plain text": ("text/plain", b"please answer"),
+    "multipart form": (
+        "multipart/form-data; boundary=x",
+        b'--x\r\nContent-Disposition: form-data; name="model"\r\n\r\nmock-small\r\n--x--\r\n',
+    ),
+    "XML": ("application/xml", b"<model>mock-small</model>"),
+}
+
+
+async def test_malformed_bodies_and_wrong_content_types_get_400_error_objects(
+    stack: Any, report: Callable[[str], None]
+) -> None:
+    statuses: Counter[int] = Counter()
+    async with aiohttp.ClientSession() as http:
+        for route in ("chat/completions", "completions", "embeddings", "batches"):
+            for name, (content_type, body) in BAD_BODIES.items():
+                async with http.post(
+                    f"{stack.api_url}/{route}", data=body, headers={"Content-Type": content_type}
+                ) as response:
+                    payload = await response.read()
+                statuses[response.status] += 1
+                assert response.status == 400, (route, name, response.status, payload[:200])
+                assert openai_error_problem(400, payload) is None, (route, name)
+                assert json.loads(payload)["error"]["type"] == "invalid_request_error"
+        # the routing errors are error objects too
+        for method, path, status in (
+            ("GET", "/v1/chat/completions", 405),
+            ("POST", "/v1/nowhere", 404),
+            ("DELETE", "/v1/models", 405),
+        ):
+            async with http.request(method, stack.api_url.removesuffix("/v1") + path) as response:
+                payload = await response.read()
+            statuses[response.status] += 1
+            assert response.status == status, (method, path, response.status)
+            assert openai_error_problem(status, payload) is None, (method, path)
+    report(f"{sum(statuses.values())} malformed requests: statuses {dict(statuses)}")
