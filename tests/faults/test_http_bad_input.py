@@ -61,6 +61,9 @@ CONFORMANCE_CHECKS: list[CheckFunction] = [
 ]
 
 
+STREAM_OBJECTS = ("chat.completion.chunk", "text_completion")
+
+
 def openai_error_problem(status: int, body: bytes) -> str | None:
     """Why ``body`` is not an OpenAI error object, or ``None`` when it is one."""
     try:
@@ -94,7 +97,8 @@ def sse_problem(body: bytes, cut_short: bool) -> str | None:
             problem = openai_error_problem(200, event.encode())
             if problem is not None:
                 return f"a stream's error event: {problem}"
-        elif not str(payload.get("object", "")).endswith(".chunk") or "choices" not in payload:
+        # OpenAI streams chat as chat.completion.chunk, legacy completions as text_completion
+        elif payload.get("object") not in STREAM_OBJECTS or "choices" not in payload:
             return f"a stream event that is not a chunk: {event[:200]}"
     return None
 
