@@ -23,7 +23,8 @@ from typing import Any, Final
 import aiosqlite
 from loguru import logger
 
-from iop_edge.adapters.batch_schema import BUSY_TIMEOUT_S, connect, transaction
+from iop_edge.adapters.batch_schema import BUSY_TIMEOUT_S, connect
+from iop_edge.adapters.sqlite_file import transaction
 from iop_edge.domain.batches import (
     CANCELLED,
     CANCELLING,

@@ -16,15 +16,15 @@ import asyncio
 import contextlib
 import dataclasses
 import itertools
-import sqlite3
 from collections import deque
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import aiosqlite
 from loguru import logger
 
+from iop_edge.adapters.sqlite_file import open_database, transaction
 from iop_edge.ports import EdgeRunRecord
 
 SCHEMA_VERSION = 1
@@ -81,18 +81,6 @@ def _record(row: Iterable[object]) -> EdgeRunRecord:
     values: dict[str, Any] = dict(zip(_COLUMNS, row, strict=True))
     values["stream"] = bool(values["stream"])
     return EdgeRunRecord(**values)
-
-
-def _prepare_file(path: Path) -> None:
-    """Create owner-only directories and file: the log tells who ran what, and how it failed.
-
-    Each missing directory gets 0700 (``mkdir(parents=True)`` would not give it to
-    the upper ones); SQLite gives its -wal and -shm files the database's mode.
-    """
-    missing = [p for p in (path.parent, *path.parent.parents) if not p.exists()]
-    for directory in reversed(missing):
-        directory.mkdir(mode=0o700, exist_ok=True)
-    path.touch(mode=0o600, exist_ok=True)
 
 
 class SqliteRunLog:
@@ -154,11 +142,17 @@ class SqliteRunLog:
         ``flush_interval_s`` is how long the writer lets records gather after the
         first one arrives, so a burst of runs shares a transaction.
         """
-        await asyncio.to_thread(_prepare_file, path)
-        # isolation_level=None: autocommit, so transactions are exactly the ones we BEGIN.
-        db = await aiosqlite.connect(path, isolation_level=None, timeout=busy_timeout_s)
+        # NORMAL is safe from corruption under WAL and spares an fsync per batch.
+        db = await open_database(
+            path,
+            busy_timeout_s=busy_timeout_s,
+            what="run log",
+            schema=_SCHEMA,
+            schema_version=SCHEMA_VERSION,
+            synchronous="NORMAL",
+            error=RunLogError,
+        )
         try:
-            await _set_up(db, path)
             log = cls(
                 db,
                 path,
@@ -292,7 +286,7 @@ class SqliteRunLog:
         self._writing = min(len(self._pending), self._max_batch)
         rows = [_row(record) for _, record in itertools.islice(self._pending, self._writing)]
         try:
-            async with _transaction(self._db):
+            async with transaction(self._db):
                 await self._db.executemany(_INSERT, rows)
         except Exception:
             self.failed_writes += 1
@@ -323,50 +317,3 @@ class SqliteRunLog:
                     "run log {}: writer task failed", self.path
                 )
         self._notify()
-
-
-@contextlib.asynccontextmanager
-async def _transaction(db: aiosqlite.Connection) -> AsyncIterator[None]:
-    """One write transaction, rolled back on any error (cancellation included).
-
-    IMMEDIATE takes the write lock up front, so a busy database fails before
-    any row is written and a batch is retried as a whole.
-    """
-    await db.execute("BEGIN IMMEDIATE")
-    try:
-        yield
-        await db.execute("COMMIT")
-    except BaseException:
-        # A failing rollback (COMMIT may have ended the transaction after all)
-        # must not replace the error, least of all a cancellation.
-        if db.in_transaction:
-            with contextlib.suppress(sqlite3.Error):
-                await db.execute("ROLLBACK")
-        raise
-
-
-async def _set_up(db: aiosqlite.Connection, path: Path) -> None:
-    """Check the version first, so a newer edge's file is refused before anything changes."""
-    async with _transaction(db):
-        async with db.execute("PRAGMA user_version") as cursor:
-            row = await cursor.fetchone()
-        version = int(row[0]) if row is not None else 0
-        if version > SCHEMA_VERSION:
-            raise RunLogError(
-                f"{path}: run log schema version {version} is newer than this edge "
-                f"understands ({SCHEMA_VERSION}); upgrade the edge or move the file away"
-            )
-        if version < SCHEMA_VERSION:
-            for statement in _SCHEMA:
-                await db.execute(statement)
-            await db.execute(f"PRAGMA user_version = {SCHEMA_VERSION:d}")
-    async with db.execute("PRAGMA journal_mode = WAL") as cursor:
-        row = await cursor.fetchone()
-    mode = str(row[0]).lower() if row is not None else "unknown"
-    if mode != "wal":
-        raise RunLogError(
-            f"{path}: SQLite refused WAL journal mode (got {mode!r}); "
-            "put the run log on a local filesystem"
-        )
-    # NORMAL is safe from corruption under WAL and spares an fsync per batch.
-    await db.execute("PRAGMA synchronous = NORMAL")
