@@ -1,9 +1,11 @@
 """Dispatch: the model id stays the key until the last moment (S01), then a provider is
 chosen (S04), the target rewritten to its served name (S03), and the run sent to its node.
 
-Owns the live pool (one ``ProviderSlot`` per provider), the per-model FIFO
-queues and the runs in flight. Every slot taken is released exactly once, by the
-run's end, and every release first serves the queues of the models it can serve.
+Owns the live pool (one ``ProviderSlot`` per provider, one ``ModelIndex`` per
+model), the per-model FIFO queues and the runs in flight. Every slot taken is
+released exactly once, by the run's end, and every release first serves the
+queues of the models it can serve. Slot state changes only through the slot's
+``take``/``release``/``update``, so the indexes never fall behind.
 """
 
 from __future__ import annotations
@@ -15,7 +17,14 @@ import uuid
 from collections.abc import Iterable
 
 from iop_edge.domain.fleet import Fleet, ModelEntry, Operation
-from iop_edge.domain.pool import AVAILABLE, UNAVAILABLE, ProviderSlot, select
+from iop_edge.domain.pool import (
+    AVAILABLE,
+    UNAVAILABLE,
+    UNKNOWN,
+    ModelIndex,
+    ProviderSlot,
+    index_models,
+)
 from iop_edge.domain.queue import ModelQueue
 from iop_edge.errors import ModelNotFound, NoProviderAvailable, QueueFull, QueueTimeout
 from iop_edge.metrics import EdgeMetrics
@@ -37,6 +46,8 @@ class Dispatcher:
     def __init__(self, metrics: EdgeMetrics) -> None:
         self.fleet = Fleet()
         self.slots: dict[str, ProviderSlot] = {}
+        self._indexes: dict[str, ModelIndex] = {}
+        self._model_rank: dict[str, int] = {}  # fleet order, in which queues are served
         self.links: dict[str, NodeLink] = {}
         self.queues: dict[str, ModelQueue[ProviderSlot]] = {}
         self.runs: dict[str, EdgeRun] = {}
@@ -49,25 +60,33 @@ class Dispatcher:
         self.fleet = fleet
         for provider_id in list(self.slots):
             if provider_id not in fleet.providers:
-                del self.slots[provider_id]
+                self.slots.pop(provider_id).detach()
+                self._metrics.forget_provider(provider_id)
         for entry in fleet.providers.values():
             slot = self.slots.get(entry.id)
             if slot is None:
                 slot = self.slots[entry.id] = ProviderSlot(entry.id, entry.node_id)
-                slot.connected = entry.node_id in self.links
             slot.node_id, slot.type, slot.category = entry.node_id, entry.type, entry.category
-            slot.capacity = entry.capacity
+            # connected follows the node, also for a provider moved to another node
+            slot.update(capacity=entry.capacity, connected=entry.node_id in self.links)
+        slots = self.slots
+        self._indexes = index_models(
+            ((m.id, [slots[p] for p in m.providers if p in slots]) for m in fleet.models.values()),
+            slots.values(),
+        )
+        self._model_rank = {model_id: rank for rank, model_id in enumerate(fleet.models)}
         for model_id in fleet.models:
             self.queues.setdefault(model_id, ModelQueue(model_id))
         for model_id in list(self.queues):
             if model_id not in fleet.models:
                 self._fail_waiters(self.queues.pop(model_id), "the model was removed")
+                self._metrics.forget_model(model_id)
         self._serve_queues(fleet.models)
 
     def node_connected(self, link: NodeLink, providers: Iterable[pb.ProviderState]) -> None:
         self.links[link.node_id] = link
         for slot in self._slots_of_node(link.node_id):
-            slot.connected = True
+            slot.update(connected=True)
         self.apply_snapshot(link.node_id, providers)
 
     def node_disconnected(self, link: NodeLink, reason: str) -> None:
@@ -76,20 +95,20 @@ class Dispatcher:
             return  # a newer connection of the same node replaced this one
         del self.links[link.node_id]
         for slot in self._slots_of_node(link.node_id):
-            slot.connected = False
-            slot.reported_in_flight = 0
+            slot.update(connected=False, reported_in_flight=0)
             self._metrics.publish_slot(slot)
         for run in [r for r in self.runs.values() if r.node_id == link.node_id]:
             run.fail(pb.ERROR_CODE_PROVIDER_UNAVAILABLE, f"node {link.node_id} lost: {reason}")
 
     def apply_snapshot(self, node_id: str, providers: Iterable[pb.ProviderState]) -> None:
-        changed: list[str] = []
+        changed: set[str] = set()
         for state in providers:
             slot = self.slots.get(state.provider_id)
             if slot is None or slot.node_id != node_id:
                 continue  # not in the fleet (or not this node's): never routable
-            slot.health = _HEALTH.get(state.health, "unknown")
-            slot.reported_in_flight = state.in_flight
+            slot.update(
+                health=_HEALTH.get(state.health, UNKNOWN), reported_in_flight=state.in_flight
+            )
             slot.node_queued = state.queued
             slot.models = tuple(state.models)
             slot.detail = state.detail
@@ -102,8 +121,8 @@ class Dispatcher:
                 "delete_model": caps.delete_model,
             }
             self._metrics.publish_slot(slot)
-            changed.append(slot.provider_id)
-        self._serve_queues(self._models_of(changed))
+            changed.update(slot.model_ids())
+        self._serve_queues(sorted(changed, key=self._model_rank.__getitem__))
 
     def deliver(self, event: pb.RunEvent) -> bool:
         """Route a node's run event to its run; False for an unknown run id."""
@@ -117,7 +136,7 @@ class Dispatcher:
             # than at the node's next snapshot (which also brings it back when it is).
             slot = self.slots.get(run.provider_id)
             if slot is not None and slot.health == AVAILABLE:
-                slot.health = UNAVAILABLE
+                slot.update(health=UNAVAILABLE)
                 self._metrics.publish_slot(slot)
         run.deliver(event)
         return True
@@ -144,20 +163,17 @@ class Dispatcher:
             run.fail(pb.ERROR_CODE_PROVIDER_UNAVAILABLE, f"node {slot.node_id} unreachable: {exc}")
         return run
 
-    def _candidates(self, model: ModelEntry) -> list[ProviderSlot]:
-        return [self.slots[p] for p in model.providers if p in self.slots]
-
     async def _acquire(self, model: ModelEntry, batch: bool) -> ProviderSlot:
         queue = self.queues[model.id]
-        candidates = self._candidates(model)
+        index = self._indexes[model.id]
         # FIFO: nobody overtakes a waiter of its own class (and batch waits behind all).
         overtakes = len(queue) > 0 if batch else queue.interactive > 0
-        slot = None if overtakes else select(candidates)
+        slot = None if overtakes else index.select()
         if slot is not None:
             slot.take()
             self._metrics.publish_slot(slot)
             return slot
-        if not any(c.usable for c in candidates):
+        if not index.any_usable:
             raise NoProviderAvailable(f"No provider of '{model.id}' is available right now")
         max_queue, timeout_s = self.fleet.queue_limits(model.id)
         # Each class has its own room: batch lines never take an interactive place.
@@ -165,7 +181,7 @@ class Dispatcher:
             raise QueueFull(f"The queue of '{model.id}' is full ({max_queue} waiting); retry later")
         waiter: asyncio.Future[ProviderSlot] = asyncio.get_running_loop().create_future()
         queue.push(waiter, batch=batch)
-        self._metrics.queued.labels(model.id).set(len(queue))
+        self._metrics.publish_queued(model.id, len(queue))
         try:
             async with asyncio.timeout(timeout_s):
                 return await waiter
@@ -181,7 +197,8 @@ class Dispatcher:
                 ) from None
             raise
         finally:
-            self._metrics.queued.labels(model.id).set(len(queue))
+            if self.queues.get(model.id) is queue:  # else the model was removed meanwhile
+                self._metrics.publish_queued(model.id, len(queue))
 
     def _start(self, model: ModelEntry, slot: ProviderSlot, spec: RunSpec) -> EdgeRun:
         served = model.providers[slot.provider_id]
@@ -223,18 +240,17 @@ class Dispatcher:
     def _release(self, slot: ProviderSlot) -> None:
         slot.release()
         self._metrics.publish_slot(slot)
-        self._serve_queues(self._models_of([slot.provider_id]))
+        self._serve_queues(slot.model_ids())
 
     def _serve_queues(self, model_ids: Iterable[str]) -> None:
         """Hand free slots to the heads of these models' queues, FIFO, interactive first."""
         for model_id in model_ids:
             queue = self.queues.get(model_id)
-            model = self.fleet.models.get(model_id)
-            if not queue or model is None:
+            index = self._indexes.get(model_id)
+            if not queue or index is None:
                 continue
-            candidates = self._candidates(model)
             while queue:
-                slot = select(candidates)
+                slot = index.select()
                 if slot is None:
                     break
                 waiter = queue.pop_waiting()
@@ -243,7 +259,7 @@ class Dispatcher:
                 slot.take()
                 self._metrics.publish_slot(slot)
                 waiter.set_result(slot)
-            self._metrics.queued.labels(model_id).set(len(queue))
+            self._metrics.publish_queued(model_id, len(queue))
 
     def _fail_waiters(self, queue: ModelQueue[ProviderSlot], reason: str) -> None:
         while (waiter := queue.pop_waiting()) is not None:
@@ -251,10 +267,6 @@ class Dispatcher:
 
     def _slots_of_node(self, node_id: str) -> list[ProviderSlot]:
         return [slot for slot in self.slots.values() if slot.node_id == node_id]
-
-    def _models_of(self, provider_ids: Iterable[str]) -> list[str]:
-        wanted = set(provider_ids)
-        return [m.id for m in self.fleet.models.values() if wanted.intersection(m.providers)]
 
     async def fail_all(self, reason: str) -> None:
         """The edge is stopping: end every run and every waiter."""

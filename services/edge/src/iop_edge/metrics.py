@@ -2,15 +2,41 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from iop_edge.domain.pool import AVAILABLE, UNAVAILABLE, UNKNOWN, ProviderSlot
 
+_HEALTH_STATES = (AVAILABLE, UNAVAILABLE, UNKNOWN)
+
+
+@dataclass(slots=True)
+class _ProviderSeries:
+    """A provider's gauge children and the values last set on them."""
+
+    node_id: str
+    in_flight: Gauge
+    health: tuple[Gauge, ...]  # one per ``_HEALTH_STATES``
+    last_in_flight: int = -1
+    last_state: str = ""
+
+
+@dataclass(slots=True)
+class _QueueSeries:
+    gauge: Gauge
+    last: int = -1
+
 
 @dataclass(frozen=True, slots=True)
 class EdgeMetrics:
+    """The edge's gauges and counters.
+
+    The dispatcher publishes a provider or a queue on every change, i.e. several
+    times per request: the labelled children are looked up once and kept (until
+    the provider or model leaves the fleet), and only values that moved are set.
+    """
+
     queued: Gauge
     provider_in_flight: Gauge
     provider_health: Gauge
@@ -18,6 +44,8 @@ class EdgeMetrics:
     registrations: Counter
     refusals: Counter
     config_version: Gauge
+    _providers: dict[str, _ProviderSeries] = field(default_factory=dict, init=False)
+    _queues: dict[str, _QueueSeries] = field(default_factory=dict, init=False)
 
     @classmethod
     def create(cls, registry: CollectorRegistry) -> EdgeMetrics:
@@ -61,10 +89,51 @@ class EdgeMetrics:
         )
 
     def publish_slot(self, slot: ProviderSlot) -> None:
-        self.provider_in_flight.labels(slot.provider_id, slot.node_id).set(slot.in_flight)
+        series = self._providers.get(slot.provider_id)
+        if series is None or series.node_id != slot.node_id:
+            series = self._track_provider(slot.provider_id, slot.node_id)
+        own, reported = slot.own_in_flight, slot.reported_in_flight
+        in_flight = own if own > reported else reported
+        if in_flight != series.last_in_flight:
+            series.last_in_flight = in_flight
+            series.in_flight.set(in_flight)
         state = slot.health if slot.connected else UNAVAILABLE
-        for name in (AVAILABLE, UNAVAILABLE, UNKNOWN):
-            self.provider_health.labels(slot.provider_id, name).set(1 if name == state else 0)
+        if state != series.last_state:
+            series.last_state = state
+            for name, child in zip(_HEALTH_STATES, series.health, strict=True):
+                child.set(1 if name == state else 0)
+
+    def publish_queued(self, model_id: str, waiting: int) -> None:
+        series = self._queues.get(model_id)
+        if series is None:
+            series = self._queues[model_id] = _QueueSeries(self.queued.labels(model_id))
+        if waiting != series.last:
+            series.last = waiting
+            series.gauge.set(waiting)
+
+    def forget_provider(self, provider_id: str) -> None:
+        """The provider left the fleet: its series go from the registry."""
+        series = self._providers.pop(provider_id, None)
+        if series is not None:
+            self.provider_in_flight.remove(provider_id, series.node_id)
+            for name in _HEALTH_STATES:
+                self.provider_health.remove(provider_id, name)
+
+    def forget_model(self, model_id: str) -> None:
+        """The model left the fleet: its queue gauge goes from the registry."""
+        if self._queues.pop(model_id, None) is not None:
+            self.queued.remove(model_id)
+
+    def _track_provider(self, provider_id: str, node_id: str) -> _ProviderSeries:
+        old = self._providers.get(provider_id)
+        if old is not None:  # moved to another node: the old node's series goes
+            self.provider_in_flight.remove(provider_id, old.node_id)
+        series = self._providers[provider_id] = _ProviderSeries(
+            node_id,
+            self.provider_in_flight.labels(provider_id, node_id),
+            tuple(self.provider_health.labels(provider_id, name) for name in _HEALTH_STATES),
+        )
+        return series
 
 
 @dataclass(frozen=True, slots=True)

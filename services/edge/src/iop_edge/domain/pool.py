@@ -7,11 +7,21 @@ comes first in the fleet file (``nodes[]``, then each node's ``providers[]``), s
 the choice is deterministic and the operator decides it. A provider is never
 preferred for having more free slots when its ratio is higher: 1/3 beats 2/3
 even though 2/3 of 6 leaves more room.
+
+``select`` states the rule as one pass over a model's providers. The dispatcher
+does not scan: each model has a ``ModelIndex``, a heap of its providers that have
+a free slot, keyed ``(ratio, position in the model)`` and kept current by the
+slots themselves, so a decision costs O(log n) whatever the pool size. Every
+change of what selection depends on goes through ``ProviderSlot.take``,
+``release`` or ``update``, which push a fresh heap entry and retire the old ones
+(each entry carries the slot's version; an entry whose version is behind is
+dropped when it reaches the top).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import heapq
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 AVAILABLE = "available"
@@ -19,6 +29,11 @@ UNAVAILABLE = "unavailable"
 UNKNOWN = "unknown"
 
 LIFECYCLE_FLAGS = ("list_models", "load_model", "unload_model", "pull_model", "delete_model")
+
+# (load ratio, position in the model's provider order, slot version, slot). Positions
+# are unique in a model and a slot's versions only grow, so tuple comparison never
+# reaches the slot itself.
+_Entry = tuple[float, int, int, "ProviderSlot"]
 
 
 @dataclass(eq=False, slots=True)
@@ -29,6 +44,10 @@ class ProviderSlot:
     it moves at once, before any snapshot. ``reported_in_flight`` is the node's
     last word, which also covers other edges' runs; it is lowered with each of
     our own releases so a snapshot that lags behind never blocks a freed slot.
+
+    Change ``capacity``, ``connected``, ``health`` and the in-flight counts only
+    through ``take``, ``release`` and ``update``: they keep the slot's place in
+    the indexes of the models it serves. The other fields are descriptive.
     """
 
     provider_id: str
@@ -44,6 +63,10 @@ class ProviderSlot:
     models: tuple[str, ...] = ()
     lifecycle: dict[str, bool] = field(default_factory=dict)
     detail: str = ""
+    # The indexes this slot is in, with its position in each, and what they last saw.
+    _indexes: list[tuple[ModelIndex, int]] = field(default_factory=list, init=False, repr=False)
+    _version: int = field(default=0, init=False, repr=False)
+    _usable: bool = field(default=False, init=False, repr=False)
 
     @property
     def in_flight(self) -> int:
@@ -64,24 +87,141 @@ class ProviderSlot:
 
     def take(self) -> None:
         self.own_in_flight += 1
+        self._reindex()
 
     def release(self) -> None:
         if self.own_in_flight > 0:
             self.own_in_flight -= 1
         if self.reported_in_flight > 0:
             self.reported_in_flight -= 1
+        self._reindex()
+
+    def update(
+        self,
+        *,
+        connected: bool | None = None,
+        health: str | None = None,
+        reported_in_flight: int | None = None,
+        capacity: int | None = None,
+    ) -> None:
+        """Set what selection depends on (``None``: unchanged); the indexes follow."""
+        before = (self.connected, self.health, self.reported_in_flight, self.capacity)
+        if connected is not None:
+            self.connected = connected
+        if health is not None:
+            self.health = health
+        if reported_in_flight is not None:
+            self.reported_in_flight = reported_in_flight
+        if capacity is not None:
+            self.capacity = capacity
+        if (self.connected, self.health, self.reported_in_flight, self.capacity) != before:
+            self._reindex()
+
+    def model_ids(self) -> list[str]:
+        """The models whose index holds this slot, in the order the indexes were built."""
+        return [index.model_id for index, _ in self._indexes]
+
+    def detach(self) -> None:
+        """Leave every index (before they are rebuilt, or when the provider goes)."""
+        self._indexes.clear()
+        self._version += 1
+
+    def _reindex(self) -> None:
+        # Runs on every take and release: plain attribute reads, no properties.
+        self._version = version = self._version + 1
+        capacity = self.capacity
+        usable = capacity > 0 and self.connected and self.health == AVAILABLE
+        if usable != self._usable:
+            self._usable = usable
+            step = 1 if usable else -1
+            for index, _ in self._indexes:
+                index.usable_count += step
+        if not usable:
+            return
+        own, reported = self.own_in_flight, self.reported_in_flight
+        in_flight = own if own > reported else reported
+        if in_flight < capacity:
+            ratio = in_flight / capacity
+            for index, position in self._indexes:
+                index.push((ratio, position, version, self))
+
+
+class ModelIndex:
+    """One model's providers, ready for selection: ``select`` gives what ``select()``
+    over the model's providers in order would, in O(log n).
+
+    A heap of the providers with a free slot; entries go stale when their slot
+    changes (the slot pushes a fresh one) and are dropped lazily: at the top by
+    ``select``, all at once when stale ones outnumber the members about 2 to 1.
+    ``usable_count`` counts the usable members, free slot or not.
+    """
+
+    __slots__ = ("_heap", "_limit", "members", "model_id", "usable_count")
+
+    def __init__(self, model_id: str, members: Sequence[ProviderSlot]) -> None:
+        """``members`` in the model's provider order (the tie-break)."""
+        self.model_id = model_id
+        self.members = tuple(members)
+        self.usable_count = 0
+        self._limit = 3 * len(self.members) + 64
+        for position, slot in enumerate(self.members):
+            slot._indexes.append((self, position))
+            slot._usable = slot.usable
+            self.usable_count += slot._usable
+        self._heap: list[_Entry] = []
+        self._rebuild()
+
+    @property
+    def any_usable(self) -> bool:
+        return self.usable_count > 0
+
+    def select(self) -> ProviderSlot | None:
+        """The member with a free slot and the lowest load ratio; the first listed on ties."""
+        heap = self._heap
+        while heap:
+            _, _, version, slot = heap[0]
+            if version == slot._version:
+                return slot
+            heapq.heappop(heap)
+        return None
+
+    def push(self, entry: _Entry) -> None:
+        heapq.heappush(self._heap, entry)
+        if len(self._heap) > self._limit:
+            self._rebuild()
+
+    def _rebuild(self) -> None:
+        heap: list[_Entry] = []
+        for position, slot in enumerate(self.members):
+            capacity = slot.capacity
+            if capacity <= 0 or not slot.connected or slot.health != AVAILABLE:
+                continue
+            in_flight = max(slot.own_in_flight, slot.reported_in_flight)
+            if in_flight < capacity:
+                heap.append((in_flight / capacity, position, slot._version, slot))
+        heapq.heapify(heap)
+        self._heap = heap
+
+
+def index_models(
+    models: Iterable[tuple[str, Sequence[ProviderSlot]]], slots: Iterable[ProviderSlot]
+) -> dict[str, ModelIndex]:
+    """Fresh indexes for ``models`` (model id, its slots in provider order); every one
+    of ``slots`` leaves the indexes it was in first."""
+    for slot in slots:
+        slot.detach()
+    return {model_id: ModelIndex(model_id, members) for model_id, members in models}
 
 
 def select(candidates: Iterable[ProviderSlot]) -> ProviderSlot | None:
     """The candidate with a free slot and the lowest load ratio; the first listed on ties.
 
-    ``candidates`` must come in the model's provider order. One pass, no sorting:
-    this runs for every request.
+    ``candidates`` must come in the model's provider order. The rule as a scan:
+    the reference ``ModelIndex.select`` is held to (tests compare the two).
     """
     best: ProviderSlot | None = None
     best_ratio = 2.0
     for slot in candidates:
-        # Plain attribute reads, no properties: this loop runs for every request.
         capacity = slot.capacity
         if capacity <= 0 or not slot.connected or slot.health != AVAILABLE:
             continue

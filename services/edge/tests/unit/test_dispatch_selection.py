@@ -1,0 +1,209 @@
+"""The dispatcher keeps its selection indexes and its metrics current on every path."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from iop_edge.dispatch import Dispatcher
+from iop_edge.domain.fleet import Fleet, ModelEntry, Operation, ProviderEntry
+from iop_edge.domain.pool import ProviderSlot, select
+from iop_edge.errors import NoProviderAvailable
+from iop_edge.metrics import EdgeMetrics
+from iop_edge.ports import RunSpec
+from iop_edge.runs import EdgeRun
+from iop_proto.v1 import runtime_pb2 as pb
+
+
+class FakeNode:
+    def __init__(self, node_id: str) -> None:
+        self.node_id = node_id
+        self.sent: list[pb.RunRequest] = []
+
+    async def send_run(self, request: pb.RunRequest) -> None:
+        self.sent.append(request)
+
+    async def send_cancel(self, run_id: str, reason: str) -> None:
+        """Nothing to do: the tests end runs themselves."""
+
+
+def provider(pid: str, node: str, capacity: int) -> ProviderEntry:
+    return ProviderEntry(
+        id=pid,
+        node_id=node,
+        type="mock",
+        category="local_inference",
+        models=(pid,),
+        capacity=capacity,
+        max_queue=4,
+        queue_timeout_ms=1_000,
+        request_timeout_ms=30_000,
+    )
+
+
+def make_fleet(version: int, providers: list[ProviderEntry], models: dict[str, list[str]]) -> Fleet:
+    by_id = {p.id: p for p in providers}
+    entries = {
+        # as the fleet adapter builds it: providers in the fleet file's order
+        m: ModelEntry(m, m, {p.id: f"{m}@{p.id}" for p in providers if p.id in members})
+        for m, members in models.items()
+    }
+    return Fleet(version=version, models=entries, providers=by_id)
+
+
+def spec(model: str) -> RunSpec:
+    return RunSpec(model, Operation.CHAT_COMPLETIONS, {"model": model}, False, False)
+
+
+def complete(run: EdgeRun) -> None:
+    run.deliver(pb.RunEvent(run_id=run.run_id, complete=pb.RunComplete(finish_reason="stop")))
+
+
+def candidates(dispatcher: Dispatcher, model: str) -> list[ProviderSlot]:
+    entry = dispatcher.fleet.models[model]
+    return [dispatcher.slots[p] for p in entry.providers if p in dispatcher.slots]
+
+
+def random_fleet(rng: random.Random, version: int) -> Fleet:
+    providers = [
+        provider(f"p{i}", f"n{rng.randrange(3)}", rng.choice((0, 1, 2, 3, 4)))
+        for i in range(12)
+        if rng.random() < 0.85
+    ]
+    ids = [p.id for p in providers]
+    models = {f"m{m}": rng.sample(ids, rng.randint(0, len(ids))) for m in range(3)}
+    return make_fleet(version, providers, models)
+
+
+@pytest.mark.parametrize("seed", range(12))
+async def test_every_dispatch_chooses_what_the_scan_chooses(seed: int) -> None:
+    rng = random.Random(seed)
+    dispatcher = Dispatcher(EdgeMetrics.create(CollectorRegistry()))
+    dispatcher.apply_fleet(random_fleet(rng, 1))
+    nodes = {n: FakeNode(n) for n in ("n0", "n1", "n2")}
+    runs: list[EdgeRun] = []
+    health = (pb.HEALTH_AVAILABLE, pb.HEALTH_AVAILABLE, pb.HEALTH_UNAVAILABLE, pb.HEALTH_UNKNOWN)
+    for step in range(400):
+        action = rng.random()
+        node = rng.choice(list(nodes.values()))
+        mine = [p for p in dispatcher.fleet.providers.values() if p.node_id == node.node_id]
+        states = [
+            pb.ProviderState(
+                provider_id=p.id, health=rng.choice(health), in_flight=rng.randint(0, 3)
+            )
+            for p in mine
+            if rng.random() < 0.8
+        ]
+        if action < 0.4:
+            model = rng.choice(list(dispatcher.fleet.models))
+            pool = candidates(dispatcher, model)
+            expected = select(pool)
+            if expected is not None:
+                run = await dispatcher.open_run(spec(model))
+                assert run.provider_id == expected.provider_id, (seed, step)
+                runs.append(run)
+            elif not any(s.usable for s in pool):
+                with pytest.raises(NoProviderAvailable):
+                    await dispatcher.open_run(spec(model))
+        elif action < 0.65 and runs:
+            complete(runs.pop(rng.randrange(len(runs))))
+        elif action < 0.8:
+            if node.node_id in dispatcher.links:
+                dispatcher.apply_snapshot(node.node_id, states)
+            else:
+                dispatcher.node_connected(node, states)
+        elif action < 0.88 and node.node_id in dispatcher.links:
+            dispatcher.node_disconnected(node, "test")
+        elif action < 0.94 and runs:
+            run = rng.choice(runs)
+            failed = pb.RunError(code=pb.ERROR_CODE_PROVIDER_UNAVAILABLE, message="refused")
+            dispatcher.deliver(pb.RunEvent(run_id=run.run_id, error=failed))
+        elif action >= 0.97:
+            dispatcher.apply_fleet(random_fleet(rng, step + 2))
+        runs = [r for r in runs if not r.finished]
+        for slot in dispatcher.slots.values():
+            assert slot.connected == (slot.node_id in dispatcher.links), (seed, step)
+
+
+async def test_a_freed_shared_slot_goes_to_the_first_model_of_the_fleet_with_waiters() -> None:
+    dispatcher = Dispatcher(EdgeMetrics.create(CollectorRegistry()))
+    dispatcher.apply_fleet(make_fleet(1, [provider("p", "n", 1)], {"a": ["p"], "b": ["p"]}))
+    node = FakeNode("n")
+    dispatcher.node_connected(node, [pb.ProviderState(provider_id="p", health=pb.HEALTH_AVAILABLE)])
+    first = await dispatcher.open_run(spec("b"))
+    for_b = asyncio.create_task(dispatcher.open_run(spec("b")))
+    await asyncio.sleep(0)
+    for_a = asyncio.create_task(dispatcher.open_run(spec("a")))
+    await asyncio.sleep(0)
+    complete(first)
+    await asyncio.wait_for(for_a, 1)  # "a" comes first in the fleet, though "b" waited longer
+    assert not for_b.done()
+    complete(for_a.result())
+    await asyncio.wait_for(for_b, 1)
+
+
+async def test_a_provider_moved_to_another_node_follows_that_node() -> None:
+    registry = CollectorRegistry()
+    dispatcher = Dispatcher(EdgeMetrics.create(registry))
+    dispatcher.apply_fleet(make_fleet(1, [provider("p", "old", 2)], {"m": ["p"]}))
+    old = FakeNode("old")
+    dispatcher.node_connected(old, [pb.ProviderState(provider_id="p", health=pb.HEALTH_AVAILABLE)])
+    assert (
+        registry.get_sample_value("iop_edge_provider_in_flight", {"provider": "p", "node": "old"})
+        == 0
+    )
+    dispatcher.apply_fleet(make_fleet(2, [provider("p", "new", 2)], {"m": ["p"]}))
+    assert not dispatcher.slots["p"].connected  # "new" has not registered
+    with pytest.raises(NoProviderAvailable):
+        await dispatcher.open_run(spec("m"))
+    new = FakeNode("new")
+    dispatcher.node_connected(new, [pb.ProviderState(provider_id="p", health=pb.HEALTH_AVAILABLE)])
+    run = await dispatcher.open_run(spec("m"))
+    assert new.sent[0].run_id == run.run_id
+    labels = {"provider": "p", "node": "new"}
+    assert registry.get_sample_value("iop_edge_provider_in_flight", labels) == 1
+    old_labels = {"provider": "p", "node": "old"}
+    assert registry.get_sample_value("iop_edge_provider_in_flight", old_labels) is None
+
+
+async def test_metrics_follow_the_pool_and_leave_with_the_fleet() -> None:
+    registry = CollectorRegistry()
+    dispatcher = Dispatcher(EdgeMetrics.create(registry))
+    providers = [provider("a", "n", 1), provider("b", "n", 1)]
+    dispatcher.apply_fleet(make_fleet(1, providers, {"m": ["a"], "x": ["b"]}))
+    node = FakeNode("n")
+    dispatcher.node_connected(
+        node,
+        [
+            pb.ProviderState(provider_id="a", health=pb.HEALTH_AVAILABLE),
+            pb.ProviderState(provider_id="b", health=pb.HEALTH_UNKNOWN),
+        ],
+    )
+
+    def value(name: str, **labels: str) -> float | None:
+        return registry.get_sample_value(name, labels)
+
+    assert value("iop_edge_provider_health", provider="a", state="available") == 1
+    assert value("iop_edge_provider_health", provider="b", state="unknown") == 1
+    assert value("iop_edge_provider_health", provider="b", state="available") == 0
+    run = await dispatcher.open_run(spec("m"))
+    assert value("iop_edge_provider_in_flight", provider="a", node="n") == 1
+    waiting = asyncio.create_task(dispatcher.open_run(spec("m")))
+    await asyncio.sleep(0)
+    assert value("iop_edge_model_queued", model="m") == 1
+    complete(run)
+    complete(await asyncio.wait_for(waiting, 1))
+    assert value("iop_edge_model_queued", model="m") == 0
+    assert value("iop_edge_provider_in_flight", provider="a", node="n") == 0
+    dispatcher.node_disconnected(node, "gone")
+    assert value("iop_edge_provider_health", provider="a", state="unavailable") == 1
+    assert value("iop_edge_provider_health", provider="a", state="available") == 0
+
+    dispatcher.apply_fleet(make_fleet(2, providers[1:], {"x": ["b"]}))
+    assert value("iop_edge_provider_in_flight", provider="a", node="n") is None
+    assert value("iop_edge_provider_health", provider="a", state="unavailable") is None
+    assert value("iop_edge_model_queued", model="m") is None
+    assert value("iop_edge_provider_health", provider="b", state="unavailable") == 1
