@@ -110,7 +110,8 @@ class TlsRefused(IopError):
         self.detail = detail
 
 
-def _refusal_reason(exc: BaseException) -> str:
+def refusal_reason(exc: BaseException) -> str:
+    """A short code for a failed handshake, for logs and the refusal metrics."""
     if isinstance(exc, TimeoutError):
         return "handshake_timeout"
     if isinstance(exc, ssl.SSLCertVerificationError):
@@ -126,17 +127,3 @@ def _refusal_reason(exc: BaseException) -> str:
     if "EXPIRED" in reason:
         return "certificate_expired"
     return "handshake_failed"
-
-
-async def accept_tls(
-    writer: asyncio.StreamWriter, context: ssl.SSLContext, timeout_s: float = 10.0
-) -> None:
-    """Upgrade an accepted connection to TLS, so each refusal can be named and counted.
-
-    ``asyncio.start_server(ssl=...)`` fails handshakes out of the server's sight;
-    accepting plain TCP and upgrading here keeps the reason in our hands.
-    """
-    try:
-        await writer.start_tls(context, ssl_handshake_timeout=timeout_s)
-    except (ssl.SSLError, ConnectionError, TimeoutError, OSError) as exc:
-        raise TlsRefused(_refusal_reason(exc), str(exc) or type(exc).__name__) from exc

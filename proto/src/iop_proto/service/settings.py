@@ -45,6 +45,10 @@ class ServiceSettings(FrozenModel):
     log: LogSettings = LogSettings()
     shutdown_timeout_s: float = Field(default=10.0, gt=0)
     tls: TlsSettings = Field(description="every IOP link is mutual TLS; see certs/README.md")
+    event_loop: Literal["uvloop", "asyncio"] = Field(
+        default="uvloop",
+        description="uvloop (where installed: not on Windows) or asyncio's own loop, for debugging",
+    )
 
 
 SettingsT = TypeVar("SettingsT", bound=BaseModel)

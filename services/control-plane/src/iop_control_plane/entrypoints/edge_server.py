@@ -16,9 +16,10 @@ from loguru import logger
 from iop_control_plane.authority import FleetAuthority
 from iop_control_plane.metrics import ControlPlaneMetrics
 from iop_control_plane.settings import ControlPlaneSettings
+from iop_proto.accept import StreamServer
 from iop_proto.connection import Connection, error_body
 from iop_proto.errors import ConnectionClosed, ProtocolError, UnexpectedMessage
-from iop_proto.tls import TlsRefused, accept_tls
+from iop_proto.tls import TlsRefused
 from iop_proto.v1 import runtime_pb2 as pb
 
 HELLO_TIMEOUT_S = 10.0
@@ -86,16 +87,16 @@ class EdgeServer:
         self._authority = authority
         self._metrics = metrics
         self._tls = tls
-        self._server: asyncio.Server | None = None
+        self._server: StreamServer | None = None
         self._sessions: set[asyncio.Task[None]] = set()
         self._connections: set[Connection] = set()
         self.port = settings.listen.port
 
     async def start(self) -> int:
         listen = self._settings.listen
-        # Plain TCP, upgraded in _handle: a failed handshake is then ours to name and count.
-        self._server = await asyncio.start_server(self._handle, listen.host, listen.port)
-        self.port = self._server.sockets[0].getsockname()[1]
+        # The handshake is the server's, its failures come back here to be named and counted.
+        self._server = StreamServer(self._handle, self._tls, self._tls_refused)
+        self.port = await self._server.start(listen.host, listen.port)
         logger.info("listening for edges on {}:{}", listen.host, self.port)
         return self.port
 
@@ -118,19 +119,6 @@ class EdgeServer:
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         assert task is not None
-        if self._tls is not None:
-            try:
-                await accept_tls(writer, self._tls)
-            except TlsRefused as exc:
-                self._metrics.tls_refusals.labels(exc.reason).inc()
-                logger.warning(
-                    "refused {} in TLS ({}): {}",
-                    writer.get_extra_info("peername"),
-                    exc.reason,
-                    exc.detail,
-                )
-                writer.close()
-                return
         self._sessions.add(task)
         conn = Connection(
             reader,
@@ -165,6 +153,10 @@ class EdgeServer:
             self._metrics.edges_connected.dec()
             self._connections.discard(conn)
             self._sessions.discard(task)
+
+    def _tls_refused(self, exc: TlsRefused, peer: object) -> None:
+        self._metrics.tls_refusals.labels(exc.reason).inc()
+        logger.warning("refused {} in TLS ({}): {}", peer, exc.reason, exc.detail)
 
     def _refusal(self, conn: Connection) -> str | None:
         """Why this peer may not talk to the control-plane, or ``None``."""

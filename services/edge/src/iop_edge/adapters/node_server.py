@@ -19,9 +19,10 @@ from iop_edge.dispatch import Dispatcher
 from iop_edge.errors import ControlPlaneUnavailable
 from iop_edge.metrics import EdgeMetrics
 from iop_edge.ports import BatchLeases
+from iop_proto.accept import StreamServer
 from iop_proto.connection import Connection, error_body
 from iop_proto.errors import ConnectionClosed, ProtocolError, UnexpectedMessage
-from iop_proto.tls import TlsRefused, accept_tls
+from iop_proto.tls import TlsRefused
 from iop_proto.v1 import runtime_pb2 as pb
 
 REGISTER_TIMEOUT_S = 10.0
@@ -84,14 +85,14 @@ class NodeServer:
         self._worker_roles = worker_roles
         self._batches = batches
         self.workers: dict[str, WorkerSession] = {}
-        self._server: asyncio.Server | None = None
+        self._server: StreamServer | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self.nodes: dict[str, NodeConnection] = {}
 
     async def start(self) -> int:
-        # Plain TCP, upgraded in _handle: a failed handshake is then ours to name and count.
-        self._server = await asyncio.start_server(self._handle, self._host, self.port)
-        self.port = self._server.sockets[0].getsockname()[1]
+        # The handshake is the server's, its failures come back here to be named and counted.
+        self._server = StreamServer(self._handle, self._tls, self._tls_refused)
+        self.port = await self._server.start(self._host, self.port)
         logger.info("listening for nodes on {}:{}", self._host, self.port)
         return self.port
 
@@ -134,14 +135,6 @@ class NodeServer:
         task = asyncio.current_task()
         assert task is not None
         self._tasks.add(task)
-        if self._tls is not None:
-            try:
-                await accept_tls(writer, self._tls)
-            except TlsRefused as exc:
-                self._refuse("tls", exc.reason, writer.get_extra_info("peername"), exc.detail)
-                writer.close()
-                self._tasks.discard(task)
-                return
         conn = Connection(
             reader,
             writer,
@@ -238,6 +231,9 @@ class NodeServer:
             "node {} registered ({} providers)", node.node_id, len(answer.node_config.providers)
         )
         return node
+
+    def _tls_refused(self, exc: TlsRefused, peer: object) -> None:
+        self._refuse("tls", exc.reason, peer, exc.detail)
 
     def _refuse(self, stage: str, reason: str, who: object, detail: str) -> None:
         """One place where refusals are logged (never with a token) and counted."""
