@@ -305,3 +305,56 @@ async def test_an_outside_deadline_on_a_half_frame_stays_the_callers(pki: Pki) -
         writer.close()
     assert len(outcome) == 1
     assert type(outcome[0]) is TimeoutError
+
+
+class Recorder:
+    """Keeps what one connection received, until it closes."""
+
+    def __init__(self) -> None:
+        self.run_ids: list[str] = []
+        self.done = asyncio.Event()
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        async with Connection(reader, writer, sender_id="edge", heartbeat_interval=0) as conn:
+            async for envelope in conn:
+                self.run_ids.append(envelope.cancel_request.run_id)
+        self.done.set()
+
+
+def counting_writes(writer: asyncio.StreamWriter) -> list[int]:
+    """Record the size of each write the connection makes on ``writer``."""
+    sizes: list[int] = []
+    write = writer.write
+
+    def counted(data: bytes) -> None:
+        sizes.append(len(data))
+        write(data)
+
+    writer.write = counted  # type: ignore[method-assign]
+    return sizes
+
+
+def cancel(run_id: str) -> pb.CancelRequest:
+    return pb.CancelRequest(run_id=run_id)
+
+
+@pytest.mark.parametrize("ending", ["pass ends", "plain send", "close"])
+async def test_deferred_frames_leave_together_in_order(pki: Pki, ending: str) -> None:
+    recorder = Recorder()
+    async with loopback_server(recorder.handle, pki.server()) as port:
+        reader, writer = await open_client(port, pki.client())
+        writes = counting_writes(writer)
+        conn = Connection(reader, writer, sender_id="node", heartbeat_interval=0)
+        for n in range(3):
+            await conn.send(cancel(f"d{n}"), defer=True)
+        assert writes == []  # nothing left before the end of this loop pass
+        if ending == "pass ends":
+            await asyncio.sleep(0.01)
+            await conn.send(cancel("after"))
+        elif ending == "plain send":
+            await conn.send(cancel("after"))  # takes the waiting ones along, first
+        await conn.close()
+        await asyncio.wait_for(recorder.done.wait(), 5)
+    expected = ["d0", "d1", "d2"] + ([] if ending == "close" else ["after"])
+    assert recorder.run_ids == expected
+    assert len(writes) == {"pass ends": 2, "plain send": 1, "close": 1}[ending]

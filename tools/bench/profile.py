@@ -56,12 +56,14 @@ def summarise(raw: Path, top: int = TOP) -> str:
 
 
 async def _record(
-    pid: int, seconds: float, out: Path, fmt: str, gil: bool
+    pid: int, seconds: float, out: Path, fmt: str, gil: bool, native: bool = False
 ) -> asyncio.subprocess.Process:
     spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
     return await asyncio.create_subprocess_exec(
         spy, "record", "--pid", str(pid), "--duration", str(int(seconds)), "--rate", "250",
-        "--nonblocking", "--format", fmt, "--output", str(out), *(["--gil"] if gil else []),
+        # native frames need the process paused per sample (slower, but they are the point)
+        *(["--native"] if native else ["--nonblocking"]),
+        "--format", fmt, "--output", str(out), *(["--gil"] if gil else []),
         stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
 
@@ -79,7 +81,7 @@ async def main(args: argparse.Namespace) -> None:
                     await closed_loop(http, target, args.concurrency, 1.0)  # warm up
                     spies = {
                         (name, fmt): await _record(
-                            pid, args.seconds, out / f"{name}.{fmt}", fmt, args.gil
+                            pid, args.seconds, out / f"{name}.{fmt}", fmt, args.gil, args.native
                         )
                         for name, pid in pids.items()
                         for fmt in ("raw", "speedscope")
@@ -117,6 +119,9 @@ def cli() -> None:
     parser.add_argument("--stream", action="store_true", help="1,000-chunk streams instead")
     parser.add_argument(
         "--gil", action="store_true", help="sample only the thread holding the GIL (Python work)"
+    )
+    parser.add_argument(
+        "--native", action="store_true", help="also C frames (uvloop, ssl, protobuf, libc)"
     )
     parser.add_argument("--out", type=Path, default=Path("var/bench/profile"))
     args = parser.parse_args()

@@ -109,8 +109,9 @@ PROFILES = {
 class Report:
     """The scenarios' results as they come, with the machine they ran on."""
 
-    def __init__(self, profile: Profile) -> None:
+    def __init__(self, profile: Profile, only: tuple[str, ...] = SCENARIOS) -> None:
         self.profile = profile
+        self.wanted = only
         self.results: dict[str, ScenarioResult] = {}
         self.meta: dict[str, Any] = {
             "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -122,12 +123,16 @@ class Report:
                 "load_average_at_start": os.getloadavg(),
             },
             "litellm_version": litellm_version(),
+            "scenarios_selected": list(only),
         }
 
     async def scenario(
         self, name: str, body: Callable[[], Awaitable[ScenarioResult]]
     ) -> ScenarioResult:
         """Run one scenario; an error fails it (with the traceback kept), not the run."""
+        if name not in self.wanted:
+            self.skip(name, "not selected (--only)")
+            return self.results[name]
         print(f"-- {name} ...", file=sys.stderr, flush=True)
         started = time.monotonic()
         try:
@@ -167,7 +172,13 @@ class Report:
 async def _gateways(report: Report, root: Path) -> None:
     """The scenarios that need the gateways: overhead, streaming, the real model."""
     profile = report.profile
+    if not {"overhead", "streaming", "realmodel"} & set(report.wanted):
+        for name in ("overhead", "streaming", "realmodel"):
+            report.skip(name, "not selected (--only)")
+        return
     llama_missing = llamacpp_missing()
+    if "realmodel" not in report.wanted:
+        llama_missing = "not selected (--only)"
     async with contextlib.AsyncExitStack() as exits:
         models = (FAKE_MODEL, f"{FAKE_MODEL}-r{profile.streaming.gap_rate}")
         fake_url, _ = await exits.enter_async_context(
@@ -201,6 +212,8 @@ async def _gateways(report: Report, root: Path) -> None:
         missing = SKIPPED
         if not profile.litellm:
             missing = f"skipped (not run in --{profile.name})"
+        elif not {"overhead", "streaming"} & set(report.wanted):
+            missing = "skipped (not selected)"
         elif litellm_available():
             print("   starting LiteLLM (~30 s)", file=sys.stderr, flush=True)
             try:
@@ -231,9 +244,9 @@ async def _gateways(report: Report, root: Path) -> None:
             await report.scenario("realmodel", lambda: realmodel.run(real, profile.realmodel))
 
 
-async def main(profile: Profile) -> Report:
-    """Every scenario, each bounded; the report holds failures, never raises them."""
-    report = Report(profile)
+async def main(profile: Profile, only: tuple[str, ...] = SCENARIOS) -> Report:
+    """Every scenario (or those in ``only``), each bounded; failures are held, never raised."""
+    report = Report(profile, only)
     with tempfile.TemporaryDirectory(prefix="iop-bench-") as scratch:
         root = Path(scratch)
         try:
@@ -296,11 +309,17 @@ def cli() -> int:
             f"--{name}", dest="mode", action="store_const", const=name, help=help_text
         )
     parser.add_argument("--out", type=Path, default=None, help="the JSON results file")
+    parser.add_argument(
+        "--only",
+        action="append",
+        choices=SCENARIOS,
+        help="run this scenario (repeatable; default: all), e.g. while working on one figure",
+    )
     args = parser.parse_args()
     profile = PROFILES[args.mode or "quick"]
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     out = args.out or Path("var/bench") / f"results-{stamp}.json"
-    report = _run(main(profile))
+    report = _run(main(profile, tuple(args.only or SCENARIOS)))
     write(report, out)
     return 1 if report.failed else 0
 

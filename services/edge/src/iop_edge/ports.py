@@ -41,6 +41,11 @@ class RunEvents(Protocol):
 
     def __aiter__(self) -> AsyncIterator[pb.RunEvent]: ...
 
+    @property
+    def more_ready(self) -> bool:
+        """More events are queued already (the node sent several at once)."""
+        ...
+
     async def cancel(self, reason: str) -> None:
         """Stop the run (client gone): the node aborts the provider call, slots free."""
         ...

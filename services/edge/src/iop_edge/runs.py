@@ -72,6 +72,11 @@ class EdgeRun:
         """End the run from the edge's side (node lost, edge stopping)."""
         self.deliver(error_event(self.run_id, code, message))
 
+    @property
+    def more_ready(self) -> bool:
+        """Events wait already: a relay can write them out together with this one."""
+        return not self._events.empty()
+
     async def __aiter__(self) -> AsyncIterator[pb.RunEvent]:
         while True:
             event = await self._events.get()

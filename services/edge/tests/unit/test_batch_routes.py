@@ -42,6 +42,8 @@ class FakeRun:
         self.run_id, self.provider_id, self.node_id, self.target = run_id, "p1", "n1", "served"
         self.spec = spec
 
+    more_ready = False  # batch lines are collected whole, never relayed
+
     def __aiter__(self) -> AsyncIterator[pb.RunEvent]:
         return self._events()
 

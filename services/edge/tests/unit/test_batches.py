@@ -58,6 +58,8 @@ class FakeRun:
         self.cancel_reasons: list[str] = []
         self._cancelled = asyncio.Event()
 
+    more_ready = False  # batch lines are collected whole, never relayed
+
     def __aiter__(self) -> AsyncIterator[pb.RunEvent]:
         return self._events()
 

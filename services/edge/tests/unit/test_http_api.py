@@ -74,13 +74,20 @@ class FakeRun:
         self.hanging = asyncio.Event()
         self.cancelled = asyncio.Event()
         self.cancel_reasons: list[str] = []
+        self._yielded = 0
 
     def __aiter__(self) -> AsyncIterator[pb.RunEvent]:
         return self._iterate()
 
+    @property
+    def more_ready(self) -> bool:
+        """All given events count as arrived at once: the relay's batching path runs."""
+        return self._yielded < len(self._events)
+
     async def _iterate(self) -> AsyncIterator[pb.RunEvent]:
         for sequence, event in enumerate(self._events):
             event.run_id, event.sequence = self.run_id, sequence
+            self._yielded = sequence + 1
             yield event
         if self._fail is not None:
             raise self._fail

@@ -218,10 +218,15 @@ async def _relay(
     events: RunEvents,
     trace: RunTrace,
 ) -> EdgeError | None:
-    """Write each event as it arrives; ``None`` when the run completed, else its error."""
+    """Write the events as they arrive; ``None`` when the run completed, else its error.
+
+    Deltas that arrived together (one frame batch from the node) leave as one
+    HTTP chunk: nothing is held back that could go out now.
+    """
     chunks = ChunkStream(
         spec.operation, run_id=events.run_id, model=spec.model, created=trace.created
     )
+    pending: list[bytes] = []
     async for event in events:
         kind = event.WhichOneof("kind")
         if kind == "delta":
@@ -229,21 +234,27 @@ async def _relay(
                 trace.first_delta()
                 trace.status = 200
                 await response.prepare(request)
-            await response.write(chunks.delta(event.delta))
+            pending.append(chunks.delta(event.delta))
+            if not events.more_ready:
+                await response.write(b"".join(pending))
+                pending.clear()
         elif kind == "complete":
             complete = event.complete
             trace.completed(complete)
             if not response.prepared:
                 trace.status = 200
                 await response.prepare(request)
-            tail = chunks.finish(complete)
+            pending.append(chunks.finish(complete))
             if spec.include_usage:
-                tail += chunks.usage_chunk(complete)
-            await response.write(tail + DONE)
+                pending.append(chunks.usage_chunk(complete))
+            pending.append(DONE)
+            await response.write(b"".join(pending))
             await response.write_eof()
             return None
         elif kind == "error":
             trace.run_ended = True
+            if pending:
+                await response.write(b"".join(pending))
             return from_run_error(event.error)
         elif kind == "start":
             trace.started(event.start)
