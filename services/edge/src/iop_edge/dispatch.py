@@ -11,10 +11,11 @@ queues of the models it can serve. Slot state changes only through the slot's
 from __future__ import annotations
 
 import asyncio
-import json
+import secrets
 import time
-import uuid
 from collections.abc import Iterable
+
+import orjson
 
 from iop_edge.domain.fleet import Fleet, ModelEntry, Operation
 from iop_edge.domain.pool import (
@@ -203,9 +204,8 @@ class Dispatcher:
     def _start(self, model: ModelEntry, slot: ProviderSlot, spec: RunSpec) -> EdgeRun:
         served = model.providers[slot.provider_id]
         entry = self.fleet.providers[slot.provider_id]
-        body = dict(spec.body)
-        body["model"] = served  # target rewrite happens here and only here (S03)
-        run_id = uuid.uuid4().hex
+        body = {**spec.body, "model": served}  # target rewrite happens here and only here (S03)
+        run_id = secrets.token_hex(16)  # 32 hex digits, like uuid4().hex, for less work
         timeout_ms = entry.request_timeout_ms or 600_000
         request = pb.RunRequest(
             run_id=run_id,
@@ -214,7 +214,7 @@ class Dispatcher:
             adapter=entry.type,
             target=served,
             operation=_OPERATIONS[spec.operation],
-            body_json=json.dumps(body, separators=(",", ":")).encode(),
+            body_json=orjson.dumps(body),
             stream=spec.stream,
             deadline_unix_ms=int(time.time() * 1000) + timeout_ms,
             include_usage=spec.include_usage,

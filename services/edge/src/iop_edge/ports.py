@@ -119,7 +119,10 @@ class EdgeRunRecord:
 class RunLog(Protocol):
     """The edge's run history (SQLite), written off the request path, once per run."""
 
-    async def record(self, run: EdgeRunRecord) -> None: ...
+    async def record(self, run: EdgeRunRecord) -> None:
+        """Queue one finished run. Must not suspend: callers rely on it completing even
+        while their task is being cancelled."""
+        ...
 
     async def recent(self, limit: int) -> list[EdgeRunRecord]: ...
 

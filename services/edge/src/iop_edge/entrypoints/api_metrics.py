@@ -7,7 +7,7 @@ to grow the metric series without bound.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Final
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -15,6 +15,25 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 _WAIT_BUCKETS: Final = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _TTFT_BUCKETS: Final = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60)
 _DURATION_BUCKETS: Final = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+
+
+@dataclass(slots=True)
+class ModelSeries:
+    """One model's series, looked up once: ``labels()`` costs more than the update itself."""
+
+    queue_wait: Histogram
+    ttft: Histogram
+    duration: Histogram
+    in_flight: Gauge
+    _requests: Counter
+    _model: str
+    _by_status: dict[int, Counter] = field(default_factory=dict)
+
+    def requests(self, status: int) -> Counter:
+        series = self._by_status.get(status)
+        if series is None:
+            series = self._by_status[status] = self._requests.labels(self._model, str(status))
+        return series
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,6 +45,21 @@ class ApiMetrics:
     ttft: Histogram  # request received -> first delta
     duration: Histogram  # request received -> last byte (or the error)
     in_flight: Gauge  # requests past validation, not yet answered
+    _models: dict[str, ModelSeries] = field(default_factory=dict)
+
+    def model(self, model: str) -> ModelSeries:
+        """The series of ``model`` (a catalog id or ``""``: the label set stays bounded)."""
+        series = self._models.get(model)
+        if series is None:
+            series = self._models[model] = ModelSeries(
+                queue_wait=self.queue_wait.labels(model),
+                ttft=self.ttft.labels(model),
+                duration=self.duration.labels(model),
+                in_flight=self.in_flight.labels(model),
+                _requests=self.requests,
+                _model=model,
+            )
+        return series
 
     @classmethod
     def create(cls, registry: CollectorRegistry) -> ApiMetrics:

@@ -8,10 +8,10 @@ input, streaming switches, ``n``); every other field travels untouched in
 from __future__ import annotations
 
 import asyncio
-import json
 from dataclasses import dataclass
-from typing import Any, Final, NoReturn
+from typing import Any, Final
 
+import orjson
 from aiohttp import web
 
 from iop_edge.domain.fleet import Operation
@@ -108,9 +108,6 @@ def _optional_bool(container: dict[str, Any], field: str, param: str) -> bool:
 
 
 def _parse(raw: bytes) -> Any:
-    # NaN and Infinity are not JSON: refused here rather than by a provider later.
-    return json.loads(raw, parse_constant=_reject_constant)
-
-
-def _reject_constant(name: str) -> NoReturn:
-    raise ValueError(f"{name} is not valid JSON")
+    # orjson: strict JSON (NaN, Infinity and integers past 64 bits are refused here
+    # rather than by a provider later), and several times the stdlib's speed.
+    return orjson.loads(raw)

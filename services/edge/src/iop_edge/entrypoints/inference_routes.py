@@ -117,7 +117,7 @@ class InferenceRoutes:
             stream=params.stream,
             include_usage=params.include_usage,
         )
-        with self._slots.hold(key), self._metrics.in_flight.labels(spec.model).track_inprogress():
+        with self._slots.hold(key), self._metrics.model(spec.model).in_flight.track_inprogress():
             opened_at = time.monotonic()
             # Cancelled here (client gone while queued), the dispatcher leaves the queue.
             events = await self._service.open_run(spec)
@@ -205,8 +205,9 @@ class InferenceRoutes:
         trace.observe(self._metrics)
         record = trace.record()
         try:
-            # Shielded: a second cancellation (server shutdown) must not lose the record.
-            await asyncio.shield(self._runlog.record(record))
+            # record() queues and never suspends, so even a second cancellation (server
+            # shutdown) cannot cut it short: no shield (and no task per request) needed.
+            await self._runlog.record(record)
         except Exception:
             logger.exception("could not record run {}", record.run_id)
 

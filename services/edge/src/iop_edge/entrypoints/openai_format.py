@@ -5,8 +5,8 @@ public model id) is serialised once when the stream starts. The common token (a
 plain text fragment of choice 0) is then written into a byte template with only
 its string JSON-escaped (the C string encoder: well under a microsecond);
 anything else (role, tool calls, reasoning, finish) goes through a small dict
-and the standard encoder. That keeps the standard library fast enough without
-orjson. Nothing here does I/O, so every function can be tested on its own.
+and orjson (the C encoder; the whole results of non-streamed runs go through it
+too). Nothing here does I/O, so every function can be tested on its own.
 
 The client only ever sees the PUBLIC model id: chunks are built here from
 deltas, and a provider's whole result has its ``model`` replaced.
@@ -18,6 +18,8 @@ import json
 from collections.abc import Iterable
 from typing import Any, Final
 
+import orjson
+
 from iop_edge.domain.fleet import Operation
 from iop_edge.errors import ProviderFailed
 from iop_proto.v1 import runtime_pb2 as pb
@@ -27,17 +29,23 @@ _EVENT_END: Final = b"\n\n"
 _TOKEN_END: Final = b',"logprobs":null,"finish_reason":null}]}\n\n'
 
 # Stateless and reused: ``json.dumps`` with options builds a new encoder on every call.
+# Kept for the common token: one string, where the stdlib's C escaper is as fast.
 _ENCODER: Final = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
 
 
-def dumps(value: Any) -> str:
+def json_bytes(value: Any) -> bytes:
     """Compact JSON, UTF-8 kept as is (``ensure_ascii`` would triple non-Latin text)."""
-    return _ENCODER.encode(value)
+    return orjson.dumps(value)
+
+
+def dumps(value: Any) -> str:
+    """``json_bytes`` as text, for callers that store it as such."""
+    return orjson.dumps(value).decode()
 
 
 def sse_event(payload: dict[str, Any]) -> bytes:
     """One ``data:`` event (used for errors; chunks go through ``ChunkStream``)."""
-    return b"data: " + dumps(payload).encode() + _EVENT_END
+    return b"data: " + json_bytes(payload) + _EVENT_END
 
 
 def usage_object(usage: pb.Usage) -> dict[str, int]:
@@ -113,8 +121,8 @@ class ChunkStream:
         else:
             head = {"id": f"cmpl-{run_id}", "object": "text_completion"}
         # '{"id":...,"model":"m"}' without its closing brace: each chunk appends its choices.
-        envelope = dumps({**head, "created": created, "model": model})[:-1]
-        self._head = b"data: " + envelope.encode() + b',"choices":'
+        envelope = json_bytes({**head, "created": created, "model": model})[:-1]
+        self._head = b"data: " + envelope + b',"choices":'
         opening = b'[{"index":0,"delta":{"content":' if self._chat else b'[{"index":0,"text":'
         self._token_head = self._head + opening
         self._seen: set[int] = set()
@@ -146,7 +154,7 @@ class ChunkStream:
         else:
             self._seen.add(index)
             choice = text_choice(delta)
-        return self._head + b"[" + dumps(choice).encode() + b"]}" + _EVENT_END
+        return self._head + b"[" + json_bytes(choice) + b"]}" + _EVENT_END
 
     def finish(self, complete: pb.RunComplete) -> bytes:
         """Closing chunks for choices whose deltas never said why they ended."""
@@ -162,7 +170,7 @@ class ChunkStream:
                 choice = {"index": index, "text": ""}
             choice["logprobs"] = None
             choice["finish_reason"] = reason
-            out += self._head + b"[" + dumps(choice).encode() + b"]}" + _EVENT_END
+            out += self._head + b"[" + json_bytes(choice) + b"]}" + _EVENT_END
         return out
 
     def usage_chunk(self, complete: pb.RunComplete) -> bytes:
@@ -171,7 +179,7 @@ class ChunkStream:
             usage = complete.usage
         else:
             usage = self.usage if self.usage is not None else pb.Usage()
-        return self._head + b'[],"usage":' + dumps(usage_object(usage)).encode() + b"}\n\n"
+        return self._head + b'[],"usage":' + json_bytes(usage_object(usage)) + b"}\n\n"
 
 
 def render_result(
@@ -191,16 +199,16 @@ def render_result(
     """
     if complete.result_json:
         try:
-            result = json.loads(complete.result_json)
-        except ValueError:
+            result = orjson.loads(complete.result_json)
+        except orjson.JSONDecodeError:
             raise ProviderFailed("the provider's result is not JSON") from None
         if not isinstance(result, dict):
             raise ProviderFailed("the provider's result is not a JSON object")
         result["model"] = model
-        return dumps(result).encode()
+        return json_bytes(result)
     if operation is Operation.EMBEDDINGS:
         raise ProviderFailed("the provider returned no embeddings")
-    return dumps(_result_from_deltas(operation, complete, deltas, run_id, model, created)).encode()
+    return json_bytes(_result_from_deltas(operation, complete, deltas, run_id, model, created))
 
 
 def _result_from_deltas(

@@ -133,13 +133,13 @@ class RunTrace:
         return round(self.edge_wait_s * 1000) + self.node_wait_ms
 
     def observe(self, metrics: ApiMetrics) -> None:
-        model = self.model
-        metrics.requests.labels(model, str(self.status or 500)).inc()
-        metrics.duration.labels(model).observe(time.monotonic() - self.received_at)
+        series = metrics.model(self.model)
+        series.requests(self.status or 500).inc()
+        series.duration.observe(time.monotonic() - self.received_at)
         if self.run_id:
-            metrics.queue_wait.labels(model).observe(self.queue_wait_ms / 1000)
+            series.queue_wait.observe(self.queue_wait_ms / 1000)
         if self.first_delta_at:
-            metrics.ttft.labels(model).observe(self.first_delta_at - self.received_at)
+            series.ttft.observe(self.first_delta_at - self.received_at)
 
 
 def _ms(seconds: float) -> int:
