@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable
-from dataclasses import replace
 
 from loguru import logger
 
@@ -71,16 +70,8 @@ class RunExecutor:
     ) -> None:
         """Run ``spec`` to its end. Raises only ``CancelledError`` (after cleaning up)."""
         loop = asyncio.get_running_loop()
-        record = RunRecord(
-            run_id=spec.run_id,
-            model=spec.model,
-            provider_id=spec.provider_id,
-            target=spec.target,
-            operation=spec.operation.value,
-            stream=spec.stream,
-            outcome="running",
-            received_ms=_unix_ms(),
-        )
+        received_ms = _unix_ms()
+        started_ms = 0
         sink = _FirstTokenSink(channel)
         outcome, code, message, completion = "failed", "", "", None
         slot_taken_at: float | None = None
@@ -92,9 +83,12 @@ class RunExecutor:
             async with admission:
                 slot_taken_at = loop.time()
                 self._on_change()
-                self._metrics.queue_wait.labels(spec.provider_id).observe(admission.queue_wait_s)
-                record = replace(record, started_ms=_unix_ms())
-                await self._history.run_started(record)
+                metrics = self._metrics
+                metrics.child(metrics.queue_wait, spec.provider_id).observe(admission.queue_wait_s)
+                started_ms = _unix_ms()
+                await self._history.run_started(
+                    _record(spec, "running", received_ms=received_ms, started_ms=started_ms)
+                )
                 await channel.started(
                     spec.provider_id, spec.target, int(admission.queue_wait_s * 1000)
                 )
@@ -131,9 +125,12 @@ class RunExecutor:
             )
             await self._fail_quietly(channel, pb.ERROR_CODE_INTERNAL, message, 0)
         finally:
-            await self._finish(runtime, spec, record, outcome, code, message, completion, sink)
+            await self._finish(
+                runtime, spec, received_ms, started_ms, outcome, code, message, completion, sink
+            )
             if slot_taken_at is not None:
-                self._metrics.service_time.labels(spec.provider_id).observe(
+                metrics = self._metrics
+                metrics.child(metrics.service_time, spec.provider_id).observe(
                     loop.time() - slot_taken_at
                 )
             self._on_change()
@@ -148,13 +145,15 @@ class RunExecutor:
     def _mark_unavailable(self, runtime: ProviderRuntime, detail: str) -> None:
         if runtime.health.mark_unavailable(detail):
             logger.warning("provider {} unavailable: {}", runtime.config.id, detail)
+            runtime.publish(self._metrics)
         assert runtime.health.state is Health.UNAVAILABLE
 
     async def _finish(
         self,
         runtime: ProviderRuntime,
         spec: ExecutionSpec,
-        record: RunRecord,
+        received_ms: int,
+        started_ms: int,
         outcome: str,
         code: str,
         message: str,
@@ -162,11 +161,13 @@ class RunExecutor:
         sink: _FirstTokenSink,
     ) -> None:
         usage = completion.usage if completion else None
-        final = replace(
-            record,
-            outcome=outcome,
+        final = _record(
+            spec,
+            outcome,
             error_code=code,
             error_message=message[:500],
+            received_ms=received_ms,
+            started_ms=started_ms,
             first_token_ms=sink.first_token_ms,
             finished_ms=_unix_ms(),
             prompt_tokens=usage.prompt_tokens if usage else 0,
@@ -175,8 +176,42 @@ class RunExecutor:
         # complete_run only queues the record (the store writes in batches off the
         # request path), so awaiting it here, even while cancelling, costs nothing.
         await self._history.complete_run(final)
-        self._metrics.runs.labels(spec.provider_id, outcome, code or "ok").inc()
+        metrics, provider_id = self._metrics, spec.provider_id
+        metrics.child(metrics.runs, provider_id, outcome, code or "ok").inc()
         if usage:
-            self._metrics.tokens.labels(spec.provider_id, "prompt").inc(usage.prompt_tokens)
-            self._metrics.tokens.labels(spec.provider_id, "completion").inc(usage.completion_tokens)
-        runtime.publish(self._metrics)
+            metrics.child(metrics.tokens, provider_id, "prompt").inc(usage.prompt_tokens)
+            metrics.child(metrics.tokens, provider_id, "completion").inc(usage.completion_tokens)
+        runtime.publish_load(metrics)  # the health, if this run changed it, is published
+
+
+def _record(
+    spec: ExecutionSpec,
+    outcome: str,
+    *,
+    error_code: str = "",
+    error_message: str = "",
+    received_ms: int,
+    started_ms: int,
+    first_token_ms: int = 0,
+    finished_ms: int = 0,
+    prompt_tokens: int = 0,
+    completion_tokens: int = 0,
+) -> RunRecord:
+    """The history record of ``spec`` at one point of its life (built whole: it is frozen)."""
+    return RunRecord(
+        run_id=spec.run_id,
+        model=spec.model,
+        provider_id=spec.provider_id,
+        target=spec.target,
+        operation=spec.operation.value,
+        stream=spec.stream,
+        outcome=outcome,
+        error_code=error_code,
+        error_message=error_message,
+        received_ms=received_ms,
+        started_ms=started_ms,
+        first_token_ms=first_token_ms,
+        finished_ms=finished_ms,
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+    )

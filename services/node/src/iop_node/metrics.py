@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics import MetricWrapperBase
+
+_Metric = TypeVar("_Metric", bound=MetricWrapperBase)
 
 _WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _SERVICE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
@@ -22,6 +26,8 @@ class NodeMetrics:
     runs: Counter
     tokens: Counter
     edge_connected: Gauge
+    # (provider, metric, *other labels) -> the metric's child for them; see ``child``.
+    _children: dict[tuple[Any, ...], Any] = field(default_factory=dict, init=False, repr=False)
 
     @classmethod
     def create(cls, registry: CollectorRegistry) -> NodeMetrics:
@@ -75,8 +81,25 @@ class NodeMetrics:
             ),
         )
 
+    def child(self, metric: _Metric, provider_id: str, *labels: str) -> _Metric:
+        """``metric.labels(provider_id, *labels)``, looked up once and then kept.
+
+        ``labels()`` checks its arguments, builds a key and takes a lock on every
+        call, several times per run; this is one dict hit. A series is still
+        created on first use, so /metrics shows exactly what ``labels()`` would.
+        """
+        key = (provider_id, metric, *labels)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(provider_id, *labels)
+        return found
+
     def forget(self, provider_id: str) -> None:
         """Drop a removed provider's series so a dashboard does not show ghosts."""
         for gauge in (self.in_flight, self.queued, self.capacity):
             with contextlib.suppress(KeyError):
                 gauge.remove(provider_id)
+        # Removed series must not be written through stale children, and the rest are
+        # found again by labels() if the provider comes back (or a last run ends).
+        for key in [key for key in self._children if key[0] == provider_id]:
+            del self._children[key]

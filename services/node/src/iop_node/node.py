@@ -206,26 +206,29 @@ class NodeCore:
 
     def start_run(self, request: pb.RunRequest, channel: RunChannel) -> bool:
         """Start a run in its own task; a request that cannot run fails on its channel."""
-        if request.run_id in self._runs:
-            logger.warning("duplicate run id {} ignored", request.run_id)
+        run_id = request.run_id
+        if run_id in self._runs:
+            logger.warning("duplicate run id {} ignored", run_id)
             return False
-        loop = asyncio.get_running_loop()
-        configs = {pid: rt.config for pid, rt in self.providers.items()}
+        runtime = self.providers.get(request.provider_id)
         try:
-            config, spec = resolve(
-                request, configs, loop_now=loop.time(), unix_now_ms=int(time.time() * 1000)
+            spec = resolve(
+                request,
+                None if runtime is None else runtime.config,
+                loop_now=asyncio.get_running_loop().time(),
+                unix_now_ms=int(time.time() * 1000),
             )
         except RunFailure as failure:
             task = asyncio.create_task(
                 channel.failed(failure.code, failure.message, failure.provider_status)
             )
         else:
-            runtime = self.providers[config.id]
+            assert runtime is not None  # resolve refuses a provider this node lacks
             task = asyncio.create_task(
-                self._executor.execute_run(runtime, spec, channel), name=f"run:{spec.run_id}"
+                self._executor.execute_run(runtime, spec, channel), name=f"run:{run_id}"
             )
-        self._runs[request.run_id] = task
-        task.add_done_callback(lambda _: self._runs.pop(request.run_id, None))
+        self._runs[run_id] = task
+        task.add_done_callback(lambda _: self._runs.pop(run_id, None))
         return True
 
     def cancel(self, run_id: str) -> bool:

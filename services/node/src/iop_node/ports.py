@@ -14,6 +14,7 @@ import aiohttp
 
 from iop_node.domain.health import ProbeResult
 from iop_node.domain.provider import ProviderConfig
+from iop_node.domain.record import record
 from iop_node.domain.runs import Completion, Delta, ExecutionSpec
 
 
@@ -86,7 +87,7 @@ AdapterFactory = Callable[[ProviderConfig, AdapterContext], Adapter]
 """An adapter class (or a function) registered for one provider type in ``bootstrap``."""
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class RunRecord:
     """One run as history keeps it. Times are Unix milliseconds; 0 = did not happen."""
 

@@ -7,10 +7,10 @@ names, parses the body once, and turns the deadline into event-loop time.
 
 from __future__ import annotations
 
-import json
-from collections.abc import Mapping
+import math
 from typing import Any
 
+from iop_node import json_codec
 from iop_node.domain.provider import ProviderConfig
 from iop_node.domain.runs import ExecutionSpec, Operation
 from iop_node.errors import InvalidRequest, UnknownProvider
@@ -25,36 +25,38 @@ _OPERATIONS = {
 
 def resolve(
     request: pb.RunRequest,
-    providers: Mapping[str, ProviderConfig],
+    config: ProviderConfig | None,
     *,
     loop_now: float,
     unix_now_ms: int,
-) -> tuple[ProviderConfig, ExecutionSpec]:
-    """Check and convert one run request; raises ``InvalidRequest`` (or ``UnknownProvider``)."""
-    if not request.run_id:
+) -> ExecutionSpec:
+    """Check and convert one run request; raises ``InvalidRequest`` (or ``UnknownProvider``).
+
+    ``config`` is the node's provider of ``request.provider_id``, ``None`` if it has none.
+    """
+    run_id = request.run_id
+    if not run_id:
         raise InvalidRequest("run request without a run id")
-    config = providers.get(request.provider_id)
     if config is None:
         raise UnknownProvider(f"this node has no provider {request.provider_id!r}")
-    if request.adapter and request.adapter != config.type:
+    adapter, target = request.adapter, request.target
+    if adapter and adapter != config.type:
+        raise InvalidRequest(f"provider {config.id} is of type {config.type!r}, not {adapter!r}")
+    if target not in config.models:
         raise InvalidRequest(
-            f"provider {config.id} is of type {config.type!r}, not {request.adapter!r}"
-        )
-    if request.target not in config.models:
-        raise InvalidRequest(
-            f"provider {config.id} does not serve {request.target!r} (serves {list(config.models)})"
+            f"provider {config.id} does not serve {target!r} (serves {list(config.models)})"
         )
     operation = _OPERATIONS.get(request.operation)
     if operation is None:
         raise InvalidRequest(f"unsupported operation {request.operation}")
     body = _parse_body(request.body_json)
-    body["model"] = request.target  # the edge rewrote it already; make it certain
-    return config, ExecutionSpec(
-        run_id=request.run_id,
+    body["model"] = target  # the edge rewrote it already; make it certain
+    return ExecutionSpec(
+        run_id=run_id,
         model=request.model,
         provider_id=config.id,
         adapter=config.type,
-        target=request.target,
+        target=target,
         operation=operation,
         body=body,
         stream=request.stream,
@@ -65,7 +67,7 @@ def resolve(
 
 def _parse_body(raw: bytes) -> dict[str, Any]:
     try:
-        body = json.loads(raw) if raw else {}
+        body = json_codec.loads(raw) if raw else {}
     except ValueError as exc:
         raise InvalidRequest(f"request body is not JSON: {exc}") from None
     if not isinstance(body, dict):
@@ -77,9 +79,9 @@ def _deadline(
     deadline_unix_ms: int, config: ProviderConfig, loop_now: float, unix_now_ms: int
 ) -> float:
     """The earlier of the edge's deadline and the provider's request timeout, on the loop clock."""
-    budget_s = config.request_timeout_ms / 1000 if config.request_timeout_ms else float("inf")
+    budget_s = config.request_timeout_ms / 1000 if config.request_timeout_ms else math.inf
     if deadline_unix_ms > 0:
         budget_s = min(budget_s, (deadline_unix_ms - unix_now_ms) / 1000)
-    if budget_s == float("inf"):
+    if budget_s == math.inf:
         budget_s = 24 * 3600.0  # "no timeout" still ends some day
     return loop_now + max(budget_s, 0.0)

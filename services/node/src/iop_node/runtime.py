@@ -10,6 +10,8 @@ from iop_node.domain.provider import ProviderConfig
 from iop_node.metrics import NodeMetrics
 from iop_node.ports import Adapter
 
+_STATES = tuple((state, state.value) for state in Health)
+
 
 @dataclass(eq=False)
 class ProviderRuntime:
@@ -26,10 +28,15 @@ class ProviderRuntime:
     retired: bool = False
 
     def publish(self, metrics: NodeMetrics) -> None:
-        """Copy the live counters into the metrics (called on every change)."""
-        pid = self.config.id
-        metrics.in_flight.labels(pid).set(self.gate.in_flight)
-        metrics.queued.labels(pid).set(self.gate.queued)
-        metrics.capacity.labels(pid).set(self.gate.capacity)
-        for state in Health:
-            metrics.health.labels(pid, state.value).set(1 if state is self.health.state else 0)
+        """Copy the live counters and the health into the metrics (on every change of them)."""
+        self.publish_load(metrics)
+        pid, current = self.config.id, self.health.state
+        for state, name in _STATES:
+            metrics.child(metrics.health, pid, name).set(1 if state is current else 0)
+
+    def publish_load(self, metrics: NodeMetrics) -> None:
+        """Copy the live counters only: what every run changes (its health rarely does)."""
+        pid, gate = self.config.id, self.gate
+        metrics.child(metrics.in_flight, pid).set(gate.in_flight)
+        metrics.child(metrics.queued, pid).set(gate.queued)
+        metrics.child(metrics.capacity, pid).set(gate.capacity)

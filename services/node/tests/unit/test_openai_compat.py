@@ -237,6 +237,59 @@ async def test_stream_asks_for_usage_and_keeps_other_stream_options(
     assert spec.body["stream_options"] == {"continuous_usage_stats": True}  # not mutated
 
 
+async def test_non_stream_result_bytes_travel_as_the_provider_sent_them(
+    provider: FakeProvider, http: aiohttp.ClientSession
+) -> None:
+    raw = json.dumps(CHAT_RESULT, indent=2, ensure_ascii=False).replace("hi", "héllo").encode()
+
+    async def reply(request: web.Request) -> web.StreamResponse:
+        return web.Response(body=raw, content_type="application/json")
+
+    provider.reply = reply
+    completion = await make_adapter(http, provider.url).execute(make_spec({}), Sink())
+    assert completion.result_json == raw  # not parsed and encoded again on the way out
+    assert completion.result == json.loads(raw)
+
+
+async def test_a_result_only_the_standard_parser_reads_is_kept_and_encoded_again(
+    provider: FakeProvider, http: aiohttp.ClientSession
+) -> None:
+    # NaN is no JSON (the edge's parser refuses it), but Python servers write it.
+    raw = json.dumps({**CHAT_RESULT, "x_score": float("nan")}).encode()
+    assert b"NaN" in raw
+
+    async def reply(request: web.Request) -> web.StreamResponse:
+        return web.Response(body=raw, content_type="application/json")
+
+    provider.reply = reply
+    completion = await make_adapter(http, provider.url).execute(make_spec({}), Sink())
+    assert completion.result_json == b""
+    assert completion.result is not None
+    assert completion.result["choices"] == CHAT_RESULT["choices"]
+    assert completion.usage == Usage(5, 1, 6)
+
+
+async def test_a_result_that_is_no_json_fails_clearly(
+    provider: FakeProvider, http: aiohttp.ClientSession
+) -> None:
+    async def reply(request: web.Request) -> web.StreamResponse:
+        return web.Response(body=b'{"choices": [', content_type="application/json")
+
+    provider.reply = reply
+    with pytest.raises(ProviderFailed, match="not JSON"):
+        await make_adapter(http, provider.url).execute(make_spec({}), Sink())
+
+
+async def test_values_the_fast_encoder_refuses_are_still_forwarded(
+    provider: FakeProvider, http: aiohttp.ClientSession
+) -> None:
+    body = {"messages": [{"role": "user", "content": "cut \ud83d"}], "seed": 2**70}
+    await make_adapter(http, provider.url).execute(make_spec(body), Sink())
+    sent = provider.requests[0].body
+    assert sent["seed"] == 2**70
+    assert sent["messages"] == body["messages"]
+
+
 @pytest.mark.parametrize(
     ("endpoint", "base"),
     [
@@ -497,6 +550,19 @@ async def test_error_object_mid_stream(provider: FakeProvider, http: aiohttp.Cli
             make_spec({"messages": []}, stream=True), sink
         )
     assert sink.text == "partial"
+
+
+async def test_a_chunk_only_the_standard_parser_reads_still_streams(
+    provider: FakeProvider, http: aiohttp.ClientSession
+) -> None:
+    nan_chunk = (
+        b'data: {"choices":[{"index":0,"delta":{"content":"b"},'
+        b'"logprobs":{"content":[{"logprob":-Infinity}]},"finish_reason":null}]}\n\n'
+    )
+    provider.reply = sse_reply([chunk(content="a"), nan_chunk, b"data: [DONE]\n\n"])
+    sink = Sink()
+    await make_adapter(http, provider.url).execute(make_spec({}, stream=True), sink)
+    assert sink.text == "ab"
 
 
 async def test_malformed_chunk_fails(provider: FakeProvider, http: aiohttp.ClientSession) -> None:

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from iop_node.domain.provider import ProviderConfig
-from iop_node.domain.runs import Operation
+from iop_node.domain.runs import ExecutionSpec, Operation
 from iop_node.errors import InvalidRequest, UnknownProvider
 from iop_node.router import resolve
 from iop_proto.v1 import runtime_pb2 as pb
@@ -34,9 +34,16 @@ def request(**changes: object) -> pb.RunRequest:
     return pb.RunRequest(**fields)  # type: ignore[arg-type]
 
 
+def resolve_on_p1(message: pb.RunRequest, *, loop_now: float, unix_now_ms: int) -> ExecutionSpec:
+    """What the node does: look up the provider the request names, then resolve."""
+    config = PROVIDERS.get(message.provider_id)
+    return resolve(message, config, loop_now=loop_now, unix_now_ms=unix_now_ms)
+
+
 def test_a_fitting_request_becomes_a_spec() -> None:
-    config, spec = resolve(request(), PROVIDERS, loop_now=100.0, unix_now_ms=1_000_000)
-    assert config is PROVIDERS["p1"]
+    spec = resolve_on_p1(request(), loop_now=100.0, unix_now_ms=1_000_000)
+    assert spec.provider_id == "p1"
+    assert spec.adapter == "vllm"
     assert spec.operation is Operation.CHAT_COMPLETIONS
     assert spec.body == {"model": "Qwen/Q", "messages": [], "seed": 3}
     assert spec.model == "qwen:35b"
@@ -45,9 +52,7 @@ def test_a_fitting_request_becomes_a_spec() -> None:
 
 
 def test_the_edge_deadline_wins_when_earlier() -> None:
-    _, spec = resolve(
-        request(deadline_unix_ms=1_005_000), PROVIDERS, loop_now=100.0, unix_now_ms=1_000_000
-    )
+    spec = resolve_on_p1(request(deadline_unix_ms=1_005_000), loop_now=100.0, unix_now_ms=1_000_000)
     assert spec.deadline == pytest.approx(105.0)
 
 
@@ -59,6 +64,7 @@ def test_the_edge_deadline_wins_when_earlier() -> None:
         ({"target": "qwen:35b"}, InvalidRequest, "does not serve 'qwen:35b'"),
         ({"body_json": b"{not json"}, InvalidRequest, "not JSON"),
         ({"body_json": b"[1, 2]"}, InvalidRequest, "must be a JSON object"),
+        ({"body_json": b"[" * 100_000}, InvalidRequest, "not JSON"),  # not a RecursionError
         ({"operation": pb.OPERATION_UNSPECIFIED}, InvalidRequest, "unsupported operation"),
         ({"run_id": ""}, InvalidRequest, "without a run id"),
     ],
@@ -67,10 +73,25 @@ def test_requests_that_do_not_fit_are_refused(
     changes: dict[str, object], error: type[Exception], message: str
 ) -> None:
     with pytest.raises(error, match=message):
-        resolve(request(**changes), PROVIDERS, loop_now=0.0, unix_now_ms=0)
+        resolve_on_p1(request(**changes), loop_now=0.0, unix_now_ms=0)
 
 
 def test_model_in_the_body_is_the_target() -> None:
     body = json.dumps({"model": "qwen:35b", "messages": []}).encode()
-    _, spec = resolve(request(body_json=body), PROVIDERS, loop_now=0.0, unix_now_ms=0)
+    spec = resolve_on_p1(request(body_json=body), loop_now=0.0, unix_now_ms=0)
     assert spec.body["model"] == "Qwen/Q"
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        # What the fast parser refuses but the standard one reads, as the node always did.
+        (b'\xef\xbb\xbf{"seed": 1}', {"seed": 1}),
+        ('{"seed": 1}'.encode("utf-16"), {"seed": 1}),
+        (b'{"messages": [{"content": "cut \\ud83d"}]}', {"messages": [{"content": "cut \ud83d"}]}),
+        (b'{"seed": -9223372036854775808}', {"seed": -(2**63)}),
+    ],
+)
+def test_bodies_only_the_standard_parser_reads_still_run(raw: bytes, expected: object) -> None:
+    spec = resolve_on_p1(request(body_json=raw), loop_now=0.0, unix_now_ms=0)
+    assert spec.body == {**expected, "model": "Qwen/Q"}  # type: ignore[dict-item]

@@ -25,6 +25,7 @@ from typing import Any
 
 import aiohttp
 
+from iop_node import json_codec
 from iop_node.adapters.ollama_request import chat_payload, embed_payload, generate_payload
 from iop_node.domain.health import ProbeResult
 from iop_node.domain.provider import ProviderConfig
@@ -245,7 +246,7 @@ async def _status_failure(response: aiohttp.ClientResponse, path: str) -> RunFai
 def _parse(raw: bytes) -> dict[str, Any]:
     """One JSON object; an ``{"error": ...}`` object (Ollama's way, even mid-stream) raises."""
     try:
-        value = json.loads(raw)
+        value = json_codec.loads(raw)  # one per streamed line: the fast parser first
     except ValueError as exc:
         raise ProviderFailed(f"ollama sent invalid JSON: {raw[:100]!r}") from exc
     if not isinstance(value, dict):

@@ -19,7 +19,9 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 import aiohttp
+import orjson
 
+from iop_node import json_codec
 from iop_node.adapters.sse import iter_sse_data
 from iop_node.domain.health import ProbeResult
 from iop_node.domain.provider import ProviderConfig
@@ -135,6 +137,7 @@ class OpenAICompatAdapter:
                 self._headers["Authorization"] = f"Bearer {key}"
             else:
                 self._key_problem = f"api_key_env {key_env} is not set in the node's environment"
+        self._post_headers = {**self._headers, "Content-Type": "application/json"}
 
     @property
     def name(self) -> str:
@@ -185,11 +188,14 @@ class OpenAICompatAdapter:
 
     async def _execute(self, spec: ExecutionSpec, sink: EventSink) -> Completion:
         url = self._base + _PATHS[spec.operation]
-        data = json.dumps(self._payload(spec), ensure_ascii=False, separators=(",", ":")).encode()
-        headers = {**self._headers, "Content-Type": "application/json"}
+        data = json_codec.dumps(self._payload(spec))
         try:
             response = await self._http.post(
-                url, data=data, headers=headers, timeout=_RUN_TIMEOUT, raise_for_status=False
+                url,
+                data=data,
+                headers=self._post_headers,
+                timeout=_RUN_TIMEOUT,
+                raise_for_status=False,
             )
         except aiohttp.ClientError as exc:
             # No response at all: refused, DNS, TLS, reset or connect timeout.
@@ -247,7 +253,7 @@ async def _read_stream(
     async with contextlib.aclosing(iter_sse_data(response)) as events:
         async for data in events:
             try:
-                chunk = json.loads(data)
+                chunk = json_codec.loads(data)
             except ValueError:
                 raise ProviderFailed(f"malformed stream chunk: {_tail(data)}") from None
             if not isinstance(chunk, dict):
@@ -284,9 +290,11 @@ def _choice_delta(choice: Any, text_mode: bool) -> Delta | None:
     text = _str(body.get("content"))
     role = _str(body.get("role"))
     reasoning = _str(body.get("reasoning_content")) or _str(body.get("reasoning"))
-    calls = body.get("tool_calls") or ()
-    tool_calls = tuple(
-        _tool_call(call, i) for i, call in enumerate(calls) if isinstance(call, dict)
+    calls = body.get("tool_calls")
+    tool_calls = (
+        tuple(_tool_call(call, i) for i, call in enumerate(calls) if isinstance(call, dict))
+        if calls
+        else ()  # most chunks: no generator to build and run for nothing
     )
     if not (text or role or reasoning or tool_calls or finish):
         return None
@@ -315,10 +323,18 @@ def _tool_call(call: dict[str, Any], position: int) -> ToolCallDelta:
 
 
 def _read_result(body: bytes, operation: Operation) -> Completion:
+    """The provider's answer to a non-streamed run; its own bytes travel on when they can."""
     try:
-        result = json.loads(body)
-    except ValueError:
-        raise ProviderFailed(f"response is not JSON: {_tail(body)}") from None
+        result = orjson.loads(body)
+        exact = True
+    except orjson.JSONDecodeError:
+        # What only the standard parser reads (a BOM, NaN ...) is re-encoded on the way
+        # out: the edge's parser must be able to read what the node forwards.
+        try:
+            result = json_codec.loads(body)
+        except ValueError:
+            raise ProviderFailed(f"response is not JSON: {_tail(body)}") from None
+        exact = False
     if not isinstance(result, dict):
         raise ProviderFailed(f"response is not a JSON object: {_tail(body)}")
     if "error" in result:
@@ -328,7 +344,12 @@ def _read_result(body: bytes, operation: Operation) -> Completion:
         choices = result.get("choices")
         if choices and isinstance(choices[0], dict):
             finish = _str(choices[0].get("finish_reason"))
-    return Completion(finish_reason=finish, usage=_usage(result.get("usage")), result=result)
+    return Completion(
+        finish_reason=finish,
+        usage=_usage(result.get("usage")),
+        result=result,
+        result_json=body if exact else b"",
+    )
 
 
 def _usage(value: Any) -> Usage | None:

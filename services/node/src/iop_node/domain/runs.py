@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from iop_node.domain.record import record
+
 
 class Operation(StrEnum):
     CHAT_COMPLETIONS = "chat_completions"
@@ -18,7 +20,7 @@ class Operation(StrEnum):
     EMBEDDINGS = "embeddings"
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class ExecutionSpec:
     """Everything an adapter needs to run one request on its provider.
 
@@ -40,7 +42,7 @@ class ExecutionSpec:
     deadline: float
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -51,7 +53,7 @@ class Usage:
         return cls(prompt, completion, prompt + completion)
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class ToolCallDelta:
     index: int
     id: str = ""
@@ -60,7 +62,7 @@ class ToolCallDelta:
     function_arguments: str = ""
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Delta:
     """A piece of a streamed answer (one SSE chunk's worth)."""
 
@@ -73,19 +75,22 @@ class Delta:
     usage: Usage | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Completion:
     """How a run ended well: returned by ``Adapter.execute``.
 
     For a non-streaming run ``result`` is the OpenAI-shaped response body
     (``chat.completion``, ``text_completion`` or the embeddings ``list``) with the
     provider's fields kept; for a streaming run it is ``None`` (the deltas were
-    the answer).
+    the answer). ``result_json``, when not empty, is ``result`` exactly as the
+    provider encoded it: it is forwarded as is instead of encoding ``result``
+    again, so nothing may change ``result`` once it is set.
     """
 
     finish_reason: str = ""
     usage: Usage | None = None
     result: dict[str, Any] | None = None
+    result_json: bytes = b""
 
 
 @dataclass(slots=True)

@@ -60,14 +60,14 @@ class ConnectionChannel:
             raise RunCancelled("the edge connection is gone") from exc
 
     async def started(self, provider_id: str, target: str, queue_wait_ms: int) -> None:
-        start = pb.RunStart(provider_id=provider_id, target=target, queue_wait_ms=queue_wait_ms)
+        start = {"provider_id": provider_id, "target": target, "queue_wait_ms": queue_wait_ms}
         self._start = self._number(pb.RunEvent(start=start))
 
     async def delta(self, delta: Delta) -> None:
-        await self._send(pb.RunEvent(delta=wire.run_delta(delta)), defer=True)
+        await self._send(wire.delta_event(delta), defer=True)
 
     async def completed(self, completion: Completion) -> None:
-        await self._send(pb.RunEvent(complete=wire.run_complete(completion)))
+        await self._send(wire.complete_event(completion))
 
     async def failed(self, code: int, message: str, provider_status: int) -> None:
         error = pb.RunError(code=code, message=message, provider_status=provider_status)  # type: ignore[arg-type]

@@ -1,0 +1,220 @@
+"""RunExecutor with small fakes: the events, the history rows and the metrics of one run."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from iop_node.domain.admission import AdmissionGate
+from iop_node.domain.health import Health, ProbeResult
+from iop_node.domain.provider import ProviderConfig
+from iop_node.domain.runs import Completion, Delta, ExecutionSpec, Operation, Usage
+from iop_node.errors import ProviderUnavailable, RunFailure
+from iop_node.executor import RunExecutor
+from iop_node.metrics import NodeMetrics
+from iop_node.ports import EventSink, LifecycleFlags, RunRecord
+from iop_node.runtime import ProviderRuntime
+
+CONFIG = ProviderConfig(id="p1", type="fake", models=("m",), capacity=1, max_queue=0)
+
+
+@dataclass
+class History:
+    started: list[RunRecord] = field(default_factory=list)
+    completed: list[RunRecord] = field(default_factory=list)
+    a_run_started: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def run_started(self, record: RunRecord) -> None:
+        self.started.append(record)
+        self.a_run_started.set()
+
+    async def complete_run(self, record: RunRecord) -> None:
+        self.completed.append(record)
+
+    async def recent(self, limit: int) -> list[RunRecord]:
+        return []
+
+
+@dataclass
+class Channel:
+    events: list[tuple[object, ...]] = field(default_factory=list)
+
+    async def started(self, provider_id: str, target: str, queue_wait_ms: int) -> None:
+        self.events.append(("started", provider_id, target, queue_wait_ms))
+
+    async def delta(self, delta: Delta) -> None:
+        self.events.append(("delta", delta.text))
+
+    async def completed(self, completion: Completion) -> None:
+        self.events.append(("completed", completion.finish_reason))
+
+    async def failed(self, code: int, message: str, provider_status: int) -> None:
+        self.events.append(("failed", code, message))
+
+
+@dataclass
+class Adapter:
+    """Streams ``texts``, then returns ``completion`` or raises ``failure``."""
+
+    texts: tuple[str, ...] = ()
+    completion: Completion = field(default_factory=Completion)
+    failure: RunFailure | None = None
+    gate: asyncio.Event | None = None
+
+    @property
+    def name(self) -> str:
+        return "fake"
+
+    def capabilities(self) -> LifecycleFlags:
+        return LifecycleFlags()
+
+    async def probe(self) -> ProbeResult:
+        return ProbeResult(ok=True)
+
+    async def aclose(self) -> None:
+        pass
+
+    async def execute(self, spec: ExecutionSpec, sink: EventSink) -> Completion:
+        if self.gate is not None:
+            await self.gate.wait()
+        for text in self.texts:
+            await sink.delta(Delta(text=text))
+        if self.failure is not None:
+            raise self.failure
+        return self.completion
+
+
+@dataclass
+class Setup:
+    history: History
+    metrics: NodeMetrics
+    registry: CollectorRegistry
+    runtime: ProviderRuntime
+    executor: RunExecutor
+
+    def value(self, name: str, **labels: str) -> float | None:
+        return self.registry.get_sample_value(name, {"provider": "p1", **labels})
+
+
+def setup(adapter: Adapter) -> Setup:
+    registry = CollectorRegistry()
+    metrics = NodeMetrics.create(registry)
+    history = History()
+    runtime = ProviderRuntime(CONFIG, adapter, AdmissionGate("p1", 1, 0))
+    runtime.publish(metrics)
+    return Setup(history, metrics, registry, runtime, RunExecutor(history, metrics, lambda: None))
+
+
+def spec(run_id: str = "r1", *, stream: bool = True) -> ExecutionSpec:
+    return ExecutionSpec(
+        run_id=run_id,
+        model="public",
+        provider_id="p1",
+        adapter="fake",
+        target="m",
+        operation=Operation.CHAT_COMPLETIONS,
+        body={"model": "m"},
+        stream=stream,
+        include_usage=True,
+        deadline=asyncio.get_running_loop().time() + 10,
+    )
+
+
+async def test_a_completed_run_its_events_history_and_metrics() -> None:
+    adapter = Adapter(texts=("a", "b"), completion=Completion("stop", Usage(3, 2, 5)))
+    s = setup(adapter)
+    channel = Channel()
+    await s.executor.execute_run(s.runtime, spec(), channel)
+
+    assert channel.events == [
+        ("started", "p1", "m", 0),
+        ("delta", "a"),
+        ("delta", "b"),
+        ("completed", "stop"),
+    ]
+    (started,) = s.history.started
+    (final,) = s.history.completed
+    assert started == RunRecord(
+        "r1",
+        "public",
+        "p1",
+        "m",
+        "chat_completions",
+        True,
+        "running",
+        received_ms=started.received_ms,
+        started_ms=started.started_ms,
+    )
+    assert 0 < started.received_ms <= started.started_ms
+    assert final.outcome == "completed"
+    assert (final.error_code, final.error_message) == ("", "")
+    assert (final.received_ms, final.started_ms) == (started.received_ms, started.started_ms)
+    assert started.started_ms <= final.first_token_ms <= final.finished_ms
+    assert (final.prompt_tokens, final.completion_tokens) == (3, 2)
+
+    assert s.value("iop_node_runs_total", outcome="completed", code="ok") == 1
+    assert s.value("iop_node_tokens_total", kind="prompt") == 3
+    assert s.value("iop_node_tokens_total", kind="completion") == 2
+    assert s.value("iop_node_queue_wait_seconds_count") == 1
+    assert s.value("iop_node_service_seconds_count") == 1
+    assert s.value("iop_node_provider_in_flight") == 0
+    assert s.value("iop_node_provider_health", state="unknown") == 1
+
+
+async def test_an_unreachable_provider_fails_the_run_and_is_published_unavailable() -> None:
+    s = setup(Adapter(failure=ProviderUnavailable("connection refused")))
+    channel = Channel()
+    await s.executor.execute_run(s.runtime, spec(), channel)
+
+    assert [e[0] for e in channel.events] == ["started", "failed"]
+    (final,) = s.history.completed
+    assert (final.outcome, final.error_code) == ("failed", "provider_unavailable")
+    assert final.error_message == "connection refused"
+    assert final.first_token_ms == 0
+    assert s.runtime.health.state is Health.UNAVAILABLE
+    assert s.value("iop_node_provider_health", state="unavailable") == 1
+    assert s.value("iop_node_provider_health", state="unknown") == 0
+    assert s.value("iop_node_runs_total", outcome="failed", code="provider_unavailable") == 1
+    assert s.value("iop_node_tokens_total", kind="prompt") is None
+
+
+async def test_a_run_refused_by_a_full_queue_never_started() -> None:
+    gate = asyncio.Event()
+    s = setup(Adapter(gate=gate))
+    first = asyncio.create_task(s.executor.execute_run(s.runtime, spec("r1"), Channel()))
+    await s.history.a_run_started.wait()
+    channel = Channel()
+    await s.executor.execute_run(s.runtime, spec("r2"), channel)  # capacity 1, no queue
+    gate.set()
+    await first
+
+    assert [e[0] for e in channel.events] == ["failed"]
+    assert [r.run_id for r in s.history.started] == ["r1"]
+    rejected = next(r for r in s.history.completed if r.run_id == "r2")
+    assert (rejected.outcome, rejected.error_code) == ("rejected", "queue_full")
+    assert rejected.started_ms == 0
+    assert rejected.finished_ms >= rejected.received_ms > 0
+    assert s.value("iop_node_runs_total", outcome="rejected", code="queue_full") == 1
+    assert s.value("iop_node_service_seconds_count") == 1  # r1 only
+
+
+async def test_a_cancelled_run_is_recorded_and_reraises() -> None:
+    gate = asyncio.Event()
+    s = setup(Adapter(gate=gate))
+    channel = Channel()
+    task = asyncio.create_task(s.executor.execute_run(s.runtime, spec(), channel))
+    await s.history.a_run_started.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    (final,) = s.history.completed
+    assert (final.outcome, final.error_code, final.error_message) == (
+        "cancelled",
+        "cancelled",
+        "cancelled",
+    )
+    assert s.runtime.gate.in_flight == 0
+    assert s.value("iop_node_provider_in_flight") == 0
