@@ -15,8 +15,6 @@ import secrets
 import time
 from collections.abc import Iterable
 
-import orjson
-
 from iop_edge.domain.fleet import Fleet, ModelEntry, Operation
 from iop_edge.domain.pool import (
     AVAILABLE,
@@ -31,6 +29,7 @@ from iop_edge.errors import ModelNotFound, NoProviderAvailable, QueueFull, Queue
 from iop_edge.metrics import EdgeMetrics
 from iop_edge.ports import RunSpec
 from iop_edge.runs import EdgeRun, NodeLink
+from iop_proto import json_codec
 from iop_proto.v1 import runtime_pb2 as pb
 
 _OPERATIONS = {
@@ -214,7 +213,7 @@ class Dispatcher:
             adapter=entry.type,
             target=served,
             operation=_OPERATIONS[spec.operation],
-            body_json=orjson.dumps(body),
+            body_json=json_codec.dumps(body),
             stream=spec.stream,
             deadline_unix_ms=int(time.time() * 1000) + timeout_ms,
             include_usage=spec.include_usage,

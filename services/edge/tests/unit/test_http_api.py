@@ -682,14 +682,14 @@ async def test_unknown_params_reach_the_run_spec_untouched(
         logprobs=True,
         top_logprobs=2,
         response_format={"type": "json_schema", "json_schema": {"name": "x", "strict": True}},
-        vendor_extension={"top_k": 40, "ids": [1, 2, 3], "big": 12345678901234567890},
+        vendor_extension={"top_k": 40, "ids": [1, 2, 3], "big": 12345678901234567890 * 10**9},
         temperature=0.25,
     )
     async with http.post(f"{edge.url}/v1/chat/completions", json=body) as response:
         assert response.status == 200
     (spec,) = edge.service.specs
     assert spec.body == body
-    assert type(spec.body["vendor_extension"]["big"]) is int
+    assert type(spec.body["vendor_extension"]["big"]) is int  # past 64 bits: kept exact
     assert (spec.model, spec.stream, spec.include_usage) == (CHAT, False, False)
 
 

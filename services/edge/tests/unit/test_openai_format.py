@@ -88,6 +88,20 @@ def test_render_result_replaces_only_the_model() -> None:
     assert json.loads(body) == {**provider, "model": "public"}
 
 
+def test_a_result_only_the_standard_parser_reads_is_rendered_whole() -> None:
+    # Python servers write NaN; 2**70 and a cut emoji are legal JSON orjson cannot take.
+    raw = b'{"model": "served", "big": 1180591620717411303424, "s": "\\ud83d", "x": NaN}'
+    body = render_result(
+        Operation.CHAT_COMPLETIONS,
+        pb.RunComplete(result_json=raw),
+        [],
+        run_id="r",
+        model="public",
+        created=5,
+    )
+    assert json.loads(body) == {"model": "public", "big": 2**70, "s": "\ud83d", "x": None}
+
+
 @pytest.mark.parametrize("raw", [b"not json", b"[1]"])
 def test_a_broken_provider_result_is_a_provider_failure(raw: bytes) -> None:
     with pytest.raises(ProviderFailed):

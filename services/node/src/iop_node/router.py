@@ -10,10 +10,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from iop_node import json_codec
 from iop_node.domain.provider import ProviderConfig
 from iop_node.domain.runs import ExecutionSpec, Operation
 from iop_node.errors import InvalidRequest, UnknownProvider
+from iop_proto import json_codec
 from iop_proto.v1 import runtime_pb2 as pb
 
 _OPERATIONS = {

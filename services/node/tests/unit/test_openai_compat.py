@@ -251,10 +251,10 @@ async def test_non_stream_result_bytes_travel_as_the_provider_sent_them(
     assert completion.result == json.loads(raw)
 
 
-async def test_a_result_only_the_standard_parser_reads_is_kept_and_encoded_again(
+async def test_a_result_only_the_standard_parser_reads_is_forwarded_as_it_came(
     provider: FakeProvider, http: aiohttp.ClientSession
 ) -> None:
-    # NaN is no JSON (the edge's parser refuses it), but Python servers write it.
+    # NaN is no JSON, but Python servers write it; the edge's codec reads it as json does.
     raw = json.dumps({**CHAT_RESULT, "x_score": float("nan")}).encode()
     assert b"NaN" in raw
 
@@ -263,7 +263,7 @@ async def test_a_result_only_the_standard_parser_reads_is_kept_and_encoded_again
 
     provider.reply = reply
     completion = await make_adapter(http, provider.url).execute(make_spec({}), Sink())
-    assert completion.result_json == b""
+    assert completion.result_json == raw
     assert completion.result is not None
     assert completion.result["choices"] == CHAT_RESULT["choices"]
     assert completion.usage == Usage(5, 1, 6)

@@ -11,12 +11,12 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any, Final
 
-import orjson
 from aiohttp import web
 
 from iop_edge.domain.fleet import Operation
 from iop_edge.entrypoints.openai_errors import RequestTooLarge
 from iop_edge.errors import InvalidRequest
+from iop_proto import json_codec
 
 OFFLOAD_BYTES: Final = 256 * 1024
 """JSON larger than this is parsed in a worker thread: a multi-megabyte body (images,
@@ -108,6 +108,5 @@ def _optional_bool(container: dict[str, Any], field: str, param: str) -> bool:
 
 
 def _parse(raw: bytes) -> Any:
-    # orjson: strict JSON (NaN, Infinity and integers past 64 bits are refused here
-    # rather than by a provider later), and several times the stdlib's speed.
-    return orjson.loads(raw)
+    # NaN and Infinity are not JSON: refused here rather than by a provider later.
+    return json_codec.loads(raw, allow_nan=False)

@@ -5,8 +5,9 @@ public model id) is serialised once when the stream starts. The common token (a
 plain text fragment of choice 0) is then written into a byte template with only
 its string JSON-escaped (the C string encoder: well under a microsecond);
 anything else (role, tool calls, reasoning, finish) goes through a small dict
-and orjson (the C encoder; the whole results of non-streamed runs go through it
-too). Nothing here does I/O, so every function can be tested on its own.
+and ``iop_proto.json_codec`` (orjson, the C encoder; the whole results of
+non-streamed runs go through it too). Nothing here does I/O, so every function
+can be tested on its own.
 
 The client only ever sees the PUBLIC model id: chunks are built here from
 deltas, and a provider's whole result has its ``model`` replaced.
@@ -18,10 +19,9 @@ import json
 from collections.abc import Iterable
 from typing import Any, Final
 
-import orjson
-
 from iop_edge.domain.fleet import Operation
 from iop_edge.errors import ProviderFailed
+from iop_proto import json_codec
 from iop_proto.v1 import runtime_pb2 as pb
 
 DONE: Final = b"data: [DONE]\n\n"
@@ -35,12 +35,12 @@ _ENCODER: Final = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
 
 def json_bytes(value: Any) -> bytes:
     """Compact JSON, UTF-8 kept as is (``ensure_ascii`` would triple non-Latin text)."""
-    return orjson.dumps(value)
+    return json_codec.dumps(value)
 
 
 def dumps(value: Any) -> str:
     """``json_bytes`` as text, for callers that store it as such."""
-    return orjson.dumps(value).decode()
+    return json_codec.dumps(value).decode()
 
 
 def sse_event(payload: dict[str, Any]) -> bytes:
@@ -199,8 +199,8 @@ def render_result(
     """
     if complete.result_json:
         try:
-            result = orjson.loads(complete.result_json)
-        except orjson.JSONDecodeError:
+            result = json_codec.loads(complete.result_json)
+        except ValueError:
             raise ProviderFailed("the provider's result is not JSON") from None
         if not isinstance(result, dict):
             raise ProviderFailed("the provider's result is not a JSON object")

@@ -25,7 +25,6 @@ from typing import Any
 
 import aiohttp
 
-from iop_node import json_codec
 from iop_node.adapters.ollama_request import chat_payload, embed_payload, generate_payload
 from iop_node.domain.health import ProbeResult
 from iop_node.domain.provider import ProviderConfig
@@ -39,6 +38,7 @@ from iop_node.errors import (
     RunFailure,
 )
 from iop_node.ports import AdapterContext, EventSink, LifecycleFlags
+from iop_proto import json_codec
 
 PROBE_TIMEOUT_S = 2.0
 MAX_LINE_BYTES = 16 * 1024 * 1024

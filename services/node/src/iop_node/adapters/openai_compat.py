@@ -19,9 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 import aiohttp
-import orjson
 
-from iop_node import json_codec
 from iop_node.adapters.sse import iter_sse_data
 from iop_node.domain.health import ProbeResult
 from iop_node.domain.provider import ProviderConfig
@@ -35,6 +33,7 @@ from iop_node.errors import (
     RunFailure,
 )
 from iop_node.ports import Adapter, AdapterContext, AdapterFactory, EventSink, LifecycleFlags
+from iop_proto import json_codec
 
 PROBE_TIMEOUT_S: Final = 2.0
 CONNECT_TIMEOUT_S: Final = 10.0
@@ -323,18 +322,11 @@ def _tool_call(call: dict[str, Any], position: int) -> ToolCallDelta:
 
 
 def _read_result(body: bytes, operation: Operation) -> Completion:
-    """The provider's answer to a non-streamed run; its own bytes travel on when they can."""
+    """The provider's answer to a non-streamed run; its own bytes travel on to the edge."""
     try:
-        result = orjson.loads(body)
-        exact = True
-    except orjson.JSONDecodeError:
-        # What only the standard parser reads (a BOM, NaN ...) is re-encoded on the way
-        # out: the edge's parser must be able to read what the node forwards.
-        try:
-            result = json_codec.loads(body)
-        except ValueError:
-            raise ProviderFailed(f"response is not JSON: {_tail(body)}") from None
-        exact = False
+        result = json_codec.loads(body)
+    except ValueError:
+        raise ProviderFailed(f"response is not JSON: {_tail(body)}") from None
     if not isinstance(result, dict):
         raise ProviderFailed(f"response is not a JSON object: {_tail(body)}")
     if "error" in result:
@@ -348,7 +340,7 @@ def _read_result(body: bytes, operation: Operation) -> Completion:
         finish_reason=finish,
         usage=_usage(result.get("usage")),
         result=result,
-        result_json=body if exact else b"",
+        result_json=body,  # forwarded as it came: the edge's codec reads what json reads
     )
 
 

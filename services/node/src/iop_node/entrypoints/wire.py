@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from iop_node import json_codec
 from iop_node.domain.health import Health
 from iop_node.domain.provider import ProviderConfig
 from iop_node.domain.runs import Completion, Delta, Usage
 from iop_node.node import ProviderStatus
+from iop_proto import json_codec
 from iop_proto.v1 import runtime_pb2 as pb
 
 _HEALTH = {
