@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -15,7 +16,7 @@ from iop_proto.errors import (
     ShortRead,
     UnparsableFrame,
 )
-from iop_proto.framing import HEADER, decode_payload, encode_frame, read_frame
+from iop_proto.framing import HEADER, FrameBuffer, decode_payload, encode_frame, read_frame
 from iop_proto.v1 import runtime_pb2 as pb
 
 MAX = 64 * 1024
@@ -123,3 +124,46 @@ def test_decode_payload_never_raises_anything_else(payload: bytes) -> None:
     except UnparsableFrame:
         return
     assert envelope.WhichOneof("body") is not None
+
+
+@settings(max_examples=200)
+@given(
+    texts=st.lists(st.text(max_size=300), min_size=1, max_size=8),
+    cuts=st.lists(st.integers(min_value=0, max_value=4000), max_size=12),
+)
+def test_frame_buffer_cuts_the_same_frames_however_the_bytes_arrive(
+    texts: list[str], cuts: list[int]
+) -> None:
+    stream = b"".join(valid_frame(text) for text in texts)
+    bounds = sorted({0, len(stream), *(c for c in cuts if c < len(stream))})
+    buffer = FrameBuffer(MAX)
+    got: list[str] = []
+    for start, end in itertools.pairwise(bounds):
+        buffer.feed(stream[start:end])
+        while (envelope := buffer.next_frame()) is not None:
+            got.append(envelope.run_event.delta.text)
+    assert got == texts
+    assert isinstance(buffer.end_of_stream(), ConnectionClosed)  # nothing left over
+
+
+def test_frame_buffer_judges_the_length_before_the_payload_and_names_short_reads() -> None:
+    too_long = FrameBuffer(MAX)
+    too_long.feed(HEADER.pack(MAX + 1))
+    with pytest.raises(FrameTooLarge):
+        too_long.next_frame()
+
+    half = FrameBuffer(MAX)
+    frame = valid_frame("x" * 50)
+    half.feed(frame[:2])
+    assert (half.next_frame(), half.in_frame) == (None, False)
+    assert isinstance(half.end_of_stream(), ShortRead)  # inside the header
+    half.feed(frame[2:10])
+    assert (half.next_frame(), half.in_frame, half.frame_length) == (None, True, len(frame) - 4)
+    short = half.end_of_stream()
+    assert isinstance(short, ShortRead)
+    assert str(len(frame)) in str(short)  # the frame's whole size is named
+
+    garbage = FrameBuffer(MAX)
+    garbage.feed(HEADER.pack(3) + b"\xff\xff\xff" + valid_frame())
+    with pytest.raises(UnparsableFrame):
+        garbage.next_frame()

@@ -28,10 +28,9 @@ from iop_proto.errors import ConnectionClosed, HeartbeatTimeout, ProtocolError
 from iop_proto.framing import (
     DEFAULT_FRAME_READ_TIMEOUT,
     DEFAULT_MAX_FRAME_SIZE,
+    FrameBuffer,
     FrameReadTimeout,
     encode_frame,
-    read_header,
-    read_payload,
 )
 from iop_proto.tls import PeerIdentity, peer_identity
 from iop_proto.v1 import runtime_pb2 as pb
@@ -39,6 +38,7 @@ from iop_proto.v1 import runtime_pb2 as pb
 DEFAULT_HEARTBEAT_INTERVAL = 30.0
 DEFAULT_MISSED_HEARTBEATS = 3
 _CLOSE_TIMEOUT = 2.0
+READ_SIZE = 64 * 1024  # per read: whatever has arrived, up to this
 
 
 def error_body(code: int, message: str, run_id: str = "") -> pb.Error:
@@ -85,6 +85,8 @@ class Connection:
         self._frame_expired = False
         self._frame_watchdog: asyncio.TimerHandle | None = None
         self._deferred: list[bytes] = []  # encoded frames waiting for the flush
+        self._frames = FrameBuffer(max_frame_size)
+        self._frame_started: float | None = None  # when the incomplete frame's header came
 
     # ------------------------------------------------------------ lifetime
 
@@ -234,34 +236,54 @@ class Connection:
             return envelope
 
     async def _read_frame(self) -> pb.Envelope:
-        """One frame; its payload must follow its header within ``frame_read_timeout``.
+        """The next frame: one already read, or cut from what the stream delivers next.
 
-        An ``asyncio.timeout`` per frame costs more than reading a small frame, so
+        One ``read`` takes whatever has arrived, often several frames (a batch of
+        tokens, a run's start with its end), and ``FrameBuffer`` cuts them out: no
+        two exact-size reads per frame. A frame's payload must follow its header
+        within ``frame_read_timeout`` (``_read_rest_of_frame``).
+        """
+        frames = self._frames
+        while True:
+            envelope = frames.next_frame()
+            if envelope is not None:
+                self._frame_started = None
+                return envelope
+            if frames.in_frame and self.frame_read_timeout:
+                data = await self._read_rest_of_frame(self.frame_read_timeout)
+            else:
+                data = await self._reader.read(READ_SIZE)
+            if not data:
+                raise frames.end_of_stream()
+            frames.feed(data)
+
+    async def _read_rest_of_frame(self, timeout_s: float) -> bytes:
+        """Read on while a frame is incomplete, until ``timeout_s`` after its header came.
+
+        An ``asyncio.timeout`` per read costs more than reading a small frame, so
         one watchdog timer per connection is armed lazily instead and, when it fires,
         re-armed for the frame then in progress (if any); most frames arrive whole
         and the watchdog rarely exists. It cancels a late read, and the cancel is
         turned into ``FrameReadTimeout`` here, the way ``asyncio.timeout`` does it.
         """
-        length = await read_header(self._reader, self.max_frame_size)
-        timeout_s = self.frame_read_timeout
-        if not timeout_s:
-            return await read_payload(self._reader, length)
         loop = self._loop
         if loop is None:
             loop = self._loop = asyncio.get_running_loop()
+        if self._frame_started is None:
+            self._frame_started = loop.time()
         task = asyncio.current_task(loop)  # with the loop: a third of the cost without
         assert task is not None  # receive() always runs in a task
-        self._frame_deadline = deadline = loop.time() + timeout_s
+        self._frame_deadline = deadline = self._frame_started + timeout_s
         self._frame_task = task
         self._frame_cancelling = task.cancelling()
         if self._frame_watchdog is None:
             self._frame_watchdog = loop.call_at(deadline, self._frame_overdue)
         try:
-            return await read_payload(self._reader, length)
+            return await self._reader.read(READ_SIZE)
         except asyncio.CancelledError:
             # The watchdog's cancel becomes the typed fault; anyone else's stays a cancel.
             if self._frame_expired and task.uncancel() <= self._frame_cancelling:
-                raise FrameReadTimeout(length, timeout_s) from None
+                raise FrameReadTimeout(self._frames.frame_length, timeout_s) from None
             raise
         finally:
             self._frame_deadline = None

@@ -2,9 +2,10 @@
 
 Kept to one small module so every service reads and writes frames identically.
 The maximum frame size is checked against the length prefix *before* reading the
-payload, so a hostile length never makes us allocate or wait for it. Reading is
-split into header and payload so a ``Connection`` can bound the time between
-the two (``FrameReadTimeout``): a peer must not hold half a frame forever.
+payload, so a hostile length never makes us allocate or wait for it. A
+``Connection`` cuts frames out of what it reads (``FrameBuffer``) and bounds the
+time from a frame's header to its last byte (``FrameReadTimeout``): a peer must
+not hold half a frame forever. ``read_frame`` reads one frame from a stream.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ HEADER = struct.Struct(">I")
 DEFAULT_MAX_FRAME_SIZE = 16 * 1024 * 1024
 DEFAULT_FRAME_READ_TIMEOUT = 30.0
 """Seconds a frame's payload may take once its header arrived (16 MiB at ~0.5 MiB/s)."""
+COMPACT_AFTER = 1024 * 1024  # consumed bytes a FrameBuffer keeps before moving the rest
 
 
 class FrameReadTimeout(ProtocolError, TimeoutError):
@@ -67,6 +69,74 @@ def decode_payload(payload: bytes) -> pb.Envelope:
     if envelope.WhichOneof("body") is None:
         raise UnparsableFrame(f"payload of {len(payload)} bytes carries no message body")
     return envelope
+
+
+class FrameBuffer:
+    """Bytes as a stream delivered them, cut into frames.
+
+    A ``Connection`` reads whatever has arrived (one ``read``, often several frames:
+    a batch of tokens, a start with its run's end) and takes the frames out here,
+    instead of two exact-size reads per frame. The length prefix is still checked
+    before any payload is waited for.
+    """
+
+    __slots__ = ("_data", "_max_frame_size", "_pos")
+
+    def __init__(self, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE) -> None:
+        self._data = bytearray()
+        self._pos = 0  # where the next frame starts in _data
+        self._max_frame_size = max_frame_size
+
+    def feed(self, data: bytes) -> None:
+        if self._pos == len(self._data):  # all consumed: start over, nothing to move
+            self._data.clear()
+            self._pos = 0
+        elif self._pos > COMPACT_AFTER:
+            del self._data[: self._pos]
+            self._pos = 0
+        self._data += data
+
+    def next_frame(self) -> pb.Envelope | None:
+        """The next whole frame's envelope, or ``None`` until more bytes arrive.
+
+        Raises ``FrameTooLarge`` as soon as a length prefix is over the maximum and
+        ``UnparsableFrame`` for a payload that is no envelope.
+        """
+        data, pos = self._data, self._pos
+        if len(data) - pos < HEADER.size:
+            return None
+        (length,) = HEADER.unpack_from(data, pos)
+        if length > self._max_frame_size:
+            raise FrameTooLarge(length, self._max_frame_size)
+        end = pos + HEADER.size + length
+        if len(data) < end:
+            return None
+        with memoryview(data) as view:
+            payload = bytes(view[pos + HEADER.size : end])
+        self._pos = end
+        return decode_payload(payload)
+
+    @property
+    def in_frame(self) -> bool:
+        """A frame's header is here but not all of its payload (the timed part)."""
+        return len(self._data) - self._pos >= HEADER.size
+
+    @property
+    def frame_length(self) -> int:
+        """The payload length of the frame in progress (0 without a whole header)."""
+        if not self.in_frame:
+            return 0
+        return int(HEADER.unpack_from(self._data, self._pos)[0])
+
+    def end_of_stream(self) -> ProtocolError | ConnectionClosed:
+        """What the stream ending now means: a clean close between frames, or a short read."""
+        held = len(self._data) - self._pos
+        if held == 0:
+            return ConnectionClosed("peer closed the connection")
+        if held < HEADER.size:
+            return ShortRead(HEADER.size, held)
+        (length,) = HEADER.unpack_from(self._data, self._pos)
+        return ShortRead(HEADER.size + length, held)
 
 
 async def read_frame(
