@@ -33,6 +33,9 @@ ADAPTERS: Mapping[str, AdapterFactory] = {
 }
 
 
+SHUTDOWN_RESERVE_S = 2.0  # of shutdown_timeout_s, for closing the link, adapters, history
+
+
 async def _cancel(task: asyncio.Task[None]) -> None:
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
@@ -67,6 +70,9 @@ async def build(
         link = EdgeLink(settings, core, tls, token, metrics, __version__)
         link_task = asyncio.create_task(link.run(), name="edge-link")
         stack.push_async_callback(_cancel, link_task)
+        # First on the way out: runs in flight finish (the rest of the stop keeps a reserve).
+        drain_s = max(0.0, settings.shutdown_timeout_s - SHUTDOWN_RESERVE_S)
+        stack.push_async_callback(link.drain, drain_s)
 
         admin.set_readiness(lambda: None if link.registered.is_set() else "not registered")
         yield core

@@ -249,6 +249,15 @@ class NodeCore:
     def runs_in_flight(self) -> int:
         return len(self._runs)
 
+    async def wait_for_runs(self, timeout_s: float) -> int:
+        """Wait until no run is left (runs started meanwhile included) or ``timeout_s``
+        passed; returns how many still run."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self._runs and (remaining := deadline - loop.time()) > 0:
+            await asyncio.wait(list(self._runs.values()), timeout=remaining)
+        return len(self._runs)
+
     # ------------------------------------------------------------ state
 
     def states(self) -> list[ProviderStatus]:

@@ -26,6 +26,7 @@ from iop_proto.errors import ConnectionClosed, ProtocolError, UnexpectedMessage
 from iop_proto.v1 import runtime_pb2 as pb
 
 SNAPSHOT_MIN_GAP_S = 0.1  # coalesce bursts of changes into one snapshot (each costs both sides)
+STOPPING = "the node is stopping"
 
 
 class ConnectionChannel:
@@ -93,6 +94,7 @@ class EdgeLink:
         self._metrics = metrics
         self._version = version
         self._dirty = asyncio.Event()
+        self._draining = False
         self.registered = asyncio.Event()
         self.registrations = 0
         core.on_change(self._dirty.set)
@@ -158,7 +160,7 @@ class EdgeLink:
             token=self._token,
             version=self._version,
             role=pb.PEER_ROLE_NODE,
-            providers=[wire.provider_state(s) for s in self._core.states()],
+            providers=self._provider_states(),
         )
         sent = await conn.send(request)
         answer = await asyncio.wait_for(conn.receive(), self._settings.register_timeout_s)
@@ -218,15 +220,45 @@ class EdgeLink:
         """On every change (coalesced) and every ``snapshot_interval_s`` anyway."""
         self._dirty.set()
         while True:
+            # asyncio.timeout, not wait_for: on 3.11 wait_for loses a cancel that comes
+            # as the wait ends (the drain's change wakes this loop just as the link closes).
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._dirty.wait(), self._settings.snapshot_interval_s)
+                async with asyncio.timeout(self._settings.snapshot_interval_s):
+                    await self._dirty.wait()
             self._dirty.clear()
             snapshot = pb.ProviderSnapshot(
-                node_id=self._settings.service_id,
-                providers=[wire.provider_state(s) for s in self._core.states()],
+                node_id=self._settings.service_id, providers=self._provider_states()
             )
             try:
                 await conn.send(snapshot)
             except ConnectionClosed:
                 return  # the receive loop sees the end too
             await asyncio.sleep(SNAPSHOT_MIN_GAP_S)
+
+    def _provider_states(self) -> list[pb.ProviderState]:
+        states = [wire.provider_state(s) for s in self._core.states()]
+        if self._draining:
+            for state in states:
+                state.health = pb.HEALTH_UNAVAILABLE
+                state.detail = STOPPING
+        return states
+
+    async def drain(self, timeout_s: float) -> None:
+        """The node is stopping: let the runs in flight finish, start no new ones.
+
+        Every provider is reported unavailable at once (the next snapshot, within
+        ``SNAPSHOT_MIN_GAP_S``), so the edge routes new requests elsewhere; runs that
+        arrive before it has heard are served like the others. Whatever still runs
+        after ``timeout_s`` is cancelled when the link closes, each with its error.
+        """
+        self._draining = True
+        self._dirty.set()
+        if self._core.runs_in_flight:
+            logger.info(
+                "stopping: waiting up to {:.0f}s for {} runs in flight",
+                timeout_s,
+                self._core.runs_in_flight,
+            )
+        left = await self._core.wait_for_runs(timeout_s)
+        if left:
+            logger.warning("stopping: {} runs did not finish in time and are cancelled", left)
