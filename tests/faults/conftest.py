@@ -62,11 +62,35 @@ async def eventually(check: Callable[[], Awaitable[bool]], timeout_s: float = 15
             await asyncio.sleep(0.1)
 
 
+def pool_fleet(model: str, tag: str, **mock_settings: object) -> dict[str, object]:
+    """``model`` served by one mock provider on node-a (``node-a-<tag>``, served as
+    ``<model>-a``) and one on node-b: the two-node pool the fault tests stress."""
+
+    def provider(node: str) -> dict[str, object]:
+        return {
+            "id": f"{node}-{tag}",
+            "type": "mock",
+            "category": "local_inference",
+            "models": [f"{model}-{node[-1]}"],
+            **mock_settings,
+        }
+
+    nodes = ("node-a", "node-b")
+    return {
+        "models": [{"id": model, "providers": {f"{n}-{tag}": f"{model}-{n[-1]}" for n in nodes}}],
+        "nodes": [{"id": n, "providers": [provider(n)]} for n in nodes],
+    }
+
+
 @pytest.fixture(scope="session")
 def faults() -> SimpleNamespace:
     """The helpers above, for test modules (a conftest cannot be imported)."""
     return SimpleNamespace(
-        stream_chat=stream_chat, catalog=catalog, eventually=eventually, Outcome=Outcome
+        stream_chat=stream_chat,
+        catalog=catalog,
+        eventually=eventually,
+        Outcome=Outcome,
+        pool_fleet=pool_fleet,
     )
 
 

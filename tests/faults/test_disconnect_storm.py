@@ -52,34 +52,22 @@ HOLDER_POINTS = ("before_first_token", "mid_stream", "non_streaming")
 METHODS = ("cancel", "close", "reset")
 
 
-def mock(provider_id: str, served: str) -> dict[str, object]:
-    return {
-        "id": provider_id,
-        "type": "mock",
-        "category": "local_inference",
-        "models": [served],
-        "capacity": CAPACITY,
-        "max_queue": 40,
-        "queue_timeout_ms": 60_000,
-        "request_timeout_ms": 60_000,
-        "tokens_per_second": 200,
-    }
-
-
-FLEET = {
-    "models": [{"id": MODEL, "providers": {"node-a-storm": "storm-a", "node-b-storm": "storm-b"}}],
-    "nodes": [
-        {"id": "node-a", "providers": [mock("node-a-storm", "storm-a")]},
-        {"id": "node-b", "providers": [mock("node-b-storm", "storm-b")]},
-    ],
+MOCK = {
+    "capacity": CAPACITY,
+    "max_queue": 40,
+    "queue_timeout_ms": 60_000,
+    "request_timeout_ms": 60_000,
+    "tokens_per_second": 200,
 }
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def stack(
-    tmp_path_factory: pytest.TempPathFactory, start_stack_factory: Any
+    tmp_path_factory: pytest.TempPathFactory, start_stack_factory: Any, faults: Any
 ) -> AsyncIterator[Any]:
-    async with start_stack_factory(Path(tmp_path_factory.mktemp("storm")), FLEET) as running:
+    fleet = faults.pool_fleet(MODEL, "storm", **MOCK)
+    root = Path(tmp_path_factory.mktemp("storm"))
+    async with start_stack_factory(root, fleet) as running:
         yield running
 
 

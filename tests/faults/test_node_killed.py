@@ -19,34 +19,22 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 REQUEST_TIMEOUT_S = 20
 
 
-def mock(provider_id: str, served: str) -> dict[str, object]:
-    return {
-        "id": provider_id,
-        "type": "mock",
-        "category": "local_inference",
-        "models": [served],
-        "capacity": 4,
-        "max_queue": 8,
-        "queue_timeout_ms": 15_000,
-        "request_timeout_ms": REQUEST_TIMEOUT_S * 1000,
-        "tokens_per_second": 20,
-    }
-
-
-FLEET = {
-    "models": [{"id": "pool", "providers": {"node-a-mock": "pool-a", "node-b-mock": "pool-b"}}],
-    "nodes": [
-        {"id": "node-a", "providers": [mock("node-a-mock", "pool-a")]},
-        {"id": "node-b", "providers": [mock("node-b-mock", "pool-b")]},
-    ],
+MOCK = {
+    "capacity": 4,
+    "max_queue": 8,
+    "queue_timeout_ms": 15_000,
+    "request_timeout_ms": REQUEST_TIMEOUT_S * 1000,
+    "tokens_per_second": 20,
 }
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def stack(
-    tmp_path_factory: pytest.TempPathFactory, start_stack_factory: Any
+    tmp_path_factory: pytest.TempPathFactory, start_stack_factory: Any, faults: Any
 ) -> AsyncIterator[Any]:
-    async with start_stack_factory(Path(tmp_path_factory.mktemp("killed")), FLEET) as running:
+    fleet = faults.pool_fleet("pool", "mock", **MOCK)
+    root = Path(tmp_path_factory.mktemp("killed"))
+    async with start_stack_factory(root, fleet) as running:
         yield running
 
 
