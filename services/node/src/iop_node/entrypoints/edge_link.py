@@ -244,7 +244,7 @@ class EdgeLink:
         return states
 
     async def drain(self, timeout_s: float) -> None:
-        """The node is stopping: let the runs in flight finish, start no new ones.
+        """The node is stopping: the edge is told to send no more runs, those in flight finish.
 
         Every provider is reported unavailable at once (the next snapshot, within
         ``SNAPSHOT_MIN_GAP_S``), so the edge routes new requests elsewhere; runs that
