@@ -22,7 +22,10 @@ Claims about what the edge no longer knows are not forgeries: events of runs
 that ended here already, leases that expired and were taken over or released,
 providers outside the fleet, and providers this connection was configured with
 before a fleet change moved them. A legitimate peer sends those in a race; they
-stay ignored (or answered as before), and the connection lives.
+stay ignored (or answered as before), and the connection lives. The providers of
+a ``register_request`` describe the node's previous configuration (perhaps given
+by another edge, before a move): foreign ones there are ignored, not refused; the
+node reports only what this connection configured from then on.
 
 Registration refusals and TLS refusals are logged and counted here as well
 (``refuse``), so every refusal of the node port has one format and one counter.
