@@ -33,6 +33,7 @@ ROLES = {
     "node-b": "node",
     "node-fuzz": "node",  # in the fleet without providers: fault tests register as it
     "worker": "worker",
+    "worker-evil": "worker",  # a second worker identity: security tests forge lease operations
 }
 
 

@@ -11,11 +11,15 @@ before the worker may lease the batch again and resume at its first unfinished l
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import signal
+import sqlite3
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import aiohttp
 import pytest
 import pytest_asyncio
 from openai import AsyncOpenAI
@@ -151,3 +155,72 @@ async def test_edge_restarted_mid_batch(
         f"completed {loop.time() - cut:.1f}s after the cut, "
         f"{batch.request_counts.completed}/{LINES} lines, each custom_id exactly once"
     )
+
+
+def _lost_runs(stack: Stack, node: str, since_ms: int) -> list[tuple[str, str, str, str]]:
+    """(run id, outcome, error code, message) of the node's runs received since ``since_ms``."""
+    with sqlite3.connect(stack.root / f"{node}-history.db") as db:
+        rows = db.execute(
+            "SELECT run_id, outcome, error_code, error_message FROM runs WHERE received_ms >= ?",
+            (since_ms,),
+        ).fetchall()
+    return [tuple(row) for row in rows]
+
+
+async def test_an_edge_crash_ends_every_nodes_runs_alike(
+    stack: Stack, report: Callable[[str], None]
+) -> None:
+    """Both nodes hold a run streaming tokens (sending when the link drops) and a run still
+    waiting for its provider (cancelled by the link): the one crash is one outcome on both."""
+    since_ms = int(time.time() * 1000)
+    loop = asyncio.get_running_loop()
+    streaming = {"max_tokens": 3000}  # 200 tokens/s: sending every 5 ms for 15 s
+    waiting = {"max_tokens": 1, "iop_mock": {"delay_ms": 15_000}}
+
+    async def in_flight(expected: dict[str, int]) -> None:
+        async with asyncio.timeout(10):
+            while True:
+                rows = {r["provider_id"]: r["in_flight"] for r in await _providers(stack)}
+                if all(rows[p] == n for p, n in expected.items()):
+                    return
+                await asyncio.sleep(0.05)
+
+    async with aiohttp.ClientSession() as http:
+
+        async def client(extra: dict[str, object]) -> None:
+            body = {"model": "mock-small", "messages": [{"role": "user", "content": "hi"}]}
+            with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
+                async with http.post(
+                    f"{stack.api_url}/chat/completions", json={**body, **extra, "stream": True}
+                ) as response:
+                    async for _ in response.content:
+                        pass
+
+        # Ties go to node-a, so the requests alternate a, b, a, b: each node gets both kinds.
+        clients = []
+        for number, extra in enumerate((streaming, streaming, waiting, waiting)):
+            clients.append(loop.create_task(client(extra)))
+            on_a, on_b = (number + 2) // 2, (number + 1) // 2
+            await in_flight({"node-a-mock": on_a, "node-b-mock": on_b})
+        await asyncio.sleep(0.3)  # the streams are streaming
+        await restart_edge(stack, signal.SIGKILL)
+        await asyncio.gather(*clients)
+
+    async with asyncio.timeout(15):  # the nodes' histories are written off the request path
+        while True:
+            runs = {node: _lost_runs(stack, node, since_ms) for node in ("node-a", "node-b")}
+            done = [row for rows in runs.values() for row in rows if row[1] != "running"]
+            if len(done) == 4:
+                break
+            await asyncio.sleep(0.1)
+    outcomes = {node: sorted({row[1:] for row in rows}) for node, rows in runs.items()}
+    report(f"after the edge's SIGKILL: {outcomes}")
+    assert {len(rows) for rows in runs.values()} == {2}
+    assert {row[1:] for row in done} == {("cancelled", "cancelled", "the edge connection is gone")}
+
+
+async def _providers(stack: Stack) -> list[dict[str, Any]]:
+    async with aiohttp.ClientSession() as http:
+        url = stack.api_url.replace("/v1", "/iop/v1/catalog/providers")
+        async with http.get(url) as response:
+            return list((await response.json())["data"])

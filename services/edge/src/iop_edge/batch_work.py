@@ -206,6 +206,13 @@ class BatchWork:
         stored = await self._store.get_line(batch.id, index)  # finished meanwhile, or frozen
         return line, stored.result if stored and stored.result else outcome.result
 
+    async def lease_holder(self, lease_id: str) -> str | None:
+        """The worker the lease was granted to, while a batch holds it. A lease id is
+        never handed to another worker (each lease gets a new id), so the answer cannot
+        change to another worker's later: the ownership check needs no lock."""
+        batch = await self._store.batch_by_lease(lease_id)
+        return None if batch is None else batch.lease_owner
+
     async def _held(self, lease_id: str) -> BatchRecord:
         batch = await self._store.batch_by_lease(lease_id)
         if batch is None:

@@ -222,6 +222,9 @@ class BatchService:
         """Run one line (0-based), or answer it from storage when it finished already."""
         return await self._work.run_line(lease_id, line_number)
 
+    async def lease_holder(self, lease_id: str) -> str | None:
+        return await self._work.lease_holder(lease_id)
+
 
 def _no_file(file_id: str) -> NotFound:
     return NotFound(f"No such File object: {file_id}", param="id")

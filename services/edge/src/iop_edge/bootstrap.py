@@ -23,6 +23,7 @@ from iop_edge.dispatch import Dispatcher
 from iop_edge.entrypoints.api_metrics import ApiMetrics
 from iop_edge.entrypoints.http_api import create_api_app, load_openapi
 from iop_edge.metrics import EdgeMetrics
+from iop_edge.peer_guard import PeerGuard
 from iop_edge.settings import EdgeSettings
 from iop_proto.service import AdminServer
 from iop_proto.tls import client_context, server_context
@@ -106,6 +107,7 @@ async def build(
             edge_id=settings.service_id,
             dispatcher=dispatcher,
             authorizer=control_plane,
+            guard=PeerGuard(dispatcher, metrics, batches),
             metrics=metrics,
             tls=server_tls,
             heartbeat_interval_s=settings.heartbeat_interval_s,

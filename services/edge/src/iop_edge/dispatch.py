@@ -90,14 +90,14 @@ class Dispatcher:
         self.apply_snapshot(link.node_id, providers)
 
     def node_disconnected(self, link: NodeLink, reason: str) -> None:
-        """The node's providers are unavailable at once and its runs end with an error."""
-        if self.links.get(link.node_id) is not link:
-            return  # a newer connection of the same node replaced this one
-        del self.links[link.node_id]
-        for slot in self._slots_of_node(link.node_id):
-            slot.update(connected=False, reported_in_flight=0)
-            self._metrics.publish_slot(slot)
-        for run in [r for r in self.runs.values() if r.node_id == link.node_id]:
+        """The node's providers are unavailable at once and the connection's runs end
+        with an error (a replaced connection's runs too: nothing else can end them)."""
+        if self.links.get(link.node_id) is link:  # else a newer connection replaced it
+            del self.links[link.node_id]
+            for slot in self._slots_of_node(link.node_id):
+                slot.update(connected=False, reported_in_flight=0)
+                self._metrics.publish_slot(slot)
+        for run in [r for r in self.runs.values() if r.link is link]:
             run.fail(pb.ERROR_CODE_PROVIDER_UNAVAILABLE, f"node {link.node_id} lost: {reason}")
 
     def apply_snapshot(self, node_id: str, providers: Iterable[pb.ProviderState]) -> None:

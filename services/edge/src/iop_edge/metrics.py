@@ -79,8 +79,9 @@ class EdgeMetrics:
             ),
             refusals=Counter(
                 "iop_edge_peer_refusals",
-                "Peers refused on the node port, by stage (tls, registration) and reason",
-                ["stage", "reason"],
+                "Peers refused on the node port, by stage (tls, registration, ownership), "
+                "role (node, worker; unknown before registration) and reason",
+                ["stage", "role", "reason"],
                 registry=registry,
             ),
             config_version=Gauge(

@@ -144,6 +144,11 @@ class BatchLeases(Protocol):
 
     async def release(self, lease_id: str, finished: bool) -> None: ...
 
+    async def lease_holder(self, lease_id: str) -> str | None:
+        """The worker id holding this lease; ``None`` when no batch holds it (expired and
+        taken over, released, or never granted)."""
+        ...
+
     async def run_line(self, lease_id: str, line_number: int) -> pb.BatchLineResult:
         """Run one line through normal dispatch (batch priority); a finished line is
         answered from storage, never run twice."""

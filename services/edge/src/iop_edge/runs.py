@@ -78,6 +78,11 @@ class EdgeRun:
         self.deliver(error_event(self.run_id, code, message))
 
     @property
+    def link(self) -> NodeLink:
+        """The connection the run was dispatched on: the only one its events may come from."""
+        return self._node
+
+    @property
     def more_ready(self) -> bool:
         """Events wait already: a relay can write them out together with this one."""
         return bool(self._events)

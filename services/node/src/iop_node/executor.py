@@ -102,15 +102,25 @@ class RunExecutor:
             outcome = "completed"
             await channel.completed(completion)
         except RunFailure as failure:
-            outcome = "rejected" if isinstance(failure, QueueFull | QueueTimeout) else "failed"
+            # RunCancelled: the edge went away while the run was sending. It is recorded as
+            # a cancel (not a failure) so the same edge loss gives the same record whether
+            # a run was sending (this) or waiting (the link's cancel, below).
+            if isinstance(failure, RunCancelled):
+                outcome = "cancelled"
+            elif isinstance(failure, QueueFull | QueueTimeout):
+                outcome = "rejected"
+            else:
+                outcome = "failed"
             code, message = _code_name(failure.code), failure.message
             if isinstance(failure, ProviderUnavailable):
                 self._mark_unavailable(runtime, failure.message)
             await self._fail_quietly(
                 channel, failure.code, failure.message, failure.provider_status
             )
-        except asyncio.CancelledError:
-            outcome, code, message = "cancelled", _code_name(pb.ERROR_CODE_CANCELLED), "cancelled"
+        except asyncio.CancelledError as cancel:
+            # The canceller's reason (``NodeCore.cancel``), or a plain "cancelled".
+            reason = str(cancel) or "cancelled"
+            outcome, code, message = "cancelled", _code_name(pb.ERROR_CODE_CANCELLED), reason
             with contextlib.suppress(BaseException):
                 await asyncio.shield(
                     self._fail_quietly(channel, pb.ERROR_CODE_CANCELLED, "run cancelled", 0)

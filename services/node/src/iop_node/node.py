@@ -231,18 +231,24 @@ class NodeCore:
         task.add_done_callback(lambda _: self._runs.pop(run_id, None))
         return True
 
-    def cancel(self, run_id: str) -> bool:
+    def cancel(self, run_id: str, reason: str = "cancelled") -> bool:
+        """Cancel one run; its history records ``reason``."""
         task = self._runs.get(run_id)
         if task is None:
             return False
-        task.cancel()
+        task.cancel(reason)
         return True
 
-    async def cancel_all(self) -> None:
-        """Cancel every run (the edge connection is gone) and wait until they let go."""
+    async def cancel_all(self, reason: str = "cancelled") -> None:
+        """Cancel every run (the edge connection is gone) and wait until they let go.
+
+        Each is recorded ``cancelled`` with ``reason``: the same record a run gets that
+        found the connection gone itself while sending, when the link passes the
+        channel's reason (``EDGE_GONE``).
+        """
         tasks = list(self._runs.values())
         for task in tasks:
-            task.cancel()
+            task.cancel(reason)
         await asyncio.gather(*tasks, return_exceptions=True)
 
     @property

@@ -12,7 +12,7 @@ from iop_node.domain.admission import AdmissionGate
 from iop_node.domain.health import Health, ProbeResult
 from iop_node.domain.provider import ProviderConfig
 from iop_node.domain.runs import Completion, Delta, ExecutionSpec, Operation, Usage
-from iop_node.errors import ProviderUnavailable, RunFailure
+from iop_node.errors import ProviderUnavailable, RunCancelled, RunFailure
 from iop_node.executor import RunExecutor
 from iop_node.metrics import NodeMetrics
 from iop_node.ports import EventSink, LifecycleFlags, RunRecord
@@ -218,3 +218,30 @@ async def test_a_cancelled_run_is_recorded_and_reraises() -> None:
     )
     assert s.runtime.gate.in_flight == 0
     assert s.value("iop_node_provider_in_flight") == 0
+
+
+@dataclass
+class GoneChannel(Channel):
+    """The edge connection is gone: every send fails the way ``ConnectionChannel``'s do."""
+
+    async def delta(self, delta: Delta) -> None:
+        raise RunCancelled("the edge connection is gone")
+
+
+async def test_a_lost_edge_is_one_record_whether_the_run_was_sending_or_waiting() -> None:
+    sending = setup(Adapter(texts=("a",)))
+    await sending.executor.execute_run(sending.runtime, spec("sending"), GoneChannel())
+
+    waiting = setup(Adapter(gate=asyncio.Event()))
+    task = asyncio.create_task(waiting.executor.execute_run(waiting.runtime, spec(), Channel()))
+    await waiting.history.a_run_started.wait()
+    task.cancel("the edge connection is gone")  # what the link's cancel_all passes
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+    records = [*sending.history.completed, *waiting.history.completed]
+    assert {(r.outcome, r.error_code, r.error_message) for r in records} == {
+        ("cancelled", "cancelled", "the edge connection is gone")
+    }
+    for s in (sending, waiting):
+        assert s.value("iop_node_runs_total", outcome="cancelled", code="cancelled") == 1

@@ -4,12 +4,17 @@ A node is admitted only when its certificate identity equals the node id it
 registers as and the control-plane vouches for its token. Its providers are
 routable while its connection lives; when the connection drops or goes silent
 they are unavailable at once and its runs end with an error.
+
+A refused peer is told only ``REFUSED``; why goes to the edge's log (and its
+counter). What a registered peer sends about runs, providers and leases is
+checked by ``PeerGuard`` (one rule for every message type).
 """
 
 from __future__ import annotations
 
 import asyncio
 import ssl
+from collections.abc import Set
 from typing import Protocol
 
 from loguru import logger
@@ -18,6 +23,7 @@ from iop_edge.adapters.worker_session import WorkerSession
 from iop_edge.dispatch import Dispatcher
 from iop_edge.errors import ControlPlaneUnavailable
 from iop_edge.metrics import EdgeMetrics
+from iop_edge.peer_guard import UNKNOWN_ROLE, PeerGuard
 from iop_edge.ports import BatchLeases
 from iop_proto.accept import StreamServer
 from iop_proto.connection import Connection, error_body
@@ -26,6 +32,9 @@ from iop_proto.tls import TlsRefused
 from iop_proto.v1 import runtime_pb2 as pb
 
 REGISTER_TIMEOUT_S = 10.0
+REFUSED = "registration refused (the edge's log says why)"
+"""All a refused peer learns: which node a token belongs to, or whether the
+control-plane is up, is for the operator, not for whoever holds a certificate."""
 
 
 class Authorizer(Protocol):
@@ -46,6 +55,17 @@ class NodeConnection:
         self.conn = conn
         self.token_id = token_id
         self.config = config
+        self._configured = {provider.id for provider in config.providers}
+
+    @property
+    def configured(self) -> Set[str]:
+        """Every provider the edge configured this connection with: one moved to another
+        node since may still appear in a snapshot sent before the node heard."""
+        return self._configured
+
+    def configure(self, config: pb.NodeConfig) -> None:
+        self.config = config
+        self._configured.update(provider.id for provider in config.providers)
 
     async def send_run(self, request: pb.RunRequest) -> None:
         await self.conn.send(request, correlation_id=request.run_id)
@@ -65,6 +85,7 @@ class NodeServer:
         edge_id: str,
         dispatcher: Dispatcher,
         authorizer: Authorizer,
+        guard: PeerGuard,
         metrics: EdgeMetrics,
         tls: ssl.SSLContext | None,
         heartbeat_interval_s: float,
@@ -77,6 +98,7 @@ class NodeServer:
         self._edge_id = edge_id
         self._dispatcher = dispatcher
         self._authorizer = authorizer
+        self._guard = guard
         self._metrics = metrics
         self._tls = tls
         self._heartbeat_interval_s = heartbeat_interval_s
@@ -122,7 +144,7 @@ class NodeServer:
                 continue
             new = configs.get(node.node_id, pb.NodeConfig(node_id=node.node_id))
             if new != node.config:
-                node.config = new
+                node.configure(new)
                 update = pb.RegisterResponse(accepted=True, node_config=new, edge_id=self._edge_id)
                 try:
                     await node.conn.send(update)
@@ -201,9 +223,9 @@ class NodeServer:
                     refusal, code = answer.reason, answer.reason_code or "refused"
         if refusal is not None or answer is None:
             self._metrics.registrations.labels("refused").inc()
-            self._refuse("registration", code, request.peer_id or "?", refusal or "refused")
+            self._refuse("node", code, _who(request, identity), refusal or "refused")
             await conn.send(
-                pb.RegisterResponse(accepted=False, reason=refusal or "refused"),
+                pb.RegisterResponse(accepted=False, reason=REFUSED),
                 correlation_id=first.message_id,
             )
             await conn.close()
@@ -233,31 +255,32 @@ class NodeServer:
         return node
 
     def _tls_refused(self, exc: TlsRefused, peer: object) -> None:
-        self._refuse("tls", exc.reason, peer, exc.detail)
+        self._guard.refuse("tls", UNKNOWN_ROLE, exc.reason, peer, exc.detail)
 
-    def _refuse(self, stage: str, reason: str, who: object, detail: str) -> None:
-        """One place where refusals are logged (never with a token) and counted."""
-        self._metrics.refusals.labels(stage, reason).inc()
-        logger.warning("refused {} at {} ({}): {}", who, stage, reason, detail)
+    def _refuse(self, role: str, reason: str, who: str, detail: str) -> None:
+        """A registration refused: the details for the log (never a token), not the peer."""
+        self._guard.refuse("registration", role, reason, who, detail)
 
     async def _serve_worker(self, conn: Connection, first: pb.Envelope) -> None:
         """Workers need no token: their certificate role is their credential."""
         request = first.register_request
         identity = conn.peer.name if conn.peer else request.peer_id
         role = conn.peer.role if conn.peer else "worker"
-        refusal = None
+        refusal, code = None, ""
         if self._batches is None:
-            refusal = "this edge runs no batch jobs"
+            refusal, code = "this edge runs no batch jobs", "no_batches"
         elif self._tls is not None and role not in self._worker_roles:
             refusal = f"certificate role {role!r} may not register as a worker"
+            code = "wrong_role"
         elif identity != request.peer_id:
             refusal = (
                 f"certificate identity {identity!r} does not match worker id {request.peer_id!r}"
             )
+            code = "identity_mismatch"
         if refusal is not None or self._batches is None:
-            self._refuse("registration", "worker_refused", request.peer_id or "?", str(refusal))
+            self._refuse("worker", code, _who(request, identity), str(refusal))
             await conn.send(
-                pb.RegisterResponse(accepted=False, reason=refusal or "refused"),
+                pb.RegisterResponse(accepted=False, reason=REFUSED),
                 correlation_id=first.message_id,
             )
             return
@@ -271,7 +294,7 @@ class NodeServer:
         )
         conn.start_heartbeats()
         await self._batches.worker_registered(request.peer_id)
-        session = WorkerSession(request.peer_id, conn, self._batches)
+        session = WorkerSession(request.peer_id, conn, self._batches, self._guard)
         self.workers[request.peer_id] = session
         logger.info("worker {} registered", request.peer_id)
         try:
@@ -282,14 +305,24 @@ class NodeServer:
             logger.info("worker {} disconnected", request.peer_id)
 
     async def _follow(self, node: NodeConnection) -> None:
-        dispatcher = self._dispatcher
+        dispatcher, guard = self._dispatcher, self._guard
         async for envelope in node.conn:
             kind = envelope.WhichOneof("body")
             if kind == "run_event":
-                dispatcher.deliver(envelope.run_event)  # unknown run ids: cancelled here already
+                event = envelope.run_event
+                guard.run_event(node, event)  # raises NotYours for another connection's run
+                dispatcher.deliver(event)  # unknown run ids: ended here already, dropped
             elif kind == "provider_snapshot":
-                dispatcher.apply_snapshot(node.node_id, envelope.provider_snapshot.providers)
+                snapshot = envelope.provider_snapshot
+                guard.snapshot(node, snapshot)
+                dispatcher.apply_snapshot(node.node_id, snapshot.providers)
             elif kind == "error":
                 logger.warning("node {} reported: {}", node.node_id, envelope.error.message)
             else:
                 raise UnexpectedMessage(f"an edge does not accept {kind} from a node")
+
+
+def _who(request: pb.RegisterRequest, identity: str) -> str:
+    """A registration's peer for the log: the id it asked for and its certificate's name."""
+    asked = request.peer_id or "?"
+    return asked if identity == asked else f"{asked} (certificate {identity!r})"

@@ -3,7 +3,8 @@
 Lines run concurrently (the worker bounds how many); the receive loop never
 waits for a provider. When the worker's connection drops, its lines in flight
 are cancelled and its lease is left to expire, so another worker resumes from
-the first unfinished line.
+the first unfinished line. A worker acts only on leases it holds: ``PeerGuard``
+checks every lease operation before it is answered.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections.abc import Awaitable
 from loguru import logger
 
 from iop_edge.errors import EdgeError
+from iop_edge.peer_guard import PeerGuard
 from iop_edge.ports import BatchLeases
 from iop_proto.connection import Connection, error_body
 from iop_proto.errors import ConnectionClosed, UnexpectedMessage
@@ -22,10 +24,13 @@ from iop_proto.v1 import runtime_pb2 as pb
 
 
 class WorkerSession:
-    def __init__(self, worker_id: str, conn: Connection, batches: BatchLeases) -> None:
+    def __init__(
+        self, worker_id: str, conn: Connection, batches: BatchLeases, guard: PeerGuard
+    ) -> None:
         self.worker_id = worker_id
         self.conn = conn
         self._batches = batches
+        self._guard = guard
         self._lines: set[asyncio.Task[None]] = set()
 
     async def serve(self) -> None:
@@ -40,15 +45,21 @@ class WorkerSession:
     async def _answer(self, envelope: pb.Envelope) -> None:
         kind = envelope.WhichOneof("body")
         reply_to = envelope.message_id
+        guard = self._guard
         if kind == "lease_request":
+            guard.lease_request(self, envelope.lease_request)
             await self._reply(self._batches.lease(self.worker_id), reply_to)
         elif kind == "lease_renew":
-            await self._reply(self._batches.renew(envelope.lease_renew.lease_id), reply_to)
+            lease_id = envelope.lease_renew.lease_id
+            await guard.lease(self, lease_id, "renew")
+            await self._reply(self._batches.renew(lease_id), reply_to)
         elif kind == "lease_release":
             release = envelope.lease_release
+            await guard.lease(self, release.lease_id, "release")
             await self._batches.release(release.lease_id, release.finished)
         elif kind == "batch_line_request":
             line = envelope.batch_line_request
+            await guard.lease(self, line.lease_id, f"run line {line.line_number} under")
             task = asyncio.create_task(
                 self._reply(self._batches.run_line(line.lease_id, line.line_number), reply_to),
                 name=f"batch-line:{line.lease_id}:{line.line_number}",

@@ -27,6 +27,9 @@ from iop_proto.v1 import runtime_pb2 as pb
 
 SNAPSHOT_MIN_GAP_S = 0.1  # coalesce bursts of changes into one snapshot (each costs both sides)
 STOPPING = "the node is stopping"
+EDGE_GONE = "the edge connection is gone"
+"""Why every run of a lost connection ends: the run that finds out itself while sending
+and the run the link cancels afterwards are recorded alike (``cancelled``, this reason)."""
 
 
 class ConnectionChannel:
@@ -57,8 +60,8 @@ class ConnectionChannel:
                 start, self._start = self._start, None
                 await self._conn.send(start, correlation_id=self._run_id, defer=True)
             await self._conn.send(self._number(event), correlation_id=self._run_id, defer=defer)
-        except ConnectionClosed as exc:
-            raise RunCancelled("the edge connection is gone") from exc
+        except (ConnectionClosed, OSError) as exc:  # closed, or reset under the write
+            raise RunCancelled(EDGE_GONE) from exc
 
     async def started(self, provider_id: str, target: str, queue_wait_ms: int) -> None:
         start = {"provider_id": provider_id, "target": target, "queue_wait_ms": queue_wait_ms}
@@ -151,7 +154,7 @@ class EdgeLink:
                 logger.warning(
                     "cancelling {} runs of the lost connection", self._core.runs_in_flight
                 )
-            await self._core.cancel_all()
+            await self._core.cancel_all(EDGE_GONE)
         return registered
 
     async def _register(self, conn: Connection) -> bool:
@@ -207,7 +210,9 @@ class EdgeLink:
                     envelope.run_request, ConnectionChannel(conn, envelope.run_request.run_id)
                 )
             elif kind == "cancel_request":
-                self._core.cancel(envelope.cancel_request.run_id)
+                cancel = envelope.cancel_request
+                why = cancel.reason or "no reason given"
+                self._core.cancel(cancel.run_id, f"cancelled by the edge: {why}")
             elif kind == "register_response":
                 # the edge pushes config changes the same way it answered the registration
                 await self._apply(envelope.register_response.node_config)

@@ -1,0 +1,148 @@
+"""The ownership rule with a real dispatcher, fake connections and fake leases."""
+
+from __future__ import annotations
+
+from collections.abc import Set
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from iop_edge.dispatch import Dispatcher
+from iop_edge.domain.fleet import Fleet, ModelEntry, Operation, ProviderEntry
+from iop_edge.metrics import EdgeMetrics
+from iop_edge.peer_guard import NotYours, PeerGuard
+from iop_edge.ports import RunSpec
+from iop_proto.connection import Connection
+from iop_proto.v1 import runtime_pb2 as pb
+
+
+class FakeConn:
+    peer = None
+    peer_name = "127.0.0.1:1"
+
+
+class FakeNode:
+    """A node connection: ``NodeLink`` for dispatch, ``NodePeer`` for the guard."""
+
+    def __init__(self, node_id: str, configured: Set[str] = frozenset()) -> None:
+        self.node_id = node_id
+        self.conn: Connection = FakeConn()  # type: ignore[assignment]
+        self.configured = configured
+
+    async def send_run(self, request: pb.RunRequest) -> None:
+        pass
+
+    async def send_cancel(self, run_id: str, reason: str) -> None:
+        pass
+
+
+class FakeWorker:
+    def __init__(self, worker_id: str) -> None:
+        self.worker_id = worker_id
+        self.conn: Connection = FakeConn()  # type: ignore[assignment]
+
+
+class Leases:
+    """``BatchLeases.lease_holder`` over a dict (the rest is not the guard's business)."""
+
+    def __init__(self, holders: dict[str, str]) -> None:
+        self.holders = holders
+
+    async def lease_holder(self, lease_id: str) -> str | None:
+        return self.holders.get(lease_id)
+
+
+def provider(pid: str, node: str) -> ProviderEntry:
+    return ProviderEntry(pid, node, "mock", "local_inference", (pid,), 2, 0, 100, 30_000)
+
+
+@pytest.fixture
+def registry() -> CollectorRegistry:
+    return CollectorRegistry()
+
+
+@pytest.fixture
+def metrics(registry: CollectorRegistry) -> EdgeMetrics:
+    return EdgeMetrics.create(registry)
+
+
+@pytest.fixture
+def dispatcher(metrics: EdgeMetrics) -> Dispatcher:
+    d = Dispatcher(metrics)
+    providers = {"a": provider("a", "node-a"), "b": provider("b", "node-b")}
+    d.apply_fleet(Fleet(1, {"m": ModelEntry("m", "M", {"a": "m-a"})}, providers))
+    return d
+
+
+@pytest.fixture
+def rules(dispatcher: Dispatcher, metrics: EdgeMetrics) -> PeerGuard:
+    return PeerGuard(dispatcher, metrics, Leases({"lease_1": "worker"}))  # type: ignore[arg-type]
+
+
+def refused(registry: CollectorRegistry, role: str, reason: str) -> float:
+    labels = {"stage": "ownership", "role": role, "reason": reason}
+    return registry.get_sample_value("iop_edge_peer_refusals_total", labels) or 0.0
+
+
+async def test_a_run_takes_events_only_from_the_connection_it_was_dispatched_on(
+    dispatcher: Dispatcher, rules: PeerGuard, registry: CollectorRegistry
+) -> None:
+    owner, again, other = FakeNode("node-a"), FakeNode("node-a"), FakeNode("node-fuzz")
+    state = pb.ProviderState(provider_id="a", health=pb.HEALTH_AVAILABLE)
+    dispatcher.node_connected(owner, [state])
+    spec = RunSpec("m", Operation.CHAT_COMPLETIONS, {"messages": []}, True, False)
+    run = await dispatcher.open_run(spec)
+    event = pb.RunEvent(run_id=run.run_id, delta=pb.RunDelta(text="x"))
+
+    rules.run_event(owner, event)  # its own: passes
+    rules.run_event(other, pb.RunEvent(run_id="ended-here-already"))  # unknown: passes
+    for stranger in (other, again):  # another node, or the same node on another connection
+        with pytest.raises(NotYours) as caught:
+            rules.run_event(stranger, event)
+        assert caught.value.code == pb.ERROR_CODE_PERMISSION_DENIED
+    assert refused(registry, "node", "foreign_run") == 2
+    assert not run.finished
+
+
+def test_a_snapshot_speaks_only_of_the_senders_providers(
+    dispatcher: Dispatcher, rules: PeerGuard, registry: CollectorRegistry
+) -> None:
+    fuzz = FakeNode("node-fuzz")
+    states = [pb.ProviderState(provider_id=p) for p in ("ghost", "a")]
+    rules.snapshot(FakeNode("node-a"), pb.ProviderSnapshot(node_id="node-a", providers=states))
+    rules.snapshot(fuzz, pb.ProviderSnapshot(providers=states[:1]))  # outside the fleet
+    # configured with "b" before a fleet change gave it to node-b: a stale report, ignored
+    rules.provider_states(FakeNode("node-a", {"b"}), [pb.ProviderState(provider_id="b")])
+    with pytest.raises(NotYours):
+        rules.snapshot(fuzz, pb.ProviderSnapshot(node_id="node-fuzz", providers=states))
+    with pytest.raises(NotYours):
+        rules.snapshot(fuzz, pb.ProviderSnapshot(node_id="node-a"))
+    assert refused(registry, "node", "foreign_provider") == 1
+    assert refused(registry, "node", "foreign_node") == 1
+
+
+async def test_a_worker_acts_only_on_its_own_leases(
+    dispatcher: Dispatcher, rules: PeerGuard, registry: CollectorRegistry
+) -> None:
+    await rules.lease(FakeWorker("worker"), "lease_1", "renew")
+    await rules.lease(FakeWorker("worker-evil"), "lease_expired_and_taken", "renew")
+    rules.lease_request(FakeWorker("worker-evil"), pb.LeaseRequest(worker_id="worker-evil"))
+    with pytest.raises(NotYours):
+        await rules.lease(FakeWorker("worker-evil"), "lease_1", "release")
+    with pytest.raises(NotYours):
+        rules.lease_request(FakeWorker("worker-evil"), pb.LeaseRequest(worker_id="worker"))
+    assert refused(registry, "worker", "foreign_lease") == 1
+    assert refused(registry, "worker", "foreign_worker") == 1
+
+
+async def test_a_replaced_connections_runs_end_with_it(dispatcher: Dispatcher) -> None:
+    old, new = FakeNode("node-a"), FakeNode("node-a")
+    state = pb.ProviderState(provider_id="a", health=pb.HEALTH_AVAILABLE)
+    dispatcher.node_connected(old, [state])
+    spec = RunSpec("m", Operation.CHAT_COMPLETIONS, {"messages": []}, True, False)
+    run = await dispatcher.open_run(spec)
+    dispatcher.node_connected(new, [state])  # the node registered again
+    dispatcher.node_disconnected(old, "replaced by a new connection")
+    assert run.finished  # nothing else would end it: the node cancelled it with the old link
+    assert dispatcher.slots["a"].connected
+    assert dispatcher.slots["a"].own_in_flight == 0
