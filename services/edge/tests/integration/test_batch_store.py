@@ -8,6 +8,7 @@ download hold in memory.
 
 from __future__ import annotations
 
+import json
 import sqlite3
 import stat
 import tracemalloc
@@ -27,6 +28,7 @@ from iop_edge.domain.fleet import ApiKeyEntry
 from iop_edge.errors import InvalidRequest, NotFound
 
 MIB = 1024 * 1024
+CHAT = "/v1/chat/completions"
 KEY_A = ApiKeyEntry("key_a", "a", "hash-a", frozenset(), 0)
 OPERATOR = ApiKeyEntry("key_op", "ops", "hash-op", frozenset(), 0, operator=True)
 
@@ -153,6 +155,31 @@ async def test_upload_and_download_hold_a_chunk_not_the_file(store: SqliteBatchS
     assert max(sizes) <= MIB
     assert upload_peak < 6 * MIB, upload_peak  # the whole file would be 32 MiB (64 joined)
     assert download_peak < 6 * MIB, download_peak
+
+
+async def test_creating_a_batch_reads_its_file_a_line_at_a_time(store: SqliteBatchStore) -> None:
+    batches = service(store)
+    body = {"model": "m", "messages": [{"role": "user", "content": "z" * 2000}]}
+    lines = [
+        json.dumps({"custom_id": f"r{n}", "method": "POST", "url": CHAT, "body": body}).encode()
+        for n in range(10_000)
+    ]
+    async with batches.receive_file() as upload:
+        for start in range(0, len(lines), 1000):
+            await upload.write(b"\n".join(lines[start : start + 1000]) + b"\n")
+        created = await batches.create_file(upload, "in.jsonl", "batch")
+    size = created["bytes"]
+    del lines
+    tracemalloc.start()
+    try:
+        batch = await batches.create_batch(created["id"], CHAT, "24h", None)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert batch["request_counts"]["total"] == 10_000
+    assert size > 19 * MIB
+    assert peak < 8 * MIB, peak  # custom ids and line numbers, not the 20 MB of requests
+    assert (await store.get_line(batch["id"], 9_999)) is not None
 
 
 async def test_a_download_in_progress_survives_a_delete(store: SqliteBatchStore) -> None:

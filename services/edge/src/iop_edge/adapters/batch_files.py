@@ -13,20 +13,23 @@ made durable (fsync, rename, fsync of the directory) before its row commits,
 and a row is deleted before its content. What a crash can leave is content
 without a row, and ``sweep`` removes that when the store opens.
 
-Every function here blocks: the store calls them through ``asyncio.to_thread``.
+Every method of ``ContentDir`` blocks: the store calls them through
+``asyncio.to_thread``, and so does ``ContentUpload``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from io import BufferedReader, BufferedWriter
 from pathlib import Path
 from typing import Final
 
 from iop_edge.adapters.sqlite_file import prepare_file
+from iop_edge.domain.batches import FileRecord
 
 _ID: Final = re.compile(r"file-[0-9a-f]{32}")
 """Every stored id is ours (``new_id("file-")``): nothing a client sends names a path."""
@@ -126,3 +129,54 @@ class ContentDir:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+class ContentUpload:
+    """The store's ``FileUpload``: chunks go to a partial file as they come; ``commit``
+    publishes it (fsync, rename), then ``insert`` commits its row."""
+
+    def __init__(
+        self,
+        contents: ContentDir,
+        file_id: str,
+        handle: BufferedWriter,
+        insert: Callable[[FileRecord], Awaitable[None]],
+    ) -> None:
+        """Use ``begin``."""
+        self._contents = contents
+        self._file_id = file_id
+        self._handle: BufferedWriter | None = handle
+        self._insert = insert
+
+    @classmethod
+    async def begin(
+        cls,
+        contents: ContentDir,
+        file_id: str,
+        insert: Callable[[FileRecord], Awaitable[None]],
+    ) -> ContentUpload:
+        handle = await asyncio.to_thread(contents.create_partial, file_id)
+        return cls(contents, file_id, handle, insert)
+
+    async def write(self, chunk: bytes) -> None:
+        if self._handle is None:
+            raise ValueError(f"upload {self._file_id} is already committed or discarded")
+        await asyncio.to_thread(self._handle.write, chunk)
+
+    async def commit(self, record: FileRecord) -> None:
+        handle, self._handle = self._handle, None
+        if handle is None or record.id != self._file_id:
+            raise ValueError(f"upload {self._file_id} cannot be committed as {record.id}")
+        try:
+            await asyncio.to_thread(self._contents.publish, record.id, handle)
+            await self._insert(record)
+        except BaseException:
+            await asyncio.to_thread(self._contents.discard, record.id)
+            await asyncio.to_thread(self._contents.remove, record.id)
+            raise
+
+    async def discard(self) -> None:
+        handle, self._handle = self._handle, None
+        if handle is not None:
+            await asyncio.to_thread(handle.close)
+            await asyncio.to_thread(self._contents.discard, self._file_id)

@@ -21,14 +21,13 @@ import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
-from io import BufferedWriter
 from pathlib import Path
 from typing import Any, BinaryIO, Final
 
 import aiosqlite
 from loguru import logger
 
-from iop_edge.adapters.batch_files import ContentDir
+from iop_edge.adapters.batch_files import ContentDir, ContentUpload
 from iop_edge.adapters.batch_schema import BUSY_TIMEOUT_S, connect
 from iop_edge.adapters.sqlite_file import transaction
 from iop_edge.domain.batches import (
@@ -115,9 +114,8 @@ class SqliteBatchStore:
 
     # -- files ---------------------------------------------------------------
 
-    async def begin_upload(self, file_id: str) -> _Upload:
-        handle = await asyncio.to_thread(self.contents.create_partial, file_id)
-        return _Upload(self, file_id, handle)
+    async def begin_upload(self, file_id: str) -> ContentUpload:
+        return await ContentUpload.begin(self.contents, file_id, self._insert_file)
 
     async def get_file(self, file_id: str) -> FileRecord | None:
         rows = await self._fetch(f"{_FILE_SELECT} WHERE id = ?", (file_id,))
@@ -405,40 +403,6 @@ class SqliteBatchStore:
                 ),
             )
             return cursor.rowcount > 0
-
-
-class _Upload:
-    """``FileUpload``: chunks go to a partial file as they come; ``commit`` publishes it
-    (fsync, rename) and then inserts its row."""
-
-    def __init__(self, store: SqliteBatchStore, file_id: str, handle: BufferedWriter) -> None:
-        self._store = store
-        self._file_id = file_id
-        self._handle: BufferedWriter | None = handle
-
-    async def write(self, chunk: bytes) -> None:
-        if self._handle is None:
-            raise ValueError(f"upload {self._file_id} is already committed or discarded")
-        await asyncio.to_thread(self._handle.write, chunk)
-
-    async def commit(self, record: FileRecord) -> None:
-        handle, self._handle = self._handle, None
-        if handle is None or record.id != self._file_id:
-            raise ValueError(f"upload {self._file_id} cannot be committed as {record.id}")
-        contents = self._store.contents
-        try:
-            await asyncio.to_thread(contents.publish, record.id, handle)
-            await self._store._insert_file(record)
-        except BaseException:
-            await asyncio.to_thread(contents.discard, record.id)
-            await asyncio.to_thread(contents.remove, record.id)
-            raise
-
-    async def discard(self) -> None:
-        handle, self._handle = self._handle, None
-        if handle is not None:
-            await asyncio.to_thread(handle.close)
-            await asyncio.to_thread(self._store.contents.discard, self._file_id)
 
 
 _INSERT_FILE: Final = (
