@@ -333,6 +333,12 @@ async def test_another_key_is_told_each_object_does_not_exist(h: Harness) -> Non
     assert (await h.service.list_batches(None, 10, key=KEY_B))["data"] == []
     assert (await h.service.list_files(None, None, 10, key=KEY_B))["data"] == []
     mine = await h.batch([request("mine")], key=KEY_B)
+    # A's ids as cursors page B's lists like ids never issued: empty, nothing revealed.
+    assert (await h.service.list_batches(done["id"], 10, key=KEY_B))["data"] == []
+    for newest in (True, False):
+        assert (await h.service.list_files(None, file_id, 10, newest=newest, key=KEY_B))[
+            "data"
+        ] == []
     assert [b["id"] for b in (await h.service.list_batches(None, 10, key=KEY_B))["data"]] == [
         mine["id"]
     ]

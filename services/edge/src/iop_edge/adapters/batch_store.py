@@ -132,9 +132,12 @@ class SqliteBatchStore:
         if purpose is not None:
             where.append("purpose = ?")
             params.append(purpose)
-        if after is not None:
-            where.append(f"rowid {'<' if newest else '>'} (SELECT rowid FROM files WHERE id = ?)")
-            params.append(after)
+        if after is not None:  # a cursor of another owner's is no cursor: existence stays hidden
+            mine = "" if owner is None else " AND owner = ?"
+            where.append(
+                f"rowid {'<' if newest else '>'} (SELECT rowid FROM files WHERE id = ?{mine})"
+            )
+            params.extend([after] if owner is None else [after, owner])
         clause = f"WHERE {' AND '.join(where)}" if where else ""
         order = "DESC" if newest else "ASC"
         rows = await self._fetch(
@@ -211,9 +214,10 @@ class SqliteBatchStore:
         if owner is not None:
             where.append("b.owner = ?")
             params.append(owner)
-        if after is not None:
-            where.append("b.seq < (SELECT seq FROM batches WHERE id = ?)")
-            params.append(after)
+        if after is not None:  # a cursor of another owner's is no cursor: existence stays hidden
+            mine = "" if owner is None else " AND owner = ?"
+            where.append(f"b.seq < (SELECT seq FROM batches WHERE id = ?{mine})")
+            params.extend([after] if owner is None else [after, owner])
         clause = f"WHERE {' AND '.join(where)}" if where else ""
         rows = await self._fetch(
             f"{_BATCH_SELECT} {clause} ORDER BY b.seq DESC LIMIT ?", (*params, limit)
