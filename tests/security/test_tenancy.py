@@ -27,6 +27,10 @@ CHAT = "/v1/chat/completions"
 NEVER_ISSUED = {"file": "file-" + "0" * 32, "batch": "batch_" + "0" * 32}
 
 
+def file_reads(client: AsyncOpenAI) -> dict[str, Callable[[str], Awaitable[Any]]]:
+    return {"files.retrieve": client.files.retrieve, "files.content": client.files.content}
+
+
 async def issue_key(stack: Stack, name: str) -> str:
     out = await stack.control_plane_cli("key", "issue", "--name", name)
     key = re.search(r"sk-iop-\S+", out)
@@ -120,39 +124,29 @@ async def test_a_key_is_told_another_keys_objects_do_not_exist(
     files = [upload.id, slow_upload.id, done.output_file_id, done.error_file_id]
     batches = [done.id, running.id]
 
-    attempts: dict[str, Callable[[], Awaitable[Any]]] = {}
-    for file_id in files:
-        attempts[f"files.retrieve {file_id}"] = lambda f=file_id: b.files.retrieve(f)
-        attempts[f"files.content {file_id}"] = lambda f=file_id: b.files.content(f)
-    for batch_id in batches:
-        attempts[f"batches.retrieve {batch_id}"] = lambda x=batch_id: b.batches.retrieve(x)
-        attempts[f"batches.cancel {batch_id}"] = lambda x=batch_id: b.batches.cancel(x)
-    attempts[f"batches.create from {upload.id}"] = lambda: b.batches.create(
-        input_file_id=upload.id, endpoint=CHAT, completion_window="24h"
-    )
-    for file_id in files:  # last: on a server that lets them through, they destroy A's files
-        attempts[f"files.delete {file_id}"] = lambda f=file_id: b.files.delete(f)
+    def create_from(file_id: str) -> Awaitable[Any]:
+        return b.batches.create(input_file_id=file_id, endpoint=CHAT, completion_window="24h")
 
-    outcomes = {name: await outcome(call) for name, call in attempts.items()}
-    served = {name: status for name, (status, _) in outcomes.items() if status != 404}
+    # (what, A's object, B's call); deletes last: where they get through, A's files are gone.
+    attempts: list[tuple[str, str, Callable[[str], Awaitable[Any]]]] = [
+        *[(name, f, call) for f in files for name, call in file_reads(b).items()],
+        *[("batches.retrieve", x, b.batches.retrieve) for x in batches],
+        *[("batches.cancel", x, b.batches.cancel) for x in batches],
+        ("batches.create from", upload.id, create_from),
+        *[("files.delete", f, b.files.delete) for f in files],
+    ]
+    outcomes = [await outcome(lambda c=call, i=object_id: c(i)) for _, object_id, call in attempts]
+    served = {
+        f"{what} {object_id}": status
+        for (what, object_id, _), (status, _) in zip(attempts, outcomes, strict=True)
+        if status != 404
+    }
     assert served == {}, f"key B reached key A's objects: {served}"
-    for name, (_, body) in outcomes.items():
-        kind = "batch" if " batch_" in name else "file"
-        object_id = next(i for i in (*files, *batches) if name.endswith(i))
-        never = await outcome(
-            {
-                "files.retrieve": lambda: b.files.retrieve(NEVER_ISSUED["file"]),
-                "files.content": lambda: b.files.content(NEVER_ISSUED["file"]),
-                "files.delete": lambda: b.files.delete(NEVER_ISSUED["file"]),
-                "batches.retrieve": lambda: b.batches.retrieve(NEVER_ISSUED["batch"]),
-                "batches.cancel": lambda: b.batches.cancel(NEVER_ISSUED["batch"]),
-                "batches.create": lambda: b.batches.create(
-                    input_file_id=NEVER_ISSUED["file"], endpoint=CHAT, completion_window="24h"
-                ),
-            }[name.split(" ")[0]]
-        )
-        unknown = NEVER_ISSUED["file" if name.startswith("batches.create") else kind]
-        assert never == (404, json.loads(json.dumps(body).replace(object_id, unknown))), name
+    for (what, object_id, call), (_, body) in zip(attempts, outcomes, strict=True):
+        # The very answer an id never issued gets: nothing tells B the object exists.
+        unknown = NEVER_ISSUED["batch" if object_id.startswith("batch_") else "file"]
+        expected = json.loads(json.dumps(body).replace(object_id, unknown))
+        assert await outcome(lambda c=call, u=unknown: c(u)) == (404, expected), what
 
     a_objects = set(files) | set(batches)
     b_file = await b.files.create(file=("b.jsonl", jsonl([chat_line("b-0")])), purpose="batch")
@@ -163,7 +157,7 @@ async def test_a_key_is_told_another_keys_objects_do_not_exist(
 
     # A still sees, reads and acts on all of its own, and nothing of B's.
     assert {f.id async for f in a.files.list()} == set(files)
-    assert a_objects & {x.id async for x in a.batches.list()} == set(batches)
+    assert {x.id async for x in a.batches.list()} == set(batches)
     assert (await a.files.content(upload.id)).content == content
     output = (await a.files.content(done.output_file_id)).text.splitlines()
     assert sorted(json.loads(line)["custom_id"] for line in output) == ["a-0", "a-1"]
@@ -175,7 +169,8 @@ async def test_a_key_is_told_another_keys_objects_do_not_exist(
         await a.files.retrieve(b_file.id)
     print(
         f"\n[{request.node.name}] cross-tenant reads and actions refused with 404: "
-        f"{len(outcomes)} of {len(outcomes)} ({len(files)} files x retrieve/content/delete, "
+        f"{len(attempts) - len(served)} of {len(attempts)} "
+        f"({len(files)} files x retrieve/content/delete, "
         f"{len(batches)} batches x retrieve/cancel, 1 batch from A's file); "
         f"B's lists showed 0 of A's {len(a_objects)} objects"
     )
