@@ -8,34 +8,67 @@ are enforced by the store, not by the order of the service's calls.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Protocol
+from collections.abc import Iterable, Mapping
+from typing import BinaryIO, Protocol
 
 from iop_edge.domain.batches import BatchRecord, FileRecord, InputLine, LineRecord, LineResult
 
 
+class FileUpload(Protocol):
+    """A file's content as it arrives, written to storage chunk by chunk (never held
+    whole); nothing of it exists for readers until ``commit``."""
+
+    async def write(self, chunk: bytes) -> None: ...
+
+    async def commit(self, record: FileRecord) -> None:
+        """Make the content durable and store ``record``: the file exists from here."""
+        ...
+
+    async def discard(self) -> None:
+        """Drop what was written; a no-op after ``commit``, safe to call twice."""
+        ...
+
+
 class BatchStore(Protocol):
-    async def insert_file(self, record: FileRecord, content: bytes) -> None: ...
+    async def begin_upload(self, file_id: str) -> FileUpload: ...
 
     async def get_file(self, file_id: str) -> FileRecord | None: ...
 
-    async def file_content(self, file_id: str) -> bytes | None: ...
+    async def list_files(
+        self, owner: str | None, purpose: str | None, after: str | None, limit: int, newest: bool
+    ) -> list[FileRecord]:
+        """``owner``'s files (every owner's when ``None``), newest first or oldest first;
+        ``after`` is the last id of the previous page."""
+        ...
+
+    async def open_content(self, file_id: str) -> BinaryIO | None:
+        """The file's content, open for reading; the caller closes it. Blocking: read
+        it off the event loop (``asyncio.to_thread``). It stays readable to the end
+        if the file is deleted meanwhile."""
+        ...
 
     async def delete_file(self, file_id: str) -> bool: ...
 
     async def insert_batch(
         self,
         batch: BatchRecord,
-        lines: Sequence[InputLine],
+        lines: Iterable[InputLine],
         results: Mapping[int, LineResult] | None = None,
     ) -> None:
-        """The batch and its lines (pending, or finished with ``results[index]``), or nothing."""
+        """The batch and its lines (pending, or finished with ``results[index]``), or nothing.
+
+        ``lines`` may be lazy (read from a file as it goes): it is consumed off the
+        event loop, inside the transaction, and an error it raises rolls it back.
+        """
         ...
 
     async def get_batch(self, batch_id: str) -> BatchRecord | None: ...
 
-    async def list_batches(self, after: str | None, limit: int) -> list[BatchRecord]:
-        """Newest first; ``after`` is the last id of the previous page."""
+    async def list_batches(
+        self, after: str | None, limit: int, owner: str | None = None
+    ) -> list[BatchRecord]:
+        """Newest first; ``after`` is the last id of the previous page; only ``owner``'s
+        batches when it is given."""
         ...
 
     async def batch_by_lease(self, lease_id: str) -> BatchRecord | None:
@@ -73,7 +106,9 @@ class BatchStore(Protocol):
         now: int,
         output: tuple[FileRecord, bytes] | None,
         error: tuple[FileRecord, bytes] | None,
-    ) -> None: ...
+    ) -> None:
+        """The result files (their contents made durable first) and the final status."""
+        ...
 
     async def get_line(self, batch_id: str, index: int) -> LineRecord | None: ...
 

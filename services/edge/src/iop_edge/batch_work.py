@@ -282,13 +282,16 @@ class BatchWork:
                 self._finalizing.discard(batch_id)
 
     async def _write_results(self, batch_id: str, terminal: str) -> None:
+        """The output and error files, owned by the batch's owner (and no one else)."""
+        batch = await self._store.get_batch(batch_id)
+        owner = None if batch is None else batch.owner
         lines = await self._store.lines(batch_id)
         output, errors = await asyncio.to_thread(result_files, lines, terminal)
         now = self._now()
         files = [
             (
                 FileRecord(
-                    new_id("file-"), f"{batch_id}_{kind}.jsonl", "batch_output", len(c), now
+                    new_id("file-"), f"{batch_id}_{kind}.jsonl", "batch_output", len(c), now, owner
                 ),
                 c,
             )

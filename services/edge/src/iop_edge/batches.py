@@ -13,12 +13,14 @@ the line runs in ``batch_lines``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any, Final
 
 from prometheus_client import CollectorRegistry
 
+from iop_edge.batch_file_io import FileContent, Upload, physical_lines
 from iop_edge.batch_lines import LineRunner
 from iop_edge.batch_ports import BatchStore
 from iop_edge.batch_work import BatchWork
@@ -28,12 +30,17 @@ from iop_edge.domain.batches import (
     LINE_FAILED,
     BatchRecord,
     FileRecord,
+    InputCheck,
     LineResult,
     batch_object,
+    check_input,
     file_object,
+    input_lines,
+    may_see,
     new_batch,
     new_id,
-    parse_input,
+    owner_of,
+    scope_of,
 )
 from iop_edge.domain.fleet import ApiKeyEntry
 from iop_edge.entrypoints.openai_errors import error_payload
@@ -44,12 +51,11 @@ from iop_edge.ports import Catalog, RunService
 from iop_proto.v1 import runtime_pb2 as pb
 
 MAX_FILE_BYTES: Final = 200 * 1024 * 1024
-"""OpenAI's limit for a batch input file; files live in SQLite BLOBs and in memory
-while uploaded or validated, which is why there is a limit at all."""
+"""OpenAI's limit for a batch input file. Uploads are streamed to disk, so memory is
+not the reason; a batch's lines are copied into the store, and the disk is finite."""
 RETRY_DELAY_S: Final = 5.0
 """A batch released as finished with lines still pending (the fleet had no room
 for them) rests this long before it can be leased again."""
-PARSE_OFFLOAD_BYTES: Final = 256 * 1024
 MAX_METADATA_KEYS: Final = 16
 
 
@@ -85,38 +91,71 @@ class BatchService:
         return int(self._clock())
 
     # ------------------------------------------------------------------ files
+    #
+    # Ownership: what a key creates is that key's (its ``key_id`` is stored); any other
+    # key is told it does not exist (404, like an id never issued); an operator key
+    # and the open API (``key`` None) see everything.
 
-    async def create_file(self, filename: str, purpose: str, content: bytes) -> dict[str, Any]:
+    @contextlib.asynccontextmanager
+    async def receive_file(self) -> AsyncIterator[Upload]:
+        """A new upload, written to storage as it arrives; ``create_file`` stores it, and
+        whatever was not stored is dropped when the block ends (an error, a disconnect)."""
+        file_id = new_id("file-")
+        upload = Upload(file_id, await self._store.begin_upload(file_id), self.max_file_bytes)
+        try:
+            yield upload
+        finally:
+            await upload.discard()
+
+    async def create_file(
+        self, upload: Upload, filename: str, purpose: str, *, key: ApiKeyEntry | None = None
+    ) -> dict[str, Any]:
+        """Store a received upload as ``key``'s file."""
         if purpose != "batch":
             raise InvalidRequest(
                 f"Invalid purpose '{purpose}': this server accepts only 'batch'.", param="purpose"
             )
-        if len(content) > self.max_file_bytes:
-            raise InvalidRequest(
-                f"The file is larger than the limit of {self.max_file_bytes} bytes.", param="file"
-            )
         name = filename or "upload.jsonl"
-        record = FileRecord(new_id("file-"), name, purpose, len(content), self._now())
-        await self._store.insert_file(record, content)
+        record = FileRecord(upload.file_id, name, purpose, upload.size, self._now(), owner_of(key))
+        await upload.commit(record)
         return file_object(record)
 
-    async def get_file(self, file_id: str) -> dict[str, Any]:
-        record = await self._store.get_file(file_id)
-        if record is None:
-            raise _no_file(file_id)
-        return file_object(record)
+    async def get_file(self, file_id: str, *, key: ApiKeyEntry | None = None) -> dict[str, Any]:
+        return file_object(await self._file(file_id, key))
 
-    async def file_content(self, file_id: str) -> bytes:
-        content = await self._store.file_content(file_id)
-        if content is None:
-            raise _no_file(file_id)
-        return content
+    async def list_files(
+        self,
+        purpose: str | None,
+        after: str | None,
+        limit: int,
+        *,
+        newest: bool = True,
+        key: ApiKeyEntry | None = None,
+    ) -> dict[str, Any]:
+        """The caller's files (an operator's or the open API's: all), like OpenAI's list."""
+        records = await self._store.list_files(scope_of(key), purpose, after, limit + 1, newest)
+        return _page([file_object(record) for record in records], limit)
 
-    async def delete_file(self, file_id: str) -> dict[str, Any]:
+    async def file_content(self, file_id: str, *, key: ApiKeyEntry | None = None) -> FileContent:
+        """The file open for reading in chunks; the caller reads or closes it."""
+        record = await self._file(file_id, key)
+        handle = await self._store.open_content(file_id)
+        if handle is None:
+            raise _no_file(file_id)
+        return FileContent(record, handle)
+
+    async def delete_file(self, file_id: str, *, key: ApiKeyEntry | None = None) -> dict[str, Any]:
         """A batch keeps running when its input file is deleted: its lines are stored apart."""
+        await self._file(file_id, key)
         if not await self._store.delete_file(file_id):
             raise _no_file(file_id)
         return {"id": file_id, "object": "file", "deleted": True}
+
+    async def _file(self, file_id: str, key: ApiKeyEntry | None, param: str = "id") -> FileRecord:
+        record = await self._store.get_file(file_id)
+        if record is None or not may_see(key, record.owner):
+            raise NotFound(f"No such File object: {file_id}", param=param)
+        return record
 
     # ------------------------------------------------------------------ batches
 
@@ -131,9 +170,15 @@ class BatchService:
     ) -> dict[str, Any]:
         """Validate the whole input file now; an invalid one makes a ``failed`` batch.
 
-        ``key``: the caller's API key policy. A line naming a model the key may
-        not use fails alone (403 ``model_not_allowed`` in the error file) and
-        never runs: the key's allow-list is not known when a worker runs it.
+        ``key``: the caller's API key policy; the batch, and its output and error
+        files, are its key's. The input file must be one the key may see. A line
+        naming a model the key may not use fails alone (403 ``model_not_allowed``
+        in the error file) and never runs: the key's allow-list is not known when
+        a worker runs it.
+
+        The file is read twice, a line at a time, off the event loop: once to
+        check it (holding the custom ids and the first errors), once to store its
+        lines. Neither reading holds the file, only the line in hand.
         """
         if endpoint not in ENDPOINTS:
             allowed = ", ".join(ENDPOINTS)
@@ -141,62 +186,63 @@ class BatchService:
         if completion_window not in COMPLETION_WINDOWS:
             raise InvalidRequest("'completion_window' must be '24h'.", param="completion_window")
         _check_metadata(metadata)
-        file = await self._store.get_file(input_file_id)
-        content = await self._store.file_content(input_file_id)
-        if file is None or content is None:
-            raise NotFound(f"No such File object: {input_file_id}", param="input_file_id")
+        file = await self._file(input_file_id, key, param="input_file_id")
         if file.purpose != "batch":
             raise InvalidRequest(
                 f"The file {input_file_id} has purpose '{file.purpose}'; a batch needs 'batch'.",
                 param="input_file_id",
             )
-        if len(content) > PARSE_OFFLOAD_BYTES:
-            parsed = await asyncio.to_thread(parse_input, content, endpoint)
-        else:
-            parsed = parse_input(content, endpoint)
-        now = self._now()
-        batch = new_batch(
-            new_id("batch_"), input_file_id, endpoint, completion_window, metadata, parsed, now
-        )
-        lines = [] if parsed.errors else parsed.lines
-        refused = {
-            line.index: _refusal(line.model)
-            for line in lines
-            if key is not None and line.model is not None and not key.allows(line.model)
-        }
-        await self._store.insert_batch(batch, lines, refused)
+        content = await self._store.open_content(input_file_id)
+        if content is None:
+            raise NotFound(f"No such File object: {input_file_id}", param="input_file_id")
+        try:
+            check = await asyncio.to_thread(check_input, physical_lines(content), endpoint)
+            batch = new_batch(
+                new_id("batch_"),
+                input_file_id,
+                endpoint,
+                completion_window,
+                metadata,
+                check,
+                self._now(),
+                owner_of(key),
+            )
+            # The second reading runs on the store's thread, inside its transaction.
+            lines = () if check.errors else input_lines(physical_lines(content), endpoint)
+            refused = _refused(check, key)
+            await self._store.insert_batch(batch, lines, refused)
+        finally:
+            await asyncio.to_thread(content.close)
         self._metrics.lines.labels("failed").inc(len(refused))
         await self._work.refresh_metrics()
-        return await self.get_batch(batch.id)
+        return await self.get_batch(batch.id, key=key)
 
-    async def get_batch(self, batch_id: str) -> dict[str, Any]:
-        return batch_object(await self._batch(batch_id))
+    async def get_batch(self, batch_id: str, *, key: ApiKeyEntry | None = None) -> dict[str, Any]:
+        return batch_object(await self._batch(batch_id, key))
 
-    async def list_batches(self, after: str | None, limit: int) -> dict[str, Any]:
-        records = await self._store.list_batches(after, limit + 1)
-        data = [batch_object(record) for record in records[:limit]]
-        return {
-            "object": "list",
-            "data": data,
-            "first_id": data[0]["id"] if data else None,
-            "last_id": data[-1]["id"] if data else None,
-            "has_more": len(records) > limit,
-        }
+    async def list_batches(
+        self, after: str | None, limit: int, *, key: ApiKeyEntry | None = None
+    ) -> dict[str, Any]:
+        """The caller's batches, newest first (an operator's or the open API's: all)."""
+        records = await self._store.list_batches(after, limit + 1, scope_of(key))
+        return _page([batch_object(record) for record in records], limit)
 
-    async def cancel_batch(self, batch_id: str) -> dict[str, Any]:
+    async def cancel_batch(
+        self, batch_id: str, *, key: ApiKeyEntry | None = None
+    ) -> dict[str, Any]:
         """``cancelling`` while a worker holds the batch, ``cancelled`` at once otherwise;
         a batch that already ended (or is ending) is returned as is, like OpenAI does."""
-        await self._batch(batch_id)
+        await self._batch(batch_id, key)
         await self._work.cancel(batch_id)
-        return await self.get_batch(batch_id)
+        return await self.get_batch(batch_id, key=key)
 
     async def refresh_metrics(self) -> None:
         """Publish the batches-by-status gauge (it follows every change; call once at start)."""
         await self._work.refresh_metrics()
 
-    async def _batch(self, batch_id: str) -> BatchRecord:
+    async def _batch(self, batch_id: str, key: ApiKeyEntry | None) -> BatchRecord:
         batch = await self._store.get_batch(batch_id)
-        if batch is None:
+        if batch is None or not may_see(key, batch.owner):
             raise NotFound(f"No such Batch object: {batch_id}", param="id")
         return batch
 
@@ -228,6 +274,30 @@ class BatchService:
 
 def _no_file(file_id: str) -> NotFound:
     return NotFound(f"No such File object: {file_id}", param="id")
+
+
+def _page(data: list[dict[str, Any]], limit: int) -> dict[str, Any]:
+    """OpenAI's cursor page of ``data`` (fetched with one more than ``limit``)."""
+    shown = data[:limit]
+    return {
+        "object": "list",
+        "data": shown,
+        "first_id": shown[0]["id"] if shown else None,
+        "last_id": shown[-1]["id"] if shown else None,
+        "has_more": len(data) > limit,
+    }
+
+
+def _refused(check: InputCheck, key: ApiKeyEntry | None) -> dict[int, LineResult]:
+    """The lines naming a model ``key`` may not use, failed in advance."""
+    if key is None or check.errors:
+        return {}
+    return {
+        index: _refusal(model)
+        for model, indices in check.models.items()
+        if not key.allows(model)
+        for index in indices
+    }
 
 
 def _refusal(model: str) -> LineResult:

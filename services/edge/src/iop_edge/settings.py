@@ -56,7 +56,8 @@ class EdgeSettings(ServiceSettings):
     )
     history_db: Path = Field(default=Path("var/edge/runs.db"), description="runs dispatched")
     batch_db: Path = Field(
-        default=Path("var/edge/batches.db"), description="Batch API files, batches, line results"
+        default=Path("var/edge/batches.db"),
+        description="Batch API files, batches, line results (file contents in <name>.files/)",
     )
     batch_lease_ttl_s: float = Field(
         default=30.0, gt=0, description="a worker that stops renewing loses its batch after this"

@@ -330,6 +330,28 @@ async def test_malformed_uploads_are_400(edge: Edge) -> None:
             assert response.status == 400
 
 
+async def test_the_file_part_may_come_before_the_purpose_and_only_once(edge: Edge) -> None:
+    """curl ``-F file=@x -F purpose=batch`` sends the file first: it is streamed to disk
+    before the purpose is known, and stored (or dropped) once it is."""
+    async with aiohttp.ClientSession() as http:
+        form = aiohttp.FormData()
+        form.add_field("file", jsonl(request("a")), filename="r.jsonl")
+        form.add_field("purpose", "batch")
+        async with http.post(f"{edge.url}/v1/files", data=form) as response:
+            assert response.status == 200
+            created = await response.json()
+        assert created["bytes"] == len(jsonl(request("a")))
+        form = aiohttp.FormData()
+        form.add_field("purpose", "batch")
+        form.add_field("file", b"{}\n", filename="one.jsonl")
+        form.add_field("file", b"{}\n", filename="two.jsonl")
+        async with http.post(f"{edge.url}/v1/files", data=form) as response:
+            assert response.status == 400
+            assert (await response.json())["error"]["param"] == "file"
+    async with edge.sdk() as client:
+        assert [f.id async for f in client.files.list()] == [created["id"]]
+
+
 async def test_the_routes_need_a_key_when_keys_are_configured(tmp_path: Path) -> None:
     keys = {"sk-good": ApiKeyEntry("k1", "k1", "hash", frozenset(), 0)}
     async with serve(tmp_path, keys) as edge:
@@ -340,6 +362,60 @@ async def test_the_routes_need_a_key_when_keys_are_configured(tmp_path: Path) ->
                 await client.files.create(file=("r.jsonl", b"{}\n"), purpose="batch")
         async with edge.sdk("sk-good") as client:
             assert (await client.batches.list()).data == []
+
+
+async def test_each_key_sees_only_its_own_and_an_operator_sees_all(tmp_path: Path) -> None:
+    keys = {
+        "sk-a": ApiKeyEntry("key_a", "a", "hash-a", frozenset(), 0),
+        "sk-b": ApiKeyEntry("key_b", "b", "hash-b", frozenset(), 0),
+        "sk-op": ApiKeyEntry("key_op", "ops", "hash-op", frozenset(), 0, operator=True),
+    }
+    async with serve(tmp_path, keys) as edge:
+        async with edge.sdk("sk-a") as a, edge.sdk("sk-b") as b, edge.sdk("sk-op") as op:
+            file = await a.files.create(file=("r.jsonl", jsonl(request("x"))), purpose="batch")
+            batch = await a.batches.create(
+                input_file_id=file.id, endpoint=CHAT, completion_window="24h"
+            )
+            refused = [
+                b.files.retrieve(file.id),
+                b.files.content(file.id),
+                b.files.delete(file.id),
+                b.batches.retrieve(batch.id),
+                b.batches.cancel(batch.id),
+                b.batches.create(input_file_id=file.id, endpoint=CHAT, completion_window="24h"),
+            ]
+            for call in refused:
+                with pytest.raises(openai.NotFoundError) as caught:
+                    await call
+                assert caught.value.body["type"] == "invalid_request_error"  # type: ignore[index]
+            assert [f.id async for f in b.files.list()] == []
+            assert [x.id async for x in b.batches.list()] == []
+            assert [f.id async for f in a.files.list()] == [file.id]
+            assert [f.id async for f in op.files.list()] == [file.id]
+            assert [x.id async for x in op.batches.list()] == [batch.id]
+            assert (await op.files.content(file.id)).content == jsonl(request("x"))
+            assert (await op.batches.cancel(batch.id)).status == "cancelled"
+            assert (await a.batches.retrieve(batch.id)).status == "cancelled"
+
+
+async def test_the_file_list_takes_openai_parameters(edge: Edge) -> None:
+    async with edge.sdk() as client:
+        ids = [
+            (await client.files.create(file=("r.jsonl", jsonl(request("a"))), purpose="batch")).id
+            for _ in range(3)
+        ]
+        page = await client.files.list(limit=2)
+        assert ([f.id for f in page.data], page.has_more) == (ids[::-1][:2], True)
+        assert [f.id async for f in client.files.list(limit=2)] == ids[::-1]
+        assert [f.id async for f in client.files.list(order="asc")] == ids
+        assert [f.id async for f in client.files.list(purpose="batch_output")] == []
+        with pytest.raises(openai.BadRequestError) as caught:
+            await client.files.list(limit=0)
+        assert caught.value.body["param"] == "limit"  # type: ignore[index]
+    async with aiohttp.ClientSession() as http:
+        async with http.get(f"{edge.url}/v1/files", params={"order": "sideways"}) as response:
+            assert response.status == 400
+            assert (await response.json())["error"]["param"] == "order"
 
 
 async def test_without_a_batch_service_the_routes_do_not_exist(tmp_path: Path) -> None:
@@ -358,6 +434,7 @@ async def test_every_batch_route_is_in_the_openapi_document(tmp_path: Path) -> N
                 assert (await response.json())["paths"] == documented
     expected = {
         ("/v1/files", "post"),
+        ("/v1/files", "get"),
         ("/v1/files/{file_id}", "get"),
         ("/v1/files/{file_id}", "delete"),
         ("/v1/files/{file_id}/content", "get"),

@@ -160,15 +160,33 @@ class Harness:
     def metric(self, name: str, **labels: str) -> float:
         return self.registry.get_sample_value(name, labels) or 0.0
 
+    async def upload(
+        self,
+        content: bytes,
+        purpose: str = "batch",
+        *,
+        key: ApiKeyEntry | None = None,
+        chunk: int = 4096,
+    ) -> dict[str, Any]:
+        """Upload ``content`` the way the HTTP route does: chunk by chunk."""
+        async with self.service.receive_file() as upload:
+            for start in range(0, len(content), chunk):
+                await upload.write(content[start : start + chunk])
+            return await self.service.create_file(upload, "in.jsonl", purpose, key=key)
+
+    async def content(self, file_id: str, *, key: ApiKeyEntry | None = None) -> bytes:
+        opened = await self.service.file_content(file_id, key=key)
+        return b"".join([chunk async for chunk in opened.chunks()])
+
     async def batch(self, lines: list[dict[str, Any]] | bytes, **extra: Any) -> dict[str, Any]:
         content = lines if isinstance(lines, bytes) else jsonl(lines)
-        file = await self.service.create_file("in.jsonl", "batch", content)
+        file = await self.upload(content, key=extra.get("key"))
         return await self.service.create_batch(file["id"], CHAT, "24h", None, **extra)
 
     async def results(self, file_id: str | None) -> list[dict[str, Any]]:
         if file_id is None:
             return []
-        content = await self.service.file_content(file_id)
+        content = await self.content(file_id)
         return [json.loads(line) for line in content.decode().splitlines()]
 
 
@@ -209,7 +227,7 @@ def three() -> list[dict[str, Any]]:
 
 
 async def test_files_round_trip_and_404s(h: Harness) -> None:
-    created = await h.service.create_file("in.jsonl", "batch", b'{"x": 1}\n')
+    created = await h.upload(b'{"x": 1}\n')
     assert created["id"].startswith("file-")
     assert created == {
         "id": created["id"],
@@ -222,7 +240,7 @@ async def test_files_round_trip_and_404s(h: Harness) -> None:
         "status_details": None,
     }
     assert await h.service.get_file(created["id"]) == created
-    assert await h.service.file_content(created["id"]) == b'{"x": 1}\n'
+    assert await h.content(created["id"]) == b'{"x": 1}\n'
     deleted = await h.service.delete_file(created["id"])
     assert deleted == {"id": created["id"], "object": "file", "deleted": True}
     for call in (h.service.get_file, h.service.file_content, h.service.delete_file):
@@ -241,10 +259,10 @@ async def test_files_round_trip_and_404s(h: Harness) -> None:
 
 async def test_an_upload_needs_purpose_batch_and_a_modest_size(h: Harness) -> None:
     with pytest.raises(InvalidRequest) as caught:
-        await h.service.create_file("x.jsonl", "fine-tune", b"{}")
+        await h.upload(b"{}", "fine-tune")
     assert caught.value.param == "purpose"
     with pytest.raises(InvalidRequest) as caught:
-        await h.service.create_file("x.jsonl", "batch", b"x" * 10_001)
+        await h.upload(b"x" * 10_001)
     assert (caught.value.param, caught.value.status) == ("file", 400)
 
 
@@ -266,6 +284,123 @@ async def test_a_store_from_a_newer_edge_is_refused(tmp_path: Path) -> None:
     raw.close()
     with pytest.raises(BatchStoreError, match="newer"):
         await SqliteBatchStore.open(path)
+
+
+# ---------------------------------------------------------------- tenancy
+
+KEY_A = ApiKeyEntry("key_a", "a", "hash-a", frozenset(), 0)
+KEY_B = ApiKeyEntry("key_b", "b", "hash-b", frozenset(), 0)
+OPERATOR = ApiKeyEntry("key_op", "ops", "hash-op", frozenset(), 0, operator=True)
+
+
+async def finished_batch(h: Harness, key: ApiKeyEntry | None) -> dict[str, Any]:
+    """A batch of ``key`` run to its end, with an output and an error file."""
+    batch = await h.batch([request("a"), request("b", model="broken")], key=key)
+    grant = await h.service.lease("w1")
+    await run_all(h, grant)
+    await h.service.release(grant.lease_id, finished=True)
+    done = await h.service.get_batch(batch["id"], key=key)
+    assert done["status"] == "completed"
+    assert done["output_file_id"] is not None
+    assert done["error_file_id"] is not None
+    return done
+
+
+async def test_another_key_is_told_each_object_does_not_exist(h: Harness) -> None:
+    done = await finished_batch(h, KEY_A)
+    file_id = done["input_file_id"]
+    unknown_file, unknown_batch = "file-" + "0" * 32, "batch_" + "0" * 32
+
+    async def refusal(call: Any, object_id: str, **kwargs: Any) -> dict[str, Any]:
+        with pytest.raises(NotFound) as caught:
+            await call(object_id, key=KEY_B, **kwargs)
+        return error_payload(caught.value)
+
+    def same(payload: dict[str, Any], object_id: str, unknown_id: str) -> dict[str, Any]:
+        return json.loads(json.dumps(payload).replace(object_id, unknown_id))
+
+    for object_id in (file_id, done["output_file_id"], done["error_file_id"]):
+        for call in (h.service.get_file, h.service.file_content, h.service.delete_file):
+            payload = await refusal(call, object_id)
+            assert same(payload, object_id, unknown_file) == await refusal(call, unknown_file)
+    for call in (h.service.get_batch, h.service.cancel_batch):
+        payload = await refusal(call, done["id"])
+        assert same(payload, done["id"], unknown_batch) == await refusal(call, unknown_batch)
+    with pytest.raises(NotFound) as caught:
+        await h.service.create_batch(file_id, CHAT, "24h", None, key=KEY_B)
+    assert caught.value.param == "input_file_id"
+
+    assert (await h.service.list_batches(None, 10, key=KEY_B))["data"] == []
+    assert (await h.service.list_files(None, None, 10, key=KEY_B))["data"] == []
+    mine = await h.batch([request("mine")], key=KEY_B)
+    # A's ids as cursors page B's lists like ids never issued: empty, nothing revealed.
+    assert (await h.service.list_batches(done["id"], 10, key=KEY_B))["data"] == []
+    for newest in (True, False):
+        assert (await h.service.list_files(None, file_id, 10, newest=newest, key=KEY_B))[
+            "data"
+        ] == []
+    assert [b["id"] for b in (await h.service.list_batches(None, 10, key=KEY_B))["data"]] == [
+        mine["id"]
+    ]
+    # A still has everything, untouched by B's attempts.
+    assert [b["id"] for b in (await h.service.list_batches(None, 10, key=KEY_A))["data"]] == [
+        done["id"]
+    ]
+    listed = await h.service.list_files(None, None, 10, key=KEY_A)
+    assert {f["id"] for f in listed["data"]} == {
+        file_id,
+        done["output_file_id"],
+        done["error_file_id"],
+    }
+    assert (await h.results(done["output_file_id"]))[0]["custom_id"] == "a"
+    assert await h.content(done["output_file_id"], key=KEY_A) == await h.content(
+        done["output_file_id"]
+    )
+
+
+async def test_an_operator_key_and_the_open_api_see_and_act_on_everything(h: Harness) -> None:
+    done = await finished_batch(h, KEY_A)
+    for key in (OPERATOR, None):
+        assert (await h.service.get_batch(done["id"], key=key))["id"] == done["id"]
+        assert [b["id"] for b in (await h.service.list_batches(None, 10, key=key))["data"]] == [
+            done["id"]
+        ]
+        assert len((await h.service.list_files(None, None, 10, key=key))["data"]) == 3
+        assert (await h.content(done["output_file_id"], key=key)).startswith(b'{"id"')
+    made = await h.service.create_batch(done["input_file_id"], CHAT, "24h", None, key=OPERATOR)
+    assert (await h.service.cancel_batch(made["id"], key=OPERATOR))["status"] == "cancelled"
+    with pytest.raises(NotFound):  # the operator's batch is the operator's
+        await h.service.get_batch(made["id"], key=KEY_A)
+    await h.service.delete_file(done["output_file_id"], key=OPERATOR)
+    with pytest.raises(NotFound):
+        await h.service.get_file(done["output_file_id"], key=KEY_A)
+
+
+async def test_objects_made_while_the_api_was_open_are_only_for_operators(h: Harness) -> None:
+    done = await finished_batch(h, None)
+    for key in (KEY_A, KEY_B):
+        with pytest.raises(NotFound):
+            await h.service.get_batch(done["id"], key=key)
+        with pytest.raises(NotFound):
+            await h.service.get_file(done["output_file_id"], key=key)
+        assert (await h.service.list_files(None, None, 10, key=key))["data"] == []
+    assert (await h.service.get_file(done["output_file_id"], key=OPERATOR))["id"]
+
+
+async def test_the_file_list_filters_orders_and_pages(h: Harness) -> None:
+    ids = [(await h.upload(jsonl([request(str(n))]), key=KEY_A))["id"] for n in range(3)]
+    await finished_batch(h, KEY_B)
+    page = await h.service.list_files(None, None, 2, key=KEY_A)
+    assert ([f["id"] for f in page["data"]], page["has_more"]) == ([ids[2], ids[1]], True)
+    rest = await h.service.list_files(None, page["last_id"], 2, key=KEY_A)
+    assert ([f["id"] for f in rest["data"]], rest["has_more"]) == ([ids[0]], False)
+    oldest = await h.service.list_files(None, None, 10, newest=False, key=KEY_A)
+    assert [f["id"] for f in oldest["data"]] == ids
+    outputs = await h.service.list_files("batch_output", None, 10, key=KEY_B)
+    assert {f["purpose"] for f in outputs["data"]} == {"batch_output"}
+    assert len(outputs["data"]) == 2
+    assert page["object"] == "list"
+    assert page["first_id"] == ids[2]
 
 
 # ---------------------------------------------------------------- create and validate
@@ -311,7 +446,7 @@ async def test_an_empty_file_fails_the_batch(h: Harness) -> None:
 
 
 async def test_batch_parameters_are_checked(h: Harness) -> None:
-    file = await h.service.create_file("in.jsonl", "batch", jsonl([request("a")]))
+    file = await h.upload(jsonl([request("a")]))
     cases: list[tuple[tuple[Any, ...], str]] = [
         ((file["id"], "/v1/responses", "24h", None), "endpoint"),
         ((file["id"], CHAT, "1h", None), "completion_window"),
@@ -328,7 +463,7 @@ async def test_batch_parameters_are_checked(h: Harness) -> None:
 
 
 async def test_a_valid_batch_is_an_openai_batch_object(h: Harness) -> None:
-    file = await h.service.create_file("in.jsonl", "batch", jsonl(three()))
+    file = await h.upload(jsonl(three()))
     batch = await h.service.create_batch(file["id"], CHAT, "24h", {"team": "search"})
     assert batch["id"].startswith("batch_")
     assert batch == {

@@ -1,14 +1,18 @@
-"""Files, batches and per-line results in one SQLite file, through aiosqlite.
+"""Files, batches and per-line results in one SQLite file, through aiosqlite; file
+contents beside it (``batch_files.ContentDir``).
 
-Every statement runs on aiosqlite's thread, so a 200 MB upload or a finalize of
-50,000 lines never holds the event loop. Each call below is one transaction,
-and the calls of one connection are serialised by a lock: transactions of
-concurrent coroutines must not interleave on a shared connection.
+Every statement runs on aiosqlite's thread and every content read or write in
+``asyncio.to_thread``, so a 200 MB upload or a finalize of 50,000 lines never
+holds the event loop, and an upload is written as it arrives, never held whole.
+Each call below is one transaction, and the calls of one connection are
+serialised by a lock: transactions of concurrent coroutines must not
+interleave on a shared connection.
 
-The file itself (mode, WAL, schema version) is ``batch_schema``'s.
+The file itself (mode, WAL, schema version, migrations) is ``batch_schema``'s.
 Durability: a line's result is committed (``synchronous = FULL`` under WAL)
 before ``finish_line`` returns, so a line that finished is never run again,
-even after a power loss. One edge process owns the file.
+even after a power loss; a file's content is fsynced before its row commits.
+One edge process owns the file and the directory.
 """
 
 from __future__ import annotations
@@ -18,11 +22,12 @@ import contextlib
 import json
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, BinaryIO, Final
 
 import aiosqlite
 from loguru import logger
 
+from iop_edge.adapters.batch_files import ContentDir, ContentUpload
 from iop_edge.adapters.batch_schema import BUSY_TIMEOUT_S, connect
 from iop_edge.adapters.sqlite_file import transaction
 from iop_edge.domain.batches import (
@@ -51,8 +56,9 @@ _BATCH_SELECT: Final = f"""SELECT b.id, b.input_file_id, b.endpoint, b.completio
     b.output_file_id, b.error_file_id, b.errors, b.total_lines,
     (SELECT COUNT(*) FROM batch_lines l WHERE l.batch_id = b.id AND l.state = '{DONE}'),
     (SELECT COUNT(*) FROM batch_lines l WHERE l.batch_id = b.id AND l.state = '{LINE_FAILED}'),
-    b.lease_id, b.lease_owner, b.lease_expires_at, b.finalize_as
+    b.lease_id, b.lease_owner, b.lease_expires_at, b.finalize_as, b.owner
     FROM batches b"""
+_FILE_SELECT: Final = "SELECT id, filename, purpose, bytes, created_at, owner FROM files"
 _RUNNABLE_SQL: Final = ", ".join(f"'{status}'" for status in RUNNABLE)
 _LEASE_FREE: Final = "(b.lease_expires_at IS NULL OR b.lease_expires_at <= :now)"
 _LINE_COLUMNS: Final = (
@@ -69,17 +75,29 @@ _TIMESTAMP_OF: Final = {
 class SqliteBatchStore:
     """Make it with ``await SqliteBatchStore.open(path)``; the caller must ``aclose()`` it."""
 
-    def __init__(self, db: aiosqlite.Connection, path: Path) -> None:
+    def __init__(self, db: aiosqlite.Connection, path: Path, contents: ContentDir) -> None:
         """Use ``open``."""
         self.path = path
+        self.contents = contents
         self._db = db
         self._lock = asyncio.Lock()
 
     @classmethod
     async def open(cls, path: Path, *, busy_timeout_s: float = BUSY_TIMEOUT_S) -> SqliteBatchStore:
-        db = await connect(path, busy_timeout_s)
-        logger.info("batch store {}: opened", path)
-        return cls(db, path)
+        """Open (creating or migrating) the store, and remove what a crash left."""
+        contents = ContentDir.beside(path)
+        await asyncio.to_thread(contents.prepare, path)
+        db = await connect(path, busy_timeout_s, contents)
+        try:
+            known = [str(row[0]) for row in await db.execute_fetchall("SELECT id FROM files")]
+            swept = await asyncio.to_thread(contents.sweep, known)
+        except BaseException:
+            await db.close()
+            raise
+        if swept:
+            logger.warning("batch store {}: removed {} contents a crash left", path, swept)
+        logger.info("batch store {}: opened ({} files in {})", path, len(known), contents.path)
+        return cls(db, path, contents)
 
     async def aclose(self) -> None:
         async with self._lock:
@@ -96,40 +114,72 @@ class SqliteBatchStore:
 
     # -- files ---------------------------------------------------------------
 
-    async def insert_file(self, record: FileRecord, content: bytes) -> None:
-        async with self._write() as db:
-            await db.execute(_INSERT_FILE, (*_file_row(record), content))
+    async def begin_upload(self, file_id: str) -> ContentUpload:
+        return await ContentUpload.begin(self.contents, file_id, self._insert_file)
 
     async def get_file(self, file_id: str) -> FileRecord | None:
-        rows = await self._fetch(
-            "SELECT id, filename, purpose, bytes, created_at FROM files WHERE id = ?", (file_id,)
-        )
+        rows = await self._fetch(f"{_FILE_SELECT} WHERE id = ?", (file_id,))
         return FileRecord(*rows[0]) if rows else None
 
-    async def file_content(self, file_id: str) -> bytes | None:
-        rows = await self._fetch("SELECT content FROM files WHERE id = ?", (file_id,))
-        return bytes(rows[0][0]) if rows else None
+    async def list_files(
+        self, owner: str | None, purpose: str | None, after: str | None, limit: int, newest: bool
+    ) -> list[FileRecord]:
+        """Newest (or oldest) first by insertion; ``after`` is the last id of the previous page."""
+        where, params = [], []
+        if owner is not None:
+            where.append("owner = ?")
+            params.append(owner)
+        if purpose is not None:
+            where.append("purpose = ?")
+            params.append(purpose)
+        if after is not None:  # a cursor of another owner's is no cursor: existence stays hidden
+            mine = "" if owner is None else " AND owner = ?"
+            where.append(
+                f"rowid {'<' if newest else '>'} (SELECT rowid FROM files WHERE id = ?{mine})"
+            )
+            params.extend([after] if owner is None else [after, owner])
+        clause = f"WHERE {' AND '.join(where)}" if where else ""
+        order = "DESC" if newest else "ASC"
+        rows = await self._fetch(
+            f"{_FILE_SELECT} {clause} ORDER BY rowid {order} LIMIT ?", (*params, limit)
+        )
+        return [FileRecord(*row) for row in rows]
+
+    async def open_content(self, file_id: str) -> BinaryIO | None:
+        if await self.get_file(file_id) is None:
+            return None
+        return await asyncio.to_thread(self.contents.open, file_id)
 
     async def delete_file(self, file_id: str) -> bool:
+        """The row first, then the content (a crash between leaves content for the sweep)."""
         async with self._write() as db:
             cursor = await db.execute("DELETE FROM files WHERE id = ?", (file_id,))
-            return cursor.rowcount > 0
+            deleted = cursor.rowcount > 0
+        if deleted:
+            await asyncio.to_thread(self.contents.remove, file_id)
+        return deleted
+
+    async def _insert_file(self, record: FileRecord) -> None:
+        async with self._write() as db:
+            await db.execute(_INSERT_FILE, _file_row(record))
 
     # -- batches -------------------------------------------------------------
 
     async def insert_batch(
         self,
         batch: BatchRecord,
-        lines: Sequence[InputLine],
+        lines: Iterable[InputLine],
         results: Mapping[int, LineResult] | None = None,
     ) -> None:
-        """The batch and all its lines (pending, or finished with ``results[index]``)."""
+        """The batch and all its lines (pending, or finished with ``results[index]``);
+        ``lines`` is consumed on aiosqlite's thread."""
         done = results or {}
         async with self._write() as db:
             await db.execute(
                 """INSERT INTO batches (id, input_file_id, endpoint, completion_window,
-                    metadata, status, created_at, failed_at, expires_at, errors, total_lines)
-                VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)""",
+                    metadata, status, created_at, failed_at, expires_at, errors, total_lines,
+                    owner)
+                VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)""",
                 (
                     batch.id,
                     batch.input_file_id,
@@ -142,6 +192,7 @@ class SqliteBatchStore:
                     batch.expires_at,
                     _json(batch.errors),
                     batch.total,
+                    batch.owner,
                 ),
             )
             await db.executemany(
@@ -154,11 +205,23 @@ class SqliteBatchStore:
         rows = await self._fetch(f"{_BATCH_SELECT} WHERE b.id = ?", (batch_id,))
         return _batch(rows[0]) if rows else None
 
-    async def list_batches(self, after: str | None, limit: int) -> list[BatchRecord]:
-        """Newest first; ``after`` is the last id of the previous page."""
-        where = "" if after is None else "WHERE b.seq < (SELECT seq FROM batches WHERE id = ?)"
-        params: tuple[Any, ...] = (limit,) if after is None else (after, limit)
-        rows = await self._fetch(f"{_BATCH_SELECT} {where} ORDER BY b.seq DESC LIMIT ?", params)
+    async def list_batches(
+        self, after: str | None, limit: int, owner: str | None = None
+    ) -> list[BatchRecord]:
+        """Newest first; ``after`` is the last id of the previous page; only ``owner``'s
+        batches when it is given."""
+        where, params = [], []
+        if owner is not None:
+            where.append("b.owner = ?")
+            params.append(owner)
+        if after is not None:  # a cursor of another owner's is no cursor: existence stays hidden
+            mine = "" if owner is None else " AND owner = ?"
+            where.append(f"b.seq < (SELECT seq FROM batches WHERE id = ?{mine})")
+            params.extend([after] if owner is None else [after, owner])
+        clause = f"WHERE {' AND '.join(where)}" if where else ""
+        rows = await self._fetch(
+            f"{_BATCH_SELECT} {clause} ORDER BY b.seq DESC LIMIT ?", (*params, limit)
+        )
         return [_batch(row) for row in rows]
 
     async def batch_by_lease(self, lease_id: str) -> BatchRecord | None:
@@ -258,11 +321,31 @@ class SqliteBatchStore:
         error: tuple[FileRecord, bytes] | None,
     ) -> None:
         """The result files and the final status, in one transaction (so a crash leaves
-        the batch to be finalized again, never with half its files)."""
+        the batch to be finalized again, never with half its files). Their contents
+        are written (durably) first; if the transaction fails they are removed, and
+        a crash leaves them to the next open's sweep."""
+        files = [file for file in (output, error) if file is not None]
+        for record, content in files:
+            await asyncio.to_thread(self.contents.write, record.id, content)
+        try:
+            await self._end_batch(batch_id, terminal, now, output, error)
+        except BaseException:
+            for record, _ in files:
+                await asyncio.to_thread(self.contents.remove, record.id)
+            raise
+
+    async def _end_batch(
+        self,
+        batch_id: str,
+        terminal: str,
+        now: int,
+        output: tuple[FileRecord, bytes] | None,
+        error: tuple[FileRecord, bytes] | None,
+    ) -> None:
         async with self._write() as db:
             for file in (output, error):
                 if file is not None:
-                    await db.execute(_INSERT_FILE, (*_file_row(file[0]), file[1]))
+                    await db.execute(_INSERT_FILE, _file_row(file[0]))
             await db.execute(
                 f"""UPDATE batches SET status = ?, {_TIMESTAMP_OF[terminal]} = ?,
                     output_file_id = ?, error_file_id = ?, finalize_as = NULL,
@@ -327,13 +410,19 @@ class SqliteBatchStore:
 
 
 _INSERT_FILE: Final = (
-    "INSERT INTO files (id, filename, purpose, bytes, created_at, content) "
-    "VALUES (?, ?, ?, ?, ?, ?)"
+    "INSERT INTO files (id, filename, purpose, bytes, created_at, owner) VALUES (?, ?, ?, ?, ?, ?)"
 )
 
 
 def _file_row(record: FileRecord) -> tuple[object, ...]:
-    return (record.id, record.filename, record.purpose, record.bytes, record.created_at)
+    return (
+        record.id,
+        record.filename,
+        record.purpose,
+        record.bytes,
+        record.created_at,
+        record.owner,
+    )
 
 
 def _new_line(batch: BatchRecord, line: InputLine, result: LineResult | None) -> tuple[object, ...]:

@@ -11,11 +11,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import sqlite3
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Literal
 
 import aiosqlite
+
+Migration = Callable[[aiosqlite.Connection, int], Awaitable[None]]
+"""Brings a file from the version given up to date, inside the open transaction."""
 
 
 def prepare_file(path: Path) -> None:
@@ -59,16 +62,20 @@ async def open_database(
     schema_version: int,
     synchronous: Literal["NORMAL", "FULL"],
     error: type[Exception],
+    migrate: Migration | None = None,
 ) -> aiosqlite.Connection:
     """Open (creating if needed) ``path``, checked and migrated; the caller closes it.
 
     ``what`` names the file in errors (``run log``, ``batch store``); ``error``
-    is the caller's exception type for a file this edge cannot use.
+    is the caller's exception type for a file this edge cannot use. ``migrate``
+    brings a file of an older version (1 or more) up to ``schema_version``; it
+    runs in the same transaction as ``schema`` (idempotent ``CREATE ... IF NOT
+    EXISTS`` statements, which run next), so a crash leaves the old version whole.
     """
     await asyncio.to_thread(prepare_file, path)
     db = await aiosqlite.connect(path, isolation_level=None, timeout=busy_timeout_s)
     try:
-        await _set_up(db, path, what, schema, schema_version, synchronous, error)
+        await _set_up(db, path, what, schema, schema_version, synchronous, error, migrate)
     except BaseException:
         await db.close()
         raise
@@ -83,6 +90,7 @@ async def _set_up(
     schema_version: int,
     synchronous: str,
     error: type[Exception],
+    migrate: Migration | None,
 ) -> None:
     """Check the version first, so a newer edge's file is refused before anything changes."""
     async with transaction(db):
@@ -95,6 +103,8 @@ async def _set_up(
                 f"understands ({schema_version}); upgrade the edge or move the file away"
             )
         if version < schema_version:
+            if version and migrate is not None:
+                await migrate(db, version)
             for statement in schema:
                 await db.execute(statement)
             await db.execute(f"PRAGMA user_version = {schema_version:d}")

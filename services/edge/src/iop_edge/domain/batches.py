@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
-from iop_edge.domain.fleet import Operation
+from iop_edge.domain.fleet import ApiKeyEntry, Operation
 
 ENDPOINTS: Final[Mapping[str, Operation]] = {
     "/v1/chat/completions": Operation.CHAT_COMPLETIONS,
@@ -66,13 +66,20 @@ _UNRUN_ERRORS: Final[Mapping[str, dict[str, str]]] = {
 
 @dataclass(frozen=True, slots=True)
 class FileRecord:
-    """An uploaded (or generated) file without its content."""
+    """An uploaded (or generated) file without its content.
+
+    ``owner``: the ``key_id`` of the API key that uploaded it (for a batch's output
+    and error files, the batch's owner); ``None`` for a file made while the API was
+    open, or stored before files had owners: only operator keys (and the open API)
+    see those.
+    """
 
     id: str
     filename: str
     purpose: str
     bytes: int
     created_at: int
+    owner: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,9 +93,13 @@ class InputLine:
 
 
 @dataclass(frozen=True, slots=True)
-class ParsedInput:
-    lines: list[InputLine]
+class InputCheck:
+    """What validating an input file found, without its requests (``input_lines`` reads
+    them again): enough to make the batch and to refuse lines by model."""
+
+    total: int  # valid requests
     errors: list[dict[str, Any]]  # OpenAI's ``errors.data`` entries; empty = valid
+    models: Mapping[str, list[int]]  # request indices by ``body.model`` (when a string)
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +132,7 @@ class BatchRecord:
     lease_owner: str | None
     lease_expires_at: float | None
     finalize_as: str | None
+    owner: str | None = None  # the creator's ``key_id``; None: nobody's (see ``FileRecord``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,12 +162,13 @@ def new_batch(
     endpoint: str,
     completion_window: str,
     metadata: dict[str, str] | None,
-    parsed: ParsedInput,
+    check: InputCheck,
     now: int,
+    owner: str | None = None,
 ) -> BatchRecord:
     """A new batch: ``validating`` with its lines, or ``failed`` (and no lines) when
     its input file broke a rule."""
-    failed = bool(parsed.errors)
+    failed = bool(check.errors)
     return BatchRecord(
         id=batch_id,
         input_file_id=input_file_id,
@@ -174,14 +187,15 @@ def new_batch(
         expires_at=now + COMPLETION_WINDOWS[completion_window],
         output_file_id=None,
         error_file_id=None,
-        errors=parsed.errors or None,
-        total=0 if failed else len(parsed.lines),
+        errors=check.errors or None,
+        total=0 if failed else check.total,
         completed=0,
         failed=0,
         lease_id=None,
         lease_owner=None,
         lease_expires_at=None,
         finalize_as=None,
+        owner=owner,
     )
 
 
@@ -189,37 +203,56 @@ def new_id(prefix: str) -> str:
     return f"{prefix}{uuid.uuid4().hex}"
 
 
-def parse_input(content: bytes, endpoint: str) -> ParsedInput:
-    """Check every line of a batch input file (JSONL) against OpenAI's rules.
+def owner_of(key: ApiKeyEntry | None) -> str | None:
+    """Who owns what this caller creates: its ``key_id`` (nobody when the API is open)."""
+    return None if key is None else key.key_id
 
+
+def scope_of(key: ApiKeyEntry | None) -> str | None:
+    """The one owner whose objects this caller lists; ``None``: every owner's (an
+    operator key, or the open API)."""
+    return None if key is None or key.operator else key.key_id
+
+
+def may_see(key: ApiKeyEntry | None, owner: str | None) -> bool:
+    """Whether this caller may read or act on an object of ``owner``. Every other
+    caller is told the object does not exist (404, never 403)."""
+    return key is None or key.operator or owner == key.key_id
+
+
+def check_input(lines: Iterable[bytes], endpoint: str) -> InputCheck:
+    """Check every physical line of a batch input file (JSONL) against OpenAI's rules.
+
+    Reads the lines one at a time and keeps only the custom ids seen, the first
+    errors and the models, never the requests (``input_lines`` produces those).
     Errors name the 1-based physical line. Blank lines (a trailing newline) are
     skipped. Whether ``body.model`` exists is not checked here: like OpenAI, an
     unknown model fails that line alone when it runs.
     """
-    lines: list[InputLine] = []
     errors: list[dict[str, Any]] = []
+    more_errors = 0
     seen: set[str] = set()
-    for number, raw in enumerate(content.split(b"\n"), start=1):
+    models: dict[str, list[int]] = {}
+    total = 0
+    for number, raw in enumerate(lines, start=1):
         if not raw.strip():
             continue
         problem = _check_line(raw, endpoint, seen)
         if isinstance(problem, dict):
-            errors.append({**problem, "line": number})
+            if len(errors) < MAX_REPORTED_ERRORS:
+                errors.append({**problem, "line": number})
+            else:
+                more_errors += 1
             continue
         custom_id, body = problem
         seen.add(custom_id)
         model = body.get("model")
-        lines.append(
-            InputLine(
-                index=len(lines),
-                custom_id=custom_id,
-                model=model if isinstance(model, str) else None,
-                body_json=json.dumps(body, ensure_ascii=False, separators=(",", ":")),
-            )
-        )
-    if not lines and not errors:
+        if isinstance(model, str):
+            models.setdefault(model, []).append(total)
+        total += 1
+    if not total and not errors:
         errors.append(_error("empty_file", "The input file contains no requests.", None))
-    elif len(lines) + len(errors) > MAX_REQUESTS:
+    elif total + len(errors) + more_errors > MAX_REQUESTS:
         errors.insert(
             0,
             _error(
@@ -228,11 +261,40 @@ def parse_input(content: bytes, endpoint: str) -> ParsedInput:
                 None,
             ),
         )
-    if len(errors) > MAX_REPORTED_ERRORS:
-        more = len(errors) - MAX_REPORTED_ERRORS
-        errors = errors[:MAX_REPORTED_ERRORS]
-        errors.append(_error("too_many_errors", f"{more} more errors were not listed.", None))
-    return ParsedInput(lines, errors)
+        if len(errors) > MAX_REPORTED_ERRORS:
+            errors.pop()
+            more_errors += 1
+    if more_errors:
+        errors.append(
+            _error("too_many_errors", f"{more_errors} more errors were not listed.", None)
+        )
+    return InputCheck(total, errors, models)
+
+
+def input_lines(lines: Iterable[bytes], endpoint: str) -> Iterator[InputLine]:
+    """The requests of an input file that ``check_input`` found valid, one at a time.
+
+    Raises ``ValueError`` if a line is not valid after all (the file changed
+    between the two readings: stored files never do).
+    """
+    seen: set[str] = set()
+    index = 0
+    for raw in lines:
+        if not raw.strip():
+            continue
+        problem = _check_line(raw, endpoint, seen)
+        if isinstance(problem, dict):
+            raise ValueError(f"input line {index} is no longer valid: {problem['message']}")
+        custom_id, body = problem
+        seen.add(custom_id)
+        model = body.get("model")
+        yield InputLine(
+            index=index,
+            custom_id=custom_id,
+            model=model if isinstance(model, str) else None,
+            body_json=json.dumps(body, ensure_ascii=False, separators=(",", ":")),
+        )
+        index += 1
 
 
 def _check_line(
