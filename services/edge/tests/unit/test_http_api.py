@@ -171,10 +171,10 @@ class FakeCatalog:
     def model(self, model_id: str) -> ModelEntry | None:
         return next((m for m in self.entries if m.id == model_id), None)
 
-    def provider_views(self) -> list[dict[str, Any]]:
+    def provider_views(self, key: ApiKeyEntry | None = None) -> list[dict[str, Any]]:
         return [{"provider_id": "p1", "node_id": "n1", "health": "available"}]
 
-    def model_views(self) -> list[dict[str, Any]]:
+    def model_views(self, key: ApiKeyEntry | None = None) -> list[dict[str, Any]]:
         return [{"id": m.id, "display_name": m.display_name} for m in self.entries]
 
     def any_available(self) -> bool:
@@ -203,8 +203,9 @@ class FakeRunLog:
             self.records.append(run)
             self.changed.notify_all()
 
-    async def recent(self, limit: int) -> list[EdgeRunRecord]:
-        return self.records[::-1][:limit]
+    async def recent(self, limit: int, key_id: str | None = None) -> list[EdgeRunRecord]:
+        mine = [r for r in self.records if key_id is None or r.key_id == key_id]
+        return mine[::-1][:limit]
 
     async def wait_for(self, count: int) -> list[EdgeRunRecord]:
         async with asyncio.timeout(WAIT), self.changed:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import sqlite3
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
 from typing import Literal
 
@@ -59,16 +59,20 @@ async def open_database(
     schema_version: int,
     synchronous: Literal["NORMAL", "FULL"],
     error: type[Exception],
+    migrations: Mapping[int, Sequence[str]] | None = None,
 ) -> aiosqlite.Connection:
     """Open (creating if needed) ``path``, checked and migrated; the caller closes it.
 
     ``what`` names the file in errors (``run log``, ``batch store``); ``error``
-    is the caller's exception type for a file this edge cannot use.
+    is the caller's exception type for a file this edge cannot use. A new file
+    gets ``schema``; a file at an older version ``v`` gets ``migrations[v]``,
+    ``migrations[v + 1]`` ... and then ``schema`` (idempotent statements only: it
+    adds what a migration does not, such as new indexes), in one transaction.
     """
     await asyncio.to_thread(prepare_file, path)
     db = await aiosqlite.connect(path, isolation_level=None, timeout=busy_timeout_s)
     try:
-        await _set_up(db, path, what, schema, schema_version, synchronous, error)
+        await _set_up(db, path, what, schema, schema_version, synchronous, error, migrations or {})
     except BaseException:
         await db.close()
         raise
@@ -83,6 +87,7 @@ async def _set_up(
     schema_version: int,
     synchronous: str,
     error: type[Exception],
+    migrations: Mapping[int, Sequence[str]],
 ) -> None:
     """Check the version first, so a newer edge's file is refused before anything changes."""
     async with transaction(db):
@@ -95,7 +100,8 @@ async def _set_up(
                 f"understands ({schema_version}); upgrade the edge or move the file away"
             )
         if version < schema_version:
-            for statement in schema:
+            steps = range(version, schema_version) if version else range(0)
+            for statement in (*(s for v in steps for s in migrations.get(v, ())), *schema):
                 await db.execute(statement)
             await db.execute(f"PRAGMA user_version = {schema_version:d}")
     async with db.execute("PRAGMA journal_mode = WAL") as cursor:

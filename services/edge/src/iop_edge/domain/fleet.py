@@ -50,6 +50,7 @@ class ApiKeyEntry:
     key_hash: str
     models: frozenset[str]  # empty = every model
     max_concurrent: int  # 0 = unlimited
+    operator: bool = False  # sees and acts on every key's files, batches and runs
 
     def allows(self, model: str) -> bool:
         return not self.models or model in self.models
