@@ -128,6 +128,19 @@ async def issue(stack: Any, name: str, *options: str) -> Key:
     return key
 
 
+async def iopctl_providers(stack: Any, key: Key) -> set[str]:
+    """The operator's terminal view (the console's endpoints) through ``key``."""
+    process = await asyncio.create_subprocess_exec(
+        str(Path(sys.executable).parent / "iopctl"),
+        *("providers", "--json", "--url", stack.api_url.removesuffix("/v1"), "--key", key.secret),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(process.communicate(), 30)
+    assert process.returncode == 0, err.decode()
+    return {row["provider_id"] for row in json.loads(out)}
+
+
 async def chat_run_id(client: AsyncOpenAI, model: str) -> str:
     completion = await client.chat.completions.create(
         model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=2
@@ -291,9 +304,10 @@ async def test_a_key_sees_only_the_models_it_may_use_in_the_catalog(
         ["mock-small"],
         ["small-a"],
     )
-    # The same as /v1/models shows it.
+    # The same as /v1/models shows it, and the operator tools with this key.
     async with sdk(stack, small) as client:
         assert [m.id async for m in client.models.list()] == ["mock-small"]
+    assert await iopctl_providers(stack, small) == {"node-a-mock", "node-b-mock"}
 
 
 async def test_an_operator_key_sees_every_run_and_the_whole_catalog(
@@ -316,6 +330,7 @@ async def test_an_operator_key_sees_every_run_and_the_whole_catalog(
     rows = {p["provider_id"]: p for p in providers["data"]}
     assert set(rows) == {"node-a-mock", "node-a-solo", "node-b-mock"}
     assert rows["node-b-mock"]["serves"] == ["mock-small", "twin"]
+    assert await iopctl_providers(stack, operator) == {"node-a-mock", "node-a-solo", "node-b-mock"}
     listing = await stack.control_plane_cli("key", "list", "--json")
     flags = {key["key_id"]: key["operator"] for key in json.loads(listing)}
     assert flags[operator.key_id] is True
