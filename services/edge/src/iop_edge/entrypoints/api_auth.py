@@ -179,9 +179,7 @@ class KeySlots:
             # authenticated a moment before the revocation arrived (its body was still coming)
             raise KeyRevoked(KEY_REVOKED)
         flights = self._held.setdefault(key.key_id, set())
-        if key.max_concurrent > 0 and len(flights) >= key.max_concurrent:
-            if not flights:
-                del self._held[key.key_id]
+        if key.max_concurrent > 0 and len(flights) >= key.max_concurrent:  # never empty here
             raise TooManyConcurrent(
                 f"Too many concurrent requests for this API key "
                 f"(limit {key.max_concurrent}); retry when one has finished."
