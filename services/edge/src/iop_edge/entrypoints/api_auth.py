@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import ipaddress
 from collections.abc import Iterator
-from functools import lru_cache
 from typing import Final
 
 from aiohttp import web
@@ -57,7 +56,6 @@ def authenticate(request: web.BaseRequest, keys: KeyRing) -> ApiKeyEntry | None:
     return entry
 
 
-@lru_cache(maxsize=1024)
 def is_loopback(remote: str | None) -> bool:
     """``remote`` (aiohttp's ``request.remote``) is 127.0.0.0/8 or ::1, also IPv4-mapped.
 
