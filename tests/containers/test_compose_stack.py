@@ -5,8 +5,10 @@ services up to one node, so the node's provider is the only one of its model tha
 node-b with the real ollama/ollama container (pulling smollm2:135m), node-a with the real
 llama.cpp server container, node-gpu with vLLM (gpu profile, and a GPU). iop-init, the
 control-plane, the edge and the provider's one-shots start as their dependencies. The chat
-completion goes through the edge's OpenAI API with the official SDK; the edge's run history
-then names the provider that served it.
+completion goes through the edge's OpenAI API with the official SDK, with an API key issued
+by the control-plane's CLI in its container (the edge serves no one but loopback clients
+without keys, and the host is not the container's loopback); the edge's run history then
+names the provider that served it.
 
 Where no Docker engine answers (here and in CI) every test skips, saying so.
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import socket
 import time
 import urllib.request
@@ -39,16 +42,35 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def get_json(url: str) -> Any:
-    with urllib.request.urlopen(url, timeout=10) as response:
+def get_json(url: str, key: str) -> Any:
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"})
+    with urllib.request.urlopen(request, timeout=10) as response:
         return json.load(response)
+
+
+CONTROL_PLANE_CLI = ["iop-control-plane", "--config", "/etc/iop/control-plane.yaml"]
+
+
+def issue_key(stack: Any) -> str:
+    """An API key from the control-plane's container, once it has started."""
+    deadline = time.monotonic() + READY_WITHIN_S
+    while True:
+        out, err, code = stack.exec_in_container(
+            [*CONTROL_PLANE_CLI, "key", "issue", "--name", "compose-test"], "control-plane"
+        )
+        key = re.search(r"sk-iop-\S+", out) if code == 0 else None
+        if key is not None:
+            return key.group(0)
+        assert time.monotonic() < deadline, f"no API key from the control-plane: {err}"
+        time.sleep(2)
 
 
 @contextlib.contextmanager
 def compose_project(
     monkeypatch: pytest.MonkeyPatch, node: str, profiles: list[str] | None = None
-) -> Iterator[str]:
-    """Start `node` and what it depends on; yields the edge's API base URL; removes it all."""
+) -> Iterator[tuple[str, str]]:
+    """Start `node` and what it depends on; yields the edge's API base URL and an API key;
+    removes it all."""
     from testcontainers.compose import DockerCompose  # after the engine check
 
     api_port = free_port()
@@ -67,7 +89,7 @@ def compose_project(
     )
     try:
         stack.start()
-        yield f"http://127.0.0.1:{api_port}"
+        yield f"http://127.0.0.1:{api_port}", issue_key(stack)
     except BaseException:
         with contextlib.suppress(Exception):  # the logs help; their absence must not hide why
             stdout, stderr = stack.get_logs()
@@ -78,23 +100,23 @@ def compose_project(
         stack.stop(down=True)
 
 
-def wait_for_provider(api: str, model: str, provider: str) -> None:
-    """Poll the edge's catalog, its explicit readiness signal, until `provider` serves."""
+def wait_for_provider(api: str, key: str, model: str, provider: str) -> None:
+    """Poll the edge's catalog, its explicit readiness signal, until `provider` serves
+    (the key, too, reaches the edge with the fleet config: 401 until then)."""
     deadline = time.monotonic() + READY_WITHIN_S
     while True:
         with contextlib.suppress(OSError, ValueError):
-            entries = {
-                entry["id"]: entry for entry in get_json(f"{api}/iop/v1/catalog/models")["data"]
-            }
+            catalog = get_json(f"{api}/iop/v1/catalog/models", key)["data"]
+            entries = {entry["id"]: entry for entry in catalog}
             if provider in entries.get(model, {}).get("available_providers", []):
                 return
         assert time.monotonic() < deadline, f"{provider} did not become available for {model}"
         time.sleep(2)
 
 
-def chat_through_the_edge(api: str, model: str, provider: str) -> None:
-    wait_for_provider(api, model, provider)
-    client = OpenAI(base_url=f"{api}/v1", api_key="unused", max_retries=0, timeout=300)
+def chat_through_the_edge(api: str, key: str, model: str, provider: str) -> None:
+    wait_for_provider(api, key, model, provider)
+    client = OpenAI(base_url=f"{api}/v1", api_key=key, max_retries=0, timeout=300)
     completion = client.chat.completions.create(
         model=model,
         messages=[{"role": "user", "content": "Say hello in one word."}],
@@ -110,7 +132,7 @@ def chat_through_the_edge(api: str, model: str, provider: str) -> None:
     assert completion.usage.prompt_tokens > 0
     assert completion.usage.completion_tokens > 0
     client.close()
-    run = get_json(f"{api}/iop/v1/runs?limit=1")["data"][0]
+    run = get_json(f"{api}/iop/v1/runs?limit=1", key)["data"][0]
     assert (run["model"], run["provider_id"], run["outcome"]) == (model, provider, "completed")
 
 
@@ -122,12 +144,12 @@ def chat_through_the_edge(api: str, model: str, provider: str) -> None:
 def test_chat_completion_through_the_edge_to_a_real_provider_container(
     docker_compose: str, monkeypatch: pytest.MonkeyPatch, node: str, provider: str
 ) -> None:
-    with compose_project(monkeypatch, node) as api:
-        chat_through_the_edge(api, "smollm2:135m", provider)
+    with compose_project(monkeypatch, node) as (api, key):
+        chat_through_the_edge(api, key, "smollm2:135m", provider)
 
 
 def test_chat_completion_through_the_edge_to_vllm(
     gpu: None, docker_compose: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    with compose_project(monkeypatch, "node-gpu", profiles=["gpu"]) as api:
-        chat_through_the_edge(api, "qwen2.5:0.5b", "node-gpu-vllm")
+    with compose_project(monkeypatch, "node-gpu", profiles=["gpu"]) as (api, key):
+        chat_through_the_edge(api, key, "qwen2.5:0.5b", "node-gpu-vllm")

@@ -404,18 +404,20 @@ class ModelConfig(_message.Message):
     def __init__(self, id: _Optional[str] = ..., display_name: _Optional[str] = ..., providers: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class ApiKeyPolicy(_message.Message):
-    __slots__ = ("key_id", "name", "key_hash", "models", "max_concurrent")
+    __slots__ = ("key_id", "name", "key_hash", "models", "max_concurrent", "operator")
     KEY_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     KEY_HASH_FIELD_NUMBER: _ClassVar[int]
     MODELS_FIELD_NUMBER: _ClassVar[int]
     MAX_CONCURRENT_FIELD_NUMBER: _ClassVar[int]
+    OPERATOR_FIELD_NUMBER: _ClassVar[int]
     key_id: str
     name: str
     key_hash: str
     models: _containers.RepeatedScalarFieldContainer[str]
     max_concurrent: int
-    def __init__(self, key_id: _Optional[str] = ..., name: _Optional[str] = ..., key_hash: _Optional[str] = ..., models: _Optional[_Iterable[str]] = ..., max_concurrent: _Optional[int] = ...) -> None: ...
+    operator: bool
+    def __init__(self, key_id: _Optional[str] = ..., name: _Optional[str] = ..., key_hash: _Optional[str] = ..., models: _Optional[_Iterable[str]] = ..., max_concurrent: _Optional[int] = ..., operator: _Optional[bool] = ...) -> None: ...
 
 class FleetConfig(_message.Message):
     __slots__ = ("version", "models", "nodes", "api_keys", "revoked_token_ids")

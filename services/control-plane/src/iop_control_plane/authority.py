@@ -133,6 +133,7 @@ class FleetAuthority:
                 key_hash=key.secret_hash,
                 models=list(key.models),
                 max_concurrent=key.max_concurrent,
+                operator=key.operator,
             )
             for key in await self._store.list_api_keys()
             if not key.revoked

@@ -38,7 +38,12 @@ class ControlPlaneSettings(ServiceSettings):
     )
     heartbeat_interval_s: float = Field(default=30.0, gt=0)
     credentials_poll_s: float = Field(
-        default=1.0, gt=0, description="how often to notice token/key changes made by the CLI"
+        default=0.25,
+        gt=0,
+        description=(
+            "how often to notice token/key changes made by the CLI (one cheap PRAGMA each);"
+            " a revoked key's requests end at the edge within this plus the push, under 1 s"
+        ),
     )
     max_frame_size: int = Field(default=DEFAULT_MAX_FRAME_SIZE, ge=1024)
 

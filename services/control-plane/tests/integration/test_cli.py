@@ -147,6 +147,23 @@ async def test_key_issue_prints_the_secret_once_with_its_policy(
     assert secrets[0] not in logs.text()
 
 
+async def test_an_operator_key_is_issued_and_listed_as_one(
+    store: SqliteCredentialStore,
+) -> None:
+    issued = await _run(store, "key", "issue", "--name", "console", "--operator")
+    assert issued.code == 0
+    assert "operator" in issued.out
+    assert (await _run(store, "key", "issue", "--name", "app")).code == 0
+    operator, plain = await store.list_api_keys()
+    assert (operator.name, operator.operator, plain.operator) == ("console", True, False)
+    header, *rows = (await _run(store, "key", "list")).out.splitlines()
+    assert "OPERATOR" in header.split()
+    column = header.split().index("OPERATOR")
+    assert {row.split()[1]: row.split()[column] for row in rows} == {"console": "yes", "app": "no"}
+    listed = json.loads((await _run(store, "key", "list", "--json")).out)
+    assert {entry["name"]: entry["operator"] for entry in listed} == {"console": True, "app": False}
+
+
 async def test_key_without_policy_allows_every_model_without_limit(
     store: SqliteCredentialStore,
 ) -> None:

@@ -292,6 +292,16 @@ async def test_new_api_key_is_pushed_as_a_hash(control_plane: ControlPlane) -> N
     assert policy.max_concurrent == 3
     assert policy.key_hash == hashlib.sha256(plaintext.group(0).encode()).hexdigest()
     assert plaintext.group(0) not in str(push)
+    assert policy.operator is False
+
+
+async def test_an_operator_key_is_pushed_with_its_flag(control_plane: ControlPlane) -> None:
+    async with control_plane.edge() as edge:
+        await edge.hello()
+        await control_plane.cli("key", "issue", "--name", "console", "--operator")
+        push = await edge.next_push()
+    [policy] = push.api_keys
+    assert (policy.name, policy.operator) == ("console", True)
 
 
 async def test_a_node_certificate_is_refused(control_plane: ControlPlane) -> None:

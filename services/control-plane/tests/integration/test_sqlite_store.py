@@ -234,3 +234,42 @@ async def test_aclose_is_idempotent(db_path: Path) -> None:
     store = await SqliteCredentialStore.open(db_path)
     await store.aclose()
     await store.aclose()
+
+
+V1_API_KEYS = """CREATE TABLE api_keys (
+    key_id TEXT PRIMARY KEY, name TEXT NOT NULL, secret_hash TEXT NOT NULL,
+    models TEXT NOT NULL, max_concurrent INTEGER NOT NULL CHECK (max_concurrent >= 0),
+    created_at TEXT NOT NULL, revoked_at TEXT)"""
+V1_NODE_TOKENS = """CREATE TABLE node_tokens (
+    token_id TEXT PRIMARY KEY, node_id TEXT NOT NULL, secret_hash TEXT NOT NULL,
+    created_at TEXT NOT NULL, revoked_at TEXT)"""
+
+
+async def test_a_version_1_database_is_migrated_its_keys_ordinary_ones(db_path: Path) -> None:
+    _create_database(db_path, 1)
+    raw = sqlite3.connect(db_path)
+    try:
+        raw.execute(V1_API_KEYS)
+        raw.execute(V1_NODE_TOKENS)
+        raw.execute(
+            "INSERT INTO api_keys VALUES ('key_old', 'old', 'h', '[]', 0, ?, NULL)",
+            (NOW.isoformat(timespec="microseconds"),),
+        )
+        raw.commit()
+    finally:
+        raw.close()
+
+    store = await SqliteCredentialStore.open(db_path)
+    try:
+        [old] = await store.list_api_keys()
+        assert (old.key_id, old.operator) == ("key_old", False)
+        issued = new_api_key("ops", (), 0, NOW, operator=True)
+        await store.add_api_key(issued.key)
+        assert await store.find_api_key(issued.key.secret_hash) == issued.key
+    finally:
+        await store.aclose()
+    raw = sqlite3.connect(db_path)
+    try:
+        assert raw.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 2
+    finally:
+        raw.close()

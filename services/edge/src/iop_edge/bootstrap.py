@@ -20,6 +20,7 @@ from iop_edge.batches import BatchService
 from iop_edge.catalog import FleetKeyRing, PoolCatalog
 from iop_edge.console import add_console_routes
 from iop_edge.dispatch import Dispatcher
+from iop_edge.entrypoints.api_auth import KeySlots, access_mode
 from iop_edge.entrypoints.api_metrics import ApiMetrics
 from iop_edge.entrypoints.http_api import create_api_app, load_openapi
 from iop_edge.metrics import EdgeMetrics
@@ -59,21 +60,27 @@ async def build(
     dispatcher = Dispatcher(metrics)
     catalog = PoolCatalog(dispatcher)
     keys = FleetKeyRing(dispatcher)
+    key_slots = KeySlots()
     nodes: NodeServer | None = None
     keys_were_open: bool | None = None
+    http = settings.http
+
+    def log_access_mode() -> None:
+        mode = access_mode(keys.open, http.allow_open, http.host)
+        (logger.warning if keys.open else logger.info)(mode)
 
     async def on_fleet(config: pb.FleetConfig) -> None:
         nonlocal keys_were_open
-        dispatcher.apply_fleet(fleet_from_proto(config))
+        fleet = fleet_from_proto(config)
+        dispatcher.apply_fleet(fleet)
         metrics.config_version.set(config.version)
+        # A revoked key leaves the fleet: its requests end now, not when they finish.
+        await key_slots.apply_keys(frozenset(k.key_id for k in fleet.api_keys.values()))
         if nodes is not None:
             await nodes.apply_fleet(config)
-        if keys.open is not keys_were_open:
-            keys_were_open = keys.open
-            if keys.open:
-                logger.warning("no API keys configured: the OpenAI API is open to anyone")
-            else:
-                logger.info("API keys configured: requests need a Bearer key")
+        if keys_were_open is not None and keys.open is not keys_were_open:
+            log_access_mode()
+        keys_were_open = keys.open
 
     async with contextlib.AsyncExitStack() as stack:
         runlog = await SqliteRunLog.open(settings.history_db)
@@ -126,6 +133,8 @@ async def build(
             openapi=load_openapi(),
             batches=batches,
             read_timeout_s=settings.http.read_timeout_s,
+            key_slots=key_slots,
+            allow_open=settings.http.allow_open,
         )
         add_console_routes(app)  # the read-only operator page (before setup locks the routes)
         # handler_cancellation: a client that disconnects cancels its handler, which
@@ -149,5 +158,6 @@ async def build(
         edge = Edge(dispatcher, nodes, control_plane)
         edge.http_port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         logger.info("OpenAI API on http://{}:{}/v1", settings.http.host, edge.http_port)
+        log_access_mode()  # from now on logged again whenever keys come or go
         admin.set_readiness(lambda: None if catalog.any_available() else "no provider is available")
         yield edge

@@ -2,12 +2,16 @@
 
 Views only: nothing here changes routing. The catalog reads the dispatcher's
 live pool; the key ring reads the fleet's key policies (hashes only).
+
+A restricted key (one with a model list) sees the catalog through that list:
+only the models it may use, only the providers serving one of them, and of
+each such provider only those models: what it may not use, it cannot probe.
 """
 
 from __future__ import annotations
 
 import hashlib
-from typing import Any
+from typing import Any, TypeGuard
 
 from iop_edge.dispatch import Dispatcher
 from iop_edge.domain.fleet import ApiKeyEntry, ModelEntry
@@ -26,11 +30,21 @@ class PoolCatalog:
     def model(self, model_id: str) -> ModelEntry | None:
         return self._dispatcher.fleet.models.get(model_id)
 
-    def provider_views(self) -> list[dict[str, Any]]:
+    def provider_views(self, key: ApiKeyEntry | None = None) -> list[dict[str, Any]]:
         fleet = self._dispatcher.fleet
         views = []
         for slot in self._dispatcher.slots.values():
             entry = fleet.providers.get(slot.provider_id)
+            serves = fleet.models_of_provider(slot.provider_id)
+            if _restricted(key):
+                serves = [m for m in serves if key.allows(m)]
+                if not serves:
+                    continue
+                # the provider's own names of the allowed models, nothing else it holds
+                names = dict.fromkeys(fleet.models[m].providers[slot.provider_id] for m in serves)
+                models = list(names)
+            else:
+                models = list(slot.models or (entry.models if entry else ()))
             views.append(
                 {
                     "provider_id": slot.provider_id,
@@ -43,8 +57,8 @@ class PoolCatalog:
                     "in_flight": slot.in_flight,
                     "load_ratio": round(slot.load_ratio, 4),
                     "queued": slot.node_queued,
-                    "models": list(slot.models or (entry.models if entry else ())),
-                    "serves": fleet.models_of_provider(slot.provider_id),
+                    "models": models,
+                    "serves": serves,
                     "lifecycle_capabilities": {
                         flag: slot.lifecycle.get(flag, False) for flag in LIFECYCLE_FLAGS
                     },
@@ -53,8 +67,9 @@ class PoolCatalog:
             )
         return views
 
-    def model_views(self) -> list[dict[str, Any]]:
+    def model_views(self, key: ApiKeyEntry | None = None) -> list[dict[str, Any]]:
         slots = self._dispatcher.slots
+        scope = key if _restricted(key) else None
         return [
             {
                 "id": model.id,
@@ -66,10 +81,16 @@ class PoolCatalog:
                 "queued": self._dispatcher.queued(model.id),
             }
             for model in self._dispatcher.fleet.models.values()
+            if scope is None or scope.allows(model.id)
         ]
 
     def any_available(self) -> bool:
         return any(slot.usable for slot in self._dispatcher.slots.values())
+
+
+def _restricted(key: ApiKeyEntry | None) -> TypeGuard[ApiKeyEntry]:
+    """The catalog is filtered for this key: it has a model list and is not an operator's."""
+    return key is not None and bool(key.models) and not key.operator
 
 
 class FleetKeyRing:

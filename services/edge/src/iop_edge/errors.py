@@ -45,6 +45,14 @@ class AuthenticationFailed(EdgeError):
     status, type, code = 401, "invalid_request_error", "invalid_api_key"
 
 
+class KeyRevoked(AuthenticationFailed):
+    """The request's key was revoked while it ran or waited: the request is ended."""
+
+
+class LoopbackOnly(AuthenticationFailed):
+    """No API keys exist and ``http.allow_open`` is off: only loopback clients are served."""
+
+
 class ModelNotAllowed(EdgeError):
     status, type, code = 403, "invalid_request_error", "model_not_allowed"
 

@@ -69,14 +69,18 @@ class Catalog(Protocol):
 
     def model(self, model_id: str) -> ModelEntry | None: ...
 
-    def provider_views(self) -> list[dict[str, Any]]:
+    def provider_views(self, key: ApiKeyEntry | None = None) -> list[dict[str, Any]]:
         """``/iop/v1/catalog/providers`` rows: provider_id, node_id, type, category, health,
-        capacity, in_flight, load_ratio, queued, models, lifecycle_capabilities."""
+        capacity, in_flight, load_ratio, queued, models, lifecycle_capabilities.
+
+        With a ``key`` that has a model list (and is not an operator's): only the
+        providers serving one of its models, each listing only those models.
+        """
         ...
 
-    def model_views(self) -> list[dict[str, Any]]:
+    def model_views(self, key: ApiKeyEntry | None = None) -> list[dict[str, Any]]:
         """``/iop/v1/catalog/models`` rows: id, display_name, providers,
-        available_providers, queued."""
+        available_providers, queued; only the models ``key`` may use, when given."""
         ...
 
     def any_available(self) -> bool:
@@ -114,6 +118,7 @@ class EdgeRunRecord:
     duration_ms: int = 0
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    key_id: str = ""  # the API key that asked; "" while the API is open (no keys)
 
 
 class RunLog(Protocol):
@@ -124,7 +129,9 @@ class RunLog(Protocol):
         while their task is being cancelled."""
         ...
 
-    async def recent(self, limit: int) -> list[EdgeRunRecord]: ...
+    async def recent(self, limit: int, key_id: str | None = None) -> list[EdgeRunRecord]:
+        """The ``limit`` newest runs, newest first; only ``key_id``'s when it is given."""
+        ...
 
 
 class BatchLeases(Protocol):

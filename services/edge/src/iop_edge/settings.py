@@ -26,6 +26,13 @@ class HttpSettings(FrozenModel):
             " period"
         ),
     )
+    allow_open: bool = Field(
+        default=False,
+        description=(
+            "while no API keys are configured, serve clients on any address; by default only"
+            " loopback ones (127.0.0.0/8, ::1) are, others get a 401, whatever host binds"
+        ),
+    )
 
 
 class NodeListenerSettings(FrozenModel):

@@ -24,7 +24,7 @@ from iop_edge.ports import EdgeRunRecord, RunLog
 T0 = 1_740_830_400_000  # 2025-03-01 12:00 UTC in Unix milliseconds
 
 
-def run(run_id: str, received_ms: int = T0) -> EdgeRunRecord:
+def run(run_id: str, received_ms: int = T0, key_id: str = "key_1") -> EdgeRunRecord:
     """Every field set to a value of its own, so a round trip checks each column."""
     return EdgeRunRecord(
         run_id=run_id,
@@ -42,6 +42,7 @@ def run(run_id: str, received_ms: int = T0) -> EdgeRunRecord:
         duration_ms=900,
         prompt_tokens=12,
         completion_tokens=34,
+        key_id=key_id,
     )
 
 
@@ -254,5 +255,52 @@ async def test_a_schema_from_a_newer_edge_is_refused_and_left_alone(db_path: Pat
     raw = sqlite3.connect(db_path)
     try:
         assert raw.execute("PRAGMA journal_mode").fetchone()[0] == "delete"  # untouched
+    finally:
+        raw.close()
+
+
+async def test_recent_of_one_key_lists_only_that_key_s_runs(runlog: SqliteRunLog) -> None:
+    for n, key_id in enumerate(("key_a", "key_b", "key_a", "")):
+        await runlog.record(run(f"r{n}", T0 + n, key_id))
+    await runlog.flush()
+    await runlog.record(run("r9", T0 + 9, "key_b"))  # still in memory
+
+    assert [r.run_id for r in await runlog.recent(10, key_id="key_a")] == ["r2", "r0"]
+    assert [r.run_id for r in await runlog.recent(10, key_id="key_b")] == ["r9", "r1"]
+    assert [r.run_id for r in await runlog.recent(1, key_id="key_b")] == ["r9"]
+    assert [r.run_id for r in await runlog.recent(10)] == ["r9", "r3", "r2", "r1", "r0"]
+
+
+V1_TABLE = """CREATE TABLE runs (
+    run_id TEXT PRIMARY KEY, model TEXT NOT NULL, provider_id TEXT NOT NULL,
+    node_id TEXT NOT NULL, operation TEXT NOT NULL, stream INTEGER NOT NULL,
+    outcome TEXT NOT NULL, status INTEGER NOT NULL, error_code TEXT NOT NULL,
+    received_ms INTEGER NOT NULL, queue_wait_ms INTEGER NOT NULL, ttft_ms INTEGER NOT NULL,
+    duration_ms INTEGER NOT NULL, prompt_tokens INTEGER NOT NULL,
+    completion_tokens INTEGER NOT NULL)"""
+
+
+async def test_a_version_1_file_is_migrated_and_keeps_its_runs(db_path: Path) -> None:
+    """Runs recorded before keys were recorded belong to no key (operators still see them)."""
+    db_path.parent.mkdir(parents=True)
+    raw = sqlite3.connect(db_path)
+    raw.execute(V1_TABLE)
+    old = dataclasses.astuple(dataclasses.replace(run("old"), stream=1))[:-1]
+    raw.execute(f"INSERT INTO runs VALUES ({', '.join('?' * len(old))})", old)
+    raw.execute("PRAGMA user_version = 1")
+    raw.commit()
+    raw.close()
+
+    migrated = await SqliteRunLog.open(db_path)
+    try:
+        await migrated.record(run("new", T0 + 1, "key_a"))
+        await migrated.flush()
+        assert await migrated.recent(10) == [run("new", T0 + 1, "key_a"), run("old", key_id="")]
+        assert [r.run_id for r in await migrated.recent(10, key_id="key_a")] == ["new"]
+    finally:
+        await migrated.aclose()
+    raw = sqlite3.connect(db_path)
+    try:
+        assert raw.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 2
     finally:
         raw.close()

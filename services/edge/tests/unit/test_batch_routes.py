@@ -87,10 +87,10 @@ class FakeCatalog:
     def model(self, model_id: str) -> ModelEntry | None:
         return self.entry if model_id == MODEL else None
 
-    def provider_views(self) -> list[dict[str, Any]]:
+    def provider_views(self, key: ApiKeyEntry | None = None) -> list[dict[str, Any]]:
         return []
 
-    def model_views(self) -> list[dict[str, Any]]:
+    def model_views(self, key: ApiKeyEntry | None = None) -> list[dict[str, Any]]:
         return []
 
     def any_available(self) -> bool:

@@ -22,6 +22,7 @@ from openai import AsyncOpenAI
 from prometheus_client import CollectorRegistry
 
 from iop_edge.domain.fleet import ApiKeyEntry, ModelEntry, Operation
+from iop_edge.entrypoints.api_auth import KeySlots
 from iop_edge.entrypoints.api_metrics import ApiMetrics
 from iop_edge.entrypoints.http_api import create_api_app, load_openapi
 from iop_edge.errors import EdgeError, NoProviderAvailable, QueueFull, QueueTimeout
@@ -75,6 +76,7 @@ class FakeRun:
         self.cancelled = asyncio.Event()
         self.cancel_reasons: list[str] = []
         self._yielded = 0
+        self._ended = asyncio.Event()  # cancel(): a hanging run ends with an error event
 
     def __aiter__(self) -> AsyncIterator[pb.RunEvent]:
         return self._iterate()
@@ -93,11 +95,13 @@ class FakeRun:
             raise self._fail
         if self._hang:
             self.hanging.set()
-            await asyncio.Event().wait()
+            await self._ended.wait()
+            yield run_error(pb.ERROR_CODE_CANCELLED, self.cancel_reasons[0])
 
     async def cancel(self, reason: str) -> None:
         self.cancel_reasons.append(reason)
         self.cancelled.set()
+        self._ended.set()
 
 
 def standard_run(spec: RunSpec) -> FakeRun:
@@ -164,6 +168,7 @@ class FakeService:
 class FakeCatalog:
     entries: list[ModelEntry]
     available: bool = True
+    asked_for: list[ApiKeyEntry | None] = field(default_factory=list)  # the views' keys
 
     def models(self) -> list[ModelEntry]:
         return list(self.entries)
@@ -171,10 +176,12 @@ class FakeCatalog:
     def model(self, model_id: str) -> ModelEntry | None:
         return next((m for m in self.entries if m.id == model_id), None)
 
-    def provider_views(self) -> list[dict[str, Any]]:
+    def provider_views(self, key: ApiKeyEntry | None = None) -> list[dict[str, Any]]:
+        self.asked_for.append(key)
         return [{"provider_id": "p1", "node_id": "n1", "health": "available"}]
 
-    def model_views(self) -> list[dict[str, Any]]:
+    def model_views(self, key: ApiKeyEntry | None = None) -> list[dict[str, Any]]:
+        self.asked_for.append(key)
         return [{"id": m.id, "display_name": m.display_name} for m in self.entries]
 
     def any_available(self) -> bool:
@@ -203,8 +210,9 @@ class FakeRunLog:
             self.records.append(run)
             self.changed.notify_all()
 
-    async def recent(self, limit: int) -> list[EdgeRunRecord]:
-        return self.records[::-1][:limit]
+    async def recent(self, limit: int, key_id: str | None = None) -> list[EdgeRunRecord]:
+        mine = [r for r in self.records if key_id is None or r.key_id == key_id]
+        return mine[::-1][:limit]
 
     async def wait_for(self, count: int) -> list[EdgeRunRecord]:
         async with asyncio.timeout(WAIT), self.changed:
@@ -212,8 +220,10 @@ class FakeRunLog:
         return self.records
 
 
-def key(key_id: str, *models: str, max_concurrent: int = 0) -> ApiKeyEntry:
-    return ApiKeyEntry(key_id, key_id, f"hash-{key_id}", frozenset(models), max_concurrent)
+def key(key_id: str, *models: str, max_concurrent: int = 0, operator: bool = False) -> ApiKeyEntry:
+    return ApiKeyEntry(
+        key_id, key_id, f"hash-{key_id}", frozenset(models), max_concurrent, operator
+    )
 
 
 @dataclass
@@ -223,6 +233,7 @@ class Edge:
     catalog: FakeCatalog
     runlog: FakeRunLog
     registry: CollectorRegistry
+    slots: KeySlots
 
     def sdk(self, api_key: str = "sk-any") -> AsyncOpenAI:
         return AsyncOpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0)
@@ -239,7 +250,7 @@ async def serve(keys: dict[str, ApiKeyEntry] | None = None) -> AsyncIterator[Edg
         ModelEntry(OTHER, "Qwen 2.5 7B", {"p1": SERVED}),
     ]
     service, catalog, runlog = FakeService(), FakeCatalog(models), FakeRunLog()
-    registry = CollectorRegistry()
+    registry, slots = CollectorRegistry(), KeySlots()
     app = create_api_app(
         service,
         catalog,
@@ -247,6 +258,7 @@ async def serve(keys: dict[str, ApiKeyEntry] | None = None) -> AsyncIterator[Edg
         runlog,
         ApiMetrics.create(registry),
         openapi=load_openapi(),
+        key_slots=slots,
     )
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
@@ -254,7 +266,7 @@ async def serve(keys: dict[str, ApiKeyEntry] | None = None) -> AsyncIterator[Edg
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
         host, port = runner.addresses[0][:2]
-        yield Edge(f"http://{host}:{port}", service, catalog, runlog, registry)
+        yield Edge(f"http://{host}:{port}", service, catalog, runlog, registry, slots)
     finally:
         await runner.cleanup()
 
@@ -852,6 +864,109 @@ async def test_iop_endpoints_need_a_key_when_keys_are_configured() -> None:
                 assert response.status == 200
         async with http.get(f"{edge.url}/healthz") as response:
             assert response.status == 200  # health never needs a key
+
+
+async def test_runs_are_per_key_and_an_operator_sees_every_key_s_runs() -> None:
+    keys = {"sk-a": key("ka"), "sk-b": key("kb"), "sk-ops": key("ops", CHAT, operator=True)}
+    async with serve(keys) as edge, aiohttp.ClientSession() as http:
+        for secret in ("sk-a", "sk-b", "sk-a"):
+            async with edge.sdk(secret) as client:
+                await client.chat.completions.create(
+                    model=CHAT, messages=[{"role": "user", "content": "hi"}]
+                )
+        await edge.runlog.wait_for(3)
+        seen = {}
+        for secret in keys:
+            headers = {"Authorization": f"Bearer {secret}"}
+            async with http.get(f"{edge.url}/iop/v1/runs", headers=headers) as response:
+                seen[secret] = [run["key_id"] for run in (await response.json())["data"]]
+    assert seen == {"sk-a": ["ka", "ka"], "sk-b": ["kb"], "sk-ops": ["ka", "kb", "ka"]}
+
+
+async def test_the_catalog_is_asked_for_the_caller_s_view() -> None:
+    restricted, operator = key("k1", CHAT), key("ops", CHAT, operator=True)
+    async with serve({"sk-a": restricted, "sk-ops": operator}) as edge:
+        async with aiohttp.ClientSession() as http:
+            for secret in ("sk-a", "sk-ops"):
+                headers = {"Authorization": f"Bearer {secret}"}
+                for path in ("/iop/v1/catalog/providers", "/iop/v1/catalog/models"):
+                    async with http.get(edge.url + path, headers=headers) as response:
+                        assert response.status == 200
+    assert edge.catalog.asked_for == [restricted, restricted, operator, operator]
+
+
+async def revoke_and_read(edge: Edge, response: aiohttp.ClientResponse, *keep: str) -> str:
+    await edge.slots.apply_keys(frozenset(keep))
+    return (await response.read()).decode()
+
+
+async def test_revoking_a_key_ends_its_started_stream_with_an_sse_error_event() -> None:
+    async with serve({"sk-a": key("ka"), "sk-b": key("kb")}) as edge:
+        run = FakeRun([start(), delta("Hel", role="assistant")], hang=True)
+        edge.service.plan = lambda spec: run
+        await edge.slots.apply_keys(frozenset({"ka", "kb"}))
+        auth = {"Authorization": "Bearer sk-a"}
+        async with aiohttp.ClientSession(headers=auth) as http:
+            url = f"{edge.url}/v1/chat/completions"
+            async with http.post(url, json=chat_body(stream=True)) as response:
+                assert response.status == 200
+                await response.content.readuntil(b"\n\n")
+                rest = await revoke_and_read(edge, response, "kb")
+        *_, error, done = sse_data(rest)
+        assert json.loads(error)["error"]["code"] == "invalid_api_key"
+        assert "revoked" in json.loads(error)["error"]["message"]
+        assert done == "[DONE]"
+        assert run.cancel_reasons == ["API key revoked"]
+        (record,) = await edge.runlog.wait_for(1)
+    assert (record.key_id, record.status, record.error_code) == ("ka", 200, "invalid_api_key")
+    assert edge.slots.held("ka") == 0
+
+
+@pytest.mark.parametrize("where", ["queued", "waiting for the result", "before the first token"])
+async def test_revoking_a_key_ends_its_waiting_requests_with_a_401(where: str) -> None:
+    async with serve({"sk-a": key("ka", max_concurrent=2)}) as edge:
+        run = FakeRun([start()], hang=True)
+        edge.service.plan = lambda spec: run
+        edge.service.queue_forever = where == "queued"
+        auth = {"Authorization": "Bearer sk-a"}
+        async with aiohttp.ClientSession(headers=auth) as http:
+            body = chat_body(stream=where == "before the first token")
+            request = asyncio.create_task(http.post(f"{edge.url}/v1/chat/completions", json=body))
+            async with asyncio.timeout(WAIT):
+                await (edge.service.queued if where == "queued" else run.hanging).wait()
+            assert edge.slots.held("ka") == 1
+            await edge.slots.apply_keys(frozenset())
+            async with await request as response:
+                assert response.status == 401
+                error = (await response.json())["error"]
+            # authenticated before the revocation reached the edge: refused at the start
+            async with http.post(f"{edge.url}/v1/chat/completions", json=chat_body()) as late:
+                assert late.status == 401
+        assert error["code"] == "invalid_api_key"
+        assert "revoked" in error["message"]
+        if where == "queued":
+            assert edge.service.left_queue.is_set()
+        else:
+            assert run.cancel_reasons == ["API key revoked"]
+        records = await edge.runlog.wait_for(2)
+    assert [(r.key_id, r.status, r.error_code) for r in records] == [
+        ("ka", 401, "invalid_api_key")
+    ] * 2
+    assert edge.slots.held("ka") == 0
+
+
+async def test_a_revocation_leaves_other_keys_requests_alone() -> None:
+    async with serve({"sk-a": key("ka"), "sk-b": key("kb")}) as edge:
+        run = FakeRun([start(), delta("Hel", role="assistant")], hang=True)
+        edge.service.plan = lambda spec: run
+        auth = {"Authorization": "Bearer sk-b"}
+        async with aiohttp.ClientSession(headers=auth) as http:
+            url = f"{edge.url}/v1/chat/completions"
+            async with http.post(url, json=chat_body(stream=True)) as response:
+                await response.content.readuntil(b"\n\n")
+                assert await edge.slots.apply_keys(frozenset({"kb"})) == 0
+                assert not run.cancelled.is_set()
+                assert edge.slots.held("kb") == 1
 
 
 async def test_health_readiness_and_openapi(edge: Edge, http: aiohttp.ClientSession) -> None:

@@ -21,7 +21,7 @@ import aiosqlite
 from iop_control_plane.domain.credentials import ApiKey, NodeToken, as_utc
 from iop_control_plane.errors import CredentialError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 """Kept in ``PRAGMA user_version``; bump it with a migration when the tables change."""
 
 BUSY_TIMEOUT_S = 5.0
@@ -43,14 +43,22 @@ _SCHEMA = (
         models         TEXT NOT NULL,
         max_concurrent INTEGER NOT NULL CHECK (max_concurrent >= 0),
         created_at     TEXT NOT NULL,
-        revoked_at     TEXT
+        revoked_at     TEXT,
+        operator       INTEGER NOT NULL DEFAULT 0
     )""",
     "CREATE UNIQUE INDEX IF NOT EXISTS api_keys_secret_hash ON api_keys (secret_hash)",
 )
-"""Statement by statement, not ``executescript``: that would commit the open transaction."""
+"""A new file's schema, statement by statement (``executescript`` would commit the open
+transaction)."""
+
+_MIGRATIONS: dict[int, tuple[str, ...]] = {
+    # version 1 -> 2: operator keys; every key issued before is an ordinary one
+    1: ("ALTER TABLE api_keys ADD COLUMN operator INTEGER NOT NULL DEFAULT 0",),
+}
+"""The statements that bring a file at version ``v`` (the key) to ``v + 1``."""
 
 _TOKEN_COLUMNS = "token_id, node_id, secret_hash, created_at, revoked_at"
-_KEY_COLUMNS = "key_id, name, secret_hash, models, max_concurrent, created_at, revoked_at"
+_KEY_COLUMNS = "key_id, name, secret_hash, models, max_concurrent, created_at, revoked_at, operator"
 
 
 def _to_text(moment: datetime) -> str:
@@ -89,6 +97,7 @@ def _key_from_row(row: sqlite3.Row) -> ApiKey:
         max_concurrent=row["max_concurrent"],
         created_at=_from_text(row["created_at"]),
         revoked_at=_from_optional_text(row["revoked_at"]),
+        operator=bool(row["operator"]),
     )
 
 
@@ -146,7 +155,13 @@ class SqliteCredentialStore:
                     f"this control-plane understands ({SCHEMA_VERSION}); upgrade it"
                 )
             if version < SCHEMA_VERSION:
-                for statement in _SCHEMA:
+                # A new file gets the whole schema; an older one its migrations, in order.
+                statements = (
+                    _SCHEMA
+                    if version == 0
+                    else [s for v in range(version, SCHEMA_VERSION) for s in _MIGRATIONS[v]]
+                )
+                for statement in statements:
                     await db.execute(statement)
                 await db.execute(f"PRAGMA user_version = {SCHEMA_VERSION:d}")
             await db.execute("COMMIT")
@@ -212,7 +227,7 @@ class SqliteCredentialStore:
 
     async def add_api_key(self, key: ApiKey) -> None:
         await self._write(
-            f"INSERT INTO api_keys ({_KEY_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?)",
+            f"INSERT INTO api_keys ({_KEY_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
             (
                 key.key_id,
                 key.name,
@@ -221,6 +236,7 @@ class SqliteCredentialStore:
                 key.max_concurrent,
                 _to_text(key.created_at),
                 _to_optional_text(key.revoked_at),
+                int(key.operator),
             ),
         )
 

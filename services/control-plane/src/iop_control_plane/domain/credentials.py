@@ -70,7 +70,9 @@ class NodeToken:
 class ApiKey:
     """What is kept of an API key: its policy and history, not the secret.
 
-    ``models`` empty means every model; ``max_concurrent`` 0 means no limit.
+    ``models`` empty means every model; ``max_concurrent`` 0 means no limit. An
+    ``operator`` key sees every key's runs, files and batches at the edge (the
+    console's key); it is still bound by ``models`` for inference.
     """
 
     key_id: str
@@ -80,6 +82,7 @@ class ApiKey:
     max_concurrent: int
     created_at: datetime
     revoked_at: datetime | None = None
+    operator: bool = False
 
     @property
     def revoked(self) -> bool:
@@ -127,8 +130,16 @@ def new_node_token(node_id: str, now: datetime) -> IssuedToken:
     return IssuedToken(token=token, plaintext=plaintext)
 
 
-def new_api_key(name: str, models: Iterable[str], max_concurrent: int, now: datetime) -> IssuedKey:
-    """Make an API key named ``name`` limited to ``models`` (none: all) and ``max_concurrent``.
+def new_api_key(
+    name: str,
+    models: Iterable[str],
+    max_concurrent: int,
+    now: datetime,
+    *,
+    operator: bool = False,
+) -> IssuedKey:
+    """Make an API key named ``name`` limited to ``models`` (none: all) and ``max_concurrent``;
+    ``operator`` lets it see every key's work at the edge.
 
     Model names are stripped and de-duplicated, first occurrence kept.
     """
@@ -156,5 +167,6 @@ def new_api_key(name: str, models: Iterable[str], max_concurrent: int, now: date
         models=tuple(names),
         max_concurrent=max_concurrent,
         created_at=as_utc(now),
+        operator=operator,
     )
     return IssuedKey(key=key, plaintext=plaintext)

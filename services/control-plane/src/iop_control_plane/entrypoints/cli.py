@@ -1,7 +1,7 @@
 """The operator's credential commands: issue, revoke and list node tokens and API keys.
 
     token issue --node ID          token revoke TOKEN_ID      token list [--json]
-    key issue --name NAME [--models a,b] [--max-concurrent N]
+    key issue --name NAME [--models a,b] [--max-concurrent N] [--operator]
     key revoke KEY_ID              key list [--json]
 
 A secret is printed once, by the command that issues it, and goes nowhere else:
@@ -158,12 +158,16 @@ async def issue_key(
     models: Sequence[str] = (),
     max_concurrent: int = 0,
     *,
+    operator: bool = False,
     err: TextIO | None = None,
     now: datetime | None = None,
 ) -> int:
-    """Issue an API key and print its plaintext, the one time it is ever shown."""
+    """Issue an API key and print its plaintext, the one time it is ever shown.
+
+    ``operator``: the key sees every key's runs, files and batches at the edge.
+    """
     try:
-        issued = new_api_key(name, models, max_concurrent, _when(now))
+        issued = new_api_key(name, models, max_concurrent, _when(now), operator=operator)
         await store.add_api_key(issued.key)
     except CredentialError as exc:
         return _fail(err, exc)
@@ -171,7 +175,8 @@ async def issue_key(
     print(
         f"Issued API key {key.key_id} named {key.name!r} "
         f"(models: {_show_models(key.models)}; "
-        f"max concurrent: {_show_limit(key.max_concurrent)}):",
+        f"max concurrent: {_show_limit(key.max_concurrent)}"
+        f"{'; operator' if key.operator else ''}):",
         file=out,
     )
     print(f"\n{issued.plaintext}\n", file=out)
@@ -206,6 +211,7 @@ def _key_json(key: ApiKey) -> dict[str, Any]:
         "name": key.name,
         "models": list(key.models),
         "max_concurrent": key.max_concurrent,
+        "operator": key.operator,
         "created_at": _json_time(key.created_at),
         "revoked_at": _json_time(key.revoked_at),
     }
@@ -225,12 +231,13 @@ async def list_keys(store: CredentialStore, out: TextIO, *, as_json: bool = Fals
                 k.name,
                 _show_models(k.models),
                 _show_limit(k.max_concurrent),
+                "yes" if k.operator else "no",
                 _show_time(k.created_at),
                 _show_time(k.revoked_at),
             ]
             for k in keys
         ]
-        headers = ["ID", "NAME", "MODELS", "MAX_CONCURRENT", "CREATED", "REVOKED"]
+        headers = ["ID", "NAME", "MODELS", "MAX_CONCURRENT", "OPERATOR", "CREATED", "REVOKED"]
         print(_table(headers, rows), file=out)
     return EXIT_OK
 
@@ -279,7 +286,9 @@ async def _run_token_list(
 async def _run_key_issue(
     args: argparse.Namespace, store: CredentialStore, out: TextIO, err: TextIO
 ) -> int:
-    return await issue_key(store, out, args.name, args.models, args.max_concurrent, err=err)
+    return await issue_key(
+        store, out, args.name, args.models, args.max_concurrent, operator=args.operator, err=err
+    )
 
 
 async def _run_key_revoke(
@@ -325,6 +334,11 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
         default=0,
         metavar="N",
         help="requests in flight at once (default: 0, unlimited)",
+    )
+    issue.add_argument(
+        "--operator",
+        action="store_true",
+        help="an operator key: sees every key's runs, files and batches (the console's key)",
     )
     issue.set_defaults(**{_HANDLER: _run_key_issue})
     revoke = key_actions.add_parser("revoke", help="revoke an API key")

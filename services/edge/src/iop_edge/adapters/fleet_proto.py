@@ -45,6 +45,7 @@ def fleet_from_proto(config: pb.FleetConfig) -> Fleet:
             key_hash=k.key_hash,
             models=frozenset(k.models),
             max_concurrent=k.max_concurrent,
+            operator=k.operator,
         )
         for k in config.api_keys
     }

@@ -27,7 +27,7 @@ from loguru import logger
 from iop_edge.adapters.sqlite_file import open_database, transaction
 from iop_edge.ports import EdgeRunRecord
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 """Kept in ``PRAGMA user_version``; bump it with a migration when the table changes."""
 
 # The record's fields, in order, are the table's columns (the round-trip test holds
@@ -51,12 +51,28 @@ _SCHEMA = (
         ttft_ms           INTEGER NOT NULL,
         duration_ms       INTEGER NOT NULL,
         prompt_tokens     INTEGER NOT NULL,
-        completion_tokens INTEGER NOT NULL
+        completion_tokens INTEGER NOT NULL,
+        key_id            TEXT NOT NULL DEFAULT ''
     )""",
     # "recent" walks this backwards; run_id breaks ties in the same millisecond.
     "CREATE INDEX IF NOT EXISTS runs_received ON runs (received_ms, run_id)",
+    # ... and this one for one key's runs (a key sees only its own)
+    "CREATE INDEX IF NOT EXISTS runs_key_received ON runs (key_id, received_ms, run_id)",
 )
 """Statement by statement, not ``executescript``: that would commit the open transaction."""
+
+_MIGRATIONS = {
+    # 1 -> 2: the key of each run; runs recorded before are nobody's (operators see them)
+    1: ("ALTER TABLE runs ADD COLUMN key_id TEXT NOT NULL DEFAULT ''",),
+}
+
+
+async def _migrate(db: aiosqlite.Connection, version: int) -> None:
+    """Each step from ``version`` up, in the open transaction (``open_database``'s hook)."""
+    for step in range(version, SCHEMA_VERSION):
+        for statement in _MIGRATIONS.get(step, ()):
+            await db.execute(statement)
+
 
 # REPLACE: a run id recorded twice (a retried write, a repeated record) keeps the last.
 _INSERT = f"INSERT OR REPLACE INTO runs ({_COLUMN_LIST}) VALUES ({', '.join('?' * len(_COLUMNS))})"
@@ -151,6 +167,7 @@ class SqliteRunLog:
             schema_version=SCHEMA_VERSION,
             synchronous="NORMAL",
             error=RunLogError,
+            migrate=_migrate,
         )
         try:
             log = cls(
@@ -177,18 +194,27 @@ class SqliteRunLog:
             self._shed()
         self._wake.set()
 
-    async def recent(self, limit: int) -> list[EdgeRunRecord]:
-        """The ``limit`` most recently received runs, newest first, unwritten ones included."""
+    async def recent(self, limit: int, key_id: str | None = None) -> list[EdgeRunRecord]:
+        """The ``limit`` most recently received runs, newest first, unwritten ones included;
+        only those of ``key_id`` when it is given."""
         self._check_open()
         if limit <= 0:
             return []
         # Snapshot memory before reading: a batch committed while the query runs
         # is then either in the snapshot or in the rows, never in neither.
-        memory = [record for _, record in self._pending]
-        rows = await self._db.execute_fetchall(
-            f"SELECT {_COLUMN_LIST} FROM runs ORDER BY received_ms DESC, run_id DESC LIMIT ?",
-            (limit,),
-        )
+        memory = [r for _, r in self._pending if key_id is None or r.key_id == key_id]
+        if key_id is None:
+            query = (
+                f"SELECT {_COLUMN_LIST} FROM runs ORDER BY received_ms DESC, run_id DESC LIMIT ?"
+            )
+            parameters: tuple[object, ...] = (limit,)
+        else:
+            query = (
+                f"SELECT {_COLUMN_LIST} FROM runs WHERE key_id = ?"
+                " ORDER BY received_ms DESC, run_id DESC LIMIT ?"
+            )
+            parameters = (key_id, limit)
+        rows = await self._db.execute_fetchall(query, parameters)
         # Oldest knowledge first, so a run recorded again in memory replaces its row.
         merged = {record.run_id: record for record in (*map(_record, rows), *memory)}
         newest_first = sorted(merged.values(), key=lambda r: (r.received_ms, r.run_id))[::-1]

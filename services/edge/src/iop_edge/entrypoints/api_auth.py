@@ -1,20 +1,39 @@
-"""API keys at the HTTP boundary: who is calling, and how many requests each key holds.
+"""API keys at the HTTP boundary: who is calling, and what each key has in progress.
 
 The edge never sees a key's value beyond this lookup (the ``KeyRing`` compares
-hashes). Concurrency is counted here, per ``key_id``, because it is a property
-of the client, not of a model's queue.
+hashes). Requests in progress are tracked here, per ``key_id``, because they are
+a property of the client, not of a model's queue: each key's count is held
+against its ``max_concurrent``, and a key that leaves the fleet (revoked) has
+every request it still holds ended at once.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import ipaddress
 from collections.abc import Iterator
+from typing import Final
 
 from aiohttp import web
+from aiohttp.typedefs import Handler, Middleware
+from loguru import logger
 
 from iop_edge.domain.fleet import ApiKeyEntry
-from iop_edge.errors import AuthenticationFailed, TooManyConcurrent
-from iop_edge.ports import KeyRing
+from iop_edge.errors import (
+    AuthenticationFailed,
+    EdgeError,
+    KeyRevoked,
+    LoopbackOnly,
+    TooManyConcurrent,
+    from_run_error,
+)
+from iop_edge.ports import KeyRing, RunEvents
+from iop_proto.v1 import runtime_pb2 as pb
+
+KEY_REVOKED: Final = "The API key of this request was revoked; the request was ended."
+OPEN_PATHS: Final = frozenset({"/healthz", "/readyz"})
+"""Probes carry no data: load balancers reach them from anywhere, keys or not."""
 
 
 def authenticate(request: web.BaseRequest, keys: KeyRing) -> ApiKeyEntry | None:
@@ -37,36 +56,163 @@ def authenticate(request: web.BaseRequest, keys: KeyRing) -> ApiKeyEntry | None:
     return entry
 
 
-class KeySlots:
-    """Requests in progress per API key, against each key's ``max_concurrent``.
+def is_loopback(remote: str | None) -> bool:
+    """``remote`` (aiohttp's ``request.remote``) is 127.0.0.0/8 or ::1, also IPv4-mapped.
 
-    Acquire and release never await, so the count is exact on one event loop.
+    Anything that is not an address (``None``, a Unix socket's empty name) is not loopback.
+    """
+    if not remote:
+        return False
+    try:
+        address = ipaddress.ip_address(remote.partition("%")[0])  # drop an IPv6 zone
+    except ValueError:
+        return False
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return address.ipv4_mapped.is_loopback
+    return address.is_loopback
+
+
+def check_open_access(remote: str | None, keys: KeyRing, allow_open: bool) -> None:
+    """The secure default: with no keys configured, only loopback clients are served.
+
+    Decided per request, because keys can arrive (or all be revoked) at any time;
+    with keys configured it costs one attribute read.
+    """
+    if keys.open and not allow_open and not is_loopback(remote):
+        raise LoopbackOnly(
+            "This edge has no API keys configured, so it serves only loopback clients "
+            "(127.0.0.0/8, ::1) until its settings say http.allow_open: true."
+        )
+
+
+def loopback_while_open(keys: KeyRing, allow_open: bool) -> Middleware:
+    """``check_open_access`` on every route but the probes (``OPEN_PATHS``)."""
+
+    @web.middleware
+    async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if keys.open and request.path not in OPEN_PATHS:
+            check_open_access(request.remote, keys, allow_open)
+        return await handler(request)
+
+    return guard
+
+
+def access_mode(keys_open: bool, allow_open: bool, host: str) -> str:
+    """The log line saying who the API serves (at start, and when keys come or go)."""
+    if not keys_open:
+        return "API keys configured: every request needs a Bearer key"
+    if allow_open:
+        return (
+            f"no API keys configured and http.allow_open is true: the API on {host} "
+            "is open to anyone who can reach it"
+        )
+    return (
+        "no API keys configured: the API serves loopback clients only (127.0.0.0/8, ::1); "
+        "issue a key, or set http.allow_open: true, to serve others"
+    )
+
+
+class InFlight:
+    """One request of a key: its task until its run is dispatched, then its run.
+
+    A revocation cancels the task while there is no run yet (waiting in a
+    model's queue, for instance); once there is one it cancels the run, whose
+    error event ends the request the way a failed run does (an SSE ``error``
+    event on a stream that started).
+    """
+
+    __slots__ = ("events", "revoked", "task", "task_cancelled")
+
+    def __init__(self, task: asyncio.Task[object] | None) -> None:
+        self.task = task
+        self.events: RunEvents | None = None  # set by the handler once dispatched
+        self.revoked = False
+        self.task_cancelled = False  # by ``end``: the CancelledError that follows is ours
+
+    def run_error(self, error: pb.RunError) -> EdgeError:
+        """What the client sees for a run's error event: a revocation says so."""
+        if self.revoked:
+            return KeyRevoked(KEY_REVOKED)
+        return from_run_error(error)
+
+    async def end(self) -> None:
+        """Revoked: cancel the run (it frees its slot and tells the node), or the task."""
+        self.revoked = True
+        if self.events is not None:
+            await self.events.cancel("API key revoked")
+        elif self.task is not None and not self.task_cancelled:
+            self.task_cancelled = True
+            self.task.cancel()
+
+
+class KeySlots:
+    """Requests in progress per API key: counted against each key's ``max_concurrent``,
+    and ended when their key leaves the fleet (``apply_keys``).
+
+    Touched twice per request (start and end), never in between; acquire and
+    release never await, so the counts are exact on one event loop.
     """
 
     def __init__(self) -> None:
-        self._held: dict[str, int] = {}
+        self._held: dict[str, set[InFlight]] = {}
+        self._present: frozenset[str] = frozenset()
+        self._revoked: set[str] = set()  # left the fleet since: refused if a request arrives
 
     def held(self, key_id: str) -> int:
-        return self._held.get(key_id, 0)
+        return len(self._held.get(key_id, ()))
 
     @contextlib.contextmanager
-    def hold(self, key: ApiKeyEntry | None) -> Iterator[None]:
-        """One slot of ``key`` for the block; ``TooManyConcurrent`` (429) when none is left."""
-        if key is None or key.max_concurrent <= 0:
-            yield
+    def hold(self, key: ApiKeyEntry | None) -> Iterator[InFlight]:
+        """One slot of ``key`` for the block; ``TooManyConcurrent`` (429) when none is left.
+
+        A revocation while the block runs ends it with ``KeyRevoked`` (401), also
+        when the request was cancelled for it; a cancellation from anywhere else
+        (the client left) passes through untouched.
+        """
+        flight = InFlight(asyncio.current_task())
+        if key is None:
+            yield flight
             return
-        held = self._held.get(key.key_id, 0)
-        if held >= key.max_concurrent:
+        if key.key_id in self._revoked:
+            # authenticated a moment before the revocation arrived (its body was still coming)
+            raise KeyRevoked(KEY_REVOKED)
+        flights = self._held.setdefault(key.key_id, set())
+        if key.max_concurrent > 0 and len(flights) >= key.max_concurrent:  # never empty here
             raise TooManyConcurrent(
                 f"Too many concurrent requests for this API key "
                 f"(limit {key.max_concurrent}); retry when one has finished."
             )
-        self._held[key.key_id] = held + 1
+        flights.add(flight)
         try:
-            yield
+            yield flight
+        except asyncio.CancelledError:
+            task = flight.task
+            # ours alone (asyncio.timeout's rule): a client that left as well stays cancelled
+            if flight.task_cancelled and task is not None and task.uncancel() == 0:
+                raise KeyRevoked(KEY_REVOKED) from None
+            raise
+        except EdgeError:
+            if flight.revoked:
+                raise KeyRevoked(KEY_REVOKED) from None
+            raise
         finally:
-            remaining = self._held[key.key_id] - 1
-            if remaining:
-                self._held[key.key_id] = remaining
-            else:
+            flights.discard(flight)
+            if not flights and self._held.get(key.key_id) is flights:
                 del self._held[key.key_id]
+
+    async def apply_keys(self, present: frozenset[str]) -> int:
+        """The fleet's keys are now ``present``: end every request of a key that is not.
+
+        Returns how many requests were ended (each logged once, in one line per key).
+        """
+        self._revoked = (self._revoked | (self._present - present)) - present
+        self._present = present
+        ended = 0
+        for key_id in [k for k in self._held if k not in present]:
+            self._revoked.add(key_id)
+            flights = list(self._held[key_id])
+            for flight in flights:
+                await flight.end()
+            ended += len(flights)
+            logger.warning("API key {} revoked: ended its {} request(s)", key_id, len(flights))
+        return ended

@@ -20,7 +20,7 @@ from loguru import logger
 
 from iop_edge.batches import BatchService
 from iop_edge.domain.fleet import ApiKeyEntry, ModelEntry
-from iop_edge.entrypoints.api_auth import authenticate
+from iop_edge.entrypoints.api_auth import KeySlots, authenticate, loopback_while_open
 from iop_edge.entrypoints.api_metrics import ApiMetrics
 from iop_edge.entrypoints.batch_routes import BatchRoutes
 from iop_edge.entrypoints.inference_routes import InferenceRoutes
@@ -61,6 +61,8 @@ def create_api_app(
     max_body_bytes: int = MAX_BODY_BYTES,
     batches: BatchService | None = None,
     read_timeout_s: float = READ_TIMEOUT_S,
+    key_slots: KeySlots | None = None,
+    allow_open: bool = False,
 ) -> web.Application:
     """The API application; serve it with ``web.AppRunner(app, handler_cancellation=True)``.
 
@@ -74,12 +76,21 @@ def create_api_app(
     ``read_timeout_s``: a client whose body, not yet complete, grew by less than
     ``MIN_BODY_RATE`` bytes a second over that long is cut (``body_deadline``;
     the runner's ``keepalive_timeout`` bounds the headers).
+    ``key_slots``: the requests in progress per key, which the fleet updates end
+    when their key is revoked (``bootstrap`` shares it; default: a new one).
+    ``allow_open``: serve every client while no keys are configured (by default,
+    only loopback ones: ``loopback_while_open``).
     """
     app = web.Application(
-        middlewares=[openai_error_boundary, body_deadline(read_timeout_s)],
+        middlewares=[
+            openai_error_boundary,
+            loopback_while_open(keys, allow_open),
+            body_deadline(read_timeout_s),
+        ],
         client_max_size=max_body_bytes,
     )
-    InferenceRoutes(service, catalog, keys, runlog, metrics).register(app)
+    slots = key_slots if key_slots is not None else KeySlots()
+    InferenceRoutes(service, catalog, keys, runlog, metrics, slots).register(app)
     ReadRoutes(catalog, keys, runlog, openapi).register(app)
     if batches is not None:
         BatchRoutes(batches, keys).register(app)
@@ -208,17 +219,19 @@ class ReadRoutes:
         return web.json_response(model_object(entry))
 
     async def catalog_providers(self, request: web.Request) -> web.Response:
-        authenticate(request, self._keys)
-        return web.json_response({"data": self._catalog.provider_views()})
+        key = authenticate(request, self._keys)
+        return web.json_response({"data": self._catalog.provider_views(key)})
 
     async def catalog_models(self, request: web.Request) -> web.Response:
-        authenticate(request, self._keys)
-        return web.json_response({"data": self._catalog.model_views()})
+        key = authenticate(request, self._keys)
+        return web.json_response({"data": self._catalog.model_views(key)})
 
     async def runs(self, request: web.Request) -> web.Response:
-        authenticate(request, self._keys)
+        """Recent runs: a key sees its own; an operator key (and the open API) every run."""
+        key = authenticate(request, self._keys)
         limit = _limit(request.query.get("limit"))
-        records = await self._runlog.recent(limit)
+        own = None if key is None or key.operator else key.key_id
+        records = await self._runlog.recent(limit, key_id=own)
         return web.json_response({"data": [asdict(record) for record in records]})
 
     async def healthz(self, request: web.Request) -> web.Response:

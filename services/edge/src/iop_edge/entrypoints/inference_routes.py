@@ -6,7 +6,9 @@ take a slot of the key, ``RunService.open_run``, then relay the run's events
 
 Whatever way a request ends, the run is never left behind: a client that
 disconnects (the handler is cancelled, or a write fails) gets its run
-cancelled on the node, and exactly one ``EdgeRunRecord`` is written.
+cancelled on the node, and exactly one ``EdgeRunRecord`` is written. A key
+revoked meanwhile ends the request the same way, with a 401 (or an SSE
+``error`` event once the stream has started): see ``KeySlots``.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from aiohttp import web
 from loguru import logger
 
 from iop_edge.domain.fleet import Operation
-from iop_edge.entrypoints.api_auth import KeySlots, authenticate
+from iop_edge.entrypoints.api_auth import InFlight, KeySlots, authenticate
 from iop_edge.entrypoints.api_metrics import ApiMetrics
 from iop_edge.entrypoints.inference_request import parse_params, read_json_body
 from iop_edge.entrypoints.openai_errors import error_payload, error_response, internal_error
@@ -32,7 +34,6 @@ from iop_edge.errors import (
     ModelNotAllowed,
     ModelNotFound,
     ProviderFailed,
-    from_run_error,
 )
 from iop_edge.ports import Catalog, KeyRing, RunEvents, RunLog, RunService, RunSpec
 from iop_proto.v1 import runtime_pb2 as pb
@@ -54,13 +55,14 @@ class InferenceRoutes:
         keys: KeyRing,
         runlog: RunLog,
         metrics: ApiMetrics,
+        slots: KeySlots,
     ) -> None:
         self._service = service
         self._catalog = catalog
         self._keys = keys
         self._runlog = runlog
         self._metrics = metrics
-        self._slots = KeySlots()
+        self._slots = slots
 
     def register(self, app: web.Application) -> None:
         app.router.add_post("/v1/chat/completions", self.chat_completions)
@@ -99,6 +101,8 @@ class InferenceRoutes:
         self, request: web.Request, operation: Operation, trace: RunTrace
     ) -> web.StreamResponse:
         key = authenticate(request, self._keys)
+        if key is not None:
+            trace.key_id = key.key_id
         body = await read_json_body(request)
         params = parse_params(operation, body)
         trace.stream = params.stream
@@ -117,15 +121,18 @@ class InferenceRoutes:
             stream=params.stream,
             include_usage=params.include_usage,
         )
-        with self._slots.hold(key), self._metrics.model(spec.model).in_flight.track_inprogress():
+        in_flight = self._metrics.model(spec.model).in_flight
+        with self._slots.hold(key) as flight, in_flight.track_inprogress():
             opened_at = time.monotonic()
-            # Cancelled here (client gone while queued), the dispatcher leaves the queue.
+            # Cancelled here (client gone, or key revoked, while queued), the dispatcher
+            # leaves the queue.
             events = await self._service.open_run(spec)
+            flight.events = events  # from now on a revocation cancels the run instead
             trace.dispatched(events, time.monotonic() - opened_at)
             try:
                 if spec.stream:
-                    return await self._stream(request, spec, events, trace)
-                return await self._collect(spec, events, trace)
+                    return await self._stream(request, spec, events, trace, flight)
+                return await self._collect(spec, events, trace, flight)
             except BaseException as exc:
                 if not trace.run_ended:
                     reason = (
@@ -137,7 +144,12 @@ class InferenceRoutes:
                 raise
 
     async def _stream(
-        self, request: web.Request, spec: RunSpec, events: RunEvents, trace: RunTrace
+        self,
+        request: web.Request,
+        spec: RunSpec,
+        events: RunEvents,
+        trace: RunTrace,
+        flight: InFlight,
     ) -> web.StreamResponse:
         """Relay the run as SSE; the status line waits for the first delta, so a run
         that fails before producing anything still gets a real HTTP error."""
@@ -150,7 +162,7 @@ class InferenceRoutes:
             }
         )
         try:
-            error = await _relay(request, response, spec, events, trace)
+            error = await _relay(request, response, spec, events, trace, flight)
             if error is not None:
                 if not response.prepared:
                     raise error
@@ -174,7 +186,9 @@ class InferenceRoutes:
                 await _end_with_error(response, internal_error())
         return response
 
-    async def _collect(self, spec: RunSpec, events: RunEvents, trace: RunTrace) -> web.Response:
+    async def _collect(
+        self, spec: RunSpec, events: RunEvents, trace: RunTrace, flight: InFlight
+    ) -> web.Response:
         """Wait for the run's end and answer with the whole result."""
         deltas: list[pb.RunDelta] = []
         async for event in events:
@@ -194,7 +208,7 @@ class InferenceRoutes:
                 deltas.append(event.delta)
             elif kind == "error":
                 trace.run_ended = True
-                raise from_run_error(event.error)
+                raise flight.run_error(event.error)
             elif kind == "start":
                 trace.started(event.start)
         trace.run_ended = True
@@ -218,6 +232,7 @@ async def _relay(
     spec: RunSpec,
     events: RunEvents,
     trace: RunTrace,
+    flight: InFlight,
 ) -> EdgeError | None:
     """Write the events as they arrive; ``None`` when the run completed, else its error.
 
@@ -256,7 +271,7 @@ async def _relay(
             trace.run_ended = True
             if pending:
                 await response.write(b"".join(pending))
-            return from_run_error(event.error)
+            return flight.run_error(event.error)
         elif kind == "start":
             trace.started(event.start)
     trace.run_ended = True

@@ -30,6 +30,7 @@ class RunTrace:
     received_at: float  # monotonic, for durations
     created: int  # Unix s, the ``created`` of OpenAI objects
     model: str = ""  # the public model id, once the catalog knows it (metric label)
+    key_id: str = ""  # the caller's API key, once authenticated ("" while the API is open)
     stream: bool = False
     run_id: str = ""  # set once RunService dispatched the request
     local_id: str = ""  # the log's id for a request that never became a run
@@ -126,6 +127,7 @@ class RunTrace:
             duration_ms=_ms(time.monotonic() - self.received_at),
             prompt_tokens=self.prompt_tokens,
             completion_tokens=self.completion_tokens,
+            key_id=self.key_id,
         )
 
     @property

@@ -61,7 +61,16 @@
       cache: "no-store",
       signal: AbortSignal.timeout(REQUEST_TIMEOUT_MS),
     });
-    if (response.status === 401) throw new Unauthorized();
+    if (response.status === 401) {
+      // The edge says why (an unknown or revoked key, or no keys and a non-loopback client).
+      let reason = "";
+      try {
+        reason = String((await response.json()).error.message || "");
+      } catch {
+        /* not an OpenAI error object */
+      }
+      throw new Unauthorized(reason);
+    }
     if (!response.ok) throw new Error(`${path}: HTTP ${response.status}`);
     const body = await response.json();
     return body.data;
@@ -337,10 +346,11 @@
       if (error instanceof Unauthorized) {
         // Nothing stale stays on screen for a caller the API has just refused.
         clearData();
+        const reason = error.message ? ` The edge said: ${error.message}` : "";
         setAuthMessage(
-          apiKey
+          (apiKey
             ? "API key required: the key entered was not accepted."
-            : "API key required: enter a key above.",
+            : "API key required: enter a key above.") + reason,
         );
         setStatus("error", "API key required");
       } else {
