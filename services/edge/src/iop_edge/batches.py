@@ -38,7 +38,8 @@ from iop_edge.domain.batches import (
 from iop_edge.domain.fleet import ApiKeyEntry
 from iop_edge.entrypoints.openai_errors import error_payload
 from iop_edge.entrypoints.openai_format import dumps
-from iop_edge.errors import InvalidRequest, ModelNotAllowed, NotFound
+from iop_edge.errors import InvalidRequest, ModelNotAllowed, NotFound, RequestTooLarge
+from iop_edge.limits import DEFAULT_MAX_BODY_BYTES
 from iop_edge.metrics import BatchMetrics
 from iop_edge.ports import Catalog, RunService
 from iop_proto.v1 import runtime_pb2 as pb
@@ -66,9 +67,12 @@ class BatchService:
         lease_ttl_s: float = 30.0,
         clock: Callable[[], float] = time.time,
         max_file_bytes: int = MAX_FILE_BYTES,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         retry_delay_s: float = RETRY_DELAY_S,
     ) -> None:
+        """``max_body_bytes``: a line's body over it fails alone (413), as it would over HTTP."""
         self.max_file_bytes = max_file_bytes
+        self._max_body_bytes = max_body_bytes
         self._store = store
         self._metrics = BatchMetrics.create(metrics_registry)
         self._clock = clock
@@ -133,7 +137,9 @@ class BatchService:
 
         ``key``: the caller's API key policy. A line naming a model the key may
         not use fails alone (403 ``model_not_allowed`` in the error file) and
-        never runs: the key's allow-list is not known when a worker runs it.
+        never runs: the key's allow-list is not known when a worker runs it. So
+        does a line whose body is over the body limit (413 ``request_too_large``):
+        it could never be carried to a node, and the rest of the batch goes on.
         """
         if endpoint not in ENDPOINTS:
             allowed = ", ".join(ENDPOINTS)
@@ -164,6 +170,9 @@ class BatchService:
             for line in lines
             if key is not None and line.model is not None and not key.allows(line.model)
         }
+        for line in lines:
+            if line.index not in refused and _utf8_size(line.body_json) > self._max_body_bytes:
+                refused[line.index] = _too_large(self._max_body_bytes)
         await self._store.insert_batch(batch, lines, refused)
         self._metrics.lines.labels("failed").inc(len(refused))
         await self._work.refresh_metrics()
@@ -231,6 +240,17 @@ def _refusal(model: str) -> LineResult:
     error = ModelNotAllowed(
         f"This API key is not allowed to use the model '{model}'.", param="model"
     )
+    body = dumps(error_payload(error))
+    return LineResult(LINE_FAILED, error.status, None, body, "", new_id("batch_req_"))
+
+
+def _utf8_size(text: str) -> int:
+    # surrogatepass: a lone surrogate (a JSON escape cut in half) still has a size
+    return len(text.encode("utf-8", "surrogatepass"))
+
+
+def _too_large(limit: int) -> LineResult:
+    error = RequestTooLarge(f"The request body is larger than the limit of {limit} bytes.")
     body = dumps(error_payload(error))
     return LineResult(LINE_FAILED, error.status, None, body, "", new_id("batch_req_"))
 

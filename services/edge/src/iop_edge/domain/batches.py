@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from iop_edge.domain.fleet import Operation
+from iop_proto import json_codec
 
 ENDPOINTS: Final[Mapping[str, Operation]] = {
     "/v1/chat/completions": Operation.CHAT_COMPLETIONS,
@@ -240,8 +241,15 @@ def _check_line(
 ) -> dict[str, Any] | tuple[str, dict[str, Any]]:
     """The line's ``(custom_id, body)``, or the error to report for it."""
     try:
-        request = json.loads(raw)
-    except (ValueError, RecursionError):
+        # The body sits one level below the line: it gets the depth an HTTP body gets.
+        request = json_codec.loads(raw, max_depth=json_codec.MAX_DEPTH + 1)
+    except json_codec.JsonTooDeep:
+        return _error(
+            "invalid_json_line",
+            f"The body of this line is nested deeper than {json_codec.MAX_DEPTH} levels.",
+            "body",
+        )
+    except ValueError:
         return _error("invalid_json_line", "This line is not parseable as valid JSON.", None)
     if not isinstance(request, dict):
         return _error("invalid_json_line", "This line is not a JSON object.", None)
