@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry
 from iop_edge.dispatch import Dispatcher
 from iop_edge.domain.fleet import Fleet, ModelEntry, Operation, ProviderEntry
 from iop_edge.errors import InvalidRequest, NoProviderAvailable, QueueTimeout, RequestTooLarge
+from iop_edge.limits import RunBody
 from iop_edge.metrics import EdgeMetrics
 from iop_edge.ports import RunSpec
 from iop_edge.runs import EdgeRun
@@ -358,3 +359,20 @@ async def test_output_lengths_within_the_cap_and_null_are_served() -> None:
     )
     complete(await dispatcher.open_run(embeddings))  # no output length to cap
     assert len(link.sent) == 4
+
+
+@pytest.mark.parametrize(
+    ("body", "served"),
+    [
+        ({"model": MODEL}, "s"),
+        ({"model": MODEL, "a": [1, {"b": "é"}], "n": None}, 'quote"d/name:q4'),
+        ({"messages": [], "model": MODEL, "x": "\ud83d", "big": 2**70}, "é"),  # slow path
+    ],
+)
+def test_the_run_body_is_measured_exactly_and_reads_back(
+    body: dict[str, object], served: str
+) -> None:
+    run_body = RunBody.encode(body)
+    written = run_body.with_model(served)
+    assert run_body.size_with(served) == len(written)
+    assert json_codec.loads(written) == {**body, "model": served}
