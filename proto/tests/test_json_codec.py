@@ -83,3 +83,32 @@ def test_dumps_writes_nan_and_infinities_as_null_on_both_paths() -> None:
     assert json_codec.dumps({"x": math.nan, "y": [math.inf]}) == b'{"x":null,"y":[null]}'
     slow = json_codec.dumps({"x": math.nan, "big": 2**70})  # the fallback writes this one
     assert json.loads(slow) == {"x": None, "big": 2**70}
+
+
+@pytest.mark.parametrize("depth", [1, 2, 63, 64])
+def test_loads_takes_nesting_up_to_max_depth(depth: int) -> None:
+    raw = '{"a":' * (depth - 1) + "[]" + "}" * (depth - 1)
+    value = json_codec.loads(raw, max_depth=json_codec.MAX_DEPTH)
+    assert json_codec.loads(json_codec.dumps(value)) == value  # and it writes again
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"[" * 65 + b"]" * 65,
+        b'{"messages": [{"content": ' + b"[" * 1000 + b"]" * 1000 + b"}]}",  # reads, but not
+        b"[" * 1100 + b"]" * 1100,  # past orjson's own reading limit
+        b"[" * 100_000,  # not even JSON: too deep before it is known to be broken
+        b'{"x": "\\ud83d", "y": ' + b"[" * 900 + b"]" * 900 + b"}",  # the slow path
+    ],
+)
+def test_loads_refuses_nesting_past_max_depth_naming_it(raw: bytes) -> None:
+    with pytest.raises(json_codec.JsonTooDeep, match="deeper than 64 levels") as refused:
+        json_codec.loads(raw, max_depth=json_codec.MAX_DEPTH)
+    assert refused.value.max_depth == json_codec.MAX_DEPTH
+    assert isinstance(refused.value, ValueError)
+
+
+def test_brackets_inside_strings_do_not_count_as_nesting() -> None:
+    raw = json.dumps({"text": "[" * 500 + "{" * 500, "list": [[1], [2], [3]] * 100})
+    assert json_codec.loads(raw, max_depth=3) == json.loads(raw)

@@ -42,6 +42,8 @@ from schemathesis.checks import CheckFunction
 from schemathesis.core.failures import FailureGroup
 from schemathesis.specs.openapi import checks as openapi_checks
 
+from iop_edge.limits import DEFAULT_MAX_BODY_BYTES
+
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 MAX_EXAMPLES = 30  # per operation and per generation mode
@@ -51,7 +53,7 @@ KNOWN_MODEL = "mock-small"
 HEALTH_PROBES = ("GET /healthz", "GET /readyz")
 INFERENCE = ("POST /v1/chat/completions", "POST /v1/completions", "POST /v1/embeddings")
 GATEWAY_STATUSES = frozenset({502, 503, 504})
-MAX_BODY_BYTES = 64 * 1024 * 1024  # iop_edge.entrypoints.http_api.MAX_BODY_BYTES
+MAX_BODY_BYTES = DEFAULT_MAX_BODY_BYTES  # the frame limit less its headroom
 ERROR_FIELDS = {"message", "type", "param", "code"}
 CONFORMANCE_CHECKS: list[CheckFunction] = [
     openapi_checks.status_code_conformance,

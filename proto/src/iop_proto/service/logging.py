@@ -1,8 +1,16 @@
-"""loguru set-up: human lines by default, JSON lines (one object per record) on request."""
+"""loguru set-up: human lines by default, JSON lines (one object per record) on request.
+
+Tracebacks never show variable values (loguru's ``diagnose``): they would copy request
+bodies and credentials into the log, and a deep structure many times over. An
+unexpected error on a request path is logged with ``log_unexpected``: once, its
+traceback cut to ``MAX_TRACEBACK_CHARS``, so no request can write hundreds of KB.
+"""
 
 from __future__ import annotations
 
 import sys
+import traceback
+from typing import Final
 
 from loguru import logger
 
@@ -19,7 +27,14 @@ def configure_logging(service: str, settings: LogSettings) -> None:
     logger.remove()
     logger.configure(extra={"service": service})
     if settings.json_format:
-        logger.add(sys.stderr, level=settings.level, serialize=True, enqueue=False)
+        logger.add(
+            sys.stderr,
+            level=settings.level,
+            serialize=True,
+            enqueue=False,
+            backtrace=False,
+            diagnose=False,
+        )
     else:
         logger.add(
             sys.stderr,
@@ -27,4 +42,32 @@ def configure_logging(service: str, settings: LogSettings) -> None:
             format=_HUMAN_FORMAT,
             colorize=sys.stderr.isatty(),
             enqueue=False,
+            backtrace=False,
+            diagnose=False,
         )
+
+
+MAX_TRACEBACK_CHARS: Final = 8 * 1024
+"""Enough for any real traceback's story (where it started, where it failed); a longer
+one is cut in the middle."""
+
+
+def log_unexpected(exc: BaseException, message: str, *args: object) -> None:
+    """Log an unexpected error (a bug) once, at ERROR, with its traceback bounded.
+
+    ``message`` is a loguru format string for ``args``; the exception's own text
+    is never formatted, so braces in it are harmless.
+    """
+    logger.opt(depth=1).error(message + "\n{}", *args, bounded_traceback(exc))
+
+
+def bounded_traceback(exc: BaseException, limit: int = MAX_TRACEBACK_CHARS) -> str:
+    """``exc``'s traceback (with its causes), at most about ``limit`` characters: its
+    start and its end, where a pathological one (a thousand frames, a message quoting
+    a whole body) is cut."""
+    text = "".join(traceback.format_exception(exc)).rstrip("\n")
+    if len(text) <= limit:
+        return text
+    head = limit // 4
+    tail = limit - head
+    return f"{text[:head]}\n... ({len(text) - limit} characters cut) ...\n{text[-tail:]}"

@@ -546,6 +546,21 @@ def test_models_to_proto_is_the_catalog() -> None:
     ]
 
 
+def test_a_models_output_cap_defaults_and_reaches_the_edge() -> None:
+    data = fleet()
+    data["models"][1]["max_output_tokens"] = 4096
+    models = models_to_proto(parse_fleet(data, "fleet.yaml").spec)
+    assert [m.max_output_tokens for m in models] == [32768, 4096]
+
+
+@pytest.mark.parametrize("cap", [0, -1, 2**32, "4096", 1.5])
+def test_a_bad_output_cap_is_refused_naming_the_model(cap: object) -> None:
+    data = fleet()
+    data["models"][1]["max_output_tokens"] = cap
+    with pytest.raises(FleetConfigError, match=r"models\[small\]\.max_output_tokens"):
+        parse_fleet(data, "fleet.yaml")
+
+
 def test_fleet_view_is_json_ready_and_names_only_the_key_variable() -> None:
     data = fleet()
     vllm(data)["api_key_env"] = "VLLM_API_KEY"

@@ -1,8 +1,9 @@
 """One batch line through the edge's normal dispatch, at batch priority.
 
 A line ends in one of two ways. Final: the model answered, or the request
-itself failed (unknown model, provider error): the result is stored and goes
-to the output or error file, as OpenAI reports it. Transient: the fleet had no
+itself failed (unknown model, too large, a provider error, a failure in the
+edge): the result is stored and goes to the output or error file, as OpenAI
+reports it. Transient: the fleet had no
 room for it (queue full, queue timeout, no provider available) or the run was
 cancelled from the edge's side (edge stopping, batch cancelled, worker gone):
 nothing is stored, the line stays pending and runs again later. A batch line
@@ -21,8 +22,6 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from loguru import logger
-
 from iop_edge.domain.batches import DONE, ENDPOINTS, LINE_FAILED, LineRecord, LineResult
 from iop_edge.entrypoints.inference_routes import RENDER_OFFLOAD_BYTES
 from iop_edge.entrypoints.openai_errors import error_payload, internal_error
@@ -38,6 +37,7 @@ from iop_edge.errors import (
     from_run_error,
 )
 from iop_edge.ports import Catalog, RunEvents, RunService, RunSpec
+from iop_proto.service.logging import log_unexpected
 from iop_proto.v1 import runtime_pb2 as pb
 
 _TRANSIENT = (QueueFull, QueueTimeout, NoProviderAvailable)
@@ -66,6 +66,11 @@ class LineRunner:
             events = await self._runs.open_run(spec)
         except EdgeError as exc:
             return _failure(exc, "", result_id)
+        except Exception as exc:
+            # Per-line boundary: a line the edge cannot run (open_run gave its slot back)
+            # fails alone, into the error file; left pending it would hold up its batch.
+            log_unexpected(exc, "batch {} line {} could not be run", line.batch_id, line.index)
+            return _failure(internal_error(), "", result_id)
         live = self._live.setdefault(line.batch_id, set())
         live.add(events)
         try:
@@ -76,9 +81,9 @@ class LineRunner:
             # The worker is gone (its connection dropped): free the provider slot.
             await asyncio.shield(events.cancel("the batch line was abandoned"))
             raise
-        except Exception:
+        except Exception as exc:
             # Per-line boundary: one line's bug must not take the worker's session down.
-            logger.exception("batch {} line {} failed in the edge", line.batch_id, line.index)
+            log_unexpected(exc, "batch {} line {} failed in the edge", line.batch_id, line.index)
             await asyncio.shield(events.cancel("edge failed"))
             return _failure(internal_error(), events.run_id, result_id)
         finally:

@@ -45,7 +45,8 @@ from iop_edge.domain.batches import (
 from iop_edge.domain.fleet import ApiKeyEntry
 from iop_edge.entrypoints.openai_errors import error_payload
 from iop_edge.entrypoints.openai_format import dumps
-from iop_edge.errors import InvalidRequest, ModelNotAllowed, NotFound
+from iop_edge.errors import InvalidRequest, ModelNotAllowed, NotFound, RequestTooLarge
+from iop_edge.limits import DEFAULT_MAX_BODY_BYTES
 from iop_edge.metrics import BatchMetrics
 from iop_edge.ports import Catalog, RunService
 from iop_proto.v1 import runtime_pb2 as pb
@@ -72,9 +73,12 @@ class BatchService:
         lease_ttl_s: float = 30.0,
         clock: Callable[[], float] = time.time,
         max_file_bytes: int = MAX_FILE_BYTES,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         retry_delay_s: float = RETRY_DELAY_S,
     ) -> None:
+        """``max_body_bytes``: a line's body over it fails alone (413), as it would over HTTP."""
         self.max_file_bytes = max_file_bytes
+        self._max_body_bytes = max_body_bytes
         self._store = store
         self._metrics = BatchMetrics.create(metrics_registry)
         self._clock = clock
@@ -174,7 +178,9 @@ class BatchService:
         files, are its key's. The input file must be one the key may see. A line
         naming a model the key may not use fails alone (403 ``model_not_allowed``
         in the error file) and never runs: the key's allow-list is not known when
-        a worker runs it.
+        a worker runs it. So does a line whose body is over the body limit (413
+        ``request_too_large``): it could never be carried to a node, and the rest
+        of the batch goes on.
 
         The file is read twice, a line at a time, off the event loop: once to
         check it (holding the custom ids and the first errors), once to store its
@@ -196,7 +202,9 @@ class BatchService:
         if content is None:
             raise NotFound(f"No such File object: {input_file_id}", param="input_file_id")
         try:
-            check = await asyncio.to_thread(check_input, physical_lines(content), endpoint)
+            check = await asyncio.to_thread(
+                check_input, physical_lines(content), endpoint, self._max_body_bytes
+            )
             batch = new_batch(
                 new_id("batch_"),
                 input_file_id,
@@ -209,7 +217,7 @@ class BatchService:
             )
             # The second reading runs on the store's thread, inside its transaction.
             lines = () if check.errors else input_lines(physical_lines(content), endpoint)
-            refused = _refused(check, key)
+            refused = _refused(check, key, self._max_body_bytes)
             await self._store.insert_batch(batch, lines, refused)
         finally:
             await asyncio.to_thread(content.close)
@@ -288,22 +296,30 @@ def _page(data: list[dict[str, Any]], limit: int) -> dict[str, Any]:
     }
 
 
-def _refused(check: InputCheck, key: ApiKeyEntry | None) -> dict[int, LineResult]:
-    """The lines naming a model ``key`` may not use, failed in advance."""
-    if key is None or check.errors:
+def _refused(
+    check: InputCheck, key: ApiKeyEntry | None, max_body_bytes: int
+) -> dict[int, LineResult]:
+    """The lines failed in advance: a model ``key`` may not use, a body over the limit."""
+    if check.errors:
         return {}
-    return {
-        index: _refusal(model)
-        for model, indices in check.models.items()
-        if not key.allows(model)
-        for index in indices
-    }
+    refused = {index: _too_large(max_body_bytes) for index in check.oversize}
+    if key is not None:
+        for model, indices in check.models.items():
+            if not key.allows(model):
+                refused.update((index, _refusal(model)) for index in indices)
+    return refused
 
 
 def _refusal(model: str) -> LineResult:
     error = ModelNotAllowed(
         f"This API key is not allowed to use the model '{model}'.", param="model"
     )
+    body = dumps(error_payload(error))
+    return LineResult(LINE_FAILED, error.status, None, body, "", new_id("batch_req_"))
+
+
+def _too_large(limit: int) -> LineResult:
+    error = RequestTooLarge(f"The request body is larger than the limit of {limit} bytes.")
     body = dumps(error_payload(error))
     return LineResult(LINE_FAILED, error.status, None, body, "", new_id("batch_req_"))
 

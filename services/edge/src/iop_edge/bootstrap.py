@@ -23,6 +23,7 @@ from iop_edge.dispatch import Dispatcher
 from iop_edge.entrypoints.api_auth import KeySlots, access_mode
 from iop_edge.entrypoints.api_metrics import ApiMetrics
 from iop_edge.entrypoints.http_api import create_api_app, load_openapi
+from iop_edge.limits import max_body_bytes
 from iop_edge.metrics import EdgeMetrics
 from iop_edge.peer_guard import PeerGuard
 from iop_edge.settings import EdgeSettings
@@ -57,7 +58,8 @@ async def build(
     server_tls = server_context(settings.tls) if settings.tls.enabled else None
     client_tls = client_context(settings.tls) if settings.tls.enabled else None
     metrics = EdgeMetrics.create(registry)
-    dispatcher = Dispatcher(metrics)
+    dispatcher = Dispatcher(metrics, max_frame_size=settings.max_frame_size)
+    body_limit = max_body_bytes(settings.max_frame_size)  # what a node link can carry
     catalog = PoolCatalog(dispatcher)
     keys = FleetKeyRing(dispatcher)
     key_slots = KeySlots()
@@ -88,7 +90,12 @@ async def build(
         batch_store = await SqliteBatchStore.open(settings.batch_db)
         stack.push_async_callback(batch_store.aclose)
         batches = BatchService(
-            batch_store, dispatcher, catalog, registry, lease_ttl_s=settings.batch_lease_ttl_s
+            batch_store,
+            dispatcher,
+            catalog,
+            registry,
+            lease_ttl_s=settings.batch_lease_ttl_s,
+            max_body_bytes=body_limit,
         )
         await batches.refresh_metrics()
 
@@ -131,6 +138,7 @@ async def build(
             runlog,
             ApiMetrics.create(registry),
             openapi=load_openapi(),
+            max_body_bytes=body_limit,
             batches=batches,
             read_timeout_s=settings.http.read_timeout_s,
             key_slots=key_slots,

@@ -25,11 +25,20 @@ from iop_edge.domain.pool import (
     index_models,
 )
 from iop_edge.domain.queue import ModelQueue
-from iop_edge.errors import ModelNotFound, NoProviderAvailable, QueueFull, QueueTimeout
+from iop_edge.errors import (
+    EdgeError,
+    ModelNotFound,
+    NoProviderAvailable,
+    QueueFull,
+    QueueTimeout,
+    RequestTooLarge,
+)
+from iop_edge.limits import RunBody, check_output_tokens, check_run_frame
 from iop_edge.metrics import EdgeMetrics
 from iop_edge.ports import RunSpec
 from iop_edge.runs import EdgeRun, NodeLink
-from iop_proto import json_codec
+from iop_proto.errors import FrameTooLarge
+from iop_proto.framing import DEFAULT_MAX_FRAME_SIZE
 from iop_proto.v1 import runtime_pb2 as pb
 
 _OPERATIONS = {
@@ -43,8 +52,9 @@ _HEALTH = {pb.HEALTH_AVAILABLE: AVAILABLE, pb.HEALTH_UNAVAILABLE: UNAVAILABLE}
 class Dispatcher:
     """Implements ``RunService``; the node listener feeds it connections and events."""
 
-    def __init__(self, metrics: EdgeMetrics) -> None:
+    def __init__(self, metrics: EdgeMetrics, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE) -> None:
         self.fleet = Fleet()
+        self._max_frame_size = max_frame_size  # a run that cannot fit is refused (limits)
         self.slots: dict[str, ProviderSlot] = {}
         self._indexes: dict[str, ModelIndex] = {}
         self._model_rank: dict[str, int] = {}  # fleet order, in which queues are served
@@ -144,23 +154,39 @@ class Dispatcher:
     # ------------------------------------------------------------ runs
 
     async def open_run(self, spec: RunSpec) -> EdgeRun:
+        """Check the request, take a slot (maybe after a wait in the model's queue), send.
+
+        What can be judged without a slot is judged first: the output cap, and the
+        run's frame, serialised once and measured. From the slot taken to the node
+        having the run, any failure at all (an error, a cancellation) gives the slot
+        back, leaves no run behind and tells a node that may have the run to drop it.
+        """
         model = self.fleet.models.get(spec.model)
         if model is None:
             raise ModelNotFound(f"The model '{spec.model}' does not exist", param="model")
+        check_output_tokens(spec.operation, spec.body, model.max_output_tokens)
+        body = RunBody.encode(spec.body)
+        check_run_frame(body, model, self._max_frame_size)
         loop = asyncio.get_running_loop()
         started = loop.time()
         slot = await self._acquire(model, spec.batch)
-        queue_wait_s = loop.time() - started
+        run: EdgeRun | None = None
         try:
-            run = self._start(model, slot, spec)
-        except BaseException:
-            self._release(slot)
-            raise
-        run.edge_queue_wait_s = queue_wait_s
-        try:
-            await self.links[slot.node_id].send_run(run.request)
-        except (ConnectionError, KeyError) as exc:
-            run.fail(pb.ERROR_CODE_PROVIDER_UNAVAILABLE, f"node {slot.node_id} unreachable: {exc}")
+            run = self._start(model, slot, spec, body)
+            run.edge_queue_wait_s = loop.time() - started
+            await run.send()
+        except BaseException as exc:
+            # The one way back: the run ends here (its slot released exactly once), or,
+            # with no run made yet, the slot itself goes back.
+            if run is None:
+                self._release(slot)
+            else:
+                reason = f"not dispatched: {type(exc).__name__}"
+                await run.abandon(reason, sent=not isinstance(exc, FrameTooLarge))
+            refusal = _refusal(exc, slot.node_id)
+            if refusal is None:
+                raise
+            raise refusal from exc
         return run
 
     async def _acquire(self, model: ModelEntry, batch: bool) -> ProviderSlot:
@@ -200,10 +226,14 @@ class Dispatcher:
             if self.queues.get(model.id) is queue:  # else the model was removed meanwhile
                 self._metrics.publish_queued(model.id, len(queue))
 
-    def _start(self, model: ModelEntry, slot: ProviderSlot, spec: RunSpec) -> EdgeRun:
+    def _start(
+        self, model: ModelEntry, slot: ProviderSlot, spec: RunSpec, body: RunBody
+    ) -> EdgeRun:
         served = model.providers[slot.provider_id]
         entry = self.fleet.providers[slot.provider_id]
-        body = {**spec.body, "model": served}  # target rewrite happens here and only here (S03)
+        link = self.links.get(slot.node_id)
+        if link is None:  # the node left while this request waited for the slot
+            raise NoProviderAvailable(f"node {slot.node_id} is gone", code="provider_unavailable")
         run_id = secrets.token_hex(16)  # 32 hex digits, like uuid4().hex, for less work
         timeout_ms = entry.request_timeout_ms or 600_000
         request = pb.RunRequest(
@@ -213,7 +243,7 @@ class Dispatcher:
             adapter=entry.type,
             target=served,
             operation=_OPERATIONS[spec.operation],
-            body_json=json_codec.dumps(body),
+            body_json=body.with_model(served),  # target rewrite here and only here (S03)
             stream=spec.stream,
             deadline_unix_ms=int(time.time() * 1000) + timeout_ms,
             include_usage=spec.include_usage,
@@ -222,7 +252,7 @@ class Dispatcher:
             run_id,
             request,
             slot.provider_id,
-            self.links[slot.node_id],
+            link,
             served,
             asyncio.get_running_loop().time() + timeout_ms / 1000,
             self._run_finished,
@@ -277,3 +307,18 @@ class Dispatcher:
     def queued(self, model_id: str) -> int:
         queue = self.queues.get(model_id)
         return len(queue) if queue else 0
+
+
+def _refusal(exc: BaseException, node_id: str) -> EdgeError | None:
+    """The ``EdgeError`` a run that did not reach its node ends with, for what the edge
+    understands; ``None``: raise the original (an ``EdgeError`` already, a cancellation,
+    or a bug, which the request's boundary answers with a 500 and logs)."""
+    if isinstance(exc, FrameTooLarge):
+        return RequestTooLarge(
+            f"The request is too large: its run takes {exc.length} bytes on its way to "
+            f"the provider, over this server's limit of {exc.maximum} bytes."
+        )
+    if isinstance(exc, ConnectionError):
+        message = f"node {node_id} unreachable: {exc}"
+        return NoProviderAvailable(message, code="provider_unavailable")
+    return None

@@ -28,6 +28,12 @@ class InvalidRequest(EdgeError, ValueError):
     status, type, code = 400, "invalid_request_error", None
 
 
+class RequestTooLarge(EdgeError, ValueError):
+    """The body is over the HTTP limit, or its run would not fit in one frame to the node."""
+
+    status, type, code = 413, "invalid_request_error", "request_too_large"
+
+
 class NotFound(EdgeError, LookupError):
     """An unknown file or batch id (OpenAI: ``No such File object: <id>``, code null)."""
 

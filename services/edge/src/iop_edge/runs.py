@@ -65,6 +65,18 @@ class EdgeRun:
         self._timed_out: pb.RunEvent | None = None
         self._timer = asyncio.get_running_loop().call_at(deadline + DEADLINE_GRACE_S, self._expire)
 
+    async def send(self) -> None:
+        """Send the run request to its node (``Dispatcher.open_run`` undoes a failure)."""
+        await self._node.send_run(self.request)
+
+    async def abandon(self, reason: str, *, sent: bool) -> None:
+        """The run did not reach its node for sure: end it now (the slot goes back at
+        once, whatever follows) and, when its frame may have left (``sent``), ask the node
+        to drop it; shielded, so a second cancellation cannot keep the node running it."""
+        self._finish()
+        if sent:
+            await asyncio.shield(self._tell_node(reason))
+
     def deliver(self, event: pb.RunEvent) -> None:
         """From the node link: queue the event; a terminal one releases the slot now."""
         if self.finished:

@@ -70,4 +70,11 @@ class EdgeSettings(ServiceSettings):
         default=30.0, gt=0, description="a worker that stops renewing loses its batch after this"
     )
     heartbeat_interval_s: float = Field(default=30.0, gt=0)
-    max_frame_size: int = Field(default=DEFAULT_MAX_FRAME_SIZE, ge=1024)
+    max_frame_size: int = Field(
+        default=DEFAULT_MAX_FRAME_SIZE,
+        ge=1024 * 1024,
+        description=(
+            "largest IOP frame, in bytes (nodes must take as much): a run travels to its node"
+            " in one, so the HTTP body limit is this minus 64 KiB (iop_edge.limits)"
+        ),
+    )

@@ -25,7 +25,7 @@ from iop_edge.adapters.batch_store import SqliteBatchStore
 from iop_edge.batches import BatchService
 from iop_edge.domain.fleet import ApiKeyEntry, ModelEntry, Operation
 from iop_edge.entrypoints.openai_errors import error_payload
-from iop_edge.errors import InvalidRequest, LeaseLost, NotFound, QueueTimeout
+from iop_edge.errors import InvalidRequest, LeaseLost, NotFound, QueueTimeout, RequestTooLarge
 from iop_edge.ports import RunSpec
 from iop_proto.v1 import runtime_pb2 as pb
 
@@ -114,6 +114,10 @@ class FakeRuns:
         self.specs.append(spec)
         if spec.model == "busy":
             raise QueueTimeout("no slot in time")
+        if spec.model == "bug":
+            raise RuntimeError("a bug in dispatch")
+        if spec.model == "huge":
+            raise RequestTooLarge("its run would not fit in a frame")
         run = FakeRun(spec, f"run-{len(self.specs)}", self.gate if spec.model == "slow" else None)
         self.runs.append(run)
         self.started.set()
@@ -150,11 +154,12 @@ class Harness:
         self.service = BatchService(
             store,
             self.runs,
-            FakeCatalog("good", "broken", "busy", "slow"),
+            FakeCatalog("good", "broken", "busy", "slow", "bug", "huge"),
             self.registry,
             lease_ttl_s=TTL,
             clock=clock,
             max_file_bytes=10_000,
+            max_body_bytes=1_000,
         )
 
     def metric(self, name: str, **labels: str) -> float:
@@ -625,6 +630,57 @@ async def test_a_line_whose_key_may_not_use_its_model_fails_without_running(h: H
     done = await h.service.get_batch(batch["id"])
     (error,) = await h.results(done["error_file_id"])
     assert error["response"]["body"]["error"]["code"] == "model_not_allowed"
+
+
+async def test_a_line_over_the_body_limit_fails_alone_and_the_batch_completes(
+    h: Harness,
+) -> None:
+    big = request("big")
+    big["body"]["messages"][0]["content"] = "x" * 1_000
+    batch = await h.batch([request("a"), big, request("c")])
+    assert batch["status"] == "validating"
+    assert batch["request_counts"] == {"total": 3, "completed": 0, "failed": 1}
+    grant = await h.service.lease("w1")
+    results = await run_all(h, grant)
+    assert [r.status_code for r in results] == [200, 413, 200]
+    assert len(h.runs.specs) == 2  # the big one never reached dispatch
+    await h.service.release(grant.lease_id, finished=True)
+    done = await h.service.get_batch(batch["id"])
+    assert done["status"] == "completed"
+    (error,) = await h.results(done["error_file_id"])
+    assert error["custom_id"] == "big"
+    assert error["response"]["status_code"] == 413
+    body = error["response"]["body"]["error"]
+    assert body["code"] == "request_too_large"
+    assert "limit of 1000 bytes" in body["message"]
+
+
+@pytest.mark.parametrize(
+    ("model", "status", "code"),
+    [("bug", 500, "internal_error"), ("huge", 413, "request_too_large")],
+)
+async def test_a_line_the_edge_cannot_run_fails_into_the_error_file(
+    h: Harness, model: str, status: int, code: str
+) -> None:
+    batch = await h.batch([request("a", model=model), request("b")])
+    grant = await h.service.lease("w1")
+    results = await run_all(h, grant)
+    assert [r.status_code for r in results] == [status, 200]
+    await h.service.release(grant.lease_id, finished=True)
+    done = await h.service.get_batch(batch["id"])
+    assert (done["status"], done["request_counts"]["failed"]) == ("completed", 1)
+    (error,) = await h.results(done["error_file_id"])
+    assert error["response"]["body"]["error"]["code"] == code
+
+
+async def test_a_line_nested_past_the_limit_fails_validation_naming_it(h: Harness) -> None:
+    deep = request("deep")
+    deep["body"]["messages"][0]["content"] = json.loads("[" * 70 + "]" * 70)
+    batch = await h.batch(jsonl([request("a")]) + json.dumps(deep).encode() + b"\n")
+    assert batch["status"] == "failed"
+    (error,) = batch["errors"]["data"]
+    assert error["line"] == 2
+    assert "nested deeper than 64 levels" in error["message"]
 
 
 # ---------------------------------------------------------------- leases

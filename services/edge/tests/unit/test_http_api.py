@@ -471,6 +471,36 @@ async def test_a_body_that_is_not_a_json_object_is_400(
     assert error["type"] == "invalid_request_error"
 
 
+@pytest.mark.parametrize(
+    "nested",
+    [
+        "[" * 1000 + "]" * 1000,  # reads with orjson, but no longer writes
+        '{"a":' * 64 + "1" + "}" * 64,  # 67 levels, counting the body, messages, a message
+    ],
+)
+async def test_a_body_nested_past_the_limit_is_400_naming_it_and_never_dispatched(
+    edge: Edge, http: aiohttp.ClientSession, nested: str
+) -> None:
+    raw = f'{{"model": "{CHAT}", "messages": [{{"role": "user", "content": {nested}}}]}}'
+    async with http.post(f"{edge.url}/v1/chat/completions", data=raw) as response:
+        assert response.status == 400
+        error = (await response.json())["error"]
+    assert error["type"] == "invalid_request_error"
+    assert "nested deeper than 64 levels" in error["message"]
+    assert edge.service.specs == []
+
+
+async def test_a_body_nested_within_the_limit_is_served(
+    edge: Edge, http: aiohttp.ClientSession
+) -> None:
+    schema = '{"type":"object","properties":{"a":' * 20 + "{}" + "}}" * 20
+    body = json.loads(schema)
+    sent = {**chat_body(), "tools": [{"type": "function", "function": {"parameters": body}}]}
+    async with http.post(f"{edge.url}/v1/chat/completions", json=sent) as response:
+        assert response.status == 200
+    assert edge.service.specs[0].body["tools"] == sent["tools"]
+
+
 async def test_keys_401_for_missing_or_unknown_and_403_for_a_model_not_allowed() -> None:
     async with serve({"sk-chat": key("k1", CHAT)}) as edge:
         async with edge.sdk("sk-wrong") as client:

@@ -46,9 +46,15 @@ def node_config_to_proto(node: NodeSpec) -> pb.NodeConfig:
 
 
 def models_to_proto(spec: FleetSpec) -> list[pb.ModelConfig]:
-    """The model catalog for the edge: public id, display name, provider id -> served name."""
+    """The model catalog for the edge: public id, display name, provider id -> served name,
+    output cap."""
     return [
-        pb.ModelConfig(id=m.id, display_name=m.display_name, providers=m.providers)
+        pb.ModelConfig(
+            id=m.id,
+            display_name=m.display_name,
+            providers=m.providers,
+            max_output_tokens=m.max_output_tokens,
+        )
         for m in spec.models
     ]
 
@@ -74,7 +80,14 @@ def fleet_view(spec: FleetSpec) -> dict[str, Any]:
                     "category": provider.category if provider else None,
                 }
             )
-        models.append({"id": model.id, "display_name": model.display_name, "providers": routes})
+        models.append(
+            {
+                "id": model.id,
+                "display_name": model.display_name,
+                "max_output_tokens": model.max_output_tokens,
+                "providers": routes,
+            }
+        )
     nodes = [
         {
             "id": node.id,

@@ -58,6 +58,9 @@ _ALL_SETTINGS: Final = ("endpoint", "api_key_env", "command", "prompt_via", "tok
 _TOP_LEVEL_KEYS: Final = ("models", "nodes", "openai")
 _UINT32_MAX: Final = 2**32 - 1  # the wire carries capacities and timeouts as uint32
 _PROBLEMS: Final = "fleet_problems"  # the error type carrying id-named problems
+DEFAULT_MAX_OUTPUT_TOKENS: Final = 32_768
+"""A model's output cap when the file gives none (the edge's default too): a request's
+``max_tokens`` above it is refused, so no client holds a slot for 2**31 tokens."""
 
 
 def _matching(regex: str, rule: str) -> AfterValidator:
@@ -200,6 +203,7 @@ class ModelSpec(_Frozen):
     id: ModelId
     display_name: str = Field(min_length=1)
     providers: dict[EntityId, ServedName] = Field(min_length=1)
+    max_output_tokens: int = Field(default=DEFAULT_MAX_OUTPUT_TOKENS, ge=1, le=_UINT32_MAX)
 
     @model_validator(mode="before")
     @classmethod

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from iop_edge.domain.fleet import ApiKeyEntry, Fleet, ModelEntry, ProviderEntry
+from iop_edge.domain.fleet import (
+    DEFAULT_MAX_OUTPUT_TOKENS,
+    ApiKeyEntry,
+    Fleet,
+    ModelEntry,
+    ProviderEntry,
+)
 from iop_proto.v1 import runtime_pb2 as pb
 
 _CATEGORY = {
@@ -35,6 +41,8 @@ def fleet_from_proto(config: pb.FleetConfig) -> Fleet:
             # proto maps lose order; the catalog order (and the tie-break) follows the
             # node/provider order of the fleet file instead
             providers={pid: m.providers[pid] for pid in providers if pid in m.providers},
+            # 0: a control-plane from before the field (or none set): the edge's default
+            max_output_tokens=m.max_output_tokens or DEFAULT_MAX_OUTPUT_TOKENS,
         )
         for m in config.models
     }

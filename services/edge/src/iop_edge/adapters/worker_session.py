@@ -20,6 +20,7 @@ from iop_edge.peer_guard import PeerGuard
 from iop_edge.ports import BatchLeases
 from iop_proto.connection import Connection, error_body
 from iop_proto.errors import ConnectionClosed, UnexpectedMessage
+from iop_proto.service.logging import log_unexpected
 from iop_proto.v1 import runtime_pb2 as pb
 
 
@@ -79,5 +80,10 @@ class WorkerSession:
         except EdgeError as exc:
             code = pb.ERROR_CODE_NOT_FOUND if exc.status == 404 else pb.ERROR_CODE_PERMISSION_DENIED
             body = error_body(code, exc.message)
+        except Exception as exc:
+            # Per-request boundary: the worker gets an answer (it would wait for one), and
+            # the session goes on serving its other requests.
+            log_unexpected(exc, "worker {}: a request failed in the edge", self.worker_id)
+            body = error_body(pb.ERROR_CODE_INTERNAL, "the edge failed to answer")
         with contextlib.suppress(ConnectionClosed):
             await self.conn.send(body, correlation_id=reply_to)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from iop_edge.domain.fleet import ApiKeyEntry, Operation
+from iop_proto import json_codec
 
 ENDPOINTS: Final[Mapping[str, Operation]] = {
     "/v1/chat/completions": Operation.CHAT_COMPLETIONS,
@@ -100,6 +101,7 @@ class InputCheck:
     total: int  # valid requests
     errors: list[dict[str, Any]]  # OpenAI's ``errors.data`` entries; empty = valid
     models: Mapping[str, list[int]]  # request indices by ``body.model`` (when a string)
+    oversize: list[int]  # request indices whose body is over the body limit
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,19 +222,23 @@ def may_see(key: ApiKeyEntry | None, owner: str | None) -> bool:
     return key is None or key.operator or owner == key.key_id
 
 
-def check_input(lines: Iterable[bytes], endpoint: str) -> InputCheck:
+def check_input(lines: Iterable[bytes], endpoint: str, max_body_bytes: int) -> InputCheck:
     """Check every physical line of a batch input file (JSONL) against OpenAI's rules.
 
     Reads the lines one at a time and keeps only the custom ids seen, the first
     errors and the models, never the requests (``input_lines`` produces those).
     Errors name the 1-based physical line. Blank lines (a trailing newline) are
     skipped. Whether ``body.model`` exists is not checked here: like OpenAI, an
-    unknown model fails that line alone when it runs.
+    unknown model fails that line alone when it runs. A body over ``max_body_bytes``
+    is noted in ``oversize`` (measured as stored, and only for a line longer than the
+    limit: a body is smaller than its line, and one that grows when written again is
+    refused when it runs, before it takes a slot).
     """
     errors: list[dict[str, Any]] = []
     more_errors = 0
     seen: set[str] = set()
     models: dict[str, list[int]] = {}
+    oversize: list[int] = []
     total = 0
     for number, raw in enumerate(lines, start=1):
         if not raw.strip():
@@ -249,6 +255,8 @@ def check_input(lines: Iterable[bytes], endpoint: str) -> InputCheck:
         model = body.get("model")
         if isinstance(model, str):
             models.setdefault(model, []).append(total)
+        if len(raw) > max_body_bytes and _utf8_size(_stored_body(body)) > max_body_bytes:
+            oversize.append(total)
         total += 1
     if not total and not errors:
         errors.append(_error("empty_file", "The input file contains no requests.", None))
@@ -268,7 +276,7 @@ def check_input(lines: Iterable[bytes], endpoint: str) -> InputCheck:
         errors.append(
             _error("too_many_errors", f"{more_errors} more errors were not listed.", None)
         )
-    return InputCheck(total, errors, models)
+    return InputCheck(total, errors, models, oversize)
 
 
 def input_lines(lines: Iterable[bytes], endpoint: str) -> Iterator[InputLine]:
@@ -292,9 +300,19 @@ def input_lines(lines: Iterable[bytes], endpoint: str) -> Iterator[InputLine]:
             index=index,
             custom_id=custom_id,
             model=model if isinstance(model, str) else None,
-            body_json=json.dumps(body, ensure_ascii=False, separators=(",", ":")),
+            body_json=_stored_body(body),
         )
         index += 1
+
+
+def _stored_body(body: dict[str, Any]) -> str:
+    """A line's body as stored and sent to a node."""
+    return json.dumps(body, ensure_ascii=False, separators=(",", ":"))
+
+
+def _utf8_size(text: str) -> int:
+    # surrogatepass: a lone surrogate (a JSON escape cut in half) still has a size
+    return len(text.encode("utf-8", "surrogatepass"))
 
 
 def _check_line(
@@ -302,8 +320,15 @@ def _check_line(
 ) -> dict[str, Any] | tuple[str, dict[str, Any]]:
     """The line's ``(custom_id, body)``, or the error to report for it."""
     try:
-        request = json.loads(raw)
-    except (ValueError, RecursionError):
+        # The body sits one level below the line: it gets the depth an HTTP body gets.
+        request = json_codec.loads(raw, max_depth=json_codec.MAX_DEPTH + 1)
+    except json_codec.JsonTooDeep:
+        return _error(
+            "invalid_json_line",
+            f"The body of this line is nested deeper than {json_codec.MAX_DEPTH} levels.",
+            "body",
+        )
+    except ValueError:
         return _error("invalid_json_line", "This line is not parseable as valid JSON.", None)
     if not isinstance(request, dict):
         return _error("invalid_json_line", "This line is not a JSON object.", None)

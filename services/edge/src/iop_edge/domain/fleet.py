@@ -9,6 +9,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Final
+
+DEFAULT_MAX_OUTPUT_TOKENS: Final = 32_768
+"""A model's output cap when the fleet file gives none: above any model's real output
+length today, and far below a max_tokens that would hold a slot for hours."""
 
 
 class Operation(StrEnum):
@@ -24,6 +29,7 @@ class ModelEntry:
     id: str
     display_name: str
     providers: Mapping[str, str]  # provider id -> served name, in the fleet file's order
+    max_output_tokens: int = DEFAULT_MAX_OUTPUT_TOKENS  # the most max_tokens a request may ask
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,10 +30,14 @@ from iop_edge.entrypoints.openai_errors import (
     internal_error,
 )
 from iop_edge.errors import EdgeError, InvalidRequest, ModelNotFound
+from iop_edge.limits import DEFAULT_MAX_BODY_BYTES
 from iop_edge.ports import Catalog, KeyRing, RunLog, RunService
+from iop_proto.service.logging import log_unexpected
 
-MAX_BODY_BYTES: Final = 64 * 1024 * 1024
-"""Chat requests carry base64 images and long contexts: aiohttp's 1 MiB default is too small."""
+MAX_BODY_BYTES: Final = DEFAULT_MAX_BODY_BYTES
+"""Chat requests carry base64 images and long contexts: aiohttp's 1 MiB default is too small.
+The limit follows from the node link's frame limit (``iop_edge.limits``): what is read here
+can be carried to a node; ``bootstrap`` derives it from the ``max_frame_size`` setting."""
 READ_TIMEOUT_S: Final = 30.0
 """A body is judged every this many seconds until complete (``http.read_timeout_s``)."""
 MIN_BODY_RATE: Final = 16 * 1024
@@ -104,8 +108,9 @@ async def openai_error_boundary(request: web.Request, handler: Handler) -> web.S
     ``EdgeError``s and aiohttp's own 4xx (unknown route, wrong method) are
     expected, and so is input aiohttp cannot parse while a handler reads it (a
     multipart part's malformed headers, a broken chunked body): that is the
-    client's fault, a 400. Anything else is a bug, logged with its traceback,
-    answered 500. ``CancelledError`` is not an ``Exception`` and passes through.
+    client's fault, a 400. Anything else is a bug, logged once with its
+    traceback (bounded: ``log_unexpected``), answered 500. ``CancelledError`` is
+    not an ``Exception`` and passes through.
     """
     try:
         return await handler(request)
@@ -118,8 +123,8 @@ async def openai_error_boundary(request: web.Request, handler: Handler) -> web.S
     except (HttpProcessingError, web.RequestPayloadError) as exc:
         detail = exc.message if isinstance(exc, HttpProcessingError) else str(exc)
         return error_response(InvalidRequest(f"The request could not be read: {detail[:200]}"))
-    except Exception:
-        logger.exception("unhandled error serving {} {}", request.method, request.path)
+    except Exception as exc:
+        log_unexpected(exc, "unhandled error serving {} {}", request.method, request.path)
         return error_response(internal_error())
 
 

@@ -14,8 +14,8 @@ from typing import Any, Final
 from aiohttp import web
 
 from iop_edge.domain.fleet import Operation
-from iop_edge.entrypoints.openai_errors import RequestTooLarge
-from iop_edge.errors import InvalidRequest
+from iop_edge.errors import InvalidRequest, RequestTooLarge
+from iop_edge.limits import MAX_JSON_DEPTH
 from iop_proto import json_codec
 
 OFFLOAD_BYTES: Final = 256 * 1024
@@ -33,7 +33,11 @@ class InferenceParams:
 
 
 async def read_json_body(request: web.BaseRequest) -> dict[str, Any]:
-    """The body as a JSON object, parsed once; ``InvalidRequest`` (400/413) otherwise."""
+    """The body as a JSON object, parsed once; ``InvalidRequest`` (400/413) otherwise.
+
+    Its size is bounded by the app's body limit and its nesting here, at parse time
+    (``iop_edge.limits``): a body that reads can always be written again for its node.
+    """
     try:
         raw = await request.read()
     except web.HTTPRequestEntityTooLarge as exc:
@@ -45,6 +49,11 @@ async def read_json_body(request: web.BaseRequest) -> dict[str, Any]:
             body = await asyncio.to_thread(_parse, raw)
         else:
             body = _parse(raw)
+    except json_codec.JsonTooDeep as exc:
+        raise InvalidRequest(
+            f"The request body is nested deeper than {exc.max_depth} levels, "
+            "this server's limit for JSON."
+        ) from None
     except (ValueError, RecursionError):
         raise InvalidRequest(
             "We could not parse the JSON body of your request. The body must be valid JSON."
@@ -109,4 +118,4 @@ def _optional_bool(container: dict[str, Any], field: str, param: str) -> bool:
 
 def _parse(raw: bytes) -> Any:
     # NaN and Infinity are not JSON: refused here rather than by a provider later.
-    return json_codec.loads(raw, allow_nan=False)
+    return json_codec.loads(raw, allow_nan=False, max_depth=MAX_JSON_DEPTH)

@@ -20,7 +20,6 @@ import time
 from typing import Final
 
 from aiohttp import web
-from loguru import logger
 
 from iop_edge.domain.fleet import Operation
 from iop_edge.entrypoints.api_auth import InFlight, KeySlots, authenticate
@@ -36,6 +35,7 @@ from iop_edge.errors import (
     ProviderFailed,
 )
 from iop_edge.ports import Catalog, KeyRing, RunEvents, RunLog, RunService, RunSpec
+from iop_proto.service.logging import log_unexpected
 from iop_proto.v1 import runtime_pb2 as pb
 
 RENDER_OFFLOAD_BYTES: Final = 256 * 1024
@@ -178,7 +178,7 @@ class InferenceRoutes:
                 raise  # the boundary can still answer with a 500
             # The status line is out: the outermost boundary could only write a second
             # response into this stream, so the stream itself ends the way a failed run's does.
-            logger.exception("streaming run {} failed in the edge", events.run_id)
+            log_unexpected(exc, "streaming run {} failed in the edge", events.run_id)
             trace.crashed(status=200)
             if not trace.run_ended:
                 await _cancel(events, trace, f"edge failed: {type(exc).__name__}")
@@ -222,8 +222,8 @@ class InferenceRoutes:
             # record() queues and never suspends, so even a second cancellation (server
             # shutdown) cannot cut it short: no shield (and no task per request) needed.
             await self._runlog.record(record)
-        except Exception:
-            logger.exception("could not record run {}", record.run_id)
+        except Exception as exc:
+            log_unexpected(exc, "could not record run {}", record.run_id)
 
 
 async def _relay(

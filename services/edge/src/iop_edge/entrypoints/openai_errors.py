@@ -13,7 +13,7 @@ from typing import Any
 
 from aiohttp import web
 
-from iop_edge.errors import EdgeError, QueueFull
+from iop_edge.errors import EdgeError, QueueFull, RequestTooLarge
 
 
 class RouteNotFound(EdgeError, LookupError):
@@ -30,10 +30,6 @@ class MethodNotAllowed(EdgeError):
     def __init__(self, message: str, *, allowed: str = "") -> None:
         super().__init__(message)
         self.allowed = allowed
-
-
-class RequestTooLarge(EdgeError, ValueError):
-    status, type, code = 413, "invalid_request_error", "request_too_large"
 
 
 def internal_error() -> EdgeError:

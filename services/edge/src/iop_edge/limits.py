@@ -1,0 +1,136 @@
+"""The limits on what a request may be and ask for, chosen here once and derived, not copied.
+
+Size. A run travels to its node as one frame, and a frame may not pass
+``max_frame_size`` (edge settings; 16 MiB by default, and the nodes must take as
+much). The HTTP body limit follows from it: ``max_frame_size -
+RUN_FRAME_HEADROOM``, the headroom being room for what a frame carries around
+the body (envelope, ids, names) with plenty to spare. A body may still grow when
+it is written again (``1e15`` is written ``1000000000000000.0``), so before a
+provider slot is taken the dispatcher serialises the body once (``RunBody``) and
+refuses a run whose frame would not fit (``check_run_frame``): a 413, and no
+slot or queue place is ever held for it. Batch lines are held to the same body
+limit when their batch is created.
+
+Nesting. JSON from clients is read with ``MAX_JSON_DEPTH`` levels at most (the
+shared codec's ``MAX_DEPTH``): deeper is a 400 naming the limit, at parse time,
+instead of a body that reads but cannot be written again.
+
+Output. ``max_tokens`` / ``max_completion_tokens`` must be a positive integer no
+larger than the model's ``max_output_tokens`` (fleet file; ``DEFAULT_MAX_OUTPUT_TOKENS``
+when unset): a client cannot hold a slot for hours by asking for 2**31 tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Final
+
+from iop_edge.domain.fleet import ModelEntry, Operation
+from iop_edge.errors import InvalidRequest, RequestTooLarge
+from iop_proto import json_codec
+from iop_proto.framing import DEFAULT_MAX_FRAME_SIZE
+
+RUN_FRAME_HEADROOM: Final = 64 * 1024
+"""Bytes of a frame kept free of the HTTP body: at least ``RUN_FRAME_OVERHEAD`` plus the
+served name, written twice; the rest absorbs a body that grows a little when written again."""
+RUN_FRAME_OVERHEAD: Final = 4 * 1024
+"""A bound of what a run's frame holds besides its body and served name: the envelope
+(message id, run id, time) and the run request's other fields (public model id, at most
+256 characters; provider id, at most 63; the adapter's name; deadline and flags)."""
+MAX_JSON_DEPTH: Final = json_codec.MAX_DEPTH
+
+OUTPUT_TOKEN_FIELDS: Final[Mapping[Operation, tuple[str, ...]]] = {
+    Operation.CHAT_COMPLETIONS: ("max_tokens", "max_completion_tokens"),
+    Operation.COMPLETIONS: ("max_tokens",),
+    Operation.EMBEDDINGS: (),
+}
+_MODEL_KEY: Final = b'{"model":'
+
+
+def max_body_bytes(max_frame_size: int) -> int:
+    """The HTTP body limit that goes with a frame limit (and a batch line's)."""
+    return max_frame_size - RUN_FRAME_HEADROOM
+
+
+DEFAULT_MAX_BODY_BYTES: Final = max_body_bytes(DEFAULT_MAX_FRAME_SIZE)
+
+
+@dataclass(frozen=True, slots=True)
+class RunBody:
+    """A request body serialised once, before a provider is chosen: everything but
+    ``model``, which becomes the chosen provider's served name, written first (S03)."""
+
+    rest: bytes  # the body without "model", as a JSON object
+
+    @classmethod
+    def encode(cls, body: Mapping[str, Any]) -> RunBody:
+        return cls(json_codec.dumps({k: v for k, v in body.items() if k != "model"}))
+
+    def with_model(self, served: str) -> bytes:
+        head = _MODEL_KEY + json_codec.dumps(served)
+        if self.rest == b"{}":
+            return head + b"}"
+        with memoryview(self.rest) as rest:  # one copy of a body of megabytes, not two
+            return b"".join((head, b",", rest[1:]))
+
+    def size_with(self, served: str) -> int:
+        """``len(self.with_model(served))``, without building it."""
+        rest = 1 if self.rest == b"{}" else len(self.rest)
+        return len(_MODEL_KEY) + len(json_codec.dumps(served)) + rest
+
+
+def run_frame_bound(body: RunBody, served: str) -> int:
+    """The most bytes a frame carrying ``body`` to a provider serving ``served`` can take."""
+    return body.size_with(served) + len(served.encode()) + RUN_FRAME_OVERHEAD
+
+
+def check_run_frame(body: RunBody, model: ModelEntry, max_frame_size: int) -> None:
+    """``RequestTooLarge`` unless the run fits in a frame, whichever provider runs it."""
+    needed = max((run_frame_bound(body, served) for served in model.providers.values()), default=0)
+    if needed > max_frame_size:
+        raise RequestTooLarge(
+            f"The request is too large: it takes up to {needed} bytes on its way to the "
+            f"provider, over this server's limit of {max_frame_size} bytes."
+        )
+
+
+def check_output_tokens(operation: Operation, body: Mapping[str, Any], cap: int) -> None:
+    """``InvalidRequest`` (naming the field, as OpenAI does) unless each output-length
+    field is absent, null, or an integer from 1 to the model's ``cap``."""
+    for field in OUTPUT_TOKEN_FIELDS[operation]:
+        value = body.get(field)
+        if value is None:
+            continue
+        if type(value) is not int:
+            raise InvalidRequest(
+                f"Invalid type for '{field}': expected an integer, but got {_kind(value)} instead.",
+                param=field,
+                code="invalid_type",
+            )
+        if value < 1:
+            raise InvalidRequest(
+                f"Invalid '{field}': integer below minimum value. Expected a value >= 1, "
+                f"but got {_shown(value)} instead.",
+                param=field,
+                code="integer_below_min_value",
+            )
+        if value > cap:
+            raise InvalidRequest(
+                f"{field} is too large: {_shown(value)}. This model supports at most {cap} "
+                f"completion tokens, whereas you provided {_shown(value)}.",
+                param=field,
+                code="invalid_value",
+            )
+
+
+def _kind(value: object) -> str:
+    kinds = {bool: "a boolean", str: "a string", float: "a decimal number"}
+    kinds.update({list: "an array", dict: "an object"})
+    return kinds.get(type(value), "another type")
+
+
+def _shown(value: int) -> str:
+    """An integer for a message: a 4,000-digit one is cut, not quoted whole."""
+    text = str(value)
+    return text if len(text) <= 24 else f"{text[:20]}... ({len(text)} digits)"

@@ -1,0 +1,378 @@
+"""The dispatch path gives everything back: a failure at any step from the request's
+checks to the node having the run leaves no slot taken, no queue place held and no run
+behind, and the next request is served.
+
+Each case injects one failure at one step (an error raised, a cancellation at an
+await, a node gone) with small fakes of the node link; after each, the same
+invariants are checked, whatever the exception was.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, replace
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from iop_edge.dispatch import Dispatcher
+from iop_edge.domain.fleet import Fleet, ModelEntry, Operation, ProviderEntry
+from iop_edge.errors import InvalidRequest, NoProviderAvailable, QueueTimeout, RequestTooLarge
+from iop_edge.limits import RunBody
+from iop_edge.metrics import EdgeMetrics
+from iop_edge.ports import RunSpec
+from iop_edge.runs import EdgeRun
+from iop_proto import json_codec
+from iop_proto.errors import ConnectionClosed
+from iop_proto.framing import encode_frame
+from iop_proto.v1 import runtime_pb2 as pb
+
+MODEL = "m"
+FRAME = 64 * 1024  # a small frame limit, so "too large" needs no megabytes
+
+
+class Link:
+    """A node link whose ``send_run`` fails as told (or waits, to be cancelled there)."""
+
+    def __init__(
+        self,
+        fault: BaseException | None = None,
+        *,
+        hold: bool = False,
+        hold_cancel: bool = False,
+        frame_limit: int | None = None,
+    ) -> None:
+        self.node_id = "node-a"
+        self.fault = fault
+        self.hold = hold
+        self.hold_cancel = hold_cancel
+        self.frame_limit = frame_limit
+        self.sending = asyncio.Event()  # send_run was entered
+        self.gate = asyncio.Event()  # what holds, holds until this is set
+        self.sent: list[pb.RunRequest] = []
+        self.cancelled: list[str] = []
+
+    async def send_run(self, request: pb.RunRequest) -> None:
+        self.sending.set()
+        if self.frame_limit is not None:  # the real link: encoding refuses an oversize frame
+            envelope = pb.Envelope(message_id="edge-1", correlation_id=request.run_id)
+            envelope.run_request.CopyFrom(request)
+            encode_frame(envelope, self.frame_limit)
+        if self.fault is not None:
+            raise self.fault
+        if self.hold:
+            await self.gate.wait()  # as a drain() that does not return: cancelled there
+        self.sent.append(request)
+
+    async def send_cancel(self, run_id: str, reason: str) -> None:
+        self.cancelled.append(run_id)
+        if self.hold_cancel:
+            await self.gate.wait()
+
+
+def provider(**changes: object) -> ProviderEntry:
+    entry = ProviderEntry(
+        id="a",
+        node_id="node-a",
+        type="mock",
+        category="local_inference",
+        models=("served-m",),
+        capacity=1,
+        max_queue=2,
+        queue_timeout_ms=200,
+        request_timeout_ms=30_000,
+    )
+    return replace(entry, **changes)  # type: ignore[arg-type]
+
+
+def fleet(entry: ProviderEntry | None = None, cap: int = 100) -> Fleet:
+    model = ModelEntry(MODEL, MODEL, {"a": "served-m"}, max_output_tokens=cap)
+    entry = entry or provider()
+    return Fleet(version=1, models={MODEL: model}, providers={entry.id: entry})
+
+
+def spec(**body: object) -> RunSpec:
+    return RunSpec(
+        model=MODEL,
+        operation=Operation.CHAT_COMPLETIONS,
+        body={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **body},
+        stream=False,
+        include_usage=False,
+    )
+
+
+def connect(dispatcher: Dispatcher, link: Link) -> None:
+    dispatcher.node_connected(link, [pb.ProviderState(provider_id="a", health=pb.HEALTH_AVAILABLE)])
+
+
+def complete(run: EdgeRun) -> None:
+    run.deliver(pb.RunEvent(run_id=run.run_id, complete=pb.RunComplete(finish_reason="stop")))
+
+
+def new_dispatcher(entry: ProviderEntry | None = None) -> Dispatcher:
+    dispatcher = Dispatcher(EdgeMetrics.create(CollectorRegistry()), max_frame_size=FRAME)
+    dispatcher.apply_fleet(fleet(entry))
+    return dispatcher
+
+
+async def settle() -> None:
+    for _ in range(5):  # let shielded cancels and handed-over waiters run
+        await asyncio.sleep(0)
+
+
+@dataclass
+class Case:
+    """One failure at one step: ``inject`` drives the dispatcher into it and returns
+    what ``open_run`` raised (``None`` when it did not)."""
+
+    name: str
+    inject: Callable[[Dispatcher], Awaitable[BaseException | None]]
+    expected: type[BaseException]
+    told_node: bool = False  # the frame may have left: the node is asked to drop the run
+
+
+async def _raised(awaitable: Awaitable[object]) -> BaseException | None:
+    try:
+        await awaitable
+    except BaseException as exc:  # whatever it was: the test inspects it
+        return exc
+    return None
+
+
+async def _with_link(dispatcher: Dispatcher, link: Link, **body: object) -> BaseException | None:
+    connect(dispatcher, link)
+    return await _raised(dispatcher.open_run(spec(**body)))
+
+
+async def _cancelled_in_send(dispatcher: Dispatcher, *, twice: bool) -> BaseException | None:
+    link = Link(hold=True, hold_cancel=twice)
+    connect(dispatcher, link)
+    task = asyncio.create_task(dispatcher.open_run(spec()))
+    await link.sending.wait()
+    task.cancel()
+    if twice:
+        await settle()
+        task.cancel()  # again, while the node is being told
+    return await _raised(task)
+
+
+async def _busy(dispatcher: Dispatcher) -> tuple[Link, EdgeRun]:
+    """node-a connected, its one slot taken by a run that is going."""
+    link = Link()
+    connect(dispatcher, link)
+    return link, await dispatcher.open_run(spec())
+
+
+async def _cancelled_in_queue(dispatcher: Dispatcher) -> BaseException | None:
+    _, first = await _busy(dispatcher)
+    waiting = asyncio.create_task(dispatcher.open_run(spec()))
+    await settle()
+    assert dispatcher.queued(MODEL) == 1
+    waiting.cancel()
+    error = await _raised(waiting)
+    complete(first)
+    return error
+
+
+async def _timed_out_in_queue(dispatcher: Dispatcher) -> BaseException | None:
+    _, first = await _busy(dispatcher)
+    error = await _raised(dispatcher.open_run(spec()))
+    complete(first)
+    return error
+
+
+async def _cancelled_when_handed_the_slot(dispatcher: Dispatcher) -> BaseException | None:
+    _, first = await _busy(dispatcher)
+    waiting = asyncio.create_task(dispatcher.open_run(spec()))
+    await settle()
+    complete(first)  # the slot goes to the waiter, which has not resumed yet
+    waiting.cancel()
+    return await _raised(waiting)
+
+
+async def _node_gone_when_handed_the_slot(dispatcher: Dispatcher) -> BaseException | None:
+    link, first = await _busy(dispatcher)
+    waiting = asyncio.create_task(dispatcher.open_run(spec()))
+    await settle()
+    complete(first)  # handed over; before the waiter resumes, its node goes
+    dispatcher.node_disconnected(link, "connection lost")
+    return await _raised(waiting)
+
+
+async def _too_large_while_the_slot_is_busy(dispatcher: Dispatcher) -> BaseException | None:
+    _, first = await _busy(dispatcher)
+    # Refused at once: it never waits for (or takes) a place in the full pool's queue.
+    error = await _raised(dispatcher.open_run(spec(blob="x" * FRAME)))
+    assert dispatcher.queued(MODEL) == 0
+    complete(first)
+    return error
+
+
+async def _unbuildable_request(dispatcher: Dispatcher) -> BaseException | None:
+    dispatcher.apply_fleet(fleet(provider(type=123)))  # no RunRequest can be built from it
+    return await _with_link(dispatcher, Link())
+
+
+CASES = [
+    Case("body cannot be serialised", lambda d: _with_link(d, Link(), x=object()), TypeError),
+    Case("output cap", lambda d: _with_link(d, Link(), max_tokens=2**31), InvalidRequest),
+    Case("run frame too large", lambda d: _with_link(d, Link(), blob="x" * FRAME), RequestTooLarge),
+    Case("too large, pool busy", _too_large_while_the_slot_is_busy, RequestTooLarge),
+    Case("cancelled in the queue", _cancelled_in_queue, asyncio.CancelledError),
+    Case("queue timeout", _timed_out_in_queue, QueueTimeout),
+    Case("cancelled when handed a slot", _cancelled_when_handed_the_slot, asyncio.CancelledError),
+    Case("node gone when handed a slot", _node_gone_when_handed_the_slot, NoProviderAvailable),
+    Case("request cannot be built", _unbuildable_request, TypeError),
+    Case(
+        "encoding refuses the frame",
+        # The body passes the dispatcher's check; the link's own limit is lower.
+        lambda d: _with_link(d, Link(frame_limit=1024), blob="x" * 2048),
+        RequestTooLarge,
+    ),
+    Case(
+        "send: connection lost",
+        lambda d: _with_link(d, Link(ConnectionClosed("peer went away"))),
+        NoProviderAvailable,
+        told_node=True,
+    ),
+    Case(
+        "send: connection reset",
+        lambda d: _with_link(d, Link(ConnectionResetError())),
+        NoProviderAvailable,
+        told_node=True,
+    ),
+    Case(
+        "send: a bug",
+        lambda d: _with_link(d, Link(RuntimeError("boom"))),
+        RuntimeError,
+        told_node=True,
+    ),
+    Case(
+        "send: interrupted",
+        lambda d: _with_link(d, Link(KeyboardInterrupt())),
+        KeyboardInterrupt,
+        told_node=True,
+    ),
+    Case(
+        "cancelled in send",
+        lambda d: _cancelled_in_send(d, twice=False),
+        asyncio.CancelledError,
+        told_node=True,
+    ),
+    Case(
+        "cancelled again while the node is told",
+        lambda d: _cancelled_in_send(d, twice=True),
+        asyncio.CancelledError,
+        told_node=True,
+    ),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case.name for case in CASES])
+async def test_a_failure_at_any_step_gives_every_slot_and_queue_place_back(case: Case) -> None:
+    dispatcher = new_dispatcher()
+    error = await case.inject(dispatcher)
+    await settle()
+
+    assert isinstance(error, case.expected), repr(error)
+    assert [slot.in_flight for slot in dispatcher.slots.values()] == [0]
+    assert dispatcher.queued(MODEL) == 0
+    assert dispatcher.runs == {}
+    if case.told_node:
+        link = dispatcher.links["node-a"]
+        assert isinstance(link, Link)
+        assert len(link.cancelled) == 1  # the node drops a run that may have reached it
+        link.gate.set()
+        await settle()
+
+    # ... and the next request is served, at full capacity.
+    dispatcher.apply_fleet(fleet())
+    healthy = Link()
+    connect(dispatcher, healthy)
+    run = await dispatcher.open_run(spec())
+    assert [request.run_id for request in healthy.sent] == [run.run_id]
+    assert dispatcher.slots["a"].in_flight == 1
+    complete(run)
+    assert dispatcher.slots["a"].in_flight == 0
+
+
+async def test_the_body_is_sent_with_the_served_name_and_every_other_field_intact() -> None:
+    dispatcher = new_dispatcher()
+    link = Link()
+    connect(dispatcher, link)
+    await dispatcher.open_run(spec(seed=7, tools=[{"type": "function"}], note="é\ud83d"))
+    [request] = link.sent
+    assert json_codec.loads(request.body_json) == {
+        "model": "served-m",
+        "messages": [{"role": "user", "content": "hi"}],
+        "seed": 7,
+        "tools": [{"type": "function"}],
+        "note": "é\ud83d",
+    }
+
+
+async def test_a_run_that_fits_the_frame_exactly_is_sent() -> None:
+    dispatcher = new_dispatcher()
+    link = Link(frame_limit=FRAME)
+    connect(dispatcher, link)
+    # The dispatcher's bound holds for the real encoding: what it lets through fits.
+    size = FRAME - 6 * 1024
+    await dispatcher.open_run(spec(blob="x" * size))
+    assert len(link.sent) == 1
+    with pytest.raises(RequestTooLarge, match=f"limit of {FRAME} bytes"):
+        await dispatcher.open_run(spec(blob="x" * (FRAME - 1024)))
+
+
+@pytest.mark.parametrize(
+    ("operation", "field", "value", "code"),
+    [
+        (Operation.CHAT_COMPLETIONS, "max_tokens", 2**31, "invalid_value"),
+        (Operation.CHAT_COMPLETIONS, "max_completion_tokens", 101, "invalid_value"),
+        (Operation.COMPLETIONS, "max_tokens", 0, "integer_below_min_value"),
+        (Operation.CHAT_COMPLETIONS, "max_tokens", -5, "integer_below_min_value"),
+        (Operation.CHAT_COMPLETIONS, "max_tokens", "10", "invalid_type"),
+        (Operation.CHAT_COMPLETIONS, "max_tokens", 10.0, "invalid_type"),
+        (Operation.COMPLETIONS, "max_tokens", True, "invalid_type"),
+    ],
+)
+async def test_output_lengths_past_the_models_cap_or_not_positive_integers_are_refused(
+    operation: Operation, field: str, value: object, code: str
+) -> None:
+    dispatcher = new_dispatcher()  # the model's cap: 100
+    connect(dispatcher, Link())
+    body = {"model": MODEL, "prompt": "x", "messages": [], field: value}
+    with pytest.raises(InvalidRequest) as refused:
+        await dispatcher.open_run(RunSpec(MODEL, operation, body, False, False))
+    assert (refused.value.status, refused.value.param, refused.value.code) == (400, field, code)
+    assert dispatcher.slots["a"].in_flight == 0
+
+
+async def test_output_lengths_within_the_cap_and_null_are_served() -> None:
+    dispatcher = new_dispatcher()
+    link = Link()
+    connect(dispatcher, link)
+    for value in (1, 100, None):
+        complete(await dispatcher.open_run(spec(max_tokens=value, max_completion_tokens=value)))
+    embeddings = RunSpec(
+        MODEL, Operation.EMBEDDINGS, {"model": MODEL, "max_tokens": 10**9}, False, False
+    )
+    complete(await dispatcher.open_run(embeddings))  # no output length to cap
+    assert len(link.sent) == 4
+
+
+@pytest.mark.parametrize(
+    ("body", "served"),
+    [
+        ({"model": MODEL}, "s"),
+        ({"model": MODEL, "a": [1, {"b": "é"}], "n": None}, 'quote"d/name:q4'),
+        ({"messages": [], "model": MODEL, "x": "\ud83d", "big": 2**70}, "é"),  # slow path
+    ],
+)
+def test_the_run_body_is_measured_exactly_and_reads_back(
+    body: dict[str, object], served: str
+) -> None:
+    run_body = RunBody.encode(body)
+    written = run_body.with_model(served)
+    assert run_body.size_with(served) == len(written)
+    assert json_codec.loads(written) == {**body, "model": served}

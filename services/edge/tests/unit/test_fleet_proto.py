@@ -1,0 +1,20 @@
+"""The fleet config from the control-plane as the edge's domain ``Fleet``."""
+
+from __future__ import annotations
+
+from iop_edge.adapters.fleet_proto import fleet_from_proto
+from iop_edge.domain.fleet import DEFAULT_MAX_OUTPUT_TOKENS
+from iop_proto.v1 import runtime_pb2 as pb
+
+
+def test_a_models_output_cap_is_taken_and_defaults_when_unset() -> None:
+    config = pb.FleetConfig(
+        version=3,
+        models=[
+            pb.ModelConfig(id="capped", providers={"p": "s"}, max_output_tokens=4096),
+            pb.ModelConfig(id="older-control-plane", providers={"p": "s"}),
+        ],
+    )
+    models = fleet_from_proto(config).models
+    assert models["capped"].max_output_tokens == 4096
+    assert models["older-control-plane"].max_output_tokens == DEFAULT_MAX_OUTPUT_TOKENS == 32768
