@@ -58,12 +58,14 @@ class LineRunner:
         self._catalog = catalog
         self._clock = clock
         self._live: dict[str, set[RunEvents]] = {}  # batch id -> runs in flight
+        self._waiting: dict[str, int] = {}  # batch id -> lines waiting for a slot
+        self._ended: set[str] = set()  # batches that ended while lines of theirs waited
 
     async def run(self, endpoint: str, line: LineRecord, result_id: str) -> LineOutcome:
         """Dispatch the line and wait for its end; never raises an ``EdgeError``."""
         try:
             spec = self._spec(endpoint, line)
-            events = await self._runs.open_run(spec)
+            events = await self._open(line.batch_id, spec)
         except EdgeError as exc:
             return _failure(exc, "", result_id)
         except Exception as exc:
@@ -94,9 +96,29 @@ class LineRunner:
         return LineOutcome(result, transient=False)
 
     async def cancel_batch(self, batch_id: str, reason: str) -> None:
-        """Stop the runs of a batch that is ending; their lines stay unfinished."""
+        """Stop the runs of a batch that is ending; their lines stay unfinished. A line
+        still waiting for a slot is stopped when it gets one (``_open``)."""
+        if batch_id in self._waiting:
+            self._ended.add(batch_id)
         for events in list(self._live.get(batch_id, ())):
             await events.cancel(reason)
+
+    async def _open(self, batch_id: str, spec: RunSpec) -> RunEvents:
+        """Dispatch the line, which may wait in its model's queue. A run whose batch ended
+        meanwhile is cancelled as soon as it starts: it frees its slot at once instead of
+        running for a result nobody stores (its line ends transient, unfinished)."""
+        self._waiting[batch_id] = self._waiting.get(batch_id, 0) + 1
+        try:
+            events = await self._runs.open_run(spec)
+        finally:
+            ended = batch_id in self._ended
+            self._waiting[batch_id] -= 1
+            if not self._waiting[batch_id]:
+                del self._waiting[batch_id]
+                self._ended.discard(batch_id)
+        if ended:
+            await events.cancel("the batch ended while the line waited for a slot")
+        return events
 
     def _spec(self, endpoint: str, line: LineRecord) -> RunSpec:
         body = json.loads(line.body_json)

@@ -83,6 +83,11 @@ class BatchStore(Protocol):
         """Batches whose end is due, or whose finalize began and did not finish."""
         ...
 
+    async def owned_unended(self) -> list[tuple[str, str]]:
+        """``(batch id, owner key id)`` of every batch a key owns that has not ended and
+        is not ending (running, waiting, or cancelling with no finalize begun)."""
+        ...
+
     async def status_counts(self) -> dict[str, int]: ...
 
     async def set_lease(

@@ -16,7 +16,7 @@ and the next ``lease`` finishes the job.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from loguru import logger
 
@@ -146,19 +146,39 @@ class BatchWork:
 
     async def cancel(self, batch_id: str) -> None:
         """``cancelling`` while a worker holds the batch (it learns at its next renewal or
-        line), ``cancelled`` at once otherwise. A batch past running is left as is."""
+        line, and the lines it has in flight may still finish), ``cancelled`` at once
+        otherwise. A batch past running is left as is."""
+        await self._cancel([batch_id], at_once=False)
+
+    async def cancel_at_once(self, batch_ids: Iterable[str]) -> list[str]:
+        """Cancel these batches, each ``cancelled`` before this returns even while a worker
+        holds it (also one ``cancelling`` already): lines in flight are stopped and stay
+        unfinished. For the batches of a revoked key, whose work must not wait on a
+        worker. All are frozen under one hold of the lock before any is finalized, so a
+        worker cannot lease one while another's files are written. Returns those this
+        call cancelled (one past running is left as is)."""
+        return await self._cancel(batch_ids, at_once=True)
+
+    async def _cancel(self, batch_ids: Iterable[str], *, at_once: bool) -> list[str]:
+        cancellable = (*RUNNABLE, CANCELLING) if at_once else RUNNABLE
+        cancelled: list[str] = []
+        due: list[tuple[str, str]] = []
         async with self._lock:
-            batch = await self._store.get_batch(batch_id)
-            if batch is None or batch.status not in RUNNABLE or batch.finalize_as is not None:
-                return
-            await self._store.mark_cancelling(batch_id, self._now())
-            held = self._lease_live(batch)
-            if not held:
-                self._count_expiry(batch)
-                await self._begin_finalize(batch_id, CANCELLED)
-        if not held:
-            await self._finalize([(batch_id, CANCELLED)])
-        await self.refresh_metrics()
+            for batch_id in batch_ids:
+                batch = await self._store.get_batch(batch_id)
+                if batch is None or batch.status not in cancellable or batch.finalize_as:
+                    continue
+                if batch.status != CANCELLING:
+                    await self._store.mark_cancelling(batch_id, self._now())
+                cancelled.append(batch_id)
+                if at_once or not self._lease_live(batch):
+                    self._count_expiry(batch)
+                    await self._begin_finalize(batch_id, CANCELLED)
+                    due.append((batch_id, CANCELLED))
+        await self._finalize(due)
+        if cancelled:
+            await self.refresh_metrics()
+        return cancelled
 
     async def run_line(self, lease_id: str, line_number: int) -> pb.BatchLineResult:
         """Run one line (0-based) under the lease, or answer it from storage if finished.

@@ -15,9 +15,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Final
 
+from loguru import logger
 from prometheus_client import CollectorRegistry
 
 from iop_edge.batch_file_io import FileContent, Upload, physical_lines
@@ -243,6 +245,35 @@ class BatchService:
         await self._batch(batch_id, key)
         await self._work.cancel(batch_id)
         return await self.get_batch(batch_id, key=key)
+
+    async def apply_keys(self, present: frozenset[str]) -> int:
+        """The fleet's keys are now ``present``: cancel every batch of a key that is not.
+
+        A revoked key's batches must stop, not run on through the workers: each one not
+        ended is cancelled at once (the cancel path, without waiting for its worker),
+        its lines in flight stopped and left unfinished, its output and error files
+        written for what finished. Decided from the store, not from what changed, so a
+        key revoked while the edge was down has its batches cancelled when the edge's
+        first fleet config arrives. Batches of the open API (no owner) are never
+        touched. Returns how many were cancelled (logged once per key, with its count).
+
+        A store failure is logged, not raised: the fleet update it is part of must go
+        on, and the next one tries again.
+        """
+        try:
+            owners = {
+                batch_id: owner
+                for batch_id, owner in await self._store.owned_unended()
+                if owner not in present
+            }
+            ended = await self._work.cancel_at_once(owners) if owners else []
+        except Exception:
+            logger.exception("cancelling the batches of revoked API keys failed; will retry")
+            return 0
+        cancelled = Counter(owners[batch_id] for batch_id in ended)
+        for owner, count in cancelled.items():
+            logger.warning("API key {} revoked: cancelled its {} batch(es)", owner, count)
+        return sum(cancelled.values())
 
     async def refresh_metrics(self) -> None:
         """Publish the batches-by-status gauge (it follows every change; call once at start)."""

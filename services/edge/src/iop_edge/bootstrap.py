@@ -76,8 +76,11 @@ async def build(
         fleet = fleet_from_proto(config)
         dispatcher.apply_fleet(fleet)
         metrics.config_version.set(config.version)
-        # A revoked key leaves the fleet: its requests end now, not when they finish.
-        await key_slots.apply_keys(frozenset(k.key_id for k in fleet.api_keys.values()))
+        # A revoked key leaves the fleet: its requests end now, not when they finish,
+        # and its batches are cancelled (their lines in flight stopped).
+        present = frozenset(k.key_id for k in fleet.api_keys.values())
+        await key_slots.apply_keys(present)
+        await batches.apply_keys(present)
         if nodes is not None:
             await nodes.apply_fleet(config)
         if keys_were_open is not None and keys.open is not keys_were_open:

@@ -102,13 +102,16 @@ class FakeRun:
 
 
 class FakeRuns:
-    """``RunService``: counts every run; ``busy`` finds no room, ``slow`` waits for ``gate``."""
+    """``RunService``: counts every run; ``busy`` finds no room, ``slow`` waits for ``gate``,
+    ``queued`` waits for a ``slot`` first (in the model's queue), then for ``gate``."""
 
     def __init__(self) -> None:
         self.specs: list[RunSpec] = []
         self.runs: list[FakeRun] = []
         self.gate = asyncio.Event()
         self.started = asyncio.Event()
+        self.slot = asyncio.Event()
+        self.queued = asyncio.Event()
 
     async def open_run(self, spec: RunSpec) -> FakeRun:
         self.specs.append(spec)
@@ -118,7 +121,11 @@ class FakeRuns:
             raise RuntimeError("a bug in dispatch")
         if spec.model == "huge":
             raise RequestTooLarge("its run would not fit in a frame")
-        run = FakeRun(spec, f"run-{len(self.specs)}", self.gate if spec.model == "slow" else None)
+        if spec.model == "queued":
+            self.queued.set()
+            await self.slot.wait()
+        gated = spec.model in ("slow", "queued")
+        run = FakeRun(spec, f"run-{len(self.specs)}", self.gate if gated else None)
         self.runs.append(run)
         self.started.set()
         return run
@@ -154,7 +161,7 @@ class Harness:
         self.service = BatchService(
             store,
             self.runs,
-            FakeCatalog("good", "broken", "busy", "slow", "bug", "huge"),
+            FakeCatalog("good", "broken", "busy", "slow", "bug", "huge", "queued"),
             self.registry,
             lease_ttl_s=TTL,
             clock=clock,
@@ -882,6 +889,82 @@ async def test_a_line_in_flight_when_its_batch_ends_is_stopped_and_not_stored(
     assert cancelled["status"] == "cancelled"
     assert cancelled["request_counts"] == {"total": 2, "completed": 1, "failed": 0}
     assert [e["custom_id"] for e in await h.results(cancelled["error_file_id"])] == ["s"]
+
+
+async def test_a_revoked_keys_batches_are_cancelled_at_once_and_others_go_on(h: Harness) -> None:
+    running = await h.batch([request("a"), request("s", model="slow"), request("c")], key=KEY_A)
+    waiting = await h.batch([request("w")], key=KEY_A)
+    kept = await h.batch([request("k")], key=KEY_B)
+    unowned = await h.batch([request("o")])  # made while the API was open
+    grant = await h.service.lease("w1")
+    assert grant.batch_id == running["id"]
+    await h.service.run_line(grant.lease_id, 0)
+    h.runs.started.clear()
+    call = asyncio.create_task(h.service.run_line(grant.lease_id, 1))
+    async with asyncio.timeout(WAIT):
+        await h.runs.started.wait()
+        h.clock.advance(2)
+        # KEY_A left the fleet: both of its batches end now, its worker not waited for.
+        assert await h.service.apply_keys(frozenset({KEY_B.key_id})) == 2
+        result = await call
+    assert result.status_code == 502  # the line in flight was stopped, and not stored
+    assert h.runs.runs[-1].cancel_reasons == ["the batch is cancelled"]
+    ended = await h.service.get_batch(running["id"])
+    assert (ended["status"], ended["cancelling_at"], ended["cancelled_at"]) == (
+        "cancelled",
+        int(T0) + 2,
+        int(T0) + 2,
+    )
+    assert ended["request_counts"] == {"total": 3, "completed": 1, "failed": 0}
+    assert [line["custom_id"] for line in await h.results(ended["output_file_id"])] == ["a"]
+    errors = await h.results(ended["error_file_id"])
+    assert [(e["custom_id"], e["error"]["code"]) for e in errors] == [
+        ("s", "batch_cancelled"),
+        ("c", "batch_cancelled"),
+    ]
+    with pytest.raises(LeaseLost):
+        await h.service.renew(grant.lease_id)
+    never_ran = await h.service.get_batch(waiting["id"])
+    assert (never_ran["status"], never_ran["output_file_id"]) == ("cancelled", None)
+    assert len(await h.results(never_ran["error_file_id"])) == 1
+    # Other keys' batches, and the open API's, are untouched and lease as before.
+    for other in (kept, unowned):
+        assert (await h.service.get_batch(other["id"]))["status"] == "validating"
+    assert await h.service.apply_keys(frozenset({KEY_B.key_id})) == 0  # once
+    assert (await h.service.lease("w1")).batch_id == kept["id"]
+    assert h.metric("iop_edge_batches", status="cancelled") == 2
+
+
+async def test_a_cancelling_batch_of_a_revoked_key_does_not_wait_for_its_worker(
+    h: Harness,
+) -> None:
+    batch = await h.batch(three(), key=KEY_A)
+    grant = await h.service.lease("w1")
+    await h.service.run_line(grant.lease_id, 0)
+    assert (await h.service.cancel_batch(batch["id"]))["status"] == "cancelling"
+    assert await h.service.apply_keys(frozenset()) == 1
+    cancelled = await h.service.get_batch(batch["id"])
+    assert cancelled["status"] == "cancelled"
+    assert cancelled["request_counts"] == {"total": 3, "completed": 1, "failed": 0}
+    assert h.metric("iop_edge_batch_lease_expiries_total") == 0  # its lease was live
+
+
+async def test_a_line_waiting_for_a_slot_when_its_batch_ends_stops_when_it_gets_one(
+    h: Harness,
+) -> None:
+    batch = await h.batch([request("q", model="queued")], key=KEY_A)
+    grant = await h.service.lease("w1")
+    call = asyncio.create_task(h.service.run_line(grant.lease_id, 0))
+    async with asyncio.timeout(WAIT):
+        await h.runs.queued.wait()
+        assert await h.service.apply_keys(frozenset()) == 1
+        h.runs.slot.set()
+        result = await call
+    assert result.status_code == 502  # stopped as soon as it started, and not stored
+    assert h.runs.runs[-1].cancel_reasons == ["the batch ended while the line waited for a slot"]
+    cancelled = await h.service.get_batch(batch["id"])
+    assert cancelled["status"] == "cancelled"
+    assert cancelled["request_counts"] == {"total": 1, "completed": 0, "failed": 0}
 
 
 # ---------------------------------------------------------------- crashes

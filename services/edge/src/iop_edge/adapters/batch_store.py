@@ -249,6 +249,13 @@ class SqliteBatchStore:
         )
         return [_batch(row) for row in rows]
 
+    async def owned_unended(self) -> list[tuple[str, str]]:
+        rows = await self._fetch(
+            f"""SELECT id, owner FROM batches WHERE owner IS NOT NULL AND finalize_as IS NULL
+            AND status IN ({_RUNNABLE_SQL}, '{CANCELLING}') ORDER BY seq"""
+        )
+        return [(str(batch_id), str(owner)) for batch_id, owner in rows]
+
     async def status_counts(self) -> dict[str, int]:
         rows = await self._fetch("SELECT status, COUNT(*) FROM batches GROUP BY status")
         counts = dict.fromkeys(STATUSES, 0)
