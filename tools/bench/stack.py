@@ -227,8 +227,14 @@ class IopStack:
 
 
 @contextlib.asynccontextmanager
-async def start_iop(root: Path, providers: Sequence[ProviderSpec]) -> AsyncIterator[IopStack]:
-    """Control-plane, edge and the bench node serving ``providers``, all ready."""
+async def start_iop(
+    root: Path, providers: Sequence[ProviderSpec], *, probe_interval_s: float = 2.0
+) -> AsyncIterator[IopStack]:
+    """Control-plane, edge and the bench node serving ``providers``, all ready.
+
+    ``probe_interval_s``: how often the node probes its providers (``hops.py`` sets it
+    past its whole measurement, so that no probe lands in a traced window).
+    """
     fleet = fleet_for({NODE_ID: providers})
     async with start_core(root, fleet, [NODE_ID]) as core:
         settings = core.settings_file(
@@ -238,7 +244,7 @@ async def start_iop(root: Path, providers: Sequence[ProviderSpec]) -> AsyncItera
                 "edge": {"host": "127.0.0.1", "port": core.node_port, "server_name": "localhost"},
                 "token": core.tokens[NODE_ID],
                 "history_db": str(root / "node-history.db"),
-                "probes": {"interval_s": 2.0},
+                "probes": {"interval_s": probe_interval_s},
             },
         )
         async with running_service("iop-node", settings, ready_timeout=READY_TIMEOUT_S) as node:
