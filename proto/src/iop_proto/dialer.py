@@ -16,6 +16,7 @@ import contextlib
 import random
 import ssl
 from dataclasses import dataclass
+from typing import Protocol
 
 from loguru import logger
 from prometheus_client import Gauge
@@ -34,6 +35,37 @@ def code_name(code: int) -> str:
         return str(code)
 
 
+class EdgeAddress(Protocol):
+    """The ``edge`` section of a dialing service's settings."""
+
+    @property
+    def host(self) -> str: ...
+    @property
+    def port(self) -> int: ...
+    @property
+    def server_name(self) -> str | None: ...
+
+
+class Backoff(Protocol):
+    """The ``reconnect`` section of a dialing service's settings."""
+
+    @property
+    def initial_s(self) -> float: ...
+    @property
+    def max_s(self) -> float: ...
+
+
+class DialingService(Protocol):
+    """The settings of a service that dials the edge (the node's, the worker's)."""
+
+    @property
+    def service_id(self) -> str: ...
+    @property
+    def edge(self) -> EdgeAddress: ...
+    @property
+    def reconnect(self) -> Backoff: ...
+
+
 @dataclass(frozen=True, slots=True)
 class DialSettings:
     """Where to dial and how patiently; a service fills it from its own settings."""
@@ -48,6 +80,25 @@ class DialSettings:
     initial_delay_s: float
     max_delay_s: float
     max_frame_size: int = DEFAULT_MAX_FRAME_SIZE
+
+    @classmethod
+    def of(
+        cls,
+        settings: DialingService,
+        register_timeout_s: float,
+        max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
+    ) -> DialSettings:
+        """From a service's settings: its id, ``edge`` and ``reconnect`` sections."""
+        return cls(
+            host=settings.edge.host,
+            port=settings.edge.port,
+            server_name=settings.edge.server_name,
+            sender_id=settings.service_id,
+            register_timeout_s=register_timeout_s,
+            initial_delay_s=settings.reconnect.initial_s,
+            max_delay_s=settings.reconnect.max_s,
+            max_frame_size=max_frame_size,
+        )
 
 
 class Dialer:

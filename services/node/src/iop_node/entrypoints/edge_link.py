@@ -91,17 +91,7 @@ class EdgeLink(Dialer):
         metrics: NodeMetrics,
         version: str,
     ) -> None:
-        edge = settings.edge
-        dial = DialSettings(
-            host=edge.host,
-            port=edge.port,
-            server_name=edge.server_name,
-            sender_id=settings.service_id,
-            register_timeout_s=settings.register_timeout_s,
-            initial_delay_s=settings.reconnect.initial_s,
-            max_delay_s=settings.reconnect.max_s,
-            max_frame_size=settings.max_frame_size,
-        )
+        dial = DialSettings.of(settings, settings.register_timeout_s, settings.max_frame_size)
         super().__init__(dial, tls, metrics.edge_connected)
         self._settings = settings
         self._core = core

@@ -189,17 +189,10 @@ class EdgeLink(Dialer):
         metrics: WorkerMetrics,
         version: str,
     ) -> None:
-        edge = settings.edge
-        dial = DialSettings(
-            host=edge.host,
-            port=edge.port,
-            server_name=edge.server_name,
-            sender_id=settings.service_id,
-            register_timeout_s=settings.answer_timeout_s,
-            initial_delay_s=settings.reconnect.initial_s,
-            max_delay_s=settings.reconnect.max_s,
+        # the answer timeout bounds the dial and the registration's answer too
+        super().__init__(
+            DialSettings.of(settings, settings.answer_timeout_s), tls, metrics.edge_connected
         )
-        super().__init__(dial, tls, metrics.edge_connected)
         self._settings = settings
         self._runner = runner
         self._version = version
