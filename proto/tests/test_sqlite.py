@@ -254,3 +254,22 @@ async def test_bad_tuning_is_refused_and_the_connection_closed(path: Path) -> No
         await NoteWriter.wrap(db, path, 0.01, 0, 10, 0.1)
     with pytest.raises(ValueError, match="no active connection"):
         await db.execute("SELECT 1")
+
+
+async def test_a_waiting_flush_fails_when_the_writer_dies(path: Path) -> None:
+    notes = await open_writer(path)
+    lock = sqlite3.connect(path, isolation_level=None)
+    try:
+        lock.execute("BEGIN EXCLUSIVE")  # the writer keeps retrying: the flush waits
+        notes.put(Note("n1", "x"))
+        flushed = asyncio.create_task(notes.flush())
+        await asyncio.sleep(0.1)
+        assert not flushed.done()
+        assert notes._writer is not None
+        notes._writer.cancel()  # as a bug would end it
+        async with asyncio.timeout(10):
+            with pytest.raises(KitError, match="the writer has stopped"):
+                await flushed
+    finally:
+        lock.close()
+        await notes.aclose(timeout_s=0.5)

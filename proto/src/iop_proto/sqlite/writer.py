@@ -131,6 +131,8 @@ class BatchedWriter(Generic[R]):
     def start(self, name: str) -> None:
         """Start the writer task (once, at the end of the subclass's ``open``)."""
         self._writer = asyncio.create_task(self._write_forever(), name=name)
+        # A writer that dies of a bug wakes the flushes too: they raise, not hang.
+        self._writer.add_done_callback(lambda _: self._notify())
 
     def check_open(self) -> None:
         if self._closed:
@@ -267,7 +269,8 @@ class BatchedWriter(Generic[R]):
 
     async def _write_batch(self) -> bool:
         """Commit the oldest pending records in one transaction; False if that failed."""
-        batch = {key: self._pending.pop(key) for key in list(self._pending)[: self._max_batch]}
+        oldest = list(itertools.islice(self._pending, self._max_batch))
+        batch = {key: self._pending.pop(key) for key in oldest}
         self._in_flight = batch
         try:
             async with self._write_lock, transaction(self._db):
