@@ -13,7 +13,7 @@ import aiosqlite
 import pytest
 from loguru import logger
 
-from iop_proto.sqlite import BatchedWriter, open_database, statement_migrations
+from iop_proto.sqlite import BatchedWriter, WriterTuning, open_database, statement_migrations
 
 SCHEMA = ("CREATE TABLE IF NOT EXISTS notes (id TEXT PRIMARY KEY, body TEXT NOT NULL)",)
 
@@ -71,7 +71,7 @@ async def open_notes(path: Path, version: int = 1) -> aiosqlite.Connection:
 
 async def open_writer(path: Path, max_pending: int = 1000, retry_s: float = 0.02) -> NoteWriter:
     db = await open_notes(path)
-    writer = await NoteWriter.wrap(db, path, 0.01, 50, max_pending, retry_s)
+    writer = NoteWriter(db, path, WriterTuning(0.01, 50, max_pending, retry_s))
     writer.start("note-writer")
     return writer
 
@@ -248,12 +248,11 @@ async def test_a_flush_fails_when_the_writer_is_gone(notes: NoteWriter) -> None:
         await notes.flush()
 
 
-async def test_bad_tuning_is_refused_and_the_connection_closed(path: Path) -> None:
-    db = await open_notes(path)
+def test_bad_tuning_is_refused() -> None:
     with pytest.raises(ValueError, match="at least 1"):
-        await NoteWriter.wrap(db, path, 0.01, 0, 10, 0.1)
-    with pytest.raises(ValueError, match="no active connection"):
-        await db.execute("SELECT 1")
+        WriterTuning(0.01, 0, 10, 0.1)
+    with pytest.raises(ValueError, match="must not be negative"):
+        WriterTuning(-1, 50, 10, 0.1)
 
 
 async def test_a_waiting_flush_fails_when_the_writer_dies(path: Path) -> None:

@@ -12,11 +12,12 @@ from iop_proto.sqlite.files import (
     statement_migrations,
     transaction,
 )
-from iop_proto.sqlite.writer import BatchedWriter
+from iop_proto.sqlite.writer import BatchedWriter, WriterTuning
 
 __all__ = [
     "BatchedWriter",
     "Migration",
+    "WriterTuning",
     "open_database",
     "prepare_file",
     "statement_migrations",

@@ -18,8 +18,9 @@ import asyncio
 import contextlib
 import itertools
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar, Generic, Self, TypeVar
+from typing import ClassVar, Generic, TypeVar
 
 import aiosqlite
 from loguru import logger
@@ -31,6 +32,26 @@ R = TypeVar("R")
 
 MAX_RETRY_DELAY_S = 30.0
 """The longest pause between two attempts while the database keeps refusing writes."""
+
+
+@dataclass(frozen=True, slots=True)
+class WriterTuning:
+    """How the writer batches; checked when made, so before any file is opened."""
+
+    flush_interval_s: float
+    """How long the writer lets records gather after the first one arrives, so a
+    burst shares a transaction (a waiting ``flush`` cuts it short)."""
+    max_batch: int
+    max_pending: int
+    """Records kept in memory at the most while the database refuses writes."""
+    retry_delay_s: float
+    """The first pause after a failed write; it doubles up to ``MAX_RETRY_DELAY_S``."""
+
+    def __post_init__(self) -> None:
+        if self.flush_interval_s < 0 or self.retry_delay_s < 0:
+            raise ValueError("flush_interval_s and retry_delay_s must not be negative")
+        if self.max_batch < 1 or self.max_pending < 1:
+            raise ValueError("max_batch and max_pending must be at least 1")
 
 
 class BatchedWriter(Generic[R]):
@@ -53,29 +74,17 @@ class BatchedWriter(Generic[R]):
     error: ClassVar[type[Exception]] = RuntimeError
     closed_error: ClassVar[type[Exception]] = RuntimeError
 
-    def __init__(
-        self,
-        db: aiosqlite.Connection,
-        path: Path,
-        flush_interval_s: float,
-        max_batch: int,
-        max_pending: int,
-        retry_delay_s: float,
-    ) -> None:
+    def __init__(self, db: aiosqlite.Connection, path: Path, tuning: WriterTuning) -> None:
         """Wire the state; ``start`` starts the writer (a subclass may read first)."""
-        if flush_interval_s < 0 or retry_delay_s < 0:
-            raise ValueError("flush_interval_s and retry_delay_s must not be negative")
-        if max_batch < 1 or max_pending < 1:
-            raise ValueError("max_batch and max_pending must be at least 1")
         self.path = path
         self.writes = 0
         self.failed_writes = 0
         self.dropped = 0
         self._db = db
-        self._flush_interval_s = flush_interval_s
-        self._max_batch = max_batch
-        self._max_pending = max_pending
-        self._retry_delay_s = retry_delay_s
+        self._flush_interval_s = tuning.flush_interval_s
+        self._max_batch = tuning.max_batch
+        self._max_pending = tuning.max_pending
+        self._retry_delay_s = tuning.retry_delay_s
         # Ordered oldest first by sequence number: a re-put moves to the end, so the
         # front is always the oldest unwritten change and batches are taken from there.
         self._pending: dict[str, tuple[int, R]] = {}
@@ -110,23 +119,6 @@ class BatchedWriter(Generic[R]):
         return f"{len(victims)} unwritten {self.noun}(s) dropped"
 
     # -- the service's calls -------------------------------------------------------
-
-    @classmethod
-    async def wrap(
-        cls,
-        db: aiosqlite.Connection,
-        path: Path,
-        flush_interval_s: float,
-        max_batch: int,
-        max_pending: int,
-        retry_delay_s: float,
-    ) -> Self:
-        """The writer on ``db``, which is closed if the settings are refused."""
-        try:
-            return cls(db, path, flush_interval_s, max_batch, max_pending, retry_delay_s)
-        except BaseException:
-            await db.close()
-            raise
 
     def start(self, name: str) -> None:
         """Start the writer task (once, at the end of the subclass's ``open``)."""

@@ -20,7 +20,7 @@ from typing import Any
 from loguru import logger
 
 from iop_edge.ports import EdgeRunRecord
-from iop_proto.sqlite import BatchedWriter, open_database, statement_migrations
+from iop_proto.sqlite import BatchedWriter, WriterTuning, open_database, statement_migrations
 
 SCHEMA_VERSION = 2
 """Kept in ``PRAGMA user_version``; bump it with a migration when the table changes."""
@@ -103,9 +103,9 @@ class SqliteRunLog(BatchedWriter[EdgeRunRecord]):
     ) -> SqliteRunLog:
         """Open (creating if needed) the log at ``path``; the caller must ``aclose()`` it.
 
-        ``flush_interval_s`` is how long the writer lets records gather after the
-        first one arrives, so a burst of runs shares a transaction.
+        The four tuning arguments are ``WriterTuning``'s, checked before the file opens.
         """
+        tuning = WriterTuning(flush_interval_s, max_batch, max_pending, retry_delay_s)
         # NORMAL is safe from corruption under WAL and spares an fsync per batch.
         db = await open_database(
             path,
@@ -118,7 +118,7 @@ class SqliteRunLog(BatchedWriter[EdgeRunRecord]):
             error=RunLogError,
             migrate=statement_migrations(_MIGRATIONS, SCHEMA_VERSION),
         )
-        log = await cls.wrap(db, path, flush_interval_s, max_batch, max_pending, retry_delay_s)
+        log = cls(db, path, tuning)
         log.start("edge-run-log-writer")
         logger.info("run log {}: opened", path)
         return log

@@ -26,7 +26,7 @@ from loguru import logger
 
 from iop_node.errors import NodeError
 from iop_node.ports import RunRecord
-from iop_proto.sqlite import BatchedWriter, open_database
+from iop_proto.sqlite import BatchedWriter, WriterTuning, open_database
 
 SCHEMA_VERSION = 1
 """Kept in ``PRAGMA user_version``; bump it with a migration when the table changes."""
@@ -116,11 +116,10 @@ class SqliteRunHistory(BatchedWriter[RunRecord]):
         retry_delay_s: float = 1.0,
         busy_timeout_s: float = BUSY_TIMEOUT_S,
     ) -> SqliteRunHistory:
-        """Open (creating if needed) the history at ``path``; the caller must ``aclose()`` it.
-
-        ``flush_interval_s`` is how long the writer lets records gather after the
-        first one arrives, so a burst of runs shares a transaction.
+        """Open (creating if needed) the history at ``path``, failing the runs a previous
+        process left running; the caller must ``aclose()`` it (tuning: ``WriterTuning``).
         """
+        tuning = WriterTuning(flush_interval_s, max_batch, max_pending, retry_delay_s)
         # NORMAL is safe from corruption under WAL and spares an fsync per batch.
         db = await open_database(
             path,
@@ -132,7 +131,7 @@ class SqliteRunHistory(BatchedWriter[RunRecord]):
             synchronous="NORMAL",
             error=HistoryError,
         )
-        history = await cls.wrap(db, path, flush_interval_s, max_batch, max_pending, retry_delay_s)
+        history = cls(db, path, tuning)
         try:
             interrupted = await history.mark_interrupted(_unix_ms())
         except BaseException:
