@@ -18,6 +18,7 @@ from iop_control_plane.entrypoints.edge_server import EdgeServer
 from iop_control_plane.metrics import ControlPlaneMetrics
 from iop_control_plane.settings import ControlPlaneSettings
 from iop_proto.service import AdminServer
+from iop_proto.tasks import cancel_and_wait
 from iop_proto.tls import server_context
 
 
@@ -42,12 +43,6 @@ async def _watch_credentials(authority: FleetAuthority, interval_s: float) -> No
             await authority.refresh_credentials()
         except Exception:
             logger.exception("refreshing credentials failed; will retry")
-
-
-async def _cancel(task: asyncio.Task[None]) -> None:
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
 
 
 def _write_pid_file(path: Path) -> None:
@@ -82,7 +77,7 @@ async def build(
         watcher = asyncio.create_task(
             _watch_credentials(authority, settings.credentials_poll_s), name="credentials-watch"
         )
-        stack.push_async_callback(_cancel, watcher)
+        stack.push_async_callback(cancel_and_wait, watcher)
 
         pid_file = settings.resolved_pid_file
         _write_pid_file(pid_file)

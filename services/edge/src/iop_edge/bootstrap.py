@@ -28,14 +28,9 @@ from iop_edge.metrics import EdgeMetrics
 from iop_edge.peer_guard import PeerGuard
 from iop_edge.settings import EdgeSettings
 from iop_proto.service import AdminServer
+from iop_proto.tasks import cancel_and_wait
 from iop_proto.tls import client_context, server_context
 from iop_proto.v1 import runtime_pb2 as pb
-
-
-async def _cancel(task: asyncio.Task[None]) -> None:
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
 
 
 class Edge:
@@ -116,7 +111,7 @@ async def build(
         )
         await control_plane.load_cache()
         cp_task = asyncio.create_task(control_plane.run(), name="control-plane")
-        stack.push_async_callback(_cancel, cp_task)
+        stack.push_async_callback(cancel_and_wait, cp_task)
 
         nodes = NodeServer(
             host=settings.node_listener.host,

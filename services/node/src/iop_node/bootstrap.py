@@ -19,6 +19,7 @@ from iop_node.node import NodeCore, ProbeSettings
 from iop_node.ports import AdapterContext, AdapterFactory
 from iop_node.settings import NodeSettings
 from iop_proto.service import AdminServer
+from iop_proto.tasks import cancel_and_wait
 from iop_proto.tls import client_context
 
 ADAPTERS: Mapping[str, AdapterFactory] = {
@@ -34,12 +35,6 @@ ADAPTERS: Mapping[str, AdapterFactory] = {
 
 
 SHUTDOWN_RESERVE_S = 2.0  # of shutdown_timeout_s, for closing the link, adapters, history
-
-
-async def _cancel(task: asyncio.Task[None]) -> None:
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
 
 
 @contextlib.asynccontextmanager
@@ -69,7 +64,7 @@ async def build(
 
         link = EdgeLink(settings, core, tls, token, metrics, __version__)
         link_task = asyncio.create_task(link.run(), name="edge-link")
-        stack.push_async_callback(_cancel, link_task)
+        stack.push_async_callback(cancel_and_wait, link_task)
         # First on the way out: runs in flight finish (the rest of the stop keeps a reserve).
         drain_s = max(0.0, settings.shutdown_timeout_s - SHUTDOWN_RESERVE_S)
         stack.push_async_callback(link.drain, drain_s)

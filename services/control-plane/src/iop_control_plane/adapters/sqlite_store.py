@@ -3,13 +3,12 @@
 WAL journal mode lets the server keep reading while a CLI process writes. Every
 write is one statement in autocommit mode, so two coroutines sharing the
 connection can never interleave inside a transaction; only the schema set-up
-needs an explicit one. ``synchronous`` stays at SQLite's default (FULL): a
+needs an explicit one. ``synchronous`` is FULL (SQLite's default): a
 revocation that a power cut could undo is not a revocation.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import sqlite3
 from datetime import datetime
@@ -20,6 +19,7 @@ import aiosqlite
 
 from iop_control_plane.domain.credentials import ApiKey, NodeToken, as_utc
 from iop_control_plane.errors import CredentialError
+from iop_proto.sqlite import open_database, statement_migrations
 
 SCHEMA_VERSION = 2
 """Kept in ``PRAGMA user_version``; bump it with a migration when the tables change."""
@@ -48,8 +48,7 @@ _SCHEMA = (
     )""",
     "CREATE UNIQUE INDEX IF NOT EXISTS api_keys_secret_hash ON api_keys (secret_hash)",
 )
-"""A new file's schema, statement by statement (``executescript`` would commit the open
-transaction)."""
+"""The schema, statement by statement, each idempotent (it also runs after the migrations)."""
 
 _MIGRATIONS: dict[int, tuple[str, ...]] = {
     # version 1 -> 2: operator keys; every key issued before is an ordinary one
@@ -101,16 +100,6 @@ def _key_from_row(row: sqlite3.Row) -> ApiKey:
     )
 
 
-def _prepare_file(path: Path) -> None:
-    """Create the directory and an owner-only database file before SQLite opens it.
-
-    SQLite gives its -wal and -shm files the database file's permissions, so
-    this one ``touch`` keeps all three private.
-    """
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    path.touch(mode=0o600, exist_ok=True)
-
-
 class SqliteCredentialStore:
     """A ``CredentialStore`` on one aiosqlite connection; make it with ``await open(path)``."""
 
@@ -122,52 +111,24 @@ class SqliteCredentialStore:
 
     @classmethod
     async def open(cls, path: Path) -> SqliteCredentialStore:
-        """Open (creating if needed) the database at ``path``; the caller must ``aclose()`` it."""
-        await asyncio.to_thread(_prepare_file, path)
-        # isolation_level=None: autocommit; sqlite3's implicit BEGIN would hold write
-        # transactions open across awaits and block the other process.
-        db = await aiosqlite.connect(path, isolation_level=None, timeout=BUSY_TIMEOUT_S)
-        try:
-            db.row_factory = sqlite3.Row
-            await cls._set_up(db, path)
-        except BaseException:
-            await db.close()
-            raise
-        return cls(db, path)
+        """Open (creating if needed) the database at ``path``; the caller must ``aclose()`` it.
 
-    @staticmethod
-    async def _set_up(db: aiosqlite.Connection, path: Path) -> None:
-        async with db.execute("PRAGMA journal_mode = WAL") as cursor:
-            row = await cursor.fetchone()
-        mode = str(row[0]).lower() if row is not None else "unknown"
-        if mode != "wal":
-            raise CredentialError(
-                f"{path}: SQLite refused WAL journal mode (got {mode!r}); "
-                "put the database on a local filesystem"
-            )
-        # IMMEDIATE: two processes opening a new file at once must not both create the schema.
-        await db.execute("BEGIN IMMEDIATE")
-        try:
-            version = await _user_version(db)
-            if version > SCHEMA_VERSION:
-                raise CredentialError(
-                    f"{path}: credential database schema version {version} is newer than "
-                    f"this control-plane understands ({SCHEMA_VERSION}); upgrade it"
-                )
-            if version < SCHEMA_VERSION:
-                # A new file gets the whole schema; an older one its migrations, in order.
-                statements = (
-                    _SCHEMA
-                    if version == 0
-                    else [s for v in range(version, SCHEMA_VERSION) for s in _MIGRATIONS[v]]
-                )
-                for statement in statements:
-                    await db.execute(statement)
-                await db.execute(f"PRAGMA user_version = {SCHEMA_VERSION:d}")
-            await db.execute("COMMIT")
-        except BaseException:
-            await db.execute("ROLLBACK")
-            raise
+        Autocommit (``open_database``): sqlite3's implicit BEGIN would hold write
+        transactions open across awaits and block the other process.
+        """
+        db = await open_database(
+            path,
+            busy_timeout_s=BUSY_TIMEOUT_S,
+            what="credential database",
+            owner="control-plane",
+            schema=_SCHEMA,
+            schema_version=SCHEMA_VERSION,
+            synchronous="FULL",
+            error=CredentialError,
+            migrate=statement_migrations(_MIGRATIONS, SCHEMA_VERSION),
+        )
+        db.row_factory = sqlite3.Row
+        return cls(db, path)
 
     async def aclose(self) -> None:
         """Close the connection (checkpointing the WAL if it is the last one); idempotent."""
@@ -264,9 +225,3 @@ class SqliteCredentialStore:
         # Both terms only grow, so their sum moves whenever either does.
         rows = await self._fetch("PRAGMA data_version")
         return int(rows[0][0]) + self._own_writes
-
-
-async def _user_version(db: aiosqlite.Connection) -> int:
-    async with db.execute("PRAGMA user_version") as cursor:
-        row = await cursor.fetchone()
-    return int(row[0]) if row is not None else 0

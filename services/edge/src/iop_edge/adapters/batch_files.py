@@ -28,8 +28,8 @@ from io import BufferedReader, BufferedWriter
 from pathlib import Path
 from typing import Final
 
-from iop_edge.adapters.sqlite_file import prepare_file
 from iop_edge.domain.batches import FileRecord
+from iop_proto.sqlite import prepare_file
 
 _ID: Final = re.compile(r"file-[0-9a-f]{32}")
 """Every stored id is ours (``new_id("file-")``): nothing a client sends names a path."""

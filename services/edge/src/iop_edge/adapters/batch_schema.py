@@ -22,7 +22,7 @@ import aiosqlite
 from loguru import logger
 
 from iop_edge.adapters.batch_files import ContentDir
-from iop_edge.adapters.sqlite_file import open_database
+from iop_proto.sqlite import open_database
 
 SCHEMA_VERSION: Final = 2
 """Kept in ``PRAGMA user_version``; bump it with a migration when a table changes."""
@@ -109,6 +109,7 @@ async def connect(path: Path, busy_timeout_s: float, contents: ContentDir) -> ai
         path,
         busy_timeout_s=busy_timeout_s,
         what="batch store",
+        owner="edge",
         schema=_SCHEMA,
         schema_version=SCHEMA_VERSION,
         synchronous="FULL",

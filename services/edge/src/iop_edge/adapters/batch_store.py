@@ -29,7 +29,6 @@ from loguru import logger
 
 from iop_edge.adapters.batch_files import ContentDir, ContentUpload
 from iop_edge.adapters.batch_schema import BUSY_TIMEOUT_S, connect
-from iop_edge.adapters.sqlite_file import transaction
 from iop_edge.domain.batches import (
     CANCELLED,
     CANCELLING,
@@ -49,6 +48,7 @@ from iop_edge.domain.batches import (
     LineRecord,
     LineResult,
 )
+from iop_proto.sqlite import transaction
 
 _BATCH_SELECT: Final = f"""SELECT b.id, b.input_file_id, b.endpoint, b.completion_window,
     b.metadata, b.status, b.created_at, b.in_progress_at, b.finalizing_at, b.completed_at,

@@ -1,16 +1,16 @@
 """The node's link to the edge: dial, register, serve runs, report state, reconnect.
 
-The node dials the edge (never the reverse) so nodes can sit behind NAT. After
-any loss the link cancels the runs the edge can no longer receive (the provider
-calls are aborted and their slots freed), waits a jittered, growing delay, and
-registers again.
+The node dials the edge (never the reverse) so nodes can sit behind NAT; the
+dial, register and reconnect loop is ``iop_proto.dialer.Dialer``, the worker's
+too. After any loss the link cancels the runs the edge can no longer receive
+(the provider calls are aborted and their slots freed), and the loop waits a
+jittered, growing delay and registers again.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import random
 import ssl
 
 from loguru import logger
@@ -22,7 +22,8 @@ from iop_node.metrics import NodeMetrics
 from iop_node.node import NodeCore
 from iop_node.settings import NodeSettings
 from iop_proto.connection import Connection
-from iop_proto.errors import ConnectionClosed, ProtocolError, UnexpectedMessage
+from iop_proto.dialer import Dialer, DialSettings
+from iop_proto.errors import ConnectionClosed, UnexpectedMessage
 from iop_proto.v1 import runtime_pb2 as pb
 
 SNAPSHOT_MIN_GAP_S = 0.1  # coalesce bursts of changes into one snapshot (each costs both sides)
@@ -78,7 +79,7 @@ class ConnectionChannel:
         await self._send(pb.RunEvent(error=error))
 
 
-class EdgeLink:
+class EdgeLink(Dialer):
     """Keeps the node registered with the edge for as long as it runs."""
 
     def __init__(
@@ -90,106 +91,33 @@ class EdgeLink:
         metrics: NodeMetrics,
         version: str,
     ) -> None:
+        dial = DialSettings.of(settings, settings.register_timeout_s, settings.max_frame_size)
+        super().__init__(dial, tls, metrics.edge_connected)
         self._settings = settings
         self._core = core
-        self._tls = tls
         self._token = token
-        self._metrics = metrics
         self._version = version
         self._dirty = asyncio.Event()
         self._draining = False
-        self.registered = asyncio.Event()
-        self.registrations = 0
         core.on_change(self._dirty.set)
 
-    async def run(self) -> None:
-        """Connect, serve, and reconnect with jittered exponential backoff, until cancelled."""
-        reconnect = self._settings.reconnect
-        delay = reconnect.initial_s
-        while True:
-            registered = await self._connect_and_serve()
-            if registered:
-                delay = reconnect.initial_s  # it worked: the next loss retries quickly
-            pause = delay * random.uniform(0.5, 1.5)
-            logger.info("reconnecting to the edge in {:.1f}s", pause)
-            await asyncio.sleep(pause)
-            delay = min(delay * 2, reconnect.max_s)
-
-    async def _connect_and_serve(self) -> bool:
-        edge = self._settings.edge
-        try:
-            reader, writer = await asyncio.wait_for(
-                asyncio.open_connection(
-                    edge.host,
-                    edge.port,
-                    ssl=self._tls,
-                    server_hostname=(edge.server_name or edge.host) if self._tls else None,
-                ),
-                self._settings.register_timeout_s,
-            )
-        except (OSError, TimeoutError) as exc:
-            logger.warning("cannot reach the edge at {}:{}: {}", edge.host, edge.port, exc)
-            return False
-        conn = Connection(
-            reader,
-            writer,
-            sender_id=self._settings.service_id,
-            max_frame_size=self._settings.max_frame_size,
-        )
-        registered = False
-        try:
-            registered = await self._register(conn)
-            if registered:
-                await self._serve(conn)
-        except ProtocolError as exc:
-            await conn.abort(exc)
-            logger.warning("edge connection closed: {}", exc)
-        except (ConnectionClosed, ConnectionError, TimeoutError) as exc:
-            logger.warning("edge connection lost: {}", exc or type(exc).__name__)
-        finally:
-            self.registered.clear()
-            self._metrics.edge_connected.set(0)
-            await conn.close()
-            if self._core.runs_in_flight:
-                logger.warning(
-                    "cancelling {} runs of the lost connection", self._core.runs_in_flight
-                )
-            await self._core.cancel_all(EDGE_GONE)
-        return registered
-
-    async def _register(self, conn: Connection) -> bool:
-        request = pb.RegisterRequest(
+    def _register_request(self) -> pb.RegisterRequest:
+        return pb.RegisterRequest(
             peer_id=self._settings.service_id,
             token=self._token,
             version=self._version,
             role=pb.PEER_ROLE_NODE,
             providers=self._provider_states(),
         )
-        sent = await conn.send(request)
-        answer = await asyncio.wait_for(conn.receive(), self._settings.register_timeout_s)
-        kind = answer.WhichOneof("body")
-        if kind == "error":
-            logger.error("the edge refused the registration: {}", answer.error.message)
-            return False
-        if kind != "register_response" or answer.correlation_id != sent.message_id:
-            raise UnexpectedMessage(f"expected register_response, got {kind}")
-        response = answer.register_response
-        if not response.accepted:
-            logger.error("the edge refused the registration: {}", response.reason)
-            return False
+
+    async def _accepted(self, conn: Connection, response: pb.RegisterResponse) -> str:
         await self._apply(response.node_config)
-        if response.heartbeat_interval_ms:
-            conn.heartbeat_interval = response.heartbeat_interval_ms / 1000
-        conn.start_heartbeats()
-        self.registrations += 1
-        self.registered.set()
-        self._metrics.edge_connected.set(1)
-        logger.info(
-            "registered with edge {} ({} providers)",
-            response.edge_id or conn.peer_name,
-            len(response.node_config.providers),
-        )
-        return True
+        return f" ({len(response.node_config.providers)} providers)"
+
+    async def _disconnected(self) -> None:
+        if self._core.runs_in_flight:
+            logger.warning("cancelling {} runs of the lost connection", self._core.runs_in_flight)
+        await self._core.cancel_all(EDGE_GONE)
 
     async def _apply(self, config: pb.NodeConfig) -> None:
         await self._core.apply_config([wire.provider_config(p) for p in config.providers])

@@ -6,21 +6,21 @@ connection requests and answers are matched by correlation id: the answer to
 a request carries the request's ``message_id``. One reader task resolves the
 waiting requests; when the connection goes, every waiting request fails at
 once, the batch in hand is abandoned without a release (its lease expires at
-the edge), and the link reconnects after a jittered, growing delay.
+the edge), and the link reconnects after a jittered, growing delay (the dial,
+register and reconnect loop is ``iop_proto.dialer.Dialer``, the node's too).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import random
 import ssl
 from collections import deque
 
 from loguru import logger
 
 from iop_proto.connection import Connection
-from iop_proto.errors import ConnectionClosed, ProtocolError, UnexpectedMessage
+from iop_proto.dialer import Dialer, DialSettings, code_name
+from iop_proto.errors import ConnectionClosed, UnexpectedMessage
 from iop_proto.v1 import runtime_pb2 as pb
 from iop_worker.batch_runner import BatchRunner
 from iop_worker.domain.batches import Lease, LineResult
@@ -33,13 +33,6 @@ _LEASE_GONE = frozenset({pb.ERROR_CODE_NOT_FOUND, pb.ERROR_CODE_PERMISSION_DENIE
 # Answers that may arrive after their request gave up waiting: dropped, not a fault.
 _ANSWERS = frozenset({"lease_grant", "batch_line_result", "register_response"})
 _OPTIONAL_ANSWERS_KEPT = 64
-
-
-def _code_name(code: int) -> str:
-    try:
-        return pb.ErrorCode.Name(code)
-    except ValueError:
-        return str(code)
 
 
 class EdgeSession:
@@ -172,7 +165,7 @@ class EdgeSession:
             return
         if kind == "error":
             error = envelope.error
-            logger.warning("the edge reported {}: {}", _code_name(error.code), error.message)
+            logger.warning("the edge reported {}: {}", code_name(error.code), error.message)
         elif kind in _ANSWERS:
             logger.debug("dropped a late {} (its request gave up waiting)", kind)
         else:
@@ -185,7 +178,7 @@ class EdgeSession:
                 future.set_exception(error)
 
 
-class EdgeLink:
+class EdgeLink(Dialer):
     """Keeps the worker registered with the edge, and the batch runner fed, until stopped."""
 
     def __init__(
@@ -196,104 +189,25 @@ class EdgeLink:
         metrics: WorkerMetrics,
         version: str,
     ) -> None:
+        # the answer timeout bounds the dial and the registration's answer too
+        super().__init__(
+            DialSettings.of(settings, settings.answer_timeout_s), tls, metrics.edge_connected
+        )
         self._settings = settings
         self._runner = runner
-        self._tls = tls
-        self._metrics = metrics
         self._version = version
-        self._stopping = asyncio.Event()
-        self.registered = asyncio.Event()
-        self.registrations = 0
 
     def stop(self) -> None:
         """Finish gracefully: no new lines or leases, lines in flight end, then disconnect."""
-        self._stopping.set()
+        super().stop()
         self._runner.stop()
 
-    async def run(self) -> None:
-        """Connect, serve, and reconnect with jittered exponential backoff, until stopped."""
-        reconnect = self._settings.reconnect
-        delay = reconnect.initial_s
-        failures = 0
-        while not self._stopping.is_set():
-            registered = await self._connect_and_serve()
-            if self._stopping.is_set():
-                return
-            if registered:
-                delay, failures = reconnect.initial_s, 0  # it worked: retry the next loss quickly
-            failures += 1
-            pause = delay * random.uniform(0.5, 1.5)
-            logger.info("reconnecting to the edge in {:.1f}s (attempt {})", pause, failures + 1)
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(pause):
-                    await self._stopping.wait()
-            delay = min(delay * 2, reconnect.max_s)
-
-    async def _connect_and_serve(self) -> bool:
-        """One connection's life; ``True`` when the edge accepted the registration."""
-        edge = self._settings.edge
-        try:
-            async with asyncio.timeout(self._settings.answer_timeout_s):
-                reader, writer = await asyncio.open_connection(
-                    edge.host,
-                    edge.port,
-                    ssl=self._tls,
-                    server_hostname=(edge.server_name or edge.host) if self._tls else None,
-                )
-        except (OSError, TimeoutError) as exc:
-            logger.warning("cannot reach the edge at {}:{}: {}", edge.host, edge.port, exc)
-            return False
-        conn = Connection(reader, writer, sender_id=self._settings.service_id)
-        registered = False
-        try:
-            registered = await self._register(conn)
-            if registered:
-                await self._serve(conn)
-        except ProtocolError as exc:
-            await conn.abort(exc)
-            logger.warning("edge connection closed: {}", exc)
-        except (ConnectionClosed, ConnectionError, TimeoutError) as exc:
-            logger.warning("edge connection lost: {}", exc or type(exc).__name__)
-        except Exception:
-            # The outermost per-connection boundary: a bug must not end the worker.
-            logger.exception("edge connection failed")
-        finally:
-            self.registered.clear()
-            self._metrics.edge_connected.set(0)
-            await conn.close()
-        return registered
-
-    async def _register(self, conn: Connection) -> bool:
-        request = pb.RegisterRequest(
+    def _register_request(self) -> pb.RegisterRequest:
+        return pb.RegisterRequest(
             peer_id=self._settings.service_id,
             role=pb.PEER_ROLE_WORKER,
             version=self._version,
         )
-        sent = await conn.send(request)
-        async with asyncio.timeout(self._settings.answer_timeout_s):
-            answer = await conn.receive()
-        kind = answer.WhichOneof("body")
-        if kind == "error":
-            logger.error(
-                "the edge refused the registration: {} ({})",
-                answer.error.message,
-                _code_name(answer.error.code),
-            )
-            return False
-        if kind != "register_response" or answer.correlation_id != sent.message_id:
-            raise UnexpectedMessage(f"expected register_response, got {kind}")
-        response = answer.register_response
-        if not response.accepted:
-            logger.error("the edge refused the registration: {}", response.reason)
-            return False
-        if response.heartbeat_interval_ms:
-            conn.heartbeat_interval = response.heartbeat_interval_ms / 1000
-        conn.start_heartbeats()
-        self.registrations += 1
-        self.registered.set()
-        self._metrics.edge_connected.set(1)
-        logger.info("registered with edge {}", response.edge_id or conn.peer_name)
-        return True
 
     async def _serve(self, conn: Connection) -> None:
         """Run the reader and the batch runner until either ends; the other is cancelled.

@@ -1,0 +1,226 @@
+"""Dialing the edge and staying registered: what the node and the worker both do.
+
+A node or worker dials the edge (never the reverse, so it may sit behind NAT),
+opens TLS, sends its ``RegisterRequest``, waits for the answer, serves the
+connection until it ends, and after any loss waits a jittered, growing delay
+and dials again, until stopped or cancelled. ``Dialer`` is that loop; a
+service subclasses it and says what it registers with, what it does with an
+accepted registration, how it serves a registered connection, and what it
+cleans up after one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import ssl
+from dataclasses import dataclass
+from typing import Protocol
+
+from loguru import logger
+from prometheus_client import Gauge
+
+from iop_proto.connection import Connection
+from iop_proto.errors import ConnectionClosed, ProtocolError, UnexpectedMessage
+from iop_proto.framing import DEFAULT_MAX_FRAME_SIZE
+from iop_proto.v1 import runtime_pb2 as pb
+
+
+def code_name(code: int) -> str:
+    """``ERROR_CODE_...`` for a known code, the number for one from a newer peer."""
+    try:
+        return pb.ErrorCode.Name(code)
+    except ValueError:
+        return str(code)
+
+
+class EdgeAddress(Protocol):
+    """The ``edge`` section of a dialing service's settings."""
+
+    @property
+    def host(self) -> str: ...
+    @property
+    def port(self) -> int: ...
+    @property
+    def server_name(self) -> str | None: ...
+
+
+class Backoff(Protocol):
+    """The ``reconnect`` section of a dialing service's settings."""
+
+    @property
+    def initial_s(self) -> float: ...
+    @property
+    def max_s(self) -> float: ...
+
+
+class DialingService(Protocol):
+    """The settings of a service that dials the edge (the node's, the worker's)."""
+
+    @property
+    def service_id(self) -> str: ...
+    @property
+    def edge(self) -> EdgeAddress: ...
+    @property
+    def reconnect(self) -> Backoff: ...
+
+
+@dataclass(frozen=True, slots=True)
+class DialSettings:
+    """Where to dial and how patiently; a service fills it from its own settings."""
+
+    host: str
+    port: int
+    server_name: str | None
+    """The name the edge's certificate must carry; ``None``: ``host``."""
+    sender_id: str
+    register_timeout_s: float
+    """Bounds the TCP and TLS handshakes, and then the wait for the registration's answer."""
+    initial_delay_s: float
+    max_delay_s: float
+    max_frame_size: int = DEFAULT_MAX_FRAME_SIZE
+
+    @classmethod
+    def of(
+        cls,
+        settings: DialingService,
+        register_timeout_s: float,
+        max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
+    ) -> DialSettings:
+        """From a service's settings: its id, ``edge`` and ``reconnect`` sections."""
+        return cls(
+            host=settings.edge.host,
+            port=settings.edge.port,
+            server_name=settings.edge.server_name,
+            sender_id=settings.service_id,
+            register_timeout_s=register_timeout_s,
+            initial_delay_s=settings.reconnect.initial_s,
+            max_delay_s=settings.reconnect.max_s,
+            max_frame_size=max_frame_size,
+        )
+
+
+class Dialer:
+    """Keeps a service registered with the edge for as long as it runs.
+
+    ``registered`` is set while a registration holds (readiness reads it);
+    ``registrations`` counts accepted ones. A subclass implements
+    ``_register_request`` and ``_serve``, and may override ``_accepted`` and
+    ``_disconnected``.
+    """
+
+    def __init__(
+        self, dial: DialSettings, tls: ssl.SSLContext | None, edge_connected: Gauge
+    ) -> None:
+        self._dial = dial
+        self._tls = tls
+        self._edge_connected = edge_connected
+        self._stopping = asyncio.Event()
+        self.registered = asyncio.Event()
+        self.registrations = 0
+
+    # -- what a subclass says ------------------------------------------------------
+
+    def _register_request(self) -> pb.RegisterRequest:
+        raise NotImplementedError
+
+    async def _accepted(self, conn: Connection, response: pb.RegisterResponse) -> str:
+        """The edge accepted: take what it sent; returns a detail for the log line."""
+        return ""
+
+    async def _serve(self, conn: Connection) -> None:
+        """Serve a registered connection until it ends (return) or breaks (raise)."""
+        raise NotImplementedError
+
+    async def _disconnected(self) -> None:
+        """After each connection, registered or not, has been closed."""
+
+    # -- the loop ------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Dial no more: the connection in hand ends when ``_serve`` returns."""
+        self._stopping.set()
+
+    async def run(self) -> None:
+        """Connect, serve, and reconnect with jittered exponential backoff, until stopped."""
+        delay = self._dial.initial_delay_s
+        failures = 0
+        while not self._stopping.is_set():
+            registered = await self._connect_and_serve()
+            if self._stopping.is_set():
+                return
+            if registered:
+                delay, failures = self._dial.initial_delay_s, 0  # it worked: retry quickly
+            failures += 1
+            pause = delay * random.uniform(0.5, 1.5)
+            logger.info("reconnecting to the edge in {:.1f}s (attempt {})", pause, failures + 1)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(pause):
+                    await self._stopping.wait()
+            delay = min(delay * 2, self._dial.max_delay_s)
+
+    async def _connect_and_serve(self) -> bool:
+        """One connection's life; ``True`` when the edge accepted the registration."""
+        dial = self._dial
+        try:
+            async with asyncio.timeout(dial.register_timeout_s):
+                reader, writer = await asyncio.open_connection(
+                    dial.host,
+                    dial.port,
+                    ssl=self._tls,
+                    server_hostname=(dial.server_name or dial.host) if self._tls else None,
+                )
+        except (OSError, TimeoutError) as exc:
+            logger.warning("cannot reach the edge at {}:{}: {}", dial.host, dial.port, exc)
+            return False
+        conn = Connection(
+            reader, writer, sender_id=dial.sender_id, max_frame_size=dial.max_frame_size
+        )
+        registered = False
+        try:
+            registered = await self._register(conn)
+            if registered:
+                await self._serve(conn)
+        except ProtocolError as exc:
+            await conn.abort(exc)
+            logger.warning("edge connection closed: {}", exc)
+        except (ConnectionClosed, ConnectionError, TimeoutError) as exc:
+            logger.warning("edge connection lost: {}", exc or type(exc).__name__)
+        except Exception:
+            # The outermost per-connection boundary: a bug must not end the link for good.
+            logger.exception("edge connection failed")
+        finally:
+            self.registered.clear()
+            self._edge_connected.set(0)
+            await conn.close()
+            await self._disconnected()
+        return registered
+
+    async def _register(self, conn: Connection) -> bool:
+        sent = await conn.send(self._register_request())
+        async with asyncio.timeout(self._dial.register_timeout_s):
+            answer = await conn.receive()
+        kind = answer.WhichOneof("body")
+        if kind == "error":
+            logger.error(
+                "the edge refused the registration: {} ({})",
+                answer.error.message,
+                code_name(answer.error.code),
+            )
+            return False
+        if kind != "register_response" or answer.correlation_id != sent.message_id:
+            raise UnexpectedMessage(f"expected register_response, got {kind}")
+        response = answer.register_response
+        if not response.accepted:
+            logger.error("the edge refused the registration: {}", response.reason)
+            return False
+        detail = await self._accepted(conn, response)
+        if response.heartbeat_interval_ms:
+            conn.heartbeat_interval = response.heartbeat_interval_ms / 1000
+        conn.start_heartbeats()
+        self.registrations += 1
+        self.registered.set()
+        self._edge_connected.set(1)
+        logger.info("registered with edge {}{}", response.edge_id or conn.peer_name, detail)
+        return True

@@ -1,0 +1,307 @@
+"""Records written to SQLite by one background task in batches, never in the caller's way.
+
+The request path must never wait for a disk: ``put`` only files the record in
+an in-memory map keyed by the record's id and wakes the writer, which commits
+whatever is pending in one transaction per batch. Keying by id means a record
+that is replaced before it was written (a run's end after its start) costs one
+row write, not two. While the database refuses writes, the writer retries with
+a growing pause, and memory stays bounded by dropping records (counted, logged).
+
+Durability is traded knowingly: records still in memory when the process is
+killed are lost. The edge's run log and the node's run history are this writer
+with their own table, row mapping and queries.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar, Generic, TypeVar
+
+import aiosqlite
+from loguru import logger
+
+from iop_proto.sqlite.files import transaction
+from iop_proto.tasks import cancel_and_wait
+
+R = TypeVar("R")
+
+MAX_RETRY_DELAY_S = 30.0
+"""The longest pause between two attempts while the database keeps refusing writes."""
+
+
+@dataclass(frozen=True, slots=True)
+class WriterTuning:
+    """How the writer batches; checked when made, so before any file is opened."""
+
+    flush_interval_s: float
+    """How long the writer lets records gather after the first one arrives, so a
+    burst shares a transaction (a waiting ``flush`` cuts it short)."""
+    max_batch: int
+    max_pending: int
+    """Records kept in memory at the most while the database refuses writes."""
+    retry_delay_s: float
+    """The first pause after a failed write; it doubles up to ``MAX_RETRY_DELAY_S``."""
+
+    def __post_init__(self) -> None:
+        if self.flush_interval_s < 0 or self.retry_delay_s < 0:
+            raise ValueError("flush_interval_s and retry_delay_s must not be negative")
+        if self.max_batch < 1 or self.max_pending < 1:
+            raise ValueError("max_batch and max_pending must be at least 1")
+
+
+class BatchedWriter(Generic[R]):
+    """The queue, the writer task and its retries; subclasses say what a record is.
+
+    A subclass sets ``what`` (the file's name in logs), ``noun`` (a record's),
+    ``statement`` (run with ``executemany`` for each batch), ``error`` and
+    ``closed_error`` (raised for a stopped writer and after ``aclose``), and
+    implements ``_key`` and ``_row``; ``_supersedes``, ``_shed_first`` and
+    ``_shed_note`` have defaults (the newer record wins, the oldest are dropped).
+
+    ``writes`` counts committed batches, ``failed_writes`` failed attempts (each
+    logged and retried) and ``dropped`` records given up to bound memory while
+    the database refused writes; plain counters for tests and metrics.
+    """
+
+    what: ClassVar[str] = "database"
+    noun: ClassVar[str] = "record"
+    statement: ClassVar[str]
+    error: ClassVar[type[Exception]] = RuntimeError
+    closed_error: ClassVar[type[Exception]] = RuntimeError
+
+    def __init__(self, db: aiosqlite.Connection, path: Path, tuning: WriterTuning) -> None:
+        """Wire the state; ``start`` starts the writer (a subclass may read first)."""
+        self.path = path
+        self.writes = 0
+        self.failed_writes = 0
+        self.dropped = 0
+        self._db = db
+        self._flush_interval_s = tuning.flush_interval_s
+        self._max_batch = tuning.max_batch
+        self._max_pending = tuning.max_pending
+        self._retry_delay_s = tuning.retry_delay_s
+        # Ordered oldest first by sequence number: a re-put moves to the end, so the
+        # front is always the oldest unwritten change and batches are taken from there.
+        self._pending: dict[str, tuple[int, R]] = {}
+        self._in_flight: dict[str, tuple[int, R]] = {}  # the batch being committed
+        self._seq = 0
+        self._wake = asyncio.Event()  # something is pending
+        self._urgent = asyncio.Event()  # a flush waits: skip the coalescing pause
+        self._progress = asyncio.Event()  # set (and replaced) when flushes should look again
+        self._write_lock = asyncio.Lock()  # one transaction at a time on the shared connection
+        self._writer: asyncio.Task[None] | None = None
+        self._closed = False
+
+    # -- what a subclass says ------------------------------------------------------
+
+    def _key(self, record: R) -> str:
+        """The record's id: a record put again under the same id replaces the unwritten one."""
+        raise NotImplementedError
+
+    def _row(self, record: R) -> tuple[object, ...]:
+        """The parameters of ``statement`` for one record."""
+        raise NotImplementedError
+
+    def _supersedes(self, new: R, old: R) -> bool:
+        """Whether ``new`` may replace ``old`` (same id) in memory; by default it may."""
+        return True
+
+    def _shed_first(self, record: R) -> bool:
+        """Records for which this is true are dropped before the others (oldest first)."""
+        return False
+
+    def _shed_note(self, victims: list[R]) -> str:
+        return f"{len(victims)} unwritten {self.noun}(s) dropped"
+
+    # -- the service's calls -------------------------------------------------------
+
+    def start(self, name: str) -> None:
+        """Start the writer task (once, at the end of the subclass's ``open``)."""
+        self._writer = asyncio.create_task(self._write_forever(), name=name)
+        # A writer that dies of a bug wakes the flushes too: they raise, not hang.
+        self._writer.add_done_callback(lambda _: self._notify())
+
+    def check_open(self) -> None:
+        if self._closed:
+            raise self.closed_error(f"{self.what} {self.path} is closed")
+
+    def put(self, record: R) -> None:
+        """Queue ``record``; returns without waiting for the disk (never suspends)."""
+        self.check_open()
+        key = self._key(record)
+        previous = self._pending.pop(key, None)
+        if previous is not None and not self._supersedes(record, previous[1]):
+            record = previous[1]
+        self._seq += 1
+        self._pending[key] = (self._seq, record)
+        if len(self._pending) > self._max_pending:
+            self._shed()
+        self._wake.set()
+
+    def unwritten(self) -> list[R]:
+        """The records not yet on disk, oldest first (the batch being written included).
+
+        Take this before querying the table: a batch committed while the query
+        runs is then either in this list or in the rows, never in neither.
+        """
+        return [record for _, record in (*self._in_flight.values(), *self._pending.values())]
+
+    def latest(self, stored: Iterable[R], unwritten: Iterable[R]) -> list[R]:
+        """Rows read from the table merged with ``unwritten``, one record per id."""
+        merged: dict[str, R] = {}
+        for record in (*stored, *unwritten):  # oldest knowledge first
+            key = self._key(record)
+            known = merged.get(key)
+            if known is None or self._supersedes(record, known):
+                merged[key] = record
+        return list(merged.values())
+
+    async def flush(self) -> None:
+        """Wait until everything queued before this call is on disk (tests, shutdown).
+
+        While the database refuses writes this waits for the writer's retries;
+        bound it with ``asyncio.timeout`` where that matters.
+        """
+        self.check_open()
+        await self._drain()
+
+    async def aclose(self, timeout_s: float = 5.0) -> None:
+        """Write what is pending (for up to ``timeout_s``), stop the writer, close; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._drain()
+        except TimeoutError:
+            logger.error(
+                "{} {}: {} {}(s) not written within {}s of shutdown; lost",
+                self.what,
+                self.path,
+                len(self._pending) + len(self._in_flight),
+                self.noun,
+                timeout_s,
+            )
+        except self.error:
+            logger.error("{} {}: writer stopped; pending records lost", self.what, self.path)
+        finally:
+            await self._stop_writer()
+            await self._db.close()
+
+    # -- internals ---------------------------------------------------------------
+
+    def _notify(self) -> None:
+        self._progress.set()
+        self._progress = asyncio.Event()
+
+    def _oldest_unwritten(self) -> int | None:
+        for entries in (self._in_flight, self._pending):
+            for seq, _ in entries.values():
+                return seq
+        return None
+
+    def _shed(self) -> None:
+        """Drop a tenth of the pending records, those ``_shed_first`` picks first.
+
+        Reached only when the database has refused writes for a long time;
+        dropping in chunks keeps this scan and its log line rare.
+        """
+        wanted = max(len(self._pending) - self._max_pending, self._max_pending // 10, 1)
+        entries = self._pending.items()
+        first = (key for key, (_, r) in entries if self._shed_first(r))
+        keys = list(itertools.islice(first, wanted))
+        if len(keys) < wanted:
+            rest = (key for key, (_, r) in entries if not self._shed_first(r))
+            keys.extend(itertools.islice(rest, wanted - len(keys)))
+        victims = [self._pending.pop(key)[1] for key in keys]
+        self.dropped += len(victims)
+        logger.error(
+            "{} {}: {} to bound memory; the database has refused writes for a while",
+            self.what,
+            self.path,
+            self._shed_note(victims),
+        )
+        self._notify()
+
+    async def _drain(self) -> None:
+        """Wait until every record queued before this call is written (or dropped)."""
+        target = self._seq
+        while (oldest := self._oldest_unwritten()) is not None and oldest <= target:
+            if self._writer is None or self._writer.done():
+                raise self.error(f"{self.what} {self.path}: the writer has stopped")
+            self._urgent.set()
+            self._wake.set()
+            await self._progress.wait()
+
+    async def _write_forever(self) -> None:
+        """The one task that writes: gather, commit a batch, repeat; back off on failure."""
+        failures = 0
+        while True:
+            await self._wake.wait()
+            # Let a burst of records arrive before writing, unless a flush is waiting.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self._flush_interval_s):
+                    await self._urgent.wait()
+            while self._pending:
+                if await self._write_batch():
+                    failures = 0
+                    continue
+                failures += 1
+                delay = min(self._retry_delay_s * 2 ** min(failures - 1, 16), MAX_RETRY_DELAY_S)
+                # Not cut short by flush(): a refusing disk must not turn into a busy loop.
+                await asyncio.sleep(delay)
+            # No await since the loop condition: nothing can have arrived in between.
+            self._wake.clear()
+            self._urgent.clear()
+
+    async def _write_batch(self) -> bool:
+        """Commit the oldest pending records in one transaction; False if that failed."""
+        oldest = list(itertools.islice(self._pending, self._max_batch))
+        batch = {key: self._pending.pop(key) for key in oldest}
+        self._in_flight = batch
+        try:
+            async with self._write_lock, transaction(self._db):
+                await self._db.executemany(
+                    self.statement, [self._row(r) for _, r in batch.values()]
+                )
+        except asyncio.CancelledError:
+            self._restore(batch)
+            raise
+        except Exception:
+            self.failed_writes += 1
+            logger.exception(
+                "{} {}: writing {} {}(s) failed; keeping them for a retry",
+                self.what,
+                self.path,
+                len(batch),
+                self.noun,
+            )
+            self._restore(batch)
+            return False
+        finally:
+            self._in_flight = {}
+        self.writes += 1
+        self._notify()
+        return True
+
+    def _restore(self, batch: dict[str, tuple[int, R]]) -> None:
+        """Put a failed batch back in front, unless a newer change of the same id arrived."""
+        kept = {
+            key: entry
+            for key, entry in batch.items()
+            if key not in self._pending or not self._supersedes(self._pending[key][1], entry[1])
+        }
+        for key in kept:
+            self._pending.pop(key, None)
+        self._pending = {**kept, **self._pending}
+
+    async def _stop_writer(self) -> None:
+        """Cancel the writer (logging it if it had failed); let any waiting flush see the end."""
+        writer, self._writer = self._writer, None
+        await cancel_and_wait(writer)
+        self._notify()
