@@ -203,6 +203,8 @@ async def build(
         edge = Edge(dispatcher, nodes, control_plane)
         edge.http_port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         logger.info("OpenAI API on http://{}:{}/v1", settings.http.host, edge.http_port)
+        admin.report_port("http", edge.http_port)
+        admin.report_port("nodes", nodes.port)
         log_access_mode()  # from now on logged again whenever keys come or go
         admin.set_readiness(lambda: None if catalog.any_available() else "no provider is available")
         yield edge
