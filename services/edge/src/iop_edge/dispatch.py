@@ -317,8 +317,13 @@ class Dispatcher:
 
     @property
     def idle(self) -> bool:
-        """No run in flight and nobody waiting for a slot: the drain is over."""
-        return not self.runs and not any(self.queues.values())
+        """No run in flight, no slot taken (a waiter handed one is about to start its run)
+        and nobody waiting for a slot: the drain is over."""
+        return (
+            not self.runs
+            and not any(self.queues.values())
+            and not any(slot.own_in_flight for slot in self.slots.values())
+        )
 
     async def wait_idle(self) -> None:
         """Return once ``idle`` (the drain bounds this with its timeout)."""
@@ -334,11 +339,11 @@ class Dispatcher:
         """The edge is stopping: end every run (its stream gets an error event) and every
         waiter (a 503)."""
         self.stop_admitting(reason)
-        for run in list(self.runs.values()):
-            await run.cancel(reason)
-        for queue in self.queues.values():
+        for queue in self.queues.values():  # first: a slot a run frees must go to nobody
             while (waiter := queue.pop_waiting()) is not None:
                 waiter.set_exception(ShuttingDown(reason))
+        for run in list(self.runs.values()):
+            await run.cancel(reason)
 
     def queued(self, model_id: str) -> int:
         queue = self.queues.get(model_id)
