@@ -13,11 +13,12 @@ import re
 import signal
 import socket
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 import pytest_asyncio
 import trustme
@@ -110,6 +111,41 @@ class Stack:
         for name in reversed(list(self._running)):
             await self.stop(name)
 
+    def pin_ports(self, name: str) -> None:
+        """Write the ports a service bound (started with port 0) into its settings file, so
+        that a restart comes back on the same ones (its peers dial them)."""
+        path = self.root / f"{name}.yaml"
+        data = yaml.safe_load(path.read_text())
+        for port_name, port in self.services[name].ports.items():
+            data[PORT_KEYS[port_name]]["port"] = port
+        path.write_text(yaml.safe_dump(data))
+
+    async def wait_registered(self, peers: Iterable[str], timeout_s: float = 20) -> None:
+        """Until each node or worker is registered with the running edge.
+
+        A node: its own ``/readyz`` says registered and the edge's catalog shows its
+        providers connected; a worker: its ``/readyz`` (it is ready once registered).
+        """
+        async with aiohttp.ClientSession() as http, asyncio.timeout(timeout_s):
+            for peer in peers:
+                while not await self._registered(http, peer):  # noqa: ASYNC110 - another process
+                    await asyncio.sleep(0.05)
+
+    async def _registered(self, http: aiohttp.ClientSession, peer: str) -> bool:
+        async with http.get(f"{self.services[peer].admin_url}/readyz") as response:
+            if response.status != 200:
+                return False
+        if peer.startswith("worker"):
+            return True
+        catalog = self.api_url.replace("/v1", "/iop/v1/catalog/providers")
+        async with http.get(catalog) as response:
+            if response.status == 401:  # keys exist: the node's own readiness is what shows
+                return True
+            if response.status != 200:
+                return False
+            rows = (await response.json())["data"]
+        return all(row["connected"] for row in rows if row["node_id"] == peer)
+
     def tls(self, name: str) -> TlsSettings:
         """Settings for one identity of the stack's throwaway CA."""
         pki = self.root / "pki"
@@ -143,13 +179,16 @@ class Stack:
 
 
 def free_port() -> int:
-    """A port free right now: services that restart must come back on the same one."""
+    """A port free right now, for programs that cannot report the one they bound (the
+    IOP services can: they start on port 0 and ``ready:`` names their ports)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
 
 
 SCRIPTS = {"control-plane": "iop-control-plane", "edge": "iop-edge", "worker": "iop-worker"}
+PORT_KEYS = {"edges": "listen", "http": "http", "nodes": "node_listener"}
+"""The settings section of each port a service reports (``RunningService.ports``)."""
 
 
 @contextlib.asynccontextmanager
@@ -161,47 +200,50 @@ async def start_stack(root: Path, fleet: dict[str, object]) -> AsyncIterator[Sta
     stack.ca = ca
     stack.fleet_file = root / "fleet.yaml"
     stack.fleet_file.write_text(yaml.safe_dump(fleet))
-    stack.cp_port, stack.node_port, api_port = free_port(), free_port(), free_port()
-    stack.api_url = f"http://127.0.0.1:{api_port}/v1"
     stack.cp_settings = stack.settings_file(
         "control-plane",
         {
             "fleet_file": str(stack.fleet_file),
             "database": str(root / "cp.db"),
-            "listen": {"host": "127.0.0.1", "port": stack.cp_port},
+            "listen": {"host": "127.0.0.1", "port": 0},
             "credentials_poll_s": 0.2,
         },
     )
-    stack.settings_file(
-        "edge",
-        {
-            "http": {"host": "127.0.0.1", "port": api_port},
-            "node_listener": {"host": "127.0.0.1", "port": stack.node_port},
-            "control_plane": {
-                "host": "127.0.0.1",
-                "port": stack.cp_port,
-                "server_name": "localhost",
-            },
-            "config_cache": str(root / "edge-cache.pb"),
-            "history_db": str(root / "edge-runs.db"),
-            "batch_db": str(root / "edge-batches.db"),
-            "batch_lease_ttl_s": 3,
-        },
-    )
-    stack.settings_file(
-        "worker",
-        {
-            "edge": {"host": "127.0.0.1", "port": stack.node_port, "server_name": "localhost"},
-            "concurrency": 4,
-            "poll_interval_s": 0.2,
-            "lease_renew_interval_s": 1,
-            "reconnect": {"initial_s": 0.1, "max_s": 0.5},
-        },
-    )
     try:
-        await stack.start("control-plane")
+        # Every service binds port 0 and reports what it got; restarts reuse it (pin_ports).
+        stack.cp_port = (await stack.start("control-plane")).ports["edges"]
+        stack.pin_ports("control-plane")
+        stack.settings_file(
+            "edge",
+            {
+                "http": {"host": "127.0.0.1", "port": 0},
+                "node_listener": {"host": "127.0.0.1", "port": 0},
+                "control_plane": {
+                    "host": "127.0.0.1",
+                    "port": stack.cp_port,
+                    "server_name": "localhost",
+                },
+                "config_cache": str(root / "edge-cache.pb"),
+                "history_db": str(root / "edge-runs.db"),
+                "batch_db": str(root / "edge-batches.db"),
+                "batch_lease_ttl_s": 3,
+            },
+        )
         edge = await stack.start("edge")
+        stack.pin_ports("edge")
         stack.edge_admin = edge.admin_url
+        stack.api_url = f"http://127.0.0.1:{edge.ports['http']}/v1"
+        stack.node_port = edge.ports["nodes"]
+        stack.settings_file(
+            "worker",
+            {
+                "edge": {"host": "127.0.0.1", "port": stack.node_port, "server_name": "localhost"},
+                "concurrency": 4,
+                "poll_interval_s": 0.2,
+                "lease_renew_interval_s": 1,
+                "reconnect": {"initial_s": 0.1, "max_s": 0.5},
+            },
+        )
         for node in ("node-a", "node-b"):
             out = await stack.control_plane_cli("token", "issue", "--node", node)
             token = re.search(r"iopnt_\S+", out)
@@ -221,12 +263,9 @@ async def start_stack(root: Path, fleet: dict[str, object]) -> AsyncIterator[Sta
                 },
             )
             await stack.start(node)
-        for node in ("node-a", "node-b"):
-            await asyncio.wait_for(
-                stack.services["edge"].wait_for_line(f"node {node} registered"), 20
-            )
+        await stack.wait_registered(("node-a", "node-b"))
         await stack.start("worker")
-        await asyncio.wait_for(stack.services["edge"].wait_for_line("worker worker registered"), 20)
+        await stack.wait_registered(("worker",))
         yield stack
     finally:
         await stack.stop_all()

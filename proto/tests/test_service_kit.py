@@ -157,3 +157,17 @@ async def test_readiness_check_reports_the_reason() -> None:
                 assert response.status == 200
     finally:
         await admin.close()
+
+
+async def test_readiness_names_the_bound_listening_ports() -> None:
+    """A service started with port 0 tells where it listens (tests read the ports back)."""
+    admin = AdminServer("svc", CollectorRegistry(), host="127.0.0.1", port=0, readiness=lambda: "x")
+    admin.report_port("http", 40123)
+    port = await admin.start()
+    try:
+        async with aiohttp.ClientSession() as http:
+            async with http.get(f"http://127.0.0.1:{port}/readyz") as response:
+                assert response.status == 503  # not ready yet, and still it says where
+                assert (await response.json())["ports"] == {"http": 40123}
+    finally:
+        await admin.close()

@@ -172,7 +172,11 @@ async def test_error_cases(stack: Stack, sdk: AsyncOpenAI) -> None:
         )
         for _ in range(3)
     ]
-    await asyncio.sleep(0.5)
+    async with asyncio.timeout(5):  # one run in flight and two waiting: the queue is full
+        while True:
+            if {m["id"]: m for m in await catalog(stack, "models")}["solo"]["queued"] == 2:
+                break
+            await asyncio.sleep(0.05)
     with pytest.raises(openai.RateLimitError) as full:
         await sdk.chat.completions.create(model="solo", messages=[{"role": "user", "content": "x"}])
     assert full.value.code == "queue_full"

@@ -75,7 +75,7 @@ async def test_node_killed_mid_stream(
     assert providers["node-a-mock"]["health"] == "unavailable"
 
     await stack.start("node-a")
-    await asyncio.wait_for(stack.services["node-a"].wait_for_line("registered with edge"), 20)
+    await stack.wait_registered(("node-a",))
     with sqlite3.connect(stack.root / "node-a-history.db") as db:
         interrupted = db.execute(
             "SELECT COUNT(*) FROM runs WHERE outcome = 'failed' AND error_code = 'interrupted'"

@@ -43,7 +43,7 @@ from iop_proto.v1 import runtime_pb2 as pb
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 READ_TIMEOUT_S = 2.0
-REGISTER_TIMEOUT_S = 10.0  # iop_edge.adapters.node_server.REGISTER_TIMEOUT_S
+REGISTER_TIMEOUT_S = 10.0  # the edge's node_listener.register_timeout_s (its default)
 TRICKLE_PAUSE_S = 0.25  # well under every timeout: each byte alone would keep a naive server
 
 
@@ -84,8 +84,7 @@ async def stack(
         settings_file.write_text(yaml.safe_dump(settings))
         edge = await running.start("edge")
         running.edge_admin = edge.admin_url
-        for node in ("node-a", "node-b"):
-            await asyncio.wait_for(edge.wait_for_line(f"node {node} registered"), 20)
+        await running.wait_registered(("node-a", "node-b"))
         yield running
 
 

@@ -226,8 +226,7 @@ async def restart_edge(stack: Any, **http: object) -> Any:
     settings_file.write_text(yaml.safe_dump(settings))
     edge = await stack.start("edge")
     stack.edge_admin = edge.admin_url
-    for node in ("node-a", "node-b"):
-        await asyncio.wait_for(edge.wait_for_line(f"node {node} registered"), 20)
+    await stack.wait_registered(("node-a", "node-b"))
     return edge
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import re
 import signal
@@ -114,6 +115,7 @@ class RunningService:
     process: asyncio.subprocess.Process
     admin_url: str
     log: list[str]
+    ports: dict[str, int] = field(default_factory=dict)  # bound listeners, from ``ready:``
     _grew: asyncio.Condition = field(default_factory=asyncio.Condition)
     _done: bool = False  # the log stream ended
 
@@ -138,10 +140,12 @@ class RunningService:
             self._grew.notify_all()
 
 
-_READY = re.compile(r"ready: \S+ admin (http://\S+)")
+_READY = re.compile(r"ready: \S+ admin (http://\S+)(?: ports (\{.*?\}))?")
 
 
-async def _read_until_ready(process: asyncio.subprocess.Process, log: list[str]) -> str:
+async def _read_until_ready(
+    process: asyncio.subprocess.Process, log: list[str]
+) -> tuple[str, dict[str, int]]:
     assert process.stderr is not None
     while True:
         raw = await process.stderr.readline()
@@ -151,7 +155,7 @@ async def _read_until_ready(process: asyncio.subprocess.Process, log: list[str])
         log.append(line)
         match = _READY.search(line)
         if match:
-            return match.group(1)
+            return match.group(1), json.loads(match.group(2) or "{}")
 
 
 @contextlib.asynccontextmanager
@@ -163,8 +167,9 @@ async def running_service(
 ) -> AsyncIterator[RunningService]:
     """Start ``script --config config`` and wait for its ``ready:`` log line.
 
-    The readiness line is the explicit signal (it names the admin URL, so port 0
-    works); the process is killed on exit if the test did not stop it.
+    The readiness line is the explicit signal: it names the admin URL and the bound
+    listening ports (``RunningService.ports``), so every port may be 0. The process
+    is killed on exit if the test did not stop it.
     """
     bin_dir = Path(sys.executable).parent
     process = await asyncio.create_subprocess_exec(
@@ -178,9 +183,10 @@ async def running_service(
     log: list[str] = []
     drain: asyncio.Task[None] | None = None
     try:
-        admin_url = await asyncio.wait_for(_read_until_ready(process, log), ready_timeout)
+        ready = _read_until_ready(process, log)
+        admin_url, ports = await asyncio.wait_for(ready, ready_timeout)
         assert process.stderr is not None
-        service = RunningService(process=process, admin_url=admin_url, log=log)
+        service = RunningService(process=process, admin_url=admin_url, log=log, ports=ports)
         drain = asyncio.create_task(service._record(process.stderr))
         yield service
     finally:

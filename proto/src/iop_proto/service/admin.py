@@ -1,5 +1,8 @@
 """The admin HTTP port every service serves: ``/healthz``, ``/readyz``, ``/metrics``.
 
+``/readyz`` also names the ports the service listens on (``ports``: e.g. ``http``,
+``nodes``), bound ones, so a service configured with port 0 tells where it is.
+
 Metrics live in a registry the service owns (never prometheus' global one), so
 two services in one test process never see each other's counters.
 """
@@ -37,12 +40,17 @@ class AdminServer:
         self.app.router.add_get("/healthz", self._healthz)
         self.app.router.add_get("/readyz", self._readyz)
         self.app.router.add_get("/metrics", self._metrics)
+        self.ports: dict[str, int] = {}  # listener name -> bound port, for /readyz
         self._runner: web.AppRunner | None = None
         self.started = asyncio.Event()  # set once bound: a readiness signal for tests
 
     def set_readiness(self, check: ReadinessCheck) -> None:
         """Let the service decide ``/readyz`` (e.g. "registered with the edge")."""
         self._readiness = check
+
+    def report_port(self, name: str, port: int) -> None:
+        """Name a port the service listens on (the bound one, when configured as 0)."""
+        self.ports[name] = port
 
     async def start(self) -> int:
         """Bind and serve; returns the bound port (useful when configured as 0)."""
@@ -67,8 +75,10 @@ class AdminServer:
     async def _readyz(self, request: web.Request) -> web.Response:
         reason = self._readiness() if self._readiness else None
         if reason is not None:
-            return web.json_response({"status": "not_ready", "reason": reason}, status=503)
-        return web.json_response({"status": "ready", "service": self.service})
+            return web.json_response(
+                {"status": "not_ready", "reason": reason, "ports": self.ports}, status=503
+            )
+        return web.json_response({"status": "ready", "service": self.service, "ports": self.ports})
 
     async def _metrics(self, request: web.Request) -> web.Response:
         body = generate_latest(self.registry)

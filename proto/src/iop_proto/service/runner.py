@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import signal
 import sys
 from collections.abc import Callable, Coroutine
@@ -82,7 +83,15 @@ async def serve(
         service = await stack.enter_async_context(build(settings, registry, admin))
         port = await admin.start()
         stack.push_async_callback(admin.close)
-        logger.info("ready: {} admin http://{}:{}", settings.service_id, settings.admin.host, port)
+        # The line tests wait for: the admin URL and the bound listening ports (JSON), so
+        # every port may be configured as 0 (also in /readyz).
+        logger.info(
+            "ready: {} admin http://{}:{} ports {}",
+            settings.service_id,
+            settings.admin.host,
+            port,
+            json.dumps(admin.ports, separators=(",", ":")),
+        )
         await _wait_for_stop(stop, reload or asyncio.Event(), service)
         logger.info("stopping {} (up to {:.0f}s)", settings.service_id, settings.shutdown_timeout_s)
         async with asyncio.timeout(settings.shutdown_timeout_s):

@@ -71,7 +71,7 @@ async def build(
         await authority.start()
 
         edge_server = EdgeServer(settings, authority, metrics, tls)
-        await edge_server.start()
+        admin.report_port("edges", await edge_server.start())
         stack.push_async_callback(edge_server.aclose)
 
         watcher = asyncio.create_task(

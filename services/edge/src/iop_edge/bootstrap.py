@@ -23,6 +23,7 @@ from iop_edge.dispatch import Dispatcher
 from iop_edge.entrypoints.api_auth import KeySlots, access_mode
 from iop_edge.entrypoints.api_metrics import ApiMetrics
 from iop_edge.entrypoints.http_api import create_api_app, load_openapi
+from iop_edge.entrypoints.stop_gate import StopGate
 from iop_edge.limits import max_body_bytes
 from iop_edge.metrics import EdgeMetrics
 from iop_edge.peer_guard import PeerGuard
@@ -31,6 +32,30 @@ from iop_proto.service import AdminServer
 from iop_proto.tasks import cancel_and_wait
 from iop_proto.tls import client_context, server_context
 from iop_proto.v1 import runtime_pb2 as pb
+
+
+async def _drain(
+    site: web.TCPSite, gate: StopGate, nodes: NodeServer, dispatcher: Dispatcher, drain_s: float
+) -> None:
+    """The graceful stop: nothing new comes in, runs in flight finish (up to ``drain_s``),
+    and only what is still running then ends with an error.
+
+    The listening sockets close (new connections are refused by the OS), a request on a
+    connection kept alive from before gets a 503 (``StopGate``), and the dispatcher takes
+    no new run (a batch line stays pending); the node connections stay, they carry the
+    runs in flight.
+    """
+    await site.stop()  # closes the listener only; connections open go on
+    nodes.stop_accepting()
+    gate.close()
+    dispatcher.stop_admitting("edge is stopping")
+    try:
+        async with asyncio.timeout(drain_s):
+            await dispatcher.wait_idle()
+        logger.info("drained: every run in flight finished")
+    except TimeoutError:
+        logger.warning("drain timed out after {:.1f}s: failing the runs left", drain_s)
+    await dispatcher.fail_all("edge is stopping")
 
 
 class Edge:
@@ -53,7 +78,9 @@ async def build(
     server_tls = server_context(settings.tls) if settings.tls.enabled else None
     client_tls = client_context(settings.tls) if settings.tls.enabled else None
     metrics = EdgeMetrics.create(registry)
-    dispatcher = Dispatcher(metrics, max_frame_size=settings.max_frame_size)
+    dispatcher = Dispatcher(
+        metrics, max_frame_size=settings.max_frame_size, deadline_grace_s=settings.deadline_grace_s
+    )
     body_limit = max_body_bytes(settings.max_frame_size)  # what a node link can carry
     catalog = PoolCatalog(dispatcher)
     keys = FleetKeyRing(dispatcher)
@@ -108,6 +135,8 @@ async def build(
             cache_file=settings.config_cache,
             on_fleet=on_fleet,
             heartbeat_interval_s=settings.heartbeat_interval_s,
+            reconnect_max_s=cp.reconnect_max_s,
+            authorize_timeout_s=cp.authorize_timeout_s,
         )
         await control_plane.load_cache()
         cp_task = asyncio.create_task(control_plane.run(), name="control-plane")
@@ -125,10 +154,13 @@ async def build(
             heartbeat_interval_s=settings.heartbeat_interval_s,
             max_frame_size=settings.max_frame_size,
             batches=batches,
+            register_timeout_s=settings.node_listener.register_timeout_s,
+            handshake_timeout_s=settings.node_listener.handshake_timeout_s,
         )
         await nodes.start()
         stack.push_async_callback(nodes.aclose)
 
+        gate = StopGate()
         app = create_api_app(
             dispatcher,
             catalog,
@@ -141,6 +173,8 @@ async def build(
             read_timeout_s=settings.http.read_timeout_s,
             key_slots=key_slots,
             allow_open=settings.http.allow_open,
+            min_body_rate=settings.http.min_body_rate,
+            stop_gate=gate,
         )
         add_console_routes(app)  # the read-only operator page (before setup locks the routes)
         # handler_cancellation: a client that disconnects cancels its handler, which
@@ -152,18 +186,20 @@ async def build(
             app,
             handler_cancellation=True,
             access_log=None,
-            shutdown_timeout=5.0,
+            shutdown_timeout=settings.shutdown_reserve_s / 2,  # after the drain (below)
             keepalive_timeout=settings.http.read_timeout_s,
         )
         await runner.setup()
         stack.push_async_callback(runner.cleanup)
-        # Runs end first (their clients get an error), so the HTTP server stops promptly.
-        stack.push_async_callback(dispatcher.fail_all, "edge is stopping")
         site = web.TCPSite(runner, settings.http.host, settings.http.port, reuse_address=True)
         await site.start()
+        # First on the way out: stop accepting, drain, fail what is left (then the rest).
+        stack.push_async_callback(_drain, site, gate, nodes, dispatcher, settings.drain_s)
         edge = Edge(dispatcher, nodes, control_plane)
         edge.http_port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         logger.info("OpenAI API on http://{}:{}/v1", settings.http.host, edge.http_port)
+        admin.report_port("http", edge.http_port)
+        admin.report_port("nodes", nodes.port)
         log_access_mode()  # from now on logged again whenever keys come or go
         admin.set_readiness(lambda: None if catalog.any_available() else "no provider is available")
         yield edge

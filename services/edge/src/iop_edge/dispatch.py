@@ -32,11 +32,12 @@ from iop_edge.errors import (
     QueueFull,
     QueueTimeout,
     RequestTooLarge,
+    ShuttingDown,
 )
 from iop_edge.limits import RunBody, check_output_tokens, check_run_frame
 from iop_edge.metrics import EdgeMetrics
 from iop_edge.ports import RunSpec
-from iop_edge.runs import EdgeRun, NodeLink
+from iop_edge.runs import DEADLINE_GRACE_S, EdgeRun, NodeLink
 from iop_proto.errors import FrameTooLarge
 from iop_proto.framing import DEFAULT_MAX_FRAME_SIZE
 from iop_proto.v1 import runtime_pb2 as pb
@@ -52,8 +53,16 @@ _HEALTH = {pb.HEALTH_AVAILABLE: AVAILABLE, pb.HEALTH_UNAVAILABLE: UNAVAILABLE}
 class Dispatcher:
     """Implements ``RunService``; the node listener feeds it connections and events."""
 
-    def __init__(self, metrics: EdgeMetrics, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE) -> None:
+    def __init__(
+        self,
+        metrics: EdgeMetrics,
+        max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
+        deadline_grace_s: float = DEADLINE_GRACE_S,
+    ) -> None:
         self.fleet = Fleet()
+        self._deadline_grace_s = deadline_grace_s
+        self._stopping: str | None = None  # set by stop_admitting: new runs are refused
+        self._became_idle: asyncio.Event | None = None  # while the drain waits
         self._max_frame_size = max_frame_size  # a run that cannot fit is refused (limits)
         self.slots: dict[str, ProviderSlot] = {}
         self._indexes: dict[str, ModelIndex] = {}
@@ -161,6 +170,8 @@ class Dispatcher:
         having the run, any failure at all (an error, a cancellation) gives the slot
         back, leaves no run behind and tells a node that may have the run to drop it.
         """
+        if self._stopping is not None:
+            raise ShuttingDown(self._stopping)
         model = self.fleet.models.get(spec.model)
         if model is None:
             raise ModelNotFound(f"The model '{spec.model}' does not exist", param="model")
@@ -225,6 +236,7 @@ class Dispatcher:
         finally:
             if self.queues.get(model.id) is queue:  # else the model was removed meanwhile
                 self._metrics.publish_queued(model.id, len(queue))
+            self._check_idle()
 
     def _start(
         self, model: ModelEntry, slot: ProviderSlot, spec: RunSpec, body: RunBody
@@ -256,6 +268,7 @@ class Dispatcher:
             served,
             asyncio.get_running_loop().time() + timeout_ms / 1000,
             self._run_finished,
+            self._deadline_grace_s,
         )
         self.runs[run_id] = run
         return run
@@ -265,6 +278,7 @@ class Dispatcher:
         slot = self.slots.get(run.provider_id)
         if slot is not None:
             self._release(slot)
+        self._check_idle()
 
     def _release(self, slot: ProviderSlot) -> None:
         slot.release()
@@ -297,12 +311,39 @@ class Dispatcher:
     def _slots_of_node(self, node_id: str) -> list[ProviderSlot]:
         return [slot for slot in self.slots.values() if slot.node_id == node_id]
 
+    def stop_admitting(self, reason: str) -> None:
+        """The edge is draining: runs and waiters already here go on, new ones are refused."""
+        self._stopping = reason
+
+    @property
+    def idle(self) -> bool:
+        """No run in flight, no slot taken (a waiter handed one is about to start its run)
+        and nobody waiting for a slot: the drain is over."""
+        return (
+            not self.runs
+            and not any(self.queues.values())
+            and not any(slot.own_in_flight for slot in self.slots.values())
+        )
+
+    async def wait_idle(self) -> None:
+        """Return once ``idle`` (the drain bounds this with its timeout)."""
+        if not self.idle:
+            self._became_idle = asyncio.Event()
+            await self._became_idle.wait()
+
+    def _check_idle(self) -> None:
+        if self._became_idle is not None and self.idle:
+            self._became_idle.set()
+
     async def fail_all(self, reason: str) -> None:
-        """The edge is stopping: end every run and every waiter."""
+        """The edge is stopping: end every run (its stream gets an error event) and every
+        waiter (a 503)."""
+        self.stop_admitting(reason)
+        for queue in self.queues.values():  # first: a slot a run frees must go to nobody
+            while (waiter := queue.pop_waiting()) is not None:
+                waiter.set_exception(ShuttingDown(reason))
         for run in list(self.runs.values()):
             await run.cancel(reason)
-        for queue in self.queues.values():
-            self._fail_waiters(queue, reason)
 
     def queued(self, model_id: str) -> int:
         queue = self.queues.get(model_id)

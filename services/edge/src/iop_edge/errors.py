@@ -82,6 +82,13 @@ class NoProviderAvailable(EdgeError):
     status, type, code = 503, "server_error", "no_provider_available"
 
 
+class ShuttingDown(NoProviderAvailable):
+    """The edge is stopping: nothing new is taken (a batch line stays pending, as for any
+    other fleet without room), and what still waits when the drain ends gets this."""
+
+    code = "shutting_down"
+
+
 class QueueTimeout(EdgeError, TimeoutError):
     status, type, code = 503, "server_error", "queue_timeout"
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from iop_proto.framing import DEFAULT_MAX_FRAME_SIZE
 from iop_proto.service import ServiceSettings
@@ -22,9 +22,14 @@ class HttpSettings(FrozenModel):
         description=(
             "slow clients are cut after this: a request's headers must arrive within it of the"
             " connection opening (or of the previous answer, so idle keep-alive connections"
-            " close after it too); a body still arriving must grow by 16 KiB/s over each such"
-            " period"
+            " close after it too); a body still arriving must grow by min_body_rate over each"
+            " such period"
         ),
+    )
+    min_body_rate: int = Field(
+        default=16 * 1024,
+        ge=1,
+        description="bytes a second a request body still arriving must grow by (read_timeout_s)",
     )
     allow_open: bool = Field(
         default=False,
@@ -40,6 +45,14 @@ class NodeListenerSettings(FrozenModel):
 
     host: str = "127.0.0.1"
     port: int = Field(default=7000, ge=0, le=65535, description="0 picks a free port")
+    handshake_timeout_s: float = Field(
+        default=10.0, gt=0, description="a peer whose TLS handshake takes longer is dropped"
+    )
+    register_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="a peer that sends no register_request this long after its handshake is cut",
+    )
 
 
 class ControlPlaneAddress(FrozenModel):
@@ -47,6 +60,14 @@ class ControlPlaneAddress(FrozenModel):
     port: int = Field(default=7100, ge=1, le=65535)
     server_name: str | None = Field(
         default=None, description="name the control-plane's certificate must carry; default: host"
+    )
+    reconnect_max_s: float = Field(
+        default=10.0, gt=0, description="longest pause between attempts to reach the control-plane"
+    )
+    authorize_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="a node's registration waits this long for the control-plane's verdict",
     )
 
 
@@ -78,3 +99,35 @@ class EdgeSettings(ServiceSettings):
             " in one, so the HTTP body limit is this minus 64 KiB (iop_edge.limits)"
         ),
     )
+    deadline_grace_s: float = Field(
+        default=5.0,
+        gt=0,
+        description=(
+            "a run the node has not ended this long after its deadline (the node enforces it)"
+            " is failed here: it only catches a silent node"
+        ),
+    )
+    shutdown_reserve_s: float = Field(
+        default=2.0,
+        gt=0,
+        description=(
+            "of shutdown_timeout_s, what the drain leaves for the end: on SIGTERM the edge"
+            " stops accepting, lets runs in flight finish for shutdown_timeout_s minus this,"
+            " fails what is left, gives HTTP handlers half of this to write their last event"
+            " (aiohttp's shutdown grace), then closes node links and stores"
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _reserve_fits(self) -> EdgeSettings:
+        if self.shutdown_reserve_s >= self.shutdown_timeout_s:
+            raise ValueError(
+                f"shutdown_reserve_s ({self.shutdown_reserve_s}) must be below"
+                f" shutdown_timeout_s ({self.shutdown_timeout_s})"
+            )
+        return self
+
+    @property
+    def drain_s(self) -> float:
+        """How long runs in flight may go on finishing after SIGTERM."""
+        return self.shutdown_timeout_s - self.shutdown_reserve_s

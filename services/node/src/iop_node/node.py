@@ -23,7 +23,7 @@ from iop_node.errors import ConfigError, RunFailure
 from iop_node.executor import RunExecutor
 from iop_node.metrics import NodeMetrics
 from iop_node.ports import AdapterContext, AdapterFactory, LifecycleFlags, RunChannel, RunHistory
-from iop_node.router import resolve
+from iop_node.run_check import resolve
 from iop_node.runtime import ProviderRuntime
 from iop_proto.v1 import runtime_pb2 as pb
 

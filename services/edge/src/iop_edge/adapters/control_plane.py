@@ -42,6 +42,7 @@ class ControlPlaneClient:
         on_fleet: FleetListener,
         heartbeat_interval_s: float,
         reconnect_max_s: float = 10.0,
+        authorize_timeout_s: float = AUTHORIZE_TIMEOUT_S,
     ) -> None:
         self._host, self._port = host, port
         self._server_name = server_name or host
@@ -52,6 +53,7 @@ class ControlPlaneClient:
         self._on_fleet = on_fleet
         self._heartbeat_interval_s = heartbeat_interval_s
         self._reconnect_max_s = reconnect_max_s
+        self._authorize_timeout_s = authorize_timeout_s
         self._conn: Connection | None = None
         self._pending: dict[str, asyncio.Future[pb.AuthorizeNodeResponse]] = {}
         self.config: pb.FleetConfig | None = None
@@ -114,7 +116,7 @@ class ControlPlaneClient:
         self._pending[envelope.message_id] = future
         try:
             await conn.send_envelope(envelope)
-            async with asyncio.timeout(AUTHORIZE_TIMEOUT_S):
+            async with asyncio.timeout(self._authorize_timeout_s):
                 return await future
         except (ConnectionClosed, TimeoutError) as exc:
             raise ControlPlaneUnavailable(f"the control-plane did not answer: {exc}") from None

@@ -31,7 +31,7 @@ from iop_proto.errors import ConnectionClosed, ProtocolError, UnexpectedMessage
 from iop_proto.tls import TlsRefused
 from iop_proto.v1 import runtime_pb2 as pb
 
-REGISTER_TIMEOUT_S = 10.0
+REGISTER_TIMEOUT_S = 10.0  # the default of node_listener.register_timeout_s
 REFUSED = "registration refused (the edge's log says why)"
 """All a refused peer learns: which node a token belongs to, or whether the
 control-plane is up, is for the operator, not for whoever holds a certificate."""
@@ -93,6 +93,8 @@ class NodeServer:
         node_roles: tuple[str, ...] = ("node",),
         worker_roles: tuple[str, ...] = ("worker",),
         batches: BatchLeases | None = None,
+        register_timeout_s: float = REGISTER_TIMEOUT_S,
+        handshake_timeout_s: float = 10.0,
     ) -> None:
         self._host, self.port = host, port
         self._edge_id = edge_id
@@ -106,6 +108,8 @@ class NodeServer:
         self._node_roles = node_roles
         self._worker_roles = worker_roles
         self._batches = batches
+        self._register_timeout_s = register_timeout_s
+        self._handshake_timeout_s = handshake_timeout_s
         self.workers: dict[str, WorkerSession] = {}
         self._server: StreamServer | None = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -113,10 +117,22 @@ class NodeServer:
 
     async def start(self) -> int:
         # The handshake is the server's, its failures come back here to be named and counted.
-        self._server = StreamServer(self._handle, self._tls, self._tls_refused)
+        self._server = StreamServer(
+            self._handle,
+            self._tls,
+            self._tls_refused,
+            handshake_timeout_s=self._handshake_timeout_s,
+        )
         self.port = await self._server.start(self._host, self.port)
         logger.info("listening for nodes on {}:{}", self._host, self.port)
         return self.port
+
+    def stop_accepting(self) -> None:
+        """The edge is draining: no new peer connects (refused by the OS, the listener is
+        closed), while the connections that carry runs in flight stay."""
+        if self._server is not None:
+            self._server.close()
+            logger.info("no longer accepting nodes on {}:{}", self._host, self.port)
 
     async def aclose(self) -> None:
         if self._server is not None:
@@ -195,7 +211,7 @@ class NodeServer:
             self._tasks.discard(task)
 
     async def _register(self, conn: Connection) -> NodeConnection | None:
-        first = await asyncio.wait_for(conn.receive(), REGISTER_TIMEOUT_S)
+        first = await asyncio.wait_for(conn.receive(), self._register_timeout_s)
         if first.WhichOneof("body") != "register_request":
             raise UnexpectedMessage(f"expected register_request, got {first.WhichOneof('body')}")
         request = first.register_request

@@ -29,6 +29,7 @@ from iop_edge.entrypoints.openai_errors import (
     from_http_exception,
     internal_error,
 )
+from iop_edge.entrypoints.stop_gate import StopGate
 from iop_edge.errors import EdgeError, InvalidRequest, ModelNotFound
 from iop_edge.limits import DEFAULT_MAX_BODY_BYTES
 from iop_edge.ports import Catalog, KeyRing, RunLog, RunService
@@ -67,6 +68,8 @@ def create_api_app(
     read_timeout_s: float = READ_TIMEOUT_S,
     key_slots: KeySlots | None = None,
     allow_open: bool = False,
+    min_body_rate: int = MIN_BODY_RATE,
+    stop_gate: StopGate | None = None,
 ) -> web.Application:
     """The API application; serve it with ``web.AppRunner(app, handler_cancellation=True)``.
 
@@ -84,15 +87,18 @@ def create_api_app(
     when their key is revoked (``bootstrap`` shares it; default: a new one).
     ``allow_open``: serve every client while no keys are configured (by default,
     only loopback ones: ``loopback_while_open``).
+    ``min_body_rate``: bytes a second a body still arriving must grow by (``body_deadline``).
+    ``stop_gate``: once closed (the edge drains), each request gets a 503 and its
+    connection closes; it is the outermost middleware.
     """
-    app = web.Application(
-        middlewares=[
-            openai_error_boundary,
-            loopback_while_open(keys, allow_open),
-            body_deadline(read_timeout_s),
-        ],
-        client_max_size=max_body_bytes,
-    )
+    middlewares = [
+        openai_error_boundary,
+        loopback_while_open(keys, allow_open),
+        body_deadline(read_timeout_s, min_body_rate),
+    ]
+    if stop_gate is not None:
+        middlewares.insert(0, stop_gate.middleware())
+    app = web.Application(middlewares=middlewares, client_max_size=max_body_bytes)
     slots = key_slots if key_slots is not None else KeySlots()
     InferenceRoutes(service, catalog, keys, runlog, metrics, slots).register(app)
     ReadRoutes(catalog, keys, runlog, openapi).register(app)

@@ -225,9 +225,9 @@ class OpenAICompatAdapter:
         return completion
 
     def _payload(self, spec: ExecutionSpec) -> dict[str, Any]:
-        """The upstream body: the client's, with only the streaming switches forced."""
+        """The upstream body: the client's (``model`` already the served name: the edge
+        wrote it, ``run_check`` made sure), with only the streaming switches forced."""
         payload = dict(spec.body)
-        payload["model"] = spec.target
         if spec.operation is Operation.EMBEDDINGS:
             if spec.stream:
                 raise InvalidRequest("embeddings cannot be streamed")

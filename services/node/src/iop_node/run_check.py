@@ -1,8 +1,9 @@
-"""``router.resolve()``: a run request from the edge becomes an ``ExecutionSpec``.
+"""``run_check.resolve()``: a run request from the edge becomes an ``ExecutionSpec``.
 
-The edge has already chosen the provider and rewritten the model to its served
-name (seed D03); the node only checks that the request fits the provider it
-names, parses the body once, and turns the deadline into event-loop time.
+Nothing is routed here: the edge has chosen the provider and written the body's
+``model`` as the provider's served name (the one rewrite of a request's model).
+The node checks that the run fits the provider it names, parses the body once and
+turns the deadline into event-loop time; adapters send the body as it is.
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ def resolve(
     if operation is None:
         raise InvalidRequest(f"unsupported operation {request.operation}")
     body = _parse_body(request.body_json)
-    body["model"] = target  # the edge rewrote it already; make it certain
+    if body.get("model") != target:  # never from this edge, which sends it as the target
+        body["model"] = target
     return ExecutionSpec(
         run_id=run_id,
         model=request.model,

@@ -1,4 +1,4 @@
-"""router.resolve(): the run request must fit the provider it names; the body is parsed once."""
+"""run_check.resolve(): the run request must fit the provider it names; the body is parsed once."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from iop_node.domain.provider import ProviderConfig
 from iop_node.domain.runs import ExecutionSpec, Operation
 from iop_node.errors import InvalidRequest, UnknownProvider
-from iop_node.router import resolve
+from iop_node.run_check import resolve
 from iop_proto.v1 import runtime_pb2 as pb
 
 PROVIDERS = {

@@ -1,0 +1,35 @@
+"""The HTTP side of a graceful stop: once the edge drains, no new request starts.
+
+The listening socket is closed first (new connections are refused by the OS);
+this gate answers what still arrives on a connection kept alive from before:
+an OpenAI 503, and ``Connection: close`` so the client reconnects elsewhere.
+"""
+
+from __future__ import annotations
+
+from aiohttp import web
+from aiohttp.typedefs import Handler, Middleware
+
+from iop_edge.entrypoints.openai_errors import error_response
+from iop_edge.errors import ShuttingDown
+
+
+class StopGate:
+    """Open while the edge serves; ``close()`` when it starts draining."""
+
+    def __init__(self) -> None:
+        self.closed = False
+
+    def close(self) -> None:
+        self.closed = True
+
+    def middleware(self) -> Middleware:
+        @web.middleware
+        async def stop_gate(request: web.Request, handler: Handler) -> web.StreamResponse:
+            if not self.closed:
+                return await handler(request)
+            response = error_response(ShuttingDown("The server is shutting down; retry later"))
+            response.force_close()  # aiohttp then sends Connection: close
+            return response
+
+        return stop_gate

@@ -1,0 +1,106 @@
+"""The dispatcher's part of a graceful stop: no new run, the ones in flight finish, the rest
+end with ``ShuttingDown``."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from prometheus_client import CollectorRegistry
+from pydantic import ValidationError
+
+from iop_edge.dispatch import Dispatcher
+from iop_edge.domain.fleet import Fleet, ModelEntry, Operation, ProviderEntry
+from iop_edge.errors import ShuttingDown
+from iop_edge.metrics import EdgeMetrics
+from iop_edge.ports import RunSpec
+from iop_edge.runs import EdgeRun
+from iop_edge.settings import EdgeSettings
+from iop_proto.v1 import runtime_pb2 as pb
+
+
+class FakeNode:
+    node_id = "node-a"
+
+    async def send_run(self, request: pb.RunRequest) -> None:
+        pass
+
+    async def send_cancel(self, run_id: str, reason: str) -> None:
+        pass
+
+
+def fleet() -> Fleet:
+    provider = ProviderEntry(
+        id="a",
+        node_id="node-a",
+        type="mock",
+        category="local_inference",
+        models=("served",),
+        capacity=1,
+        max_queue=2,
+        queue_timeout_ms=5000,
+        request_timeout_ms=30_000,
+    )
+    model = ModelEntry("m", "M", {"a": "served"})
+    return Fleet(version=1, models={model.id: model}, providers={"a": provider})
+
+
+def spec() -> RunSpec:
+    return RunSpec("m", Operation.CHAT_COMPLETIONS, {"messages": []}, True, False)
+
+
+def available(dispatcher: Dispatcher) -> None:
+    state = pb.ProviderState(provider_id="a", health=pb.HEALTH_AVAILABLE)
+    dispatcher.node_connected(FakeNode(), [state])
+
+
+def complete(run: EdgeRun) -> None:
+    run.deliver(pb.RunEvent(run_id=run.run_id, complete=pb.RunComplete(finish_reason="stop")))
+
+
+@pytest.fixture
+def dispatcher() -> Dispatcher:
+    d = Dispatcher(EdgeMetrics.create(CollectorRegistry()))
+    d.apply_fleet(fleet())
+    return d
+
+
+async def test_draining_refuses_new_runs_and_waits_for_those_in_flight(
+    dispatcher: Dispatcher,
+) -> None:
+    available(dispatcher)
+    running = await dispatcher.open_run(spec())
+    queued = asyncio.create_task(dispatcher.open_run(spec()))
+    await asyncio.sleep(0)  # it waits in the model's queue
+    assert not dispatcher.idle
+    dispatcher.stop_admitting("edge is stopping")
+    with pytest.raises(ShuttingDown):
+        await dispatcher.open_run(spec())
+    idle = asyncio.create_task(dispatcher.wait_idle())
+    complete(running)  # the slot goes to the queued request, admitted before the stop
+    second = await queued
+    assert not idle.done()
+    complete(second)
+    await asyncio.wait_for(idle, 1)
+    assert dispatcher.idle
+
+
+async def test_what_outlasts_the_drain_ends_with_an_error(dispatcher: Dispatcher) -> None:
+    available(dispatcher)
+    running = await dispatcher.open_run(spec())
+    queued = asyncio.create_task(dispatcher.open_run(spec()))
+    await asyncio.sleep(0)
+    await dispatcher.fail_all("edge is stopping")
+    with pytest.raises(ShuttingDown):
+        await queued  # a 503 for its client
+    events = [event async for event in running]
+    assert events[-1].WhichOneof("kind") == "error"  # a stream's last SSE event
+    assert dispatcher.idle
+
+
+def test_the_shutdown_reserve_must_leave_time_to_drain() -> None:
+    tls = {"ca_file": "ca.pem", "cert_file": "e.pem", "key_file": "e.key"}
+    settings = EdgeSettings(service_id="edge", tls=tls, shutdown_timeout_s=10)
+    assert settings.drain_s == 8.0
+    with pytest.raises(ValidationError, match="shutdown_reserve_s"):
+        EdgeSettings(service_id="edge", tls=tls, shutdown_timeout_s=2, shutdown_reserve_s=2)
