@@ -27,8 +27,10 @@ from prometheus_client import CollectorRegistry
 
 from iop_edge.dispatch import Dispatcher
 from iop_edge.domain.fleet import Fleet, ModelEntry, Operation, ProviderEntry
+from iop_edge.fleet_holder import FleetHolder
 from iop_edge.metrics import EdgeMetrics
 from iop_edge.ports import RunSpec
+from iop_edge.registry import ProviderRegistry
 from iop_proto.v1 import runtime_pb2 as pb
 
 MODEL = "m"
@@ -61,7 +63,10 @@ def _spec(seq: int) -> RunSpec:
 
 async def probe(waiters: int) -> dict[str, Any]:
     """Queue ``waiters`` requests behind one busy slot, then serve them one by one."""
-    dispatcher = Dispatcher(EdgeMetrics.create(CollectorRegistry()))
+    metrics = EdgeMetrics.create(CollectorRegistry())
+    fleet = FleetHolder()
+    pool = ProviderRegistry(fleet, metrics)
+    dispatcher = Dispatcher(fleet, pool, metrics)
     provider = ProviderEntry(
         id="p",
         node_id="n",
@@ -74,10 +79,10 @@ async def probe(waiters: int) -> dict[str, Any]:
         request_timeout_ms=600_000,
     )
     model = ModelEntry(MODEL, MODEL, {"p": MODEL})
-    dispatcher.apply_fleet(Fleet(version=1, models={MODEL: model}, providers={"p": provider}))
+    pool.apply_fleet(Fleet(version=1, models={MODEL: model}, providers={"p": provider}))
     link = FakeLink("n")
     state = pb.ProviderState(provider_id="p", health=pb.HEALTH_AVAILABLE, capacity=1)
-    dispatcher.node_connected(link, [state])
+    pool.node_connected(link, [state])
 
     current = (await dispatcher.open_run(_spec(0))).run_id
     await link.sent.get()

@@ -1,7 +1,7 @@
 """Scale: selection among 1,000 providers, 10,000 queued requests, 100 nodes registering.
 
 - selection: the edge's own per-model index (``ModelIndex`` over ``ProviderSlot``
-  objects, built by ``index_models`` as ``Dispatcher.apply_fleet`` builds it; 1,000
+  objects, built by ``index_models`` as ``ProviderRegistry.apply_fleet`` builds it; 1,000
   providers on 100 nodes, loads varied), in process, timed per decision with the
   index upkeep it causes: ``select``, ``take`` of the chosen slot and ``release`` of
   one taken before, the calls ``Dispatcher`` makes; and a whole ``open_run`` through
@@ -35,8 +35,10 @@ from prometheus_client import CollectorRegistry
 from iop_edge.dispatch import Dispatcher
 from iop_edge.domain.fleet import Fleet, ModelEntry, Operation, ProviderEntry
 from iop_edge.domain.pool import AVAILABLE, ProviderSlot, index_models
+from iop_edge.fleet_holder import FleetHolder
 from iop_edge.metrics import EdgeMetrics
 from iop_edge.ports import RunSpec
+from iop_edge.registry import ProviderRegistry
 from iop_proto.connection import Connection
 from iop_proto.tls import TlsSettings, client_context
 from iop_proto.v1 import runtime_pb2 as pb
@@ -82,7 +84,7 @@ def selection(providers: int, nodes: int, decisions: int, seed: int = 7) -> dict
         for _ in range(rng.randrange(slot.capacity)):  # every one has a free slot
             slot.take()
         slots.append(slot)
-    # the model lists them in fleet order, as Dispatcher.apply_fleet indexes them
+    # the model lists them in fleet order, as ProviderRegistry.apply_fleet indexes them
     index = index_models([(SCALE_MODEL, slots)], slots)[SCALE_MODEL]
     busy: list[ProviderSlot] = []
     wall, cpu = time.perf_counter_ns, time.thread_time_ns
@@ -147,8 +149,11 @@ async def dispatch_path(providers: int, nodes: int, requests: int, seed: int = 7
         for i in range(providers)
     }
     model = ModelEntry(SCALE_MODEL, SCALE_MODEL, {p: SCALE_MODEL for p in entries})
-    dispatcher = Dispatcher(EdgeMetrics.create(CollectorRegistry()))
-    dispatcher.apply_fleet(Fleet(version=1, models={SCALE_MODEL: model}, providers=entries))
+    metrics = EdgeMetrics.create(CollectorRegistry())
+    fleet = FleetHolder()
+    pool = ProviderRegistry(fleet, metrics)
+    dispatcher = Dispatcher(fleet, pool, metrics)
+    pool.apply_fleet(Fleet(version=1, models={SCALE_MODEL: model}, providers=entries))
     for n in sorted({e.node_id for e in entries.values()}):
         states = [
             pb.ProviderState(
@@ -160,7 +165,7 @@ async def dispatch_path(providers: int, nodes: int, requests: int, seed: int = 7
             for e in entries.values()
             if e.node_id == n
         ]
-        dispatcher.node_connected(_FakeLink(n), states)
+        pool.node_connected(_FakeLink(n), states)
     spec = RunSpec(
         SCALE_MODEL,
         Operation.CHAT_COMPLETIONS,

@@ -23,9 +23,11 @@ from iop_edge.dispatch import Dispatcher
 from iop_edge.entrypoints.api_auth import KeySlots, access_mode
 from iop_edge.entrypoints.api_metrics import ApiMetrics
 from iop_edge.entrypoints.http_api import create_api_app, load_openapi
+from iop_edge.fleet_holder import FleetHolder
 from iop_edge.limits import max_body_bytes
 from iop_edge.metrics import EdgeMetrics
 from iop_edge.peer_guard import PeerGuard
+from iop_edge.registry import ProviderRegistry
 from iop_edge.settings import EdgeSettings
 from iop_proto.service import AdminServer
 from iop_proto.tls import client_context, server_context
@@ -42,8 +44,13 @@ class Edge:
     """The running edge, for tests and the runner: its parts and bound ports."""
 
     def __init__(
-        self, dispatcher: Dispatcher, nodes: NodeServer, control_plane: ControlPlaneClient
+        self,
+        providers: ProviderRegistry,
+        dispatcher: Dispatcher,
+        nodes: NodeServer,
+        control_plane: ControlPlaneClient,
     ) -> None:
+        self.providers = providers
         self.dispatcher = dispatcher
         self.nodes = nodes
         self.control_plane = control_plane
@@ -58,10 +65,14 @@ async def build(
     server_tls = server_context(settings.tls) if settings.tls.enabled else None
     client_tls = client_context(settings.tls) if settings.tls.enabled else None
     metrics = EdgeMetrics.create(registry)
-    dispatcher = Dispatcher(metrics, max_frame_size=settings.max_frame_size)
+    # The fleet in force, the live pool with its node links, and the dispatcher
+    # that acquires from the pool, starts runs and releases.
+    fleet_holder = FleetHolder()
+    providers = ProviderRegistry(fleet_holder, metrics)
+    dispatcher = Dispatcher(fleet_holder, providers, metrics, settings.max_frame_size)
     body_limit = max_body_bytes(settings.max_frame_size)  # what a node link can carry
-    catalog = PoolCatalog(dispatcher)
-    keys = FleetKeyRing(dispatcher)
+    catalog = PoolCatalog(fleet_holder, providers, dispatcher)
+    keys = FleetKeyRing(fleet_holder)
     key_slots = KeySlots()
     nodes: NodeServer | None = None
     keys_were_open: bool | None = None
@@ -74,7 +85,7 @@ async def build(
     async def on_fleet(config: pb.FleetConfig) -> None:
         nonlocal keys_were_open
         fleet = fleet_from_proto(config)
-        dispatcher.apply_fleet(fleet)
+        providers.apply_fleet(fleet)
         metrics.config_version.set(config.version)
         # A revoked key leaves the fleet: its requests end now, not when they finish,
         # and its batches are cancelled (their lines in flight stopped).
@@ -122,9 +133,10 @@ async def build(
             host=settings.node_listener.host,
             port=settings.node_listener.port,
             edge_id=settings.service_id,
+            registry=providers,
             dispatcher=dispatcher,
             authorizer=control_plane,
-            guard=PeerGuard(dispatcher, metrics, batches),
+            guard=PeerGuard(dispatcher, providers, metrics, batches),
             metrics=metrics,
             tls=server_tls,
             heartbeat_interval_s=settings.heartbeat_interval_s,
@@ -166,7 +178,7 @@ async def build(
         stack.push_async_callback(dispatcher.fail_all, "edge is stopping")
         site = web.TCPSite(runner, settings.http.host, settings.http.port, reuse_address=True)
         await site.start()
-        edge = Edge(dispatcher, nodes, control_plane)
+        edge = Edge(providers, dispatcher, nodes, control_plane)
         edge.http_port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         logger.info("OpenAI API on http://{}:{}/v1", settings.http.host, edge.http_port)
         log_access_mode()  # from now on logged again whenever keys come or go

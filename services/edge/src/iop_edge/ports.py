@@ -7,11 +7,12 @@ with small fakes of these protocols.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from iop_edge.domain.fleet import ApiKeyEntry, ModelEntry, Operation
+from iop_edge.domain.fleet import ApiKeyEntry, Fleet, ModelEntry, Operation
+from iop_edge.domain.pool import ProviderSlot
 from iop_proto.v1 import runtime_pb2 as pb
 
 
@@ -60,6 +61,48 @@ class RunService(Protocol):
         Raises ``ModelNotFound``, ``NoProviderAvailable``, ``QueueFull``, ``QueueTimeout``.
         """
         ...
+
+
+class FleetView(Protocol):
+    """The fleet config in force (``FleetHolder``), for whoever only reads it."""
+
+    @property
+    def current(self) -> Fleet: ...
+
+
+class ProviderView(Protocol):
+    """The live pool, read only (``ProviderRegistry``): the catalog and the peer guard
+    look, only the registry and the dispatcher change slots."""
+
+    def slot(self, provider_id: str) -> ProviderSlot | None: ...
+
+    def slots(self) -> Sequence[ProviderSlot]:
+        """Every provider of the fleet, in the fleet file's order."""
+        ...
+
+
+class QueueView(Protocol):
+    """How many requests wait for a model (``Dispatcher``)."""
+
+    def queued(self, model_id: str) -> int: ...
+
+
+class RunLink(Protocol):
+    """A run in flight, as the peer guard checks events against it."""
+
+    @property
+    def node_id(self) -> str: ...
+
+    @property
+    def link(self) -> object:
+        """The connection the run was dispatched on (compared by identity)."""
+        ...
+
+
+class RunView(Protocol):
+    """The runs in flight, by id (``Dispatcher``)."""
+
+    def run(self, run_id: str) -> RunLink | None: ...
 
 
 class Catalog(Protocol):
