@@ -25,7 +25,9 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from iop_edge.adapters.run_wire import provider_reports
 from iop_edge.dispatch import Dispatcher
+from iop_edge.domain.events import Completed, RunOrder
 from iop_edge.domain.fleet import Fleet, ModelEntry, Operation, ProviderEntry
 from iop_edge.fleet_holder import FleetHolder
 from iop_edge.metrics import EdgeMetrics
@@ -49,7 +51,7 @@ class FakeLink:
         self.node_id = node_id
         self.sent: asyncio.Queue[pb.RunRequest] = asyncio.Queue()
 
-    async def send_run(self, request: pb.RunRequest) -> None:
+    async def send_run(self, request: RunOrder) -> None:
         self.sent.put_nowait(request)
 
     async def send_cancel(self, run_id: str, reason: str) -> None:
@@ -82,7 +84,7 @@ async def probe(waiters: int) -> dict[str, Any]:
     pool.apply_fleet(Fleet(version=1, models={MODEL: model}, providers={"p": provider}))
     link = FakeLink("n")
     state = pb.ProviderState(provider_id="p", health=pb.HEALTH_AVAILABLE, capacity=1)
-    pool.node_connected(link, [state])
+    pool.node_connected(link, provider_reports([state]))
 
     current = (await dispatcher.open_run(_spec(0))).run_id
     await link.sent.get()
@@ -105,7 +107,7 @@ async def probe(waiters: int) -> dict[str, Any]:
     started = time.perf_counter()
     async with asyncio.timeout(120):
         for _ in range(waiters):
-            dispatcher.deliver(pb.RunEvent(run_id=current, complete=pb.RunComplete()))
+            dispatcher.deliver(current, Completed())
             request = await link.sent.get()
             served.append(json.loads(request.body_json)["seq"])
             current = request.run_id

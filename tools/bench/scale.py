@@ -32,7 +32,9 @@ from typing import Any, Final
 import aiohttp
 from prometheus_client import CollectorRegistry
 
+from iop_edge.adapters.run_wire import provider_reports
 from iop_edge.dispatch import Dispatcher
+from iop_edge.domain.events import Completed, RunOrder
 from iop_edge.domain.fleet import Fleet, ModelEntry, Operation, ProviderEntry
 from iop_edge.domain.pool import AVAILABLE, ProviderSlot, index_models
 from iop_edge.fleet_holder import FleetHolder
@@ -122,7 +124,7 @@ class _FakeLink:
     def __init__(self, node_id: str) -> None:
         self.node_id = node_id
 
-    async def send_run(self, request: pb.RunRequest) -> None:
+    async def send_run(self, request: RunOrder) -> None:
         """Sent."""
 
     async def send_cancel(self, run_id: str, reason: str) -> None:
@@ -165,7 +167,7 @@ async def dispatch_path(providers: int, nodes: int, requests: int, seed: int = 7
             for e in entries.values()
             if e.node_id == n
         ]
-        pool.node_connected(_FakeLink(n), states)
+        pool.node_connected(_FakeLink(n), provider_reports(states))
     spec = RunSpec(
         SCALE_MODEL,
         Operation.CHAT_COMPLETIONS,
@@ -173,7 +175,7 @@ async def dispatch_path(providers: int, nodes: int, requests: int, seed: int = 7
         stream=False,
         include_usage=False,
     )
-    done = pb.RunComplete(finish_reason="stop")
+    done = Completed(finish_reason="stop")
     runs = []
     walls: list[float] = []
     wall = time.perf_counter_ns
@@ -184,9 +186,9 @@ async def dispatch_path(providers: int, nodes: int, requests: int, seed: int = 7
         runs.append(run)
         if len(runs) > providers // 10:
             ended = runs.pop(rng.randrange(len(runs)))
-            ended.deliver(pb.RunEvent(run_id=ended.run_id, complete=done))
+            ended.deliver(done)
     for run in runs:
-        run.deliver(pb.RunEvent(run_id=run.run_id, complete=done))
+        run.deliver(done)
     return {"requests": requests, "p50": percentile(walls, 50), "p99": percentile(walls, 99)}
 
 

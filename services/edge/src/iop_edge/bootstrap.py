@@ -15,6 +15,7 @@ from iop_edge.adapters.batch_store import SqliteBatchStore
 from iop_edge.adapters.control_plane import ControlPlaneClient
 from iop_edge.adapters.fleet_proto import fleet_from_proto
 from iop_edge.adapters.node_server import NodeServer
+from iop_edge.adapters.peer_guard import PeerGuard
 from iop_edge.adapters.sqlite_runlog import SqliteRunLog
 from iop_edge.batches import BatchService
 from iop_edge.catalog import FleetKeyRing, PoolCatalog
@@ -26,7 +27,6 @@ from iop_edge.entrypoints.http_api import create_api_app, load_openapi
 from iop_edge.fleet_holder import FleetHolder
 from iop_edge.limits import max_body_bytes
 from iop_edge.metrics import EdgeMetrics
-from iop_edge.peer_guard import PeerGuard
 from iop_edge.registry import ProviderRegistry
 from iop_edge.settings import EdgeSettings
 from iop_proto.service import AdminServer

@@ -15,7 +15,8 @@ import secrets
 import time
 from collections.abc import Iterable
 
-from iop_edge.domain.fleet import Fleet, ModelEntry, Operation
+from iop_edge.domain.events import ErrorCode, Failed, RunEvent, RunOrder
+from iop_edge.domain.fleet import Fleet, ModelEntry
 from iop_edge.domain.pool import ProviderSlot
 from iop_edge.domain.queue import ModelQueue
 from iop_edge.errors import (
@@ -33,13 +34,6 @@ from iop_edge.registry import ProviderRegistry
 from iop_edge.runs import EdgeRun, NodeLink
 from iop_proto.errors import FrameTooLarge
 from iop_proto.framing import DEFAULT_MAX_FRAME_SIZE
-from iop_proto.v1 import runtime_pb2 as pb
-
-_OPERATIONS = {
-    Operation.CHAT_COMPLETIONS: pb.OPERATION_CHAT_COMPLETIONS,
-    Operation.COMPLETIONS: pb.OPERATION_COMPLETIONS,
-    Operation.EMBEDDINGS: pb.OPERATION_EMBEDDINGS,
-}
 
 
 class Dispatcher:
@@ -79,16 +73,14 @@ class Dispatcher:
 
     def link_lost(self, link: NodeLink, reason: str) -> None:
         for run in [r for r in self._runs.values() if r.link is link]:
-            run.fail(pb.ERROR_CODE_PROVIDER_UNAVAILABLE, f"node {link.node_id} lost: {reason}")
+            run.fail(ErrorCode.PROVIDER_UNAVAILABLE, f"node {link.node_id} lost: {reason}")
 
-    def deliver(self, event: pb.RunEvent) -> bool:
+    def deliver(self, run_id: str, event: RunEvent) -> bool:
         """Route a node's run event to its run; False for an unknown run id."""
-        run = self._runs.get(event.run_id)
+        run = self._runs.get(run_id)
         if run is None:
             return False
-        if event.WhichOneof("kind") == "error" and (
-            event.error.code == pb.ERROR_CODE_PROVIDER_UNAVAILABLE
-        ):
+        if type(event) is Failed and event.code is ErrorCode.PROVIDER_UNAVAILABLE:
             self._registry.mark_unavailable(run.provider_id)
         run.deliver(event)
         return True
@@ -183,13 +175,13 @@ class Dispatcher:
             raise NoProviderAvailable(f"node {slot.node_id} is gone", code="provider_unavailable")
         run_id = secrets.token_hex(16)  # 32 hex digits, like uuid4().hex, for less work
         timeout_ms = entry.request_timeout_ms or 600_000
-        request = pb.RunRequest(
+        request = RunOrder(
             run_id=run_id,
             model=model.id,
             provider_id=slot.provider_id,
             adapter=entry.type,
             target=served,
-            operation=_OPERATIONS[spec.operation],
+            operation=spec.operation,
             body_json=body.with_model(served),  # target rewrite here and only here (S03)
             stream=spec.stream,
             deadline_unix_ms=int(time.time() * 1000) + timeout_ms,

@@ -11,9 +11,10 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from iop_edge.domain.events import RunEvent
 from iop_edge.domain.fleet import ApiKeyEntry, Fleet, ModelEntry, Operation
+from iop_edge.domain.leases import LeaseGrant, LineReply
 from iop_edge.domain.pool import ProviderSlot
-from iop_proto.v1 import runtime_pb2 as pb
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,18 +30,15 @@ class RunSpec:
 
 
 class RunEvents(Protocol):
-    """One dispatched run: its events in order, ending with ``complete`` or ``error``.
-
-    The node's events are passed through as ``pb.RunEvent`` (converting each
-    token's event into another object would only cost time on the hottest path).
-    """
+    """One dispatched run: its events in order, ending with ``Completed`` or ``Failed``
+    (converted from the wire once, by the node listener)."""
 
     run_id: str
     provider_id: str
     node_id: str
     target: str
 
-    def __aiter__(self) -> AsyncIterator[pb.RunEvent]: ...
+    def __aiter__(self) -> AsyncIterator[RunEvent]: ...
 
     @property
     def more_ready(self) -> bool:
@@ -184,11 +182,11 @@ class BatchLeases(Protocol):
         """The worker (re)connected: leases it held before are free again."""
         ...
 
-    async def lease(self, worker_id: str) -> pb.LeaseGrant:
+    async def lease(self, worker_id: str) -> LeaseGrant:
         """The oldest batch needing work, or an empty grant."""
         ...
 
-    async def renew(self, lease_id: str) -> pb.LeaseGrant:
+    async def renew(self, lease_id: str) -> LeaseGrant:
         """Extend a lease; raises ``LeaseLost`` when it expired, was taken or is cancelling."""
         ...
 
@@ -199,7 +197,7 @@ class BatchLeases(Protocol):
         taken over, released, or never granted)."""
         ...
 
-    async def run_line(self, lease_id: str, line_number: int) -> pb.BatchLineResult:
+    async def run_line(self, lease_id: str, line_number: int) -> LineReply:
         """Run one line through normal dispatch (batch priority); a finished line is
         answered from storage, never run twice."""
         ...

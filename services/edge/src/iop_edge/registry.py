@@ -14,21 +14,12 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Protocol
 
+from iop_edge.domain.events import ProviderReport
 from iop_edge.domain.fleet import Fleet
-from iop_edge.domain.pool import (
-    AVAILABLE,
-    UNAVAILABLE,
-    UNKNOWN,
-    ModelIndex,
-    ProviderSlot,
-    index_models,
-)
+from iop_edge.domain.pool import AVAILABLE, UNAVAILABLE, ModelIndex, ProviderSlot, index_models
 from iop_edge.fleet_holder import FleetHolder
 from iop_edge.metrics import EdgeMetrics
 from iop_edge.runs import NodeLink
-from iop_proto.v1 import runtime_pb2 as pb
-
-_HEALTH = {pb.HEALTH_AVAILABLE: AVAILABLE, pb.HEALTH_UNAVAILABLE: UNAVAILABLE}
 
 
 class PoolListener(Protocol):
@@ -107,7 +98,7 @@ class ProviderRegistry:
         if self._listener is not None:
             self._listener.fleet_applied(fleet)
 
-    def node_connected(self, link: NodeLink, providers: Iterable[pb.ProviderState]) -> None:
+    def node_connected(self, link: NodeLink, providers: Iterable[ProviderReport]) -> None:
         """Register ``link`` as its node's connection (a previous one is replaced)."""
         self._links[link.node_id] = link
         self._metrics.nodes_connected.set(len(self._links))
@@ -127,26 +118,17 @@ class ProviderRegistry:
         if self._listener is not None:
             self._listener.link_lost(link, reason)
 
-    def apply_snapshot(self, node_id: str, providers: Iterable[pb.ProviderState]) -> None:
+    def apply_snapshot(self, node_id: str, providers: Iterable[ProviderReport]) -> None:
         changed: set[str] = set()
         for state in providers:
             slot = self._slots.get(state.provider_id)
             if slot is None or slot.node_id != node_id:
                 continue  # not in the fleet (or not this node's): never routable
-            slot.update(
-                health=_HEALTH.get(state.health, UNKNOWN), reported_in_flight=state.in_flight
-            )
+            slot.update(health=state.health, reported_in_flight=state.in_flight)
             slot.node_queued = state.queued
-            slot.models = tuple(state.models)
+            slot.models = state.models
             slot.detail = state.detail
-            caps = state.capabilities
-            slot.lifecycle = {
-                "list_models": caps.list_models,
-                "load_model": caps.load_model,
-                "unload_model": caps.unload_model,
-                "pull_model": caps.pull_model,
-                "delete_model": caps.delete_model,
-            }
+            slot.lifecycle = dict(state.lifecycle or {})
             self._metrics.publish_slot(slot)
             changed.update(slot.model_ids())
         if self._listener is not None:

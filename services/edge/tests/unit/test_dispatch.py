@@ -8,7 +8,10 @@ import json
 import pytest
 from prometheus_client import CollectorRegistry
 
+from iop_edge.adapters.run_wire import failed as failed_event
+from iop_edge.adapters.run_wire import provider_reports
 from iop_edge.dispatch import Dispatcher
+from iop_edge.domain.events import Completed, ErrorCode, RunOrder
 from iop_edge.domain.fleet import Fleet, ModelEntry, Operation, ProviderEntry
 from iop_edge.errors import ModelNotFound, NoProviderAvailable, QueueFull, QueueTimeout
 from iop_edge.fleet_holder import FleetHolder
@@ -33,10 +36,10 @@ class Dispatch(Dispatcher):
 class FakeNode:
     def __init__(self, node_id: str) -> None:
         self.node_id = node_id
-        self.sent: list[pb.RunRequest] = []
+        self.sent: list[RunOrder] = []
         self.cancelled: list[str] = []
 
-    async def send_run(self, request: pb.RunRequest) -> None:
+    async def send_run(self, request: RunOrder) -> None:
         self.sent.append(request)
 
     async def send_cancel(self, run_id: str, reason: str) -> None:
@@ -79,11 +82,11 @@ def spec(batch: bool = False) -> RunSpec:
 
 def available(dispatcher: Dispatch, node: FakeNode, *providers: str) -> None:
     states = [pb.ProviderState(provider_id=p, health=pb.HEALTH_AVAILABLE) for p in providers]
-    dispatcher.pool.node_connected(node, states)
+    dispatcher.pool.node_connected(node, provider_reports(states))
 
 
 def complete(run: EdgeRun) -> None:
-    run.deliver(pb.RunEvent(run_id=run.run_id, complete=pb.RunComplete(finish_reason="stop")))
+    run.deliver(Completed(finish_reason="stop"))
 
 
 @pytest.fixture
@@ -193,7 +196,7 @@ async def test_cancel_frees_the_slot_and_tells_the_node(dispatcher: Dispatch) ->
     assert node_a.cancelled == [run.run_id]
     assert dispatcher.pool.slot("a").in_flight == 0
     events = [event async for event in run]
-    assert events[-1].error.code == pb.ERROR_CODE_CANCELLED
+    assert events[-1].code == ErrorCode.CANCELLED
 
 
 async def test_a_lost_node_ends_its_runs_and_its_providers_are_unavailable(
@@ -204,8 +207,8 @@ async def test_a_lost_node_ends_its_runs_and_its_providers_are_unavailable(
     run = await dispatcher.open_run(spec())
     dispatcher.pool.node_disconnected(node_a, "heartbeat timeout")
     events = [event async for event in run]
-    assert events[-1].error.code == pb.ERROR_CODE_PROVIDER_UNAVAILABLE
-    assert "heartbeat timeout" in events[-1].error.message
+    assert events[-1].code == ErrorCode.PROVIDER_UNAVAILABLE
+    assert "heartbeat timeout" in events[-1].message
     assert not dispatcher.pool.slot("a").usable
     assert dispatcher.pool.slot("a").in_flight == 0
     with pytest.raises(NoProviderAvailable):
@@ -220,13 +223,13 @@ async def test_a_snapshot_making_a_provider_available_serves_the_queue(
     available(dispatcher, node_a, "a")
     await dispatcher.open_run(spec())
     dispatcher.pool.node_connected(
-        node_b, [pb.ProviderState(provider_id="b", health=pb.HEALTH_UNKNOWN)]
+        node_b, provider_reports([pb.ProviderState(provider_id="b", health=pb.HEALTH_UNKNOWN)])
     )
     waiting = asyncio.create_task(dispatcher.open_run(spec()))
     await asyncio.sleep(0)
     assert not waiting.done()
     dispatcher.pool.apply_snapshot(
-        "node-b", [pb.ProviderState(provider_id="b", health=pb.HEALTH_AVAILABLE)]
+        "node-b", provider_reports([pb.ProviderState(provider_id="b", health=pb.HEALTH_AVAILABLE)])
     )
     run = await asyncio.wait_for(waiting, 1)
     assert run.provider_id == "b"
@@ -259,6 +262,6 @@ async def test_a_provider_the_node_found_unreachable_is_skipped_at_once(
     run = await dispatcher.open_run(spec())
     assert run.provider_id == "a"
     failed = pb.RunError(code=pb.ERROR_CODE_PROVIDER_UNAVAILABLE, message="connection refused")
-    dispatcher.deliver(pb.RunEvent(run_id=run.run_id, error=failed))
+    dispatcher.deliver(run.run_id, failed_event(failed))
     # no snapshot yet, but the next request already goes to the other provider
     assert [(await dispatcher.open_run(spec())).provider_id for _ in range(2)] == ["b", "b"]

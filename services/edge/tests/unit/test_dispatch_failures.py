@@ -16,7 +16,9 @@ from dataclasses import dataclass, replace
 import pytest
 from prometheus_client import CollectorRegistry
 
+from iop_edge.adapters.run_wire import provider_reports, run_request
 from iop_edge.dispatch import Dispatcher
+from iop_edge.domain.events import Completed, RunOrder
 from iop_edge.domain.fleet import Fleet, ModelEntry, Operation, ProviderEntry
 from iop_edge.errors import InvalidRequest, NoProviderAvailable, QueueTimeout, RequestTooLarge
 from iop_edge.fleet_holder import FleetHolder
@@ -63,14 +65,15 @@ class Link:
         self.frame_limit = frame_limit
         self.sending = asyncio.Event()  # send_run was entered
         self.gate = asyncio.Event()  # what holds, holds until this is set
-        self.sent: list[pb.RunRequest] = []
+        self.sent: list[RunOrder] = []
         self.cancelled: list[str] = []
 
-    async def send_run(self, request: pb.RunRequest) -> None:
+    async def send_run(self, request: RunOrder) -> None:
         self.sending.set()
+        message = run_request(request)  # as the real link converts it (and may fail to)
         if self.frame_limit is not None:  # the real link: encoding refuses an oversize frame
             envelope = pb.Envelope(message_id="edge-1", correlation_id=request.run_id)
-            envelope.run_request.CopyFrom(request)
+            envelope.run_request.CopyFrom(message)
             encode_frame(envelope, self.frame_limit)
         if self.fault is not None:
             raise self.fault
@@ -117,12 +120,12 @@ def spec(**body: object) -> RunSpec:
 
 def connect(dispatcher: Dispatch, link: Link) -> None:
     dispatcher.pool.node_connected(
-        link, [pb.ProviderState(provider_id="a", health=pb.HEALTH_AVAILABLE)]
+        link, provider_reports([pb.ProviderState(provider_id="a", health=pb.HEALTH_AVAILABLE)])
     )
 
 
 def complete(run: EdgeRun) -> None:
-    run.deliver(pb.RunEvent(run_id=run.run_id, complete=pb.RunComplete(finish_reason="stop")))
+    run.deliver(Completed(finish_reason="stop"))
 
 
 def new_dispatcher(entry: ProviderEntry | None = None) -> Dispatch:

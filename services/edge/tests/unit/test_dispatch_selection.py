@@ -8,7 +8,10 @@ import random
 import pytest
 from prometheus_client import CollectorRegistry
 
+from iop_edge.adapters.run_wire import failed as failed_event
+from iop_edge.adapters.run_wire import provider_reports
 from iop_edge.dispatch import Dispatcher
+from iop_edge.domain.events import Completed, RunOrder
 from iop_edge.domain.fleet import Fleet, ModelEntry, Operation, ProviderEntry
 from iop_edge.domain.pool import ProviderSlot, select
 from iop_edge.errors import NoProviderAvailable
@@ -34,9 +37,9 @@ class Dispatch(Dispatcher):
 class FakeNode:
     def __init__(self, node_id: str) -> None:
         self.node_id = node_id
-        self.sent: list[pb.RunRequest] = []
+        self.sent: list[RunOrder] = []
 
-    async def send_run(self, request: pb.RunRequest) -> None:
+    async def send_run(self, request: RunOrder) -> None:
         self.sent.append(request)
 
     async def send_cancel(self, run_id: str, reason: str) -> None:
@@ -72,7 +75,7 @@ def spec(model: str) -> RunSpec:
 
 
 def complete(run: EdgeRun) -> None:
-    run.deliver(pb.RunEvent(run_id=run.run_id, complete=pb.RunComplete(finish_reason="stop")))
+    run.deliver(Completed(finish_reason="stop"))
 
 
 def candidates(dispatcher: Dispatch, model: str) -> list[ProviderSlot]:
@@ -125,15 +128,15 @@ async def test_every_dispatch_chooses_what_the_scan_chooses(seed: int) -> None:
             complete(runs.pop(rng.randrange(len(runs))))
         elif action < 0.8:
             if dispatcher.pool.link(node.node_id) is not None:
-                dispatcher.pool.apply_snapshot(node.node_id, states)
+                dispatcher.pool.apply_snapshot(node.node_id, provider_reports(states))
             else:
-                dispatcher.pool.node_connected(node, states)
+                dispatcher.pool.node_connected(node, provider_reports(states))
         elif action < 0.88 and dispatcher.pool.link(node.node_id) is not None:
             dispatcher.pool.node_disconnected(node, "test")
         elif action < 0.94 and runs:
             run = rng.choice(runs)
             failed = pb.RunError(code=pb.ERROR_CODE_PROVIDER_UNAVAILABLE, message="refused")
-            dispatcher.deliver(pb.RunEvent(run_id=run.run_id, error=failed))
+            dispatcher.deliver(run.run_id, failed_event(failed))
         elif action >= 0.97:
             dispatcher.pool.apply_fleet(random_fleet(rng, step + 2))
         runs = [r for r in runs if not r.finished]
@@ -146,7 +149,7 @@ async def test_a_freed_shared_slot_goes_to_the_first_model_of_the_fleet_with_wai
     dispatcher.pool.apply_fleet(make_fleet(1, [provider("p", "n", 1)], {"a": ["p"], "b": ["p"]}))
     node = FakeNode("n")
     dispatcher.pool.node_connected(
-        node, [pb.ProviderState(provider_id="p", health=pb.HEALTH_AVAILABLE)]
+        node, provider_reports([pb.ProviderState(provider_id="p", health=pb.HEALTH_AVAILABLE)])
     )
     first = await dispatcher.open_run(spec("b"))
     for_b = asyncio.create_task(dispatcher.open_run(spec("b")))
@@ -166,7 +169,7 @@ async def test_a_provider_moved_to_another_node_follows_that_node() -> None:
     dispatcher.pool.apply_fleet(make_fleet(1, [provider("p", "old", 2)], {"m": ["p"]}))
     old = FakeNode("old")
     dispatcher.pool.node_connected(
-        old, [pb.ProviderState(provider_id="p", health=pb.HEALTH_AVAILABLE)]
+        old, provider_reports([pb.ProviderState(provider_id="p", health=pb.HEALTH_AVAILABLE)])
     )
     assert (
         registry.get_sample_value("iop_edge_provider_in_flight", {"provider": "p", "node": "old"})
@@ -178,7 +181,7 @@ async def test_a_provider_moved_to_another_node_follows_that_node() -> None:
         await dispatcher.open_run(spec("m"))
     new = FakeNode("new")
     dispatcher.pool.node_connected(
-        new, [pb.ProviderState(provider_id="p", health=pb.HEALTH_AVAILABLE)]
+        new, provider_reports([pb.ProviderState(provider_id="p", health=pb.HEALTH_AVAILABLE)])
     )
     run = await dispatcher.open_run(spec("m"))
     assert new.sent[0].run_id == run.run_id
@@ -196,10 +199,12 @@ async def test_metrics_follow_the_pool_and_leave_with_the_fleet() -> None:
     node = FakeNode("n")
     dispatcher.pool.node_connected(
         node,
-        [
-            pb.ProviderState(provider_id="a", health=pb.HEALTH_AVAILABLE),
-            pb.ProviderState(provider_id="b", health=pb.HEALTH_UNKNOWN),
-        ],
+        provider_reports(
+            [
+                pb.ProviderState(provider_id="a", health=pb.HEALTH_AVAILABLE),
+                pb.ProviderState(provider_id="b", health=pb.HEALTH_UNKNOWN),
+            ]
+        ),
     )
 
     def value(name: str, **labels: str) -> float | None:

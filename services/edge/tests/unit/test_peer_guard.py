@@ -7,11 +7,13 @@ from collections.abc import Set
 import pytest
 from prometheus_client import CollectorRegistry
 
+from iop_edge.adapters.peer_guard import NotYours, PeerGuard
+from iop_edge.adapters.run_wire import provider_reports
 from iop_edge.dispatch import Dispatcher
+from iop_edge.domain.events import RunOrder
 from iop_edge.domain.fleet import Fleet, ModelEntry, Operation, ProviderEntry
 from iop_edge.fleet_holder import FleetHolder
 from iop_edge.metrics import EdgeMetrics
-from iop_edge.peer_guard import NotYours, PeerGuard
 from iop_edge.ports import RunSpec
 from iop_edge.registry import ProviderRegistry
 from iop_proto.connection import Connection
@@ -42,7 +44,7 @@ class FakeNode:
         self.conn: Connection = FakeConn()  # type: ignore[assignment]
         self.configured = configured
 
-    async def send_run(self, request: pb.RunRequest) -> None:
+    async def send_run(self, request: RunOrder) -> None:
         pass
 
     async def send_cancel(self, run_id: str, reason: str) -> None:
@@ -102,7 +104,7 @@ async def test_a_run_takes_events_only_from_the_connection_it_was_dispatched_on(
 ) -> None:
     owner, again, other = FakeNode("node-a"), FakeNode("node-a"), FakeNode("node-fuzz")
     state = pb.ProviderState(provider_id="a", health=pb.HEALTH_AVAILABLE)
-    dispatcher.pool.node_connected(owner, [state])
+    dispatcher.pool.node_connected(owner, provider_reports([state]))
     spec = RunSpec("m", Operation.CHAT_COMPLETIONS, {"messages": []}, True, False)
     run = await dispatcher.open_run(spec)
     event = pb.RunEvent(run_id=run.run_id, delta=pb.RunDelta(text="x"))
@@ -151,10 +153,10 @@ async def test_a_worker_acts_only_on_its_own_leases(
 async def test_a_replaced_connections_runs_end_with_it(dispatcher: Dispatch) -> None:
     old, new = FakeNode("node-a"), FakeNode("node-a")
     state = pb.ProviderState(provider_id="a", health=pb.HEALTH_AVAILABLE)
-    dispatcher.pool.node_connected(old, [state])
+    dispatcher.pool.node_connected(old, provider_reports([state]))
     spec = RunSpec("m", Operation.CHAT_COMPLETIONS, {"messages": []}, True, False)
     run = await dispatcher.open_run(spec)
-    dispatcher.pool.node_connected(new, [state])  # the node registered again
+    dispatcher.pool.node_connected(new, provider_reports([state]))  # the node registered again
     dispatcher.pool.node_disconnected(old, "replaced by a new connection")
     assert run.finished  # nothing else would end it: the node cancelled it with the old link
     assert dispatcher.pool.slot("a").connected

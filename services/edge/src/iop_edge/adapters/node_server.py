@@ -19,11 +19,13 @@ from typing import Protocol
 
 from loguru import logger
 
+from iop_edge.adapters.peer_guard import UNKNOWN_ROLE, PeerGuard
+from iop_edge.adapters.run_wire import provider_reports, run_event, run_request
 from iop_edge.adapters.worker_session import WorkerSession
 from iop_edge.dispatch import Dispatcher
+from iop_edge.domain.events import RunOrder
 from iop_edge.errors import ControlPlaneUnavailable
 from iop_edge.metrics import EdgeMetrics
-from iop_edge.peer_guard import UNKNOWN_ROLE, PeerGuard
 from iop_edge.ports import BatchLeases
 from iop_edge.registry import ProviderRegistry
 from iop_proto.accept import StreamServer
@@ -68,8 +70,8 @@ class NodeConnection:
         self.config = config
         self._configured.update(provider.id for provider in config.providers)
 
-    async def send_run(self, request: pb.RunRequest) -> None:
-        await self.conn.send(request, correlation_id=request.run_id)
+    async def send_run(self, order: RunOrder) -> None:
+        await self.conn.send(run_request(order), correlation_id=order.run_id)
 
     async def send_cancel(self, run_id: str, reason: str) -> None:
         await self.conn.send(pb.CancelRequest(run_id=run_id, reason=reason), correlation_id=run_id)
@@ -246,7 +248,7 @@ class NodeServer:
             ),
             correlation_id=first.message_id,
         )
-        self._registry.node_connected(node, request.providers)
+        self._registry.node_connected(node, provider_reports(request.providers))
         self._metrics.registrations.labels("accepted").inc()
         logger.info(
             "node {} registered ({} providers)", node.node_id, len(answer.node_config.providers)
@@ -314,11 +316,13 @@ class NodeServer:
             if kind == "run_event":
                 event = envelope.run_event
                 guard.run_event(node, event)  # raises NotYours for another connection's run
-                dispatcher.deliver(event)  # unknown run ids: ended here already, dropped
+                converted = run_event(event)
+                if converted is not None:  # unknown run ids: ended here already, dropped
+                    dispatcher.deliver(event.run_id, converted)
             elif kind == "provider_snapshot":
                 snapshot = envelope.provider_snapshot
                 guard.snapshot(node, snapshot)
-                registry.apply_snapshot(node.node_id, snapshot.providers)
+                registry.apply_snapshot(node.node_id, provider_reports(snapshot.providers))
             elif kind == "error":
                 logger.warning("node {} reported: {}", node.node_id, envelope.error.message)
             else:
