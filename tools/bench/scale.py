@@ -33,14 +33,14 @@ import aiohttp
 from prometheus_client import CollectorRegistry
 
 from iop_edge.adapters.run_wire import provider_reports
-from iop_edge.dispatch import Dispatcher
 from iop_edge.domain.events import Completed, RunOrder
 from iop_edge.domain.fleet import Fleet, ModelEntry, Operation, ProviderEntry
 from iop_edge.domain.pool import AVAILABLE, ProviderSlot, index_models
-from iop_edge.fleet_holder import FleetHolder
 from iop_edge.metrics import EdgeMetrics
 from iop_edge.ports import RunSpec
-from iop_edge.registry import ProviderRegistry
+from iop_edge.service.dispatch import Dispatcher
+from iop_edge.service.fleet_holder import FleetHolder
+from iop_edge.service.registry import ProviderRegistry
 from iop_proto.connection import Connection
 from iop_proto.tls import TlsSettings, client_context
 from iop_proto.v1 import runtime_pb2 as pb

@@ -17,17 +17,17 @@ from iop_edge.adapters.fleet_proto import fleet_from_proto
 from iop_edge.adapters.node_server import NodeServer
 from iop_edge.adapters.peer_guard import PeerGuard
 from iop_edge.adapters.sqlite_runlog import SqliteRunLog
-from iop_edge.batches import BatchService
-from iop_edge.catalog import FleetKeyRing, PoolCatalog
 from iop_edge.console import add_console_routes
-from iop_edge.dispatch import Dispatcher
 from iop_edge.entrypoints.api_auth import KeySlots, access_mode
 from iop_edge.entrypoints.api_metrics import ApiMetrics
 from iop_edge.entrypoints.http_api import create_api_app, load_openapi
-from iop_edge.fleet_holder import FleetHolder
-from iop_edge.limits import max_body_bytes
 from iop_edge.metrics import EdgeMetrics
-from iop_edge.registry import ProviderRegistry
+from iop_edge.service.batches import BatchService
+from iop_edge.service.catalog import FleetKeyRing, PoolCatalog
+from iop_edge.service.dispatch import Dispatcher
+from iop_edge.service.fleet_holder import FleetHolder
+from iop_edge.service.limits import max_body_bytes
+from iop_edge.service.registry import ProviderRegistry
 from iop_edge.settings import EdgeSettings
 from iop_proto.service import AdminServer
 from iop_proto.tls import client_context, server_context

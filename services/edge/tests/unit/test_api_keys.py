@@ -7,14 +7,14 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from iop_edge.adapters.fleet_proto import fleet_from_proto
-from iop_edge.catalog import PoolCatalog
-from iop_edge.dispatch import Dispatcher
 from iop_edge.domain.fleet import ApiKeyEntry, Fleet, ModelEntry, ProviderEntry
 from iop_edge.entrypoints.api_auth import access_mode, check_open_access, is_loopback
 from iop_edge.errors import LoopbackOnly
-from iop_edge.fleet_holder import FleetHolder
 from iop_edge.metrics import EdgeMetrics
-from iop_edge.registry import ProviderRegistry
+from iop_edge.service.catalog import PoolCatalog
+from iop_edge.service.dispatch import Dispatcher
+from iop_edge.service.fleet_holder import FleetHolder
+from iop_edge.service.registry import ProviderRegistry
 from iop_proto.framing import DEFAULT_MAX_FRAME_SIZE
 from iop_proto.v1 import runtime_pb2 as pb
 

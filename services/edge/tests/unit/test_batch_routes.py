@@ -24,12 +24,12 @@ from prometheus_client import CollectorRegistry
 
 from iop_edge.adapters.batch_store import SqliteBatchStore
 from iop_edge.adapters.run_wire import run_event
-from iop_edge.batches import BatchService
 from iop_edge.domain.events import RunEvent
 from iop_edge.domain.fleet import ApiKeyEntry, ModelEntry
 from iop_edge.entrypoints.api_metrics import ApiMetrics
 from iop_edge.entrypoints.http_api import create_api_app, load_openapi
 from iop_edge.ports import EdgeRunRecord, RunSpec
+from iop_edge.service.batches import BatchService
 from iop_proto.v1 import runtime_pb2 as pb
 
 

@@ -23,13 +23,13 @@ from prometheus_client import CollectorRegistry
 from iop_edge.adapters.batch_schema import SCHEMA_VERSION, BatchStoreError
 from iop_edge.adapters.batch_store import SqliteBatchStore
 from iop_edge.adapters.run_wire import run_event
-from iop_edge.batches import BatchService
 from iop_edge.domain.events import RunEvent
 from iop_edge.domain.fleet import ApiKeyEntry, ModelEntry, Operation
 from iop_edge.domain.leases import LeaseGrant, LineReply
-from iop_edge.entrypoints.openai_errors import error_payload
 from iop_edge.errors import InvalidRequest, LeaseLost, NotFound, QueueTimeout, RequestTooLarge
+from iop_edge.formats.errors import error_payload
 from iop_edge.ports import RunSpec
+from iop_edge.service.batches import BatchService
 from iop_proto.v1 import runtime_pb2 as pb
 
 

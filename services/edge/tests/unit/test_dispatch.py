@@ -10,15 +10,15 @@ from prometheus_client import CollectorRegistry
 
 from iop_edge.adapters.run_wire import failed as failed_event
 from iop_edge.adapters.run_wire import provider_reports
-from iop_edge.dispatch import Dispatcher
 from iop_edge.domain.events import Completed, ErrorCode, RunOrder
 from iop_edge.domain.fleet import Fleet, ModelEntry, Operation, ProviderEntry
 from iop_edge.errors import ModelNotFound, NoProviderAvailable, QueueFull, QueueTimeout
-from iop_edge.fleet_holder import FleetHolder
 from iop_edge.metrics import EdgeMetrics
 from iop_edge.ports import RunSpec
-from iop_edge.registry import ProviderRegistry
-from iop_edge.runs import EdgeRun
+from iop_edge.service.dispatch import Dispatcher
+from iop_edge.service.fleet_holder import FleetHolder
+from iop_edge.service.registry import ProviderRegistry
+from iop_edge.service.runs import EdgeRun
 from iop_proto.framing import DEFAULT_MAX_FRAME_SIZE
 from iop_proto.v1 import runtime_pb2 as pb
 

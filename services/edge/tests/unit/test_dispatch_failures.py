@@ -17,16 +17,16 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from iop_edge.adapters.run_wire import provider_reports, run_request
-from iop_edge.dispatch import Dispatcher
 from iop_edge.domain.events import Completed, RunOrder
 from iop_edge.domain.fleet import Fleet, ModelEntry, Operation, ProviderEntry
 from iop_edge.errors import InvalidRequest, NoProviderAvailable, QueueTimeout, RequestTooLarge
-from iop_edge.fleet_holder import FleetHolder
-from iop_edge.limits import RunBody
 from iop_edge.metrics import EdgeMetrics
 from iop_edge.ports import RunSpec
-from iop_edge.registry import ProviderRegistry
-from iop_edge.runs import EdgeRun
+from iop_edge.service.dispatch import Dispatcher
+from iop_edge.service.fleet_holder import FleetHolder
+from iop_edge.service.limits import RunBody
+from iop_edge.service.registry import ProviderRegistry
+from iop_edge.service.runs import EdgeRun
 from iop_proto import json_codec
 from iop_proto.errors import ConnectionClosed
 from iop_proto.framing import DEFAULT_MAX_FRAME_SIZE, encode_frame

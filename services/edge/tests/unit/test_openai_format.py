@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 
 from iop_edge.domain.events import Completed, Delta, ToolCallDelta, Usage
 from iop_edge.domain.fleet import Operation
-from iop_edge.entrypoints.openai_format import ChunkStream, chat_choice, render_result, text_choice
 from iop_edge.errors import ProviderFailed
+from iop_edge.formats.openai import ChunkStream, chat_choice, render_result, text_choice
 
 
 def event(frame: bytes) -> dict[str, Any]:

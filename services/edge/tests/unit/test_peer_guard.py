@@ -9,13 +9,13 @@ from prometheus_client import CollectorRegistry
 
 from iop_edge.adapters.peer_guard import NotYours, PeerGuard
 from iop_edge.adapters.run_wire import provider_reports
-from iop_edge.dispatch import Dispatcher
 from iop_edge.domain.events import RunOrder
 from iop_edge.domain.fleet import Fleet, ModelEntry, Operation, ProviderEntry
-from iop_edge.fleet_holder import FleetHolder
 from iop_edge.metrics import EdgeMetrics
 from iop_edge.ports import RunSpec
-from iop_edge.registry import ProviderRegistry
+from iop_edge.service.dispatch import Dispatcher
+from iop_edge.service.fleet_holder import FleetHolder
+from iop_edge.service.registry import ProviderRegistry
 from iop_proto.connection import Connection
 from iop_proto.framing import DEFAULT_MAX_FRAME_SIZE
 from iop_proto.v1 import runtime_pb2 as pb

@@ -22,12 +22,12 @@ from loguru import logger
 from iop_edge.adapters.peer_guard import UNKNOWN_ROLE, PeerGuard
 from iop_edge.adapters.run_wire import provider_reports, run_event, run_request
 from iop_edge.adapters.worker_session import WorkerSession
-from iop_edge.dispatch import Dispatcher
 from iop_edge.domain.events import RunOrder
 from iop_edge.errors import ControlPlaneUnavailable
 from iop_edge.metrics import EdgeMetrics
 from iop_edge.ports import BatchLeases
-from iop_edge.registry import ProviderRegistry
+from iop_edge.service.dispatch import Dispatcher
+from iop_edge.service.registry import ProviderRegistry
 from iop_proto.accept import StreamServer
 from iop_proto.connection import Connection, error_body
 from iop_proto.errors import ConnectionClosed, ProtocolError, UnexpectedMessage

@@ -40,7 +40,7 @@ from loguru import logger
 
 from iop_edge.metrics import EdgeMetrics
 from iop_edge.ports import BatchLeases, ProviderView, RunView
-from iop_edge.runs import NodeLink
+from iop_edge.service.runs import NodeLink
 from iop_proto.connection import Connection
 from iop_proto.errors import ProtocolError
 from iop_proto.v1 import runtime_pb2 as pb

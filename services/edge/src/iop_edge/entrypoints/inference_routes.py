@@ -26,8 +26,7 @@ from iop_edge.domain.fleet import Operation
 from iop_edge.entrypoints.api_auth import InFlight, KeySlots, authenticate
 from iop_edge.entrypoints.api_metrics import ApiMetrics
 from iop_edge.entrypoints.inference_request import parse_params, read_json_body
-from iop_edge.entrypoints.openai_errors import error_payload, error_response, internal_error
-from iop_edge.entrypoints.openai_format import DONE, ChunkStream, render_result, sse_event
+from iop_edge.entrypoints.openai_errors import error_response
 from iop_edge.entrypoints.run_trace import RunTrace
 from iop_edge.errors import (
     EdgeError,
@@ -35,13 +34,17 @@ from iop_edge.errors import (
     ModelNotFound,
     ProviderFailed,
 )
+from iop_edge.formats.errors import error_payload, internal_error
+from iop_edge.formats.openai import (
+    DONE,
+    RENDER_OFFLOAD_BYTES,
+    ChunkStream,
+    render_result,
+    sse_event,
+)
 from iop_edge.ports import Catalog, KeyRing, RunEvents, RunLog, RunService, RunSpec
-from iop_edge.run_reader import Collector, follow
+from iop_edge.service.run_reader import Collector, follow
 from iop_proto.service.logging import log_unexpected
-
-RENDER_OFFLOAD_BYTES: Final = 256 * 1024
-"""A provider result larger than this (embeddings of many inputs) is re-serialised
-in a worker thread, so the event loop keeps serving streams meanwhile."""
 
 CLIENT_DISCONNECTED: Final = "client disconnected"
 

@@ -22,10 +22,7 @@ from typing import Any, Final
 from loguru import logger
 from prometheus_client import CollectorRegistry
 
-from iop_edge.batch_file_io import FileContent, Upload, physical_lines
-from iop_edge.batch_lines import LineRunner
 from iop_edge.batch_ports import BatchStore
-from iop_edge.batch_work import BatchWork
 from iop_edge.domain.batches import (
     COMPLETION_WINDOWS,
     ENDPOINTS,
@@ -46,12 +43,15 @@ from iop_edge.domain.batches import (
 )
 from iop_edge.domain.fleet import ApiKeyEntry
 from iop_edge.domain.leases import LeaseGrant, LineReply
-from iop_edge.entrypoints.openai_errors import error_payload
-from iop_edge.entrypoints.openai_format import dumps
 from iop_edge.errors import InvalidRequest, ModelNotAllowed, NotFound, RequestTooLarge
-from iop_edge.limits import DEFAULT_MAX_BODY_BYTES
+from iop_edge.formats.errors import error_payload
+from iop_edge.formats.openai import dumps
 from iop_edge.metrics import BatchMetrics
 from iop_edge.ports import Catalog, RunService
+from iop_edge.service.batch_file_io import FileContent, Upload, physical_lines
+from iop_edge.service.batch_lines import LineRunner
+from iop_edge.service.batch_work import BatchWork
+from iop_edge.service.limits import DEFAULT_MAX_BODY_BYTES
 
 MAX_FILE_BYTES: Final = 200 * 1024 * 1024
 """OpenAI's limit for a batch input file. Uploads are streamed to disk, so memory is

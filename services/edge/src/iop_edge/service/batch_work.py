@@ -20,7 +20,6 @@ from collections.abc import Callable, Iterable
 
 from loguru import logger
 
-from iop_edge.batch_lines import LineRunner
 from iop_edge.batch_ports import BatchStore
 from iop_edge.domain.batches import (
     CANCELLED,
@@ -39,6 +38,7 @@ from iop_edge.domain.batches import (
 from iop_edge.domain.leases import LeaseGrant, LineReply
 from iop_edge.errors import LeaseLost, NotFound
 from iop_edge.metrics import BatchMetrics
+from iop_edge.service.batch_lines import LineRunner
 
 
 class BatchWork:

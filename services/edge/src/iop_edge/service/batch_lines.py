@@ -24,9 +24,6 @@ from dataclasses import dataclass
 
 from iop_edge.domain.batches import DONE, ENDPOINTS, LINE_FAILED, LineRecord, LineResult
 from iop_edge.domain.events import Completed
-from iop_edge.entrypoints.inference_routes import RENDER_OFFLOAD_BYTES
-from iop_edge.entrypoints.openai_errors import error_payload, internal_error
-from iop_edge.entrypoints.openai_format import dumps, render_result
 from iop_edge.errors import (
     EdgeError,
     InvalidRequest,
@@ -37,8 +34,10 @@ from iop_edge.errors import (
     QueueTimeout,
     from_failure,
 )
+from iop_edge.formats.errors import error_payload, internal_error
+from iop_edge.formats.openai import RENDER_OFFLOAD_BYTES, dumps, render_result
 from iop_edge.ports import Catalog, RunEvents, RunService, RunSpec
-from iop_edge.run_reader import Collector, follow
+from iop_edge.service.run_reader import Collector, follow
 from iop_proto.service.logging import log_unexpected
 
 _TRANSIENT = (QueueFull, QueueTimeout, NoProviderAvailable)

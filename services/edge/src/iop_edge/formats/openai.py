@@ -24,6 +24,10 @@ from iop_edge.domain.fleet import Operation
 from iop_edge.errors import ProviderFailed
 from iop_proto import json_codec
 
+RENDER_OFFLOAD_BYTES: Final = 256 * 1024
+"""A provider result larger than this (embeddings of many inputs) is re-serialised
+in a worker thread, so the event loop keeps serving streams meanwhile."""
+
 DONE: Final = b"data: [DONE]\n\n"
 _EVENT_END: Final = b"\n\n"
 _TOKEN_END: Final = b',"logprobs":null,"finish_reason":null}]}\n\n'

@@ -27,11 +27,11 @@ from iop_edge.errors import (
     QueueTimeout,
     RequestTooLarge,
 )
-from iop_edge.limits import RunBody, check_output_tokens, check_run_frame
 from iop_edge.metrics import EdgeMetrics
 from iop_edge.ports import FleetView, RunSpec
-from iop_edge.registry import ProviderRegistry
-from iop_edge.runs import EdgeRun, NodeLink
+from iop_edge.service.limits import RunBody, check_output_tokens, check_run_frame
+from iop_edge.service.registry import ProviderRegistry
+from iop_edge.service.runs import EdgeRun, NodeLink
 from iop_proto.errors import FrameTooLarge
 from iop_proto.framing import DEFAULT_MAX_FRAME_SIZE
 

@@ -17,9 +17,9 @@ from typing import Protocol
 from iop_edge.domain.events import ProviderReport
 from iop_edge.domain.fleet import Fleet
 from iop_edge.domain.pool import AVAILABLE, UNAVAILABLE, ModelIndex, ProviderSlot, index_models
-from iop_edge.fleet_holder import FleetHolder
 from iop_edge.metrics import EdgeMetrics
-from iop_edge.runs import NodeLink
+from iop_edge.service.fleet_holder import FleetHolder
+from iop_edge.service.runs import NodeLink
 
 
 class PoolListener(Protocol):
