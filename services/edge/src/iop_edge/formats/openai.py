@@ -1,4 +1,4 @@
-"""Node run events as OpenAI wire objects: SSE chunks and whole (non-streaming) results.
+"""A run's events (``domain.events``) as OpenAI wire objects: SSE chunks and whole results.
 
 This is the per-token hot path. A stream's constant part (id, object, created,
 public model id) is serialised once when the stream starts. The common token (a
