@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import functools
 import time
+from collections.abc import Awaitable
 from typing import Final
 
 from aiohttp import web
@@ -284,17 +285,27 @@ class _SseSink:
     def started(self, event: Started) -> None:
         self._trace.started(event)
 
-    async def delta(self, event: Delta) -> None:
+    def delta(self, event: Delta) -> Awaitable[None] | None:
         response = self._response
         if not response.prepared:
-            self._trace.first_delta()
-            self._trace.status = 200
-            await response.prepare(self._request)
+            return self._first(event)
         pending = self.pending
         pending.append(self.chunks.delta(event))
-        if not self._events.more_ready:
-            await response.write(b"".join(pending))
-            pending.clear()
+        if self._events.more_ready:
+            return None
+        data = b"".join(pending)
+        pending.clear()
+        return response.write(data)
+
+    async def _first(self, event: Delta) -> None:
+        """The first delta sends the status line (a run failing before it gets a real
+        HTTP error instead)."""
+        self._trace.first_delta()
+        self._trace.status = 200
+        await self._response.prepare(self._request)
+        write = self.delta(event)
+        if write is not None:
+            await write
 
 
 async def _end_with_error(response: web.StreamResponse, error: EdgeError) -> None:

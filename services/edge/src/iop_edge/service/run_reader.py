@@ -7,6 +7,7 @@ is returned. What each does with a delta (write a chunk, keep it) is its own.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable
 from typing import Protocol
 
 from iop_edge.domain.events import Completed, Delta, Failed, Started
@@ -18,7 +19,11 @@ class RunSink(Protocol):
 
     def started(self, event: Started) -> None: ...
 
-    async def delta(self, event: Delta) -> None: ...
+    def delta(self, event: Delta) -> Awaitable[None] | None:
+        """Take one delta; what it returns (a write, say) is awaited before the next.
+        Not a coroutine itself: most deltas need no wait, and a coroutine per token
+        showed in the per-token cost."""
+        ...
 
 
 async def follow(events: RunEvents, sink: RunSink) -> Completed | Failed | None:
@@ -27,7 +32,9 @@ async def follow(events: RunEvents, sink: RunSink) -> Completed | Failed | None:
     async for event in events:
         match event:
             case Delta():  # first: nearly every event is one
-                await sink.delta(event)
+                wait = sink.delta(event)
+                if wait is not None:
+                    await wait
             case Started():
                 sink.started(event)
             case Completed() | Failed():
@@ -57,7 +64,7 @@ class Collector:
         if self._watcher is not None:
             self._watcher.started(event)
 
-    async def delta(self, event: Delta) -> None:
+    def delta(self, event: Delta) -> None:
         if self._watcher is not None:
             self._watcher.first_delta()
         self.deltas.append(event)
