@@ -42,7 +42,7 @@ from schemathesis.checks import CheckFunction
 from schemathesis.core.failures import FailureGroup
 from schemathesis.specs.openapi import checks as openapi_checks
 
-from iop_edge.limits import DEFAULT_MAX_BODY_BYTES
+from iop_edge.service.limits import DEFAULT_MAX_BODY_BYTES
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

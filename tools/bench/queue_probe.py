@@ -25,10 +25,14 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from iop_edge.dispatch import Dispatcher
+from iop_edge.adapters.run_wire import provider_reports
+from iop_edge.domain.events import Completed, RunOrder
 from iop_edge.domain.fleet import Fleet, ModelEntry, Operation, ProviderEntry
 from iop_edge.metrics import EdgeMetrics
 from iop_edge.ports import RunSpec
+from iop_edge.service.dispatch import Dispatcher
+from iop_edge.service.fleet_holder import FleetHolder
+from iop_edge.service.registry import ProviderRegistry
 from iop_proto.v1 import runtime_pb2 as pb
 
 MODEL = "m"
@@ -47,7 +51,7 @@ class FakeLink:
         self.node_id = node_id
         self.sent: asyncio.Queue[pb.RunRequest] = asyncio.Queue()
 
-    async def send_run(self, request: pb.RunRequest) -> None:
+    async def send_run(self, request: RunOrder) -> None:
         self.sent.put_nowait(request)
 
     async def send_cancel(self, run_id: str, reason: str) -> None:
@@ -61,7 +65,10 @@ def _spec(seq: int) -> RunSpec:
 
 async def probe(waiters: int) -> dict[str, Any]:
     """Queue ``waiters`` requests behind one busy slot, then serve them one by one."""
-    dispatcher = Dispatcher(EdgeMetrics.create(CollectorRegistry()))
+    metrics = EdgeMetrics.create(CollectorRegistry())
+    fleet = FleetHolder()
+    pool = ProviderRegistry(fleet, metrics)
+    dispatcher = Dispatcher(fleet, pool, metrics)
     provider = ProviderEntry(
         id="p",
         node_id="n",
@@ -74,10 +81,10 @@ async def probe(waiters: int) -> dict[str, Any]:
         request_timeout_ms=600_000,
     )
     model = ModelEntry(MODEL, MODEL, {"p": MODEL})
-    dispatcher.apply_fleet(Fleet(version=1, models={MODEL: model}, providers={"p": provider}))
+    pool.apply_fleet(Fleet(version=1, models={MODEL: model}, providers={"p": provider}))
     link = FakeLink("n")
     state = pb.ProviderState(provider_id="p", health=pb.HEALTH_AVAILABLE, capacity=1)
-    dispatcher.node_connected(link, [state])
+    pool.node_connected(link, provider_reports([state]))
 
     current = (await dispatcher.open_run(_spec(0))).run_id
     await link.sent.get()
@@ -100,7 +107,7 @@ async def probe(waiters: int) -> dict[str, Any]:
     started = time.perf_counter()
     async with asyncio.timeout(120):
         for _ in range(waiters):
-            dispatcher.deliver(pb.RunEvent(run_id=current, complete=pb.RunComplete()))
+            dispatcher.deliver(current, Completed())
             request = await link.sent.get()
             served.append(json.loads(request.body_json)["seq"])
             current = request.run_id

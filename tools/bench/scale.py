@@ -1,7 +1,7 @@
 """Scale: selection among 1,000 providers, 10,000 queued requests, 100 nodes registering.
 
 - selection: the edge's own per-model index (``ModelIndex`` over ``ProviderSlot``
-  objects, built by ``index_models`` as ``Dispatcher.apply_fleet`` builds it; 1,000
+  objects, built by ``index_models`` as ``ProviderRegistry.apply_fleet`` builds it; 1,000
   providers on 100 nodes, loads varied), in process, timed per decision with the
   index upkeep it causes: ``select``, ``take`` of the chosen slot and ``release`` of
   one taken before, the calls ``Dispatcher`` makes; and a whole ``open_run`` through
@@ -32,11 +32,15 @@ from typing import Any, Final
 import aiohttp
 from prometheus_client import CollectorRegistry
 
-from iop_edge.dispatch import Dispatcher
+from iop_edge.adapters.run_wire import provider_reports
+from iop_edge.domain.events import Completed, RunOrder
 from iop_edge.domain.fleet import Fleet, ModelEntry, Operation, ProviderEntry
 from iop_edge.domain.pool import AVAILABLE, ProviderSlot, index_models
 from iop_edge.metrics import EdgeMetrics
 from iop_edge.ports import RunSpec
+from iop_edge.service.dispatch import Dispatcher
+from iop_edge.service.fleet_holder import FleetHolder
+from iop_edge.service.registry import ProviderRegistry
 from iop_proto.connection import Connection
 from iop_proto.tls import TlsSettings, client_context
 from iop_proto.v1 import runtime_pb2 as pb
@@ -82,7 +86,7 @@ def selection(providers: int, nodes: int, decisions: int, seed: int = 7) -> dict
         for _ in range(rng.randrange(slot.capacity)):  # every one has a free slot
             slot.take()
         slots.append(slot)
-    # the model lists them in fleet order, as Dispatcher.apply_fleet indexes them
+    # the model lists them in fleet order, as ProviderRegistry.apply_fleet indexes them
     index = index_models([(SCALE_MODEL, slots)], slots)[SCALE_MODEL]
     busy: list[ProviderSlot] = []
     wall, cpu = time.perf_counter_ns, time.thread_time_ns
@@ -120,7 +124,7 @@ class _FakeLink:
     def __init__(self, node_id: str) -> None:
         self.node_id = node_id
 
-    async def send_run(self, request: pb.RunRequest) -> None:
+    async def send_run(self, request: RunOrder) -> None:
         """Sent."""
 
     async def send_cancel(self, run_id: str, reason: str) -> None:
@@ -147,8 +151,11 @@ async def dispatch_path(providers: int, nodes: int, requests: int, seed: int = 7
         for i in range(providers)
     }
     model = ModelEntry(SCALE_MODEL, SCALE_MODEL, {p: SCALE_MODEL for p in entries})
-    dispatcher = Dispatcher(EdgeMetrics.create(CollectorRegistry()))
-    dispatcher.apply_fleet(Fleet(version=1, models={SCALE_MODEL: model}, providers=entries))
+    metrics = EdgeMetrics.create(CollectorRegistry())
+    fleet = FleetHolder()
+    pool = ProviderRegistry(fleet, metrics)
+    dispatcher = Dispatcher(fleet, pool, metrics)
+    pool.apply_fleet(Fleet(version=1, models={SCALE_MODEL: model}, providers=entries))
     for n in sorted({e.node_id for e in entries.values()}):
         states = [
             pb.ProviderState(
@@ -160,7 +167,7 @@ async def dispatch_path(providers: int, nodes: int, requests: int, seed: int = 7
             for e in entries.values()
             if e.node_id == n
         ]
-        dispatcher.node_connected(_FakeLink(n), states)
+        pool.node_connected(_FakeLink(n), provider_reports(states))
     spec = RunSpec(
         SCALE_MODEL,
         Operation.CHAT_COMPLETIONS,
@@ -168,7 +175,7 @@ async def dispatch_path(providers: int, nodes: int, requests: int, seed: int = 7
         stream=False,
         include_usage=False,
     )
-    done = pb.RunComplete(finish_reason="stop")
+    done = Completed(finish_reason="stop")
     runs = []
     walls: list[float] = []
     wall = time.perf_counter_ns
@@ -179,9 +186,9 @@ async def dispatch_path(providers: int, nodes: int, requests: int, seed: int = 7
         runs.append(run)
         if len(runs) > providers // 10:
             ended = runs.pop(rng.randrange(len(runs)))
-            ended.deliver(pb.RunEvent(run_id=ended.run_id, complete=done))
+            ended.deliver(done)
     for run in runs:
-        run.deliver(pb.RunEvent(run_id=run.run_id, complete=done))
+        run.deliver(done)
     return {"requests": requests, "p50": percentile(walls, 50), "p99": percentile(walls, 99)}
 
 

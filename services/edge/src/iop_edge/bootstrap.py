@@ -15,18 +15,20 @@ from iop_edge.adapters.batch_store import SqliteBatchStore
 from iop_edge.adapters.control_plane import ControlPlaneClient
 from iop_edge.adapters.fleet_proto import fleet_from_proto
 from iop_edge.adapters.node_server import NodeServer
+from iop_edge.adapters.peer_guard import PeerGuard
 from iop_edge.adapters.sqlite_runlog import SqliteRunLog
-from iop_edge.batches import BatchService
-from iop_edge.catalog import FleetKeyRing, PoolCatalog
 from iop_edge.console import add_console_routes
-from iop_edge.dispatch import Dispatcher
 from iop_edge.entrypoints.api_auth import KeySlots, access_mode
 from iop_edge.entrypoints.api_metrics import ApiMetrics
 from iop_edge.entrypoints.http_api import create_api_app, load_openapi
 from iop_edge.entrypoints.stop_gate import StopGate
-from iop_edge.limits import max_body_bytes
 from iop_edge.metrics import EdgeMetrics
-from iop_edge.peer_guard import PeerGuard
+from iop_edge.service.batches import BatchService
+from iop_edge.service.catalog import FleetKeyRing, PoolCatalog
+from iop_edge.service.dispatch import Dispatcher
+from iop_edge.service.fleet_holder import FleetHolder
+from iop_edge.service.limits import max_body_bytes
+from iop_edge.service.registry import ProviderRegistry
 from iop_edge.settings import EdgeSettings
 from iop_proto.service import AdminServer
 from iop_proto.tasks import cancel_and_wait
@@ -62,8 +64,13 @@ class Edge:
     """The running edge, for tests and the runner: its parts and bound ports."""
 
     def __init__(
-        self, dispatcher: Dispatcher, nodes: NodeServer, control_plane: ControlPlaneClient
+        self,
+        providers: ProviderRegistry,
+        dispatcher: Dispatcher,
+        nodes: NodeServer,
+        control_plane: ControlPlaneClient,
     ) -> None:
+        self.providers = providers
         self.dispatcher = dispatcher
         self.nodes = nodes
         self.control_plane = control_plane
@@ -78,12 +85,20 @@ async def build(
     server_tls = server_context(settings.tls) if settings.tls.enabled else None
     client_tls = client_context(settings.tls) if settings.tls.enabled else None
     metrics = EdgeMetrics.create(registry)
+    # The fleet in force, the live pool with its node links, and the dispatcher
+    # that acquires from the pool, starts runs and releases.
+    fleet_holder = FleetHolder()
+    providers = ProviderRegistry(fleet_holder, metrics)
     dispatcher = Dispatcher(
-        metrics, max_frame_size=settings.max_frame_size, deadline_grace_s=settings.deadline_grace_s
+        fleet_holder,
+        providers,
+        metrics,
+        settings.max_frame_size,
+        deadline_grace_s=settings.deadline_grace_s,
     )
     body_limit = max_body_bytes(settings.max_frame_size)  # what a node link can carry
-    catalog = PoolCatalog(dispatcher)
-    keys = FleetKeyRing(dispatcher)
+    catalog = PoolCatalog(fleet_holder, providers, dispatcher)
+    keys = FleetKeyRing(fleet_holder)
     key_slots = KeySlots()
     nodes: NodeServer | None = None
     keys_were_open: bool | None = None
@@ -96,7 +111,7 @@ async def build(
     async def on_fleet(config: pb.FleetConfig) -> None:
         nonlocal keys_were_open
         fleet = fleet_from_proto(config)
-        dispatcher.apply_fleet(fleet)
+        providers.apply_fleet(fleet)
         metrics.config_version.set(config.version)
         # A revoked key leaves the fleet: its requests end now, not when they finish,
         # and its batches are cancelled (their lines in flight stopped).
@@ -146,9 +161,10 @@ async def build(
             host=settings.node_listener.host,
             port=settings.node_listener.port,
             edge_id=settings.service_id,
+            registry=providers,
             dispatcher=dispatcher,
             authorizer=control_plane,
-            guard=PeerGuard(dispatcher, metrics, batches),
+            guard=PeerGuard(dispatcher, providers, metrics, batches),
             metrics=metrics,
             tls=server_tls,
             heartbeat_interval_s=settings.heartbeat_interval_s,
@@ -195,7 +211,7 @@ async def build(
         await site.start()
         # First on the way out: stop accepting, drain, fail what is left (then the rest).
         stack.push_async_callback(_drain, site, gate, nodes, dispatcher, settings.drain_s)
-        edge = Edge(dispatcher, nodes, control_plane)
+        edge = Edge(providers, dispatcher, nodes, control_plane)
         edge.http_port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         logger.info("OpenAI API on http://{}:{}/v1", settings.http.host, edge.http_port)
         admin.report_port("http", edge.http_port)

@@ -6,7 +6,7 @@ Errors become HTTP statuses and OpenAI error objects in exactly one place
 
 from __future__ import annotations
 
-from iop_proto.v1 import runtime_pb2 as pb
+from iop_edge.domain.events import ErrorCode, Failed
 
 
 class EdgeError(Exception):
@@ -109,24 +109,24 @@ class ControlPlaneUnavailable(EdgeError, ConnectionError):
     status, type, code = 503, "server_error", "control_plane_unavailable"
 
 
-def from_run_error(error: pb.RunError) -> EdgeError:
-    """The one mapping from a node's run error code to what the client sees."""
-    message = error.message or pb.ErrorCode.Name(error.code)
-    code = error.code
-    if code == pb.ERROR_CODE_INVALID_REQUEST:
-        return InvalidRequest(message)
-    if code == pb.ERROR_CODE_NOT_FOUND:
-        return ModelNotFound(message)
-    if code == pb.ERROR_CODE_QUEUE_FULL:
-        return QueueFull(message)
-    if code == pb.ERROR_CODE_QUEUE_TIMEOUT:
-        return QueueTimeout(message)
-    if code == pb.ERROR_CODE_PROVIDER_UNAVAILABLE:
-        return NoProviderAvailable(message, code="provider_unavailable")
-    if code in (pb.ERROR_CODE_PROVIDER_TIMEOUT, pb.ERROR_CODE_DEADLINE_EXCEEDED):
-        return ProviderTimeout(message)
-    if code == pb.ERROR_CODE_PROVIDER_ERROR:
-        return ProviderFailed(message)
-    if code == pb.ERROR_CODE_CANCELLED:
-        return ProviderFailed(message, code="cancelled")
+def from_failure(failure: Failed) -> EdgeError:
+    """The one mapping from a run's error code to what the client sees."""
+    message = failure.message or failure.code.value
+    match failure.code:
+        case ErrorCode.INVALID_REQUEST:
+            return InvalidRequest(message)
+        case ErrorCode.NOT_FOUND:
+            return ModelNotFound(message)
+        case ErrorCode.QUEUE_FULL:
+            return QueueFull(message)
+        case ErrorCode.QUEUE_TIMEOUT:
+            return QueueTimeout(message)
+        case ErrorCode.PROVIDER_UNAVAILABLE:
+            return NoProviderAvailable(message, code="provider_unavailable")
+        case ErrorCode.PROVIDER_TIMEOUT | ErrorCode.DEADLINE_EXCEEDED:
+            return ProviderTimeout(message)
+        case ErrorCode.PROVIDER_ERROR:
+            return ProviderFailed(message)
+        case ErrorCode.CANCELLED:
+            return ProviderFailed(message, code="cancelled")
     return EdgeError(message, code="internal_error")

@@ -7,12 +7,14 @@ with small fakes of these protocols.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from iop_edge.domain.fleet import ApiKeyEntry, ModelEntry, Operation
-from iop_proto.v1 import runtime_pb2 as pb
+from iop_edge.domain.events import RunEvent
+from iop_edge.domain.fleet import ApiKeyEntry, Fleet, ModelEntry, Operation
+from iop_edge.domain.leases import LeaseGrant, LineReply
+from iop_edge.domain.pool import ProviderSlot
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,18 +30,15 @@ class RunSpec:
 
 
 class RunEvents(Protocol):
-    """One dispatched run: its events in order, ending with ``complete`` or ``error``.
-
-    The node's events are passed through as ``pb.RunEvent`` (converting each
-    token's event into another object would only cost time on the hottest path).
-    """
+    """One dispatched run: its events in order, ending with ``Completed`` or ``Failed``
+    (converted from the wire once, by the node listener)."""
 
     run_id: str
     provider_id: str
     node_id: str
     target: str
 
-    def __aiter__(self) -> AsyncIterator[pb.RunEvent]: ...
+    def __aiter__(self) -> AsyncIterator[RunEvent]: ...
 
     @property
     def more_ready(self) -> bool:
@@ -60,6 +59,48 @@ class RunService(Protocol):
         Raises ``ModelNotFound``, ``NoProviderAvailable``, ``QueueFull``, ``QueueTimeout``.
         """
         ...
+
+
+class FleetView(Protocol):
+    """The fleet config in force (``FleetHolder``), for whoever only reads it."""
+
+    @property
+    def current(self) -> Fleet: ...
+
+
+class ProviderView(Protocol):
+    """The live pool, read only (``ProviderRegistry``): the catalog and the peer guard
+    look, only the registry and the dispatcher change slots."""
+
+    def slot(self, provider_id: str) -> ProviderSlot | None: ...
+
+    def slots(self) -> Sequence[ProviderSlot]:
+        """Every provider of the fleet, in the fleet file's order."""
+        ...
+
+
+class QueueView(Protocol):
+    """How many requests wait for a model (``Dispatcher``)."""
+
+    def queued(self, model_id: str) -> int: ...
+
+
+class RunLink(Protocol):
+    """A run in flight, as the peer guard checks events against it."""
+
+    @property
+    def node_id(self) -> str: ...
+
+    @property
+    def link(self) -> object:
+        """The connection the run was dispatched on (compared by identity)."""
+        ...
+
+
+class RunView(Protocol):
+    """The runs in flight, by id (``Dispatcher``)."""
+
+    def run(self, run_id: str) -> RunLink | None: ...
 
 
 class Catalog(Protocol):
@@ -141,11 +182,11 @@ class BatchLeases(Protocol):
         """The worker (re)connected: leases it held before are free again."""
         ...
 
-    async def lease(self, worker_id: str) -> pb.LeaseGrant:
+    async def lease(self, worker_id: str) -> LeaseGrant:
         """The oldest batch needing work, or an empty grant."""
         ...
 
-    async def renew(self, lease_id: str) -> pb.LeaseGrant:
+    async def renew(self, lease_id: str) -> LeaseGrant:
         """Extend a lease; raises ``LeaseLost`` when it expired, was taken or is cancelling."""
         ...
 
@@ -156,7 +197,7 @@ class BatchLeases(Protocol):
         taken over, released, or never granted)."""
         ...
 
-    async def run_line(self, lease_id: str, line_number: int) -> pb.BatchLineResult:
+    async def run_line(self, lease_id: str, line_number: int) -> LineReply:
         """Run one line through normal dispatch (batch priority); a finished line is
         answered from storage, never run twice."""
         ...

@@ -96,7 +96,7 @@ class EdgeSettings(ServiceSettings):
         ge=1024 * 1024,
         description=(
             "largest IOP frame, in bytes (nodes must take as much): a run travels to its node"
-            " in one, so the HTTP body limit is this minus 64 KiB (iop_edge.limits)"
+            " in one, so the HTTP body limit is this minus 64 KiB (iop_edge.service.limits)"
         ),
     )
     deadline_grace_s: float = Field(

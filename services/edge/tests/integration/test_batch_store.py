@@ -22,10 +22,10 @@ from prometheus_client import CollectorRegistry
 from iop_edge.adapters.batch_files import ContentDir
 from iop_edge.adapters.batch_schema import SCHEMA_VERSION
 from iop_edge.adapters.batch_store import SqliteBatchStore
-from iop_edge.batches import BatchService
 from iop_edge.domain.batches import FileRecord
 from iop_edge.domain.fleet import ApiKeyEntry
 from iop_edge.errors import InvalidRequest, NotFound
+from iop_edge.service.batches import BatchService
 
 MIB = 1024 * 1024
 CHAT = "/v1/chat/completions"

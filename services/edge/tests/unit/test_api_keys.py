@@ -7,13 +7,26 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from iop_edge.adapters.fleet_proto import fleet_from_proto
-from iop_edge.catalog import PoolCatalog
-from iop_edge.dispatch import Dispatcher
 from iop_edge.domain.fleet import ApiKeyEntry, Fleet, ModelEntry, ProviderEntry
 from iop_edge.entrypoints.api_auth import access_mode, check_open_access, is_loopback
 from iop_edge.errors import LoopbackOnly
 from iop_edge.metrics import EdgeMetrics
+from iop_edge.service.catalog import PoolCatalog
+from iop_edge.service.dispatch import Dispatcher
+from iop_edge.service.fleet_holder import FleetHolder
+from iop_edge.service.registry import ProviderRegistry
+from iop_proto.framing import DEFAULT_MAX_FRAME_SIZE
 from iop_proto.v1 import runtime_pb2 as pb
+
+
+class Dispatch(Dispatcher):
+    """The dispatcher with the fleet holder and the pool it draws from, wired as
+    bootstrap wires them (the tests drive the pool as the node listener would)."""
+
+    def __init__(self, metrics: EdgeMetrics, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE) -> None:
+        self.fleet = FleetHolder()
+        self.pool = ProviderRegistry(self.fleet, metrics)
+        super().__init__(self.fleet, self.pool, metrics, max_frame_size)
 
 
 class Keys:
@@ -82,8 +95,8 @@ def entry(key_id: str, *models: str, operator: bool = False) -> ApiKeyEntry:
 @pytest.fixture
 def catalog() -> PoolCatalog:
     """``p-shared`` serves 'small' and 'twin'; 'solo' has a provider of its own."""
-    dispatcher = Dispatcher(EdgeMetrics.create(CollectorRegistry()))
-    dispatcher.apply_fleet(
+    dispatcher = Dispatch(EdgeMetrics.create(CollectorRegistry()))
+    dispatcher.pool.apply_fleet(
         Fleet(
             version=1,
             models={
@@ -98,7 +111,7 @@ def catalog() -> PoolCatalog:
             },
         )
     )
-    return PoolCatalog(dispatcher)
+    return PoolCatalog(dispatcher.fleet, dispatcher.pool, dispatcher)
 
 
 def test_a_restricted_key_sees_only_its_models_and_their_providers(catalog: PoolCatalog) -> None:

@@ -23,12 +23,23 @@ from openai import AsyncOpenAI
 from prometheus_client import CollectorRegistry
 
 from iop_edge.adapters.batch_store import SqliteBatchStore
-from iop_edge.batches import BatchService
+from iop_edge.adapters.run_wire import run_event
+from iop_edge.domain.events import RunEvent
 from iop_edge.domain.fleet import ApiKeyEntry, ModelEntry
 from iop_edge.entrypoints.api_metrics import ApiMetrics
 from iop_edge.entrypoints.http_api import create_api_app, load_openapi
 from iop_edge.ports import EdgeRunRecord, RunSpec
+from iop_edge.service.batches import BatchService
 from iop_proto.v1 import runtime_pb2 as pb
+
+
+async def as_events(wire: AsyncIterator[pb.RunEvent]) -> AsyncIterator[RunEvent]:
+    """The fake's wire events as the node listener hands them on (converted once)."""
+    async for message in wire:
+        event = run_event(message)
+        if event is not None:
+            yield event
+
 
 CHAT: Final = "/v1/chat/completions"
 MODEL = "llama3.1:8b"
@@ -44,8 +55,8 @@ class FakeRun:
 
     more_ready = False  # batch lines are collected whole, never relayed
 
-    def __aiter__(self) -> AsyncIterator[pb.RunEvent]:
-        return self._events()
+    def __aiter__(self) -> AsyncIterator[RunEvent]:
+        return as_events(self._events())
 
     async def _events(self) -> AsyncIterator[pb.RunEvent]:
         result = {

@@ -22,12 +22,24 @@ from prometheus_client import CollectorRegistry
 
 from iop_edge.adapters.batch_schema import SCHEMA_VERSION, BatchStoreError
 from iop_edge.adapters.batch_store import SqliteBatchStore
-from iop_edge.batches import BatchService
+from iop_edge.adapters.run_wire import run_event
+from iop_edge.domain.events import RunEvent
 from iop_edge.domain.fleet import ApiKeyEntry, ModelEntry, Operation
-from iop_edge.entrypoints.openai_errors import error_payload
+from iop_edge.domain.leases import LeaseGrant, LineReply
 from iop_edge.errors import InvalidRequest, LeaseLost, NotFound, QueueTimeout, RequestTooLarge
+from iop_edge.formats.errors import error_payload
 from iop_edge.ports import RunSpec
+from iop_edge.service.batches import BatchService
 from iop_proto.v1 import runtime_pb2 as pb
+
+
+async def as_events(wire: AsyncIterator[pb.RunEvent]) -> AsyncIterator[RunEvent]:
+    """The fake's wire events as the node listener hands them on (converted once)."""
+    async for message in wire:
+        event = run_event(message)
+        if event is not None:
+            yield event
+
 
 CHAT = "/v1/chat/completions"
 SERVED = "served-name"
@@ -60,8 +72,8 @@ class FakeRun:
 
     more_ready = False  # batch lines are collected whole, never relayed
 
-    def __aiter__(self) -> AsyncIterator[pb.RunEvent]:
-        return self._events()
+    def __aiter__(self) -> AsyncIterator[RunEvent]:
+        return as_events(self._events())
 
     async def _events(self) -> AsyncIterator[pb.RunEvent]:
         yield pb.RunEvent(run_id=self.run_id, start=pb.RunStart(provider_id="p1", target=SERVED))
@@ -519,7 +531,7 @@ async def test_list_is_newest_first_with_a_cursor(h: Harness) -> None:
 # ---------------------------------------------------------------- running
 
 
-async def run_all(h: Harness, grant: pb.LeaseGrant) -> list[pb.BatchLineResult]:
+async def run_all(h: Harness, grant: LeaseGrant) -> list[LineReply]:
     return [
         await h.service.run_line(grant.lease_id, n)
         for n in range(grant.next_line, grant.total_lines)
@@ -980,7 +992,7 @@ async def test_the_store_survives_a_restart_mid_batch(tmp_path: Path, clock: Fak
     async with opened(path, clock) as after:
         resumed = await after.service.lease("w2")
         assert (resumed.batch_id, resumed.next_line) == (batch["id"], 1)
-        assert await after.service.run_line(resumed.lease_id, 0) == pb.BatchLineResult(
+        assert await after.service.run_line(resumed.lease_id, 0) == LineReply(
             lease_id=resumed.lease_id,
             line_number=0,
             custom_id="a",

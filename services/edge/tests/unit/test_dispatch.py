@@ -8,22 +8,38 @@ import json
 import pytest
 from prometheus_client import CollectorRegistry
 
-from iop_edge.dispatch import Dispatcher
+from iop_edge.adapters.run_wire import failed as failed_event
+from iop_edge.adapters.run_wire import provider_reports
+from iop_edge.domain.events import Completed, ErrorCode, RunOrder
 from iop_edge.domain.fleet import Fleet, ModelEntry, Operation, ProviderEntry
 from iop_edge.errors import ModelNotFound, NoProviderAvailable, QueueFull, QueueTimeout
 from iop_edge.metrics import EdgeMetrics
 from iop_edge.ports import RunSpec
-from iop_edge.runs import EdgeRun
+from iop_edge.service.dispatch import Dispatcher
+from iop_edge.service.fleet_holder import FleetHolder
+from iop_edge.service.registry import ProviderRegistry
+from iop_edge.service.runs import EdgeRun
+from iop_proto.framing import DEFAULT_MAX_FRAME_SIZE
 from iop_proto.v1 import runtime_pb2 as pb
+
+
+class Dispatch(Dispatcher):
+    """The dispatcher with the fleet holder and the pool it draws from, wired as
+    bootstrap wires them (the tests drive the pool as the node listener would)."""
+
+    def __init__(self, metrics: EdgeMetrics, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE) -> None:
+        self.fleet = FleetHolder()
+        self.pool = ProviderRegistry(self.fleet, metrics)
+        super().__init__(self.fleet, self.pool, metrics, max_frame_size)
 
 
 class FakeNode:
     def __init__(self, node_id: str) -> None:
         self.node_id = node_id
-        self.sent: list[pb.RunRequest] = []
+        self.sent: list[RunOrder] = []
         self.cancelled: list[str] = []
 
-    async def send_run(self, request: pb.RunRequest) -> None:
+    async def send_run(self, request: RunOrder) -> None:
         self.sent.append(request)
 
     async def send_cancel(self, run_id: str, reason: str) -> None:
@@ -64,24 +80,24 @@ def spec(batch: bool = False) -> RunSpec:
     )
 
 
-def available(dispatcher: Dispatcher, node: FakeNode, *providers: str) -> None:
+def available(dispatcher: Dispatch, node: FakeNode, *providers: str) -> None:
     states = [pb.ProviderState(provider_id=p, health=pb.HEALTH_AVAILABLE) for p in providers]
-    dispatcher.node_connected(node, states)
+    dispatcher.pool.node_connected(node, provider_reports(states))
 
 
 def complete(run: EdgeRun) -> None:
-    run.deliver(pb.RunEvent(run_id=run.run_id, complete=pb.RunComplete(finish_reason="stop")))
+    run.deliver(Completed(finish_reason="stop"))
 
 
 @pytest.fixture
-def dispatcher() -> Dispatcher:
-    d = Dispatcher(EdgeMetrics.create(CollectorRegistry()))
-    d.apply_fleet(fleet())
+def dispatcher() -> Dispatch:
+    d = Dispatch(EdgeMetrics.create(CollectorRegistry()))
+    d.pool.apply_fleet(fleet())
     return d
 
 
 async def test_target_is_rewritten_to_the_served_name_of_the_chosen_provider(
-    dispatcher: Dispatcher,
+    dispatcher: Dispatch,
 ) -> None:
     node_a = FakeNode("node-a")
     available(dispatcher, node_a, "a")
@@ -97,8 +113,8 @@ async def test_target_is_rewritten_to_the_served_name_of_the_chosen_provider(
     assert run.provider_id == "a"
 
 
-async def test_the_less_loaded_provider_of_the_pool_is_chosen(dispatcher: Dispatcher) -> None:
-    dispatcher.apply_fleet(fleet(capacity_a=3, capacity_b=3))
+async def test_the_less_loaded_provider_of_the_pool_is_chosen(dispatcher: Dispatch) -> None:
+    dispatcher.pool.apply_fleet(fleet(capacity_a=3, capacity_b=3))
     node_a, node_b = FakeNode("node-a"), FakeNode("node-b")
     available(dispatcher, node_a, "a")
     available(dispatcher, node_b, "b")
@@ -106,14 +122,14 @@ async def test_the_less_loaded_provider_of_the_pool_is_chosen(dispatcher: Dispat
     assert chosen == ["a", "b", "a", "b"]  # ties go to the first listed, then the ratio
 
 
-async def test_unknown_model_and_no_available_provider(dispatcher: Dispatcher) -> None:
+async def test_unknown_model_and_no_available_provider(dispatcher: Dispatch) -> None:
     with pytest.raises(ModelNotFound):
         await dispatcher.open_run(RunSpec("nope", Operation.COMPLETIONS, {}, False, False))
     with pytest.raises(NoProviderAvailable):
         await dispatcher.open_run(spec())  # no node connected
 
 
-async def test_queue_is_fifo_and_a_freed_slot_takes_the_head(dispatcher: Dispatcher) -> None:
+async def test_queue_is_fifo_and_a_freed_slot_takes_the_head(dispatcher: Dispatch) -> None:
     node_a = FakeNode("node-a")
     available(dispatcher, node_a, "a")
     first = await dispatcher.open_run(spec())
@@ -127,10 +143,10 @@ async def test_queue_is_fifo_and_a_freed_slot_takes_the_head(dispatcher: Dispatc
     third = await asyncio.wait_for(waiting[1], 1)
     assert [r.run_id for r in (first, second, third)] == [r.run_id for r in node_a.sent]
     complete(third)
-    assert dispatcher.slots["a"].in_flight == 0
+    assert dispatcher.pool.slot("a").in_flight == 0
 
 
-async def test_full_queue_is_refused_and_waiting_times_out(dispatcher: Dispatcher) -> None:
+async def test_full_queue_is_refused_and_waiting_times_out(dispatcher: Dispatch) -> None:
     available(dispatcher, FakeNode("node-a"), "a")
     await dispatcher.open_run(spec())
     waiting = [asyncio.create_task(dispatcher.open_run(spec())) for _ in range(2)]
@@ -143,7 +159,7 @@ async def test_full_queue_is_refused_and_waiting_times_out(dispatcher: Dispatche
     assert dispatcher.queued("qwen:35b") == 0
 
 
-async def test_a_client_leaving_the_queue_leaves_at_once(dispatcher: Dispatcher) -> None:
+async def test_a_client_leaving_the_queue_leaves_at_once(dispatcher: Dispatch) -> None:
     node_a = FakeNode("node-a")
     available(dispatcher, node_a, "a")
     first = await dispatcher.open_run(spec())
@@ -158,7 +174,7 @@ async def test_a_client_leaving_the_queue_leaves_at_once(dispatcher: Dispatcher)
     assert len(node_a.sent) == 2
 
 
-async def test_interactive_requests_go_before_batch_lines(dispatcher: Dispatcher) -> None:
+async def test_interactive_requests_go_before_batch_lines(dispatcher: Dispatch) -> None:
     available(dispatcher, FakeNode("node-a"), "a")
     first = await dispatcher.open_run(spec())
     batch = asyncio.create_task(dispatcher.open_run(spec(batch=True)))
@@ -172,46 +188,48 @@ async def test_interactive_requests_go_before_batch_lines(dispatcher: Dispatcher
     await asyncio.wait_for(batch, 1)
 
 
-async def test_cancel_frees_the_slot_and_tells_the_node(dispatcher: Dispatcher) -> None:
+async def test_cancel_frees_the_slot_and_tells_the_node(dispatcher: Dispatch) -> None:
     node_a = FakeNode("node-a")
     available(dispatcher, node_a, "a")
     run = await dispatcher.open_run(spec())
     await run.cancel("client disconnected")
     assert node_a.cancelled == [run.run_id]
-    assert dispatcher.slots["a"].in_flight == 0
+    assert dispatcher.pool.slot("a").in_flight == 0
     events = [event async for event in run]
-    assert events[-1].error.code == pb.ERROR_CODE_CANCELLED
+    assert events[-1].code == ErrorCode.CANCELLED
 
 
 async def test_a_lost_node_ends_its_runs_and_its_providers_are_unavailable(
-    dispatcher: Dispatcher,
+    dispatcher: Dispatch,
 ) -> None:
     node_a = FakeNode("node-a")
     available(dispatcher, node_a, "a")
     run = await dispatcher.open_run(spec())
-    dispatcher.node_disconnected(node_a, "heartbeat timeout")
+    dispatcher.pool.node_disconnected(node_a, "heartbeat timeout")
     events = [event async for event in run]
-    assert events[-1].error.code == pb.ERROR_CODE_PROVIDER_UNAVAILABLE
-    assert "heartbeat timeout" in events[-1].error.message
-    assert not dispatcher.slots["a"].usable
-    assert dispatcher.slots["a"].in_flight == 0
+    assert events[-1].code == ErrorCode.PROVIDER_UNAVAILABLE
+    assert "heartbeat timeout" in events[-1].message
+    assert not dispatcher.pool.slot("a").usable
+    assert dispatcher.pool.slot("a").in_flight == 0
     with pytest.raises(NoProviderAvailable):
         await dispatcher.open_run(spec())
 
 
 async def test_a_snapshot_making_a_provider_available_serves_the_queue(
-    dispatcher: Dispatcher,
+    dispatcher: Dispatch,
 ) -> None:
-    dispatcher.apply_fleet(fleet(capacity_a=1, capacity_b=1))
+    dispatcher.pool.apply_fleet(fleet(capacity_a=1, capacity_b=1))
     node_a, node_b = FakeNode("node-a"), FakeNode("node-b")
     available(dispatcher, node_a, "a")
     await dispatcher.open_run(spec())
-    dispatcher.node_connected(node_b, [pb.ProviderState(provider_id="b", health=pb.HEALTH_UNKNOWN)])
+    dispatcher.pool.node_connected(
+        node_b, provider_reports([pb.ProviderState(provider_id="b", health=pb.HEALTH_UNKNOWN)])
+    )
     waiting = asyncio.create_task(dispatcher.open_run(spec()))
     await asyncio.sleep(0)
     assert not waiting.done()
-    dispatcher.apply_snapshot(
-        "node-b", [pb.ProviderState(provider_id="b", health=pb.HEALTH_AVAILABLE)]
+    dispatcher.pool.apply_snapshot(
+        "node-b", provider_reports([pb.ProviderState(provider_id="b", health=pb.HEALTH_AVAILABLE)])
     )
     run = await asyncio.wait_for(waiting, 1)
     assert run.provider_id == "b"
@@ -219,7 +237,7 @@ async def test_a_snapshot_making_a_provider_available_serves_the_queue(
 
 
 async def test_batch_waiters_never_take_an_interactive_queue_place(
-    dispatcher: Dispatcher,
+    dispatcher: Dispatch,
 ) -> None:
     available(dispatcher, FakeNode("node-a"), "a")
     await dispatcher.open_run(spec())
@@ -235,15 +253,15 @@ async def test_batch_waiters_never_take_an_interactive_queue_place(
 
 
 async def test_a_provider_the_node_found_unreachable_is_skipped_at_once(
-    dispatcher: Dispatcher,
+    dispatcher: Dispatch,
 ) -> None:
-    dispatcher.apply_fleet(fleet(capacity_a=2, capacity_b=2))
+    dispatcher.pool.apply_fleet(fleet(capacity_a=2, capacity_b=2))
     node_a, node_b = FakeNode("node-a"), FakeNode("node-b")
     available(dispatcher, node_a, "a")
     available(dispatcher, node_b, "b")
     run = await dispatcher.open_run(spec())
     assert run.provider_id == "a"
     failed = pb.RunError(code=pb.ERROR_CODE_PROVIDER_UNAVAILABLE, message="connection refused")
-    dispatcher.deliver(pb.RunEvent(run_id=run.run_id, error=failed))
+    dispatcher.deliver(run.run_id, failed_event(failed))
     # no snapshot yet, but the next request already goes to the other provider
     assert [(await dispatcher.open_run(spec())).provider_id for _ in range(2)] == ["b", "b"]

@@ -9,20 +9,34 @@ import pytest
 from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
 
-from iop_edge.dispatch import Dispatcher
+from iop_edge.adapters.run_wire import provider_reports
+from iop_edge.domain.events import Completed, Failed, RunOrder
 from iop_edge.domain.fleet import Fleet, ModelEntry, Operation, ProviderEntry
 from iop_edge.errors import ShuttingDown
 from iop_edge.metrics import EdgeMetrics
 from iop_edge.ports import RunSpec
-from iop_edge.runs import EdgeRun
+from iop_edge.service.dispatch import Dispatcher
+from iop_edge.service.fleet_holder import FleetHolder
+from iop_edge.service.registry import ProviderRegistry
+from iop_edge.service.runs import EdgeRun
 from iop_edge.settings import EdgeSettings
 from iop_proto.v1 import runtime_pb2 as pb
+
+
+class Dispatch(Dispatcher):
+    """The dispatcher with the fleet holder and the pool it draws from, wired as
+    bootstrap wires them."""
+
+    def __init__(self, metrics: EdgeMetrics) -> None:
+        self.fleet = FleetHolder()
+        self.pool = ProviderRegistry(self.fleet, metrics)
+        super().__init__(self.fleet, self.pool, metrics)
 
 
 class FakeNode:
     node_id = "node-a"
 
-    async def send_run(self, request: pb.RunRequest) -> None:
+    async def send_run(self, request: RunOrder) -> None:
         pass
 
     async def send_cancel(self, run_id: str, reason: str) -> None:
@@ -49,24 +63,24 @@ def spec() -> RunSpec:
     return RunSpec("m", Operation.CHAT_COMPLETIONS, {"messages": []}, True, False)
 
 
-def available(dispatcher: Dispatcher) -> None:
+def available(dispatcher: Dispatch) -> None:
     state = pb.ProviderState(provider_id="a", health=pb.HEALTH_AVAILABLE)
-    dispatcher.node_connected(FakeNode(), [state])
+    dispatcher.pool.node_connected(FakeNode(), provider_reports([state]))
 
 
 def complete(run: EdgeRun) -> None:
-    run.deliver(pb.RunEvent(run_id=run.run_id, complete=pb.RunComplete(finish_reason="stop")))
+    run.deliver(Completed(finish_reason="stop"))
 
 
 @pytest.fixture
-def dispatcher() -> Dispatcher:
-    d = Dispatcher(EdgeMetrics.create(CollectorRegistry()))
-    d.apply_fleet(fleet())
+def dispatcher() -> Dispatch:
+    d = Dispatch(EdgeMetrics.create(CollectorRegistry()))
+    d.pool.apply_fleet(fleet())
     return d
 
 
 async def test_draining_refuses_new_runs_and_waits_for_those_in_flight(
-    dispatcher: Dispatcher,
+    dispatcher: Dispatch,
 ) -> None:
     available(dispatcher)
     running = await dispatcher.open_run(spec())
@@ -85,7 +99,7 @@ async def test_draining_refuses_new_runs_and_waits_for_those_in_flight(
     assert dispatcher.idle
 
 
-async def test_what_outlasts_the_drain_ends_with_an_error(dispatcher: Dispatcher) -> None:
+async def test_what_outlasts_the_drain_ends_with_an_error(dispatcher: Dispatch) -> None:
     available(dispatcher)
     running = await dispatcher.open_run(spec())
     queued = asyncio.create_task(dispatcher.open_run(spec()))
@@ -94,7 +108,7 @@ async def test_what_outlasts_the_drain_ends_with_an_error(dispatcher: Dispatcher
     with pytest.raises(ShuttingDown):
         await queued  # a 503 for its client
     events = [event async for event in running]
-    assert events[-1].WhichOneof("kind") == "error"  # a stream's last SSE event
+    assert isinstance(events[-1], Failed)  # a stream's last SSE event
     assert dispatcher.idle
 
 

@@ -16,17 +16,32 @@ from dataclasses import dataclass, replace
 import pytest
 from prometheus_client import CollectorRegistry
 
-from iop_edge.dispatch import Dispatcher
+from iop_edge.adapters.run_wire import provider_reports, run_request
+from iop_edge.domain.events import Completed, RunOrder
 from iop_edge.domain.fleet import Fleet, ModelEntry, Operation, ProviderEntry
 from iop_edge.errors import InvalidRequest, NoProviderAvailable, QueueTimeout, RequestTooLarge
-from iop_edge.limits import RunBody
 from iop_edge.metrics import EdgeMetrics
 from iop_edge.ports import RunSpec
-from iop_edge.runs import EdgeRun
+from iop_edge.service.dispatch import Dispatcher
+from iop_edge.service.fleet_holder import FleetHolder
+from iop_edge.service.limits import RunBody
+from iop_edge.service.registry import ProviderRegistry
+from iop_edge.service.runs import EdgeRun
 from iop_proto import json_codec
 from iop_proto.errors import ConnectionClosed
-from iop_proto.framing import encode_frame
+from iop_proto.framing import DEFAULT_MAX_FRAME_SIZE, encode_frame
 from iop_proto.v1 import runtime_pb2 as pb
+
+
+class Dispatch(Dispatcher):
+    """The dispatcher with the fleet holder and the pool it draws from, wired as
+    bootstrap wires them (the tests drive the pool as the node listener would)."""
+
+    def __init__(self, metrics: EdgeMetrics, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE) -> None:
+        self.fleet = FleetHolder()
+        self.pool = ProviderRegistry(self.fleet, metrics)
+        super().__init__(self.fleet, self.pool, metrics, max_frame_size)
+
 
 MODEL = "m"
 FRAME = 64 * 1024  # a small frame limit, so "too large" needs no megabytes
@@ -50,14 +65,15 @@ class Link:
         self.frame_limit = frame_limit
         self.sending = asyncio.Event()  # send_run was entered
         self.gate = asyncio.Event()  # what holds, holds until this is set
-        self.sent: list[pb.RunRequest] = []
+        self.sent: list[RunOrder] = []
         self.cancelled: list[str] = []
 
-    async def send_run(self, request: pb.RunRequest) -> None:
+    async def send_run(self, request: RunOrder) -> None:
         self.sending.set()
+        message = run_request(request)  # as the real link converts it (and may fail to)
         if self.frame_limit is not None:  # the real link: encoding refuses an oversize frame
             envelope = pb.Envelope(message_id="edge-1", correlation_id=request.run_id)
-            envelope.run_request.CopyFrom(request)
+            envelope.run_request.CopyFrom(message)
             encode_frame(envelope, self.frame_limit)
         if self.fault is not None:
             raise self.fault
@@ -102,17 +118,19 @@ def spec(**body: object) -> RunSpec:
     )
 
 
-def connect(dispatcher: Dispatcher, link: Link) -> None:
-    dispatcher.node_connected(link, [pb.ProviderState(provider_id="a", health=pb.HEALTH_AVAILABLE)])
+def connect(dispatcher: Dispatch, link: Link) -> None:
+    dispatcher.pool.node_connected(
+        link, provider_reports([pb.ProviderState(provider_id="a", health=pb.HEALTH_AVAILABLE)])
+    )
 
 
 def complete(run: EdgeRun) -> None:
-    run.deliver(pb.RunEvent(run_id=run.run_id, complete=pb.RunComplete(finish_reason="stop")))
+    run.deliver(Completed(finish_reason="stop"))
 
 
-def new_dispatcher(entry: ProviderEntry | None = None) -> Dispatcher:
-    dispatcher = Dispatcher(EdgeMetrics.create(CollectorRegistry()), max_frame_size=FRAME)
-    dispatcher.apply_fleet(fleet(entry))
+def new_dispatcher(entry: ProviderEntry | None = None) -> Dispatch:
+    dispatcher = Dispatch(EdgeMetrics.create(CollectorRegistry()), max_frame_size=FRAME)
+    dispatcher.pool.apply_fleet(fleet(entry))
     return dispatcher
 
 
@@ -127,7 +145,7 @@ class Case:
     what ``open_run`` raised (``None`` when it did not)."""
 
     name: str
-    inject: Callable[[Dispatcher], Awaitable[BaseException | None]]
+    inject: Callable[[Dispatch], Awaitable[BaseException | None]]
     expected: type[BaseException]
     told_node: bool = False  # the frame may have left: the node is asked to drop the run
 
@@ -140,12 +158,12 @@ async def _raised(awaitable: Awaitable[object]) -> BaseException | None:
     return None
 
 
-async def _with_link(dispatcher: Dispatcher, link: Link, **body: object) -> BaseException | None:
+async def _with_link(dispatcher: Dispatch, link: Link, **body: object) -> BaseException | None:
     connect(dispatcher, link)
     return await _raised(dispatcher.open_run(spec(**body)))
 
 
-async def _cancelled_in_send(dispatcher: Dispatcher, *, twice: bool) -> BaseException | None:
+async def _cancelled_in_send(dispatcher: Dispatch, *, twice: bool) -> BaseException | None:
     link = Link(hold=True, hold_cancel=twice)
     connect(dispatcher, link)
     task = asyncio.create_task(dispatcher.open_run(spec()))
@@ -157,14 +175,14 @@ async def _cancelled_in_send(dispatcher: Dispatcher, *, twice: bool) -> BaseExce
     return await _raised(task)
 
 
-async def _busy(dispatcher: Dispatcher) -> tuple[Link, EdgeRun]:
+async def _busy(dispatcher: Dispatch) -> tuple[Link, EdgeRun]:
     """node-a connected, its one slot taken by a run that is going."""
     link = Link()
     connect(dispatcher, link)
     return link, await dispatcher.open_run(spec())
 
 
-async def _cancelled_in_queue(dispatcher: Dispatcher) -> BaseException | None:
+async def _cancelled_in_queue(dispatcher: Dispatch) -> BaseException | None:
     _, first = await _busy(dispatcher)
     waiting = asyncio.create_task(dispatcher.open_run(spec()))
     await settle()
@@ -175,14 +193,14 @@ async def _cancelled_in_queue(dispatcher: Dispatcher) -> BaseException | None:
     return error
 
 
-async def _timed_out_in_queue(dispatcher: Dispatcher) -> BaseException | None:
+async def _timed_out_in_queue(dispatcher: Dispatch) -> BaseException | None:
     _, first = await _busy(dispatcher)
     error = await _raised(dispatcher.open_run(spec()))
     complete(first)
     return error
 
 
-async def _cancelled_when_handed_the_slot(dispatcher: Dispatcher) -> BaseException | None:
+async def _cancelled_when_handed_the_slot(dispatcher: Dispatch) -> BaseException | None:
     _, first = await _busy(dispatcher)
     waiting = asyncio.create_task(dispatcher.open_run(spec()))
     await settle()
@@ -191,16 +209,16 @@ async def _cancelled_when_handed_the_slot(dispatcher: Dispatcher) -> BaseExcepti
     return await _raised(waiting)
 
 
-async def _node_gone_when_handed_the_slot(dispatcher: Dispatcher) -> BaseException | None:
+async def _node_gone_when_handed_the_slot(dispatcher: Dispatch) -> BaseException | None:
     link, first = await _busy(dispatcher)
     waiting = asyncio.create_task(dispatcher.open_run(spec()))
     await settle()
     complete(first)  # handed over; before the waiter resumes, its node goes
-    dispatcher.node_disconnected(link, "connection lost")
+    dispatcher.pool.node_disconnected(link, "connection lost")
     return await _raised(waiting)
 
 
-async def _too_large_while_the_slot_is_busy(dispatcher: Dispatcher) -> BaseException | None:
+async def _too_large_while_the_slot_is_busy(dispatcher: Dispatch) -> BaseException | None:
     _, first = await _busy(dispatcher)
     # Refused at once: it never waits for (or takes) a place in the full pool's queue.
     error = await _raised(dispatcher.open_run(spec(blob="x" * FRAME)))
@@ -209,8 +227,8 @@ async def _too_large_while_the_slot_is_busy(dispatcher: Dispatcher) -> BaseExcep
     return error
 
 
-async def _unbuildable_request(dispatcher: Dispatcher) -> BaseException | None:
-    dispatcher.apply_fleet(fleet(provider(type=123)))  # no RunRequest can be built from it
+async def _unbuildable_request(dispatcher: Dispatch) -> BaseException | None:
+    dispatcher.pool.apply_fleet(fleet(provider(type=123)))  # no RunRequest can be built from it
     return await _with_link(dispatcher, Link())
 
 
@@ -276,25 +294,25 @@ async def test_a_failure_at_any_step_gives_every_slot_and_queue_place_back(case:
     await settle()
 
     assert isinstance(error, case.expected), repr(error)
-    assert [slot.in_flight for slot in dispatcher.slots.values()] == [0]
+    assert [slot.in_flight for slot in dispatcher.pool.slots()] == [0]
     assert dispatcher.queued(MODEL) == 0
-    assert dispatcher.runs == {}
+    assert dispatcher.runs_in_flight() == 0
     if case.told_node:
-        link = dispatcher.links["node-a"]
+        link = dispatcher.pool.link("node-a")
         assert isinstance(link, Link)
         assert len(link.cancelled) == 1  # the node drops a run that may have reached it
         link.gate.set()
         await settle()
 
     # ... and the next request is served, at full capacity.
-    dispatcher.apply_fleet(fleet())
+    dispatcher.pool.apply_fleet(fleet())
     healthy = Link()
     connect(dispatcher, healthy)
     run = await dispatcher.open_run(spec())
     assert [request.run_id for request in healthy.sent] == [run.run_id]
-    assert dispatcher.slots["a"].in_flight == 1
+    assert dispatcher.pool.slot("a").in_flight == 1
     complete(run)
-    assert dispatcher.slots["a"].in_flight == 0
+    assert dispatcher.pool.slot("a").in_flight == 0
 
 
 async def test_the_body_is_sent_with_the_served_name_and_every_other_field_intact() -> None:
@@ -345,7 +363,7 @@ async def test_output_lengths_past_the_models_cap_or_not_positive_integers_are_r
     with pytest.raises(InvalidRequest) as refused:
         await dispatcher.open_run(RunSpec(MODEL, operation, body, False, False))
     assert (refused.value.status, refused.value.param, refused.value.code) == (400, field, code)
-    assert dispatcher.slots["a"].in_flight == 0
+    assert dispatcher.pool.slot("a").in_flight == 0
 
 
 async def test_output_lengths_within_the_cap_and_null_are_served() -> None:

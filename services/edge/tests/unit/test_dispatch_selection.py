@@ -8,22 +8,38 @@ import random
 import pytest
 from prometheus_client import CollectorRegistry
 
-from iop_edge.dispatch import Dispatcher
+from iop_edge.adapters.run_wire import failed as failed_event
+from iop_edge.adapters.run_wire import provider_reports
+from iop_edge.domain.events import Completed, RunOrder
 from iop_edge.domain.fleet import Fleet, ModelEntry, Operation, ProviderEntry
 from iop_edge.domain.pool import ProviderSlot, select
 from iop_edge.errors import NoProviderAvailable
 from iop_edge.metrics import EdgeMetrics
 from iop_edge.ports import RunSpec
-from iop_edge.runs import EdgeRun
+from iop_edge.service.dispatch import Dispatcher
+from iop_edge.service.fleet_holder import FleetHolder
+from iop_edge.service.registry import ProviderRegistry
+from iop_edge.service.runs import EdgeRun
+from iop_proto.framing import DEFAULT_MAX_FRAME_SIZE
 from iop_proto.v1 import runtime_pb2 as pb
+
+
+class Dispatch(Dispatcher):
+    """The dispatcher with the fleet holder and the pool it draws from, wired as
+    bootstrap wires them (the tests drive the pool as the node listener would)."""
+
+    def __init__(self, metrics: EdgeMetrics, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE) -> None:
+        self.fleet = FleetHolder()
+        self.pool = ProviderRegistry(self.fleet, metrics)
+        super().__init__(self.fleet, self.pool, metrics, max_frame_size)
 
 
 class FakeNode:
     def __init__(self, node_id: str) -> None:
         self.node_id = node_id
-        self.sent: list[pb.RunRequest] = []
+        self.sent: list[RunOrder] = []
 
-    async def send_run(self, request: pb.RunRequest) -> None:
+    async def send_run(self, request: RunOrder) -> None:
         self.sent.append(request)
 
     async def send_cancel(self, run_id: str, reason: str) -> None:
@@ -59,12 +75,12 @@ def spec(model: str) -> RunSpec:
 
 
 def complete(run: EdgeRun) -> None:
-    run.deliver(pb.RunEvent(run_id=run.run_id, complete=pb.RunComplete(finish_reason="stop")))
+    run.deliver(Completed(finish_reason="stop"))
 
 
-def candidates(dispatcher: Dispatcher, model: str) -> list[ProviderSlot]:
-    entry = dispatcher.fleet.models[model]
-    return [dispatcher.slots[p] for p in entry.providers if p in dispatcher.slots]
+def candidates(dispatcher: Dispatch, model: str) -> list[ProviderSlot]:
+    entry = dispatcher.fleet.current.models[model]
+    return [s for p in entry.providers if (s := dispatcher.pool.slot(p)) is not None]
 
 
 def random_fleet(rng: random.Random, version: int) -> Fleet:
@@ -81,15 +97,15 @@ def random_fleet(rng: random.Random, version: int) -> Fleet:
 @pytest.mark.parametrize("seed", range(12))
 async def test_every_dispatch_chooses_what_the_scan_chooses(seed: int) -> None:
     rng = random.Random(seed)
-    dispatcher = Dispatcher(EdgeMetrics.create(CollectorRegistry()))
-    dispatcher.apply_fleet(random_fleet(rng, 1))
+    dispatcher = Dispatch(EdgeMetrics.create(CollectorRegistry()))
+    dispatcher.pool.apply_fleet(random_fleet(rng, 1))
     nodes = {n: FakeNode(n) for n in ("n0", "n1", "n2")}
     runs: list[EdgeRun] = []
     health = (pb.HEALTH_AVAILABLE, pb.HEALTH_AVAILABLE, pb.HEALTH_UNAVAILABLE, pb.HEALTH_UNKNOWN)
     for step in range(400):
         action = rng.random()
         node = rng.choice(list(nodes.values()))
-        mine = [p for p in dispatcher.fleet.providers.values() if p.node_id == node.node_id]
+        mine = [p for p in dispatcher.fleet.current.providers.values() if p.node_id == node.node_id]
         states = [
             pb.ProviderState(
                 provider_id=p.id, health=rng.choice(health), in_flight=rng.randint(0, 3)
@@ -98,7 +114,7 @@ async def test_every_dispatch_chooses_what_the_scan_chooses(seed: int) -> None:
             if rng.random() < 0.8
         ]
         if action < 0.4:
-            model = rng.choice(list(dispatcher.fleet.models))
+            model = rng.choice(list(dispatcher.fleet.current.models))
             pool = candidates(dispatcher, model)
             expected = select(pool)
             if expected is not None:
@@ -111,28 +127,30 @@ async def test_every_dispatch_chooses_what_the_scan_chooses(seed: int) -> None:
         elif action < 0.65 and runs:
             complete(runs.pop(rng.randrange(len(runs))))
         elif action < 0.8:
-            if node.node_id in dispatcher.links:
-                dispatcher.apply_snapshot(node.node_id, states)
+            if dispatcher.pool.link(node.node_id) is not None:
+                dispatcher.pool.apply_snapshot(node.node_id, provider_reports(states))
             else:
-                dispatcher.node_connected(node, states)
-        elif action < 0.88 and node.node_id in dispatcher.links:
-            dispatcher.node_disconnected(node, "test")
+                dispatcher.pool.node_connected(node, provider_reports(states))
+        elif action < 0.88 and dispatcher.pool.link(node.node_id) is not None:
+            dispatcher.pool.node_disconnected(node, "test")
         elif action < 0.94 and runs:
             run = rng.choice(runs)
             failed = pb.RunError(code=pb.ERROR_CODE_PROVIDER_UNAVAILABLE, message="refused")
-            dispatcher.deliver(pb.RunEvent(run_id=run.run_id, error=failed))
+            dispatcher.deliver(run.run_id, failed_event(failed))
         elif action >= 0.97:
-            dispatcher.apply_fleet(random_fleet(rng, step + 2))
+            dispatcher.pool.apply_fleet(random_fleet(rng, step + 2))
         runs = [r for r in runs if not r.finished]
-        for slot in dispatcher.slots.values():
-            assert slot.connected == (slot.node_id in dispatcher.links), (seed, step)
+        for slot in dispatcher.pool.slots():
+            assert slot.connected == (dispatcher.pool.link(slot.node_id) is not None), (seed, step)
 
 
 async def test_a_freed_shared_slot_goes_to_the_first_model_of_the_fleet_with_waiters() -> None:
-    dispatcher = Dispatcher(EdgeMetrics.create(CollectorRegistry()))
-    dispatcher.apply_fleet(make_fleet(1, [provider("p", "n", 1)], {"a": ["p"], "b": ["p"]}))
+    dispatcher = Dispatch(EdgeMetrics.create(CollectorRegistry()))
+    dispatcher.pool.apply_fleet(make_fleet(1, [provider("p", "n", 1)], {"a": ["p"], "b": ["p"]}))
     node = FakeNode("n")
-    dispatcher.node_connected(node, [pb.ProviderState(provider_id="p", health=pb.HEALTH_AVAILABLE)])
+    dispatcher.pool.node_connected(
+        node, provider_reports([pb.ProviderState(provider_id="p", health=pb.HEALTH_AVAILABLE)])
+    )
     first = await dispatcher.open_run(spec("b"))
     for_b = asyncio.create_task(dispatcher.open_run(spec("b")))
     await asyncio.sleep(0)
@@ -147,20 +165,24 @@ async def test_a_freed_shared_slot_goes_to_the_first_model_of_the_fleet_with_wai
 
 async def test_a_provider_moved_to_another_node_follows_that_node() -> None:
     registry = CollectorRegistry()
-    dispatcher = Dispatcher(EdgeMetrics.create(registry))
-    dispatcher.apply_fleet(make_fleet(1, [provider("p", "old", 2)], {"m": ["p"]}))
+    dispatcher = Dispatch(EdgeMetrics.create(registry))
+    dispatcher.pool.apply_fleet(make_fleet(1, [provider("p", "old", 2)], {"m": ["p"]}))
     old = FakeNode("old")
-    dispatcher.node_connected(old, [pb.ProviderState(provider_id="p", health=pb.HEALTH_AVAILABLE)])
+    dispatcher.pool.node_connected(
+        old, provider_reports([pb.ProviderState(provider_id="p", health=pb.HEALTH_AVAILABLE)])
+    )
     assert (
         registry.get_sample_value("iop_edge_provider_in_flight", {"provider": "p", "node": "old"})
         == 0
     )
-    dispatcher.apply_fleet(make_fleet(2, [provider("p", "new", 2)], {"m": ["p"]}))
-    assert not dispatcher.slots["p"].connected  # "new" has not registered
+    dispatcher.pool.apply_fleet(make_fleet(2, [provider("p", "new", 2)], {"m": ["p"]}))
+    assert not dispatcher.pool.slot("p").connected  # "new" has not registered
     with pytest.raises(NoProviderAvailable):
         await dispatcher.open_run(spec("m"))
     new = FakeNode("new")
-    dispatcher.node_connected(new, [pb.ProviderState(provider_id="p", health=pb.HEALTH_AVAILABLE)])
+    dispatcher.pool.node_connected(
+        new, provider_reports([pb.ProviderState(provider_id="p", health=pb.HEALTH_AVAILABLE)])
+    )
     run = await dispatcher.open_run(spec("m"))
     assert new.sent[0].run_id == run.run_id
     labels = {"provider": "p", "node": "new"}
@@ -171,16 +193,18 @@ async def test_a_provider_moved_to_another_node_follows_that_node() -> None:
 
 async def test_metrics_follow_the_pool_and_leave_with_the_fleet() -> None:
     registry = CollectorRegistry()
-    dispatcher = Dispatcher(EdgeMetrics.create(registry))
+    dispatcher = Dispatch(EdgeMetrics.create(registry))
     providers = [provider("a", "n", 1), provider("b", "n", 1)]
-    dispatcher.apply_fleet(make_fleet(1, providers, {"m": ["a"], "x": ["b"]}))
+    dispatcher.pool.apply_fleet(make_fleet(1, providers, {"m": ["a"], "x": ["b"]}))
     node = FakeNode("n")
-    dispatcher.node_connected(
+    dispatcher.pool.node_connected(
         node,
-        [
-            pb.ProviderState(provider_id="a", health=pb.HEALTH_AVAILABLE),
-            pb.ProviderState(provider_id="b", health=pb.HEALTH_UNKNOWN),
-        ],
+        provider_reports(
+            [
+                pb.ProviderState(provider_id="a", health=pb.HEALTH_AVAILABLE),
+                pb.ProviderState(provider_id="b", health=pb.HEALTH_UNKNOWN),
+            ]
+        ),
     )
 
     def value(name: str, **labels: str) -> float | None:
@@ -198,11 +222,11 @@ async def test_metrics_follow_the_pool_and_leave_with_the_fleet() -> None:
     complete(await asyncio.wait_for(waiting, 1))
     assert value("iop_edge_model_queued", model="m") == 0
     assert value("iop_edge_provider_in_flight", provider="a", node="n") == 0
-    dispatcher.node_disconnected(node, "gone")
+    dispatcher.pool.node_disconnected(node, "gone")
     assert value("iop_edge_provider_health", provider="a", state="unavailable") == 1
     assert value("iop_edge_provider_health", provider="a", state="available") == 0
 
-    dispatcher.apply_fleet(make_fleet(2, providers[1:], {"x": ["b"]}))
+    dispatcher.pool.apply_fleet(make_fleet(2, providers[1:], {"x": ["b"]}))
     assert value("iop_edge_provider_in_flight", provider="a", node="n") is None
     assert value("iop_edge_provider_health", provider="a", state="unavailable") is None
     assert value("iop_edge_model_queued", model="m") is None

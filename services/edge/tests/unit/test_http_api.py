@@ -21,6 +21,8 @@ from aiohttp import web
 from openai import AsyncOpenAI
 from prometheus_client import CollectorRegistry
 
+from iop_edge.adapters.run_wire import run_event
+from iop_edge.domain.events import RunEvent
 from iop_edge.domain.fleet import ApiKeyEntry, ModelEntry, Operation
 from iop_edge.entrypoints.api_auth import KeySlots
 from iop_edge.entrypoints.api_metrics import ApiMetrics
@@ -28,6 +30,15 @@ from iop_edge.entrypoints.http_api import create_api_app, load_openapi
 from iop_edge.errors import EdgeError, NoProviderAvailable, QueueFull, QueueTimeout
 from iop_edge.ports import EdgeRunRecord, RunSpec
 from iop_proto.v1 import runtime_pb2 as pb
+
+
+async def as_events(wire: AsyncIterator[pb.RunEvent]) -> AsyncIterator[RunEvent]:
+    """The fake's wire events as the node listener hands them on (converted once)."""
+    async for message in wire:
+        event = run_event(message)
+        if event is not None:
+            yield event
+
 
 CHAT = "llama3.1:8b"  # ids with ':' and '/' must survive routing
 EMBED = "org/embed-v1"
@@ -78,8 +89,8 @@ class FakeRun:
         self._yielded = 0
         self._ended = asyncio.Event()  # cancel(): a hanging run ends with an error event
 
-    def __aiter__(self) -> AsyncIterator[pb.RunEvent]:
-        return self._iterate()
+    def __aiter__(self) -> AsyncIterator[RunEvent]:
+        return as_events(self._iterate())
 
     @property
     def more_ready(self) -> bool:

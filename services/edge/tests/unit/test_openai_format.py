@@ -13,10 +13,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from iop_edge.domain.events import Completed, Delta, ToolCallDelta, Usage
 from iop_edge.domain.fleet import Operation
-from iop_edge.entrypoints.openai_format import ChunkStream, chat_choice, render_result, text_choice
 from iop_edge.errors import ProviderFailed
-from iop_proto.v1 import runtime_pb2 as pb
+from iop_edge.formats.openai import ChunkStream, chat_choice, render_result, text_choice
 
 
 def event(frame: bytes) -> dict[str, Any]:
@@ -34,8 +34,8 @@ def test_the_token_fast_path_matches_the_general_encoding(text: str) -> None:
         (Operation.COMPLETIONS, text_choice),
     ):
         stream = ChunkStream(operation, run_id="r", model="m:1/x", created=5)
-        stream.delta(pb.RunDelta(text="first"))  # the first chunk of a choice takes the slow path
-        token = pb.RunDelta(text=text)
+        stream.delta(Delta(text="first"))  # the first chunk of a choice takes the slow path
+        token = Delta(text=text)
         chunk = event(stream.delta(token))
         assert chunk["choices"] == [general(token)]
         assert chunk["model"] == "m:1/x"
@@ -43,18 +43,18 @@ def test_the_token_fast_path_matches_the_general_encoding(text: str) -> None:
 
 def test_the_first_chat_chunk_names_the_role_and_later_ones_do_not() -> None:
     stream = ChunkStream(Operation.CHAT_COMPLETIONS, run_id="r", model="m", created=5)
-    first = event(stream.delta(pb.RunDelta(text="a")))
-    second = event(stream.delta(pb.RunDelta(text="b", reasoning_text="why")))
+    first = event(stream.delta(Delta(text="a")))
+    second = event(stream.delta(Delta(text="b", reasoning_text="why")))
     assert first["choices"][0]["delta"] == {"role": "assistant", "content": "a"}
     assert second["choices"][0]["delta"] == {"content": "b", "reasoning_content": "why"}
 
 
 def test_tool_call_fragments_carry_only_what_the_node_sent() -> None:
     stream = ChunkStream(Operation.CHAT_COMPLETIONS, run_id="r", model="m", created=5)
-    opening = pb.ToolCallDelta(index=1, id="c", type="function", function_name="f")
-    later = pb.ToolCallDelta(index=1, function_arguments='{"a":')
-    head = event(stream.delta(pb.RunDelta(tool_calls=[opening])))
-    tail = event(stream.delta(pb.RunDelta(tool_calls=[later])))
+    opening = ToolCallDelta(index=1, id="c", type="function", function_name="f")
+    later = ToolCallDelta(index=1, function_arguments='{"a":')
+    head = event(stream.delta(Delta(tool_calls=[opening])))
+    tail = event(stream.delta(Delta(tool_calls=[later])))
     assert head["choices"][0]["delta"]["tool_calls"] == [
         {"index": 1, "id": "c", "type": "function", "function": {"name": "f", "arguments": ""}}
     ]
@@ -65,15 +65,15 @@ def test_tool_call_fragments_carry_only_what_the_node_sent() -> None:
 
 def test_usage_chunk_falls_back_to_a_delta_usage() -> None:
     stream = ChunkStream(Operation.COMPLETIONS, run_id="r", model="m", created=5)
-    stream.delta(pb.RunDelta(text="x", usage=pb.Usage(prompt_tokens=2, completion_tokens=1)))
-    chunk = event(stream.usage_chunk(pb.RunComplete()))
+    stream.delta(Delta(text="x", usage=Usage(prompt_tokens=2, completion_tokens=1)))
+    chunk = event(stream.usage_chunk(Completed()))
     assert chunk["choices"] == []
     assert chunk["usage"] == {"prompt_tokens": 2, "completion_tokens": 1, "total_tokens": 3}
 
 
 def test_a_stream_without_deltas_still_closes_with_a_finish_chunk() -> None:
     stream = ChunkStream(Operation.CHAT_COMPLETIONS, run_id="r", model="m", created=5)
-    chunk = event(stream.finish(pb.RunComplete()))
+    chunk = event(stream.finish(Completed()))
     assert chunk["choices"] == [
         {"index": 0, "delta": {"role": "assistant"}, "logprobs": None, "finish_reason": "stop"}
     ]
@@ -81,7 +81,7 @@ def test_a_stream_without_deltas_still_closes_with_a_finish_chunk() -> None:
 
 def test_render_result_replaces_only_the_model() -> None:
     provider = {"id": "x", "model": "served", "choices": [], "n": 12345678901234567890}
-    complete = pb.RunComplete(result_json=json.dumps(provider).encode())
+    complete = Completed(result_json=json.dumps(provider).encode())
     body = render_result(
         Operation.CHAT_COMPLETIONS, complete, [], run_id="r", model="public", created=5
     )
@@ -93,7 +93,7 @@ def test_a_result_only_the_standard_parser_reads_is_rendered_whole() -> None:
     raw = b'{"model": "served", "big": 1180591620717411303424, "s": "\\ud83d", "x": NaN}'
     body = render_result(
         Operation.CHAT_COMPLETIONS,
-        pb.RunComplete(result_json=raw),
+        Completed(result_json=raw),
         [],
         run_id="r",
         model="public",
@@ -107,7 +107,7 @@ def test_a_broken_provider_result_is_a_provider_failure(raw: bytes) -> None:
     with pytest.raises(ProviderFailed):
         render_result(
             Operation.CHAT_COMPLETIONS,
-            pb.RunComplete(result_json=raw),
+            Completed(result_json=raw),
             [],
             run_id="r",
             model="m",
@@ -117,13 +117,13 @@ def test_a_broken_provider_result_is_a_provider_failure(raw: bytes) -> None:
 
 def test_embeddings_need_the_provider_result() -> None:
     with pytest.raises(ProviderFailed):
-        render_result(Operation.EMBEDDINGS, pb.RunComplete(), [], run_id="r", model="m", created=5)
+        render_result(Operation.EMBEDDINGS, Completed(), [], run_id="r", model="m", created=5)
 
 
 def test_a_completion_built_from_deltas() -> None:
-    deltas = [pb.RunDelta(text="Hel"), pb.RunDelta(text="lo", finish_reason="length")]
+    deltas = [Delta(text="Hel"), Delta(text="lo", finish_reason="length")]
     body = render_result(
-        Operation.COMPLETIONS, pb.RunComplete(), deltas, run_id="r", model="m", created=5
+        Operation.COMPLETIONS, Completed(), deltas, run_id="r", model="m", created=5
     )
     result = json.loads(body)
     assert (result["id"], result["object"], result["model"]) == ("cmpl-r", "text_completion", "m")

@@ -7,13 +7,28 @@ from collections.abc import Set
 import pytest
 from prometheus_client import CollectorRegistry
 
-from iop_edge.dispatch import Dispatcher
+from iop_edge.adapters.peer_guard import NotYours, PeerGuard
+from iop_edge.adapters.run_wire import provider_reports
+from iop_edge.domain.events import RunOrder
 from iop_edge.domain.fleet import Fleet, ModelEntry, Operation, ProviderEntry
 from iop_edge.metrics import EdgeMetrics
-from iop_edge.peer_guard import NotYours, PeerGuard
 from iop_edge.ports import RunSpec
+from iop_edge.service.dispatch import Dispatcher
+from iop_edge.service.fleet_holder import FleetHolder
+from iop_edge.service.registry import ProviderRegistry
 from iop_proto.connection import Connection
+from iop_proto.framing import DEFAULT_MAX_FRAME_SIZE
 from iop_proto.v1 import runtime_pb2 as pb
+
+
+class Dispatch(Dispatcher):
+    """The dispatcher with the fleet holder and the pool it draws from, wired as
+    bootstrap wires them (the tests drive the pool as the node listener would)."""
+
+    def __init__(self, metrics: EdgeMetrics, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE) -> None:
+        self.fleet = FleetHolder()
+        self.pool = ProviderRegistry(self.fleet, metrics)
+        super().__init__(self.fleet, self.pool, metrics, max_frame_size)
 
 
 class FakeConn:
@@ -29,7 +44,7 @@ class FakeNode:
         self.conn: Connection = FakeConn()  # type: ignore[assignment]
         self.configured = configured
 
-    async def send_run(self, request: pb.RunRequest) -> None:
+    async def send_run(self, request: RunOrder) -> None:
         pass
 
     async def send_cancel(self, run_id: str, reason: str) -> None:
@@ -67,16 +82,16 @@ def metrics(registry: CollectorRegistry) -> EdgeMetrics:
 
 
 @pytest.fixture
-def dispatcher(metrics: EdgeMetrics) -> Dispatcher:
-    d = Dispatcher(metrics)
+def dispatcher(metrics: EdgeMetrics) -> Dispatch:
+    d = Dispatch(metrics)
     providers = {"a": provider("a", "node-a"), "b": provider("b", "node-b")}
-    d.apply_fleet(Fleet(1, {"m": ModelEntry("m", "M", {"a": "m-a"})}, providers))
+    d.pool.apply_fleet(Fleet(1, {"m": ModelEntry("m", "M", {"a": "m-a"})}, providers))
     return d
 
 
 @pytest.fixture
-def rules(dispatcher: Dispatcher, metrics: EdgeMetrics) -> PeerGuard:
-    return PeerGuard(dispatcher, metrics, Leases({"lease_1": "worker"}))  # type: ignore[arg-type]
+def rules(dispatcher: Dispatch, metrics: EdgeMetrics) -> PeerGuard:
+    return PeerGuard(dispatcher, dispatcher.pool, metrics, Leases({"lease_1": "worker"}))  # type: ignore[arg-type]
 
 
 def refused(registry: CollectorRegistry, role: str, reason: str) -> float:
@@ -85,11 +100,11 @@ def refused(registry: CollectorRegistry, role: str, reason: str) -> float:
 
 
 async def test_a_run_takes_events_only_from_the_connection_it_was_dispatched_on(
-    dispatcher: Dispatcher, rules: PeerGuard, registry: CollectorRegistry
+    dispatcher: Dispatch, rules: PeerGuard, registry: CollectorRegistry
 ) -> None:
     owner, again, other = FakeNode("node-a"), FakeNode("node-a"), FakeNode("node-fuzz")
     state = pb.ProviderState(provider_id="a", health=pb.HEALTH_AVAILABLE)
-    dispatcher.node_connected(owner, [state])
+    dispatcher.pool.node_connected(owner, provider_reports([state]))
     spec = RunSpec("m", Operation.CHAT_COMPLETIONS, {"messages": []}, True, False)
     run = await dispatcher.open_run(spec)
     event = pb.RunEvent(run_id=run.run_id, delta=pb.RunDelta(text="x"))
@@ -105,7 +120,7 @@ async def test_a_run_takes_events_only_from_the_connection_it_was_dispatched_on(
 
 
 def test_a_snapshot_speaks_only_of_the_senders_providers(
-    dispatcher: Dispatcher, rules: PeerGuard, registry: CollectorRegistry
+    dispatcher: Dispatch, rules: PeerGuard, registry: CollectorRegistry
 ) -> None:
     fuzz = FakeNode("node-fuzz")
     states = [pb.ProviderState(provider_id=p) for p in ("ghost", "a")]
@@ -122,7 +137,7 @@ def test_a_snapshot_speaks_only_of_the_senders_providers(
 
 
 async def test_a_worker_acts_only_on_its_own_leases(
-    dispatcher: Dispatcher, rules: PeerGuard, registry: CollectorRegistry
+    dispatcher: Dispatch, rules: PeerGuard, registry: CollectorRegistry
 ) -> None:
     await rules.lease(FakeWorker("worker"), "lease_1", "renew")
     await rules.lease(FakeWorker("worker-evil"), "lease_expired_and_taken", "renew")
@@ -135,14 +150,14 @@ async def test_a_worker_acts_only_on_its_own_leases(
     assert refused(registry, "worker", "foreign_worker") == 1
 
 
-async def test_a_replaced_connections_runs_end_with_it(dispatcher: Dispatcher) -> None:
+async def test_a_replaced_connections_runs_end_with_it(dispatcher: Dispatch) -> None:
     old, new = FakeNode("node-a"), FakeNode("node-a")
     state = pb.ProviderState(provider_id="a", health=pb.HEALTH_AVAILABLE)
-    dispatcher.node_connected(old, [state])
+    dispatcher.pool.node_connected(old, provider_reports([state]))
     spec = RunSpec("m", Operation.CHAT_COMPLETIONS, {"messages": []}, True, False)
     run = await dispatcher.open_run(spec)
-    dispatcher.node_connected(new, [state])  # the node registered again
-    dispatcher.node_disconnected(old, "replaced by a new connection")
+    dispatcher.pool.node_connected(new, provider_reports([state]))  # the node registered again
+    dispatcher.pool.node_disconnected(old, "replaced by a new connection")
     assert run.finished  # nothing else would end it: the node cancelled it with the old link
-    assert dispatcher.slots["a"].connected
-    assert dispatcher.slots["a"].own_in_flight == 0
+    assert dispatcher.pool.slot("a").connected
+    assert dispatcher.pool.slot("a").own_in_flight == 0

@@ -19,12 +19,15 @@ from typing import Protocol
 
 from loguru import logger
 
+from iop_edge.adapters.peer_guard import UNKNOWN_ROLE, PeerGuard
+from iop_edge.adapters.run_wire import provider_reports, run_event, run_request
 from iop_edge.adapters.worker_session import WorkerSession
-from iop_edge.dispatch import Dispatcher
+from iop_edge.domain.events import RunOrder
 from iop_edge.errors import ControlPlaneUnavailable
 from iop_edge.metrics import EdgeMetrics
-from iop_edge.peer_guard import UNKNOWN_ROLE, PeerGuard
 from iop_edge.ports import BatchLeases
+from iop_edge.service.dispatch import Dispatcher
+from iop_edge.service.registry import ProviderRegistry
 from iop_proto.accept import StreamServer
 from iop_proto.connection import Connection, error_body
 from iop_proto.errors import ConnectionClosed, ProtocolError, UnexpectedMessage
@@ -67,15 +70,17 @@ class NodeConnection:
         self.config = config
         self._configured.update(provider.id for provider in config.providers)
 
-    async def send_run(self, request: pb.RunRequest) -> None:
-        await self.conn.send(request, correlation_id=request.run_id)
+    async def send_run(self, order: RunOrder) -> None:
+        await self.conn.send(run_request(order), correlation_id=order.run_id)
 
     async def send_cancel(self, run_id: str, reason: str) -> None:
         await self.conn.send(pb.CancelRequest(run_id=run_id, reason=reason), correlation_id=run_id)
 
 
 class NodeServer:
-    """Accepts node connections over mTLS and keeps the dispatcher's pool in step."""
+    """Accepts node connections over mTLS and keeps the registry's pool in step: a
+    registered connection is the registry's node link until it drops. Run events go
+    to the dispatcher, which owns the runs."""
 
     def __init__(
         self,
@@ -83,6 +88,7 @@ class NodeServer:
         host: str,
         port: int,
         edge_id: str,
+        registry: ProviderRegistry,
         dispatcher: Dispatcher,
         authorizer: Authorizer,
         guard: PeerGuard,
@@ -98,6 +104,7 @@ class NodeServer:
     ) -> None:
         self._host, self.port = host, port
         self._edge_id = edge_id
+        self._registry = registry
         self._dispatcher = dispatcher
         self._authorizer = authorizer
         self._guard = guard
@@ -113,7 +120,6 @@ class NodeServer:
         self.workers: dict[str, WorkerSession] = {}
         self._server: StreamServer | None = None
         self._tasks: set[asyncio.Task[None]] = set()
-        self.nodes: dict[str, NodeConnection] = {}
 
     async def start(self) -> int:
         # The handshake is the server's, its failures come back here to be named and counted.
@@ -139,7 +145,7 @@ class NodeServer:
             self._server.close()
         going = error_body(pb.ERROR_CODE_SHUTTING_DOWN, "edge is stopping")
         await asyncio.gather(
-            *(node.conn.close(going) for node in list(self.nodes.values())), return_exceptions=True
+            *(node.conn.close(going) for node in self._nodes()), return_exceptions=True
         )
         for task in list(self._tasks):
             task.cancel()
@@ -153,7 +159,7 @@ class NodeServer:
         """Push changed node configs; drop nodes admitted with a now revoked token."""
         revoked = set(config.revoked_token_ids)
         configs = {node.node_id: node for node in config.nodes}
-        for node in list(self.nodes.values()):
+        for node in self._nodes():
             if node.token_id in revoked:
                 logger.warning("node {}: its token {} was revoked", node.node_id, node.token_id)
                 await node.conn.close(error_body(pb.ERROR_CODE_UNAUTHENTICATED, "token revoked"))
@@ -203,10 +209,7 @@ class NodeServer:
         finally:
             await conn.close()
             if node is not None:
-                if self.nodes.get(node.node_id) is node:
-                    del self.nodes[node.node_id]
-                self._dispatcher.node_disconnected(node, reason)
-                self._metrics.nodes_connected.set(len(self.nodes))
+                self._registry.node_disconnected(node, reason)
                 logger.warning("node {} disconnected: {}", node.node_id, reason)
             self._tasks.discard(task)
 
@@ -247,8 +250,8 @@ class NodeServer:
             await conn.close()
             return None
         node = NodeConnection(request.peer_id, conn, answer.token_id, answer.node_config)
-        previous = self.nodes.get(node.node_id)
-        if previous is not None:
+        previous = self._registry.link(node.node_id)
+        if isinstance(previous, NodeConnection):
             await previous.conn.close(
                 error_body(pb.ERROR_CODE_UNEXPECTED_MESSAGE, "replaced by a new connection")
             )
@@ -261,14 +264,16 @@ class NodeServer:
             ),
             correlation_id=first.message_id,
         )
-        self.nodes[node.node_id] = node
-        self._dispatcher.node_connected(node, request.providers)
+        self._registry.node_connected(node, provider_reports(request.providers))
         self._metrics.registrations.labels("accepted").inc()
-        self._metrics.nodes_connected.set(len(self.nodes))
         logger.info(
             "node {} registered ({} providers)", node.node_id, len(answer.node_config.providers)
         )
         return node
+
+    def _nodes(self) -> list[NodeConnection]:
+        """The registered connections (the registry's links are this server's)."""
+        return [link for link in self._registry.links() if isinstance(link, NodeConnection)]
 
     def _tls_refused(self, exc: TlsRefused, peer: object) -> None:
         self._guard.refuse("tls", UNKNOWN_ROLE, exc.reason, peer, exc.detail)
@@ -321,17 +326,19 @@ class NodeServer:
             logger.info("worker {} disconnected", request.peer_id)
 
     async def _follow(self, node: NodeConnection) -> None:
-        dispatcher, guard = self._dispatcher, self._guard
+        registry, dispatcher, guard = self._registry, self._dispatcher, self._guard
         async for envelope in node.conn:
             kind = envelope.WhichOneof("body")
             if kind == "run_event":
                 event = envelope.run_event
                 guard.run_event(node, event)  # raises NotYours for another connection's run
-                dispatcher.deliver(event)  # unknown run ids: ended here already, dropped
+                converted = run_event(event)
+                if converted is not None:  # unknown run ids: ended here already, dropped
+                    dispatcher.deliver(event.run_id, converted)
             elif kind == "provider_snapshot":
                 snapshot = envelope.provider_snapshot
                 guard.snapshot(node, snapshot)
-                dispatcher.apply_snapshot(node.node_id, snapshot.providers)
+                registry.apply_snapshot(node.node_id, provider_reports(snapshot.providers))
             elif kind == "error":
                 logger.warning("node {} reported: {}", node.node_id, envelope.error.message)
             else:

@@ -15,8 +15,10 @@ from collections.abc import Awaitable
 
 from loguru import logger
 
+from iop_edge.adapters.peer_guard import PeerGuard
+from iop_edge.adapters.run_wire import lease_grant, line_result
+from iop_edge.domain.leases import LeaseGrant, LineReply
 from iop_edge.errors import EdgeError
-from iop_edge.peer_guard import PeerGuard
 from iop_edge.ports import BatchLeases
 from iop_proto.connection import Connection, error_body
 from iop_proto.errors import ConnectionClosed, UnexpectedMessage
@@ -77,6 +79,10 @@ class WorkerSession:
         body: object
         try:
             body = await answer
+            if isinstance(body, LeaseGrant):
+                body = lease_grant(body)
+            elif isinstance(body, LineReply):
+                body = line_result(body)
         except EdgeError as exc:
             code = pb.ERROR_CODE_NOT_FOUND if exc.status == 404 else pb.ERROR_CODE_PERMISSION_DENIED
             body = error_body(code, exc.message)

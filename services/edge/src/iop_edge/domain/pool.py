@@ -8,7 +8,9 @@ the choice is deterministic and the operator decides it. A provider is never
 preferred for having more free slots when its ratio is higher: 1/3 beats 2/3
 even though 2/3 of 6 leaves more room.
 
-``select`` states the rule as one pass over a model's providers. The dispatcher
+The rule is stated once, in ``standing`` (is a provider a candidate, and at what
+load) and the order ``(load, position in the model)``; ``select`` applies it as one
+pass over a model's providers, and the index applies the very same. The dispatcher
 does not scan: each model has a ``ModelIndex``, a heap of its providers that have
 a free slot, keyed ``(ratio, position in the model)`` and kept current by the
 slots themselves, so a decision costs O(log n) whatever the pool size. Every
@@ -30,10 +32,27 @@ UNKNOWN = "unknown"
 
 LIFECYCLE_FLAGS = ("list_models", "load_model", "unload_model", "pull_model", "delete_model")
 
-# (load ratio, position in the model's provider order, slot version, slot). Positions
-# are unique in a model and a slot's versions only grow, so tuple comparison never
-# reaches the slot itself.
+# (load ratio, position in the model's provider order, slot version, slot): the order
+# of selection, then what retires the entry. Positions are unique in a model and a
+# slot's versions only grow, so tuple comparison never reaches the slot itself.
 _Entry = tuple[float, int, int, "ProviderSlot"]
+
+FULL = 1.0
+"""A ``standing`` at or above this is a candidate with no free slot (``in_flight >=
+capacity`` exactly when ``in_flight / capacity >= 1``)."""
+
+
+def standing(slot: ProviderSlot) -> float | None:
+    """The selection rule, the one place it is written: ``None`` when the provider is no
+    candidate at all (node gone, not ``available``, no capacity), else its load ratio,
+    below ``FULL`` exactly when it has a free slot. Lower wins; ties go to the earlier
+    position in the model's provider order."""
+    capacity = slot.capacity
+    if capacity <= 0 or not slot.connected or slot.health != AVAILABLE:
+        return None
+    # Runs on every take and release: plain attribute reads, no properties.
+    own, reported = slot.own_in_flight, slot.reported_in_flight
+    return (own if own > reported else reported) / capacity
 
 
 @dataclass(eq=False, slots=True)
@@ -79,11 +98,18 @@ class ProviderSlot:
     @property
     def usable(self) -> bool:
         """A candidate at all (free slot or not)."""
-        return self.connected and self.health == AVAILABLE and self.capacity > 0
+        return standing(self) is not None
 
     @property
     def has_free_slot(self) -> bool:
-        return self.usable and self.in_flight < self.capacity
+        load = standing(self)
+        return load is not None and load < FULL
+
+    @property
+    def version(self) -> int:
+        """Grows with every change selection depends on: an index entry of an older
+        version is stale."""
+        return self._version
 
     def take(self) -> None:
         self.own_in_flight += 1
@@ -121,84 +147,91 @@ class ProviderSlot:
         """The models whose index holds this slot, in the order the indexes were built."""
         return [index.model_id for index, _ in self._indexes]
 
+    def join(self, index: ModelIndex, position: int) -> bool:
+        """Enter ``index`` at ``position``; tells whether the slot is usable now."""
+        self._indexes.append((index, position))
+        self._usable = usable = standing(self) is not None
+        return usable
+
     def detach(self) -> None:
         """Leave every index (before they are rebuilt, or when the provider goes)."""
         self._indexes.clear()
         self._version += 1
 
     def _reindex(self) -> None:
-        # Runs on every take and release: plain attribute reads, no properties.
+        # Runs on every take and release.
         self._version = version = self._version + 1
-        capacity = self.capacity
-        usable = capacity > 0 and self.connected and self.health == AVAILABLE
+        load = standing(self)
+        usable = load is not None
         if usable != self._usable:
             self._usable = usable
             step = 1 if usable else -1
             for index, _ in self._indexes:
-                index.usable_count += step
-        if not usable:
-            return
-        own, reported = self.own_in_flight, self.reported_in_flight
-        in_flight = own if own > reported else reported
-        if in_flight < capacity:
-            ratio = in_flight / capacity
+                index.count_usable(step)
+        if load is not None and load < FULL:
             for index, position in self._indexes:
-                index.push((ratio, position, version, self))
+                index.push((load, position, version, self))
 
 
 class ModelIndex:
     """One model's providers, ready for selection: ``select`` gives what ``select()``
     over the model's providers in order would, in O(log n).
 
-    A heap of the providers with a free slot; entries go stale when their slot
-    changes (the slot pushes a fresh one) and are dropped lazily: at the top by
-    ``select``, all at once when stale ones outnumber the members about 2 to 1.
-    ``usable_count`` counts the usable members, free slot or not.
+    A heap of the providers with a free slot, in the order ``(standing, position)``;
+    entries go stale when their slot changes (the slot pushes a fresh one) and are
+    dropped lazily: at the top by ``select``, all at once when stale ones outnumber
+    the members about 2 to 1. ``usable_count`` counts the usable members, free slot
+    or not.
     """
 
-    __slots__ = ("_heap", "_limit", "members", "model_id", "usable_count")
+    __slots__ = ("_heap", "_limit", "_usable_count", "members", "model_id")
 
     def __init__(self, model_id: str, members: Sequence[ProviderSlot]) -> None:
         """``members`` in the model's provider order (the tie-break)."""
         self.model_id = model_id
         self.members = tuple(members)
-        self.usable_count = 0
+        self._usable_count = 0
         self._limit = 3 * len(self.members) + 64
         for position, slot in enumerate(self.members):
-            slot._indexes.append((self, position))
-            slot._usable = slot.usable
-            self.usable_count += slot._usable
+            self._usable_count += slot.join(self, position)
         self._heap: list[_Entry] = []
         self._rebuild()
 
     @property
+    def usable_count(self) -> int:
+        return self._usable_count
+
+    @property
     def any_usable(self) -> bool:
-        return self.usable_count > 0
+        return self._usable_count > 0
 
     def select(self) -> ProviderSlot | None:
         """The member with a free slot and the lowest load ratio; the first listed on ties."""
         heap = self._heap
         while heap:
             _, _, version, slot = heap[0]
-            if version == slot._version:
+            if version == slot.version:
                 return slot
             heapq.heappop(heap)
         return None
 
+    def count_usable(self, step: int) -> None:
+        """A member became usable (+1) or stopped being so (-1)."""
+        self._usable_count += step
+
     def push(self, entry: _Entry) -> None:
+        """A member's fresh place; its older entries are now stale."""
         heapq.heappush(self._heap, entry)
         if len(self._heap) > self._limit:
             self._rebuild()
 
     def _rebuild(self) -> None:
+        # The members' current places, straight from the rule: every stale entry goes.
         heap: list[_Entry] = []
         for position, slot in enumerate(self.members):
-            capacity = slot.capacity
-            if capacity <= 0 or not slot.connected or slot.health != AVAILABLE:
-                continue
-            in_flight = max(slot.own_in_flight, slot.reported_in_flight)
-            if in_flight < capacity:
-                heap.append((in_flight / capacity, position, slot._version, slot))
+            load = standing(slot)
+            if load is not None and load < FULL:
+                heap.append((load, position, slot.version, slot))
         heapq.heapify(heap)
         self._heap = heap
 
@@ -216,20 +249,14 @@ def index_models(
 def select(candidates: Iterable[ProviderSlot]) -> ProviderSlot | None:
     """The candidate with a free slot and the lowest load ratio; the first listed on ties.
 
-    ``candidates`` must come in the model's provider order. The rule as a scan:
-    the reference ``ModelIndex.select`` is held to (tests compare the two).
+    ``candidates`` must come in the model's provider order. The rule (``standing``,
+    then position) as a scan: the reference ``ModelIndex.select`` is held to (tests
+    compare the two).
     """
     best: ProviderSlot | None = None
-    best_ratio = 2.0
-    for slot in candidates:
-        capacity = slot.capacity
-        if capacity <= 0 or not slot.connected or slot.health != AVAILABLE:
-            continue
-        own, reported = slot.own_in_flight, slot.reported_in_flight
-        in_flight = own if own > reported else reported
-        if in_flight >= capacity:
-            continue
-        ratio = in_flight / capacity
-        if ratio < best_ratio:  # strictly lower: an equal ratio keeps the earlier one
-            best, best_ratio = slot, ratio
+    best_key = (FULL, 0)
+    for position, slot in enumerate(candidates):
+        load = standing(slot)
+        if load is not None and (load, position) < best_key:
+            best, best_key = slot, (load, position)
     return best

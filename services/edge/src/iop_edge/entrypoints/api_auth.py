@@ -19,6 +19,7 @@ from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 from loguru import logger
 
+from iop_edge.domain.events import Failed
 from iop_edge.domain.fleet import ApiKeyEntry
 from iop_edge.errors import (
     AuthenticationFailed,
@@ -26,10 +27,9 @@ from iop_edge.errors import (
     KeyRevoked,
     LoopbackOnly,
     TooManyConcurrent,
-    from_run_error,
+    from_failure,
 )
 from iop_edge.ports import KeyRing, RunEvents
-from iop_proto.v1 import runtime_pb2 as pb
 
 KEY_REVOKED: Final = "The API key of this request was revoked; the request was ended."
 OPEN_PATHS: Final = frozenset({"/healthz", "/readyz"})
@@ -129,11 +129,11 @@ class InFlight:
         self.revoked = False
         self.task_cancelled = False  # by ``end``: the CancelledError that follows is ours
 
-    def run_error(self, error: pb.RunError) -> EdgeError:
+    def run_error(self, error: Failed) -> EdgeError:
         """What the client sees for a run's error event: a revocation says so."""
         if self.revoked:
             return KeyRevoked(KEY_REVOKED)
-        return from_run_error(error)
+        return from_failure(error)
 
     async def end(self) -> None:
         """Revoked: cancel the run (it frees its slot and tells the node), or the task."""

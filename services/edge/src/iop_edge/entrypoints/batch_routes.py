@@ -15,12 +15,12 @@ from typing import Any, Final
 
 from aiohttp import BodyPartReader, web
 
-from iop_edge.batch_file_io import CHUNK_BYTES, Upload
-from iop_edge.batches import BatchService
 from iop_edge.entrypoints.api_auth import authenticate
 from iop_edge.entrypoints.inference_request import read_json_body
 from iop_edge.errors import InvalidRequest
 from iop_edge.ports import KeyRing
+from iop_edge.service.batch_file_io import CHUNK_BYTES, Upload
+from iop_edge.service.batches import BatchService
 
 LIST_DEFAULT_LIMIT: Final = 20
 LIST_MAX_LIMIT: Final = 100

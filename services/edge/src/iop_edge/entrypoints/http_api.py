@@ -18,26 +18,23 @@ from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.typedefs import Handler, Middleware
 from loguru import logger
 
-from iop_edge.batches import BatchService
 from iop_edge.domain.fleet import ApiKeyEntry, ModelEntry
 from iop_edge.entrypoints.api_auth import KeySlots, authenticate, loopback_while_open
 from iop_edge.entrypoints.api_metrics import ApiMetrics
 from iop_edge.entrypoints.batch_routes import BatchRoutes
 from iop_edge.entrypoints.inference_routes import InferenceRoutes
-from iop_edge.entrypoints.openai_errors import (
-    error_response,
-    from_http_exception,
-    internal_error,
-)
+from iop_edge.entrypoints.openai_errors import error_response, from_http_exception
 from iop_edge.entrypoints.stop_gate import StopGate
 from iop_edge.errors import EdgeError, InvalidRequest, ModelNotFound
-from iop_edge.limits import DEFAULT_MAX_BODY_BYTES
+from iop_edge.formats.errors import internal_error
 from iop_edge.ports import Catalog, KeyRing, RunLog, RunService
+from iop_edge.service.batches import BatchService
+from iop_edge.service.limits import DEFAULT_MAX_BODY_BYTES
 from iop_proto.service.logging import log_unexpected
 
 MAX_BODY_BYTES: Final = DEFAULT_MAX_BODY_BYTES
 """Chat requests carry base64 images and long contexts: aiohttp's 1 MiB default is too small.
-The limit follows from the node link's frame limit (``iop_edge.limits``): what is read here
+The limit follows from the node link's frame limit (``iop_edge.service.limits``): what is read here
 can be carried to a node; ``bootstrap`` derives it from the ``max_frame_size`` setting."""
 READ_TIMEOUT_S: Final = 30.0
 """A body is judged every this many seconds until complete (``http.read_timeout_s``)."""

@@ -15,7 +15,7 @@ from aiohttp import web
 
 from iop_edge.domain.fleet import Operation
 from iop_edge.errors import InvalidRequest, RequestTooLarge
-from iop_edge.limits import MAX_JSON_DEPTH
+from iop_edge.service.limits import MAX_JSON_DEPTH
 from iop_proto import json_codec
 
 OFFLOAD_BYTES: Final = 256 * 1024
@@ -36,7 +36,7 @@ async def read_json_body(request: web.BaseRequest) -> dict[str, Any]:
     """The body as a JSON object, parsed once; ``InvalidRequest`` (400/413) otherwise.
 
     Its size is bounded by the app's body limit and its nesting here, at parse time
-    (``iop_edge.limits``): a body that reads can always be written again for its node.
+    (``iop_edge.service.limits``): a body that reads can always be written again for its node.
     """
     try:
         raw = await request.read()

@@ -17,16 +17,17 @@ import asyncio
 import contextlib
 import functools
 import time
+from collections.abc import Awaitable
 from typing import Final
 
 from aiohttp import web
 
+from iop_edge.domain.events import Completed, Delta, Started
 from iop_edge.domain.fleet import Operation
 from iop_edge.entrypoints.api_auth import InFlight, KeySlots, authenticate
 from iop_edge.entrypoints.api_metrics import ApiMetrics
 from iop_edge.entrypoints.inference_request import parse_params, read_json_body
-from iop_edge.entrypoints.openai_errors import error_payload, error_response, internal_error
-from iop_edge.entrypoints.openai_format import DONE, ChunkStream, render_result, sse_event
+from iop_edge.entrypoints.openai_errors import error_response
 from iop_edge.entrypoints.run_trace import RunTrace
 from iop_edge.errors import (
     EdgeError,
@@ -34,13 +35,17 @@ from iop_edge.errors import (
     ModelNotFound,
     ProviderFailed,
 )
+from iop_edge.formats.errors import error_payload, internal_error
+from iop_edge.formats.openai import (
+    DONE,
+    RENDER_OFFLOAD_BYTES,
+    ChunkStream,
+    render_result,
+    sse_event,
+)
 from iop_edge.ports import Catalog, KeyRing, RunEvents, RunLog, RunService, RunSpec
+from iop_edge.service.run_reader import Collector, follow
 from iop_proto.service.logging import log_unexpected
-from iop_proto.v1 import runtime_pb2 as pb
-
-RENDER_OFFLOAD_BYTES: Final = 256 * 1024
-"""A provider result larger than this (embeddings of many inputs) is re-serialised
-in a worker thread, so the event loop keeps serving streams meanwhile."""
 
 CLIENT_DISCONNECTED: Final = "client disconnected"
 
@@ -190,29 +195,21 @@ class InferenceRoutes:
         self, spec: RunSpec, events: RunEvents, trace: RunTrace, flight: InFlight
     ) -> web.Response:
         """Wait for the run's end and answer with the whole result."""
-        deltas: list[pb.RunDelta] = []
-        async for event in events:
-            kind = event.WhichOneof("kind")
-            if kind == "complete":
-                complete = event.complete
-                trace.completed(complete)
-                body = await _render(spec, complete, deltas, trace)
-                trace.status = 200
-                return web.Response(
-                    body=body,
-                    content_type="application/json",
-                    headers={"X-Request-Id": events.run_id},
-                )
-            if kind == "delta":
-                trace.first_delta()
-                deltas.append(event.delta)
-            elif kind == "error":
-                trace.run_ended = True
-                raise flight.run_error(event.error)
-            elif kind == "start":
-                trace.started(event.start)
+        collector = Collector(trace)
+        end = await follow(events, collector)
+        if isinstance(end, Completed):
+            trace.completed(end)
+            body = await _render(spec, end, collector.deltas, trace)
+            trace.status = 200
+            return web.Response(
+                body=body,
+                content_type="application/json",
+                headers={"X-Request-Id": events.run_id},
+            )
         trace.run_ended = True
-        raise ProviderFailed("the run ended without a result")
+        if end is None:
+            raise ProviderFailed("the run ended without a result")
+        raise flight.run_error(end)
 
     async def _account(self, trace: RunTrace) -> None:
         """One record and the metrics; a failing run log never fails the request."""
@@ -239,43 +236,76 @@ async def _relay(
     Deltas that arrived together (one frame batch from the node) leave as one
     HTTP chunk: nothing is held back that could go out now.
     """
-    chunks = ChunkStream(
-        spec.operation, run_id=events.run_id, model=spec.model, created=trace.created
-    )
-    pending: list[bytes] = []
-    async for event in events:
-        kind = event.WhichOneof("kind")
-        if kind == "delta":
-            if not response.prepared:
-                trace.first_delta()
-                trace.status = 200
-                await response.prepare(request)
-            pending.append(chunks.delta(event.delta))
-            if not events.more_ready:
-                await response.write(b"".join(pending))
-                pending.clear()
-        elif kind == "complete":
-            complete = event.complete
-            trace.completed(complete)
-            if not response.prepared:
-                trace.status = 200
-                await response.prepare(request)
-            pending.append(chunks.finish(complete))
-            if spec.include_usage:
-                pending.append(chunks.usage_chunk(complete))
-            pending.append(DONE)
-            await response.write(b"".join(pending))
-            await response.write_eof()
-            return None
-        elif kind == "error":
-            trace.run_ended = True
-            if pending:
-                await response.write(b"".join(pending))
-            return flight.run_error(event.error)
-        elif kind == "start":
-            trace.started(event.start)
+    sink = _SseSink(request, response, spec, events, trace)
+    end = await follow(events, sink)
+    pending = sink.pending
+    if isinstance(end, Completed):
+        trace.completed(end)
+        if not response.prepared:
+            trace.status = 200
+            await response.prepare(request)
+        pending.append(sink.chunks.finish(end))
+        if spec.include_usage:
+            pending.append(sink.chunks.usage_chunk(end))
+        pending.append(DONE)
+        await response.write(b"".join(pending))
+        await response.write_eof()
+        return None
     trace.run_ended = True
-    return ProviderFailed("the run ended without a result")
+    if end is None:
+        return ProviderFailed("the run ended without a result")
+    if pending:
+        await response.write(b"".join(pending))
+    return flight.run_error(end)
+
+
+class _SseSink:
+    """Writes deltas as SSE chunks the moment each arrives: those that arrived together
+    (one frame batch from the node) leave as one HTTP chunk."""
+
+    __slots__ = ("_events", "_request", "_response", "_trace", "chunks", "pending")
+
+    def __init__(
+        self,
+        request: web.Request,
+        response: web.StreamResponse,
+        spec: RunSpec,
+        events: RunEvents,
+        trace: RunTrace,
+    ) -> None:
+        self._request = request
+        self._response = response
+        self._events = events
+        self._trace = trace
+        self.chunks = ChunkStream(
+            spec.operation, run_id=events.run_id, model=spec.model, created=trace.created
+        )
+        self.pending: list[bytes] = []
+
+    def started(self, event: Started) -> None:
+        self._trace.started(event)
+
+    def delta(self, event: Delta) -> Awaitable[None] | None:
+        response = self._response
+        if not response.prepared:
+            return self._first(event)
+        pending = self.pending
+        pending.append(self.chunks.delta(event))
+        if self._events.more_ready:
+            return None
+        data = b"".join(pending)
+        pending.clear()
+        return response.write(data)
+
+    async def _first(self, event: Delta) -> None:
+        """The first delta sends the status line (a run failing before it gets a real
+        HTTP error instead)."""
+        self._trace.first_delta()
+        self._trace.status = 200
+        await self._response.prepare(self._request)
+        write = self.delta(event)
+        if write is not None:
+            await write
 
 
 async def _end_with_error(response: web.StreamResponse, error: EdgeError) -> None:
@@ -294,7 +324,7 @@ async def _cancel(events: RunEvents, trace: RunTrace, reason: str) -> None:
 
 
 async def _render(
-    spec: RunSpec, complete: pb.RunComplete, deltas: list[pb.RunDelta], trace: RunTrace
+    spec: RunSpec, complete: Completed, deltas: list[Delta], trace: RunTrace
 ) -> bytes:
     render = functools.partial(
         render_result,

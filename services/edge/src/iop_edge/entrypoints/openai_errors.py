@@ -9,11 +9,11 @@ so every error the API returns has the same shape the OpenAI SDKs parse.
 from __future__ import annotations
 
 import json
-from typing import Any
 
 from aiohttp import web
 
 from iop_edge.errors import EdgeError, QueueFull, RequestTooLarge
+from iop_edge.formats.errors import error_payload
 
 
 class RouteNotFound(EdgeError, LookupError):
@@ -30,25 +30,6 @@ class MethodNotAllowed(EdgeError):
     def __init__(self, message: str, *, allowed: str = "") -> None:
         super().__init__(message)
         self.allowed = allowed
-
-
-def internal_error() -> EdgeError:
-    """What the client reads about a bug: nothing of its internals (those are logged)."""
-    return EdgeError(
-        "The server had an error while processing your request.", code="internal_error"
-    )
-
-
-def error_payload(exc: EdgeError) -> dict[str, Any]:
-    """OpenAI's error object; also the body of an SSE error event sent mid-stream."""
-    return {
-        "error": {
-            "message": exc.message,
-            "type": exc.type,
-            "param": exc.param,
-            "code": exc.code,
-        }
-    }
 
 
 def error_response(exc: EdgeError) -> web.Response:

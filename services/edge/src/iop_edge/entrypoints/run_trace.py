@@ -11,11 +11,11 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from iop_edge.domain.events import Completed, Started
 from iop_edge.domain.fleet import Operation
 from iop_edge.entrypoints.api_metrics import ApiMetrics
 from iop_edge.errors import EdgeError
 from iop_edge.ports import EdgeRunRecord, RunEvents
-from iop_proto.v1 import runtime_pb2 as pb
 
 CLIENT_CLOSED = 499
 """The status recorded when the client left before any response was sent (nginx's)."""
@@ -72,7 +72,7 @@ class RunTrace:
         self.node_id = events.node_id
         self.edge_wait_s = edge_wait_s
 
-    def started(self, start: pb.RunStart) -> None:
+    def started(self, start: Started) -> None:
         self.node_wait_ms = start.queue_wait_ms
         self.provider_id = start.provider_id or self.provider_id
 
@@ -80,10 +80,10 @@ class RunTrace:
         if not self.first_delta_at:
             self.first_delta_at = time.monotonic()
 
-    def completed(self, complete: pb.RunComplete) -> None:
+    def completed(self, complete: Completed) -> None:
         self.run_ended = True
         self.outcome = "completed"
-        if complete.HasField("usage"):
+        if complete.usage is not None:
             self.prompt_tokens = complete.usage.prompt_tokens
             self.completion_tokens = complete.usage.completion_tokens
 

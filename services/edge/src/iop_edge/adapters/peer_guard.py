@@ -38,10 +38,9 @@ from typing import Protocol
 
 from loguru import logger
 
-from iop_edge.dispatch import Dispatcher
 from iop_edge.metrics import EdgeMetrics
-from iop_edge.ports import BatchLeases
-from iop_edge.runs import NodeLink
+from iop_edge.ports import BatchLeases, ProviderView, RunView
+from iop_edge.service.runs import NodeLink
 from iop_proto.connection import Connection
 from iop_proto.errors import ProtocolError
 from iop_proto.v1 import runtime_pb2 as pb
@@ -82,9 +81,14 @@ class PeerGuard:
     """The ownership rule of the node port, which the node and worker listeners both call."""
 
     def __init__(
-        self, dispatcher: Dispatcher, metrics: EdgeMetrics, leases: BatchLeases | None
+        self,
+        runs: RunView,
+        providers: ProviderView,
+        metrics: EdgeMetrics,
+        leases: BatchLeases | None,
     ) -> None:
-        self._dispatcher = dispatcher
+        self._runs = runs
+        self._providers = providers
         self._metrics = metrics
         self._leases = leases
 
@@ -93,7 +97,7 @@ class PeerGuard:
     def run_event(self, node: NodePeer, event: pb.RunEvent) -> None:
         """Pass an event of this connection's run, or of a run unknown here (it ended at
         the edge already: dispatch drops it); refuse one of another connection's run."""
-        run = self._dispatcher.runs.get(event.run_id)
+        run = self._runs.run(event.run_id)
         if run is None or run.link is node:
             return
         raise self._not_yours(
@@ -120,9 +124,9 @@ class PeerGuard:
     def provider_states(self, node: NodePeer, states: Iterable[pb.ProviderState]) -> None:
         """Refuse a state of a provider the fleet gives to another node, unless this
         connection was configured with it (a fleet change moved it: a stale report)."""
-        slots = self._dispatcher.slots
+        providers = self._providers
         for state in states:
-            slot = slots.get(state.provider_id)
+            slot = providers.slot(state.provider_id)
             if slot is None or slot.node_id == node.node_id:
                 continue  # not in the fleet (ignored, never routable), or its own
             if state.provider_id in node.configured:

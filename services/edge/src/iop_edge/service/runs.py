@@ -13,10 +13,9 @@ from collections import deque
 from collections.abc import Callable
 from typing import Protocol
 
-from iop_proto.v1 import runtime_pb2 as pb
+from iop_edge.domain.events import TERMINAL, ErrorCode, Failed, RunEvent, RunOrder
 
 DEADLINE_GRACE_S = 5.0  # the default of the edge's deadline_grace_s (settings)
-_TERMINAL = ("complete", "error")
 
 
 class NodeLink(Protocol):
@@ -24,13 +23,9 @@ class NodeLink(Protocol):
 
     node_id: str
 
-    async def send_run(self, request: pb.RunRequest) -> None: ...
+    async def send_run(self, order: RunOrder) -> None: ...
 
     async def send_cancel(self, run_id: str, reason: str) -> None: ...
-
-
-def error_event(run_id: str, code: int, message: str) -> pb.RunEvent:
-    return pb.RunEvent(run_id=run_id, error=pb.RunError(code=code, message=message))  # type: ignore[arg-type]
 
 
 class EdgeRun:
@@ -39,7 +34,7 @@ class EdgeRun:
     def __init__(
         self,
         run_id: str,
-        request: pb.RunRequest,
+        request: RunOrder,
         provider_id: str,
         node: NodeLink,
         target: str,
@@ -57,13 +52,13 @@ class EdgeRun:
         self._on_finish = on_finish
         # A deque and one waiter, not an asyncio.Queue: one reader, no bound, and a
         # queue's bookkeeping showed in the profiles of every run.
-        self._events: deque[pb.RunEvent] = deque()
+        self._events: deque[RunEvent] = deque()
         self._waiter: asyncio.Future[None] | None = None
         self._iterated = False
         self.finished = False
         self.edge_queue_wait_s = 0.0
         # One timer per run (not a timeout per event: that cost showed in profiles).
-        self._timed_out: pb.RunEvent | None = None
+        self._timed_out: Failed | None = None
         self._timer = asyncio.get_running_loop().call_at(deadline + deadline_grace_s, self._expire)
 
     async def send(self) -> None:
@@ -78,17 +73,17 @@ class EdgeRun:
         if sent:
             await asyncio.shield(self._tell_node(reason))
 
-    def deliver(self, event: pb.RunEvent) -> None:
+    def deliver(self, event: RunEvent) -> None:
         """From the node link: queue the event; a terminal one releases the slot now."""
         if self.finished:
             return
         self._push(event)
-        if event.WhichOneof("kind") in _TERMINAL:
+        if isinstance(event, TERMINAL):
             self._finish()
 
-    def fail(self, code: int, message: str) -> None:
+    def fail(self, code: ErrorCode, message: str) -> None:
         """End the run from the edge's side (node lost, edge stopping)."""
-        self.deliver(error_event(self.run_id, code, message))
+        self.deliver(Failed(code, message))
 
     @property
     def link(self) -> NodeLink:
@@ -100,7 +95,7 @@ class EdgeRun:
         """Events wait already: a relay can write them out together with this one."""
         return bool(self._events)
 
-    def _push(self, event: pb.RunEvent) -> None:
+    def _push(self, event: RunEvent) -> None:
         self._events.append(event)
         waiter = self._waiter
         if waiter is not None and not waiter.done():
@@ -111,7 +106,7 @@ class EdgeRun:
         # registration with the loop's generator hooks per run.
         return self
 
-    async def __anext__(self) -> pb.RunEvent:
+    async def __anext__(self) -> RunEvent:
         if self._iterated:
             raise StopAsyncIteration
         events = self._events
@@ -124,7 +119,7 @@ class EdgeRun:
         event = events.popleft()
         if event is self._timed_out:
             await self._tell_node("deadline passed without an answer from the node")
-        if event.WhichOneof("kind") in _TERMINAL:
+        if isinstance(event, TERMINAL):
             self._iterated = True  # the terminal event is the last one anyone sees
         return event
 
@@ -132,9 +127,7 @@ class EdgeRun:
         """The node never ended the run: end it here so no client waits forever."""
         if self.finished:
             return
-        self._timed_out = error_event(
-            self.run_id, pb.ERROR_CODE_PROVIDER_TIMEOUT, "the provider did not answer in time"
-        )
+        self._timed_out = Failed(ErrorCode.PROVIDER_TIMEOUT, "the provider did not answer in time")
         self._push(self._timed_out)
         self._finish()
 
@@ -143,7 +136,7 @@ class EdgeRun:
         if self.finished:
             return
         # Whoever iterates the events (if anyone) ends with this run's terminal event.
-        self._push(error_event(self.run_id, pb.ERROR_CODE_CANCELLED, reason))
+        self._push(Failed(ErrorCode.CANCELLED, reason))
         self._finish()
         await self._tell_node(reason)
 

@@ -22,10 +22,7 @@ from typing import Any, Final
 from loguru import logger
 from prometheus_client import CollectorRegistry
 
-from iop_edge.batch_file_io import FileContent, Upload, physical_lines
-from iop_edge.batch_lines import LineRunner
 from iop_edge.batch_ports import BatchStore
-from iop_edge.batch_work import BatchWork
 from iop_edge.domain.batches import (
     COMPLETION_WINDOWS,
     ENDPOINTS,
@@ -45,13 +42,16 @@ from iop_edge.domain.batches import (
     scope_of,
 )
 from iop_edge.domain.fleet import ApiKeyEntry
-from iop_edge.entrypoints.openai_errors import error_payload
-from iop_edge.entrypoints.openai_format import dumps
+from iop_edge.domain.leases import LeaseGrant, LineReply
 from iop_edge.errors import InvalidRequest, ModelNotAllowed, NotFound, RequestTooLarge
-from iop_edge.limits import DEFAULT_MAX_BODY_BYTES
+from iop_edge.formats.errors import error_payload
+from iop_edge.formats.openai import dumps
 from iop_edge.metrics import BatchMetrics
 from iop_edge.ports import Catalog, RunService
-from iop_proto.v1 import runtime_pb2 as pb
+from iop_edge.service.batch_file_io import FileContent, Upload, physical_lines
+from iop_edge.service.batch_lines import LineRunner
+from iop_edge.service.batch_work import BatchWork
+from iop_edge.service.limits import DEFAULT_MAX_BODY_BYTES
 
 MAX_FILE_BYTES: Final = 200 * 1024 * 1024
 """OpenAI's limit for a batch input file. Uploads are streamed to disk, so memory is
@@ -292,18 +292,18 @@ class BatchService:
     async def worker_registered(self, worker_id: str) -> None:
         await self._work.worker_registered(worker_id)
 
-    async def lease(self, worker_id: str) -> pb.LeaseGrant:
+    async def lease(self, worker_id: str) -> LeaseGrant:
         """The oldest batch with work and no live lease; an empty grant when there is none."""
         return await self._work.lease(worker_id)
 
-    async def renew(self, lease_id: str) -> pb.LeaseGrant:
+    async def renew(self, lease_id: str) -> LeaseGrant:
         """Extend a lease; raises ``LeaseLost`` when the worker must stop."""
         return await self._work.renew(lease_id)
 
     async def release(self, lease_id: str, finished: bool) -> None:
         await self._work.release(lease_id, finished)
 
-    async def run_line(self, lease_id: str, line_number: int) -> pb.BatchLineResult:
+    async def run_line(self, lease_id: str, line_number: int) -> LineReply:
         """Run one line (0-based), or answer it from storage when it finished already."""
         return await self._work.run_line(lease_id, line_number)
 

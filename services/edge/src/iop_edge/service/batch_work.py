@@ -20,7 +20,6 @@ from collections.abc import Callable, Iterable
 
 from loguru import logger
 
-from iop_edge.batch_lines import LineRunner
 from iop_edge.batch_ports import BatchStore
 from iop_edge.domain.batches import (
     CANCELLED,
@@ -36,9 +35,10 @@ from iop_edge.domain.batches import (
     new_id,
     result_files,
 )
+from iop_edge.domain.leases import LeaseGrant, LineReply
 from iop_edge.errors import LeaseLost, NotFound
 from iop_edge.metrics import BatchMetrics
-from iop_proto.v1 import runtime_pb2 as pb
+from iop_edge.service.batch_lines import LineRunner
 
 
 class BatchWork:
@@ -80,13 +80,13 @@ class BatchWork:
         if freed:
             logger.info("worker {} reconnected: {} leases it held are free again", worker_id, freed)
 
-    async def lease(self, worker_id: str) -> pb.LeaseGrant:
+    async def lease(self, worker_id: str) -> LeaseGrant:
         """The oldest batch with work and no live lease; an empty grant when there is none.
 
         Also ends what is due: cancelling batches whose worker went quiet, batches
         past their completion window, finalizes a crash interrupted.
         """
-        grant = pb.LeaseGrant()
+        grant = LeaseGrant()
         async with self._lock:
             now = self._clock()
             due = await self._claim_due(now)
@@ -102,7 +102,7 @@ class BatchWork:
         await self.refresh_metrics()
         return grant
 
-    async def renew(self, lease_id: str) -> pb.LeaseGrant:
+    async def renew(self, lease_id: str) -> LeaseGrant:
         """Extend a lease; ``LeaseLost`` when it is no longer the batch's, or the batch is
         cancelling or past its window (the worker stops; the edge ends the batch)."""
         due: list[tuple[str, str]] = []
@@ -180,7 +180,7 @@ class BatchWork:
             await self.refresh_metrics()
         return cancelled
 
-    async def run_line(self, lease_id: str, line_number: int) -> pb.BatchLineResult:
+    async def run_line(self, lease_id: str, line_number: int) -> LineReply:
         """Run one line (0-based) under the lease, or answer it from storage if finished.
 
         A status 429 or 503 in the answer with the line still pending means the
@@ -243,9 +243,9 @@ class BatchWork:
             raise LeaseLost(f"batch {batch.id} is {batch.status}")
         return batch
 
-    async def _grant(self, batch: BatchRecord, lease_id: str, expires_at: float) -> pb.LeaseGrant:
+    async def _grant(self, batch: BatchRecord, lease_id: str, expires_at: float) -> LeaseGrant:
         first = await self._store.first_pending(batch.id)
-        return pb.LeaseGrant(
+        return LeaseGrant(
             batch_id=batch.id,
             lease_id=lease_id,
             expires_at_unix_ms=int(expires_at * 1000),
@@ -328,10 +328,8 @@ class BatchWork:
             self._metrics.batches.labels(status).set(count)
 
 
-def _line_result(
-    lease_id: str, line_number: int, custom_id: str, result: LineResult
-) -> pb.BatchLineResult:
-    return pb.BatchLineResult(
+def _line_result(lease_id: str, line_number: int, custom_id: str, result: LineResult) -> LineReply:
+    return LineReply(
         lease_id=lease_id,
         line_number=line_number,
         custom_id=custom_id,

@@ -23,9 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from iop_edge.domain.batches import DONE, ENDPOINTS, LINE_FAILED, LineRecord, LineResult
-from iop_edge.entrypoints.inference_routes import RENDER_OFFLOAD_BYTES
-from iop_edge.entrypoints.openai_errors import error_payload, internal_error
-from iop_edge.entrypoints.openai_format import dumps, render_result
+from iop_edge.domain.events import Completed
 from iop_edge.errors import (
     EdgeError,
     InvalidRequest,
@@ -34,11 +32,13 @@ from iop_edge.errors import (
     ProviderFailed,
     QueueFull,
     QueueTimeout,
-    from_run_error,
+    from_failure,
 )
+from iop_edge.formats.errors import error_payload, internal_error
+from iop_edge.formats.openai import RENDER_OFFLOAD_BYTES, dumps, render_result
 from iop_edge.ports import Catalog, RunEvents, RunService, RunSpec
+from iop_edge.service.run_reader import Collector, follow
 from iop_proto.service.logging import log_unexpected
-from iop_proto.v1 import runtime_pb2 as pb
 
 _TRANSIENT = (QueueFull, QueueTimeout, NoProviderAvailable)
 _NOT_FORWARDED = ("stream", "stream_options")  # a batch line is never streamed
@@ -143,27 +143,24 @@ class LineRunner:
 
     async def _collect(self, spec: RunSpec, events: RunEvents) -> str:
         """The run's OpenAI response body (public model id), or its error raised."""
-        deltas: list[pb.RunDelta] = []
-        async for event in events:
-            kind = event.WhichOneof("kind")
-            if kind == "complete":
-                render = functools.partial(
-                    render_result,
-                    spec.operation,
-                    event.complete,
-                    deltas,
-                    run_id=events.run_id,
-                    model=spec.model,
-                    created=int(self._clock()),
-                )
-                if len(event.complete.result_json) > RENDER_OFFLOAD_BYTES:
-                    return (await asyncio.to_thread(render)).decode()  # megabytes of embeddings
-                return render().decode()
-            if kind == "delta":
-                deltas.append(event.delta)
-            elif kind == "error":
-                raise from_run_error(event.error)
-        raise ProviderFailed("the run ended without a result")
+        collector = Collector()
+        end = await follow(events, collector)
+        if end is None:
+            raise ProviderFailed("the run ended without a result")
+        if not isinstance(end, Completed):
+            raise from_failure(end)
+        render = functools.partial(
+            render_result,
+            spec.operation,
+            end,
+            collector.deltas,
+            run_id=events.run_id,
+            model=spec.model,
+            created=int(self._clock()),
+        )
+        if len(end.result_json) > RENDER_OFFLOAD_BYTES:
+            return (await asyncio.to_thread(render)).decode()  # megabytes of embeddings
+        return render().decode()
 
 
 def _failure(exc: EdgeError, request_id: str, result_id: str) -> LineOutcome:

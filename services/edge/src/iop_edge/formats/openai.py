@@ -1,4 +1,4 @@
-"""Node run events as OpenAI wire objects: SSE chunks and whole (non-streaming) results.
+"""A run's events (``domain.events``) as OpenAI wire objects: SSE chunks and whole results.
 
 This is the per-token hot path. A stream's constant part (id, object, created,
 public model id) is serialised once when the stream starts. The common token (a
@@ -19,10 +19,14 @@ import json
 from collections.abc import Iterable
 from typing import Any, Final
 
+from iop_edge.domain.events import Completed, Delta, ToolCallDelta, Usage
 from iop_edge.domain.fleet import Operation
 from iop_edge.errors import ProviderFailed
 from iop_proto import json_codec
-from iop_proto.v1 import runtime_pb2 as pb
+
+RENDER_OFFLOAD_BYTES: Final = 256 * 1024
+"""A provider result larger than this (embeddings of many inputs) is re-serialised
+in a worker thread, so the event loop keeps serving streams meanwhile."""
 
 DONE: Final = b"data: [DONE]\n\n"
 _EVENT_END: Final = b"\n\n"
@@ -48,7 +52,7 @@ def sse_event(payload: dict[str, Any]) -> bytes:
     return b"data: " + json_bytes(payload) + _EVENT_END
 
 
-def usage_object(usage: pb.Usage) -> dict[str, int]:
+def usage_object(usage: Usage) -> dict[str, int]:
     prompt, completion = usage.prompt_tokens, usage.completion_tokens
     return {
         "prompt_tokens": prompt,
@@ -57,7 +61,7 @@ def usage_object(usage: pb.Usage) -> dict[str, int]:
     }
 
 
-def tool_call_delta(call: pb.ToolCallDelta) -> dict[str, Any]:
+def tool_call_delta(call: ToolCallDelta) -> dict[str, Any]:
     """A streamed tool-call fragment: ``id``/``type``/``name`` only when the node sent them."""
     function: dict[str, str] = {}
     if call.function_name:
@@ -73,7 +77,7 @@ def tool_call_delta(call: pb.ToolCallDelta) -> dict[str, Any]:
     return out
 
 
-def chat_choice(delta: pb.RunDelta, *, first: bool) -> dict[str, Any]:
+def chat_choice(delta: Delta, *, first: bool) -> dict[str, Any]:
     """A ``chat.completion.chunk`` choice; the first of a choice names the role."""
     body: dict[str, Any] = {}
     if delta.role:
@@ -94,7 +98,7 @@ def chat_choice(delta: pb.RunDelta, *, first: bool) -> dict[str, Any]:
     }
 
 
-def text_choice(delta: pb.RunDelta) -> dict[str, Any]:
+def text_choice(delta: Delta) -> dict[str, Any]:
     """A streamed ``text_completion`` choice (``/v1/completions``)."""
     return {
         "index": delta.choice_index,
@@ -127,9 +131,9 @@ class ChunkStream:
         self._token_head = self._head + opening
         self._seen: set[int] = set()
         self._finished: set[int] = set()
-        self.usage: pb.Usage | None = None  # the last usage a delta carried (rare)
+        self.usage: Usage | None = None  # the last usage a delta carried (rare)
 
-    def delta(self, delta: pb.RunDelta) -> bytes:
+    def delta(self, delta: Delta) -> bytes:
         """The SSE event for one delta."""
         index = delta.choice_index
         if (
@@ -137,14 +141,14 @@ class ChunkStream:
             and index == 0
             and delta.text
             and not (delta.role or delta.reasoning_text or delta.tool_calls or delta.finish_reason)
-            and not delta.HasField("usage")
+            and delta.usage is None
         ):
             # The common token: a template and one escaped string (same JSON as below).
             text = _ENCODER.encode(delta.text).encode()
             return self._token_head + (text + b"}" if self._chat else text) + _TOKEN_END
         if delta.finish_reason:
             self._finished.add(index)
-        if delta.HasField("usage"):
+        if delta.usage is not None:
             self.usage = delta.usage
         if self._chat:
             first = index not in self._seen
@@ -156,7 +160,7 @@ class ChunkStream:
             choice = text_choice(delta)
         return self._head + b"[" + json_bytes(choice) + b"]}" + _EVENT_END
 
-    def finish(self, complete: pb.RunComplete) -> bytes:
+    def finish(self, complete: Completed) -> bytes:
         """Closing chunks for choices whose deltas never said why they ended."""
         reason = complete.finish_reason or "stop"
         out = b""
@@ -173,19 +177,16 @@ class ChunkStream:
             out += self._head + b"[" + json_bytes(choice) + b"]}" + _EVENT_END
         return out
 
-    def usage_chunk(self, complete: pb.RunComplete) -> bytes:
+    def usage_chunk(self, complete: Completed) -> bytes:
         """The ``stream_options.include_usage`` chunk: no choices, the run's usage."""
-        if complete.HasField("usage"):
-            usage = complete.usage
-        else:
-            usage = self.usage if self.usage is not None else pb.Usage()
+        usage = complete.usage or self.usage or Usage()
         return self._head + b'[],"usage":' + json_bytes(usage_object(usage)) + b"}\n\n"
 
 
 def render_result(
     operation: Operation,
-    complete: pb.RunComplete,
-    deltas: Iterable[pb.RunDelta],
+    complete: Completed,
+    deltas: Iterable[Delta],
     *,
     run_id: str,
     model: str,
@@ -213,17 +214,17 @@ def render_result(
 
 def _result_from_deltas(
     operation: Operation,
-    complete: pb.RunComplete,
-    deltas: Iterable[pb.RunDelta],
+    complete: Completed,
+    deltas: Iterable[Delta],
     run_id: str,
     model: str,
     created: int,
 ) -> dict[str, Any]:
     choices: dict[int, _Choice] = {}
-    usage = complete.usage if complete.HasField("usage") else None
+    usage = complete.usage
     for delta in deltas:
         choices.setdefault(delta.choice_index, _Choice()).add(delta)
-        if usage is None and delta.HasField("usage"):
+        if usage is None and delta.usage is not None:
             usage = delta.usage
     if not choices:
         choices[0] = _Choice()
@@ -238,7 +239,7 @@ def _result_from_deltas(
         "created": created,
         "model": model,
         "choices": rendered,
-        "usage": usage_object(usage if usage is not None else pb.Usage()),
+        "usage": usage_object(usage if usage is not None else Usage()),
     }
 
 
@@ -252,7 +253,7 @@ class _Choice:
         self.finish_reason = ""
         self.calls: dict[int, dict[str, Any]] = {}
 
-    def add(self, delta: pb.RunDelta) -> None:
+    def add(self, delta: Delta) -> None:
         self.role = self.role or delta.role
         if delta.text:
             self.parts.append(delta.text)
@@ -291,7 +292,7 @@ class _Choice:
             "finish_reason": self.finish_reason or fallback_reason or default,
         }
 
-    def as_text(self, index: int, complete: pb.RunComplete) -> dict[str, Any]:
+    def as_text(self, index: int, complete: Completed) -> dict[str, Any]:
         return {
             "index": index,
             "text": "".join(self.parts),

@@ -1,7 +1,8 @@
 """The read-only provider and model catalog (seed S06-S08, D06) and the API key ring.
 
-Views only: nothing here changes routing. The catalog reads the dispatcher's
-live pool; the key ring reads the fleet's key policies (hashes only).
+Views only: nothing here changes routing. The catalog reads the registry's live
+pool through ``ProviderView``; the key ring reads the fleet's key policies (hashes
+only) through ``FleetView``.
 
 A restricted key (one with a model list) sees the catalog through that list:
 only the models it may use, only the providers serving one of them, and of
@@ -13,27 +14,29 @@ from __future__ import annotations
 import hashlib
 from typing import Any, TypeGuard
 
-from iop_edge.dispatch import Dispatcher
 from iop_edge.domain.fleet import ApiKeyEntry, ModelEntry
 from iop_edge.domain.pool import LIFECYCLE_FLAGS, UNAVAILABLE
+from iop_edge.ports import FleetView, ProviderView, QueueView
 
 
 class PoolCatalog:
-    """Implements ``Catalog`` over the dispatcher's state."""
+    """Implements ``Catalog`` over the fleet, the live pool and the queues (read only)."""
 
-    def __init__(self, dispatcher: Dispatcher) -> None:
-        self._dispatcher = dispatcher
+    def __init__(self, fleet: FleetView, providers: ProviderView, queues: QueueView) -> None:
+        self._fleet = fleet
+        self._providers = providers
+        self._queues = queues
 
     def models(self) -> list[ModelEntry]:
-        return list(self._dispatcher.fleet.models.values())
+        return list(self._fleet.current.models.values())
 
     def model(self, model_id: str) -> ModelEntry | None:
-        return self._dispatcher.fleet.models.get(model_id)
+        return self._fleet.current.models.get(model_id)
 
     def provider_views(self, key: ApiKeyEntry | None = None) -> list[dict[str, Any]]:
-        fleet = self._dispatcher.fleet
+        fleet = self._fleet.current
         views = []
-        for slot in self._dispatcher.slots.values():
+        for slot in self._providers.slots():
             entry = fleet.providers.get(slot.provider_id)
             serves = fleet.models_of_provider(slot.provider_id)
             if _restricted(key):
@@ -68,7 +71,7 @@ class PoolCatalog:
         return views
 
     def model_views(self, key: ApiKeyEntry | None = None) -> list[dict[str, Any]]:
-        slots = self._dispatcher.slots
+        providers = self._providers
         scope = key if _restricted(key) else None
         return [
             {
@@ -76,16 +79,16 @@ class PoolCatalog:
                 "display_name": model.display_name,
                 "providers": dict(model.providers),
                 "available_providers": [
-                    p for p in model.providers if p in slots and slots[p].usable
+                    p for p in model.providers if (slot := providers.slot(p)) and slot.usable
                 ],
-                "queued": self._dispatcher.queued(model.id),
+                "queued": self._queues.queued(model.id),
             }
-            for model in self._dispatcher.fleet.models.values()
+            for model in self._fleet.current.models.values()
             if scope is None or scope.allows(model.id)
         ]
 
     def any_available(self) -> bool:
-        return any(slot.usable for slot in self._dispatcher.slots.values())
+        return any(slot.usable for slot in self._providers.slots())
 
 
 def _restricted(key: ApiKeyEntry | None) -> TypeGuard[ApiKeyEntry]:
@@ -96,13 +99,13 @@ def _restricted(key: ApiKeyEntry | None) -> TypeGuard[ApiKeyEntry]:
 class FleetKeyRing:
     """Implements ``KeyRing``: a presented key is hashed and looked up, never stored."""
 
-    def __init__(self, dispatcher: Dispatcher) -> None:
-        self._dispatcher = dispatcher
+    def __init__(self, fleet: FleetView) -> None:
+        self._fleet = fleet
 
     @property
     def open(self) -> bool:
-        return not self._dispatcher.fleet.api_keys
+        return not self._fleet.current.api_keys
 
     def lookup(self, presented_key: str) -> ApiKeyEntry | None:
         digest = hashlib.sha256(presented_key.encode()).hexdigest()
-        return self._dispatcher.fleet.api_keys.get(digest)
+        return self._fleet.current.api_keys.get(digest)

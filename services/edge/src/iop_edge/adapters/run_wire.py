@@ -1,0 +1,148 @@
+"""Conversions between the edge's plain values and the protobuf contract (the one place).
+
+Run events in (``run_event``), run orders out (``run_request``), snapshots in
+(``provider_reports``), batch answers out (``lease_grant``, ``line_result``). The
+run event conversion runs for every token: one ``WhichOneof``, plain field reads,
+one slotted dataclass; the delta's text is the string the message gave, not copied.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from iop_edge.domain.events import (
+    Completed,
+    Delta,
+    ErrorCode,
+    Failed,
+    ProviderReport,
+    RunEvent,
+    RunOrder,
+    Started,
+    ToolCallDelta,
+    Usage,
+)
+from iop_edge.domain.fleet import Operation
+from iop_edge.domain.leases import LeaseGrant, LineReply
+from iop_edge.domain.pool import AVAILABLE, UNAVAILABLE, UNKNOWN
+from iop_proto.v1 import runtime_pb2 as pb
+
+_OPERATIONS = {
+    Operation.CHAT_COMPLETIONS: pb.OPERATION_CHAT_COMPLETIONS,
+    Operation.COMPLETIONS: pb.OPERATION_COMPLETIONS,
+    Operation.EMBEDDINGS: pb.OPERATION_EMBEDDINGS,
+}
+_HEALTH = {pb.HEALTH_AVAILABLE: AVAILABLE, pb.HEALTH_UNAVAILABLE: UNAVAILABLE}
+_CODES = {
+    pb.ERROR_CODE_INVALID_REQUEST: ErrorCode.INVALID_REQUEST,
+    pb.ERROR_CODE_NOT_FOUND: ErrorCode.NOT_FOUND,
+    pb.ERROR_CODE_QUEUE_FULL: ErrorCode.QUEUE_FULL,
+    pb.ERROR_CODE_QUEUE_TIMEOUT: ErrorCode.QUEUE_TIMEOUT,
+    pb.ERROR_CODE_PROVIDER_UNAVAILABLE: ErrorCode.PROVIDER_UNAVAILABLE,
+    pb.ERROR_CODE_PROVIDER_ERROR: ErrorCode.PROVIDER_ERROR,
+    pb.ERROR_CODE_PROVIDER_TIMEOUT: ErrorCode.PROVIDER_TIMEOUT,
+    pb.ERROR_CODE_DEADLINE_EXCEEDED: ErrorCode.DEADLINE_EXCEEDED,
+    pb.ERROR_CODE_CANCELLED: ErrorCode.CANCELLED,
+}
+
+
+def run_event(event: pb.RunEvent) -> RunEvent | None:
+    """The node's event as the edge's; ``None`` for one without a body (nothing to say)."""
+    kind = event.WhichOneof("kind")
+    if kind == "delta":
+        d = event.delta
+        return Delta(
+            d.text,
+            d.choice_index,
+            d.role,
+            tuple(_tool_call(c) for c in d.tool_calls) if d.tool_calls else (),
+            d.finish_reason,
+            _usage(d.usage) if d.HasField("usage") else None,
+            d.reasoning_text,
+        )
+    if kind == "complete":
+        c = event.complete
+        return Completed(
+            c.finish_reason, _usage(c.usage) if c.HasField("usage") else None, c.result_json
+        )
+    if kind == "error":
+        return failed(event.error)
+    if kind == "start":
+        s = event.start
+        return Started(s.provider_id, s.target, s.queue_wait_ms)
+    return None
+
+
+def failed(error: pb.RunError) -> Failed:
+    """A run error: codes the edge does not tell apart are ``INTERNAL``; an error without
+    a message is named by its wire code."""
+    code = _CODES.get(error.code, ErrorCode.INTERNAL)
+    return Failed(code, error.message or pb.ErrorCode.Name(error.code), error.provider_status)
+
+
+def run_request(order: RunOrder) -> pb.RunRequest:
+    return pb.RunRequest(
+        run_id=order.run_id,
+        model=order.model,
+        provider_id=order.provider_id,
+        adapter=order.adapter,
+        target=order.target,
+        operation=_OPERATIONS[order.operation],
+        body_json=order.body_json,
+        stream=order.stream,
+        deadline_unix_ms=order.deadline_unix_ms,
+        include_usage=order.include_usage,
+    )
+
+
+def provider_reports(states: Iterable[pb.ProviderState]) -> list[ProviderReport]:
+    return [
+        ProviderReport(
+            state.provider_id,
+            _HEALTH.get(state.health, UNKNOWN),
+            state.in_flight,
+            state.queued,
+            tuple(state.models),
+            state.detail,
+            {
+                "list_models": state.capabilities.list_models,
+                "load_model": state.capabilities.load_model,
+                "unload_model": state.capabilities.unload_model,
+                "pull_model": state.capabilities.pull_model,
+                "delete_model": state.capabilities.delete_model,
+            },
+        )
+        for state in states
+    ]
+
+
+def lease_grant(grant: LeaseGrant) -> pb.LeaseGrant:
+    return pb.LeaseGrant(
+        batch_id=grant.batch_id,
+        lease_id=grant.lease_id,
+        expires_at_unix_ms=grant.expires_at_unix_ms,
+        endpoint=grant.endpoint,
+        next_line=grant.next_line,
+        total_lines=grant.total_lines,
+    )
+
+
+def line_result(reply: LineReply) -> pb.BatchLineResult:
+    return pb.BatchLineResult(
+        lease_id=reply.lease_id,
+        line_number=reply.line_number,
+        custom_id=reply.custom_id,
+        status_code=reply.status_code,
+        response_json=reply.response_json,
+        error_json=reply.error_json,
+    )
+
+
+def _usage(usage: pb.Usage) -> Usage:
+    return Usage(usage.prompt_tokens, usage.completion_tokens, usage.total_tokens)
+
+
+def _tool_call(call: pb.ToolCallDelta) -> ToolCallDelta:
+    return ToolCallDelta(
+        call.index, call.id, call.type, call.function_name, call.function_arguments
+    )

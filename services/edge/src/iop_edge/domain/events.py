@@ -1,0 +1,128 @@
+"""What a run tells the edge, as plain values: ``Started | Delta | Completed | Failed``.
+
+The node's protobuf events are converted once, where they arrive
+(``adapters/run_wire.py``); everything past the node listener (the run, the
+HTTP relay, batch lines, the run trace) sees only these. Slotted and frozen:
+one small object per event, on the path every token takes, and nothing to copy
+(a delta's text is the string the wire gave).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+from iop_edge.domain.fleet import Operation
+
+
+class ErrorCode(StrEnum):
+    """Why a run failed, in the edge's words (the wire's codes map onto these)."""
+
+    INVALID_REQUEST = "invalid_request"
+    NOT_FOUND = "not_found"
+    QUEUE_FULL = "queue_full"
+    QUEUE_TIMEOUT = "queue_timeout"
+    PROVIDER_UNAVAILABLE = "provider_unavailable"
+    PROVIDER_ERROR = "provider_error"
+    PROVIDER_TIMEOUT = "provider_timeout"
+    DEADLINE_EXCEEDED = "deadline_exceeded"
+    CANCELLED = "cancelled"
+    INTERNAL = "internal"
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCallDelta:
+    """A fragment of one tool call; ``id``, ``type`` and the name come once, in its first."""
+
+    index: int = 0
+    id: str = ""
+    type: str = ""
+    function_name: str = ""
+    function_arguments: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Started:
+    """The node began the run on ``provider_id`` after ``queue_wait_ms`` in its queue."""
+
+    provider_id: str = ""
+    target: str = ""
+    queue_wait_ms: int = 0
+
+
+@dataclass(slots=True)
+class Delta:
+    """A piece of one choice's output (a token, a reasoning fragment, tool-call parts).
+
+    Slotted but not frozen, unlike the other events: one is made per token, and a
+    frozen dataclass's ``__init__`` (``object.__setattr__`` per field) cost five times
+    a plain one's. Nothing changes a delta after the wire adapter made it.
+    """
+
+    text: str = ""
+    choice_index: int = 0
+    role: str = ""
+    tool_calls: tuple[ToolCallDelta, ...] = ()
+    finish_reason: str = ""
+    usage: Usage | None = None
+    reasoning_text: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Completed:
+    """The run's end: why, its usage, and the provider's whole result when it sent one."""
+
+    finish_reason: str = ""
+    usage: Usage | None = None
+    result_json: bytes = b""
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    """The run's end in an error (from the node, or the edge's own: cancel, deadline)."""
+
+    code: ErrorCode
+    message: str = ""
+    provider_status: int = 0
+
+
+RunEvent = Started | Delta | Completed | Failed
+TERMINAL = (Completed, Failed)
+"""The events that end a run (``isinstance(event, TERMINAL)``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RunOrder:
+    """A run as the dispatcher sends it to a node: the target already chosen and the
+    body already rewritten to the provider's served name."""
+
+    run_id: str
+    model: str  # the public model id
+    provider_id: str
+    adapter: str  # the provider's type
+    target: str  # the provider's served name
+    operation: Operation
+    body_json: bytes
+    stream: bool
+    deadline_unix_ms: int
+    include_usage: bool
+
+
+@dataclass(frozen=True, slots=True)
+class ProviderReport:
+    """One provider's state in a node's snapshot, as the registry takes it."""
+
+    provider_id: str
+    health: str  # ``pool.AVAILABLE``, ``UNAVAILABLE`` or ``UNKNOWN``
+    in_flight: int = 0
+    queued: int = 0
+    models: tuple[str, ...] = ()
+    detail: str = ""
+    lifecycle: dict[str, bool] | None = None

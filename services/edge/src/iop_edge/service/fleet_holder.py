@@ -1,0 +1,26 @@
+"""The fleet config in force: one holder, replaced whole, read by everyone else.
+
+The control-plane pushes a new ``Fleet``; the provider registry puts it here
+(``ProviderRegistry.apply_fleet``) before it rebuilds the pool, so whoever reads
+``current`` afterwards sees the fleet the pool was built from.
+"""
+
+from __future__ import annotations
+
+from iop_edge.domain.fleet import Fleet
+
+
+class FleetHolder:
+    """Implements ``FleetView``: the current fleet, empty until the first config."""
+
+    __slots__ = ("_fleet",)
+
+    def __init__(self, fleet: Fleet | None = None) -> None:
+        self._fleet = fleet if fleet is not None else Fleet()
+
+    @property
+    def current(self) -> Fleet:
+        return self._fleet
+
+    def replace(self, fleet: Fleet) -> None:
+        self._fleet = fleet

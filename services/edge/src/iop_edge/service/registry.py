@@ -1,0 +1,146 @@
+"""The provider registry: the live pool (one slot per provider, one index per model)
+and the node links, the one place either is kept.
+
+The node listener registers and unregisters connections here and feeds it
+snapshots; a fleet config rebuilds it. Slot state changes only through the
+slot's ``take``/``release``/``update``, so the indexes never fall behind. What
+the dispatcher must act on (slots changed for some models, a link gone) it is
+told through the ``PoolListener`` it subscribed; everyone else reads through the
+read-only views of ``ports`` (``ProviderView``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Protocol
+
+from iop_edge.domain.events import ProviderReport
+from iop_edge.domain.fleet import Fleet
+from iop_edge.domain.pool import AVAILABLE, UNAVAILABLE, ModelIndex, ProviderSlot, index_models
+from iop_edge.metrics import EdgeMetrics
+from iop_edge.service.fleet_holder import FleetHolder
+from iop_edge.service.runs import NodeLink
+
+
+class PoolListener(Protocol):
+    """What the dispatcher hears from the registry (it serves its queues from it)."""
+
+    def slots_changed(self, model_ids: Iterable[str]) -> None:
+        """Slots of these models (in fleet order) may have room now."""
+        ...
+
+    def fleet_applied(self, fleet: Fleet) -> None:
+        """The pool was rebuilt for ``fleet``: queues follow its models."""
+        ...
+
+    def link_lost(self, link: NodeLink, reason: str) -> None:
+        """The connection is gone: whatever runs on it ends with an error."""
+        ...
+
+
+class ProviderRegistry:
+    """Implements ``ProviderView``; owns the slots, the indexes and the node links."""
+
+    def __init__(self, fleet: FleetHolder, metrics: EdgeMetrics) -> None:
+        self._fleet = fleet
+        self._metrics = metrics
+        self._slots: dict[str, ProviderSlot] = {}
+        self._indexes: dict[str, ModelIndex] = {}
+        self._model_rank: dict[str, int] = {}  # fleet order, in which queues are served
+        self._links: dict[str, NodeLink] = {}
+        self._listener: PoolListener | None = None
+
+    def subscribe(self, listener: PoolListener) -> None:
+        """The one listener (the dispatcher) told of every change it must act on."""
+        self._listener = listener
+
+    # ------------------------------------------------------------ reads
+
+    def slot(self, provider_id: str) -> ProviderSlot | None:
+        return self._slots.get(provider_id)
+
+    def slots(self) -> Sequence[ProviderSlot]:
+        """Every provider of the fleet, in the fleet file's order."""
+        return tuple(self._slots.values())
+
+    def index(self, model_id: str) -> ModelIndex | None:
+        return self._indexes.get(model_id)
+
+    def link(self, node_id: str) -> NodeLink | None:
+        """The node's current connection; ``None`` while it is not registered."""
+        return self._links.get(node_id)
+
+    def links(self) -> Sequence[NodeLink]:
+        return tuple(self._links.values())
+
+    # ------------------------------------------------------------ changes
+
+    def apply_fleet(self, fleet: Fleet) -> None:
+        """Swap in a new fleet config; live state of providers that stay is kept."""
+        self._fleet.replace(fleet)
+        slots = self._slots
+        for provider_id in list(slots):
+            if provider_id not in fleet.providers:
+                slots.pop(provider_id).detach()
+                self._metrics.forget_provider(provider_id)
+        for entry in fleet.providers.values():
+            slot = slots.get(entry.id)
+            if slot is None:
+                slot = slots[entry.id] = ProviderSlot(entry.id, entry.node_id)
+            slot.node_id, slot.type, slot.category = entry.node_id, entry.type, entry.category
+            # connected follows the node, also for a provider moved to another node
+            slot.update(capacity=entry.capacity, connected=entry.node_id in self._links)
+        self._indexes = index_models(
+            ((m.id, [slots[p] for p in m.providers if p in slots]) for m in fleet.models.values()),
+            slots.values(),
+        )
+        self._model_rank = {model_id: rank for rank, model_id in enumerate(fleet.models)}
+        if self._listener is not None:
+            self._listener.fleet_applied(fleet)
+
+    def node_connected(self, link: NodeLink, providers: Iterable[ProviderReport]) -> None:
+        """Register ``link`` as its node's connection (a previous one is replaced)."""
+        self._links[link.node_id] = link
+        self._metrics.nodes_connected.set(len(self._links))
+        for slot in self._slots_of_node(link.node_id):
+            slot.update(connected=True)
+        self.apply_snapshot(link.node_id, providers)
+
+    def node_disconnected(self, link: NodeLink, reason: str) -> None:
+        """The node's providers are unavailable at once and the connection's runs end
+        with an error (a replaced connection's runs too: nothing else can end them)."""
+        if self._links.get(link.node_id) is link:  # else a newer connection replaced it
+            del self._links[link.node_id]
+            self._metrics.nodes_connected.set(len(self._links))
+            for slot in self._slots_of_node(link.node_id):
+                slot.update(connected=False, reported_in_flight=0)
+                self._metrics.publish_slot(slot)
+        if self._listener is not None:
+            self._listener.link_lost(link, reason)
+
+    def apply_snapshot(self, node_id: str, providers: Iterable[ProviderReport]) -> None:
+        changed: set[str] = set()
+        for state in providers:
+            slot = self._slots.get(state.provider_id)
+            if slot is None or slot.node_id != node_id:
+                continue  # not in the fleet (or not this node's): never routable
+            slot.update(health=state.health, reported_in_flight=state.in_flight)
+            slot.node_queued = state.queued
+            slot.models = state.models
+            slot.detail = state.detail
+            slot.lifecycle = dict(state.lifecycle or {})
+            self._metrics.publish_slot(slot)
+            changed.update(slot.model_ids())
+        if self._listener is not None:
+            self._listener.slots_changed(sorted(changed, key=self._model_rank.__getitem__))
+
+    def mark_unavailable(self, provider_id: str) -> None:
+        """The node found its provider unreachable: stop routing to it now rather than
+        at the node's next snapshot (which also brings it back when it is)."""
+        slot = self._slots.get(provider_id)
+        if slot is not None and slot.health == AVAILABLE:
+            slot.update(health=UNAVAILABLE)
+            self._metrics.publish_slot(slot)
+
+    def _slots_of_node(self, node_id: str) -> list[ProviderSlot]:
+        return [slot for slot in self._slots.values() if slot.node_id == node_id]

@@ -1,0 +1,70 @@
+"""Reading a run's events: the one ``match`` over ``Started | Delta | Completed | Failed``.
+
+The streaming relay, the non-streaming answer and batch lines all read a run
+the same way: starts and deltas go to a ``RunSink`` as they come, the run's end
+is returned. What each does with a delta (write a chunk, keep it) is its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable
+from typing import Protocol
+
+from iop_edge.domain.events import Completed, Delta, Failed, Started
+from iop_edge.ports import RunEvents
+
+
+class RunSink(Protocol):
+    """What a reader does with the events before the end."""
+
+    def started(self, event: Started) -> None: ...
+
+    def delta(self, event: Delta) -> Awaitable[None] | None:
+        """Take one delta; what it returns (a write, say) is awaited before the next.
+        Not a coroutine itself: most deltas need no wait, and a coroutine per token
+        showed in the per-token cost."""
+        ...
+
+
+async def follow(events: RunEvents, sink: RunSink) -> Completed | Failed | None:
+    """Feed ``sink`` until the run ends; its terminal event (``None``: the events
+    stopped without one, which only a broken run does)."""
+    async for event in events:
+        match event:
+            case Delta():  # first: nearly every event is one
+                wait = sink.delta(event)
+                if wait is not None:
+                    await wait
+            case Started():
+                sink.started(event)
+            case Completed() | Failed():
+                return event
+    return None
+
+
+class RunWatcher(Protocol):
+    """Who times the run (the HTTP layer's trace): its start and its first delta."""
+
+    def started(self, start: Started) -> None: ...
+
+    def first_delta(self) -> None: ...
+
+
+class Collector:
+    """A ``RunSink`` that keeps the deltas for one answer at the end; ``watcher`` is told
+    of the start and of each delta as they come."""
+
+    __slots__ = ("_watcher", "deltas")
+
+    def __init__(self, watcher: RunWatcher | None = None) -> None:
+        self.deltas: list[Delta] = []
+        self._watcher = watcher
+
+    def started(self, event: Started) -> None:
+        if self._watcher is not None:
+            self._watcher.started(event)
+
+    def delta(self, event: Delta) -> None:
+        if self._watcher is not None:
+            self._watcher.first_delta()
+        self.deltas.append(event)
