@@ -1,4 +1,5 @@
-"""S05: a fleet file in the legacy `openai.model_routes` shape serves the same requests."""
+"""A fleet file in the legacy `openai.model_routes` shape serves the same requests
+(docs/ARCHITECTURE.md#pool-configuration)."""
 
 from __future__ import annotations
 

@@ -281,7 +281,8 @@ async def _node_in_flight(stack: Stack, node: str, provider_id: str, expected: i
 
 
 async def test_the_provider_receives_the_served_name(stack: Stack, sdk: AsyncOpenAI) -> None:
-    """S03: node-b's history shows the served name it ran; the client saw the public id."""
+    """node-b's history shows the served name it ran; the client saw the public id
+    (docs/ARCHITECTURE.md#target-rewrite)."""
     await wait_until_available(stack, {"node-a-mock", "node-b-mock"})
     # concurrent, so the pool spreads them (sequential ones would all tie on node-a)
     answers = await asyncio.gather(

@@ -104,7 +104,7 @@ class RunView(Protocol):
 
 
 class Catalog(Protocol):
-    """The read-only catalog (seed S06-S08, D06): no control operations."""
+    """The read-only catalog (docs/ARCHITECTURE.md#catalog): no control operations."""
 
     def models(self) -> list[ModelEntry]: ...
 

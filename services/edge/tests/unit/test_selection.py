@@ -1,4 +1,5 @@
-"""Selection (S04): lowest load ratio among available providers with a free slot."""
+"""Selection: lowest load ratio among available providers with a free slot
+(docs/ARCHITECTURE.md#selection)."""
 
 from __future__ import annotations
 

@@ -20,7 +20,8 @@ from iop_node.domain.runs import Completion, Delta, ExecutionSpec
 
 @dataclass(frozen=True, slots=True)
 class LifecycleFlags:
-    """Coarse model lifecycle capabilities of a provider type (catalog flags, seed D05)."""
+    """Coarse model lifecycle capabilities of a provider type (catalog flags:
+    docs/ARCHITECTURE.md#catalog)."""
 
     list_models: bool = False
     load_model: bool = False

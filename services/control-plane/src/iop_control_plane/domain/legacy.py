@@ -2,7 +2,8 @@
 
 Before the provider pool, each route sent one public model to one adapter on one node:
 ``{model, adapter, target, node}`` plus optional provider settings. Such files still load
-(scenario S05): each (node, adapter) pair becomes the provider ``<node>-<adapter>``, each
+(docs/ARCHITECTURE.md#pool-configuration): each (node, adapter) pair becomes the
+provider ``<node>-<adapter>``, each
 distinct ``model`` becomes a model, and every converted route yields a deprecation warning
 that says where it went, so operators can move it by hand.
 

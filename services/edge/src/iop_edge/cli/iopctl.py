@@ -1,6 +1,7 @@
 """``iopctl``: the edge's provider and model catalog and its run history, in a terminal.
 
-Read-only (D06), like the web console: it reads only the documented endpoints
+Read-only (docs/ARCHITECTURE.md#catalog), like the web console: it reads only the
+documented endpoints
 ``/iop/v1/catalog/providers``, ``/iop/v1/catalog/models`` and ``/iop/v1/runs``,
 with the same Bearer key as the API. ``--json`` prints an endpoint's ``data`` so
 scripts never parse the tables; the live commands (``runs --tail``, ``watch``)

@@ -1,4 +1,5 @@
-"""The operator console: a read-only web page over the edge's catalog and run history (D06)."""
+"""The operator console: a read-only web page over the edge's catalog and run history
+(docs/ARCHITECTURE.md#catalog)."""
 
 from __future__ import annotations
 

@@ -24,7 +24,8 @@ class Operation(StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class ModelEntry:
-    """One public model: its id is the queue and catalog key (seed S01)."""
+    """One public model: its id is the queue and catalog key
+    (docs/ARCHITECTURE.md#target-rewrite)."""
 
     id: str
     display_name: str

@@ -1,4 +1,4 @@
-"""Provider pools and the selection rule (seed D02, S04).
+"""Provider pools and the selection rule (docs/ARCHITECTURE.md#selection).
 
 Candidates for a model are its providers whose node is connected, whose health
 is ``available`` and whose capacity is above zero. Among those with a free slot

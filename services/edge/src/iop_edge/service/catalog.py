@@ -1,4 +1,4 @@
-"""The read-only provider and model catalog (seed S06-S08, D06) and the API key ring.
+"""The read-only provider and model catalog (docs/ARCHITECTURE.md#catalog) and the API key ring.
 
 Views only: nothing here changes routing. The catalog reads the registry's live
 pool through ``ProviderView``; the key ring reads the fleet's key policies (hashes

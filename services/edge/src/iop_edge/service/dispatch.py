@@ -1,5 +1,6 @@
-"""Dispatch: the model id stays the key until the last moment (S01), then a provider is
-chosen (S04), the target rewritten to its served name (S03), and the run sent to its node.
+"""Dispatch: the model id stays the key until the last moment, then a provider is
+chosen (docs/ARCHITECTURE.md#selection), the target rewritten to its served name
+(docs/ARCHITECTURE.md#target-rewrite), and the run sent to its node.
 
 Owns the per-model FIFO queues and the runs in flight, nothing else: the pool
 and the node links are the ``ProviderRegistry``'s, the fleet the ``FleetHolder``'s.
@@ -190,7 +191,8 @@ class Dispatcher:
             adapter=entry.type,
             target=served,
             operation=spec.operation,
-            body_json=body.with_model(served),  # target rewrite here and only here (S03)
+            # the target rewrite, here and only here (docs/ARCHITECTURE.md#target-rewrite)
+            body_json=body.with_model(served),
             stream=spec.stream,
             deadline_unix_ms=int(time.time() * 1000) + timeout_ms,
             include_usage=spec.include_usage,

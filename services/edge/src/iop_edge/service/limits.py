@@ -59,7 +59,8 @@ DEFAULT_MAX_BODY_BYTES: Final = max_body_bytes(DEFAULT_MAX_FRAME_SIZE)
 @dataclass(frozen=True, slots=True)
 class RunBody:
     """A request body serialised once, before a provider is chosen: everything but
-    ``model``, which becomes the chosen provider's served name, written first (S03)."""
+    ``model``, which becomes the chosen provider's served name, written first
+    (docs/ARCHITECTURE.md#target-rewrite)."""
 
     rest: bytes  # the body without "model", as a JSON object
 

@@ -1,4 +1,5 @@
-"""The capacity gate and FIFO queue of one provider (seed 002: the node's job, not an adapter's).
+"""The capacity gate and FIFO queue of one provider (the node's job, not an adapter's:
+docs/ARCHITECTURE.md#node-execution).
 
 A run starts only while ``in_flight < capacity``; otherwise it waits in a FIFO
 of at most ``max_queue`` places for at most its queue timeout. Every slot is
