@@ -19,27 +19,35 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, BinaryIO, Final
+from typing import Any, BinaryIO
 
 import aiosqlite
 from loguru import logger
 
 from iop_edge.adapters.batch_files import ContentDir, ContentUpload
+from iop_edge.adapters.batch_rows import (
+    BATCH_SELECT,
+    FILE_SELECT,
+    INSERT_FILE,
+    LEASE_FREE,
+    LINE_COLUMNS,
+    RUNNABLE_SQL,
+    TIMESTAMP_OF,
+    batch_record,
+    file_row,
+    json_text,
+    line_record,
+    new_line_row,
+)
 from iop_edge.adapters.batch_schema import BUSY_TIMEOUT_S, connect
 from iop_edge.domain.batches import (
-    CANCELLED,
     CANCELLING,
     COMPLETED,
-    DONE,
-    EXPIRED,
     FINALIZING,
     IN_PROGRESS,
-    LINE_FAILED,
     PENDING,
-    RUNNABLE,
     STATUSES,
     VALIDATING,
     BatchRecord,
@@ -49,27 +57,6 @@ from iop_edge.domain.batches import (
     LineResult,
 )
 from iop_proto.sqlite import transaction
-
-_BATCH_SELECT: Final = f"""SELECT b.id, b.input_file_id, b.endpoint, b.completion_window,
-    b.metadata, b.status, b.created_at, b.in_progress_at, b.finalizing_at, b.completed_at,
-    b.failed_at, b.expired_at, b.cancelling_at, b.cancelled_at, b.expires_at,
-    b.output_file_id, b.error_file_id, b.errors, b.total_lines,
-    (SELECT COUNT(*) FROM batch_lines l WHERE l.batch_id = b.id AND l.state = '{DONE}'),
-    (SELECT COUNT(*) FROM batch_lines l WHERE l.batch_id = b.id AND l.state = '{LINE_FAILED}'),
-    b.lease_id, b.lease_owner, b.lease_expires_at, b.finalize_as, b.owner
-    FROM batches b"""
-_FILE_SELECT: Final = "SELECT id, filename, purpose, bytes, created_at, owner FROM files"
-_RUNNABLE_SQL: Final = ", ".join(f"'{status}'" for status in RUNNABLE)
-_LEASE_FREE: Final = "(b.lease_expires_at IS NULL OR b.lease_expires_at <= :now)"
-_LINE_COLUMNS: Final = (
-    "batch_id, line_number, custom_id, body, state, status_code, response, error, "
-    "request_id, result_id"
-)
-_TIMESTAMP_OF: Final = {
-    COMPLETED: "completed_at",
-    CANCELLED: "cancelled_at",
-    EXPIRED: "expired_at",
-}
 
 
 class SqliteBatchStore:
@@ -118,7 +105,7 @@ class SqliteBatchStore:
         return await ContentUpload.begin(self.contents, file_id, self._insert_file)
 
     async def get_file(self, file_id: str) -> FileRecord | None:
-        rows = await self._fetch(f"{_FILE_SELECT} WHERE id = ?", (file_id,))
+        rows = await self._fetch(f"{FILE_SELECT} WHERE id = ?", (file_id,))
         return FileRecord(*rows[0]) if rows else None
 
     async def list_files(
@@ -141,7 +128,7 @@ class SqliteBatchStore:
         clause = f"WHERE {' AND '.join(where)}" if where else ""
         order = "DESC" if newest else "ASC"
         rows = await self._fetch(
-            f"{_FILE_SELECT} {clause} ORDER BY rowid {order} LIMIT ?", (*params, limit)
+            f"{FILE_SELECT} {clause} ORDER BY rowid {order} LIMIT ?", (*params, limit)
         )
         return [FileRecord(*row) for row in rows]
 
@@ -161,7 +148,7 @@ class SqliteBatchStore:
 
     async def _insert_file(self, record: FileRecord) -> None:
         async with self._write() as db:
-            await db.execute(_INSERT_FILE, _file_row(record))
+            await db.execute(INSERT_FILE, file_row(record))
 
     # -- batches -------------------------------------------------------------
 
@@ -185,25 +172,25 @@ class SqliteBatchStore:
                     batch.input_file_id,
                     batch.endpoint,
                     batch.completion_window,
-                    _json(batch.metadata),
+                    json_text(batch.metadata),
                     batch.status,
                     batch.created_at,
                     batch.failed_at,
                     batch.expires_at,
-                    _json(batch.errors),
+                    json_text(batch.errors),
                     batch.total,
                     batch.owner,
                 ),
             )
             await db.executemany(
-                f"INSERT INTO batch_lines ({_LINE_COLUMNS}, finished_at) "
+                f"INSERT INTO batch_lines ({LINE_COLUMNS}, finished_at) "
                 "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (_new_line(batch, line, done.get(line.index)) for line in lines),
+                (new_line_row(batch, line, done.get(line.index)) for line in lines),
             )
 
     async def get_batch(self, batch_id: str) -> BatchRecord | None:
-        rows = await self._fetch(f"{_BATCH_SELECT} WHERE b.id = ?", (batch_id,))
-        return _batch(rows[0]) if rows else None
+        rows = await self._fetch(f"{BATCH_SELECT} WHERE b.id = ?", (batch_id,))
+        return batch_record(rows[0]) if rows else None
 
     async def list_batches(
         self, after: str | None, limit: int, owner: str | None = None
@@ -220,39 +207,39 @@ class SqliteBatchStore:
             params.extend([after] if owner is None else [after, owner])
         clause = f"WHERE {' AND '.join(where)}" if where else ""
         rows = await self._fetch(
-            f"{_BATCH_SELECT} {clause} ORDER BY b.seq DESC LIMIT ?", (*params, limit)
+            f"{BATCH_SELECT} {clause} ORDER BY b.seq DESC LIMIT ?", (*params, limit)
         )
-        return [_batch(row) for row in rows]
+        return [batch_record(row) for row in rows]
 
     async def batch_by_lease(self, lease_id: str) -> BatchRecord | None:
-        rows = await self._fetch(f"{_BATCH_SELECT} WHERE b.lease_id = ?", (lease_id,))
-        return _batch(rows[0]) if rows else None
+        rows = await self._fetch(f"{BATCH_SELECT} WHERE b.lease_id = ?", (lease_id,))
+        return batch_record(rows[0]) if rows else None
 
     async def leasable(self, now: float) -> BatchRecord | None:
         """The oldest runnable batch nobody holds (a lease past its expiry holds nothing)."""
         rows = await self._fetch(
-            f"""{_BATCH_SELECT} WHERE b.status IN ({_RUNNABLE_SQL}) AND b.finalize_as IS NULL
-            AND {_LEASE_FREE} ORDER BY b.seq LIMIT 1""",
+            f"""{BATCH_SELECT} WHERE b.status IN ({RUNNABLE_SQL}) AND b.finalize_as IS NULL
+            AND {LEASE_FREE} ORDER BY b.seq LIMIT 1""",
             {"now": now},
         )
-        return _batch(rows[0]) if rows else None
+        return batch_record(rows[0]) if rows else None
 
     async def to_finalize(self, now: float) -> list[BatchRecord]:
         """Batches whose end is due: cancelling or past their window with no live lease,
         and those left half-finalized (by a crash, or by a finalize in progress)."""
         rows = await self._fetch(
-            f"""{_BATCH_SELECT} WHERE b.finalize_as IS NOT NULL
-            OR (b.status = '{CANCELLING}' AND {_LEASE_FREE})
-            OR (b.status IN ({_RUNNABLE_SQL}) AND b.expires_at <= :now AND {_LEASE_FREE})
+            f"""{BATCH_SELECT} WHERE b.finalize_as IS NOT NULL
+            OR (b.status = '{CANCELLING}' AND {LEASE_FREE})
+            OR (b.status IN ({RUNNABLE_SQL}) AND b.expires_at <= :now AND {LEASE_FREE})
             ORDER BY b.seq""",
             {"now": now},
         )
-        return [_batch(row) for row in rows]
+        return [batch_record(row) for row in rows]
 
     async def owned_unended(self) -> list[tuple[str, str]]:
         rows = await self._fetch(
             f"""SELECT id, owner FROM batches WHERE owner IS NOT NULL AND finalize_as IS NULL
-            AND status IN ({_RUNNABLE_SQL}, '{CANCELLING}') ORDER BY seq"""
+            AND status IN ({RUNNABLE_SQL}, '{CANCELLING}') ORDER BY seq"""
         )
         return [(str(batch_id), str(owner)) for batch_id, owner in rows]
 
@@ -352,9 +339,9 @@ class SqliteBatchStore:
         async with self._write() as db:
             for file in (output, error):
                 if file is not None:
-                    await db.execute(_INSERT_FILE, _file_row(file[0]))
+                    await db.execute(INSERT_FILE, file_row(file[0]))
             await db.execute(
-                f"""UPDATE batches SET status = ?, {_TIMESTAMP_OF[terminal]} = ?,
+                f"""UPDATE batches SET status = ?, {TIMESTAMP_OF[terminal]} = ?,
                     output_file_id = ?, error_file_id = ?, finalize_as = NULL,
                     lease_id = NULL, lease_owner = NULL, lease_expires_at = NULL
                 WHERE id = ?""",
@@ -371,17 +358,17 @@ class SqliteBatchStore:
 
     async def get_line(self, batch_id: str, index: int) -> LineRecord | None:
         rows = await self._fetch(
-            f"SELECT {_LINE_COLUMNS} FROM batch_lines WHERE batch_id = ? AND line_number = ?",
+            f"SELECT {LINE_COLUMNS} FROM batch_lines WHERE batch_id = ? AND line_number = ?",
             (batch_id, index),
         )
-        return _line(rows[0]) if rows else None
+        return line_record(rows[0]) if rows else None
 
     async def lines(self, batch_id: str) -> list[LineRecord]:
         rows = await self._fetch(
-            f"SELECT {_LINE_COLUMNS} FROM batch_lines WHERE batch_id = ? ORDER BY line_number",
+            f"SELECT {LINE_COLUMNS} FROM batch_lines WHERE batch_id = ? ORDER BY line_number",
             (batch_id,),
         )
-        return [_line(row) for row in rows]
+        return [line_record(row) for row in rows]
 
     async def first_pending(self, batch_id: str) -> int | None:
         rows = await self._fetch(
@@ -414,58 +401,3 @@ class SqliteBatchStore:
                 ),
             )
             return cursor.rowcount > 0
-
-
-_INSERT_FILE: Final = (
-    "INSERT INTO files (id, filename, purpose, bytes, created_at, owner) VALUES (?, ?, ?, ?, ?, ?)"
-)
-
-
-def _file_row(record: FileRecord) -> tuple[object, ...]:
-    return (
-        record.id,
-        record.filename,
-        record.purpose,
-        record.bytes,
-        record.created_at,
-        record.owner,
-    )
-
-
-def _new_line(batch: BatchRecord, line: InputLine, result: LineResult | None) -> tuple[object, ...]:
-    head = (batch.id, line.index, line.custom_id, line.body_json)
-    if result is None:
-        return (*head, PENDING, None, None, None, None, None, None)
-    return (
-        *head,
-        result.state,
-        result.status_code,
-        result.response,
-        result.error,
-        result.request_id,
-        result.result_id,
-        batch.created_at,
-    )
-
-
-def _json(value: object) -> str | None:
-    return None if value is None else json.dumps(value, ensure_ascii=False)
-
-
-def _batch(row: Iterable[Any]) -> BatchRecord:
-    values = list(row)
-    values[4] = None if values[4] is None else json.loads(values[4])  # metadata
-    values[17] = None if values[17] is None else json.loads(values[17])  # errors
-    return BatchRecord(*values)
-
-
-def _line(row: Sequence[Any]) -> LineRecord:
-    batch_id, index, custom_id, body, state, status_code, response, error, request_id, result_id = (
-        row
-    )
-    result = (
-        None
-        if state == PENDING
-        else LineResult(state, status_code, response, error, request_id or "", result_id or "")
-    )
-    return LineRecord(batch_id, index, custom_id, body, result)
