@@ -152,6 +152,7 @@ async def build(
             heartbeat_interval_s=settings.heartbeat_interval_s,
             reconnect_max_s=cp.reconnect_max_s,
             authorize_timeout_s=cp.authorize_timeout_s,
+            on_link=metrics.control_plane_connected.set,
         )
         await control_plane.load_cache()
         cp_task = asyncio.create_task(control_plane.run(), name="control-plane")

@@ -44,6 +44,7 @@ class EdgeMetrics:
     registrations: Counter
     refusals: Counter
     config_version: Gauge
+    control_plane_connected: Gauge
     _providers: dict[str, _ProviderSeries] = field(default_factory=dict, init=False)
     _queues: dict[str, _QueueSeries] = field(default_factory=dict, init=False)
 
@@ -86,6 +87,12 @@ class EdgeMetrics:
             ),
             config_version=Gauge(
                 "iop_edge_config_version", "Fleet config version in use", registry=registry
+            ),
+            control_plane_connected=Gauge(
+                "iop_edge_control_plane_connected",
+                "1 while the edge holds a live control-plane connection (0: serving from cache,"
+                " registrations refused)",
+                registry=registry,
             ),
         )
 

@@ -43,8 +43,12 @@ class ControlPlaneClient:
         heartbeat_interval_s: float,
         reconnect_max_s: float = 10.0,
         authorize_timeout_s: float = AUTHORIZE_TIMEOUT_S,
+        on_link: Callable[[bool], None] | None = None,
     ) -> None:
+        """``on_link``: told ``True`` when a connection is up (its first config applied)
+        and ``False`` when it is lost, so the edge can show the link's state."""
         self._host, self._port = host, port
+        self._on_link = on_link
         self._server_name = server_name or host
         self._edge_id = edge_id
         self._version = version
@@ -170,6 +174,8 @@ class ControlPlaneClient:
                 await self._apply(first.fleet_config, save=True)
                 self._conn = conn
                 self.connected.set()
+                if self._on_link is not None:
+                    self._on_link(True)
                 followed = True
                 logger.info("connected to the control-plane (config version {})", self.version)
                 async for envelope in conn:
@@ -183,6 +189,8 @@ class ControlPlaneClient:
         finally:
             self._conn = None
             self.connected.clear()
+            if self._on_link is not None and followed:
+                self._on_link(False)
             for future in self._pending.values():
                 if not future.done():
                     future.set_exception(ConnectionClosed("control-plane connection lost"))
