@@ -7,14 +7,13 @@ with small fakes of these protocols.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from iop_edge.domain.events import RunEvent
 from iop_edge.domain.fleet import ApiKeyEntry, Fleet, ModelEntry, Operation
 from iop_edge.domain.leases import LeaseGrant, LineReply
-from iop_edge.domain.pool import ProviderSlot
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,13 +67,47 @@ class FleetView(Protocol):
     def current(self) -> Fleet: ...
 
 
+class SlotView(Protocol):
+    """One provider's live state, read only: what a ``ProviderSlot`` shows without the
+    methods that change it (``take``, ``release``, ``update`` are the dispatcher's)."""
+
+    @property
+    def provider_id(self) -> str: ...
+    @property
+    def node_id(self) -> str: ...
+    @property
+    def type(self) -> str: ...
+    @property
+    def category(self) -> str: ...
+    @property
+    def capacity(self) -> int: ...
+    @property
+    def connected(self) -> bool: ...
+    @property
+    def health(self) -> str: ...
+    @property
+    def in_flight(self) -> int: ...
+    @property
+    def load_ratio(self) -> float: ...
+    @property
+    def usable(self) -> bool: ...
+    @property
+    def node_queued(self) -> int: ...
+    @property
+    def models(self) -> tuple[str, ...]: ...
+    @property
+    def lifecycle(self) -> Mapping[str, bool]: ...
+    @property
+    def detail(self) -> str: ...
+
+
 class ProviderView(Protocol):
     """The live pool, read only (``ProviderRegistry``): the catalog and the peer guard
     look, only the registry and the dispatcher change slots."""
 
-    def slot(self, provider_id: str) -> ProviderSlot | None: ...
+    def slot(self, provider_id: str) -> SlotView | None: ...
 
-    def slots(self) -> Sequence[ProviderSlot]:
+    def slots(self) -> Sequence[SlotView]:
         """Every provider of the fleet, in the fleet file's order."""
         ...
 
