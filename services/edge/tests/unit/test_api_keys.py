@@ -12,21 +12,8 @@ from iop_edge.entrypoints.api_auth import access_mode, check_open_access, is_loo
 from iop_edge.errors import LoopbackOnly
 from iop_edge.metrics import EdgeMetrics
 from iop_edge.service.catalog import PoolCatalog
-from iop_edge.service.dispatch import Dispatcher
-from iop_edge.service.fleet_holder import FleetHolder
-from iop_edge.service.registry import ProviderRegistry
-from iop_proto.framing import DEFAULT_MAX_FRAME_SIZE
+from iop_edge.testing import WiredDispatcher as Dispatch
 from iop_proto.v1 import runtime_pb2 as pb
-
-
-class Dispatch(Dispatcher):
-    """The dispatcher with the fleet holder and the pool it draws from, wired as
-    bootstrap wires them (the tests drive the pool as the node listener would)."""
-
-    def __init__(self, metrics: EdgeMetrics, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE) -> None:
-        self.fleet = FleetHolder()
-        self.pool = ProviderRegistry(self.fleet, metrics)
-        super().__init__(self.fleet, self.pool, metrics, max_frame_size)
 
 
 class Keys:

@@ -15,22 +15,10 @@ from iop_edge.domain.fleet import Fleet, ModelEntry, Operation, ProviderEntry
 from iop_edge.errors import ShuttingDown
 from iop_edge.metrics import EdgeMetrics
 from iop_edge.ports import RunSpec
-from iop_edge.service.dispatch import Dispatcher
-from iop_edge.service.fleet_holder import FleetHolder
-from iop_edge.service.registry import ProviderRegistry
 from iop_edge.service.runs import EdgeRun
 from iop_edge.settings import EdgeSettings
+from iop_edge.testing import WiredDispatcher as Dispatch
 from iop_proto.v1 import runtime_pb2 as pb
-
-
-class Dispatch(Dispatcher):
-    """The dispatcher with the fleet holder and the pool it draws from, wired as
-    bootstrap wires them."""
-
-    def __init__(self, metrics: EdgeMetrics) -> None:
-        self.fleet = FleetHolder()
-        self.pool = ProviderRegistry(self.fleet, metrics)
-        super().__init__(self.fleet, self.pool, metrics)
 
 
 class FakeNode:

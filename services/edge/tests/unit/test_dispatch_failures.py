@@ -22,26 +22,13 @@ from iop_edge.domain.fleet import Fleet, ModelEntry, Operation, ProviderEntry
 from iop_edge.errors import InvalidRequest, NoProviderAvailable, QueueTimeout, RequestTooLarge
 from iop_edge.metrics import EdgeMetrics
 from iop_edge.ports import RunSpec
-from iop_edge.service.dispatch import Dispatcher
-from iop_edge.service.fleet_holder import FleetHolder
 from iop_edge.service.limits import RunBody
-from iop_edge.service.registry import ProviderRegistry
 from iop_edge.service.runs import EdgeRun
+from iop_edge.testing import WiredDispatcher as Dispatch
 from iop_proto import json_codec
 from iop_proto.errors import ConnectionClosed
-from iop_proto.framing import DEFAULT_MAX_FRAME_SIZE, encode_frame
+from iop_proto.framing import encode_frame
 from iop_proto.v1 import runtime_pb2 as pb
-
-
-class Dispatch(Dispatcher):
-    """The dispatcher with the fleet holder and the pool it draws from, wired as
-    bootstrap wires them (the tests drive the pool as the node listener would)."""
-
-    def __init__(self, metrics: EdgeMetrics, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE) -> None:
-        self.fleet = FleetHolder()
-        self.pool = ProviderRegistry(self.fleet, metrics)
-        super().__init__(self.fleet, self.pool, metrics, max_frame_size)
-
 
 MODEL = "m"
 FRAME = 64 * 1024  # a small frame limit, so "too large" needs no megabytes

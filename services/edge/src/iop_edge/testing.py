@@ -1,0 +1,23 @@
+"""Helpers for the edge's own tests (as ``iop_proto.testing`` is for every service's).
+
+Shipped in the package, not copied into each test module: the wiring below is
+bootstrap's, and tests that drive the pool directly must not drift from it.
+"""
+
+from __future__ import annotations
+
+from iop_edge.metrics import EdgeMetrics
+from iop_edge.service.dispatch import Dispatcher
+from iop_edge.service.fleet_holder import FleetHolder
+from iop_edge.service.registry import ProviderRegistry
+from iop_proto.framing import DEFAULT_MAX_FRAME_SIZE
+
+
+class WiredDispatcher(Dispatcher):
+    """The dispatcher with the fleet holder and the pool it draws from, wired as
+    ``bootstrap.build`` wires them; ``pool`` is driven as the node listener would."""
+
+    def __init__(self, metrics: EdgeMetrics, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE) -> None:
+        self.fleet = FleetHolder()
+        self.pool = ProviderRegistry(self.fleet, metrics)
+        super().__init__(self.fleet, self.pool, metrics, max_frame_size)
