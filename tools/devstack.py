@@ -513,14 +513,29 @@ async def poll_health(session: aiohttp.ClientSession, url: str) -> None:
         await asyncio.sleep(POLL_INTERVAL_S)
 
 
+# The edge's admin port (loopback, no API key) publishes each provider's health as
+# `iop_edge_provider_health{provider="...",state="available"} 1.0`.
+HEALTH_SAMPLE = re.compile(
+    r'^iop_edge_provider_health\{(?=[^}]*provider="(?P<provider>[^"]+)")'
+    r'(?=[^}]*state="(?P<state>[^"]+)")[^}]*\} 1(?:\.0)?$',
+    re.MULTILINE,
+)
+
+
 async def poll_providers(
-    session: aiohttp.ClientSession, url: str, expected: frozenset[str], seen: dict[str, str]
+    session: aiohttp.ClientSession,
+    url: str,
+    expected: frozenset[str],
+    seen: dict[str, str],
+    metrics_url: str | None = None,
 ) -> int:
     """Return how many providers the catalog lists once all of them, and ``expected``, are
     available. ``seen`` keeps the last answer (provider id -> health) for error messages.
 
     ``expected`` matters because a node's providers appear only once the node registers:
-    a catalog without them is not a catalog of available providers.
+    a catalog without them is not a catalog of available providers. Once API keys exist
+    the catalog answers 401 to a caller without one (this script has none): then the
+    providers' health is read from the edge's admin ``metrics_url`` instead.
     """
     timeout = aiohttp.ClientTimeout(total=2.0)
     while True:
@@ -530,6 +545,11 @@ async def poll_providers(
                     rows = (await response.json())["data"]
                     seen.clear()
                     seen.update({str(r["provider_id"]): str(r["health"]) for r in rows})
+                elif response.status == 401 and metrics_url is not None:
+                    async with session.get(metrics_url, timeout=timeout) as metrics:
+                        text = await metrics.text()
+                    seen.clear()
+                    seen.update((m["provider"], m["state"]) for m in HEALTH_SAMPLE.finditer(text))
         if seen and expected <= seen.keys() and set(seen.values()) == {AVAILABLE}:
             return len(seen)
         await asyncio.sleep(POLL_INTERVAL_S)
@@ -621,12 +641,18 @@ class Stack:
         return self.exit_failure(done, "during start-up")
 
     async def wait_providers(
-        self, catalog_url: str, expected: frozenset[str], stop: asyncio.Event
+        self,
+        catalog_url: str,
+        expected: frozenset[str],
+        stop: asyncio.Event,
+        metrics_url: str | None = None,
     ) -> tuple[str | None, int]:
         """Wait until the catalog shows every provider available: (why not, how many)."""
         seen: dict[str, str] = {}
         async with aiohttp.ClientSession() as session:
-            counting = asyncio.create_task(poll_providers(session, catalog_url, expected, seen))
+            counting = asyncio.create_task(
+                poll_providers(session, catalog_url, expected, seen, metrics_url)
+            )
             done = await self.race([counting], stop, self.opts.providers_timeout)
         if counting in done:
             return None, counting.result()
@@ -735,7 +761,9 @@ async def run(
         if failure is None and not stop.is_set():
             catalog = f"{root}/iop/v1/catalog/providers"
             console.say(f"waiting for {len(providers)} providers to be available in {catalog}")
-            failure, available = await stack.wait_providers(catalog, providers, stop)
+            edge = next((p for p in plans if API_PORT_ENV in p.spec.ports), None)
+            metrics = f"{edge.admin_url}/metrics" if edge is not None else None
+            failure, available = await stack.wait_providers(catalog, providers, stop, metrics)
         if failure is None and not stop.is_set():
             console.say(ports_line(plans))
             console.write(up_line(root, available))

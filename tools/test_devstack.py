@@ -25,6 +25,7 @@ from types import ModuleType
 
 import aiohttp
 import pytest
+from aiohttp import web
 
 TOOLS = Path(__file__).resolve().parent
 REPO = TOOLS.parent
@@ -394,3 +395,49 @@ def test_waiting_providers_are_named() -> None:
     expected = frozenset({"a", "b", "c"})
     seen = {"a": "available", "b": "unavailable"}
     assert devstack.describe_providers(expected, seen) == "c (not in the catalog), b (unavailable)"
+
+
+async def test_once_keys_exist_the_providers_are_read_from_the_edges_admin_metrics() -> None:
+    """The catalog answers 401 without a key (and the script has none): the wait reads
+    the providers' health from the edge's admin ``/metrics`` instead, over real HTTP."""
+    metrics = (
+        "# TYPE iop_edge_provider_health gauge\n"
+        'iop_edge_provider_health{provider="a",state="available"} 1.0\n'
+        'iop_edge_provider_health{provider="a",state="unavailable"} 0.0\n'
+        'iop_edge_provider_health{provider="b",state="unknown"} 1.0\n'
+    )
+    app = web.Application()
+
+    async def catalog(request: web.Request) -> web.Response:
+        return web.json_response({"error": {"code": "invalid_api_key"}}, status=401)
+
+    async def admin_metrics(request: web.Request) -> web.Response:
+        return web.Response(text=metrics)
+
+    app.router.add_get("/iop/v1/catalog/providers", catalog)
+    app.router.add_get("/metrics", admin_metrics)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, HOST, 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    root = f"http://{HOST}:{port}"
+    try:
+        async with aiohttp.ClientSession() as session:
+            seen: dict[str, str] = {}
+            waiting = asyncio.create_task(
+                devstack.poll_providers(
+                    session,
+                    f"{root}/iop/v1/catalog/providers",
+                    frozenset("ab"),
+                    seen,
+                    f"{root}/metrics",
+                )
+            )
+            await asyncio.sleep(0.3)  # several polls: b is not available yet
+            assert not waiting.done()
+            assert seen == {"a": "available", "b": "unknown"}
+            metrics = metrics.replace('state="unknown"', 'state="available"')
+            assert await asyncio.wait_for(waiting, 5) == 2
+    finally:
+        await runner.cleanup()
