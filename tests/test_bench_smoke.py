@@ -1,10 +1,13 @@
-"""The benchmark code runs end to end, so that it cannot rot between benchmark runs.
+"""The benchmark tools run end to end, so that they cannot rot between benchmark runs.
 
 ``tools/bench/run.py --tiny`` starts everything the real run starts (the fake
 backend, an IOP stack, the real model where installed) with a handful of
-requests per scenario. Only behaviour is checked: it exits 0 and writes a JSON
-document with every scenario in it. No number is asserted; timings on a shared
-CI machine would only make this test flaky.
+requests per scenario: it exits 0 and writes a JSON document with every scenario
+in it. ``tools/bench/hops.py`` traces one streamed chat completion in the edge and
+the node: its path starts at the edge's chat-completions handler, reaches the
+node's adapter, and writes the body's ``model`` at least once. Only behaviour is
+checked, no number: timings on a shared CI machine would make this flaky, and
+restructuring the edge changes the hop count on purpose.
 """
 
 from __future__ import annotations
@@ -20,18 +23,23 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 RUN = REPO / "tools" / "bench" / "run.py"
+HOPS = REPO / "tools" / "bench" / "hops.py"
 SCENARIOS = {"overhead", "streaming", "scale", "realmodel"}
 TIMEOUT_S = 100  # the run stops itself after 80 s; this is the backstop
+HOPS_TIMEOUT_S = 60  # about 12 s on 2 shared cores
 
 pytestmark = pytest.mark.slow
 
 
-def test_tiny_run_writes_every_scenario(tmp_path: Path) -> None:
-    out = tmp_path / "results.json"
-    # A session of its own: if the run hangs, its whole process group (edge, node,
-    # fake backend, llama.cpp) goes with it, not just the Python at its top.
+def run_tool(args: list[str], timeout_s: float, what: str) -> str:
+    """Run a bench tool to its end and return its output; fail the test if it hangs
+    or exits non-zero.
+
+    A session of its own: if the tool hangs, its whole process group (edge, node,
+    fake backend, llama.cpp) goes with it, not just the Python at its top.
+    """
     process = subprocess.Popen(
-        [sys.executable, str(RUN), "--tiny", "--out", str(out)],
+        [sys.executable, *args],
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -39,13 +47,18 @@ def test_tiny_run_writes_every_scenario(tmp_path: Path) -> None:
         start_new_session=True,
     )
     try:
-        output, _ = process.communicate(timeout=TIMEOUT_S)
+        output, _ = process.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
         output, _ = process.communicate()
-        pytest.fail(f"the tiny benchmark run took over {TIMEOUT_S} s:\n{output[-5000:]}")
-
+        pytest.fail(f"{what} took over {timeout_s} s:\n{output[-5000:]}")
     assert process.returncode == 0, output[-5000:]
+    return output
+
+
+def test_tiny_run_writes_every_scenario(tmp_path: Path) -> None:
+    out = tmp_path / "results.json"
+    output = run_tool([str(RUN), "--tiny", "--out", str(out)], TIMEOUT_S, "the tiny benchmark run")
     results = json.loads(out.read_text())
     assert set(results["scenarios"]) == SCENARIOS
     for name, scenario in results["scenarios"].items():
@@ -57,3 +70,20 @@ def test_tiny_run_writes_every_scenario(tmp_path: Path) -> None:
     assert results["meta"]["mode"] == "tiny"
     assert {row["scenario"] for row in results["rows"]} <= SCENARIOS
     assert "scenario" in output  # the table was printed
+
+
+def test_hops_reports_the_path_of_a_stream(tmp_path: Path) -> None:
+    out = tmp_path / "hops.json"
+    args = [str(HOPS), "--json", str(out), "--rounds", "2", "--window", "0.5"]
+    output = run_tool(args, HOPS_TIMEOUT_S, "the hops tool")
+    result = json.loads(out.read_text())
+    edge = [(e["module"], e["qualname"]) for e in result["path"]["edge"]]
+    node = [(e["module"], e["qualname"]) for e in result["path"]["node"]]
+    assert any(m.startswith("iop_edge.") and q.endswith("chat_completions") for m, q in edge)
+    assert any(m.startswith("iop_node.adapters.") and q.endswith(".execute") for m, q in node)
+    assert not any(m.startswith("iop_proto.v1") for m, _ in edge + node)
+    assert result["hops"]["total"] == len(edge) + len(node)
+    assert result["model_rewrites"], "no function on the path writes the body's model"
+    assert "idle window" in result["filter"]
+    assert "edge path:" in output
+    assert "node path:" in output
