@@ -259,6 +259,43 @@ async def check_llamacpp_stream(sdk: AsyncOpenAI) -> None:
     assert 0 < usage.completion_tokens <= 8
 
 
+async def check_llamacpp_chat_fields(sdk: AsyncOpenAI) -> None:
+    """The fields OpenAI's reference always sends, on a real llama.cpp answer (which
+    leaves ``refusal`` out and names its own ids), and its streamed logprobs."""
+    answer = await sdk.chat.completions.create(
+        model=LLAMA_MODEL, messages=[{"role": "user", "content": "Say hi."}], max_tokens=4
+    )
+    (choice,) = answer.choices
+    assert answer.id.startswith("chatcmpl-")
+    assert len(answer.id) == len("chatcmpl-") + 32
+    assert {"refusal"} <= choice.message.model_fields_set  # present, as null
+    assert choice.message.refusal is None
+    assert "logprobs" in choice.model_fields_set
+    stream = await sdk.chat.completions.create(
+        model=LLAMA_MODEL,
+        messages=[{"role": "user", "content": "Say hi."}],
+        max_tokens=4,
+        stream=True,
+        stream_options={"include_usage": True},
+        logprobs=True,
+        top_logprobs=2,
+    )
+    chunks = [chunk async for chunk in stream]
+    *token_chunks, last = chunks
+    assert last.usage is not None
+    assert not last.choices
+    assert all("usage" in c.model_fields_set and c.usage is None for c in token_chunks)
+    streamed = [
+        entry
+        for c in token_chunks
+        for entry in ((c.choices[0].logprobs.content or []) if c.choices[0].logprobs else [])
+    ]
+    text = "".join(c.choices[0].delta.content or "" for c in token_chunks)
+    assert streamed, "llama.cpp streams logprobs: they must reach the client"
+    assert "".join(entry.token for entry in streamed) == text
+    assert all(len(entry.top_logprobs) == 2 for entry in streamed)
+
+
 async def check_mock(sdk: AsyncOpenAI) -> None:
     answer = await sdk.chat.completions.create(
         model="mock-small", messages=[{"role": "user", "content": "hi"}], max_tokens=5
@@ -307,6 +344,7 @@ async def test_make_run_stack_serves_llamacpp_and_mocks_then_stops_cleanly(
         async with AsyncOpenAI(base_url=up["api"], api_key="unused", max_retries=0) as sdk:
             await check_llamacpp_chat(sdk)
             await check_llamacpp_stream(sdk)
+            await check_llamacpp_chat_fields(sdk)
             await check_mock(sdk)
         await check_catalog(up["catalog"])
 

@@ -315,7 +315,7 @@ class RunStart(_message.Message):
     def __init__(self, provider_id: _Optional[str] = ..., target: _Optional[str] = ..., queue_wait_ms: _Optional[int] = ...) -> None: ...
 
 class RunDelta(_message.Message):
-    __slots__ = ("choice_index", "role", "text", "tool_calls", "finish_reason", "usage", "reasoning_text")
+    __slots__ = ("choice_index", "role", "text", "tool_calls", "finish_reason", "usage", "reasoning_text", "logprobs_json")
     CHOICE_INDEX_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -323,6 +323,7 @@ class RunDelta(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     REASONING_TEXT_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_JSON_FIELD_NUMBER: _ClassVar[int]
     choice_index: int
     role: str
     text: str
@@ -330,7 +331,8 @@ class RunDelta(_message.Message):
     finish_reason: str
     usage: Usage
     reasoning_text: str
-    def __init__(self, choice_index: _Optional[int] = ..., role: _Optional[str] = ..., text: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCallDelta, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., reasoning_text: _Optional[str] = ...) -> None: ...
+    logprobs_json: bytes
+    def __init__(self, choice_index: _Optional[int] = ..., role: _Optional[str] = ..., text: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCallDelta, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., reasoning_text: _Optional[str] = ..., logprobs_json: _Optional[bytes] = ...) -> None: ...
 
 class RunComplete(_message.Message):
     __slots__ = ("finish_reason", "usage", "result_json")

@@ -190,6 +190,7 @@ async def build(
             read_timeout_s=settings.http.read_timeout_s,
             key_slots=key_slots,
             allow_open=settings.http.allow_open,
+            cors_origins=settings.http.cors_origins,
             min_body_rate=settings.http.min_body_rate,
             stop_gate=gate,
         )

@@ -38,6 +38,13 @@ class HttpSettings(FrozenModel):
             " loopback ones (127.0.0.0/8, ::1) are, others get a 401, whatever host binds"
         ),
     )
+    cors_origins: tuple[str, ...] = Field(
+        default=(),
+        description=(
+            "browser origins (scheme://host[:port]) allowed to call the API cross-origin,"
+            ' or "*" for any; none by default (no CORS headers, preflights not answered)'
+        ),
+    )
 
 
 class NodeListenerSettings(FrozenModel):

@@ -254,7 +254,9 @@ class Edge:
 
 
 @contextlib.asynccontextmanager
-async def serve(keys: dict[str, ApiKeyEntry] | None = None) -> AsyncIterator[Edge]:
+async def serve(
+    keys: dict[str, ApiKeyEntry] | None = None, cors_origins: tuple[str, ...] = ()
+) -> AsyncIterator[Edge]:
     models = [
         ModelEntry(CHAT, "Llama 3.1 8B", {"p1": SERVED}),
         ModelEntry(EMBED, "Embed v1", {"p1": SERVED}),
@@ -270,6 +272,7 @@ async def serve(keys: dict[str, ApiKeyEntry] | None = None) -> AsyncIterator[Edg
         ApiMetrics.create(registry),
         openapi=load_openapi(),
         key_slots=slots,
+        cors_origins=cors_origins,
     )
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
@@ -344,7 +347,7 @@ async def test_chat_stream_without_include_usage_has_no_usage_chunk(edge: Edge) 
     assert all(c.choices and c.usage is None for c in chunks)
 
 
-async def test_chat_non_stream_returns_the_provider_result_under_the_public_id(
+async def test_chat_non_stream_returns_the_provider_result_under_the_public_ids(
     edge: Edge,
 ) -> None:
     async with edge.sdk() as client:
@@ -352,8 +355,10 @@ async def test_chat_non_stream_returns_the_provider_result_under_the_public_id(
             model=CHAT, messages=[{"role": "user", "content": "hi"}]
         )
     assert result.model == CHAT
-    assert result.id == "provider-id"
+    assert result.id == "chatcmpl-run-1"  # the edge's, not the provider's "provider-id"
     assert result.choices[0].message.content == "Hello"
+    assert result.choices[0].message.refusal is None
+    assert "refusal" in result.choices[0].message.model_fields_set  # sent, as null
     assert result.usage is not None
     assert result.usage.total_tokens == 7
 
@@ -657,7 +662,9 @@ async def test_sse_framing_chunk_by_chunk(edge: Edge, http: aiohttp.ClientSessio
                 "finish_reason": None,
             }
         ],
+        "usage": None,  # include_usage: null on every chunk but the last
     }
+    assert [c["usage"] for c in chunks[:3]] == [None, None, None]
     assert chunks[2]["choices"][0]["finish_reason"] == "stop"
     assert chunks[3]["choices"] == []
     assert chunks[3]["usage"] == {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}
@@ -715,6 +722,7 @@ async def test_a_result_without_result_json_is_built_from_deltas(
             "message": {
                 "role": "assistant",
                 "content": "Hello",
+                "refusal": None,
                 "reasoning_content": "think",
                 "tool_calls": [
                     {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
@@ -1087,3 +1095,81 @@ async def test_an_edge_failure_mid_stream_ends_the_stream_with_an_error_event(
     assert run.cancel_reasons == ["edge failed: RuntimeError"]
     (record,) = await edge.runlog.wait_for(1)
     assert (record.outcome, record.status, record.error_code) == ("failed", 200, "internal_error")
+
+
+# ---------------------------------------------------------------- CORS (http.cors_origins)
+
+APP_ORIGIN = "http://localhost:3000"
+
+
+async def test_a_configured_origin_gets_its_preflight_and_cors_headers_on_streams() -> None:
+    async with serve({"sk-chat": key("k1", CHAT)}, cors_origins=(APP_ORIGIN,)) as edge:
+        async with aiohttp.ClientSession() as http:
+            preflight = await http.options(
+                f"{edge.url}/v1/chat/completions",
+                headers={
+                    "Origin": APP_ORIGIN,
+                    "Access-Control-Request-Method": "POST",
+                    "Access-Control-Request-Headers": "authorization, content-type",
+                },
+            )  # no key: a preflight carries none
+            headers = {"Origin": APP_ORIGIN, "Authorization": "Bearer sk-chat"}
+            async with http.post(
+                f"{edge.url}/v1/chat/completions", json=chat_body(stream=True), headers=headers
+            ) as streamed:
+                await streamed.read()
+            refused = await http.post(
+                f"{edge.url}/v1/chat/completions", json=chat_body(), headers={"Origin": APP_ORIGIN}
+            )
+    assert preflight.status == 204
+    assert preflight.headers["Access-Control-Allow-Origin"] == APP_ORIGIN
+    assert preflight.headers["Access-Control-Allow-Headers"] == "authorization, content-type"
+    assert "POST" in preflight.headers["Access-Control-Allow-Methods"]
+    assert streamed.status == 200
+    assert streamed.headers["Content-Type"] == "text/event-stream"
+    assert streamed.headers["Access-Control-Allow-Origin"] == APP_ORIGIN
+    assert streamed.headers["Access-Control-Expose-Headers"] == "X-Request-Id"
+    assert streamed.headers["Vary"] == "Origin"
+    # An error answer is readable by the app too (the 401 names the missing key).
+    assert refused.status == 401
+    assert refused.headers["Access-Control-Allow-Origin"] == APP_ORIGIN
+
+
+async def test_an_origin_not_configured_gets_no_cors_headers() -> None:
+    async with serve(cors_origins=(APP_ORIGIN,)) as edge:
+        async with aiohttp.ClientSession() as http:
+            other = {"Origin": "http://evil.example"}
+            preflight = await http.options(
+                f"{edge.url}/v1/chat/completions",
+                headers={**other, "Access-Control-Request-Method": "POST"},
+            )
+            answer = await http.post(
+                f"{edge.url}/v1/chat/completions", json=chat_body(), headers=other
+            )
+    assert preflight.status == 204
+    assert "Access-Control-Allow-Origin" not in preflight.headers
+    assert "Access-Control-Allow-Methods" not in preflight.headers
+    assert answer.status == 200
+    assert "Access-Control-Allow-Origin" not in answer.headers
+
+
+async def test_without_origins_configured_cors_is_off(
+    edge: Edge, http: aiohttp.ClientSession
+) -> None:
+    preflight = await http.options(
+        f"{edge.url}/v1/chat/completions",
+        headers={"Origin": APP_ORIGIN, "Access-Control-Request-Method": "POST"},
+    )
+    answer = await http.post(
+        f"{edge.url}/v1/chat/completions", json=chat_body(), headers={"Origin": APP_ORIGIN}
+    )
+    assert preflight.status == 405  # no route answers OPTIONS
+    assert "Access-Control-Allow-Origin" not in answer.headers
+
+
+async def test_any_origin_with_a_star() -> None:
+    async with serve(cors_origins=("*",)) as edge:
+        async with aiohttp.ClientSession() as http:
+            answer = await http.get(f"{edge.url}/v1/models", headers={"Origin": "https://a.b"})
+    assert answer.headers["Access-Control-Allow-Origin"] == "*"
+    assert "Vary" not in answer.headers

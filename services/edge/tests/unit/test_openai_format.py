@@ -79,13 +79,88 @@ def test_a_stream_without_deltas_still_closes_with_a_finish_chunk() -> None:
     ]
 
 
-def test_render_result_replaces_only_the_model() -> None:
+def test_render_result_replaces_the_model_and_the_id_and_keeps_the_rest() -> None:
     provider = {"id": "x", "model": "served", "choices": [], "n": 12345678901234567890}
     complete = Completed(result_json=json.dumps(provider).encode())
     body = render_result(
         Operation.CHAT_COMPLETIONS, complete, [], run_id="r", model="public", created=5
     )
-    assert json.loads(body) == {**provider, "model": "public"}
+    assert json.loads(body) == {**provider, "model": "public", "id": "chatcmpl-r"}
+
+
+def test_a_provider_choice_gets_the_fields_openai_always_sends() -> None:
+    provider = {
+        "id": "llama-1",
+        "object": "chat.completion",
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "hi"},
+                "finish_reason": "stop",
+            },
+            {"index": 1, "message": {"role": "assistant", "refusal": "no"}, "logprobs": {"c": []}},
+        ],
+    }
+    complete = Completed(result_json=json.dumps(provider).encode())
+    result = json.loads(
+        render_result(Operation.CHAT_COMPLETIONS, complete, [], run_id="r", model="m", created=5)
+    )
+    first, second = result["choices"]
+    assert first["logprobs"] is None
+    assert first["message"]["refusal"] is None
+    assert second["logprobs"] == {"c": []}
+    assert second["message"]["refusal"] == "no"
+
+
+def test_a_text_completion_gets_the_edge_id_and_logprobs() -> None:
+    provider = {"id": "p", "object": "text_completion", "choices": [{"index": 0, "text": "a"}]}
+    complete = Completed(result_json=json.dumps(provider).encode())
+    result = json.loads(
+        render_result(Operation.COMPLETIONS, complete, [], run_id="r", model="m", created=5)
+    )
+    assert result["id"] == "cmpl-r"
+    assert result["choices"] == [{"index": 0, "text": "a", "logprobs": None}]
+
+
+def test_embeddings_keep_the_provider_id() -> None:
+    provider = {"object": "list", "data": [], "model": "served"}
+    complete = Completed(result_json=json.dumps(provider).encode())
+    body = render_result(Operation.EMBEDDINGS, complete, [], run_id="r", model="m", created=5)
+    assert json.loads(body) == {**provider, "model": "m"}
+
+
+@pytest.mark.parametrize("operation", [Operation.CHAT_COMPLETIONS, Operation.COMPLETIONS])
+def test_with_include_usage_every_chunk_but_the_usage_one_says_null(operation: Operation) -> None:
+    stream = ChunkStream(operation, run_id="r", model="m", created=5, include_usage=True)
+    chunks = [
+        event(stream.delta(Delta(text="a"))),
+        event(stream.delta(Delta(text="b"))),  # the token fast path
+        event(stream.delta(Delta(text="c", finish_reason="stop"))),
+    ]
+    closing = stream.finish(Completed())
+    assert closing == b""  # choice 0 said why it ended
+    last = event(stream.usage_chunk(Completed(usage=Usage(1, 3, 4))))
+    assert [chunk["usage"] for chunk in chunks] == [None, None, None]
+    assert last["usage"] == {"prompt_tokens": 1, "completion_tokens": 3, "total_tokens": 4}
+
+
+def test_without_include_usage_chunks_have_no_usage_field() -> None:
+    stream = ChunkStream(Operation.CHAT_COMPLETIONS, run_id="r", model="m", created=5)
+    chunks = [event(stream.delta(Delta(text="a"))), event(stream.delta(Delta(text="b")))]
+    assert all("usage" not in chunk for chunk in chunks)
+
+
+def test_the_providers_streamed_logprobs_reach_the_chunk() -> None:
+    logprobs = {"content": [{"token": "b", "logprob": -0.25, "bytes": [98], "top_logprobs": []}]}
+    raw = json.dumps(logprobs).encode()
+    for operation in (Operation.CHAT_COMPLETIONS, Operation.COMPLETIONS):
+        stream = ChunkStream(operation, run_id="r", model="m", created=5)
+        stream.delta(Delta(text="a"))
+        chunk = event(stream.delta(Delta(text="b", logprobs_json=raw)))  # not the fast path
+        (choice,) = chunk["choices"]
+        assert choice["logprobs"] == logprobs
+        assert choice["finish_reason"] is None
+        assert choice.get("text", choice.get("delta", {}).get("content")) == "b"
 
 
 def test_a_result_only_the_standard_parser_reads_is_rendered_whole() -> None:
@@ -99,7 +174,13 @@ def test_a_result_only_the_standard_parser_reads_is_rendered_whole() -> None:
         model="public",
         created=5,
     )
-    assert json.loads(body) == {"model": "public", "big": 2**70, "s": "\ud83d", "x": None}
+    assert json.loads(body) == {
+        "model": "public",
+        "big": 2**70,
+        "s": "\ud83d",
+        "x": None,
+        "id": "chatcmpl-r",
+    }
 
 
 @pytest.mark.parametrize("raw", [b"not json", b"[1]"])
@@ -131,3 +212,12 @@ def test_a_completion_built_from_deltas() -> None:
         {"index": 0, "text": "Hello", "logprobs": None, "finish_reason": "length"}
     ]
     assert result["usage"] == {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+
+
+def test_a_chat_completion_built_from_deltas_has_a_null_refusal() -> None:
+    body = render_result(
+        Operation.CHAT_COMPLETIONS, Completed(), [Delta(text="x")], run_id="r", model="m", created=5
+    )
+    (choice,) = json.loads(body)["choices"]
+    assert choice["message"] == {"role": "assistant", "content": "x", "refusal": None}
+    assert choice["logprobs"] is None

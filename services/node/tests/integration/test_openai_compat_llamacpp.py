@@ -289,3 +289,16 @@ async def test_deadline_becomes_provider_timeout(
     # processing, where llama.cpp notices the disconnect only at its first token. Wait
     # generously so the next test finds both slots free.
     await wait_all_idle(llamacpp, within=15.0)
+
+
+async def test_streamed_logprobs_reach_the_deltas(adapter: OpenAICompatAdapter) -> None:
+    """llama.cpp streams each token's logprobs: they travel with the delta, as JSON."""
+    sink = Sink()
+    await adapter.execute(spec(chat(4, logprobs=True, top_logprobs=2), stream=True), sink)
+
+    carried = [json.loads(d.logprobs_json) for d in sink.deltas if d.logprobs_json]
+    assert carried, "no delta carried logprobs"
+    tokens = [entry for logprobs in carried for entry in logprobs["content"]]
+    assert all(isinstance(entry["logprob"], float) for entry in tokens)
+    assert all(len(entry["top_logprobs"]) == 2 for entry in tokens)
+    assert "".join(entry["token"] for entry in tokens) == sink.text

@@ -59,6 +59,7 @@ def run_event(event: pb.RunEvent) -> RunEvent | None:
             d.finish_reason,
             _usage(d.usage) if d.HasField("usage") else None,
             d.reasoning_text,
+            d.logprobs_json,
         )
     if kind == "complete":
         c = event.complete

@@ -73,6 +73,7 @@ class Delta:
     finish_reason: str = ""
     usage: Usage | None = None
     reasoning_text: str = ""
+    logprobs_json: bytes = b""  # the provider's choice ``logprobs``, JSON as it sent it
 
 
 @dataclass(frozen=True, slots=True)

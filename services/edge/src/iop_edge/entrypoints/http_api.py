@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Sequence
 from dataclasses import asdict
 from importlib import resources
 from typing import Any, Final
@@ -22,6 +23,7 @@ from iop_edge.domain.fleet import ApiKeyEntry, ModelEntry
 from iop_edge.entrypoints.api_auth import KeySlots, authenticate, loopback_while_open
 from iop_edge.entrypoints.api_metrics import ApiMetrics
 from iop_edge.entrypoints.batch_routes import BatchRoutes
+from iop_edge.entrypoints.cors import CorsPolicy
 from iop_edge.entrypoints.inference_routes import InferenceRoutes
 from iop_edge.entrypoints.openai_errors import error_response, from_http_exception
 from iop_edge.entrypoints.stop_gate import StopGate
@@ -67,6 +69,7 @@ def create_api_app(
     allow_open: bool = False,
     min_body_rate: int = MIN_BODY_RATE,
     stop_gate: StopGate | None = None,
+    cors_origins: Sequence[str] = (),
 ) -> web.Application:
     """The API application; serve it with ``web.AppRunner(app, handler_cancellation=True)``.
 
@@ -86,7 +89,9 @@ def create_api_app(
     only loopback ones: ``loopback_while_open``).
     ``min_body_rate``: bytes a second a body still arriving must grow by (``body_deadline``).
     ``stop_gate``: once closed (the edge drains), each request gets a 503 and its
-    connection closes; it is the outermost middleware.
+    connection closes; it is the outermost middleware but for CORS preflights.
+    ``cors_origins``: browser origins allowed to call the API (``CorsPolicy``); none
+    by default, and then no CORS code runs.
     """
     middlewares = [
         openai_error_boundary,
@@ -95,7 +100,12 @@ def create_api_app(
     ]
     if stop_gate is not None:
         middlewares.insert(0, stop_gate.middleware())
+    cors = CorsPolicy(cors_origins) if cors_origins else None
+    if cors is not None:
+        cors.install_preflight(middlewares)
     app = web.Application(middlewares=middlewares, client_max_size=max_body_bytes)
+    if cors is not None:
+        cors.mark_responses(app)
     slots = key_slots if key_slots is not None else KeySlots()
     InferenceRoutes(service, catalog, keys, runlog, metrics, slots).register(app)
     ReadRoutes(catalog, keys, runlog, openapi).register(app)

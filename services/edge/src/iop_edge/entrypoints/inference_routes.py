@@ -278,7 +278,11 @@ class _SseSink:
         self._events = events
         self._trace = trace
         self.chunks = ChunkStream(
-            spec.operation, run_id=events.run_id, model=spec.model, created=trace.created
+            spec.operation,
+            run_id=events.run_id,
+            model=spec.model,
+            created=trace.created,
+            include_usage=spec.include_usage,
         )
         self.pending: list[bytes] = []
 

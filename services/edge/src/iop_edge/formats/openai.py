@@ -30,7 +30,11 @@ in a worker thread, so the event loop keeps serving streams meanwhile."""
 
 DONE: Final = b"data: [DONE]\n\n"
 _EVENT_END: Final = b"\n\n"
-_TOKEN_END: Final = b',"logprobs":null,"finish_reason":null}]}\n\n'
+_TOKEN_CHOICE_END: Final = b',"logprobs":null,"finish_reason":null}]'
+_CHUNK_END: Final = b"}"
+_CHUNK_END_NO_USAGE_YET: Final = b',"usage":null}'
+"""With ``stream_options.include_usage`` every chunk but the last says ``"usage":null``
+(as OpenAI's do); the last one, with no choices, carries the usage."""
 
 # Stateless and reused: ``json.dumps`` with options builds a new encoder on every call.
 # Kept for the common token: one string, where the stdlib's C escaper is as fast.
@@ -116,9 +120,26 @@ class ChunkStream:
     reports ``finish_reason`` only in ``complete`` still gets a closing chunk).
     """
 
-    __slots__ = ("_chat", "_finished", "_head", "_seen", "_token_head", "usage")
+    __slots__ = (
+        "_chat",
+        "_end",
+        "_finished",
+        "_head",
+        "_seen",
+        "_token_end",
+        "_token_head",
+        "usage",
+    )
 
-    def __init__(self, operation: Operation, *, run_id: str, model: str, created: int) -> None:
+    def __init__(
+        self,
+        operation: Operation,
+        *,
+        run_id: str,
+        model: str,
+        created: int,
+        include_usage: bool = False,
+    ) -> None:
         self._chat = operation is Operation.CHAT_COMPLETIONS
         if self._chat:
             head = {"id": f"chatcmpl-{run_id}", "object": "chat.completion.chunk"}
@@ -129,6 +150,8 @@ class ChunkStream:
         self._head = b"data: " + envelope + b',"choices":'
         opening = b'[{"index":0,"delta":{"content":' if self._chat else b'[{"index":0,"text":'
         self._token_head = self._head + opening
+        self._end = (_CHUNK_END_NO_USAGE_YET if include_usage else _CHUNK_END) + _EVENT_END
+        self._token_end = _TOKEN_CHOICE_END + self._end
         self._seen: set[int] = set()
         self._finished: set[int] = set()
         self.usage: Usage | None = None  # the last usage a delta carried (rare)
@@ -142,10 +165,11 @@ class ChunkStream:
             and delta.text
             and not (delta.role or delta.reasoning_text or delta.tool_calls or delta.finish_reason)
             and delta.usage is None
+            and not delta.logprobs_json
         ):
             # The common token: a template and one escaped string (same JSON as below).
             text = _ENCODER.encode(delta.text).encode()
-            return self._token_head + (text + b"}" if self._chat else text) + _TOKEN_END
+            return self._token_head + (text + b"}" if self._chat else text) + self._token_end
         if delta.finish_reason:
             self._finished.add(index)
         if delta.usage is not None:
@@ -158,7 +182,7 @@ class ChunkStream:
         else:
             self._seen.add(index)
             choice = text_choice(delta)
-        return self._head + b"[" + json_bytes(choice) + b"]}" + _EVENT_END
+        return self._head + b"[" + _choice_bytes(choice, delta.logprobs_json) + b"]" + self._end
 
     def finish(self, complete: Completed) -> bytes:
         """Closing chunks for choices whose deltas never said why they ended."""
@@ -174,13 +198,22 @@ class ChunkStream:
                 choice = {"index": index, "text": ""}
             choice["logprobs"] = None
             choice["finish_reason"] = reason
-            out += self._head + b"[" + json_bytes(choice) + b"]}" + _EVENT_END
+            out += self._head + b"[" + json_bytes(choice) + b"]" + self._end
         return out
 
     def usage_chunk(self, complete: Completed) -> bytes:
         """The ``stream_options.include_usage`` chunk: no choices, the run's usage."""
         usage = complete.usage or self.usage or Usage()
         return self._head + b'[],"usage":' + json_bytes(usage_object(usage)) + b"}\n\n"
+
+
+def _choice_bytes(choice: dict[str, Any], logprobs_json: bytes) -> bytes:
+    """A chunk's choice as JSON; the provider's ``logprobs`` (JSON the node forwarded as
+    it came) spliced in whole rather than parsed and written again."""
+    if not logprobs_json:
+        return json_bytes(choice)
+    del choice["logprobs"]
+    return json_bytes(choice)[:-1] + b',"logprobs":' + logprobs_json + b"}"
 
 
 def render_result(
@@ -195,8 +228,12 @@ def render_result(
     """The body of a non-streaming answer, with ``model`` the public id.
 
     The provider's own result (``result_json``) is parsed once and returned with
-    only ``model`` replaced; a provider that reported deltas instead (a CLI
-    program) gets an OpenAI result built from them.
+    ``model`` the public id, ``id`` the edge's (``chatcmpl-<run id>``, ``cmpl-<run id>``:
+    the id the client can quote to the operator, whatever the provider called it),
+    and the fields OpenAI's reference always sends filled in where the provider left
+    them out (``choices[].logprobs``, ``message.refusal``: null); every other field is
+    the provider's. A provider that reported deltas instead (a CLI program) gets an
+    OpenAI result built from them.
     """
     if complete.result_json:
         try:
@@ -206,10 +243,29 @@ def render_result(
         if not isinstance(result, dict):
             raise ProviderFailed("the provider's result is not a JSON object")
         result["model"] = model
+        if operation is not Operation.EMBEDDINGS:
+            _complete_choices(operation, result, run_id)
         return json_bytes(result)
     if operation is Operation.EMBEDDINGS:
         raise ProviderFailed("the provider returned no embeddings")
     return json_bytes(_result_from_deltas(operation, complete, deltas, run_id, model, created))
+
+
+def _complete_choices(operation: Operation, result: dict[str, Any], run_id: str) -> None:
+    """The edge's id, and the always-present fields of OpenAI's choices, in a provider's
+    chat or text completion (llama.cpp leaves ``refusal`` out, some servers ``logprobs``)."""
+    chat = operation is Operation.CHAT_COMPLETIONS
+    result["id"] = f"{'chatcmpl' if chat else 'cmpl'}-{run_id}"
+    choices = result.get("choices")
+    if not isinstance(choices, list):
+        return
+    for choice in choices:
+        if not isinstance(choice, dict):
+            continue
+        choice.setdefault("logprobs", None)
+        message = choice.get("message") if chat else None
+        if isinstance(message, dict):
+            message.setdefault("refusal", None)
 
 
 def _result_from_deltas(
@@ -270,7 +326,11 @@ class _Choice:
             call["arguments"] += part.function_arguments
 
     def as_chat(self, index: int, fallback_reason: str) -> dict[str, Any]:
-        message: dict[str, Any] = {"role": self.role or "assistant", "content": None}
+        message: dict[str, Any] = {
+            "role": self.role or "assistant",
+            "content": None,
+            "refusal": None,
+        }
         if self.parts:
             message["content"] = "".join(self.parts)
         if self.reasoning:

@@ -278,11 +278,17 @@ def _choice_delta(choice: Any, text_mode: bool) -> Delta | None:
         return None
     index = _int(choice.get("index"))
     finish = _str(choice.get("finish_reason"))
+    logprobs = choice.get("logprobs")
+    # Forwarded as JSON, written once here (the chunk is parsed already): the edge
+    # splices it into its chunk unparsed.
+    logprobs_json = json_codec.dumps(logprobs) if logprobs else b""
     if text_mode:
         text = _str(choice.get("text"))
         if not text and not finish:
             return None
-        return Delta(text=text, choice_index=index, finish_reason=finish)
+        return Delta(
+            text=text, choice_index=index, finish_reason=finish, logprobs_json=logprobs_json
+        )
     body = choice.get("delta")
     if not isinstance(body, dict):
         body = {}
@@ -304,6 +310,7 @@ def _choice_delta(choice: Any, text_mode: bool) -> Delta | None:
         tool_calls=tool_calls,
         finish_reason=finish,
         reasoning_text=reasoning,
+        logprobs_json=logprobs_json,
     )
 
 

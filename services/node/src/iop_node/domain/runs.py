@@ -73,6 +73,7 @@ class Delta:
     finish_reason: str = ""
     reasoning_text: str = ""
     usage: Usage | None = None
+    logprobs_json: bytes = b""  # the choice's ``logprobs`` as JSON, when the provider sent them
 
 
 @record

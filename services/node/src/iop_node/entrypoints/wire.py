@@ -77,6 +77,8 @@ def delta_event(delta: Delta) -> pb.RunEvent:
         ]
     if delta.usage is not None:
         fields["usage"] = usage(delta.usage)
+    if delta.logprobs_json:
+        fields["logprobs_json"] = delta.logprobs_json
     return pb.RunEvent(delta=fields)
 
 
