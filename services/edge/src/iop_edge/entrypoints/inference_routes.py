@@ -1,33 +1,36 @@
-"""``POST /v1/chat/completions``, ``/v1/completions``, ``/v1/embeddings``.
+"""The inference pipeline: ``POST /v1/chat/completions``, ``/v1/completions``, ``/v1/embeddings``
+(and every API written as a ``Dialect``, see ``api_dialect``).
 
-One request: authenticate, parse the body once, check it, resolve the model,
-take a slot of the key, ``RunService.open_run``, then relay the run's events
-(as SSE chunks the moment each arrives, or as one JSON body at the end).
+One request: authenticate, parse the body once, let the dialect read it,
+resolve the model, take a slot of the key, ``RunService.open_run``, then relay
+the run's events (as SSE events the moment each arrives, or as one JSON body
+at the end), in the dialect's wire.
 
 Whatever way a request ends, the run is never left behind: a client that
 disconnects (the handler is cancelled, or a write fails) gets its run
 cancelled on the node, and exactly one ``EdgeRunRecord`` is written. A key
-revoked meanwhile ends the request the same way, with a 401 (or an SSE
-``error`` event once the stream has started): see ``KeySlots``.
+revoked meanwhile ends the request the same way, with a 401 (or an error event
+once the stream has started): see ``KeySlots``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import time
 from collections.abc import Awaitable
 from typing import Final
 
 from aiohttp import web
+from aiohttp.typedefs import Handler
 
 from iop_edge.domain.events import Completed, Delta, Started
 from iop_edge.domain.fleet import Operation
 from iop_edge.entrypoints.api_auth import InFlight, KeySlots, authenticate
+from iop_edge.entrypoints.api_dialect import Dialect, DialectRequest, StreamWriter
 from iop_edge.entrypoints.api_metrics import ApiMetrics
-from iop_edge.entrypoints.inference_request import parse_params, read_json_body
-from iop_edge.entrypoints.openai_errors import error_response
+from iop_edge.entrypoints.inference_request import read_json_body
+from iop_edge.entrypoints.openai_dialect import OpenAIDialect
 from iop_edge.entrypoints.run_trace import RunTrace
 from iop_edge.errors import (
     EdgeError,
@@ -35,15 +38,8 @@ from iop_edge.errors import (
     ModelNotFound,
     ProviderFailed,
 )
-from iop_edge.formats.errors import error_payload, internal_error
-from iop_edge.formats.openai import (
-    DONE,
-    RENDER_OFFLOAD_BYTES,
-    ChunkStream,
-    render_result,
-    sse_event,
-)
-from iop_edge.ports import Catalog, KeyRing, RunEvents, RunLog, RunService, RunSpec
+from iop_edge.formats.errors import internal_error
+from iop_edge.ports import Catalog, KeyRing, RunEvents, RunLog, RunService
 from iop_edge.service.run_reader import Collector, follow
 from iop_proto.service.logging import log_unexpected
 
@@ -51,7 +47,7 @@ CLIENT_DISCONNECTED: Final = "client disconnected"
 
 
 class InferenceRoutes:
-    """The three inference endpoints over one ``RunService``."""
+    """The inference endpoints over one ``RunService``, one ``Dialect`` per API."""
 
     def __init__(
         self,
@@ -70,27 +66,26 @@ class InferenceRoutes:
         self._slots = slots
 
     def register(self, app: web.Application) -> None:
-        app.router.add_post("/v1/chat/completions", self.chat_completions)
-        app.router.add_post("/v1/completions", self.completions)
-        app.router.add_post("/v1/embeddings", self.embeddings)
+        app.router.add_post("/v1/chat/completions", self.route(OpenAIDialect(CHAT)))
+        app.router.add_post("/v1/completions", self.route(OpenAIDialect(Operation.COMPLETIONS)))
+        app.router.add_post("/v1/embeddings", self.route(OpenAIDialect(Operation.EMBEDDINGS)))
 
-    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._serve(request, Operation.CHAT_COMPLETIONS)
+    def route(self, dialect: Dialect) -> Handler:
+        """The handler of one API's endpoint: this pipeline in ``dialect``'s wire."""
 
-    async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._serve(request, Operation.COMPLETIONS)
+        async def serve(request: web.Request) -> web.StreamResponse:
+            return await self._serve(request, dialect)
 
-    async def embeddings(self, request: web.Request) -> web.StreamResponse:
-        return await self._serve(request, Operation.EMBEDDINGS)
+        return serve
 
-    async def _serve(self, request: web.Request, operation: Operation) -> web.StreamResponse:
+    async def _serve(self, request: web.Request, dialect: Dialect) -> web.StreamResponse:
         """Answer one request and account for it, on every path out."""
-        trace = RunTrace.begin(operation)
+        trace = RunTrace.begin(dialect.operation)
         try:
-            return await self._handle(request, operation, trace)
+            return await self._handle(request, dialect, trace)
         except EdgeError as exc:
             trace.failed(exc, status=exc.status)
-            response = error_response(exc)
+            response = dialect.error_response(exc)
             response.headers["X-Request-Id"] = trace.request_id
             return response
         except asyncio.CancelledError:
@@ -103,29 +98,23 @@ class InferenceRoutes:
             await self._account(trace)
 
     async def _handle(
-        self, request: web.Request, operation: Operation, trace: RunTrace
+        self, request: web.Request, dialect: Dialect, trace: RunTrace
     ) -> web.StreamResponse:
         key = authenticate(request, self._keys)
         if key is not None:
             trace.key_id = key.key_id
         body = await read_json_body(request)
-        params = parse_params(operation, body)
-        trace.stream = params.stream
-        if key is not None and not key.allows(params.model):
+        asked = dialect.read(body)
+        spec = asked.spec
+        trace.stream = spec.stream
+        if key is not None and not key.allows(spec.model):
             # Checked before the catalog: a restricted key cannot probe which models exist.
             raise ModelNotAllowed(
-                f"This API key is not allowed to use the model '{params.model}'.", param="model"
+                f"This API key is not allowed to use the model '{spec.model}'.", param="model"
             )
-        if self._catalog.model(params.model) is None:
-            raise ModelNotFound(f"The model '{params.model}' does not exist.", param="model")
-        trace.model = params.model
-        spec = RunSpec(
-            model=params.model,
-            operation=operation,
-            body=body,
-            stream=params.stream,
-            include_usage=params.include_usage,
-        )
+        if self._catalog.model(spec.model) is None:
+            raise ModelNotFound(f"The model '{spec.model}' does not exist.", param="model")
+        trace.model = spec.model
         in_flight = self._metrics.model(spec.model).in_flight
         with self._slots.hold(key) as flight, in_flight.track_inprogress():
             opened_at = time.monotonic()
@@ -136,8 +125,8 @@ class InferenceRoutes:
             trace.dispatched(events, time.monotonic() - opened_at)
             try:
                 if spec.stream:
-                    return await self._stream(request, spec, events, trace, flight)
-                return await self._collect(spec, events, trace, flight)
+                    return await self._stream(request, dialect, asked, events, trace, flight)
+                return await self._collect(dialect, asked, events, trace, flight)
             except BaseException as exc:
                 if not trace.run_ended:
                     reason = (
@@ -151,7 +140,8 @@ class InferenceRoutes:
     async def _stream(
         self,
         request: web.Request,
-        spec: RunSpec,
+        dialect: Dialect,
+        asked: DialectRequest,
         events: RunEvents,
         trace: RunTrace,
         flight: InFlight,
@@ -166,13 +156,14 @@ class InferenceRoutes:
                 "X-Request-Id": events.run_id,
             }
         )
+        writer = dialect.stream_writer(asked, events.run_id, trace.created)
         try:
-            error = await _relay(request, response, spec, events, trace, flight)
+            error = await _relay(request, response, writer, events, trace, flight)
             if error is not None:
                 if not response.prepared:
                     raise error
                 trace.failed(error, status=200)
-                await _end_with_error(response, error)
+                await _end_with_error(response, writer, error)
         except ConnectionResetError:
             # The client left between two tokens; aiohttp ignores the closed transport.
             trace.client_gone()
@@ -188,18 +179,23 @@ class InferenceRoutes:
             if not trace.run_ended:
                 await _cancel(events, trace, f"edge failed: {type(exc).__name__}")
             with contextlib.suppress(ConnectionResetError):
-                await _end_with_error(response, internal_error())
+                await _end_with_error(response, writer, internal_error())
         return response
 
     async def _collect(
-        self, spec: RunSpec, events: RunEvents, trace: RunTrace, flight: InFlight
+        self,
+        dialect: Dialect,
+        asked: DialectRequest,
+        events: RunEvents,
+        trace: RunTrace,
+        flight: InFlight,
     ) -> web.Response:
         """Wait for the run's end and answer with the whole result."""
         collector = Collector(trace)
         end = await follow(events, collector)
         if isinstance(end, Completed):
             trace.completed(end)
-            body = await _render(spec, end, collector.deltas, trace)
+            body = await dialect.answer(asked, end, collector.deltas, trace.run_id, trace.created)
             trace.status = 200
             return web.Response(
                 body=body,
@@ -226,7 +222,7 @@ class InferenceRoutes:
 async def _relay(
     request: web.Request,
     response: web.StreamResponse,
-    spec: RunSpec,
+    writer: StreamWriter,
     events: RunEvents,
     trace: RunTrace,
     flight: InFlight,
@@ -236,7 +232,7 @@ async def _relay(
     Deltas that arrived together (one frame batch from the node) leave as one
     HTTP chunk: nothing is held back that could go out now.
     """
-    sink = _SseSink(request, response, spec, events, trace)
+    sink = _SseSink(request, response, writer, events, trace)
     end = await follow(events, sink)
     pending = sink.pending
     if isinstance(end, Completed):
@@ -244,10 +240,8 @@ async def _relay(
         if not response.prepared:
             trace.status = 200
             await response.prepare(request)
-        pending.append(sink.chunks.finish(end))
-        if spec.include_usage:
-            pending.append(sink.chunks.usage_chunk(end))
-        pending.append(DONE)
+            pending.append(writer.opening())
+        pending.append(writer.closing(end))
         await response.write(b"".join(pending))
         await response.write_eof()
         return None
@@ -260,16 +254,16 @@ async def _relay(
 
 
 class _SseSink:
-    """Writes deltas as SSE chunks the moment each arrives: those that arrived together
+    """Writes deltas as SSE events the moment each arrives: those that arrived together
     (one frame batch from the node) leave as one HTTP chunk."""
 
-    __slots__ = ("_events", "_request", "_response", "_trace", "chunks", "pending")
+    __slots__ = ("_events", "_request", "_response", "_trace", "_write_delta", "_writer", "pending")
 
     def __init__(
         self,
         request: web.Request,
         response: web.StreamResponse,
-        spec: RunSpec,
+        writer: StreamWriter,
         events: RunEvents,
         trace: RunTrace,
     ) -> None:
@@ -277,13 +271,8 @@ class _SseSink:
         self._response = response
         self._events = events
         self._trace = trace
-        self.chunks = ChunkStream(
-            spec.operation,
-            run_id=events.run_id,
-            model=spec.model,
-            created=trace.created,
-            include_usage=spec.include_usage,
-        )
+        self._writer = writer
+        self._write_delta = writer.delta  # looked up once, not per token
         self.pending: list[bytes] = []
 
     def started(self, event: Started) -> None:
@@ -294,7 +283,7 @@ class _SseSink:
         if not response.prepared:
             return self._first(event)
         pending = self.pending
-        pending.append(self.chunks.delta(event))
+        pending.append(self._write_delta(event))
         if self._events.more_ready:
             return None
         data = b"".join(pending)
@@ -307,14 +296,20 @@ class _SseSink:
         self._trace.first_delta()
         self._trace.status = 200
         await self._response.prepare(self._request)
+        opening = self._writer.opening()
+        if opening:
+            self.pending.append(opening)
         write = self.delta(event)
         if write is not None:
             await write
 
 
-async def _end_with_error(response: web.StreamResponse, error: EdgeError) -> None:
-    """An error after the first byte: an SSE error event, then ``[DONE]``."""
-    await response.write(sse_event(error_payload(error)) + DONE)
+async def _end_with_error(
+    response: web.StreamResponse, writer: StreamWriter, error: EdgeError
+) -> None:
+    """An error after the first byte: the dialect's error events (OpenAI: an SSE error
+    event, then ``[DONE]``)."""
+    await response.write(writer.failure(error))
     await response.write_eof()
 
 
@@ -327,18 +322,4 @@ async def _cancel(events: RunEvents, trace: RunTrace, reason: str) -> None:
     await asyncio.shield(events.cancel(reason))
 
 
-async def _render(
-    spec: RunSpec, complete: Completed, deltas: list[Delta], trace: RunTrace
-) -> bytes:
-    render = functools.partial(
-        render_result,
-        spec.operation,
-        complete,
-        deltas,
-        run_id=trace.run_id,
-        model=spec.model,
-        created=trace.created,
-    )
-    if len(complete.result_json) > RENDER_OFFLOAD_BYTES:
-        return await asyncio.to_thread(render)
-    return render()
+CHAT: Final = Operation.CHAT_COMPLETIONS

@@ -1,0 +1,87 @@
+"""What differs between the public APIs served over the one run pipeline.
+
+Every inference API the edge serves (OpenAI's chat, completions and
+embeddings today; OpenAI Responses and Anthropic Messages are written the same
+way) shares the pipeline in ``inference_routes``: authentication, one parse of
+the body, the key's slot, dispatch (queue, selection, failover), relaying the
+run's events, cancellation on disconnect, one run-log record. A ``Dialect`` is
+only the API's own wire: how its request becomes a run (``RunSpec``, whose body
+is in the OpenAI shape the node's adapters take), how the run's events are
+written back (SSE events as they come, or one JSON answer), and how its errors
+look. A dialect does no I/O of its own on the per-token path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from aiohttp import web
+
+from iop_edge.domain.events import Completed, Delta
+from iop_edge.domain.fleet import Operation
+from iop_edge.errors import EdgeError
+from iop_edge.ports import RunSpec
+
+
+@dataclass(frozen=True, slots=True)
+class DialectRequest:
+    """A request read by its dialect: the run to dispatch, and what the dialect keeps
+    of the request for its answer (``context``: the dialect's own, opaque here)."""
+
+    spec: RunSpec
+    context: Any = None
+
+
+class StreamWriter(Protocol):
+    """Writes one run's stream in a dialect's SSE events (bytes ready to send)."""
+
+    def opening(self) -> bytes:
+        """What goes out with the status line, before the first delta (empty for
+        OpenAI chat; a ``response.created`` or ``message_start`` elsewhere)."""
+        ...
+
+    def delta(self, delta: Delta) -> bytes:
+        """The event(s) for one delta; the hot path: no I/O, no awaits."""
+        ...
+
+    def closing(self, end: Completed) -> bytes:
+        """The last events of a stream that completed (closing chunks, usage, end marker)."""
+        ...
+
+    def failure(self, error: EdgeError) -> bytes:
+        """The events that end a stream whose run failed after its first byte."""
+        ...
+
+
+class Dialect(Protocol):
+    """One public API's wire over the shared pipeline."""
+
+    @property
+    def operation(self) -> Operation:
+        """The operation of the runs it makes (what the run log and metrics record)."""
+        ...
+
+    def read(self, body: dict[str, Any]) -> DialectRequest:
+        """The run this body asks for; ``InvalidRequest`` naming the field otherwise."""
+        ...
+
+    def stream_writer(self, request: DialectRequest, run_id: str, created: int) -> StreamWriter:
+        """A writer for one streamed answer (``created``: the request's Unix time)."""
+        ...
+
+    async def answer(
+        self,
+        request: DialectRequest,
+        end: Completed,
+        deltas: Sequence[Delta],
+        run_id: str,
+        created: int,
+    ) -> bytes:
+        """The JSON body of a non-streamed answer."""
+        ...
+
+    def error_response(self, exc: EdgeError) -> web.Response:
+        """An error before the first byte, in the API's error shape."""
+        ...

@@ -1,0 +1,110 @@
+"""OpenAI's chat completions, completions and embeddings as a ``Dialect``.
+
+The request body travels to the provider as the client sent it (only ``model``
+is rewritten, by the dispatcher); the stream is ``formats.openai.ChunkStream``'s
+chunks ending with ``data: [DONE]``; errors are OpenAI error objects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+from aiohttp import web
+
+from iop_edge.domain.events import Completed, Delta
+from iop_edge.domain.fleet import Operation
+from iop_edge.entrypoints.api_dialect import DialectRequest
+from iop_edge.entrypoints.inference_request import parse_params
+from iop_edge.entrypoints.openai_errors import error_response
+from iop_edge.errors import EdgeError
+from iop_edge.formats.errors import error_payload
+from iop_edge.formats.openai import (
+    DONE,
+    RENDER_OFFLOAD_BYTES,
+    ChunkStream,
+    render_result,
+    sse_event,
+)
+from iop_edge.ports import RunSpec
+
+
+class OpenAIDialect:
+    """Implements ``Dialect`` for one of OpenAI's three inference operations."""
+
+    __slots__ = ("operation",)
+
+    def __init__(self, operation: Operation) -> None:
+        self.operation = operation
+
+    def read(self, body: dict[str, Any]) -> DialectRequest:
+        params = parse_params(self.operation, body)
+        spec = RunSpec(
+            model=params.model,
+            operation=self.operation,
+            body=body,
+            stream=params.stream,
+            include_usage=params.include_usage,
+        )
+        return DialectRequest(spec)
+
+    def stream_writer(self, request: DialectRequest, run_id: str, created: int) -> OpenAIStream:
+        spec = request.spec
+        chunks = ChunkStream(
+            spec.operation,
+            run_id=run_id,
+            model=spec.model,
+            created=created,
+            include_usage=spec.include_usage,
+        )
+        return OpenAIStream(chunks, spec.include_usage)
+
+    async def answer(
+        self,
+        request: DialectRequest,
+        end: Completed,
+        deltas: Sequence[Delta],
+        run_id: str,
+        created: int,
+    ) -> bytes:
+        spec = request.spec
+        render = functools.partial(
+            render_result,
+            spec.operation,
+            end,
+            deltas,
+            run_id=run_id,
+            model=spec.model,
+            created=created,
+        )
+        if len(end.result_json) > RENDER_OFFLOAD_BYTES:
+            return await asyncio.to_thread(render)
+        return render()
+
+    def error_response(self, exc: EdgeError) -> web.Response:
+        return error_response(exc)
+
+
+class OpenAIStream:
+    """Implements ``StreamWriter``: chunks, then the closing chunks, usage and ``[DONE]``."""
+
+    __slots__ = ("_chunks", "_include_usage", "delta")
+
+    def __init__(self, chunks: ChunkStream, include_usage: bool) -> None:
+        self._chunks = chunks
+        self._include_usage = include_usage
+        self.delta = chunks.delta  # bound once: the per-token call goes straight to it
+
+    def opening(self) -> bytes:
+        return b""
+
+    def closing(self, end: Completed) -> bytes:
+        tail = self._chunks.finish(end)
+        if self._include_usage:
+            tail += self._chunks.usage_chunk(end)
+        return tail + DONE
+
+    def failure(self, error: EdgeError) -> bytes:
+        return sse_event(error_payload(error)) + DONE
