@@ -1,7 +1,9 @@
 """Provider pools and the selection rule (docs/ARCHITECTURE.md#selection).
 
 Candidates for a model are its providers whose node is connected, whose health
-is ``available`` and whose capacity is above zero. Among those with a free slot
+is ``available``, whose capacity is above zero and that are not ejected for failing
+run after run (``outliers``; on trial, a provider takes one run of ours at a time).
+Among those with a free slot
 the lowest ``in_flight / capacity`` wins; equal ratios go to the provider that
 comes first in the fleet file (``nodes[]``, then each node's ``providers[]``), so
 the choice is deterministic and the operator decides it. A provider is never
@@ -26,6 +28,9 @@ import heapq
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from iop_edge.domain.events import Completed, Failed
+from iop_edge.domain.outliers import OutlierPolicy, OutlierState, Phase
+
 AVAILABLE = "available"
 UNAVAILABLE = "unavailable"
 UNKNOWN = "unknown"
@@ -44,14 +49,21 @@ capacity`` exactly when ``in_flight / capacity >= 1``)."""
 
 def standing(slot: ProviderSlot) -> float | None:
     """The selection rule, the one place it is written: ``None`` when the provider is no
-    candidate at all (node gone, not ``available``, no capacity), else its load ratio,
-    below ``FULL`` exactly when it has a free slot. Lower wins; ties go to the earlier
-    position in the model's provider order."""
+    candidate at all (node gone, not ``available``, no capacity, ejected), else its load
+    ratio, below ``FULL`` exactly when it has a free slot (on trial: only while no run of
+    ours is on it). Lower wins; ties go to the earlier position in the model's provider
+    order."""
     capacity = slot.capacity
     if capacity <= 0 or not slot.connected or slot.health != AVAILABLE:
         return None
     # Runs on every take and release: plain attribute reads, no properties.
     own, reported = slot.own_in_flight, slot.reported_in_flight
+    phase = slot.outlier.phase
+    if phase is not Phase.CLOSED:
+        if phase is Phase.EJECTED:
+            return None
+        if own > 0:  # half-open: the one trial is under way
+            return FULL
     return (own if own > reported else reported) / capacity
 
 
@@ -64,9 +76,10 @@ class ProviderSlot:
     last word, which also covers other edges' runs; it is lowered with each of
     our own releases so a snapshot that lags behind never blocks a freed slot.
 
-    Change ``capacity``, ``connected``, ``health`` and the in-flight counts only
-    through ``take``, ``release`` and ``update``: they keep the slot's place in
-    the indexes of the models it serves. The other fields are descriptive.
+    Change ``capacity``, ``connected``, ``health``, the in-flight counts and ``outlier``
+    only through ``take``, ``release``, ``update``, ``record_outcome`` and
+    ``end_ejection``: they keep the slot's place in the indexes of the models it
+    serves. The other fields are descriptive.
     """
 
     provider_id: str
@@ -82,6 +95,7 @@ class ProviderSlot:
     models: tuple[str, ...] = ()
     lifecycle: dict[str, bool] = field(default_factory=dict)
     detail: str = ""
+    outlier: OutlierState = field(default_factory=OutlierState)
     # The indexes this slot is in, with its position in each, and what they last saw.
     _indexes: list[tuple[ModelIndex, int]] = field(default_factory=list, init=False, repr=False)
     _version: int = field(default=0, init=False, repr=False)
@@ -142,6 +156,24 @@ class ProviderSlot:
             self.capacity = capacity
         if (self.connected, self.health, self.reported_in_flight, self.capacity) != before:
             self._reindex()
+
+    def record_outcome(
+        self, outcome: Completed | Failed | None, now: float, policy: OutlierPolicy
+    ) -> bool:
+        """A run on this provider ended with ``outcome``: count it for outlier ejection
+        (``now`` in the clock ``outlier.until`` is read in); tells whether the provider
+        was ejected or closed its circuit by it."""
+        changed = self.outlier.record(outcome, now, policy)
+        if changed:
+            self._reindex()
+        return changed
+
+    def end_ejection(self) -> bool:
+        """The cooldown is over: the provider is on trial (False: it was not ejected)."""
+        changed = self.outlier.end_cooldown()
+        if changed:
+            self._reindex()
+        return changed
 
     def model_ids(self) -> list[str]:
         """The models whose index holds this slot, in the order the indexes were built."""
