@@ -7,7 +7,9 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
 from prometheus_client import CollectorRegistry
+from pydantic import ValidationError
 
 from iop_edge.adapters.run_wire import provider_reports
 from iop_edge.domain.events import Completed, ErrorCode, Failed, RunOrder
@@ -17,6 +19,7 @@ from iop_edge.metrics import EdgeMetrics
 from iop_edge.ports import RunSpec
 from iop_edge.service.catalog import PoolCatalog
 from iop_edge.service.runs import EdgeRun
+from iop_edge.settings import EdgeSettings
 from iop_edge.testing import WiredDispatcher
 from iop_proto.v1 import runtime_pb2 as pb
 
@@ -197,3 +200,13 @@ async def test_a_provider_leaving_the_fleet_takes_its_cooldown_along() -> None:
     assert not pool.dispatcher.pool._cooldowns
     assert pool.metric("iop_edge_provider_ejected", "flaky") is None
     assert pool.metric("iop_edge_ejections_total", "flaky") is None
+
+
+def test_the_settings_give_the_policy_and_refuse_a_cap_below_the_cooldown() -> None:
+    tls = {"ca_file": "ca.pem", "cert_file": "e.pem", "key_file": "e.key"}
+    settings = EdgeSettings(service_id="edge", tls=tls)
+    assert settings.outliers == OutlierPolicy(5, 30.0, 300.0)
+    off = EdgeSettings(service_id="edge", tls=tls, outlier_consecutive_failures=0)
+    assert not off.outliers.enabled
+    with pytest.raises(ValidationError, match="outlier_max_cooldown_s"):
+        EdgeSettings(service_id="edge", tls=tls, outlier_cooldown_s=60, outlier_max_cooldown_s=30)
