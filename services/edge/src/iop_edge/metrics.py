@@ -129,11 +129,15 @@ class EdgeMetrics:
                 child.set(1 if name == state else 0)
 
     def publish_outlier(self, slot: ProviderSlot) -> None:
-        """The provider was ejected or came back (on a change only: not per run)."""
+        """The provider's outlier state changed (each change once: entering ``EJECTED``
+        is one ejection)."""
         series = self._providers.get(slot.provider_id)
         if series is None or series.node_id != slot.node_id:
             series = self._track_provider(slot.provider_id, slot.node_id)
-        series.ejected.set(1 if slot.outlier.phase is Phase.EJECTED else 0)
+        ejected = slot.outlier.phase is Phase.EJECTED
+        series.ejected.set(1 if ejected else 0)
+        if ejected:
+            self.ejections.labels(slot.provider_id).inc()
 
     def publish_queued(self, model_id: str, waiting: int) -> None:
         series = self._queues.get(model_id)

@@ -3,12 +3,11 @@
 Candidates for a model are its providers whose node is connected, whose health
 is ``available``, whose capacity is above zero and that are not ejected for failing
 run after run (``outliers``; on trial, a provider takes one run of ours at a time).
-Among those with a free slot
-the lowest ``in_flight / capacity`` wins; equal ratios go to the provider that
-comes first in the fleet file (``nodes[]``, then each node's ``providers[]``), so
-the choice is deterministic and the operator decides it. A provider is never
-preferred for having more free slots when its ratio is higher: 1/3 beats 2/3
-even though 2/3 of 6 leaves more room.
+Among those with a free slot the lowest ``in_flight / capacity`` wins; equal ratios
+go to the provider that comes first in the fleet file (``nodes[]``, then each node's
+``providers[]``), so the choice is deterministic and the operator decides it. A
+provider is never preferred for having more free slots when its ratio is higher:
+1/3 beats 2/3 even though 2/3 of 6 leaves more room.
 
 The rule is stated once, in ``standing`` (is a provider a candidate, and at what
 load) and the order ``(load, position in the model)``; ``select`` applies it as one
@@ -17,9 +16,9 @@ does not scan: each model has a ``ModelIndex``, a heap of its providers that hav
 a free slot, keyed ``(ratio, position in the model)`` and kept current by the
 slots themselves, so a decision costs O(log n) whatever the pool size. Every
 change of what selection depends on goes through ``ProviderSlot.take``,
-``release`` or ``update``, which push a fresh heap entry and retire the old ones
-(each entry carries the slot's version; an entry whose version is behind is
-dropped when it reaches the top).
+``release``, ``update``, ``record_outcome`` or ``end_ejection``, which push a
+fresh heap entry and retire the old ones (each entry carries the slot's version;
+an entry whose version is behind is dropped when it reaches the top).
 """
 
 from __future__ import annotations
@@ -42,6 +41,10 @@ LIFECYCLE_FLAGS = ("list_models", "load_model", "unload_model", "pull_model", "d
 # slot's versions only grow, so tuple comparison never reaches the slot itself.
 _Entry = tuple[float, int, int, "ProviderSlot"]
 
+# Module constants: an enum member's lookup through its class costs more than the rest
+# of the rule, which runs on every take and release.
+_CLOSED, _EJECTED = Phase.CLOSED, Phase.EJECTED
+
 FULL = 1.0
 """A ``standing`` at or above this is a candidate with no free slot (``in_flight >=
 capacity`` exactly when ``in_flight / capacity >= 1``)."""
@@ -59,8 +62,8 @@ def standing(slot: ProviderSlot) -> float | None:
     # Runs on every take and release: plain attribute reads, no properties.
     own, reported = slot.own_in_flight, slot.reported_in_flight
     phase = slot.outlier.phase
-    if phase is not Phase.CLOSED:
-        if phase is Phase.EJECTED:
+    if phase is not _CLOSED:
+        if phase is _EJECTED:
             return None
         if own > 0:  # half-open: the one trial is under way
             return FULL

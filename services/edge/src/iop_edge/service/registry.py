@@ -175,7 +175,6 @@ class ProviderRegistry:
         state = slot.outlier
         self._metrics.publish_outlier(slot)
         if state.phase is Phase.EJECTED:
-            self._metrics.ejections.labels(provider_id).inc()
             delay = max(state.until - now, 0.0)
             logger.warning(
                 "provider {} ejected from selection for {:.3g}s after {} provider failures in"
@@ -194,7 +193,7 @@ class ProviderRegistry:
     def _end_cooldown(self, slot: ProviderSlot) -> None:
         self._cooldowns.pop(slot.provider_id, None)
         if self._slots.get(slot.provider_id) is not slot or not slot.end_ejection():
-            return  # left the fleet meanwhile
+            return  # the provider left the fleet meanwhile
         self._metrics.publish_outlier(slot)
         logger.info("provider {} cooldown over: its next run is a trial", slot.provider_id)
         if self._listener is not None:
