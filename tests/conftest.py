@@ -192,7 +192,10 @@ PORT_KEYS = {"edges": "listen", "http": "http", "nodes": "node_listener"}
 
 
 @contextlib.asynccontextmanager
-async def start_stack(root: Path, fleet: dict[str, object]) -> AsyncIterator[Stack]:
+async def start_stack(
+    root: Path, fleet: dict[str, object], edge_settings: dict[str, object] | None = None
+) -> AsyncIterator[Stack]:
+    """The stack for ``fleet``; ``edge_settings``: keys of the edge's settings file to add."""
     ca = trustme.CA()
     for name, role in ROLES.items():
         write_identity(ca, root / "pki", name, role)
@@ -227,6 +230,7 @@ async def start_stack(root: Path, fleet: dict[str, object]) -> AsyncIterator[Sta
                 "history_db": str(root / "edge-runs.db"),
                 "batch_db": str(root / "edge-batches.db"),
                 "batch_lease_ttl_s": 3,
+                **(edge_settings or {}),
             },
         )
         edge = await stack.start("edge")

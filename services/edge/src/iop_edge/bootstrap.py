@@ -88,7 +88,7 @@ async def build(
     # The fleet in force, the live pool with its node links, and the dispatcher
     # that acquires from the pool, starts runs and releases.
     fleet_holder = FleetHolder()
-    providers = ProviderRegistry(fleet_holder, metrics)
+    providers = ProviderRegistry(fleet_holder, metrics, settings.outliers)
     dispatcher = Dispatcher(
         fleet_holder,
         providers,
@@ -125,6 +125,7 @@ async def build(
         keys_were_open = keys.open
 
     async with contextlib.AsyncExitStack() as stack:
+        stack.callback(providers.close)  # last out: no cooldown timer outlives the edge
         runlog = await SqliteRunLog.open(settings.history_db)
         stack.push_async_callback(runlog.aclose)
         batch_store = await SqliteBatchStore.open(settings.batch_db)

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from iop_edge.domain.outliers import Phase
 from iop_edge.domain.pool import AVAILABLE, UNAVAILABLE, UNKNOWN, ProviderSlot
 
 _HEALTH_STATES = (AVAILABLE, UNAVAILABLE, UNKNOWN)
@@ -18,6 +19,7 @@ class _ProviderSeries:
     node_id: str
     in_flight: Gauge
     health: tuple[Gauge, ...]  # one per ``_HEALTH_STATES``
+    ejected: Gauge
     last_in_flight: int = -1
     last_state: str = ""
 
@@ -40,6 +42,8 @@ class EdgeMetrics:
     queued: Gauge
     provider_in_flight: Gauge
     provider_health: Gauge
+    provider_ejected: Gauge
+    ejections: Counter
     nodes_connected: Gauge
     registrations: Counter
     refusals: Counter
@@ -67,6 +71,19 @@ class EdgeMetrics:
                 "iop_edge_provider_health",
                 "1 for the provider's current state (disconnected counts as unavailable)",
                 ["provider", "state"],
+                registry=registry,
+            ),
+            provider_ejected=Gauge(
+                "iop_edge_provider_ejected",
+                "1 while the provider is ejected from selection for failing run after run"
+                " (outlier ejection; 0 in selection or on trial)",
+                ["provider"],
+                registry=registry,
+            ),
+            ejections=Counter(
+                "iop_edge_ejections",
+                "Outlier ejections of a provider from selection",
+                ["provider"],
                 registry=registry,
             ),
             nodes_connected=Gauge(
@@ -111,6 +128,17 @@ class EdgeMetrics:
             for name, child in zip(_HEALTH_STATES, series.health, strict=True):
                 child.set(1 if name == state else 0)
 
+    def publish_outlier(self, slot: ProviderSlot) -> None:
+        """The provider's outlier state changed (each change once: entering ``EJECTED``
+        is one ejection)."""
+        series = self._providers.get(slot.provider_id)
+        if series is None or series.node_id != slot.node_id:
+            series = self._track_provider(slot.provider_id, slot.node_id)
+        ejected = slot.outlier.phase is Phase.EJECTED
+        series.ejected.set(1 if ejected else 0)
+        if ejected:
+            self.ejections.labels(slot.provider_id).inc()
+
     def publish_queued(self, model_id: str, waiting: int) -> None:
         series = self._queues.get(model_id)
         if series is None:
@@ -126,6 +154,8 @@ class EdgeMetrics:
             self.provider_in_flight.remove(provider_id, series.node_id)
             for name in _HEALTH_STATES:
                 self.provider_health.remove(provider_id, name)
+            self.provider_ejected.remove(provider_id)
+            self.ejections.remove(provider_id)
 
     def forget_model(self, model_id: str) -> None:
         """The model left the fleet: its queue gauge goes from the registry."""
@@ -140,7 +170,10 @@ class EdgeMetrics:
             node_id,
             self.provider_in_flight.labels(provider_id, node_id),
             tuple(self.provider_health.labels(provider_id, name) for name in _HEALTH_STATES),
+            self.provider_ejected.labels(provider_id),
         )
+        if old is None:
+            self.ejections.labels(provider_id)  # a 0 series from the start, for rate()
         return series
 
 

@@ -14,6 +14,7 @@ from typing import Any, Protocol
 from iop_edge.domain.events import RunEvent
 from iop_edge.domain.fleet import ApiKeyEntry, Fleet, ModelEntry, Operation
 from iop_edge.domain.leases import LeaseGrant, LineReply
+from iop_edge.domain.outliers import Phase
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +68,21 @@ class FleetView(Protocol):
     def current(self) -> Fleet: ...
 
 
+class OutlierView(Protocol):
+    """A provider's outlier ejection state, read only (``domain.outliers.OutlierState``)."""
+
+    @property
+    def phase(self) -> Phase: ...
+    @property
+    def consecutive_failures(self) -> int: ...
+    @property
+    def ejections(self) -> int: ...
+    @property
+    def until(self) -> float:
+        """While ejected: when the cooldown ends, Unix seconds."""
+        ...
+
+
 class SlotView(Protocol):
     """One provider's live state, read only: what a ``ProviderSlot`` shows without the
     methods that change it (``take``, ``release``, ``update`` are the dispatcher's)."""
@@ -99,6 +115,8 @@ class SlotView(Protocol):
     def lifecycle(self) -> Mapping[str, bool]: ...
     @property
     def detail(self) -> str: ...
+    @property
+    def outlier(self) -> OutlierView: ...
 
 
 class ProviderView(Protocol):
@@ -145,7 +163,9 @@ class Catalog(Protocol):
 
     def provider_views(self, key: ApiKeyEntry | None = None) -> list[dict[str, Any]]:
         """``/iop/v1/catalog/providers`` rows: provider_id, node_id, type, category, health,
-        capacity, in_flight, load_ratio, queued, models, lifecycle_capabilities.
+        capacity, in_flight, load_ratio, queued, models, lifecycle_capabilities, and the
+        outlier ejection state (outlier_state, ejected, ejected_until_ms,
+        consecutive_failures).
 
         With a ``key`` that has a model list (and is not an operator's): only the
         providers serving one of its models, each listing only those models.

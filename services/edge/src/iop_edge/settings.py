@@ -6,6 +6,7 @@ from pathlib import Path
 
 from pydantic import Field, model_validator
 
+from iop_edge.domain.outliers import OutlierPolicy
 from iop_proto.framing import DEFAULT_MAX_FRAME_SIZE
 from iop_proto.service import ServiceSettings
 from iop_proto.service.settings import FrozenModel
@@ -114,6 +115,25 @@ class EdgeSettings(ServiceSettings):
             " is failed here: it only catches a silent node"
         ),
     )
+    outlier_consecutive_failures: int = Field(
+        default=5,
+        ge=0,
+        description=(
+            "provider failures in a row (unreachable, timed out, 5xx) that eject a provider"
+            " from selection for outlier_cooldown_s, after which one trial run decides; 0: off"
+        ),
+    )
+    outlier_cooldown_s: float = Field(
+        default=30.0,
+        gt=0,
+        description=(
+            "how long a first ejection lasts; each further ejection in a row (a failed"
+            " trial) lasts one more of it, up to outlier_max_cooldown_s"
+        ),
+    )
+    outlier_max_cooldown_s: float = Field(
+        default=300.0, gt=0, description="the longest an ejection lasts"
+    )
     shutdown_reserve_s: float = Field(
         default=2.0,
         gt=0,
@@ -132,7 +152,21 @@ class EdgeSettings(ServiceSettings):
                 f"shutdown_reserve_s ({self.shutdown_reserve_s}) must be below"
                 f" shutdown_timeout_s ({self.shutdown_timeout_s})"
             )
+        if self.outlier_max_cooldown_s < self.outlier_cooldown_s:
+            raise ValueError(
+                f"outlier_max_cooldown_s ({self.outlier_max_cooldown_s}) must not be below"
+                f" outlier_cooldown_s ({self.outlier_cooldown_s})"
+            )
         return self
+
+    @property
+    def outliers(self) -> OutlierPolicy:
+        """The outlier ejection policy these settings give."""
+        return OutlierPolicy(
+            self.outlier_consecutive_failures,
+            self.outlier_cooldown_s,
+            self.outlier_max_cooldown_s,
+        )
 
     @property
     def drain_s(self) -> float:

@@ -6,6 +6,7 @@ bootstrap's, and tests that drive the pool directly must not drift from it.
 
 from __future__ import annotations
 
+from iop_edge.domain.outliers import OutlierPolicy
 from iop_edge.metrics import EdgeMetrics
 from iop_edge.service.dispatch import Dispatcher
 from iop_edge.service.fleet_holder import FleetHolder
@@ -17,7 +18,12 @@ class WiredDispatcher(Dispatcher):
     """The dispatcher with the fleet holder and the pool it draws from, wired as
     ``bootstrap.build`` wires them; ``pool`` is driven as the node listener would."""
 
-    def __init__(self, metrics: EdgeMetrics, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE) -> None:
+    def __init__(
+        self,
+        metrics: EdgeMetrics,
+        max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
+        outliers: OutlierPolicy | None = None,
+    ) -> None:
         self.fleet = FleetHolder()
-        self.pool = ProviderRegistry(self.fleet, metrics)
+        self.pool = ProviderRegistry(self.fleet, metrics, outliers or OutlierPolicy())
         super().__init__(self.fleet, self.pool, metrics, max_frame_size)

@@ -10,8 +10,9 @@ from prometheus_client import CollectorRegistry
 
 from iop_edge.adapters.run_wire import failed as failed_event
 from iop_edge.adapters.run_wire import provider_reports
-from iop_edge.domain.events import Completed, RunOrder
+from iop_edge.domain.events import Completed, ErrorCode, Failed, RunOrder
 from iop_edge.domain.fleet import Fleet, ModelEntry, Operation, ProviderEntry
+from iop_edge.domain.outliers import OutlierPolicy, Phase
 from iop_edge.domain.pool import ProviderSlot, select
 from iop_edge.errors import NoProviderAvailable
 from iop_edge.metrics import EdgeMetrics
@@ -84,10 +85,14 @@ def random_fleet(rng: random.Random, version: int) -> Fleet:
 @pytest.mark.parametrize("seed", range(12))
 async def test_every_dispatch_chooses_what_the_scan_chooses(seed: int) -> None:
     rng = random.Random(seed)
-    dispatcher = Dispatch(EdgeMetrics.create(CollectorRegistry()))
+    # Outlier ejection at its quickest: 2 failures eject, the cooldown ends at the loop's
+    # next turn (the awaits below), so providers go through every state.
+    policy = OutlierPolicy(consecutive_failures=2, cooldown_s=0.0)
+    dispatcher = Dispatch(EdgeMetrics.create(CollectorRegistry()), outliers=policy)
     dispatcher.pool.apply_fleet(random_fleet(rng, 1))
     nodes = {n: FakeNode(n) for n in ("n0", "n1", "n2")}
     runs: list[EdgeRun] = []
+    ejections: set[str] = set()
     health = (pb.HEALTH_AVAILABLE, pb.HEALTH_AVAILABLE, pb.HEALTH_UNAVAILABLE, pb.HEALTH_UNKNOWN)
     for step in range(400):
         action = rng.random()
@@ -111,8 +116,12 @@ async def test_every_dispatch_chooses_what_the_scan_chooses(seed: int) -> None:
             elif not any(s.usable for s in pool):
                 with pytest.raises(NoProviderAvailable):
                     await dispatcher.open_run(spec(model))
-        elif action < 0.65 and runs:
+        elif action < 0.55 and runs:
             complete(runs.pop(rng.randrange(len(runs))))
+        elif action < 0.65 and runs:  # a provider's failure: counts for ejection
+            run = runs.pop(rng.randrange(len(runs)))
+            dispatcher.deliver(run.run_id, Failed(ErrorCode.PROVIDER_ERROR, "500", 500))
+            await asyncio.sleep(0)  # a cooldown armed before may end now
         elif action < 0.8:
             if dispatcher.pool.link(node.node_id) is not None:
                 dispatcher.pool.apply_snapshot(node.node_id, provider_reports(states))
@@ -129,6 +138,10 @@ async def test_every_dispatch_chooses_what_the_scan_chooses(seed: int) -> None:
         runs = [r for r in runs if not r.finished]
         for slot in dispatcher.pool.slots():
             assert slot.connected == (dispatcher.pool.link(slot.node_id) is not None), (seed, step)
+            ejected = slot.outlier.phase is Phase.EJECTED
+            assert ejected == (slot.provider_id in dispatcher.pool._cooldowns), (seed, step)
+            ejections.update([slot.provider_id] if ejected else [])
+    assert ejections, seed  # the run went through ejections
 
 
 async def test_a_freed_shared_slot_goes_to_the_first_model_of_the_fleet_with_waiters() -> None:

@@ -228,6 +228,17 @@ async def test_providers_table(edge: Canned) -> None:
     assert {line.index(" node-", 1) for line in (first, second)} == {header.index(" NODE")}
 
 
+async def test_the_health_column_shows_the_edges_ejection_beside_the_nodes_word(
+    edge: Canned,
+) -> None:
+    edge.providers[0]["outlier_state"] = "ejected"
+    edge.providers[1]["outlier_state"] = "half_open"
+    _, out, _ = await iopctl("providers", "--url", edge.url)
+    _, first, second = out.splitlines()
+    assert cells(first)[3:5] == ["available", "(ejected)"]
+    assert cells(second)[3:6] == ["unavailable", "(on", "trial)"]
+
+
 async def test_models_table(edge: Canned) -> None:
     status, out, _ = await iopctl("models", "--url", edge.url)
     assert status == 0

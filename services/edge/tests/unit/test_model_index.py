@@ -6,6 +6,8 @@ import random
 
 import pytest
 
+from iop_edge.domain.events import Completed, ErrorCode, Failed
+from iop_edge.domain.outliers import OutlierPolicy
 from iop_edge.domain.pool import (
     AVAILABLE,
     UNAVAILABLE,
@@ -147,6 +149,16 @@ def _random_fleet(
     return models
 
 
+_EJECT_FAST = OutlierPolicy(consecutive_failures=2, cooldown_s=1.0)
+_OUTCOMES = (
+    Failed(ErrorCode.PROVIDER_ERROR, "HTTP 500", provider_status=500),
+    Failed(ErrorCode.PROVIDER_UNAVAILABLE, "refused"),
+    Failed(ErrorCode.CANCELLED, "client gone"),
+    Completed(finish_reason="stop"),
+    None,
+)
+
+
 @pytest.mark.parametrize("seed", range(40))
 def test_the_index_chooses_what_the_scan_chooses(seed: int) -> None:
     rng = random.Random(seed)
@@ -159,6 +171,7 @@ def test_the_index_chooses_what_the_scan_chooses(seed: int) -> None:
     models = _random_fleet(rng, pool)
     indexes = index_models(models, pool.values())
     slots = list(pool.values())
+    ejected = 0
     for step in range(600):
         action = rng.random()
         target = rng.choice(slots)
@@ -187,7 +200,14 @@ def test_the_index_chooses_what_the_scan_chooses(seed: int) -> None:
         else:  # a new fleet config: other models, other orders
             models = _random_fleet(rng, pool)
             indexes = index_models(models, pool.values())
+        if rng.random() < 0.3:  # outlier ejection: a run's end, or a cooldown over
+            other = rng.choice(slots)
+            if rng.random() < 0.75:
+                other.record_outcome(rng.choice(_OUTCOMES), float(step), _EJECT_FAST)
+            else:
+                ejected += other.end_ejection()
         for model_id, members in models:
             index = indexes[model_id]
             assert index.select() is select(members), (seed, step, model_id)
             assert index.any_usable == any(s.usable for s in members), (seed, step, model_id)
+    assert ejected, seed  # providers went through ejection and trial

@@ -109,12 +109,18 @@ def provider_row(p: Row) -> list[object]:
         p["provider_id"],
         p["node_id"],
         p["type"],
-        p["health"],
+        _health(p),
         f"{p['in_flight']}/{p['capacity']}",
         f"{round(p['load_ratio'] * 100)}%",
         p["queued"],
         ",".join(p.get("serves") or p.get("models") or []) or "-",
     ]
+
+
+def _health(p: Row) -> str:
+    """The node's word, and the edge's outlier verdict beside it when there is one."""
+    verdict = {"ejected": "ejected", "half_open": "on trial"}.get(p.get("outlier_state", ""))
+    return f"{p['health']} ({verdict})" if verdict else str(p["health"])
 
 
 def model_row(m: Row) -> list[object]:

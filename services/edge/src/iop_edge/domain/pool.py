@@ -1,12 +1,13 @@
 """Provider pools and the selection rule (docs/ARCHITECTURE.md#selection).
 
 Candidates for a model are its providers whose node is connected, whose health
-is ``available`` and whose capacity is above zero. Among those with a free slot
-the lowest ``in_flight / capacity`` wins; equal ratios go to the provider that
-comes first in the fleet file (``nodes[]``, then each node's ``providers[]``), so
-the choice is deterministic and the operator decides it. A provider is never
-preferred for having more free slots when its ratio is higher: 1/3 beats 2/3
-even though 2/3 of 6 leaves more room.
+is ``available``, whose capacity is above zero and that are not ejected for failing
+run after run (``outliers``; on trial, a provider takes one run of ours at a time).
+Among those with a free slot the lowest ``in_flight / capacity`` wins; equal ratios
+go to the provider that comes first in the fleet file (``nodes[]``, then each node's
+``providers[]``), so the choice is deterministic and the operator decides it. A
+provider is never preferred for having more free slots when its ratio is higher:
+1/3 beats 2/3 even though 2/3 of 6 leaves more room.
 
 The rule is stated once, in ``standing`` (is a provider a candidate, and at what
 load) and the order ``(load, position in the model)``; ``select`` applies it as one
@@ -15,9 +16,9 @@ does not scan: each model has a ``ModelIndex``, a heap of its providers that hav
 a free slot, keyed ``(ratio, position in the model)`` and kept current by the
 slots themselves, so a decision costs O(log n) whatever the pool size. Every
 change of what selection depends on goes through ``ProviderSlot.take``,
-``release`` or ``update``, which push a fresh heap entry and retire the old ones
-(each entry carries the slot's version; an entry whose version is behind is
-dropped when it reaches the top).
+``release``, ``update``, ``record_outcome`` or ``end_ejection``, which push a
+fresh heap entry and retire the old ones (each entry carries the slot's version;
+an entry whose version is behind is dropped when it reaches the top).
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ from __future__ import annotations
 import heapq
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+
+from iop_edge.domain.events import Completed, Failed
+from iop_edge.domain.outliers import OutlierPolicy, OutlierState, Phase
 
 AVAILABLE = "available"
 UNAVAILABLE = "unavailable"
@@ -37,6 +41,10 @@ LIFECYCLE_FLAGS = ("list_models", "load_model", "unload_model", "pull_model", "d
 # slot's versions only grow, so tuple comparison never reaches the slot itself.
 _Entry = tuple[float, int, int, "ProviderSlot"]
 
+# Module constants: an enum member's lookup through its class costs more than the rest
+# of the rule, which runs on every take and release.
+_CLOSED, _EJECTED = Phase.CLOSED, Phase.EJECTED
+
 FULL = 1.0
 """A ``standing`` at or above this is a candidate with no free slot (``in_flight >=
 capacity`` exactly when ``in_flight / capacity >= 1``)."""
@@ -44,14 +52,21 @@ capacity`` exactly when ``in_flight / capacity >= 1``)."""
 
 def standing(slot: ProviderSlot) -> float | None:
     """The selection rule, the one place it is written: ``None`` when the provider is no
-    candidate at all (node gone, not ``available``, no capacity), else its load ratio,
-    below ``FULL`` exactly when it has a free slot. Lower wins; ties go to the earlier
-    position in the model's provider order."""
+    candidate at all (node gone, not ``available``, no capacity, ejected), else its load
+    ratio, below ``FULL`` exactly when it has a free slot (on trial: only while no run of
+    ours is on it). Lower wins; ties go to the earlier position in the model's provider
+    order."""
     capacity = slot.capacity
     if capacity <= 0 or not slot.connected or slot.health != AVAILABLE:
         return None
     # Runs on every take and release: plain attribute reads, no properties.
     own, reported = slot.own_in_flight, slot.reported_in_flight
+    phase = slot.outlier.phase
+    if phase is not _CLOSED:
+        if phase is _EJECTED:
+            return None
+        if own > 0:  # half-open: the one trial is under way
+            return FULL
     return (own if own > reported else reported) / capacity
 
 
@@ -64,9 +79,10 @@ class ProviderSlot:
     last word, which also covers other edges' runs; it is lowered with each of
     our own releases so a snapshot that lags behind never blocks a freed slot.
 
-    Change ``capacity``, ``connected``, ``health`` and the in-flight counts only
-    through ``take``, ``release`` and ``update``: they keep the slot's place in
-    the indexes of the models it serves. The other fields are descriptive.
+    Change ``capacity``, ``connected``, ``health``, the in-flight counts and ``outlier``
+    only through ``take``, ``release``, ``update``, ``record_outcome`` and
+    ``end_ejection``: they keep the slot's place in the indexes of the models it
+    serves. The other fields are descriptive.
     """
 
     provider_id: str
@@ -82,6 +98,7 @@ class ProviderSlot:
     models: tuple[str, ...] = ()
     lifecycle: dict[str, bool] = field(default_factory=dict)
     detail: str = ""
+    outlier: OutlierState = field(default_factory=OutlierState)
     # The indexes this slot is in, with its position in each, and what they last saw.
     _indexes: list[tuple[ModelIndex, int]] = field(default_factory=list, init=False, repr=False)
     _version: int = field(default=0, init=False, repr=False)
@@ -142,6 +159,24 @@ class ProviderSlot:
             self.capacity = capacity
         if (self.connected, self.health, self.reported_in_flight, self.capacity) != before:
             self._reindex()
+
+    def record_outcome(
+        self, outcome: Completed | Failed | None, now: float, policy: OutlierPolicy
+    ) -> bool:
+        """A run on this provider ended with ``outcome``: count it for outlier ejection
+        (``now`` in the clock ``outlier.until`` is read in); tells whether the provider
+        was ejected or closed its circuit by it."""
+        changed = self.outlier.record(outcome, now, policy)
+        if changed:
+            self._reindex()
+        return changed
+
+    def end_ejection(self) -> bool:
+        """The cooldown is over: the provider is on trial (False: it was not ejected)."""
+        changed = self.outlier.end_cooldown()
+        if changed:
+            self._reindex()
+        return changed
 
     def model_ids(self) -> list[str]:
         """The models whose index holds this slot, in the order the indexes were built."""

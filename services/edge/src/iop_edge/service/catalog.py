@@ -15,8 +15,9 @@ import hashlib
 from typing import Any, TypeGuard
 
 from iop_edge.domain.fleet import ApiKeyEntry, ModelEntry
+from iop_edge.domain.outliers import Phase
 from iop_edge.domain.pool import LIFECYCLE_FLAGS, UNAVAILABLE
-from iop_edge.ports import FleetView, ProviderView, QueueView
+from iop_edge.ports import FleetView, OutlierView, ProviderView, QueueView
 
 
 class PoolCatalog:
@@ -66,6 +67,7 @@ class PoolCatalog:
                         flag: slot.lifecycle.get(flag, False) for flag in LIFECYCLE_FLAGS
                     },
                     "detail": slot.detail,
+                    **_outlier_fields(slot.outlier),
                 }
             )
         return views
@@ -89,6 +91,18 @@ class PoolCatalog:
 
     def any_available(self) -> bool:
         return any(slot.usable for slot in self._providers.slots())
+
+
+def _outlier_fields(outlier: OutlierView) -> dict[str, Any]:
+    """Why a provider the node calls available may still be out of selection: the edge
+    ejected it (``health`` stays the node's word)."""
+    ejected = outlier.phase is Phase.EJECTED
+    return {
+        "outlier_state": outlier.phase.value,
+        "ejected": ejected,
+        "ejected_until_ms": round(outlier.until * 1000) if ejected else None,
+        "consecutive_failures": outlier.consecutive_failures,
+    }
 
 
 def _restricted(key: ApiKeyEntry | None) -> TypeGuard[ApiKeyEntry]:

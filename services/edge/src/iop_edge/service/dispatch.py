@@ -212,6 +212,7 @@ class Dispatcher:
 
     def _run_finished(self, run: EdgeRun) -> None:
         self._runs.pop(run.run_id, None)
+        self._registry.record_outcome(run.provider_id, run.outcome)  # before the slot is offered
         slot = self._registry.slot(run.provider_id)
         if slot is not None:
             self._release(slot)

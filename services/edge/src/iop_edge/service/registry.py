@@ -7,15 +7,24 @@ slot's ``take``/``release``/``update``, so the indexes never fall behind. What
 the dispatcher must act on (slots changed for some models, a link gone) it is
 told through the ``PoolListener`` it subscribed; everyone else reads through the
 read-only views of ``ports`` (``ProviderView``).
+
+Outlier ejection (``domain/outliers.py``) is decided by the slots; the registry gives
+them the time, is told each run's end (``record_outcome``) and owns the loop timers
+that end cooldowns, after which the queues of the provider's models are served.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import asyncio
+import time
+from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
 
-from iop_edge.domain.events import ProviderReport
+from loguru import logger
+
+from iop_edge.domain.events import Completed, Failed, ProviderReport
 from iop_edge.domain.fleet import Fleet
+from iop_edge.domain.outliers import OutlierPolicy, Phase
 from iop_edge.domain.pool import AVAILABLE, UNAVAILABLE, ModelIndex, ProviderSlot, index_models
 from iop_edge.metrics import EdgeMetrics
 from iop_edge.service.fleet_holder import FleetHolder
@@ -41,9 +50,18 @@ class PoolListener(Protocol):
 class ProviderRegistry:
     """Implements ``ProviderView``; owns the slots, the indexes and the node links."""
 
-    def __init__(self, fleet: FleetHolder, metrics: EdgeMetrics) -> None:
+    def __init__(
+        self,
+        fleet: FleetHolder,
+        metrics: EdgeMetrics,
+        outliers: OutlierPolicy,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self._fleet = fleet
         self._metrics = metrics
+        self._outliers = outliers
+        self._clock = clock  # wall time: the catalog shows when an ejection ends
+        self._cooldowns: dict[str, asyncio.TimerHandle] = {}  # ejected providers' timers
         self._slots: dict[str, ProviderSlot] = {}
         self._indexes: dict[str, ModelIndex] = {}
         self._model_rank: dict[str, int] = {}  # fleet order, in which queues are served
@@ -82,6 +100,7 @@ class ProviderRegistry:
         for provider_id in list(slots):
             if provider_id not in fleet.providers:
                 slots.pop(provider_id).detach()
+                self._cancel_cooldown(provider_id)
                 self._metrics.forget_provider(provider_id)
         for entry in fleet.providers.values():
             slot = slots.get(entry.id)
@@ -141,6 +160,54 @@ class ProviderRegistry:
         if slot is not None and slot.health == AVAILABLE:
             slot.update(health=UNAVAILABLE)
             self._metrics.publish_slot(slot)
+
+    def record_outcome(self, provider_id: str, outcome: Completed | Failed | None) -> None:
+        """A run on the provider ended (``outcome``: its terminal event, ``None`` if it
+        never had one): count it for outlier ejection, and time the cooldown of an
+        ejection it causes. A run lost with its node's link is not counted: the link's
+        state takes the provider out already, and the provider may be fine."""
+        slot = self._slots.get(provider_id)
+        if slot is None or not slot.connected:
+            return
+        now = self._clock()
+        if not slot.record_outcome(outcome, now, self._outliers):
+            return
+        state = slot.outlier
+        self._metrics.publish_outlier(slot)
+        if state.phase is Phase.EJECTED:
+            delay = max(state.until - now, 0.0)
+            logger.warning(
+                "provider {} ejected from selection for {:.3g}s after {} provider failures in"
+                " a row (ejection {} in a row); then one trial run",
+                provider_id,
+                delay,
+                state.consecutive_failures,
+                state.ejections,
+            )
+            self._cancel_cooldown(provider_id)
+            loop = asyncio.get_running_loop()
+            self._cooldowns[provider_id] = loop.call_later(delay, self._end_cooldown, slot)
+        else:
+            logger.info("provider {} passed its trial run: back in selection", provider_id)
+
+    def _end_cooldown(self, slot: ProviderSlot) -> None:
+        self._cooldowns.pop(slot.provider_id, None)
+        if self._slots.get(slot.provider_id) is not slot or not slot.end_ejection():
+            return  # the provider left the fleet meanwhile
+        self._metrics.publish_outlier(slot)
+        logger.info("provider {} cooldown over: its next run is a trial", slot.provider_id)
+        if self._listener is not None:
+            self._listener.slots_changed(sorted(slot.model_ids(), key=self._model_rank.__getitem__))
+
+    def _cancel_cooldown(self, provider_id: str) -> None:
+        handle = self._cooldowns.pop(provider_id, None)
+        if handle is not None:
+            handle.cancel()
+
+    def close(self) -> None:
+        """Stop the cooldown timers (the edge is stopping)."""
+        for provider_id in list(self._cooldowns):
+            self._cancel_cooldown(provider_id)
 
     def _slots_of_node(self, node_id: str) -> list[ProviderSlot]:
         return [slot for slot in self._slots.values() if slot.node_id == node_id]

@@ -13,7 +13,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Protocol
 
-from iop_edge.domain.events import TERMINAL, ErrorCode, Failed, RunEvent, RunOrder
+from iop_edge.domain.events import TERMINAL, Completed, ErrorCode, Failed, RunEvent, RunOrder
 
 DEADLINE_GRACE_S = 5.0  # the default of the edge's deadline_grace_s (settings)
 
@@ -56,6 +56,7 @@ class EdgeRun:
         self._waiter: asyncio.Future[None] | None = None
         self._iterated = False
         self.finished = False
+        self.outcome: Completed | Failed | None = None  # the terminal event, once finished
         self.edge_queue_wait_s = 0.0
         # One timer per run (not a timeout per event: that cost showed in profiles).
         self._timed_out: Failed | None = None
@@ -79,7 +80,7 @@ class EdgeRun:
             return
         self._push(event)
         if isinstance(event, TERMINAL):
-            self._finish()
+            self._finish(event)
 
     def fail(self, code: ErrorCode, message: str) -> None:
         """End the run from the edge's side (node lost, edge stopping)."""
@@ -129,15 +130,16 @@ class EdgeRun:
             return
         self._timed_out = Failed(ErrorCode.PROVIDER_TIMEOUT, "the provider did not answer in time")
         self._push(self._timed_out)
-        self._finish()
+        self._finish(self._timed_out)
 
     async def cancel(self, reason: str) -> None:
         """Client gone: tell the node to abort the provider call, and free the slot."""
         if self.finished:
             return
         # Whoever iterates the events (if anyone) ends with this run's terminal event.
-        self._push(Failed(ErrorCode.CANCELLED, reason))
-        self._finish()
+        cancelled = Failed(ErrorCode.CANCELLED, reason)
+        self._push(cancelled)
+        self._finish(cancelled)
         await self._tell_node(reason)
 
     async def _tell_node(self, reason: str) -> None:
@@ -145,8 +147,9 @@ class EdgeRun:
         with contextlib.suppress(ConnectionError):
             await self._node.send_cancel(self.run_id, reason)
 
-    def _finish(self) -> None:
+    def _finish(self, outcome: Completed | Failed | None = None) -> None:
         if not self.finished:
             self.finished = True
+            self.outcome = outcome
             self._timer.cancel()
             self._on_finish(self)

@@ -102,6 +102,24 @@
     );
   }
 
+  // The edge's own verdict beside the node's health: ejected for failing run after run
+  // (until when), or on trial (the next run decides). Nothing while in selection.
+  function ejectionBadge(provider) {
+    if (provider.outlier_state === "ejected") {
+      const title = `${provider.consecutive_failures} provider failures in a row`;
+      return el(
+        "span",
+        { class: "badge health-unavailable", "data-testid": "ejection", title },
+        `ejected until ${clock(provider.ejected_until_ms)}`,
+      );
+    }
+    if (provider.outlier_state === "half_open") {
+      const title = "the cooldown is over: the next run decides";
+      return el("span", { class: "badge health-other", "data-testid": "ejection", title }, "on trial");
+    }
+    return null;
+  }
+
   function loadBar(ratio) {
     const percent = Math.round(Math.max(0, ratio) * 100);
     const level = ratio >= 1 ? "full" : ratio >= 0.5 ? "busy" : "ok";
@@ -161,7 +179,7 @@
           el("div", { class: "muted small" }, [p.type, p.category].filter(Boolean).join(" · ")),
         ),
         el("td", { class: "mono" }, p.node_id),
-        el("td", {}, healthBadge(p)),
+        el("td", {}, [healthBadge(p), ejectionBadge(p)].filter(Boolean)),
         el("td", { class: "num", "data-testid": "capacity" }, p.capacity),
         el("td", { class: "num", "data-testid": "in-flight" }, p.in_flight),
         el("td", {}, loadBar(p.load_ratio)),
