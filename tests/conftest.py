@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import re
 import signal
-import socket
 import sys
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
@@ -176,14 +175,6 @@ class Stack:
         out, err = await process.communicate()
         assert process.returncode == 0, err.decode()
         return out.decode()
-
-
-def free_port() -> int:
-    """A port free right now, for programs that cannot report the one they bound (the
-    IOP services can: they start on port 0 and ``ready:`` names their ports)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 SCRIPTS = {"control-plane": "iop-control-plane", "edge": "iop-edge", "worker": "iop-worker"}

@@ -13,9 +13,14 @@ node-a's provider, a real llama.cpp server (``tools/llama_server.py``).
 
 "Up" means usable, not merely started: after every process is ready we wait until
 the edge's catalog shows every provider of the fleet available, then print one
-``IOP is up`` line. With ``--port-offset`` the control-plane is given a copy of the
-fleet file whose local endpoints are shifted too, so node-a dials the shifted
-llama.cpp port.
+``IOP is up`` line. From then on we supervise: a service that exits is logged and
+started again, after a delay that doubles while it keeps dying quickly, and the
+others keep running, so the dev stack can show a pool that survives a lost node. A
+service that fails while the stack comes up still stops everything: that is a setup
+problem, which restarting would only hide. Ctrl-C still stops everything.
+
+With ``--port-offset`` the control-plane is given a copy of the fleet file whose
+local endpoints are shifted too, so node-a dials the shifted llama.cpp port.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -146,6 +152,9 @@ PROVIDERS_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 10.0
 POLL_INTERVAL_S = 0.1
 DRAIN_TIMEOUT_S = 2.0
+RESTART_FIRST_S = 0.5  # delay before restarting a service that exited
+RESTART_MAX_S = 10.0  # the longest delay, however often it exits
+RESTART_STABLE_S = 30.0  # up this long, its next exit starts again from RESTART_FIRST_S
 LINE_LIMIT = 1 << 20
 # What a service logs once it serves: iop_proto.service.runner's "ready: edge admin
 # http://..." for the IOP services, tools/llama_server.py's "ready: llamacpp http://...".
@@ -465,6 +474,30 @@ class Child:
     exited: asyncio.Task[int]
     pump: asyncio.Task[None]
     ready: asyncio.Event
+    started: float = field(default_factory=time.monotonic)
+
+
+@dataclass(slots=True)
+class Backoff:
+    """The delay before each restart of one service.
+
+    It doubles up to ``max_s`` while the service keeps exiting soon after it started,
+    so one that cannot run does not spin the machine, and falls back to ``first_s``
+    once the service had stayed up ``stable_s``: one crash a day is restarted at once.
+    """
+
+    first_s: float = RESTART_FIRST_S
+    max_s: float = RESTART_MAX_S
+    stable_s: float = RESTART_STABLE_S
+    _next_s: float | None = field(default=None, init=False, repr=False)
+
+    def after(self, uptime_s: float) -> float:
+        """The delay before the next start of a service that ran ``uptime_s`` seconds."""
+        if self._next_s is None or uptime_s >= self.stable_s:
+            self._next_s = self.first_s
+        delay = self._next_s
+        self._next_s = min(delay * 2, self.max_s)
+        return delay
 
 
 def signal_group(pgid: int, signum: signal.Signals) -> None:
@@ -574,6 +607,7 @@ class Stack:
         self.console = console
         self.opts = opts
         self.children: list[Child] = []
+        self.retired: list[asyncio.Task[None]] = []  # output pumps of children since restarted
         self.hurry = asyncio.Event()  # a second Ctrl-C: stop waiting for graceful exits
 
     async def start(self, plans: Sequence[Plan], stop: asyncio.Event) -> str | None:
@@ -606,15 +640,20 @@ class Stack:
         return failure
 
     async def race(
-        self, goals: Sequence[asyncio.Task[Any]], stop: asyncio.Event, within_s: float
+        self,
+        goals: Sequence[asyncio.Task[Any]],
+        stop: asyncio.Event,
+        within_s: float | None,
+        watching: Collection[Child] | None = None,
     ) -> set[asyncio.Task[Any]]:
-        """Wait for the first of ``goals``, a stop request or any child's exit; cancel the rest.
+        """Wait for the first of ``goals``, a stop request or a child's exit; cancel the rest.
 
-        Every child started so far is watched: the stack is only as up as its weakest
-        member. Returns what finished; empty after ``within_s``.
+        By default every child started so far is watched: while the stack comes up it
+        is only as up as its weakest member. Returns what finished; empty after
+        ``within_s``.
         """
         helpers = [*goals, asyncio.create_task(stop.wait())]
-        exits = {c.exited for c in self.children}
+        exits = {c.exited for c in (self.children if watching is None else watching)}
         try:
             done, _ = await asyncio.wait(
                 {*exits, *helpers}, timeout=within_s, return_when=asyncio.FIRST_COMPLETED
@@ -673,21 +712,87 @@ class Stack:
                 return f"{child.plan.name} exited unexpectedly {when} ({how})"
         return None
 
-    async def watch(self, stop: asyncio.Event) -> str | None:
-        """Wait for a stop request, or for a child to exit on its own (a failure)."""
-        stopping = asyncio.create_task(stop.wait())
+    async def supervise(self, stop: asyncio.Event) -> None:
+        """Until a stop request, start again every service that exits; return after it.
+
+        One loop per service, each with its own backoff, so one that keeps failing
+        delays nobody else. The loops end at a stop request and never while a process
+        is being started, so ``stop_all`` afterwards sees every child there is.
+        """
+        async with asyncio.TaskGroup() as group:
+            for index in range(len(self.children)):
+                group.create_task(self.keep_running(index, stop))
+
+    async def keep_running(self, index: int, stop: asyncio.Event) -> None:
+        backoff = Backoff()
+        while True:
+            old = self.children[index]
+            await self.race([], stop, None, watching=[old])
+            if stop.is_set():
+                return
+            name, uptime = old.plan.name, time.monotonic() - old.started
+            signal_group(old.proc.pid, signal.SIGKILL)  # whatever it left in its group
+            delay = backoff.after(uptime)
+            self.console.say(
+                f"{name} exited ({describe_exit(old.exited.result())}) after {uptime:.1f}s; "
+                f"restarting it in {delay:.1f}s"
+            )
+            await self.race([asyncio.create_task(asyncio.sleep(delay))], stop, None, watching=())
+            if stop.is_set():
+                return
+            try:
+                child = await self.restart(index)
+            except OSError as exc:
+                self.console.say(f"could not restart {name}: {exc}; it stays down")
+                return
+            self.console.say(f"restarted {name} (pid {child.proc.pid})")
+            await self.await_restarted(child, stop)
+
+    async def restart(self, index: int) -> Child:
+        """Start the service at ``index`` again, in its predecessor's place in the stop order.
+
+        Shielded: once the process is forked it must be ours to stop, even if this
+        loop is cancelled meanwhile.
+        """
+        spawning = asyncio.create_task(spawn(self.children[index].plan, self.console))
         try:
-            exits = {child.exited for child in self.children}
-            done, _ = await asyncio.wait({stopping, *exits}, return_when=asyncio.FIRST_COMPLETED)
+            return await asyncio.shield(spawning)
+        except asyncio.CancelledError:
+            await asyncio.wait([spawning])
+            raise
         finally:
-            await cancel_all([stopping])
-        return self.exit_failure(done, "while running")
+            if spawning.done() and not spawning.cancelled() and spawning.exception() is None:
+                child = spawning.result()
+                self.retired.append(self.children[index].pump)
+                self.children[index] = child
+                with contextlib.suppress(OSError):  # the file is for people; we hold the pid
+                    write_pid_file(child.plan.pid_file, child.proc.pid)
+
+    async def await_restarted(self, child: Child, stop: asyncio.Event) -> None:
+        """Say when a restarted service is ready again; if it is not within
+        ``--ready-timeout``, kill it, and its exit brings the next (later) restart."""
+        url = child.plan.admin_url + child.plan.spec.health_path
+        async with aiohttp.ClientSession() as session:
+            goals = [
+                asyncio.create_task(poll_health(session, url)),
+                asyncio.create_task(child.ready.wait()),
+            ]
+            done = await self.race(goals, stop, self.opts.ready_timeout, watching=[child])
+        if stop.is_set() or child.exited in done:
+            return
+        if done:
+            self.console.say(f"{child.plan.name} is ready again")
+            return
+        self.console.say(
+            f"{child.plan.name} was not ready within {self.opts.ready_timeout:.0f}s; killing it"
+        )
+        signal_group(child.proc.pid, signal.SIGKILL)
 
     async def stop_all(self) -> None:
         """Stop in reverse start order, so nothing outlives what it depends on."""
         for child in reversed(self.children):
             await self.stop_one(child)
-        pumps = [child.pump for child in self.children]
+        pumps = [*self.retired, *(child.pump for child in self.children)]
         if pumps:
             await asyncio.wait(pumps, timeout=DRAIN_TIMEOUT_S)
             await cancel_all(pumps)
@@ -749,7 +854,7 @@ def up_line(root: str, available: int) -> str:
 async def run(
     plans: Sequence[Plan], opts: Options, console: Console, providers: frozenset[str]
 ) -> int:
-    """Start, watch, and always stop: the ``finally`` is what leaves nothing running."""
+    """Start, supervise, and always stop: the ``finally`` is what leaves nothing running."""
     stop = asyncio.Event()
     stack = Stack(console, opts)
     install_signal_handlers(stop, stack)
@@ -767,7 +872,7 @@ async def run(
         if failure is None and not stop.is_set():
             console.say(ports_line(plans))
             console.write(up_line(root, available))
-            failure = await stack.watch(stop)
+            await stack.supervise(stop)
         if failure is not None:
             console.say(f"{failure}; stopping the rest")
     finally:

@@ -28,7 +28,6 @@ import json
 import random
 import re
 import signal
-import socket
 import statistics
 import sys
 import time
@@ -56,7 +55,9 @@ ROLES = {
 SCRIPTS = {"control-plane": "iop-control-plane", "edge": "iop-edge", "worker": "iop-worker"}
 NODES = ("node-a", "node-b")
 RSS_EVERY_S = 5.0
-READY = re.compile(r"ready: \S+ admin (http://\S+)")
+# "ready: edge admin http://127.0.0.1:PORT ports {"http": PORT, ...}": every listener
+# binds port 0 and the ready line says what it got.
+READY = re.compile(r"ready: \S+ admin (http://\S+)(?: ports (\{.*?\}))?")
 
 
 def mock(provider_id: str, served: str) -> dict[str, object]:
@@ -84,12 +85,6 @@ FLEET = {
 }
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 # ---------------------------------------------------------------- processes
 
 
@@ -102,6 +97,7 @@ class Service:
     log_path: Path
     process: asyncio.subprocess.Process | None = None
     pids: list[int] = field(default_factory=list)
+    ports: dict[str, int] = field(default_factory=dict)  # bound listeners, from the ready line
     _waiters: list[tuple[str, asyncio.Future[str]]] = field(default_factory=list)
     _pump: asyncio.Task[None] | None = None
 
@@ -125,8 +121,10 @@ class Service:
         assert self.process.stderr is not None
         self._pump = asyncio.create_task(self._read(self.process.stderr), name=f"log:{self.name}")
         line = await asyncio.wait_for(ready, 30)
-        if not READY.search(line):
+        match = READY.search(line)
+        if match is None:
             raise RuntimeError(f"{self.name}: unexpected readiness line {line!r}")
+        self.ports = json.loads(match.group(2) or "{}")
 
     async def _read(self, stream: asyncio.StreamReader) -> None:
         with self.log_path.open("a") as log:
@@ -203,31 +201,32 @@ class Stack:
             write_identity(ca, self.root / "pki", name, role)
         fleet_file = self.root / "fleet.yaml"
         fleet_file.write_text(yaml.safe_dump(FLEET))
-        cp_port, node_port, api_port = free_port(), free_port(), free_port()
-        self.api_url = f"http://127.0.0.1:{api_port}/v1"
-        dial = {"host": "127.0.0.1", "port": node_port, "server_name": "localhost"}
         self.settings(
             "control-plane",
             {
                 "fleet_file": str(fleet_file),
                 "database": str(self.root / "cp.db"),
-                "listen": {"host": "127.0.0.1", "port": cp_port},
+                "listen": {"host": "127.0.0.1", "port": 0},
             },
         )
+        await self.services["control-plane"].start()
+        cp_port = self.services["control-plane"].ports["edges"]
         self.settings(
             "edge",
             {
-                "http": {"host": "127.0.0.1", "port": api_port},
-                "node_listener": {"host": "127.0.0.1", "port": node_port},
+                "http": {"host": "127.0.0.1", "port": 0},
+                "node_listener": {"host": "127.0.0.1", "port": 0},
                 "control_plane": {"host": "127.0.0.1", "port": cp_port, "server_name": "localhost"},
                 "config_cache": str(self.root / "edge-cache.pb"),
                 "history_db": str(self.root / "edge-runs.db"),
                 "batch_db": str(self.root / "edge-batches.db"),
             },
         )
+        edge = self.services["edge"]
+        await edge.start()  # only nodes restart: the edge keeps the ports it bound
+        self.api_url = f"http://127.0.0.1:{edge.ports['http']}/v1"
+        dial = {"host": "127.0.0.1", "port": edge.ports["nodes"], "server_name": "localhost"}
         self.settings("worker", {"edge": dial, "reconnect": {"initial_s": 0.1, "max_s": 0.5}})
-        await self.services["control-plane"].start()
-        await self.services["edge"].start()
         for node in NODES:
             node_settings: dict[str, object] = {
                 "edge": dial,

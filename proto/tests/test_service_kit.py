@@ -12,7 +12,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from iop_proto.errors import SettingsError
-from iop_proto.service import AdminServer, ServiceSettings, load_settings
+from iop_proto.service import AdminServer, DrainingSettings, ServiceSettings, load_settings
 from iop_proto.service.runner import EXIT_BAD_SETTINGS, run_service, serve
 
 CONFIG = """\
@@ -50,6 +50,17 @@ def test_environment_overrides_nested_keys(
     assert settings.admin.port == 9555
     assert settings.admin.host == "127.0.0.1"  # the rest of the section stays
     assert settings.log.json_format is True
+
+
+def test_a_draining_service_keeps_its_reserve_below_the_timeout(
+    config_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Edge, node and worker drain for shutdown_timeout_s minus shutdown_reserve_s."""
+    assert load_settings(DrainingSettings, config_file).drain_s == 10 - 2  # the defaults
+    monkeypatch.setenv("IOP_SHUTDOWN_TIMEOUT_S", "2")
+    monkeypatch.setenv("IOP_SHUTDOWN_RESERVE_S", "2")
+    with pytest.raises(SettingsError, match="shutdown_reserve_s"):
+        load_settings(DrainingSettings, config_file)
 
 
 def test_bad_value_names_the_field_and_the_file(

@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import json
 import re
-import socket
 import time
 import urllib.request
 import uuid
@@ -29,17 +28,13 @@ from typing import Any
 import pytest
 from openai import OpenAI
 
+from iop_proto.testing import port_taken, ports_to_try
+
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]
 
 # First start: image builds, provider image pulls and model downloads.
 READY_WITHIN_S = 1800.0
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def get_json(url: str, key: str) -> Any:
@@ -73,22 +68,33 @@ def compose_project(
     removes it all."""
     from testcontainers.compose import DockerCompose  # after the engine check
 
-    api_port = free_port()
-    # Compose reads these from the environment of the `docker compose` it runs.
-    monkeypatch.setenv("COMPOSE_PROJECT_NAME", f"iop-test-{uuid.uuid4().hex[:8]}")
-    monkeypatch.setenv("EDGE_API_PORT", str(api_port))
-    monkeypatch.setenv("EDGE_NODE_PORT", str(free_port()))
-    monkeypatch.setenv("EDGE_ADMIN_PORT", str(free_port()))
-    stack = DockerCompose(
-        ROOT,
-        compose_file_name="docker-compose.yml",
-        build=True,
-        wait=False,  # the edge's catalog says when the provider is ready (below)
-        services=[node],
-        profiles=profiles,
-    )
+    # Docker publishes the edge's ports where compose says: they are chosen up front, and
+    # chosen again when another process took one before docker could bind it.
+    stack: Any = None
     try:
-        stack.start()
+        for ports in zip(ports_to_try(), ports_to_try(), ports_to_try(), strict=True):
+            api_port, node_port, admin_port = ports
+            # Compose reads these from the environment of the `docker compose` it runs.
+            monkeypatch.setenv("COMPOSE_PROJECT_NAME", f"iop-test-{uuid.uuid4().hex[:8]}")
+            monkeypatch.setenv("EDGE_API_PORT", str(api_port))
+            monkeypatch.setenv("EDGE_NODE_PORT", str(node_port))
+            monkeypatch.setenv("EDGE_ADMIN_PORT", str(admin_port))
+            stack = DockerCompose(
+                ROOT,
+                compose_file_name="docker-compose.yml",
+                build=True,
+                wait=False,  # the edge's catalog says when the provider is ready (below)
+                services=[node],
+                profiles=profiles,
+            )
+            try:
+                stack.start()
+            except Exception:
+                _down(stack)
+                if any(port_taken(port) for port in ports):
+                    continue  # another process was first on one of them
+                raise
+            break
         yield f"http://127.0.0.1:{api_port}", issue_key(stack)
     except BaseException:
         with contextlib.suppress(Exception):  # the logs help; their absence must not hide why
@@ -96,8 +102,13 @@ def compose_project(
             print(stdout[-20000:], stderr[-20000:])  # pytest shows it with the failure
         raise
     finally:
-        stack.services = None  # `down` the whole throwaway project, with its volumes
-        stack.stop(down=True)
+        if stack is not None:
+            _down(stack)
+
+
+def _down(stack: Any) -> None:
+    stack.services = None  # `down` the whole throwaway project, with its volumes
+    stack.stop(down=True)
 
 
 def wait_for_provider(api: str, key: str, model: str, provider: str) -> None:

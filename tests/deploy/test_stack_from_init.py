@@ -16,7 +16,6 @@ import asyncio
 import contextlib
 import io
 import os
-import socket
 import subprocess
 import sys
 import tarfile
@@ -32,12 +31,6 @@ from iop_proto.testing import running_service
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_SETTINGS = ROOT / "deploy" / "compose"
 NODE_HOST = ROOT / "deploy" / "node-host"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def tls(directory: Path, cert: str) -> dict[str, str]:
@@ -97,68 +90,73 @@ async def test_compose_files_run_with_certificates_and_tokens_from_iop_init(
         archive.extractall(host, filter="data")
 
     certs = volumes / "certs"
-    cp_port, node_port, api_port = free_port(), free_port(), free_port()
+    # Every listener binds port 0; each service names its ports in its ready line, and
+    # the next one is told where to dial.
     admin = {"IOP_ADMIN__HOST": "127.0.0.1", "IOP_ADMIN__PORT": "0"}
-    services: list[tuple[str, Path, dict[str, str]]] = [
-        (
-            "iop-control-plane",
-            COMPOSE_SETTINGS / "control-plane.yaml",
-            {
-                **tls(certs, "control-plane"),
-                "IOP_FLEET_FILE": str(COMPOSE_SETTINGS / "fleet.yaml"),
-                "IOP_DATABASE": str(volumes / "control-plane" / "credentials.db"),
-                "IOP_LISTEN__HOST": "127.0.0.1",
-                "IOP_LISTEN__PORT": str(cp_port),
-            },
-        ),
-        (
-            "iop-edge",
-            COMPOSE_SETTINGS / "edge.yaml",
-            {
-                **tls(certs, "edge"),
-                "IOP_HTTP__HOST": "127.0.0.1",
-                "IOP_HTTP__PORT": str(api_port),
-                "IOP_NODE_LISTENER__HOST": "127.0.0.1",
-                "IOP_NODE_LISTENER__PORT": str(node_port),
-                "IOP_CONTROL_PLANE__HOST": "127.0.0.1",
-                "IOP_CONTROL_PLANE__PORT": str(cp_port),
-                "IOP_CONTROL_PLANE__SERVER_NAME": "control-plane",
-                "IOP_CONFIG_CACHE": str(volumes / "edge" / "fleet-config.pb"),
-                "IOP_HISTORY_DB": str(volumes / "edge" / "runs.db"),
-            },
-        ),
-        (
-            "iop-node",
-            COMPOSE_SETTINGS / "node-a.yaml",
-            {
-                **tls(certs, "node-a"),
-                "IOP_EDGE__HOST": "127.0.0.1",
-                "IOP_EDGE__PORT": str(node_port),
-                "IOP_EDGE__SERVER_NAME": "edge",
-                "IOP_TOKEN_FILE": str(volumes / "tokens" / "node-a.token"),
-                "IOP_HISTORY_DB": str(volumes / "node-a" / "history.db"),
-            },
-        ),
-        (
-            "iop-node",
-            NODE_HOST / "node.yaml",
-            {
-                # docker-compose.node.yml's environment, with .env's values for this host
-                "IOP_SERVICE_ID": "node-b",
-                "IOP_EDGE__HOST": "127.0.0.1",
-                "IOP_EDGE__PORT": str(node_port),
-                "IOP_EDGE__SERVER_NAME": "edge",
-                # and its mounts
-                **tls(host / "certs", "node"),
-                "IOP_TOKEN_FILE": str(host / "node.token"),
-                "IOP_HISTORY_DB": str(tmp_path / "node-b" / "history.db"),
-            },
-        ),
-    ]
+    control_plane = {
+        **tls(certs, "control-plane"),
+        "IOP_FLEET_FILE": str(COMPOSE_SETTINGS / "fleet.yaml"),
+        "IOP_DATABASE": str(volumes / "control-plane" / "credentials.db"),
+        "IOP_LISTEN__HOST": "127.0.0.1",
+        "IOP_LISTEN__PORT": "0",
+    }
+
+    def edge(cp_port: int) -> dict[str, str]:
+        return {
+            **tls(certs, "edge"),
+            "IOP_HTTP__HOST": "127.0.0.1",
+            "IOP_HTTP__PORT": "0",
+            "IOP_NODE_LISTENER__HOST": "127.0.0.1",
+            "IOP_NODE_LISTENER__PORT": "0",
+            "IOP_CONTROL_PLANE__HOST": "127.0.0.1",
+            "IOP_CONTROL_PLANE__PORT": str(cp_port),
+            "IOP_CONTROL_PLANE__SERVER_NAME": "control-plane",
+            "IOP_CONFIG_CACHE": str(volumes / "edge" / "fleet-config.pb"),
+            "IOP_HISTORY_DB": str(volumes / "edge" / "runs.db"),
+        }
+
+    def nodes(node_port: int) -> list[tuple[Path, dict[str, str]]]:
+        return [
+            (
+                COMPOSE_SETTINGS / "node-a.yaml",
+                {
+                    **tls(certs, "node-a"),
+                    "IOP_EDGE__HOST": "127.0.0.1",
+                    "IOP_EDGE__PORT": str(node_port),
+                    "IOP_EDGE__SERVER_NAME": "edge",
+                    "IOP_TOKEN_FILE": str(volumes / "tokens" / "node-a.token"),
+                    "IOP_HISTORY_DB": str(volumes / "node-a" / "history.db"),
+                },
+            ),
+            (
+                NODE_HOST / "node.yaml",
+                {
+                    # docker-compose.node.yml's environment, with .env's values for this host
+                    "IOP_SERVICE_ID": "node-b",
+                    "IOP_EDGE__HOST": "127.0.0.1",
+                    "IOP_EDGE__PORT": str(node_port),
+                    "IOP_EDGE__SERVER_NAME": "edge",
+                    # and its mounts
+                    **tls(host / "certs", "node"),
+                    "IOP_TOKEN_FILE": str(host / "node.token"),
+                    "IOP_HISTORY_DB": str(tmp_path / "node-b" / "history.db"),
+                },
+            ),
+        ]
+
     async with contextlib.AsyncExitStack() as stack:
-        for script, settings, env in services:
-            await stack.enter_async_context(running_service(script, settings, env={**admin, **env}))
-        api = f"http://127.0.0.1:{api_port}"
+
+        async def start(script: str, settings: Path, env: dict[str, str]) -> dict[str, int]:
+            service = running_service(script, settings, env={**admin, **env})
+            return (await stack.enter_async_context(service)).ports
+
+        cp_settings = COMPOSE_SETTINGS / "control-plane.yaml"
+        cp_ports = await start("iop-control-plane", cp_settings, control_plane)
+        edge_settings = COMPOSE_SETTINGS / "edge.yaml"
+        edge_ports = await start("iop-edge", edge_settings, edge(cp_ports["edges"]))
+        for settings, env in nodes(edge_ports["nodes"]):
+            await start("iop-node", settings, env)
+        api = f"http://127.0.0.1:{edge_ports['http']}"
         await wait_until_available(api, "mock-small", {"node-a-mock", "node-b-mock"})
         async with AsyncOpenAI(base_url=f"{api}/v1", api_key="unused", max_retries=0) as client:
             completion = await client.chat.completions.create(

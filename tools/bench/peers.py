@@ -15,7 +15,6 @@ import asyncio
 import contextlib
 import json
 import re
-import socket
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +22,8 @@ from typing import Final
 
 import aiohttp
 import yaml
+
+from iop_proto.testing import port_taken, ports_to_try
 
 from .procs import Gateway, spawn
 
@@ -54,14 +55,6 @@ def litellm_version() -> str | None:
     if not found:
         return None
     return found[-1].name.removeprefix("litellm-").removesuffix(".dist-info")
-
-
-def free_port() -> int:
-    """A port free now; LiteLLM cannot be told to pick one and report it."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 @dataclass
@@ -115,32 +108,37 @@ async def start_litellm(
 ) -> AsyncIterator[LiteLLM]:
     """LiteLLM's proxy routing each of ``models`` to the fake backend, ready to serve."""
     config_file, log_config = _write_config(root, backend_url, models)
-    port = free_port()
-    argv = [
-        str(LITELLM_BIN),
-        "--config",
-        str(config_file),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--num_workers",
-        "1",
-        "--log_config",
-        str(log_config),
-    ]
     env = {
         "LITELLM_LOCAL_MODEL_COST_MAP": "True",  # no download of the price list at start
         "LITELLM_LOG": "ERROR",
         "LITELLM_TELEMETRY": "False",
     }
-    async with spawn(
-        argv,
-        ready=re.compile(r"Uvicorn running on|Application startup complete"),
-        log=root / "litellm.log",
-        timeout_s=LITELLM_READY_TIMEOUT_S,
-        env=env,
-    ) as child:
-        url = f"http://127.0.0.1:{port}"
-        await _wait_alive(url, 30)
+    async with contextlib.AsyncExitStack() as stack:
+        # LiteLLM cannot be told to bind port 0 and report it: give it one, again if taken.
+        for port in ports_to_try():
+            argv = [
+                str(LITELLM_BIN),
+                *("--config", str(config_file), "--host", "127.0.0.1", "--port", str(port)),
+                *("--num_workers", "1", "--log_config", str(log_config)),
+            ]
+            attempt = contextlib.AsyncExitStack()
+            url = f"http://127.0.0.1:{port}"
+            try:
+                child = await attempt.enter_async_context(
+                    spawn(
+                        argv,
+                        ready=re.compile(r"Uvicorn running on|Application startup complete"),
+                        log=root / "litellm.log",
+                        timeout_s=LITELLM_READY_TIMEOUT_S,
+                        env=env,
+                    )
+                )
+                await _wait_alive(url, 30)
+            except BaseException as exc:
+                await attempt.aclose()  # whatever failed, the process it started goes
+                if isinstance(exc, RuntimeError | TimeoutError) and port_taken(port):
+                    continue  # another process bound the port first
+                raise
+            stack.push_async_callback(attempt.aclose)
+            break
         yield LiteLLM(base_url=f"{url}/v1", pid=child.pid)

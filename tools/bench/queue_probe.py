@@ -30,9 +30,7 @@ from iop_edge.domain.events import Completed, RunOrder
 from iop_edge.domain.fleet import Fleet, ModelEntry, Operation, ProviderEntry
 from iop_edge.metrics import EdgeMetrics
 from iop_edge.ports import RunSpec
-from iop_edge.service.dispatch import Dispatcher
-from iop_edge.service.fleet_holder import FleetHolder
-from iop_edge.service.registry import ProviderRegistry
+from iop_edge.testing import WiredDispatcher
 from iop_proto.v1 import runtime_pb2 as pb
 
 MODEL = "m"
@@ -66,9 +64,8 @@ def _spec(seq: int) -> RunSpec:
 async def probe(waiters: int) -> dict[str, Any]:
     """Queue ``waiters`` requests behind one busy slot, then serve them one by one."""
     metrics = EdgeMetrics.create(CollectorRegistry())
-    fleet = FleetHolder()
-    pool = ProviderRegistry(fleet, metrics)
-    dispatcher = Dispatcher(fleet, pool, metrics)
+    dispatcher = WiredDispatcher(metrics)  # bootstrap's wiring, its settings' defaults
+    pool = dispatcher.pool
     provider = ProviderEntry(
         id="p",
         node_id="n",

@@ -38,9 +38,7 @@ from iop_edge.domain.fleet import Fleet, ModelEntry, Operation, ProviderEntry
 from iop_edge.domain.pool import AVAILABLE, ProviderSlot, index_models
 from iop_edge.metrics import EdgeMetrics
 from iop_edge.ports import RunSpec
-from iop_edge.service.dispatch import Dispatcher
-from iop_edge.service.fleet_holder import FleetHolder
-from iop_edge.service.registry import ProviderRegistry
+from iop_edge.testing import WiredDispatcher
 from iop_proto.connection import Connection
 from iop_proto.tls import TlsSettings, client_context
 from iop_proto.v1 import runtime_pb2 as pb
@@ -152,9 +150,8 @@ async def dispatch_path(providers: int, nodes: int, requests: int, seed: int = 7
     }
     model = ModelEntry(SCALE_MODEL, SCALE_MODEL, {p: SCALE_MODEL for p in entries})
     metrics = EdgeMetrics.create(CollectorRegistry())
-    fleet = FleetHolder()
-    pool = ProviderRegistry(fleet, metrics)
-    dispatcher = Dispatcher(fleet, pool, metrics)
+    dispatcher = WiredDispatcher(metrics)  # bootstrap's wiring, its settings' defaults
+    pool = dispatcher.pool
     pool.apply_fleet(Fleet(version=1, models={SCALE_MODEL: model}, providers=entries))
     for n in sorted({e.node_id for e in entries.values()}):
         states = [

@@ -11,11 +11,13 @@ import asyncio
 import contextlib
 import json
 import os
+import random
 import re
 import signal
+import socket
 import ssl
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -63,6 +65,85 @@ class Pki:
 
     def client(self) -> ssl.SSLContext:
         return client_context(self.node)
+
+
+LOOPBACK = "127.0.0.1"
+
+
+@contextlib.contextmanager
+def refused_port() -> Iterator[int]:
+    """A loopback port that refuses connections, for as long as the block runs.
+
+    Bound but never listening: a connection attempt is refused at once, and, unlike a
+    port that was free a moment ago, no other process can start listening on it meanwhile.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((LOOPBACK, 0))
+        yield int(sock.getsockname()[1])
+
+
+class PortTaken(Exception):
+    """A program was given a port and could not bind it: someone else took it first."""
+
+
+def port_taken(port: int) -> bool:
+    """Whether something now holds ``port`` on loopback (so a failed start lost the race)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((LOOPBACK, port))
+        except OSError:
+            return True
+    return False
+
+
+def ports_to_try(attempts: int = 5) -> Iterator[int]:
+    """Loopback ports, one per start attempt, for a program that must be told its port
+    before it starts and cannot bind port 0 and report what it got (llama.cpp, docker
+    compose, LiteLLM). Our own services bind 0 and name their ports in ``ready:`` and
+    ``/readyz``: use that for them, never this.
+
+    Each port was free when handed out, but another process may bind it before the
+    program does (the kernel is free to give it out again once we let go). So the
+    caller starts the program on the port, raises ``PortTaken`` when the start fails
+    and ``port_taken(port)`` says why, and goes on to the next port::
+
+        for port in ports_to_try():
+            try:
+                server = await start(port)
+            except PortTaken:
+                continue
+            break
+
+    After ``attempts`` lost races the iterator raises ``PortTaken`` itself.
+    """
+    for _ in range(attempts):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((LOOPBACK, 0))
+            port = int(sock.getsockname()[1])
+        yield port
+    raise PortTaken(f"{attempts} ports in a row were taken before the program could bind them")
+
+
+def port_offsets(
+    ports: Collection[int], attempts: int = 5, low: int = 20000, high: int = 32000
+) -> Iterator[int]:
+    """``ports_to_try`` for a program started on a fixed set of ``ports`` moved by one
+    offset (``make run``'s ``--port-offset``): offsets that put every one of them
+    between ``low`` and ``high`` (below the kernel's ephemeral range) and on a port
+    free right now. The same race, so the same use: start, and when the start failed
+    and ``port_taken`` says one of the moved ports is held, take the next offset.
+    """
+    rng = random.Random()
+    for _ in range(attempts):
+        for _ in range(200):
+            offset = rng.randrange(low - min(ports), high - max(ports))
+            if not any(port_taken(port + offset) for port in ports):
+                yield offset
+                break
+        else:
+            raise PortTaken(f"no free block of {len(ports)} ports between {low} and {high}")
+    raise PortTaken(f"{attempts} blocks of ports in a row were taken before the program bound them")
 
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]

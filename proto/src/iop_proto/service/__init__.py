@@ -6,11 +6,18 @@ else; keeping one copy means they all validate, log and shut down the same way.
 
 from iop_proto.service.admin import AdminServer
 from iop_proto.service.runner import run_service
-from iop_proto.service.settings import AdminSettings, LogSettings, ServiceSettings, load_settings
+from iop_proto.service.settings import (
+    AdminSettings,
+    DrainingSettings,
+    LogSettings,
+    ServiceSettings,
+    load_settings,
+)
 
 __all__ = [
     "AdminServer",
     "AdminSettings",
+    "DrainingSettings",
     "LogSettings",
     "ServiceSettings",
     "load_settings",

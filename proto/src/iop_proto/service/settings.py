@@ -8,10 +8,10 @@ value fails before anything starts, with the field and the file named.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, Self, TypeVar
 
 from dynaconf import Dynaconf
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from iop_proto.errors import SettingsError
 from iop_proto.tls import TlsSettings
@@ -49,6 +49,34 @@ class ServiceSettings(FrozenModel):
         default="uvloop",
         description="uvloop (where installed: not on Windows) or asyncio's own loop, for debugging",
     )
+
+
+class DrainingSettings(ServiceSettings):
+    """A service that lets work in flight finish on SIGTERM (edge, node, worker): the drain
+    gets ``shutdown_timeout_s`` minus ``shutdown_reserve_s``, closing the rest."""
+
+    shutdown_reserve_s: float = Field(
+        default=2.0,
+        gt=0,
+        description=(
+            "of shutdown_timeout_s, what the drain leaves for the end: on SIGTERM work in"
+            " flight gets shutdown_timeout_s minus this to finish, then links and stores close"
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _reserve_fits(self) -> Self:
+        if self.shutdown_reserve_s >= self.shutdown_timeout_s:
+            raise ValueError(
+                f"shutdown_reserve_s ({self.shutdown_reserve_s}) must be below"
+                f" shutdown_timeout_s ({self.shutdown_timeout_s})"
+            )
+        return self
+
+    @property
+    def drain_s(self) -> float:
+        """How long work in flight may go on finishing after SIGTERM."""
+        return self.shutdown_timeout_s - self.shutdown_reserve_s
 
 
 SettingsT = TypeVar("SettingsT", bound=BaseModel)

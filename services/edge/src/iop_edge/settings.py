@@ -8,7 +8,7 @@ from pydantic import Field, model_validator
 
 from iop_edge.domain.outliers import OutlierPolicy
 from iop_proto.framing import DEFAULT_MAX_FRAME_SIZE
-from iop_proto.service import ServiceSettings
+from iop_proto.service import DrainingSettings
 from iop_proto.service.settings import FrozenModel
 
 
@@ -79,7 +79,7 @@ class ControlPlaneAddress(FrozenModel):
     )
 
 
-class EdgeSettings(ServiceSettings):
+class EdgeSettings(DrainingSettings):
     """The edge's settings file; `IOP_*` environment variables override any key."""
 
     service_id: str = "edge"
@@ -134,24 +134,9 @@ class EdgeSettings(ServiceSettings):
     outlier_max_cooldown_s: float = Field(
         default=300.0, gt=0, description="the longest an ejection lasts"
     )
-    shutdown_reserve_s: float = Field(
-        default=2.0,
-        gt=0,
-        description=(
-            "of shutdown_timeout_s, what the drain leaves for the end: on SIGTERM the edge"
-            " stops accepting, lets runs in flight finish for shutdown_timeout_s minus this,"
-            " fails what is left, gives HTTP handlers half of this to write their last event"
-            " (aiohttp's shutdown grace), then closes node links and stores"
-        ),
-    )
 
     @model_validator(mode="after")
-    def _reserve_fits(self) -> EdgeSettings:
-        if self.shutdown_reserve_s >= self.shutdown_timeout_s:
-            raise ValueError(
-                f"shutdown_reserve_s ({self.shutdown_reserve_s}) must be below"
-                f" shutdown_timeout_s ({self.shutdown_timeout_s})"
-            )
+    def _cooldowns_fit(self) -> EdgeSettings:
         if self.outlier_max_cooldown_s < self.outlier_cooldown_s:
             raise ValueError(
                 f"outlier_max_cooldown_s ({self.outlier_max_cooldown_s}) must not be below"
@@ -167,8 +152,3 @@ class EdgeSettings(ServiceSettings):
             self.outlier_cooldown_s,
             self.outlier_max_cooldown_s,
         )
-
-    @property
-    def drain_s(self) -> float:
-        """How long runs in flight may go on finishing after SIGTERM."""
-        return self.shutdown_timeout_s - self.shutdown_reserve_s

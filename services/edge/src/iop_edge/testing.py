@@ -11,12 +11,14 @@ from iop_edge.metrics import EdgeMetrics
 from iop_edge.service.dispatch import Dispatcher
 from iop_edge.service.fleet_holder import FleetHolder
 from iop_edge.service.registry import ProviderRegistry
+from iop_edge.settings import EdgeSettings
 from iop_proto.framing import DEFAULT_MAX_FRAME_SIZE
 
 
 class WiredDispatcher(Dispatcher):
     """The dispatcher with the fleet holder and the pool it draws from, wired as
-    ``bootstrap.build`` wires them; ``pool`` is driven as the node listener would."""
+    ``bootstrap.build`` wires them; ``pool`` is driven as the node listener would.
+    Knobs not given keep the defaults of the edge's settings."""
 
     def __init__(
         self,
@@ -26,4 +28,5 @@ class WiredDispatcher(Dispatcher):
     ) -> None:
         self.fleet = FleetHolder()
         self.pool = ProviderRegistry(self.fleet, metrics, outliers or OutlierPolicy())
-        super().__init__(self.fleet, self.pool, metrics, max_frame_size)
+        grace_s = float(EdgeSettings.model_fields["deadline_grace_s"].default)
+        super().__init__(self.fleet, self.pool, metrics, max_frame_size, deadline_grace_s=grace_s)

@@ -100,6 +100,21 @@ async def test_what_outlasts_the_drain_ends_with_an_error(dispatcher: Dispatch) 
     assert dispatcher.idle
 
 
+async def test_a_waiter_handed_a_slot_just_before_fail_all_ends_once_and_frees_it(
+    dispatcher: Dispatch,
+) -> None:
+    available(dispatcher)
+    running = await dispatcher.open_run(spec())
+    queued = asyncio.create_task(dispatcher.open_run(spec()))
+    await asyncio.sleep(0)  # it waits in the model's queue
+    complete(running)  # its slot goes to the queued request, whose run has not started yet
+    await dispatcher.fail_all("edge is stopping")
+    with pytest.raises(ShuttingDown):
+        await queued  # one outcome, a 503 for its client, rather than a run nobody ends
+    assert dispatcher.runs_in_flight() == 0
+    assert dispatcher.idle  # and its slot is free
+
+
 def test_the_shutdown_reserve_must_leave_time_to_drain() -> None:
     tls = {"ca_file": "ca.pem", "cert_file": "e.pem", "key_file": "e.key"}
     settings = EdgeSettings(service_id="edge", tls=tls, shutdown_timeout_s=10)

@@ -15,7 +15,6 @@ import io
 import json
 import os
 import signal
-import socket
 import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -26,6 +25,7 @@ import pytest
 from aiohttp import web
 
 from iop_edge.cli.iopctl import CLEAR_SCREEN, run
+from iop_proto.testing import refused_port
 
 WAIT = 5.0  # upper bound on waiting for an explicit signal (never a sleep)
 KEY = "sk-iop-test"
@@ -305,10 +305,8 @@ async def test_401_is_one_line_on_stderr_and_exit_1(edge: Canned) -> None:
 
 
 async def test_connection_refused_is_one_line_and_exit_1() -> None:
-    with socket.socket() as sock:  # a port that was just free: nothing listens there
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    status, out, err = await iopctl("models", "--url", f"http://127.0.0.1:{port}")
+    with refused_port() as port:
+        status, out, err = await iopctl("models", "--url", f"http://127.0.0.1:{port}")
     assert (status, out) == (1, "")
     assert err.startswith(f"iopctl: cannot reach the edge at http://127.0.0.1:{port}")
     assert err.count("\n") == 1

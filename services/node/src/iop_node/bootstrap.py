@@ -34,9 +34,6 @@ ADAPTERS: Mapping[str, AdapterFactory] = {
 }
 
 
-SHUTDOWN_RESERVE_S = 2.0  # of shutdown_timeout_s, for closing the link, adapters, history
-
-
 @contextlib.asynccontextmanager
 async def build(
     settings: NodeSettings, registry: CollectorRegistry, admin: AdminServer
@@ -65,9 +62,9 @@ async def build(
         link = EdgeLink(settings, core, tls, token, metrics, __version__)
         link_task = asyncio.create_task(link.run(), name="edge-link")
         stack.push_async_callback(cancel_and_wait, link_task)
-        # First on the way out: runs in flight finish (the rest of the stop keeps a reserve).
-        drain_s = max(0.0, settings.shutdown_timeout_s - SHUTDOWN_RESERVE_S)
-        stack.push_async_callback(link.drain, drain_s)
+        # First on the way out: runs in flight finish; shutdown_reserve_s is kept for closing
+        # the link, the adapters and the history.
+        stack.push_async_callback(link.drain, settings.drain_s)
 
         admin.set_readiness(lambda: None if link.registered.is_set() else "not registered")
         yield core

@@ -7,7 +7,7 @@ from pathlib import Path
 from pydantic import Field, SecretStr, model_validator
 
 from iop_proto.framing import DEFAULT_MAX_FRAME_SIZE
-from iop_proto.service import ServiceSettings
+from iop_proto.service import DrainingSettings
 from iop_proto.service.settings import FrozenModel
 
 
@@ -35,7 +35,7 @@ class ReconnectSettings(FrozenModel):
     max_s: float = Field(default=15.0, gt=0)
 
 
-class NodeSettings(ServiceSettings):
+class NodeSettings(DrainingSettings):
     """The node's settings file; `IOP_*` environment variables override any key.
 
     ``service_id`` is the node id: it must equal the CN of the node's certificate

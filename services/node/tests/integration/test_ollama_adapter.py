@@ -17,7 +17,6 @@ import contextlib
 import importlib.util
 import json
 import shutil
-import socket
 import struct
 import subprocess
 from collections.abc import AsyncIterator, Iterator
@@ -32,6 +31,7 @@ from iop_node.domain.provider import ProviderConfig
 from iop_node.domain.runs import Completion, Delta, ExecutionSpec, Operation
 from iop_node.errors import InvalidRequest, ProviderFailed, ProviderTimeout, ProviderUnavailable
 from iop_node.ports import AdapterContext
+from iop_proto.testing import refused_port
 
 SENTENCE = ("the", "quick", "brown", "fox", "jumps", "over", "the", "lazy", "dog")
 SLOW = "slow:1b"  # streams a word every 10 ms until the client goes away
@@ -255,13 +255,6 @@ def spec(
 
 def chat(content: str | list[dict[str, Any]] = "hello there", **extra: Any) -> dict[str, Any]:
     return {"messages": [{"role": "user", "content": content}], **extra}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 async def test_stream_chat_sends_deltas_then_usage_and_stop(adapter: OllamaAdapter) -> None:
@@ -490,9 +483,10 @@ async def test_connection_lost_mid_stream_is_provider_failed(adapter: OllamaAdap
 
 
 async def test_connection_refused_is_provider_unavailable(http: aiohttp.ClientSession) -> None:
-    adapter = make_adapter(http, f"http://127.0.0.1:{free_port()}")
-    with pytest.raises(ProviderUnavailable, match="cannot reach ollama"):
-        await adapter.execute(spec(chat(), stream=True), CollectingSink())
+    with refused_port() as port:
+        adapter = make_adapter(http, f"http://127.0.0.1:{port}")
+        with pytest.raises(ProviderUnavailable, match="cannot reach ollama"):
+            await adapter.execute(spec(chat(), stream=True), CollectingSink())
 
 
 async def test_deadline_is_provider_timeout(adapter: OllamaAdapter, fake: FakeOllama) -> None:
@@ -527,7 +521,8 @@ async def test_probe_lists_models_and_never_runs_one(
 
 
 async def test_probe_of_an_unreachable_server_is_not_ok(http: aiohttp.ClientSession) -> None:
-    result = await make_adapter(http, f"http://127.0.0.1:{free_port()}").probe()
+    with refused_port() as port:
+        result = await make_adapter(http, f"http://127.0.0.1:{port}").probe()
     assert not result.ok
     assert "cannot reach ollama" in result.detail
 

@@ -8,9 +8,7 @@ mapping and cancellation are checked on a real socket.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,6 +31,7 @@ from iop_node.errors import (
     RunCancelled,
 )
 from iop_node.ports import AdapterContext, LifecycleFlags
+from iop_proto.testing import refused_port
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -189,13 +188,6 @@ def sse_reply(pieces: Sequence[bytes], *, pause: float = 0.0) -> Handler:
         return response
 
     return reply
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-    return port
 
 
 # --- request shape ---------------------------------------------------------------------
@@ -574,10 +566,11 @@ async def test_malformed_chunk_fails(provider: FakeProvider, http: aiohttp.Clien
 
 
 async def test_connection_refused_is_unavailable(http: aiohttp.ClientSession) -> None:
-    adapter = make_adapter(http, f"http://127.0.0.1:{free_port()}")
-    with pytest.raises(ProviderUnavailable):
-        await adapter.execute(make_spec({"messages": []}), Sink())
-    result = await adapter.probe()
+    with refused_port() as port:
+        adapter = make_adapter(http, f"http://127.0.0.1:{port}")
+        with pytest.raises(ProviderUnavailable):
+            await adapter.execute(make_spec({"messages": []}), Sink())
+        result = await adapter.probe()
     assert not result.ok
     assert "127.0.0.1" in result.detail
 
@@ -653,9 +646,7 @@ async def test_probe_error_status_is_not_ok(
 
 
 async def test_probe_of_a_down_server_is_not_ok(http: aiohttp.ClientSession) -> None:
-    with contextlib.closing(socket.socket()) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]  # bound, not listening: connections are refused
+    with refused_port() as port:
         result = await make_adapter(http, f"http://127.0.0.1:{port}").probe()
     assert not result.ok
     assert result.detail

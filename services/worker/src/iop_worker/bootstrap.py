@@ -17,9 +17,6 @@ from iop_worker.entrypoints.edge_link import EdgeLink
 from iop_worker.metrics import WorkerMetrics
 from iop_worker.settings import WorkerSettings
 
-# Of the shutdown budget, the share lines in flight get to end; the rest is for closing.
-DRAIN_SHARE = 0.8
-
 
 async def _stop(link: EdgeLink, task: asyncio.Task[None], grace_s: float) -> None:
     """Let lines in flight end (up to ``grace_s``), then cancel what is left and log failures."""
@@ -54,7 +51,7 @@ async def build(
     link = EdgeLink(settings, runner, tls, metrics, __version__)
     async with contextlib.AsyncExitStack() as stack:
         task = asyncio.create_task(link.run(), name="edge-link")
-        stack.push_async_callback(_stop, link, task, settings.shutdown_timeout_s * DRAIN_SHARE)
+        stack.push_async_callback(_stop, link, task, settings.drain_s)
         admin.set_readiness(
             lambda: None if link.registered.is_set() else "not registered with the edge"
         )

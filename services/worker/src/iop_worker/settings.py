@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field, model_validator
 
-from iop_proto.service import ServiceSettings
+from iop_proto.service import DrainingSettings
 from iop_proto.service.settings import FrozenModel
 
 
@@ -31,7 +31,7 @@ class ReconnectSettings(FrozenModel):
         return self
 
 
-class WorkerSettings(ServiceSettings):
+class WorkerSettings(DrainingSettings):
     """The worker's settings file; `IOP_*` environment variables override any key.
 
     ``service_id`` is the worker id the edge leases to: it must equal the CN of

@@ -23,7 +23,6 @@ from iop_proto.errors import ConnectionClosed, ProtocolError, UnexpectedMessage
 from iop_proto.v1 import runtime_pb2 as pb
 
 FleetListener = Callable[[pb.FleetConfig], Awaitable[None]]
-AUTHORIZE_TIMEOUT_S = 10.0
 
 
 class ControlPlaneClient:
@@ -41,8 +40,8 @@ class ControlPlaneClient:
         cache_file: Path,
         on_fleet: FleetListener,
         heartbeat_interval_s: float,
-        reconnect_max_s: float = 10.0,
-        authorize_timeout_s: float = AUTHORIZE_TIMEOUT_S,
+        reconnect_max_s: float,
+        authorize_timeout_s: float,
         on_link: Callable[[bool], None] | None = None,
     ) -> None:
         """``on_link``: told ``True`` when a connection is up (its first config applied)

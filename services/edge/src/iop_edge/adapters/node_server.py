@@ -34,7 +34,6 @@ from iop_proto.errors import ConnectionClosed, ProtocolError, UnexpectedMessage
 from iop_proto.tls import TlsRefused
 from iop_proto.v1 import runtime_pb2 as pb
 
-REGISTER_TIMEOUT_S = 10.0  # the default of node_listener.register_timeout_s
 REFUSED = "registration refused (the edge's log says why)"
 """All a refused peer learns: which node a token belongs to, or whether the
 control-plane is up, is for the operator, not for whoever holds a certificate."""
@@ -96,11 +95,11 @@ class NodeServer:
         tls: ssl.SSLContext | None,
         heartbeat_interval_s: float,
         max_frame_size: int,
+        register_timeout_s: float,
+        handshake_timeout_s: float,
         node_roles: tuple[str, ...] = ("node",),
         worker_roles: tuple[str, ...] = ("worker",),
         batches: BatchLeases | None = None,
-        register_timeout_s: float = REGISTER_TIMEOUT_S,
-        handshake_timeout_s: float = 10.0,
     ) -> None:
         self._host, self.port = host, port
         self._edge_id = edge_id

@@ -33,7 +33,7 @@ from iop_edge.metrics import EdgeMetrics
 from iop_edge.ports import FleetView, RunSpec
 from iop_edge.service.limits import RunBody, check_output_tokens, check_run_frame
 from iop_edge.service.registry import ProviderRegistry
-from iop_edge.service.runs import DEADLINE_GRACE_S, EdgeRun, NodeLink
+from iop_edge.service.runs import EdgeRun, NodeLink
 from iop_proto.errors import FrameTooLarge
 from iop_proto.framing import DEFAULT_MAX_FRAME_SIZE
 
@@ -49,12 +49,14 @@ class Dispatcher:
         registry: ProviderRegistry,
         metrics: EdgeMetrics,
         max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
-        deadline_grace_s: float = DEADLINE_GRACE_S,
+        *,
+        deadline_grace_s: float,
     ) -> None:
         self._fleet = fleet
         self._registry = registry
         self._deadline_grace_s = deadline_grace_s
         self._stopping: str | None = None  # set by stop_admitting: new runs are refused
+        self._failing: str | None = None  # set by fail_all: no run starts any more
         self._became_idle: asyncio.Event | None = None  # while the drain waits
         self._max_frame_size = max_frame_size  # a run that cannot fit is refused (limits)
         self._queues: dict[str, ModelQueue[ProviderSlot]] = {}
@@ -179,6 +181,8 @@ class Dispatcher:
     ) -> EdgeRun:
         served = model.providers[slot.provider_id]
         entry = self._fleet.current.providers[slot.provider_id]
+        if self._failing is not None:  # handed its slot just before fail_all: a 503 instead
+            raise ShuttingDown(self._failing)
         link = self._registry.link(slot.node_id)
         if link is None:  # the node left while this request waited for the slot
             raise NoProviderAvailable(f"node {slot.node_id} is gone", code="provider_unavailable")
@@ -272,8 +276,9 @@ class Dispatcher:
 
     async def fail_all(self, reason: str) -> None:
         """The edge is stopping: end every run (its stream gets an error event) and every
-        waiter (a 503)."""
+        waiter (a 503), also one handed a slot whose run has not started yet."""
         self.stop_admitting(reason)
+        self._failing = reason
         for queue in self._queues.values():  # first: a slot a run frees must go to nobody
             while (waiter := queue.pop_waiting()) is not None:
                 waiter.set_exception(ShuttingDown(reason))

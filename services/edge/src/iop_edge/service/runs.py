@@ -15,8 +15,6 @@ from typing import Protocol
 
 from iop_edge.domain.events import TERMINAL, Completed, ErrorCode, Failed, RunEvent, RunOrder
 
-DEADLINE_GRACE_S = 5.0  # the default of the edge's deadline_grace_s (settings)
-
 
 class NodeLink(Protocol):
     """A registered node's connection, as dispatch uses it."""
@@ -40,7 +38,7 @@ class EdgeRun:
         target: str,
         deadline: float,
         on_finish: Callable[[EdgeRun], None],
-        deadline_grace_s: float = DEADLINE_GRACE_S,
+        deadline_grace_s: float,
     ) -> None:
         self.run_id = run_id
         self.request = request
