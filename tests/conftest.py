@@ -219,6 +219,7 @@ async def start_stack(
                 },
                 "config_cache": str(root / "edge-cache.pb"),
                 "history_db": str(root / "edge-runs.db"),
+                "responses_db": str(root / "edge-responses.db"),
                 "batch_db": str(root / "edge-batches.db"),
                 "batch_lease_ttl_s": 3,
                 **(edge_settings or {}),

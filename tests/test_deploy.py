@@ -210,7 +210,7 @@ def test_compose_state_files_are_on_named_volumes(identity: str) -> None:
     ]
     state = [
         PurePosixPath(value)
-        for field in ("database", "history_db", "config_cache")
+        for field in ("database", "history_db", "responses_db", "config_cache")
         if (value := getattr(settings, field, None)) is not None
     ]
     for path in state:

@@ -113,6 +113,7 @@ SERVICES: tuple[ServiceSpec, ...] = (
             "IOP_CONFIG_CACHE": "edge-fleet-config.pb",
             "IOP_HISTORY_DB": "edge-runs.db",
             "IOP_BATCH_DB": "edge-batches.db",
+            "IOP_RESPONSES_DB": "edge-responses.db",
         },
         dials={"IOP_CONTROL_PLANE__PORT": 7100},
     ),

@@ -219,6 +219,7 @@ class Stack:
                 "control_plane": {"host": "127.0.0.1", "port": cp_port, "server_name": "localhost"},
                 "config_cache": str(self.root / "edge-cache.pb"),
                 "history_db": str(self.root / "edge-runs.db"),
+                "responses_db": str(self.root / "edge-responses.db"),
                 "batch_db": str(self.root / "edge-batches.db"),
             },
         )

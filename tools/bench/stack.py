@@ -179,6 +179,7 @@ async def start_core(
                 "control_plane": {"host": "127.0.0.1", "port": cp_port, "server_name": "localhost"},
                 "config_cache": str(root / "edge-cache.pb"),
                 "history_db": str(root / "edge-runs.db"),
+                "responses_db": str(root / "edge-responses.db"),
             },
         )
         edge = await exits.enter_async_context(

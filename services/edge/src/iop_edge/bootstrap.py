@@ -16,6 +16,7 @@ from iop_edge.adapters.control_plane import ControlPlaneClient
 from iop_edge.adapters.fleet_proto import fleet_from_proto
 from iop_edge.adapters.node_server import NodeServer
 from iop_edge.adapters.peer_guard import PeerGuard
+from iop_edge.adapters.sqlite_responses import SqliteResponseStore
 from iop_edge.adapters.sqlite_runlog import SqliteRunLog
 from iop_edge.console import add_console_routes
 from iop_edge.entrypoints.api_auth import KeySlots, access_mode
@@ -128,6 +129,8 @@ async def build(
         stack.callback(providers.close)  # last out: no cooldown timer outlives the edge
         runlog = await SqliteRunLog.open(settings.history_db)
         stack.push_async_callback(runlog.aclose)
+        response_store = await SqliteResponseStore.open(settings.responses_db)
+        stack.push_async_callback(response_store.aclose)
         batch_store = await SqliteBatchStore.open(settings.batch_db)
         stack.push_async_callback(batch_store.aclose)
         batches = BatchService(
@@ -194,6 +197,7 @@ async def build(
             cors_origins=settings.http.cors_origins,
             min_body_rate=settings.http.min_body_rate,
             stop_gate=gate,
+            responses=response_store,
         )
         add_console_routes(app)  # the read-only operator page (before setup locks the routes)
         # handler_cancellation: a client that disconnects cancels its handler, which

@@ -228,6 +228,35 @@ class RunLog(Protocol):
         ...
 
 
+@dataclass(frozen=True, slots=True)
+class StoredResponse:
+    """A Responses API answer kept for ``GET /v1/responses/{id}`` and ``previous_response_id``.
+
+    ``response_json`` is the Response object as the client got it; ``input_json`` the
+    whole conversation it answered (its chain's items, then its own input, each with
+    an id), so a follow-up needs one read, not one per link of the chain.
+    """
+
+    response_id: str
+    key_id: str  # the API key that made it; another key's lookups find nothing
+    created_at: int  # Unix seconds
+    response_json: bytes
+    input_json: bytes
+    deleted: bool = False
+
+
+class ResponseStore(Protocol):
+    """Stored Responses (SQLite), each readable only by the key that made it."""
+
+    def keep(self, response: StoredResponse) -> None:
+        """Queue a response (or a deletion); never suspends, never waits for the disk."""
+        ...
+
+    async def get(self, response_id: str, key_id: str) -> StoredResponse | None:
+        """The response if it exists, is not deleted, and is ``key_id``'s."""
+        ...
+
+
 class BatchLeases(Protocol):
     """What workers do with batches over IOP (implemented by ``BatchService``)."""
 

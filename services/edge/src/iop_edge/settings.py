@@ -91,6 +91,10 @@ class EdgeSettings(DrainingSettings):
         description="the last good fleet config, served while the control-plane is away",
     )
     history_db: Path = Field(default=Path("var/edge/runs.db"), description="runs dispatched")
+    responses_db: Path = Field(
+        default=Path("var/edge/responses.db"),
+        description="Responses API answers kept (store: true) per API key, owner-only",
+    )
     batch_db: Path = Field(
         default=Path("var/edge/batches.db"),
         description="Batch API files, batches, line results (file contents in <name>.files/)",

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 from aiohttp import web
 
 from iop_edge.domain.events import Completed, Delta
-from iop_edge.domain.fleet import Operation
+from iop_edge.domain.fleet import ApiKeyEntry, Operation
 from iop_edge.errors import EdgeError
 from iop_edge.ports import RunSpec
 
@@ -65,6 +65,11 @@ class Dialect(Protocol):
 
     def read(self, body: dict[str, Any]) -> DialectRequest:
         """The run this body asks for; ``InvalidRequest`` naming the field otherwise."""
+        ...
+
+    async def resolve(self, asked: DialectRequest, key: ApiKeyEntry | None) -> DialectRequest:
+        """The request completed with what needs the caller's key or a read (a stored
+        conversation to continue); OpenAI's chat returns ``asked`` as it is."""
         ...
 
     def stream_writer(self, request: DialectRequest, run_id: str, created: int) -> StreamWriter:

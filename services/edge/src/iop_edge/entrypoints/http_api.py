@@ -26,10 +26,11 @@ from iop_edge.entrypoints.batch_routes import BatchRoutes
 from iop_edge.entrypoints.cors import CorsPolicy
 from iop_edge.entrypoints.inference_routes import InferenceRoutes
 from iop_edge.entrypoints.openai_errors import error_response, from_http_exception
+from iop_edge.entrypoints.responses_routes import ResponsesRoutes
 from iop_edge.entrypoints.stop_gate import StopGate
 from iop_edge.errors import EdgeError, InvalidRequest, ModelNotFound
 from iop_edge.formats.errors import internal_error
-from iop_edge.ports import Catalog, KeyRing, RunLog, RunService
+from iop_edge.ports import Catalog, KeyRing, ResponseStore, RunLog, RunService
 from iop_edge.service.batches import BatchService
 from iop_edge.service.limits import DEFAULT_MAX_BODY_BYTES
 from iop_proto.service.logging import log_unexpected
@@ -70,6 +71,7 @@ def create_api_app(
     min_body_rate: int = MIN_BODY_RATE,
     stop_gate: StopGate | None = None,
     cors_origins: Sequence[str] = (),
+    responses: ResponseStore | None = None,
 ) -> web.Application:
     """The API application; serve it with ``web.AppRunner(app, handler_cancellation=True)``.
 
@@ -92,6 +94,8 @@ def create_api_app(
     connection closes; it is the outermost middleware but for CORS preflights.
     ``cors_origins``: browser origins allowed to call the API (``CorsPolicy``); none
     by default, and then no CORS code runs.
+    ``responses``: when given, the Responses API (``/v1/responses``) is served, its
+    answers stored there.
     """
     middlewares = [
         openai_error_boundary,
@@ -107,7 +111,10 @@ def create_api_app(
     if cors is not None:
         cors.mark_responses(app)
     slots = key_slots if key_slots is not None else KeySlots()
-    InferenceRoutes(service, catalog, keys, runlog, metrics, slots).register(app)
+    inference = InferenceRoutes(service, catalog, keys, runlog, metrics, slots)
+    inference.register(app)
+    if responses is not None:
+        ResponsesRoutes(responses, keys).register(app, inference.route)
     ReadRoutes(catalog, keys, runlog, openapi).register(app)
     if batches is not None:
         BatchRoutes(batches, keys).register(app)

@@ -104,7 +104,7 @@ class InferenceRoutes:
         if key is not None:
             trace.key_id = key.key_id
         body = await read_json_body(request)
-        asked = dialect.read(body)
+        asked = await dialect.resolve(dialect.read(body), key)
         spec = asked.spec
         trace.stream = spec.stream
         if key is not None and not key.allows(spec.model):

@@ -15,7 +15,7 @@ from typing import Any
 from aiohttp import web
 
 from iop_edge.domain.events import Completed, Delta
-from iop_edge.domain.fleet import Operation
+from iop_edge.domain.fleet import ApiKeyEntry, Operation
 from iop_edge.entrypoints.api_dialect import DialectRequest
 from iop_edge.entrypoints.inference_request import parse_params
 from iop_edge.entrypoints.openai_errors import error_response
@@ -49,6 +49,9 @@ class OpenAIDialect:
             include_usage=params.include_usage,
         )
         return DialectRequest(spec)
+
+    async def resolve(self, asked: DialectRequest, key: ApiKeyEntry | None) -> DialectRequest:
+        return asked
 
     def stream_writer(self, request: DialectRequest, run_id: str, created: int) -> OpenAIStream:
         spec = request.spec

@@ -1,0 +1,203 @@
+"""OpenAI's Responses API (``POST /v1/responses``) as a ``Dialect`` of the run pipeline.
+
+The request runs as a chat completion on any provider (``formats.responses_request``);
+the answer is a Response object (``formats.responses_output``) or its stream of
+events (``formats.responses_stream``). With ``store`` (the default, as at OpenAI)
+the answer is kept per API key (``ResponseStore``) when the run ends, with the
+whole conversation it answered, so ``previous_response_id`` continues it and
+``GET /v1/responses/{id}`` reads it back. Keeping is queueing in memory: the
+request never waits for the disk.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from aiohttp import web
+
+from iop_edge.domain.events import Completed, Delta
+from iop_edge.domain.fleet import ApiKeyEntry, Operation
+from iop_edge.entrypoints.api_dialect import DialectRequest
+from iop_edge.entrypoints.openai_errors import error_response
+from iop_edge.errors import EdgeError, NotFound
+from iop_edge.formats.responses_output import Turn, response_id, response_object
+from iop_edge.formats.responses_request import ResponsesRequest, chat_body, read_request
+from iop_edge.formats.responses_stream import ResponseEventStream
+from iop_edge.ports import ResponseStore, RunSpec, StoredResponse
+from iop_proto import json_codec
+from iop_proto.service.logging import log_unexpected
+
+CHAT_PARAMS: Final = {
+    "max_tokens": "max_output_tokens",
+    "max_completion_tokens": "max_output_tokens",
+    "messages": "input",
+    "response_format": "text.format",
+}
+"""A chat body's fields, named in errors the dispatcher or a provider raise about them,
+as the Responses request called them."""
+_ID_PREFIXES: Final = {
+    "message": "msg",
+    "function_call": "fc",
+    "function_call_output": "fco",
+    "reasoning": "rs",
+}
+
+
+@dataclass(slots=True)
+class ResponseDraft:
+    """What the dialect keeps of one request until its answer is written."""
+
+    request: ResponsesRequest
+    key_id: str = ""
+    history: list[dict[str, Any]] = field(default_factory=list)
+
+
+class ResponsesDialect:
+    """Implements ``Dialect`` for ``POST /v1/responses``."""
+
+    operation = Operation.CHAT_COMPLETIONS  # what every provider runs, and the run log says
+
+    def __init__(self, store: ResponseStore) -> None:
+        self._store = store
+
+    def read(self, body: dict[str, Any]) -> DialectRequest:
+        request = read_request(body)
+        # With a previous response the body is made once its conversation is read (resolve).
+        chat = chat_body(request, ()) if request.previous_response_id is None else {}
+        spec = RunSpec(
+            model=request.model,
+            operation=self.operation,
+            body=chat,
+            stream=request.stream,
+            include_usage=request.stream,
+        )
+        return DialectRequest(spec, ResponseDraft(request))
+
+    async def resolve(self, asked: DialectRequest, key: ApiKeyEntry | None) -> DialectRequest:
+        draft: ResponseDraft = asked.context
+        draft.key_id = key.key_id if key is not None else ""
+        previous_id = draft.request.previous_response_id
+        if previous_id is None:
+            return asked
+        previous = await self._store.get(previous_id, draft.key_id)
+        if previous is None:
+            raise NotFound(
+                f"Previous response with id '{previous_id}' not found.",
+                param="previous_response_id",
+            )
+        history: list[dict[str, Any]] = json_codec.loads(previous.input_json)
+        history.extend(json_codec.loads(previous.response_json).get("output") or ())
+        draft.history = history
+        body = chat_body(draft.request, history)
+        return DialectRequest(dataclasses.replace(asked.spec, body=body), draft)
+
+    def stream_writer(self, request: DialectRequest, run_id: str, created: int) -> ResponsesStream:
+        draft: ResponseDraft = request.context
+        events = ResponseEventStream(draft.request.echo, run_id, created)
+        return ResponsesStream(events, self._keeper(draft, run_id, created))
+
+    async def answer(
+        self,
+        request: DialectRequest,
+        end: Completed,
+        deltas: Sequence[Delta],
+        run_id: str,
+        created: int,
+    ) -> bytes:
+        draft: ResponseDraft = request.context
+        turn = Turn.of_run(end, tuple(deltas))
+        reason = turn.incomplete_reason
+        response = response_object(
+            draft.request.echo,
+            run_id,
+            created,
+            status="incomplete" if reason else "completed",
+            output=turn.output(run_id),
+            usage=turn.usage_object(),
+            incomplete_reason=reason,
+        )
+        keep = self._keeper(draft, run_id, created)
+        if keep is not None:
+            keep(response)
+        return json_codec.dumps(response)
+
+    def error_response(self, exc: EdgeError) -> web.Response:
+        name = CHAT_PARAMS.get(exc.param or "")
+        if name is not None and exc.param is not None:
+            renamed = copy.copy(exc)
+            renamed.message = exc.message.replace(exc.param, name)
+            renamed.param = name
+            exc = renamed
+        return error_response(exc)
+
+    def _keeper(
+        self, draft: ResponseDraft, run_id: str, created: int
+    ) -> Callable[[dict[str, Any]], None] | None:
+        """What stores the answer, or None with ``store: false``."""
+        if not draft.request.store:
+            return None
+        store = self._store
+
+        def keep(response: dict[str, Any]) -> None:
+            conversation = [*draft.history, *with_ids(draft.request.items, run_id)]
+            record = StoredResponse(
+                response_id=response_id(run_id),
+                key_id=draft.key_id,
+                created_at=created,
+                response_json=json_codec.dumps(response),
+                input_json=json_codec.dumps(conversation),
+            )
+            try:
+                store.keep(record)
+            except Exception as exc:  # a store closing at shutdown must not fail the answer
+                log_unexpected(exc, "could not store response {}", record.response_id)
+
+        return keep
+
+
+class ResponsesStream:
+    """Implements ``StreamWriter``: the event stream, and the answer kept when it ends."""
+
+    __slots__ = ("_events", "_keep", "delta")
+
+    def __init__(
+        self, events: ResponseEventStream, keep: Callable[[dict[str, Any]], None] | None
+    ) -> None:
+        self._events = events
+        self._keep = keep
+        self.delta = events.delta  # bound once: the per-token call goes straight to it
+
+    def opening(self) -> bytes:
+        return self._events.opening()
+
+    def closing(self, end: Completed) -> bytes:
+        out = self._events.closing(end)
+        self._kept()
+        return out
+
+    def failure(self, error: EdgeError) -> bytes:
+        out = self._events.failure(error)
+        self._kept()
+        return out
+
+    def _kept(self) -> None:
+        if self._keep is not None and self._events.final is not None:
+            self._keep(self._events.final)
+
+
+def with_ids(items: Sequence[dict[str, Any]], run_id: str) -> list[dict[str, Any]]:
+    """Input items as stored and listed: each with an id, a message's content as parts."""
+    out: list[dict[str, Any]] = []
+    for index, item in enumerate(items):
+        kind = item.get("type", "message")
+        stored = dict(item)
+        stored.setdefault("id", f"{_ID_PREFIXES.get(kind, 'item')}_{run_id}_{index}")
+        if kind == "message" and isinstance(item.get("content"), str):
+            part = "output_text" if item.get("role") == "assistant" else "input_text"
+            stored["content"] = [{"type": part, "text": item["content"]}]
+        out.append(stored)
+    return out

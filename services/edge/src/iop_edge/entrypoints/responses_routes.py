@@ -1,0 +1,110 @@
+"""``/v1/responses``: creating a response (the run pipeline, ``ResponsesDialect``) and
+reading, listing the input of, and deleting a stored one.
+
+Every stored response belongs to the API key that made it: another key's id is
+answered as not found, like files and batches. Errors leave through the app's
+error boundary as OpenAI error objects.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Final
+
+from aiohttp import web
+from aiohttp.typedefs import Handler
+
+from iop_edge.entrypoints.api_auth import authenticate
+from iop_edge.entrypoints.api_dialect import Dialect
+from iop_edge.entrypoints.responses_dialect import ResponsesDialect
+from iop_edge.errors import InvalidRequest, NotFound
+from iop_edge.ports import KeyRing, ResponseStore, StoredResponse
+from iop_proto import json_codec
+
+ITEMS_DEFAULT_LIMIT: Final = 20
+ITEMS_MAX_LIMIT: Final = 100
+_ORDERS: Final = ("asc", "desc")
+
+
+class ResponsesRoutes:
+    """``POST /v1/responses``, and ``GET``/``DELETE /v1/responses/{id}``, ``.../input_items``."""
+
+    def __init__(self, store: ResponseStore, keys: KeyRing) -> None:
+        self._store = store
+        self._keys = keys
+
+    def register(self, app: web.Application, route: Callable[[Dialect], Handler]) -> None:
+        """``route``: the run pipeline's handler for a dialect (``InferenceRoutes.route``)."""
+        router = app.router
+        router.add_post("/v1/responses", route(ResponsesDialect(self._store)))
+        router.add_get("/v1/responses/{response_id}", self.retrieve)
+        router.add_delete("/v1/responses/{response_id}", self.delete)
+        router.add_get("/v1/responses/{response_id}/input_items", self.input_items)
+
+    async def retrieve(self, request: web.Request) -> web.Response:
+        if request.query.get("stream") in ("true", "1"):
+            raise InvalidRequest(
+                "Streaming a stored response again is not supported by this server.",
+                param="stream",
+            )
+        stored = await self._stored(request)
+        return web.Response(body=stored.response_json, content_type="application/json")
+
+    async def delete(self, request: web.Request) -> web.Response:
+        stored = await self._stored(request)
+        self._store.keep(
+            StoredResponse(
+                stored.response_id, stored.key_id, stored.created_at, b"{}", b"[]", deleted=True
+            )
+        )
+        return web.json_response({"id": stored.response_id, "object": "response", "deleted": True})
+
+    async def input_items(self, request: web.Request) -> web.Response:
+        """The conversation the response answered, OpenAI's list page (newest first by
+        default; ``after`` an item id; ``limit`` 1 to 100)."""
+        limit = _limit(request.query.get("limit"))
+        order = request.query.get("order", "desc")
+        if order not in _ORDERS:
+            raise InvalidRequest("'order' must be asc or desc.", param="order")
+        stored = await self._stored(request)
+        items: list[dict[str, Any]] = json_codec.loads(stored.input_json)
+        if order == "desc":
+            items.reverse()
+        after = request.query.get("after")
+        if after is not None:
+            ids = [item.get("id") for item in items]
+            if after not in ids:
+                raise NotFound(f"No input item with id '{after}' in this response.", param="after")
+            items = items[ids.index(after) + 1 :]
+        page = items[:limit]
+        return web.json_response(
+            {
+                "object": "list",
+                "data": page,
+                "first_id": page[0].get("id") if page else None,
+                "last_id": page[-1].get("id") if page else None,
+                "has_more": len(items) > limit,
+            }
+        )
+
+    async def _stored(self, request: web.Request) -> StoredResponse:
+        key = authenticate(request, self._keys)
+        response_id = request.match_info["response_id"]
+        stored = await self._store.get(response_id, key.key_id if key is not None else "")
+        if stored is None:
+            raise NotFound(f"Response with id '{response_id}' not found.", param="response_id")
+        return stored
+
+
+def _limit(raw: str | None) -> int:
+    if raw is None:
+        return ITEMS_DEFAULT_LIMIT
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= ITEMS_MAX_LIMIT:
+        raise InvalidRequest(
+            f"'limit' must be an integer from 1 to {ITEMS_MAX_LIMIT}.", param="limit"
+        )
+    return value
