@@ -16,7 +16,7 @@ from iop_edge.domain.pool import ProviderSlot, select
 from iop_edge.errors import NoProviderAvailable
 from iop_edge.metrics import EdgeMetrics
 from iop_edge.ports import RunSpec
-from iop_edge.service.runs import EdgeRun
+from iop_edge.service.failover import FailoverRun
 from iop_edge.testing import WiredDispatcher as Dispatch
 from iop_proto.v1 import runtime_pb2 as pb
 
@@ -61,8 +61,8 @@ def spec(model: str) -> RunSpec:
     return RunSpec(model, Operation.CHAT_COMPLETIONS, {"model": model}, False, False)
 
 
-def complete(run: EdgeRun) -> None:
-    run.deliver(Completed(finish_reason="stop"))
+def complete(run: FailoverRun) -> None:
+    run.attempt.deliver(Completed(finish_reason="stop"))
 
 
 def candidates(dispatcher: Dispatch, model: str) -> list[ProviderSlot]:
@@ -87,7 +87,7 @@ async def test_every_dispatch_chooses_what_the_scan_chooses(seed: int) -> None:
     dispatcher = Dispatch(EdgeMetrics.create(CollectorRegistry()))
     dispatcher.pool.apply_fleet(random_fleet(rng, 1))
     nodes = {n: FakeNode(n) for n in ("n0", "n1", "n2")}
-    runs: list[EdgeRun] = []
+    runs: list[FailoverRun] = []
     health = (pb.HEALTH_AVAILABLE, pb.HEALTH_AVAILABLE, pb.HEALTH_UNAVAILABLE, pb.HEALTH_UNKNOWN)
     for step in range(400):
         action = rng.random()
@@ -126,7 +126,7 @@ async def test_every_dispatch_chooses_what_the_scan_chooses(seed: int) -> None:
             dispatcher.deliver(run.run_id, failed_event(failed))
         elif action >= 0.97:
             dispatcher.pool.apply_fleet(random_fleet(rng, step + 2))
-        runs = [r for r in runs if not r.finished]
+        runs = [r for r in runs if not r.attempt.finished]
         for slot in dispatcher.pool.slots():
             assert slot.connected == (dispatcher.pool.link(slot.node_id) is not None), (seed, step)
 

@@ -13,7 +13,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Protocol
 
-from iop_edge.domain.events import TERMINAL, ErrorCode, Failed, RunEvent, RunOrder
+from iop_edge.domain.events import TERMINAL, Completed, ErrorCode, Failed, RunEvent, RunOrder
+from iop_edge.ports import AttemptRecord
 
 DEADLINE_GRACE_S = 5.0  # the default of the edge's deadline_grace_s (settings)
 
@@ -29,7 +30,8 @@ class NodeLink(Protocol):
 
 
 class EdgeRun:
-    """Implements ``RunEvents`` for one run on one provider."""
+    """One run on one provider: one attempt of a request (``FailoverRun`` holds them all),
+    iterated like ``RunEvents``."""
 
     def __init__(
         self,
@@ -41,6 +43,7 @@ class EdgeRun:
         deadline: float,
         on_finish: Callable[[EdgeRun], None],
         deadline_grace_s: float = DEADLINE_GRACE_S,
+        started_ms: int = 0,
     ) -> None:
         self.run_id = run_id
         self.request = request
@@ -56,20 +59,33 @@ class EdgeRun:
         self._waiter: asyncio.Future[None] | None = None
         self._iterated = False
         self.finished = False
+        self.outcome: Completed | Failed | None = None  # the terminal event, once finished
         self.edge_queue_wait_s = 0.0
+        self.started_ms = started_ms  # Unix ms, for the run log
+        loop = asyncio.get_running_loop()
+        self._opened_at = loop.time()
+        self._ended_at = 0.0
         # One timer per run (not a timeout per event: that cost showed in profiles).
         self._timed_out: Failed | None = None
-        self._timer = asyncio.get_running_loop().call_at(deadline + deadline_grace_s, self._expire)
+        self._timer = loop.call_at(deadline + deadline_grace_s, self._expire)
+
+    @property
+    def deadline(self) -> float:
+        """When the provider's answer is due (the loop's clock)."""
+        return self._deadline
 
     async def send(self) -> None:
         """Send the run request to its node (``Dispatcher.open_run`` undoes a failure)."""
         await self._node.send_run(self.request)
 
-    async def abandon(self, reason: str, *, sent: bool) -> None:
+    async def abandon(self, reason: str, *, sent: bool, failure: Failed | None = None) -> None:
         """The run did not reach its node for sure: end it now (the slot goes back at
         once, whatever follows) and, when its frame may have left (``sent``), ask the node
-        to drop it; shielded, so a second cancellation cannot keep the node running it."""
-        self._finish()
+        to drop it; shielded, so a second cancellation cannot keep the node running it.
+        With ``failure``, that is the run's last event (the reader fails over from it)."""
+        if failure is not None and not self.finished:
+            self._push(failure)
+        self._finish(failure)
         if sent:
             await asyncio.shield(self._tell_node(reason))
 
@@ -79,7 +95,7 @@ class EdgeRun:
             return
         self._push(event)
         if isinstance(event, TERMINAL):
-            self._finish()
+            self._finish(event)
 
     def fail(self, code: ErrorCode, message: str) -> None:
         """End the run from the edge's side (node lost, edge stopping)."""
@@ -129,15 +145,16 @@ class EdgeRun:
             return
         self._timed_out = Failed(ErrorCode.PROVIDER_TIMEOUT, "the provider did not answer in time")
         self._push(self._timed_out)
-        self._finish()
+        self._finish(self._timed_out)
 
     async def cancel(self, reason: str) -> None:
         """Client gone: tell the node to abort the provider call, and free the slot."""
         if self.finished:
             return
         # Whoever iterates the events (if anyone) ends with this run's terminal event.
-        self._push(Failed(ErrorCode.CANCELLED, reason))
-        self._finish()
+        cancelled = Failed(ErrorCode.CANCELLED, reason)
+        self._push(cancelled)
+        self._finish(cancelled)
         await self._tell_node(reason)
 
     async def _tell_node(self, reason: str) -> None:
@@ -145,8 +162,31 @@ class EdgeRun:
         with contextlib.suppress(ConnectionError):
             await self._node.send_cancel(self.run_id, reason)
 
-    def _finish(self) -> None:
+    def _finish(self, outcome: Completed | Failed | None = None) -> None:
         if not self.finished:
             self.finished = True
+            self.outcome = outcome
+            self._ended_at = asyncio.get_running_loop().time()
             self._timer.cancel()
             self._on_finish(self)
+
+    def record(self) -> AttemptRecord:
+        """This attempt for the run log."""
+        outcome = self.outcome
+        end = self._ended_at or asyncio.get_running_loop().time()
+        if outcome is None:
+            state, code = ("failed" if self.finished else "running"), ""
+        elif isinstance(outcome, Completed):
+            state, code = "completed", ""
+        else:
+            cancelled = outcome.code is ErrorCode.CANCELLED
+            state, code = ("cancelled" if cancelled else "failed"), outcome.code.value
+        return AttemptRecord(
+            run_id=self.run_id,
+            provider_id=self.provider_id,
+            node_id=self.node_id,
+            outcome=state,
+            error_code=code,
+            started_ms=self.started_ms,
+            duration_ms=max(1, round((end - self._opened_at) * 1000)),
+        )
