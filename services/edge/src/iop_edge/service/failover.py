@@ -105,7 +105,10 @@ class FailoverRun:
         return self._attempt.more_ready
 
     def attempt_records(self) -> tuple[AttemptRecord, ...]:
-        return tuple(attempt.record() for attempt in self._attempts)
+        attempts = self._attempts
+        if len(attempts) == 1:  # nearly always
+            return (attempts[0].record(),)
+        return tuple(attempt.record() for attempt in attempts)
 
     def __aiter__(self) -> FailoverRun:
         return self
