@@ -368,6 +368,18 @@ async def test_a_retry_waits_no_longer_than_the_request_s_deadline() -> None:
     assert pool.in_flight() == [0, 1]
 
 
+async def test_a_retry_runs_no_longer_than_the_request_s_deadline() -> None:
+    pool = Pool(provider("a", request_timeout_ms=2_000), provider("b"))  # b: 30 s
+    run = await pool.dispatcher.open_run(spec())
+    reader = asyncio.create_task(read_all(run))
+    pool.deliver("a", UNAVAILABLE)
+    await pool.nodes["b"].got_run.wait()
+    first, retry = pool.last_order("a"), pool.last_order("b")
+    assert retry.deadline_unix_ms <= first.deadline_unix_ms  # not b's own 30 s from now
+    pool.deliver("b", Completed(finish_reason="stop"))
+    await reader
+
+
 async def test_cancelling_a_run_while_its_retry_waits_ends_it_and_frees_the_place() -> None:
     pool = Pool(provider("a"), provider("b"))
     run = await pool.dispatcher.open_run(spec())
