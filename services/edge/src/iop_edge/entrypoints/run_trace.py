@@ -82,6 +82,10 @@ class RunTrace:
         if not self.first_delta_at:
             self.first_delta_at = time.monotonic()
 
+    def restarted(self) -> None:
+        """A non-streamed run failed over: its time to first token is the next attempt's."""
+        self.first_delta_at = 0.0
+
     def completed(self, complete: Completed) -> None:
         self.run_ended = True
         self.outcome = "completed"

@@ -58,6 +58,10 @@ class RunWatcher(Protocol):
 
     def first_delta(self) -> None: ...
 
+    def restarted(self) -> None:
+        """The run starts again elsewhere: its first delta is yet to come."""
+        ...
+
 
 class Collector:
     """A ``RunSink`` that keeps the deltas for one answer at the end; ``watcher`` is told
@@ -80,3 +84,5 @@ class Collector:
 
     def restart(self) -> None:
         self.deltas.clear()  # the failed attempt's: the answer is the next attempt's alone
+        if self._watcher is not None:
+            self._watcher.restarted()
