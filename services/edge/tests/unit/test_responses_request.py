@@ -233,7 +233,7 @@ def test_a_chat_result_becomes_reasoning_message_and_function_call_items() -> No
     assert output[2]["arguments"] == "{}"
     assert turn.usage_object() == {
         "input_tokens": 4,
-        "input_tokens_details": {"cached_tokens": 1},
+        "input_tokens_details": {"cached_tokens": 1, "cache_write_tokens": 0},
         "output_tokens": 2,
         "output_tokens_details": {"reasoning_tokens": 1},
         "total_tokens": 6,

@@ -184,7 +184,10 @@ def usage_object(usage: Usage, details: dict[str, Any] | None = None) -> dict[st
     thought = completion.get("reasoning_tokens") if isinstance(completion, dict) else None
     return {
         "input_tokens": usage.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": cached if isinstance(cached, int) else 0},
+        "input_tokens_details": {
+            "cached_tokens": cached if isinstance(cached, int) else 0,
+            "cache_write_tokens": 0,  # no provider of the fleet reports it
+        },
         "output_tokens": usage.completion_tokens,
         "output_tokens_details": {"reasoning_tokens": thought if isinstance(thought, int) else 0},
         "total_tokens": usage.total_tokens or usage.prompt_tokens + usage.completion_tokens,
