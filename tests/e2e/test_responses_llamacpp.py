@@ -1,0 +1,147 @@
+"""The Responses API on the real llama.cpp model (SmolLM2-135M), through ``make run``'s stack.
+
+The stack is started the way ``test_local_stack`` starts it (that module's
+``local_stack``, loaded from its file). SmolLM2's text varies between runs: only
+shapes, ids, statuses, usage and the event order are checked, never content.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import aiohttp
+import pytest
+from openai import AsyncOpenAI
+
+pytestmark = pytest.mark.slow
+
+HERE = Path(__file__).resolve().parent
+
+
+def _load(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"iop_e2e_{name}", HERE / f"{name}.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+local = _load("test_local_stack")
+contract = _load("test_responses_api")
+certs = local.certs  # the fixture, under this module's name
+LLAMA = local.LLAMA_MODEL
+
+
+async def sse(api: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    async with aiohttp.ClientSession() as http:
+        async with http.post(f"{api}/responses", json=body) as reply:
+            assert reply.status == 200, await reply.text()
+            raw = (await reply.read()).decode()
+    events = []
+    for frame in filter(None, raw.split("\n\n")):
+        head, data = frame.split("\n")
+        payload = json.loads(data.removeprefix("data: "))
+        assert head == f"event: {payload['type']}"
+        events.append(payload)
+    return events
+
+
+async def check_create(sdk: AsyncOpenAI) -> None:
+    response = await sdk.responses.create(
+        model=LLAMA, instructions="Answer briefly.", input="Say hello.", max_output_tokens=8
+    )
+    contract.check_response(response.model_dump())
+    assert response.model == LLAMA
+    assert response.status in {"completed", "incomplete"}
+    assert response.output_text
+    assert response.usage is not None
+    assert 0 < response.usage.output_tokens <= 8
+    assert response.usage.input_tokens > 0
+    follow = await sdk.responses.create(
+        model=LLAMA,
+        previous_response_id=response.id,
+        input=[{"role": "user", "content": [{"type": "input_text", "text": "Again."}]}],
+        max_output_tokens=8,
+    )
+    contract.check_response(follow.model_dump())
+    assert follow.usage is not None
+    assert follow.usage.input_tokens > response.usage.input_tokens  # the chain was sent
+    items = await sdk.responses.input_items.list(follow.id, order="asc")
+    assert [item.type for item in items.data] == ["message"] * 3
+
+
+async def check_stream(sdk: AsyncOpenAI) -> None:
+    deltas: list[str] = []
+    final: Any = None
+    async with sdk.responses.stream(
+        model=LLAMA, input="Count to three.", max_output_tokens=8
+    ) as stream:
+        async for event in stream:
+            if event.type == "response.output_text.delta":
+                deltas.append(event.delta)
+            elif event.type in ("response.completed", "response.incomplete"):
+                # (the SDK's get_final_response() knows only response.completed, and
+                # SmolLM2 may well run to max_output_tokens)
+                final = event.response
+    assert len(deltas) > 1  # an event per token, not one blob
+    assert final is not None
+    assert final.output_text == "".join(deltas)
+    contract.check_response(final.model_dump())
+
+
+async def check_codex_shaped_stream(api: str) -> None:
+    events = await sse(
+        api,
+        {
+            "model": LLAMA,
+            "instructions": "You are a coding agent.",
+            "input": [
+                {
+                    "type": "message",
+                    "role": "user",
+                    "content": [{"type": "input_text", "text": "hi"}],
+                }
+            ],
+            "tools": [
+                {
+                    "type": "function",
+                    "name": "shell",
+                    "description": "Runs a command.",
+                    "strict": False,
+                    "parameters": {
+                        "type": "object",
+                        "properties": {"command": {"type": "string"}},
+                        "required": ["command"],
+                    },
+                }
+            ],
+            "tool_choice": "auto",
+            "parallel_tool_calls": False,
+            "reasoning": {"effort": "medium", "summary": "auto"},
+            "store": False,
+            "stream": True,
+            "include": ["reasoning.encrypted_content"],
+            "max_output_tokens": 16,
+        },
+    )
+    contract.check_events(events)
+    assert events[-1]["type"] in {"response.completed", "response.incomplete"}
+
+
+@pytest.mark.timeout(240)
+async def test_the_responses_api_on_llamacpp(tmp_path: Path, certs: Path) -> None:
+    if (reason := local.missing_llamacpp()) is not None:
+        pytest.skip(f"the real llama.cpp provider cannot run: {reason}")
+    async with local.local_stack(tmp_path, certs) as (running, up):
+        async with AsyncOpenAI(base_url=up["api"], api_key="unused", max_retries=0) as sdk:
+            await check_create(sdk)
+            await check_stream(sdk)
+        await check_codex_shaped_stream(up["api"])
+        assert await running.stop() == 0, running.output
