@@ -1,0 +1,197 @@
+"""The Responses dialect and the stored-response routes over a small in-memory store:
+what is kept (and for whom), how a chain is continued, how errors name Responses' fields,
+and the routes that read, list and delete, served for real on 127.0.0.1."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from iop_edge.domain.events import Completed, Delta, Usage
+from iop_edge.domain.fleet import ApiKeyEntry
+from iop_edge.entrypoints.api_dialect import Dialect
+from iop_edge.entrypoints.http_api import load_openapi, openai_error_boundary
+from iop_edge.entrypoints.responses_dialect import ResponsesDialect
+from iop_edge.entrypoints.responses_routes import ResponsesRoutes
+from iop_edge.errors import InvalidRequest, NotFound
+from iop_edge.ports import StoredResponse
+from iop_proto import json_codec
+
+
+class MemoryStore:
+    """A ``ResponseStore`` in a dict."""
+
+    def __init__(self) -> None:
+        self.rows: dict[str, StoredResponse] = {}
+
+    def keep(self, response: StoredResponse) -> None:
+        self.rows[response.response_id] = response
+
+    async def get(self, response_id: str, key_id: str) -> StoredResponse | None:
+        row = self.rows.get(response_id)
+        if row is None or row.deleted or row.key_id != key_id:
+            return None
+        return row
+
+
+class Keys:
+    """A ``KeyRing`` of two keys, ``sk-a`` and ``sk-b``."""
+
+    open = False
+
+    def lookup(self, presented_key: str) -> ApiKeyEntry | None:
+        name = {"sk-a": "key_a", "sk-b": "key_b"}.get(presented_key)
+        return None if name is None else ApiKeyEntry(name, name, "", frozenset(), 0)
+
+
+KEY_A = ApiKeyEntry("key_a", "a", "", frozenset(), 0)
+KEY_B = ApiKeyEntry("key_b", "b", "", frozenset(), 0)
+
+
+async def answered(
+    dialect: ResponsesDialect, body: dict[str, Any], run_id: str, key: ApiKeyEntry = KEY_A
+) -> dict[str, Any]:
+    """One non-streamed request through the dialect, the run saying ``run_id``'s words."""
+    asked = await dialect.resolve(dialect.read(body), key)
+    deltas = [Delta(text=f"said {run_id}")]
+    raw = await dialect.answer(asked, Completed("stop", Usage(1, 2, 3)), deltas, run_id, 100)
+    answer: dict[str, Any] = json_codec.loads(raw)
+    return answer
+
+
+async def test_an_answer_is_kept_for_its_key_and_continues_a_chain() -> None:
+    store = MemoryStore()
+    dialect = ResponsesDialect(store)
+    first = await answered(dialect, {"model": "m", "input": "one"}, "r1")
+    assert first["id"] == "resp_r1"
+    assert first["output"][0]["id"] == "msg_r1"
+    kept = store.rows["resp_r1"]
+    assert kept.key_id == "key_a"
+    assert json_codec.loads(kept.response_json) == first
+    assert json_codec.loads(kept.input_json) == [
+        {
+            "type": "message",
+            "role": "user",
+            "content": [{"type": "input_text", "text": "one"}],
+            "id": "msg_r1_0",
+        }
+    ]
+    body = {"model": "m", "input": "two", "previous_response_id": "resp_r1", "instructions": "s"}
+    asked = await dialect.resolve(dialect.read(body), KEY_A)
+    assert [m["content"] for m in asked.spec.body["messages"]] == ["s", "one", "said r1", "two"]
+    with pytest.raises(NotFound) as info:
+        await dialect.resolve(dialect.read(body), KEY_B)  # another key's response
+    assert info.value.param == "previous_response_id"
+    await answered(dialect, body, "r2")
+    conversation = json_codec.loads(store.rows["resp_r2"].input_json)
+    assert [item["id"] for item in conversation] == ["msg_r1_0", "msg_r1", "msg_r2_0"]
+
+
+async def test_store_false_keeps_nothing() -> None:
+    store = MemoryStore()
+    answer = await answered(
+        ResponsesDialect(store), {"model": "m", "input": "x", "store": False}, "r"
+    )
+    assert answer["store"] is False
+    assert store.rows == {}
+
+
+async def test_a_streamed_answer_is_kept_when_it_ends() -> None:
+    store = MemoryStore()
+    dialect = ResponsesDialect(store)
+    asked = await dialect.resolve(dialect.read({"model": "m", "input": "x", "stream": True}), None)
+    assert asked.spec.stream
+    assert asked.spec.include_usage
+    writer = dialect.stream_writer(asked, "r9", 100)
+    writer.opening()
+    writer.delta(Delta(text="hi"))
+    assert store.rows == {}
+    writer.closing(Completed("stop", Usage(1, 1, 2)))
+    kept = json_codec.loads(store.rows["resp_r9"].response_json)
+    assert kept["status"] == "completed"
+    assert kept["output"][0]["content"][0]["text"] == "hi"
+    assert store.rows["resp_r9"].key_id == ""  # the open API's
+
+
+def test_errors_about_the_chat_body_name_the_responses_field() -> None:
+    dialect = ResponsesDialect(MemoryStore())
+    error = InvalidRequest("max_tokens is too large: 99.", param="max_tokens", code="invalid_value")
+    body = json.loads(dialect.error_response(error).text or "")
+    assert body["error"]["param"] == "max_output_tokens"
+    assert body["error"]["message"] == "max_output_tokens is too large: 99."
+    assert error.param == "max_tokens"  # the original is left as it was
+
+
+@contextlib.asynccontextmanager
+async def serve(store: MemoryStore) -> AsyncIterator[str]:
+    async def not_served(request: web.Request) -> web.StreamResponse:
+        raise AssertionError("POST /v1/responses is the run pipeline's (not tested here)")
+
+    def route(dialect: Dialect) -> Any:
+        return not_served
+
+    app = web.Application(middlewares=[openai_error_boundary])
+    ResponsesRoutes(store, Keys()).register(app, route)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        host, port = runner.addresses[0][:2]
+        yield f"http://{host}:{port}/v1/responses"
+    finally:
+        await runner.cleanup()
+
+
+async def test_the_routes_read_list_and_delete_only_the_owner_s_responses() -> None:
+    store = MemoryStore()
+    items = [
+        {"id": f"item_{i}", "type": "message", "role": "user", "content": []} for i in range(5)
+    ]
+    store.keep(StoredResponse("resp_1", "key_a", 1, b'{"id":"resp_1"}', json_codec.dumps(items)))
+    a, b = ({"Authorization": f"Bearer {k}"} for k in ("sk-a", "sk-b"))
+    async with serve(store) as url, aiohttp.ClientSession() as http:
+        async with http.get(f"{url}/resp_1", headers=a) as reply:
+            assert reply.status == 200
+            assert await reply.json() == {"id": "resp_1"}
+        for method, path in (("GET", ""), ("GET", "/input_items"), ("DELETE", "")):
+            async with http.request(method, f"{url}/resp_1{path}", headers=b) as reply:
+                assert reply.status == 404
+                assert (await reply.json())["error"]["message"] == (
+                    "Response with id 'resp_1' not found."
+                )
+        async with http.get(f"{url}/resp_1/input_items?limit=2", headers=a) as reply:
+            page = await reply.json()
+        assert [i["id"] for i in page["data"]] == ["item_4", "item_3"]
+        assert (page["first_id"], page["last_id"], page["has_more"]) == ("item_4", "item_3", True)
+        query = "order=asc&after=item_2&limit=5"
+        async with http.get(f"{url}/resp_1/input_items?{query}", headers=a) as reply:
+            page = await reply.json()
+        assert [i["id"] for i in page["data"]] == ["item_3", "item_4"]
+        assert page["has_more"] is False
+        for bad in ("limit=0", "limit=101", "order=up"):
+            async with http.get(f"{url}/resp_1/input_items?{bad}", headers=a) as reply:
+                assert reply.status == 400
+        async with http.delete(f"{url}/resp_1", headers=a) as reply:
+            assert await reply.json() == {"id": "resp_1", "object": "response", "deleted": True}
+        async with http.get(f"{url}/resp_1", headers=a) as reply:
+            assert reply.status == 404
+
+
+def test_every_responses_route_is_in_the_openapi_document() -> None:
+    documented = load_openapi()["paths"]
+    expected = {
+        ("/v1/responses", "post"),
+        ("/v1/responses/{response_id}", "get"),
+        ("/v1/responses/{response_id}", "delete"),
+        ("/v1/responses/{response_id}/input_items", "get"),
+    }
+    assert {(path, method) for path, method in expected if method in documented.get(path, {})} == (
+        expected
+    )
