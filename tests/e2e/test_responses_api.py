@@ -16,6 +16,7 @@ from typing import Any
 import aiohttp
 import httpx
 import openai
+import pydantic
 import pytest
 import pytest_asyncio
 from openai import AsyncOpenAI
@@ -276,6 +277,18 @@ async def test_streamed_tool_call(stack: Stack, keys: dict[str, str]) -> None:
     final = events[-1]["response"]
     assert final["output"][-1]["type"] == "function_call"
     assert final["output"][-1]["arguments"] == done[0]["arguments"]
+
+
+async def test_structured_output_with_text_format(sdk: AsyncOpenAI) -> None:
+    class Weather(pydantic.BaseModel):
+        city: str
+        degrees: int
+
+    parsed = await sdk.responses.parse(model=MODEL, input="weather?", text_format=Weather)
+    check_response(parsed.model_dump())
+    assert isinstance(parsed.output_parsed, Weather)  # the mock answers with a valid instance
+    assert parsed.text.format is not None
+    assert parsed.text.format.type == "json_schema"
 
 
 async def test_previous_response_id_chains_and_input_items(sdk: AsyncOpenAI) -> None:

@@ -93,6 +93,8 @@ async def check_stream(sdk: AsyncOpenAI) -> None:
     assert len(deltas) > 1  # an event per token, not one blob
     assert final is not None
     assert final.output_text == "".join(deltas)
+    assert final.usage is not None
+    assert 0 < final.usage.output_tokens <= 8  # llama.cpp's usage, from its last chunk
     contract.check_response(final.model_dump())
 
 

@@ -40,6 +40,11 @@ from iop_proto import json_codec
 
 _ENCODER: Final = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
 _TEXT_DELTA: Final = "response.output_text.delta"
+_TEXT_HEAD: Final = (
+    b"event: response.output_text.delta\ndata: "
+    b'{"type":"response.output_text.delta","sequence_number":'
+)
+_TEXT_END: Final = b',"logprobs":[]}\n\n'
 MESSAGE, REASONING, CALL = "message", "reasoning", "function_call"
 
 
@@ -91,9 +96,7 @@ class ResponseEventStream:
             seq = self._seq
             self._seq = seq + 1
             text = _ENCODER.encode(delta.text).encode()
-            head = b"event: response.output_text.delta\ndata: "
-            head += b'{"type":"response.output_text.delta","sequence_number":'
-            return head + str(seq).encode() + item.text_tail + text + b',"logprobs":[]}\n\n'
+            return _TEXT_HEAD + str(seq).encode() + item.text_tail + text + _TEXT_END
         self.turn.add(delta)
         out: list[bytes] = []
         if delta.reasoning_text:
