@@ -160,7 +160,9 @@ async def sse(stack: Stack, key: str, body: dict[str, Any]) -> list[dict[str, An
     return events
 
 
-async def test_create_with_string_input(sdk: AsyncOpenAI) -> None:
+async def test_create_with_string_input(
+    stack: Stack, sdk: AsyncOpenAI, keys: dict[str, str]
+) -> None:
     response = await sdk.responses.create(model=MODEL, input="tell me something")
     check_response(response.model_dump())
     assert response.status == "completed"
@@ -169,6 +171,15 @@ async def test_create_with_string_input(sdk: AsyncOpenAI) -> None:
     assert response.usage is not None
     assert response.usage.input_tokens == 3
     assert response.usage.output_tokens > 0
+    # One run in the run log, under the response's id, as for chat.
+    runs_url = stack.api_url.replace("/v1", "/iop/v1/runs")
+    async with aiohttp.ClientSession() as http:
+        headers = {"Authorization": f"Bearer {keys['a']}"}
+        async with http.get(runs_url, headers=headers) as reply:
+            runs = (await reply.json())["data"]
+    (run,) = [r for r in runs if f"resp_{r['run_id']}" == response.id]
+    assert run["outcome"] == "completed"
+    assert run["completion_tokens"] == response.usage.output_tokens
 
 
 async def test_create_with_list_input_and_instructions(sdk: AsyncOpenAI) -> None:
