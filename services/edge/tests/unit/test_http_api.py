@@ -1052,6 +1052,9 @@ async def test_health_readiness_and_openapi(edge: Edge, http: aiohttp.ClientSess
         "/v1/batches",
         "/v1/batches/{batch_id}",
         "/v1/batches/{batch_id}/cancel",
+        "/v1/responses",
+        "/v1/responses/{response_id}",
+        "/v1/responses/{response_id}/input_items",
     }
 
 
