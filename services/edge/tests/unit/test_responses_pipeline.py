@@ -1,0 +1,193 @@
+"""``POST /v1/responses`` through the real run pipeline (``create_api_app``), served on
+127.0.0.1 and driven by the official openai SDK, over small fakes that say exactly what
+the run did: a failure after the first byte, a failure before it, a run that completes."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import openai
+import pytest
+from aiohttp import web
+from openai import AsyncOpenAI
+from prometheus_client import CollectorRegistry
+
+from iop_edge.domain.events import Completed, Delta, ErrorCode, Failed, RunEvent, Started, Usage
+from iop_edge.domain.fleet import ApiKeyEntry, ModelEntry
+from iop_edge.entrypoints.api_metrics import ApiMetrics
+from iop_edge.entrypoints.http_api import create_api_app, load_openapi
+from iop_edge.ports import AttemptRecord, EdgeRunRecord, RunSpec, StoredResponse
+from iop_proto import json_codec
+
+MODEL = "m"
+
+
+class Run:
+    """A run whose events are given, all arrived at once."""
+
+    def __init__(self, events: list[RunEvent]) -> None:
+        self.run_id = "run1"
+        self.provider_id = "p1"
+        self.node_id = "n1"
+        self.target = "served"
+        self._events = events
+        self.cancelled: list[str] = []
+
+    async def _iterate(self) -> AsyncIterator[RunEvent]:
+        for event in self._events:
+            yield event
+
+    def __aiter__(self) -> AsyncIterator[RunEvent]:
+        return self._iterate()
+
+    @property
+    def more_ready(self) -> bool:
+        return False
+
+    async def cancel(self, reason: str) -> None:
+        self.cancelled.append(reason)
+
+    def attempt_records(self) -> tuple[AttemptRecord, ...]:
+        return (AttemptRecord(self.run_id, self.provider_id, self.node_id, "completed"),)
+
+
+@dataclass
+class Service:
+    """``RunService``: each run says ``events``; the specs it was asked for are kept."""
+
+    events: list[RunEvent] = field(default_factory=list)
+    specs: list[RunSpec] = field(default_factory=list)
+
+    async def open_run(self, spec: RunSpec) -> Run:
+        self.specs.append(spec)
+        return Run(self.events)
+
+
+class Catalog:
+    def model(self, model_id: str) -> ModelEntry | None:
+        return ModelEntry(MODEL, MODEL, {"p1": "served"}) if model_id == MODEL else None
+
+
+class OpenKeys:
+    open = True
+
+    def lookup(self, presented_key: str) -> ApiKeyEntry | None:
+        return None
+
+
+@dataclass
+class RunLog:
+    records: list[EdgeRunRecord] = field(default_factory=list)
+
+    async def record(self, run: EdgeRunRecord) -> None:
+        self.records.append(run)
+
+    async def recent(self, limit: int, key_id: str | None = None) -> list[EdgeRunRecord]:
+        return self.records[-limit:]
+
+
+@dataclass
+class Store:
+    rows: dict[str, StoredResponse] = field(default_factory=dict)
+
+    def keep(self, response: StoredResponse) -> None:
+        self.rows[response.response_id] = response
+
+    async def get(self, response_id: str, key_id: str) -> StoredResponse | None:
+        return self.rows.get(response_id)
+
+
+@dataclass
+class Edge:
+    sdk: AsyncOpenAI
+    service: Service
+    store: Store
+    runlog: RunLog
+
+
+@contextlib.asynccontextmanager
+async def serve() -> AsyncIterator[Edge]:
+    service, store, runlog = Service(), Store(), RunLog()
+    app = create_api_app(
+        service,
+        Catalog(),  # type: ignore[arg-type]  # only model() is used on this path
+        OpenKeys(),
+        runlog,
+        ApiMetrics.create(CollectorRegistry()),
+        openapi=load_openapi(),
+        responses=store,
+    )
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        host, port = runner.addresses[0][:2]
+        url = f"http://{host}:{port}/v1"
+        async with AsyncOpenAI(base_url=url, api_key="x", max_retries=0) as sdk:
+            yield Edge(sdk, service, store, runlog)
+    finally:
+        await runner.cleanup()
+
+
+@pytest.fixture
+async def edge() -> AsyncIterator[Edge]:
+    async with serve() as served:
+        yield served
+
+
+async def test_a_failure_after_the_first_byte_ends_the_stream_with_response_failed(
+    edge: Edge,
+) -> None:
+    edge.service.events = [
+        Started("p1"),
+        Delta(text="half an ans", role="assistant"),
+        Failed(ErrorCode.PROVIDER_ERROR, "the provider fell over"),
+    ]
+    stream = await edge.sdk.responses.create(model=MODEL, input="x", stream=True)
+    events: list[Any] = [event async for event in stream]
+    kinds = [event.type for event in events]
+    assert kinds[-2:] == ["error", "response.failed"]
+    assert "response.output_text.delta" in kinds
+    error, failed = events[-2:]
+    assert error.message == "the provider fell over"
+    assert failed.response.status == "failed"
+    assert failed.response.error.code == "server_error"
+    assert failed.response.output[0].content[0].text == "half an ans"
+    kept = json_codec.loads(edge.store.rows[failed.response.id].response_json)
+    assert kept["status"] == "failed"  # kept, as OpenAI keeps failed responses
+    (record,) = edge.runlog.records
+    assert (record.outcome, record.status) == ("failed", 200)
+
+
+async def test_a_failure_before_the_first_byte_is_an_http_error(edge: Edge) -> None:
+    edge.service.events = [Failed(ErrorCode.PROVIDER_ERROR, "refused")]
+    with pytest.raises(openai.APIStatusError) as info:
+        await edge.sdk.responses.create(model=MODEL, input="x", stream=True)
+    assert info.value.status_code == 502
+    assert info.value.code == "provider_error"
+    with pytest.raises(openai.APIStatusError):
+        await edge.sdk.responses.create(model=MODEL, input="x")
+    assert edge.store.rows == {}  # nothing was answered, nothing is kept
+
+
+async def test_the_run_is_a_chat_completion_and_the_answer_a_response(edge: Edge) -> None:
+    edge.service.events = [
+        Started("p1"),
+        Delta(text="hello", role="assistant"),
+        Completed("stop", Usage(2, 1, 3)),
+    ]
+    response = await edge.sdk.responses.create(model=MODEL, input="hi", instructions="sys")
+    (spec,) = edge.service.specs
+    assert spec.body["messages"] == [
+        {"role": "system", "content": "sys"},
+        {"role": "user", "content": "hi"},
+    ]
+    assert response.id == "resp_run1"
+    assert response.output_text == "hello"
+    assert response.usage is not None
+    assert response.usage.total_tokens == 3
+    assert edge.runlog.records[0].run_id == "run1"
