@@ -432,7 +432,15 @@ async def test_a_request_shaped_as_codex_sends_it(stack: Stack, keys: dict[str, 
 async def test_the_openai_agents_sdk_runs_an_agent_with_a_tool(
     stack: Stack, keys: dict[str, str]
 ) -> None:
-    from agents import Agent, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
+    from agents import (
+        Agent,
+        OpenAIProvider,
+        OpenAIResponsesModel,
+        RunConfig,
+        Runner,
+        function_tool,
+        set_tracing_disabled,
+    )
 
     set_tracing_disabled(True)  # no export to OpenAI's tracing service
     asked: list[str] = []
@@ -454,8 +462,16 @@ async def test_the_openai_agents_sdk_runs_an_agent_with_a_tool(
         assert len(asked) == 1  # the mock called the tool once, then answered in text
         assert isinstance(result.final_output, str)
         assert result.final_output
-        plain = Agent(name="plain", model=OpenAIResponsesModel(model=MODEL, openai_client=client))
-        streamed = Runner.run_streamed(plain, "hello")
+        # The SDK's default model provider (OpenAIProvider: the Responses API) on our client.
+        default = RunConfig(model_provider=OpenAIProvider(openai_client=client))
+        plain = Agent(name="plain", model=MODEL)
+        result = await Runner.run(plain, "hello", run_config=default)
+        assert isinstance(result.final_output, str)
+        assert result.final_output
+        made = result.raw_responses[-1].response_id  # None had it used chat completions
+        assert made is not None
+        assert (await client.responses.retrieve(made)).output_text == result.final_output
+        streamed = Runner.run_streamed(plain, "hello", run_config=default)
         async for _ in streamed.stream_events():
             pass
         assert isinstance(streamed.final_output, str)
