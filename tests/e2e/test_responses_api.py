@@ -273,6 +273,10 @@ async def test_tool_round_trip_with_previous_response_id(sdk: AsyncOpenAI) -> No
     assert second.previous_response_id == first.id
     assert second.output_text  # after a tool result the mock answers in text
     assert [item.type for item in second.output] == ["message"]
+    refused = await sdk.responses.create(
+        model=MODEL, input="weather?", tools=tools, tool_choice="none"
+    )
+    assert [item.type for item in refused.output] == ["message"]  # no call when told none
 
 
 async def test_streamed_tool_call(stack: Stack, keys: dict[str, str]) -> None:

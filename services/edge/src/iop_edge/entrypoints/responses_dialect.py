@@ -11,6 +11,7 @@ request never waits for the disk.
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import dataclasses
 from collections.abc import Callable, Sequence
@@ -22,6 +23,7 @@ from aiohttp import web
 from iop_edge.domain.events import Completed, Delta
 from iop_edge.domain.fleet import ApiKeyEntry, Operation
 from iop_edge.entrypoints.api_dialect import DialectRequest
+from iop_edge.entrypoints.inference_request import OFFLOAD_BYTES
 from iop_edge.entrypoints.openai_errors import error_response
 from iop_edge.errors import EdgeError, NotFound
 from iop_edge.formats.responses_output import Turn, response_id, response_object
@@ -89,8 +91,10 @@ class ResponsesDialect:
                 f"Previous response with id '{previous_id}' not found.",
                 param="previous_response_id",
             )
-        history: list[dict[str, Any]] = json_codec.loads(previous.input_json)
-        history.extend(json_codec.loads(previous.response_json).get("output") or ())
+        if len(previous.input_json) > OFFLOAD_BYTES:  # a long conversation: off the loop
+            history = await asyncio.to_thread(_conversation, previous)
+        else:
+            history = _conversation(previous)
         draft.history = history
         body = chat_body(draft.request, history)
         return DialectRequest(dataclasses.replace(asked.spec, body=body), draft)
@@ -187,6 +191,13 @@ class ResponsesStream:
     def _kept(self) -> None:
         if self._keep is not None and self._events.final is not None:
             self._keep(self._events.final)
+
+
+def _conversation(previous: StoredResponse) -> list[dict[str, Any]]:
+    """What a follow-up continues: the stored response's input, then its output."""
+    history: list[dict[str, Any]] = json_codec.loads(previous.input_json)
+    history.extend(json_codec.loads(previous.response_json).get("output") or ())
+    return history
 
 
 def with_ids(items: Sequence[dict[str, Any]], run_id: str) -> list[dict[str, Any]]:
