@@ -51,7 +51,12 @@ KNOWN_MODEL_EXAMPLES = 20  # positive inference bodies sent again with a model t
 KNOWN_MODEL = "mock-small"
 # Probes for load balancers, not OpenAI routes: a 503 "not_ready" is their documented answer.
 HEALTH_PROBES = ("GET /healthz", "GET /readyz")
-INFERENCE = ("POST /v1/chat/completions", "POST /v1/completions", "POST /v1/embeddings")
+INFERENCE = (
+    "POST /v1/chat/completions",
+    "POST /v1/completions",
+    "POST /v1/embeddings",
+    "POST /v1/responses",
+)
 GATEWAY_STATUSES = frozenset({502, 503, 504})
 MAX_BODY_BYTES = DEFAULT_MAX_BODY_BYTES  # the frame limit less its headroom
 ERROR_FIELDS = {"message", "type", "param", "code"}
@@ -64,6 +69,7 @@ CONFORMANCE_CHECKS: list[CheckFunction] = [
 
 
 STREAM_OBJECTS = ("chat.completion.chunk", "text_completion")
+RESPONSES_ENDS = ("response.completed", "response.incomplete", "response.failed")
 
 
 def openai_error_problem(status: int, body: bytes) -> str | None:
@@ -105,6 +111,30 @@ def sse_problem(body: bytes, cut_short: bool) -> str | None:
     return None
 
 
+def responses_sse_problem(body: bytes, cut_short: bool) -> str | None:
+    """Why a Responses stream is not OpenAI's: ``event:`` + ``data:`` per event, numbered
+    from 0, ``response.created`` first, a terminal ``response.*`` event last, no ``[DONE]``."""
+    frames = [frame for frame in body.decode().split("\n\n") if frame]
+    if cut_short:
+        frames = frames[:-1]
+    events = []
+    for frame in frames:
+        head, _, data = frame.partition("\n")
+        if not head.startswith("event: ") or not data.startswith("data: "):
+            return f"a Responses stream frame without event: and data: lines: {frame[:200]!r}"
+        payload = json.loads(data[len("data: ") :])
+        if payload.get("type") != head[len("event: ") :]:
+            return f"an event: line that does not name its data's type: {frame[:200]!r}"
+        events.append(payload)
+    if [e.get("sequence_number") for e in events] != list(range(len(events))):
+        return "Responses events not numbered 0, 1, 2, ..."
+    if events and events[0]["type"] != "response.created":
+        return f"a Responses stream that starts with {events[0]['type']}"
+    if not cut_short and (not events or events[-1]["type"] not in RESPONSES_ENDS):
+        return f"a Responses stream that does not end with a terminal event: {body[-200:]!r}"
+    return None
+
+
 @dataclass
 class Findings:
     """Every response schemathesis got, counted; every violation, kept."""
@@ -135,7 +165,12 @@ class Findings:
             checks = [c for c in checks if c is not openapi_checks.response_schema_conformance]
             self.streams += 1
             self.streams_cut_short += response.stream_cut_short
-            problem = sse_problem(response.content, response.stream_cut_short)
+            judge = (
+                responses_sse_problem
+                if case.operation.label == "POST /v1/responses"
+                else sse_problem
+            )
+            problem = judge(response.content, response.stream_cut_short)
             if problem is not None:
                 self.problems.append(f"{label}: {problem}")
         try:
@@ -277,7 +312,7 @@ async def test_malformed_bodies_and_wrong_content_types_get_400_error_objects(
 ) -> None:
     statuses: Counter[int] = Counter()
     async with aiohttp.ClientSession() as http:
-        for route in ("chat/completions", "completions", "embeddings", "batches"):
+        for route in ("chat/completions", "completions", "embeddings", "batches", "responses"):
             for name, (content_type, body) in BAD_BODIES.items():
                 async with http.post(
                     f"{stack.api_url}/{route}", data=body, headers={"Content-Type": content_type}
