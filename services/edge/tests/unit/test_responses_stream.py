@@ -164,3 +164,9 @@ def test_a_failure_after_the_first_byte_ends_with_error_and_response_failed() ->
     assert failed["status"] == "failed"
     assert failed["error"] == {"code": "server_error", "message": "boom"}
     assert failed["output"][0]["status"] == "incomplete"
+
+
+def test_usage_a_delta_carried_is_the_response_s_when_the_end_has_none() -> None:
+    got, _ = run([Delta(text="a"), Delta(finish_reason="stop", usage=Usage(4, 1, 5))], Completed())
+    assert got[-1]["response"]["usage"]["input_tokens"] == 4
+    assert got[-1]["response"]["usage"]["total_tokens"] == 5

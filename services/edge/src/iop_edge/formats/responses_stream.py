@@ -97,7 +97,10 @@ class ResponseEventStream:
             self._seq = seq + 1
             text = _ENCODER.encode(delta.text).encode()
             return _TEXT_HEAD + str(seq).encode() + item.text_tail + text + _TEXT_END
-        self.turn.add(delta)
+        turn = self.turn  # the items keep the text; the turn, how the run ended
+        turn.finish_reason = delta.finish_reason or turn.finish_reason
+        if delta.usage is not None:
+            turn.usage = delta.usage
         out: list[bytes] = []
         if delta.reasoning_text:
             item = self._item(out, REASONING)
