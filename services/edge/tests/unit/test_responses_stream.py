@@ -170,3 +170,17 @@ def test_usage_a_delta_carried_is_the_response_s_when_the_end_has_none() -> None
     got, _ = run([Delta(text="a"), Delta(finish_reason="stop", usage=Usage(4, 1, 5))], Completed())
     assert got[-1]["response"]["usage"]["input_tokens"] == 4
     assert got[-1]["response"]["usage"]["total_tokens"] == 5
+
+
+def test_items_of_a_kind_that_comes_back_get_ids_of_their_own() -> None:
+    got, _ = run(
+        [
+            Delta(reasoning_text="a"),
+            Delta(text="b"),
+            Delta(reasoning_text="c"),
+            Delta(text="d"),
+        ],
+        Completed("stop"),
+    )
+    ids = [item["id"] for item in got[-1]["response"]["output"]]
+    assert ids == ["rs_r1", "msg_r1", "rs_r1_2", "msg_r1_3"]

@@ -162,8 +162,10 @@ class ResponseEventStream:
         self._close(out, "completed")
         index = len(self._items)
         run_id = self._run_id
+        again = any(i.kind == kind for i in self._items)  # a model that goes back and forth
         if kind == MESSAGE:
-            item = _Item(kind, index, message_id(run_id))
+            item_id = message_id(run_id)
+            item = _Item(kind, index, f"{item_id}_{index}" if again else item_id)
             item.text_tail = (
                 f',"item_id":{json.dumps(item.item_id)},"output_index":{index},'
                 '"content_index":0,"delta":'
@@ -171,7 +173,8 @@ class ResponseEventStream:
             added = message_item(item.item_id, None, "in_progress")
             part: dict[str, Any] = output_text_part("")
         else:
-            item = _Item(kind, index, reasoning_id(run_id))
+            item_id = reasoning_id(run_id)
+            item = _Item(kind, index, f"{item_id}_{index}" if again else item_id)
             added = reasoning_item(item.item_id, None, "in_progress")
             part = {"type": "reasoning_text", "text": ""}
         self._items.append(item)
