@@ -10,6 +10,7 @@ from iop_edge.metrics import EdgeMetrics
 from iop_edge.service.dispatch import Dispatcher
 from iop_edge.service.fleet_holder import FleetHolder
 from iop_edge.service.registry import ProviderRegistry
+from iop_edge.service.runs import UNGUARDED, RunGuards
 from iop_proto.framing import DEFAULT_MAX_FRAME_SIZE
 
 
@@ -17,7 +18,12 @@ class WiredDispatcher(Dispatcher):
     """The dispatcher with the fleet holder and the pool it draws from, wired as
     ``bootstrap.build`` wires them; ``pool`` is driven as the node listener would."""
 
-    def __init__(self, metrics: EdgeMetrics, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE) -> None:
+    def __init__(
+        self,
+        metrics: EdgeMetrics,
+        max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
+        guards: RunGuards = UNGUARDED,
+    ) -> None:
         self.fleet = FleetHolder()
         self.pool = ProviderRegistry(self.fleet, metrics)
-        super().__init__(self.fleet, self.pool, metrics, max_frame_size)
+        super().__init__(self.fleet, self.pool, metrics, max_frame_size, guards=guards)

@@ -16,7 +16,7 @@ import secrets
 import time
 from collections.abc import Iterable
 
-from iop_edge.domain.events import ErrorCode, Failed, RunEvent, RunOrder
+from iop_edge.domain.events import Accepted, ErrorCode, Failed, RunEvent, RunOrder
 from iop_edge.domain.fleet import Fleet, ModelEntry
 from iop_edge.domain.pool import ProviderSlot
 from iop_edge.domain.queue import ModelQueue
@@ -33,7 +33,7 @@ from iop_edge.metrics import EdgeMetrics
 from iop_edge.ports import FleetView, RunSpec
 from iop_edge.service.limits import RunBody, check_output_tokens, check_run_frame
 from iop_edge.service.registry import ProviderRegistry
-from iop_edge.service.runs import DEADLINE_GRACE_S, EdgeRun, NodeLink
+from iop_edge.service.runs import DEADLINE_GRACE_S, UNGUARDED, EdgeRun, NodeLink, RunGuards
 from iop_proto.errors import FrameTooLarge
 from iop_proto.framing import DEFAULT_MAX_FRAME_SIZE
 
@@ -50,8 +50,11 @@ class Dispatcher:
         metrics: EdgeMetrics,
         max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
         deadline_grace_s: float = DEADLINE_GRACE_S,
+        guards: RunGuards = UNGUARDED,
     ) -> None:
         self._fleet = fleet
+        self._guards = guards
+        self._stall_only = RunGuards(stall_timeout_s=guards.stall_timeout_s)
         self._registry = registry
         self._deadline_grace_s = deadline_grace_s
         self._stopping: str | None = None  # set by stop_admitting: new runs are refused
@@ -81,7 +84,7 @@ class Dispatcher:
         for run in [r for r in self._runs.values() if r.link is link]:
             run.fail(ErrorCode.PROVIDER_UNAVAILABLE, f"node {link.node_id} lost: {reason}")
 
-    def deliver(self, run_id: str, event: RunEvent) -> bool:
+    def deliver(self, run_id: str, event: RunEvent | Accepted) -> bool:
         """Route a node's run event to its run; False for an unknown run id."""
         run = self._runs.get(run_id)
         if run is None:
@@ -206,12 +209,16 @@ class Dispatcher:
             asyncio.get_running_loop().time() + timeout_ms / 1000,
             self._run_finished,
             self._deadline_grace_s,
+            # a node of an older version never acknowledges: only its deadline is guarded
+            self._guards if link.acknowledges_runs else self._stall_only,
         )
         self._runs[run_id] = run
         return run
 
     def _run_finished(self, run: EdgeRun) -> None:
         self._runs.pop(run.run_id, None)
+        if run.unacknowledged:  # the node, not the provider, is in doubt
+            self._registry.node_unresponsive(run.node_id, f"run {run.run_id} unacknowledged")
         slot = self._registry.slot(run.provider_id)
         if slot is not None:
             self._release(slot)
