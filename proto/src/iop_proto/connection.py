@@ -1,14 +1,14 @@
 """A framed connection to one peer: send and receive envelopes, supervise liveness.
 
 The owner reads with ``receive()`` (or ``async for``) continuously; any bytes
-received count as a sign of life, heartbeats are answered by nothing and never reach the
-owner. A peer silent for ``missed_heartbeats`` intervals (2 s each by default) is
-dead: it is sent the error frame, and the transport is aborted at once, without
-TLS's close_notify exchange (a
-frozen or cut-off peer never answers it), so the owner's read ends within the
-same pass and its cleanup (the edge: the node's providers unavailable, its runs
-failed) does not wait for a teardown. The socket also carries TCP keepalive and
-a user timeout (``iop_proto.keepalive``), on both ends.
+received count as a sign of life, heartbeats are answered by nothing and never
+reach the owner. A peer silent for ``missed_heartbeats`` intervals (2 s each by
+default) is dead: it is sent the error frame and the transport is aborted at
+once, without TLS's close_notify exchange (a frozen or cut-off peer never
+answers it), so the owner's read ends within the same pass and its cleanup (the
+edge: the node's providers unavailable, its runs failed) does not wait for a
+teardown. The socket also carries TCP keepalive and a user timeout
+(``iop_proto.keepalive``), on both ends.
 
 A protocol fault sends an ``error`` frame, closes this one connection and
 raises the typed error: it never takes the process down. A frame whose header
