@@ -36,9 +36,7 @@ class ControlPlaneSettings(ServiceSettings):
     edge_roles: tuple[str, ...] = Field(
         default=("edge",), description="certificate roles (OU) allowed to connect"
     )
-    heartbeat_interval_s: float = Field(
-        default=2.0, gt=0, description="with edges; 3 missed = the connection is dead"
-    )
+    heartbeat_interval_s: float = Field(default=30.0, gt=0)
     credentials_poll_s: float = Field(
         default=0.25,
         gt=0,

@@ -163,8 +163,6 @@ async def control_plane(tmp_path: Path) -> AsyncIterator[ControlPlane]:
                 "database": str(tmp_path / "state" / "cp.db"),
                 "listen": {"host": "127.0.0.1", "port": 0},
                 "credentials_poll_s": 0.1,
-                # the test's edge sends no heartbeats: not judged on them within a test
-                "heartbeat_interval_s": 30,
                 "tls": {
                     "ca_file": str(server_tls.ca_file),
                     "cert_file": str(server_tls.cert_file),

@@ -151,7 +151,7 @@ async def build(
             tls=client_tls,
             cache_file=settings.config_cache,
             on_fleet=on_fleet,
-            heartbeat_interval_s=settings.heartbeat_interval_s,
+            heartbeat_interval_s=cp.heartbeat_interval_s,
             reconnect_max_s=cp.reconnect_max_s,
             authorize_timeout_s=cp.authorize_timeout_s,
             on_link=metrics.control_plane_connected.set,

@@ -69,6 +69,15 @@ class ControlPlaneAddress(FrozenModel):
         gt=0,
         description="a node's registration waits this long for the control-plane's verdict",
     )
+    heartbeat_interval_s: float = Field(
+        default=30.0,
+        gt=0,
+        description=(
+            "heartbeats with the control-plane: keep it equal to the control-plane's"
+            " heartbeat_interval_s (each side judges the other by its own: 3 missed = dead);"
+            " losing this link costs no selection, the cached fleet config is served"
+        ),
+    )
 
 
 class EdgeSettings(ServiceSettings):
@@ -94,8 +103,8 @@ class EdgeSettings(ServiceSettings):
         default=2.0,
         gt=0,
         description=(
-            "with nodes, workers and the control-plane (nodes and workers take the edge's):"
-            " a peer silent for 3 intervals is dead, its providers leave selection at once"
+            "with nodes and workers (they take the edge's): a peer silent for 3 intervals is"
+            " dead, a node's providers leave selection at once"
         ),
     )
     run_ack_timeout_s: float = Field(
