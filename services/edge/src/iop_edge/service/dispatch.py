@@ -209,7 +209,7 @@ class Dispatcher:
             asyncio.get_running_loop().time() + timeout_ms / 1000,
             self._run_finished,
             self._deadline_grace_s,
-            # a node of an older version never acknowledges: only its deadline is guarded
+            # a node of an older version never acknowledges: its runs get no ack guard
             self._guards if link.acknowledges_runs else self._stall_only,
         )
         self._runs[run_id] = run
