@@ -148,8 +148,9 @@ class EdgeRun:
     def fail(self, code: ErrorCode, message: str) -> None:
         """End the run from the edge's side (node lost, edge stopping)."""
         if not self.finished:
-            self._push(Failed(code, message))
-            self._finish()
+            failure = Failed(code, message)
+            self._push(failure)
+            self._finish(failure)
 
     @property
     def link(self) -> NodeLink:
