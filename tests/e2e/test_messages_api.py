@@ -399,3 +399,135 @@ async def test_contract_of_the_message_and_every_stream_event(stack: Any, keys: 
             events = contract.parse_sse(await response.text())
             assert events[-1][0] == "error"
             contract.check_error(events[-1][1])
+
+
+# --- the real model: llama.cpp (SmolLM2-135M) in make run's stack ---------------------------
+
+
+def _load_local_stack() -> ModuleType:
+    """``test_local_stack``'s way of starting ``make run``'s stack (llama.cpp included)."""
+    path = Path(__file__).with_name("test_local_stack.py")
+    spec = importlib.util.spec_from_file_location("iop_e2e_local_stack", path)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+async def test_the_real_llamacpp_model_speaks_messages(tmp_path: Path) -> None:
+    """SmolLM2's text is poor and varies: shapes, counts and order are checked, never text."""
+    local = _load_local_stack()
+    if (reason := local.missing_llamacpp()) is not None:
+        pytest.skip(f"the real llama.cpp provider cannot run: {reason}")
+    certs = tmp_path / "certs"
+    devcerts = local.REPO / "tools" / "devcerts.py"
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, str(devcerts), "--out", str(certs), stdout=asyncio.subprocess.DEVNULL
+    )
+    assert await process.wait() == 0
+    async with local.local_stack(tmp_path, certs) as (running, up):
+        root = up["api"].removesuffix("/v1")
+        async with AsyncAnthropic(base_url=root, api_key="unused", max_retries=0) as sdk:
+            await _llamacpp_checks(sdk, root, local.LLAMA_MODEL)
+        assert await running.stop() == 0, running.output
+
+
+async def _llamacpp_checks(sdk: AsyncAnthropic, root: str, model: str) -> None:
+    hello: Any = [{"role": "user", "content": "Say hello."}]
+    message = await sdk.messages.create(
+        model=model, max_tokens=8, system="You are a friendly assistant.", messages=hello
+    )
+    assert message.model == model
+    assert message.content[0].type == "text"
+    assert message.content[0].text
+    assert message.stop_reason in {"end_turn", "max_tokens"}
+    assert 0 < message.usage.output_tokens <= 8
+    counted = await sdk.messages.count_tokens(
+        model=model, system="You are a friendly assistant.", messages=hello
+    )
+    assert counted.input_tokens == message.usage.input_tokens > 0
+
+    async with sdk.messages.stream(
+        model=model,
+        max_tokens=8,
+        messages=[{"role": "user", "content": "Count to three."}],
+        stop_sequences=["\n\n"],
+        # sampling: no longer parameters of this SDK's methods, still of the API
+        extra_body={"temperature": 0.2, "top_p": 0.9, "top_k": 20},
+        thinking={"type": "enabled", "budget_tokens": 1024},
+    ) as stream:
+        texts = [text async for text in stream.text_stream]
+        final = await stream.get_final_message()
+    assert len([t for t in texts if t]) > 1, texts  # a delta per token, not one blob
+    assert final.content[-1].type == "text"
+    assert "".join(texts) == final.content[-1].text
+    assert final.stop_reason in {"end_turn", "max_tokens", "stop_sequence"}
+    assert final.usage.input_tokens > 0
+    assert 0 < final.usage.output_tokens <= 8
+
+    # A conversation that already called a tool: the history travels as chat's tool turns.
+    turns: Any = [
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": [
+                {
+                    "type": "tool_use",
+                    "id": "toolu_1",
+                    "name": "get_weather",
+                    "input": {"city": "Paris"},
+                }
+            ],
+        },
+        {
+            "role": "user",
+            "content": [
+                {"type": "tool_result", "tool_use_id": "toolu_1", "content": "Sunny, 21C."}
+            ],
+        },
+    ]
+    after_tool = await sdk.messages.create(
+        model=model,
+        max_tokens=8,
+        messages=turns,
+        tools=[WEATHER],  # type: ignore[list-item]
+    )
+    assert after_tool.stop_reason in {"end_turn", "max_tokens", "tool_use"}
+    assert after_tool.usage.input_tokens > 0
+    forced = await sdk.messages.create(
+        model=model,
+        max_tokens=40,
+        messages=turns[:1],
+        tools=[WEATHER],  # type: ignore[list-item]
+        tool_choice={"type": "any"},
+    )
+    calls = [block for block in forced.content if block.type == "tool_use"]
+    assert all(call.name == "get_weather" and isinstance(call.input, dict) for call in calls)
+    # SmolLM2 under llama.cpp answers in text even when a tool is required: the provider's say
+
+    url = root + "/v1/messages"
+    body = {"model": model, "max_tokens": 6, "messages": hello}
+    async with aiohttp.ClientSession() as http:
+        async with http.post(url, json=body) as response:
+            assert response.status == 200
+            contract.check_message(await response.json())
+        async with http.post(url, json={**body, "stream": True}) as response:
+            assert response.status == 200
+            contract.check_stream(contract.parse_sse(await response.text()))
+
+    from langchain_anthropic import ChatAnthropic
+
+    chat = ChatAnthropic(  # type: ignore[call-arg]
+        model=model, base_url=root, api_key="unused", max_tokens=6, max_retries=0
+    )
+    try:
+        answer = await chat.ainvoke("Say hi.")
+        assert answer.content
+        chunks = [chunk async for chunk in chat.astream("Say hi.")]
+        assert len(chunks) > 1
+    finally:
+        await chat._async_client.close()
