@@ -26,6 +26,7 @@ from types import ModuleType
 from typing import Any
 
 import aiohttp
+import openai
 import pytest
 from openai import AsyncOpenAI
 
@@ -288,6 +289,15 @@ async def check_llamacpp_chat_fields(sdk: AsyncOpenAI) -> None:
     assert all(len(entry.top_logprobs) == 2 for entry in streamed)
 
 
+async def check_llamacpp_without_embeddings(sdk: AsyncOpenAI) -> None:
+    """make run's llama.cpp has no --embeddings: a 400 naming model and operation, once
+    (a 5xx would be retried by the SDK, failed over and counted against the provider)."""
+    with pytest.raises(openai.BadRequestError) as info:
+        await sdk.embeddings.create(model=LLAMA_MODEL, input="hello")
+    assert info.value.code == "unsupported_operation"
+    assert f"'{LLAMA_MODEL}' does not offer embeddings" in info.value.message
+
+
 async def check_mock(sdk: AsyncOpenAI) -> None:
     answer = await sdk.chat.completions.create(
         model="mock-small", messages=[{"role": "user", "content": "hi"}], max_tokens=5
@@ -336,6 +346,7 @@ async def test_make_run_stack_serves_llamacpp_and_mocks_then_stops_cleanly(
             await check_llamacpp_chat(sdk)
             await check_llamacpp_stream(sdk)
             await check_llamacpp_chat_fields(sdk)
+            await check_llamacpp_without_embeddings(sdk)
             await check_mock(sdk)
         await check_catalog(up["catalog"])
 

@@ -12,6 +12,7 @@ import openai
 import pytest
 import pytest_asyncio
 from openai import AsyncOpenAI
+from pydantic import BaseModel
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -132,6 +133,47 @@ async def test_tools_pass_through_and_tool_calls_come_back(stack: Stack, sdk: As
         if tc.function and tc.function.name
     ]
     assert names == ["get_weather"]
+
+
+class Weather(BaseModel):
+    """What the structured-output test asks the model for (the SDK sends its schema)."""
+
+    city: str
+    celsius: float
+    windy: bool
+    hours: list[int]
+
+
+async def test_the_sdk_tool_round_trip_and_structured_output_on_the_mock(
+    stack: Stack, sdk: AsyncOpenAI
+) -> None:
+    """The mock as a test partner: it calls an offered tool with arguments valid for the
+    tool's schema, answers in text after the tool's result, and fills a json_schema."""
+    await wait_until_available(stack, {"node-a-mock", "node-b-mock"})
+    tool = openai.pydantic_function_tool(Weather, name="report_weather")
+    messages: list[Any] = [{"role": "user", "content": "weather in Paris?"}]
+    asked = await sdk.chat.completions.parse(model="mock-small", messages=messages, tools=[tool])
+    [call] = asked.choices[0].message.tool_calls or []
+    assert isinstance(call.function.parsed_arguments, Weather)  # the SDK validated them
+    messages += [
+        asked.choices[0].message,
+        {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"},
+    ]
+    answered = await sdk.chat.completions.create(
+        model="mock-small", messages=messages, tools=[tool], max_tokens=3
+    )
+    assert answered.choices[0].message.content == "the quick brown "
+    assert not answered.choices[0].message.tool_calls
+
+    parsed = await sdk.chat.completions.parse(
+        model="mock-small", messages=messages[:1], response_format=Weather
+    )
+    assert isinstance(parsed.choices[0].message.parsed, Weather)
+    async with sdk.chat.completions.stream(
+        model="mock-small", messages=messages[:1], response_format=Weather
+    ) as stream:
+        final = await stream.get_final_completion()
+    assert isinstance(final.choices[0].message.parsed, Weather)
 
 
 async def test_completions_and_embeddings(stack: Stack, sdk: AsyncOpenAI) -> None:

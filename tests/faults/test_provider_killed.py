@@ -242,12 +242,12 @@ async def test_llamacpp_killed_under_load(
 ) -> None:
     """Clients keep asking while llama.cpp dies: none hangs, only llama.cpp's runs fail.
 
-    The edge does not run a failed request again elsewhere, so the run llama.cpp had
-    in hand ends with an OpenAI error, and so does any request the edge dispatches to
-    its freed slot before the node's snapshot says it is unavailable (the node refuses
-    those at once with ``provider_unavailable``, which frees the slot for the next one).
-    That window is what this measures; once the catalog says unavailable, nothing more
-    may reach llama.cpp.
+    The run llama.cpp had in hand ends with an SSE error when its first token was out
+    (after the first byte the edge never continues elsewhere); before it, and for any
+    request the edge dispatches to the freed slot before the node's snapshot says
+    unavailable (the node refuses those at once with ``provider_unavailable``), the run
+    fails over to the mock (docs/ARCHITECTURE.md#failover). That window is what this
+    measures; once the catalog says unavailable, nothing more may reach llama.cpp.
     """
     await wait_for_health(stack, faults, LLAMA, "available")
     body = {"model": "pool", "messages": [{"role": "user", "content": "Count"}], "max_tokens": 24}
@@ -296,7 +296,9 @@ async def test_llamacpp_killed_under_load(
         f"after the kill, the catalog said unavailable {noticed_ms - killed_ms:.0f} ms after it"
     )
     assert kinds["hung"] == 0
-    assert kinds["error"] >= 1  # the run llama.cpp had in hand
+    # At most the one run llama.cpp (one slot) had in hand past its first token: the
+    # others failed over.
+    assert kinds["error"] <= 1
     assert set(codes) <= {"provider_error", "provider_unavailable"}
     assert set(failed_on) == {LLAMA}  # the mock never failed
     assert last_ms <= noticed_ms  # nothing reached llama.cpp once the edge knew

@@ -389,7 +389,7 @@ class EdgeHello(_message.Message):
     def __init__(self, edge_id: _Optional[str] = ..., version: _Optional[str] = ..., known_config_version: _Optional[int] = ...) -> None: ...
 
 class ModelConfig(_message.Message):
-    __slots__ = ("id", "display_name", "providers", "max_output_tokens")
+    __slots__ = ("id", "display_name", "providers", "max_output_tokens", "retries")
     class ProvidersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -401,11 +401,13 @@ class ModelConfig(_message.Message):
     DISPLAY_NAME_FIELD_NUMBER: _ClassVar[int]
     PROVIDERS_FIELD_NUMBER: _ClassVar[int]
     MAX_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RETRIES_FIELD_NUMBER: _ClassVar[int]
     id: str
     display_name: str
     providers: _containers.ScalarMap[str, str]
     max_output_tokens: int
-    def __init__(self, id: _Optional[str] = ..., display_name: _Optional[str] = ..., providers: _Optional[_Mapping[str, str]] = ..., max_output_tokens: _Optional[int] = ...) -> None: ...
+    retries: int
+    def __init__(self, id: _Optional[str] = ..., display_name: _Optional[str] = ..., providers: _Optional[_Mapping[str, str]] = ..., max_output_tokens: _Optional[int] = ..., retries: _Optional[int] = ...) -> None: ...
 
 class ApiKeyPolicy(_message.Message):
     __slots__ = ("key_id", "name", "key_hash", "models", "max_concurrent", "operator")

@@ -561,6 +561,21 @@ def test_a_bad_output_cap_is_refused_naming_the_model(cap: object) -> None:
         parse_fleet(data, "fleet.yaml")
 
 
+def test_a_models_retries_default_to_two_and_zero_reaches_the_edge_as_a_value() -> None:
+    data = fleet()
+    data["models"][1]["retries"] = 0  # failover off for this model
+    models = models_to_proto(parse_fleet(data, "fleet.yaml").spec)
+    assert [(m.HasField("retries"), m.retries) for m in models] == [(True, 2), (True, 0)]
+
+
+@pytest.mark.parametrize("retries", [-1, 11, "2", 1.5])
+def test_bad_retries_are_refused_naming_the_model(retries: object) -> None:
+    data = fleet()
+    data["models"][1]["retries"] = retries
+    with pytest.raises(FleetConfigError, match=r"models\[small\]\.retries"):
+        parse_fleet(data, "fleet.yaml")
+
+
 def test_fleet_view_is_json_ready_and_names_only_the_key_variable() -> None:
     data = fleet()
     vllm(data)["api_key_env"] = "VLLM_API_KEY"

@@ -109,10 +109,16 @@ class ControlPlaneUnavailable(EdgeError, ConnectionError):
     status, type, code = 503, "server_error", "control_plane_unavailable"
 
 
+NOT_IMPLEMENTED = 501
+"""A provider's answer when it does not offer the operation (the node passes it on)."""
+
+
 def from_failure(failure: Failed) -> EdgeError:
     """The one mapping from a run's error code to what the client sees."""
     message = failure.message or failure.code.value
     match failure.code:
+        case ErrorCode.INVALID_REQUEST if failure.provider_status == NOT_IMPLEMENTED:
+            return InvalidRequest(message, code="unsupported_operation")
         case ErrorCode.INVALID_REQUEST:
             return InvalidRequest(message)
         case ErrorCode.NOT_FOUND:

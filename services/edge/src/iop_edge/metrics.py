@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -49,8 +50,10 @@ class EdgeMetrics:
     refusals: Counter
     config_version: Gauge
     control_plane_connected: Gauge
+    retries: Counter  # by model and the provider that failed (docs/ARCHITECTURE.md#failover)
     _providers: dict[str, _ProviderSeries] = field(default_factory=dict, init=False)
     _queues: dict[str, _QueueSeries] = field(default_factory=dict, init=False)
+    _retried: set[tuple[str, str]] = field(default_factory=set, init=False)  # retries' labels
 
     @classmethod
     def create(cls, registry: CollectorRegistry) -> EdgeMetrics:
@@ -111,7 +114,19 @@ class EdgeMetrics:
                 " registrations refused)",
                 registry=registry,
             ),
+            retries=Counter(
+                "iop_edge_retries",
+                "Runs opened again on another provider after failing before their first byte,"
+                " by model and by the provider that failed",
+                ["model", "provider"],
+                registry=registry,
+            ),
         )
+
+    def count_retry(self, model_id: str, failed_provider_id: str) -> None:
+        """A run of ``model_id`` failed on ``failed_provider_id`` and is tried elsewhere."""
+        self._retried.add((model_id, failed_provider_id))
+        self.retries.labels(model_id, failed_provider_id).inc()
 
     def publish_slot(self, slot: ProviderSlot) -> None:
         series = self._providers.get(slot.provider_id)
@@ -156,11 +171,18 @@ class EdgeMetrics:
                 self.provider_health.remove(provider_id, name)
             self.provider_ejected.remove(provider_id)
             self.ejections.remove(provider_id)
+        self._forget_retries(lambda labels: labels[1] == provider_id)
 
     def forget_model(self, model_id: str) -> None:
         """The model left the fleet: its queue gauge goes from the registry."""
         if self._queues.pop(model_id, None) is not None:
             self.queued.remove(model_id)
+        self._forget_retries(lambda labels: labels[0] == model_id)
+
+    def _forget_retries(self, gone: Callable[[tuple[str, str]], bool]) -> None:
+        for labels in [labels for labels in self._retried if gone(labels)]:
+            self._retried.discard(labels)
+            self.retries.remove(*labels)
 
     def _track_provider(self, provider_id: str, node_id: str) -> _ProviderSeries:
         old = self._providers.get(provider_id)

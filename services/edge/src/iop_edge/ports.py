@@ -33,10 +33,15 @@ class RunEvents(Protocol):
     """One dispatched run: its events in order, ending with ``Completed`` or ``Failed``
     (converted from the wire once, by the node listener)."""
 
-    run_id: str
-    provider_id: str
-    node_id: str
-    target: str
+    run_id: str  # the client's id (X-Request-Id): its first attempt's, whatever follows
+
+    # These three: the attempt in progress (or the last one).
+    @property
+    def provider_id(self) -> str: ...
+    @property
+    def node_id(self) -> str: ...
+    @property
+    def target(self) -> str: ...
 
     def __aiter__(self) -> AsyncIterator[RunEvent]: ...
 
@@ -47,6 +52,10 @@ class RunEvents(Protocol):
 
     async def cancel(self, reason: str) -> None:
         """Stop the run (client gone): the node aborts the provider call, slots free."""
+        ...
+
+    def attempt_records(self) -> tuple[AttemptRecord, ...]:
+        """Each attempt so far, oldest first (more than one: the run failed over)."""
         ...
 
 
@@ -194,6 +203,19 @@ class KeyRing(Protocol):
 
 
 @dataclass(frozen=True, slots=True)
+class AttemptRecord:
+    """One attempt of a run: its own run id on one provider (docs/ARCHITECTURE.md#failover)."""
+
+    run_id: str
+    provider_id: str
+    node_id: str
+    outcome: str  # completed | failed | cancelled | running (the request ended before it)
+    error_code: str = ""
+    started_ms: int = 0  # Unix ms
+    duration_ms: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class EdgeRunRecord:
     """What the edge keeps of a run it dispatched. Times are Unix ms; 0 = did not happen."""
 
@@ -213,6 +235,7 @@ class EdgeRunRecord:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     key_id: str = ""  # the API key that asked; "" while the API is open (no keys)
+    attempts: tuple[AttemptRecord, ...] = ()  # every attempt, oldest first; () = not dispatched
 
 
 class RunLog(Protocol):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import sqlite3
 import stat
 from collections.abc import AsyncIterator, Coroutine, Iterator
@@ -19,7 +20,7 @@ from iop_edge.adapters.sqlite_runlog import (
     RunLogError,
     SqliteRunLog,
 )
-from iop_edge.ports import EdgeRunRecord, RunLog
+from iop_edge.ports import AttemptRecord, EdgeRunRecord, RunLog
 
 T0 = 1_740_830_400_000  # 2025-03-01 12:00 UTC in Unix milliseconds
 
@@ -43,7 +44,22 @@ def run(run_id: str, received_ms: int = T0, key_id: str = "key_1") -> EdgeRunRec
         prompt_tokens=12,
         completion_tokens=34,
         key_id=key_id,
+        attempts=(
+            AttemptRecord("a1-" + run_id, "ollama-0", "node-b", "failed", "provider_unavailable"),
+            AttemptRecord(run_id, "ollama-1", "node-a", "failed", "provider_error", T0 + 5, 890),
+        ),
     )
+
+
+def as_row(record: EdgeRunRecord) -> tuple[Any, ...]:
+    """A record as its row: the bool as 0/1, the attempts as JSON text."""
+    plain = dataclasses.replace(record, stream=1, attempts=())
+    values = tuple(getattr(plain, f.name) for f in dataclasses.fields(EdgeRunRecord))
+    return (*values[:-1], json.dumps([dataclasses.asdict(a) for a in record.attempts]))
+
+
+def parsed(row: tuple[Any, ...]) -> tuple[Any, ...]:
+    return (*row[:-1], json.dumps(json.loads(row[-1])))
 
 
 def rows(path: Path) -> list[tuple[Any, ...]]:
@@ -110,7 +126,7 @@ async def test_one_record_is_one_row_with_every_field(runlog: SqliteRunLog, db_p
     await runlog.flush()
 
     assert runlog.writes == 1
-    assert rows(db_path) == [dataclasses.astuple(dataclasses.replace(run("r1"), stream=1))]
+    assert [parsed(row) for row in rows(db_path)] == [as_row(run("r1"))]
 
 
 async def test_recent_lists_newest_first_including_unwritten_records(
@@ -285,7 +301,7 @@ async def test_a_version_1_file_is_migrated_and_keeps_its_runs(db_path: Path) ->
     db_path.parent.mkdir(parents=True)
     raw = sqlite3.connect(db_path)
     raw.execute(V1_TABLE)
-    old = dataclasses.astuple(dataclasses.replace(run("old"), stream=1))[:-1]
+    old = as_row(run("old"))[:-2]
     raw.execute(f"INSERT INTO runs VALUES ({', '.join('?' * len(old))})", old)
     raw.execute("PRAGMA user_version = 1")
     raw.commit()
@@ -295,12 +311,35 @@ async def test_a_version_1_file_is_migrated_and_keeps_its_runs(db_path: Path) ->
     try:
         await migrated.record(run("new", T0 + 1, "key_a"))
         await migrated.flush()
-        assert await migrated.recent(10) == [run("new", T0 + 1, "key_a"), run("old", key_id="")]
+        old_run = dataclasses.replace(run("old"), key_id="", attempts=())
+        assert await migrated.recent(10) == [run("new", T0 + 1, "key_a"), old_run]
         assert [r.run_id for r in await migrated.recent(10, key_id="key_a")] == ["new"]
     finally:
         await migrated.aclose()
     raw = sqlite3.connect(db_path)
     try:
-        assert raw.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 2
+        assert raw.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 3
     finally:
         raw.close()
+
+
+async def test_a_version_2_file_gains_the_attempts_column(db_path: Path) -> None:
+    """Runs recorded before attempts were list none; new ones keep every attempt."""
+    db_path.parent.mkdir(parents=True)
+    raw = sqlite3.connect(db_path)
+    raw.execute(V1_TABLE)
+    raw.execute("ALTER TABLE runs ADD COLUMN key_id TEXT NOT NULL DEFAULT ''")
+    old = as_row(run("old"))[:-1]
+    raw.execute(f"INSERT INTO runs VALUES ({', '.join('?' * len(old))})", old)
+    raw.execute("PRAGMA user_version = 2")
+    raw.commit()
+    raw.close()
+
+    migrated = await SqliteRunLog.open(db_path)
+    try:
+        await migrated.record(run("new", T0 + 1))
+        await migrated.flush()
+        old_run = dataclasses.replace(run("old"), attempts=())
+        assert await migrated.recent(10) == [run("new", T0 + 1), old_run]
+    finally:
+        await migrated.aclose()

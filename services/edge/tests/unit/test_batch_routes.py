@@ -28,7 +28,7 @@ from iop_edge.domain.events import RunEvent
 from iop_edge.domain.fleet import ApiKeyEntry, ModelEntry
 from iop_edge.entrypoints.api_metrics import ApiMetrics
 from iop_edge.entrypoints.http_api import create_api_app, load_openapi
-from iop_edge.ports import EdgeRunRecord, RunSpec
+from iop_edge.ports import AttemptRecord, EdgeRunRecord, RunSpec
 from iop_edge.service.batches import BatchService
 from iop_proto.v1 import runtime_pb2 as pb
 
@@ -54,6 +54,9 @@ class FakeRun:
         self.spec = spec
 
     more_ready = False  # batch lines are collected whole, never relayed
+
+    def attempt_records(self) -> tuple[AttemptRecord, ...]:
+        return (AttemptRecord(self.run_id, self.provider_id, self.node_id, "completed"),)
 
     def __aiter__(self) -> AsyncIterator[RunEvent]:
         return as_events(self._events())

@@ -17,13 +17,19 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from iop_edge.adapters.run_wire import provider_reports, run_request
-from iop_edge.domain.events import Completed, RunOrder
+from iop_edge.domain.events import Completed, Failed, RunOrder
 from iop_edge.domain.fleet import Fleet, ModelEntry, Operation, ProviderEntry
-from iop_edge.errors import InvalidRequest, NoProviderAvailable, QueueTimeout, RequestTooLarge
+from iop_edge.errors import (
+    InvalidRequest,
+    NoProviderAvailable,
+    QueueTimeout,
+    RequestTooLarge,
+    from_failure,
+)
 from iop_edge.metrics import EdgeMetrics
 from iop_edge.ports import RunSpec
+from iop_edge.service.failover import FailoverRun
 from iop_edge.service.limits import RunBody
-from iop_edge.service.runs import EdgeRun
 from iop_edge.testing import WiredDispatcher as Dispatch
 from iop_proto import json_codec
 from iop_proto.errors import ConnectionClosed
@@ -111,8 +117,8 @@ def connect(dispatcher: Dispatch, link: Link) -> None:
     )
 
 
-def complete(run: EdgeRun) -> None:
-    run.deliver(Completed(finish_reason="stop"))
+def complete(run: FailoverRun) -> None:
+    run.attempt.deliver(Completed(finish_reason="stop"))
 
 
 def new_dispatcher(entry: ProviderEntry | None = None) -> Dispatch:
@@ -150,6 +156,16 @@ async def _with_link(dispatcher: Dispatch, link: Link, **body: object) -> BaseEx
     return await _raised(dispatcher.open_run(spec(**body)))
 
 
+async def _failed_in_send(dispatcher: Dispatch, fault: BaseException) -> BaseException | None:
+    """A link that fails under the send makes an attempt that failed (nobody else to fail
+    over to here): what the reader gets at its end, as the client would see it."""
+    connect(dispatcher, Link(fault))
+    run = await dispatcher.open_run(spec())
+    events = [event async for event in run]
+    assert isinstance(events[-1], Failed), events
+    return from_failure(events[-1])
+
+
 async def _cancelled_in_send(dispatcher: Dispatch, *, twice: bool) -> BaseException | None:
     link = Link(hold=True, hold_cancel=twice)
     connect(dispatcher, link)
@@ -162,7 +178,7 @@ async def _cancelled_in_send(dispatcher: Dispatch, *, twice: bool) -> BaseExcept
     return await _raised(task)
 
 
-async def _busy(dispatcher: Dispatch) -> tuple[Link, EdgeRun]:
+async def _busy(dispatcher: Dispatch) -> tuple[Link, FailoverRun]:
     """node-a connected, its one slot taken by a run that is going."""
     link = Link()
     connect(dispatcher, link)
@@ -237,13 +253,13 @@ CASES = [
     ),
     Case(
         "send: connection lost",
-        lambda d: _with_link(d, Link(ConnectionClosed("peer went away"))),
+        lambda d: _failed_in_send(d, ConnectionClosed("peer went away")),
         NoProviderAvailable,
         told_node=True,
     ),
     Case(
         "send: connection reset",
-        lambda d: _with_link(d, Link(ConnectionResetError())),
+        lambda d: _failed_in_send(d, ConnectionResetError()),
         NoProviderAvailable,
         told_node=True,
     ),

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from iop_edge.adapters.fleet_proto import fleet_from_proto
-from iop_edge.domain.fleet import DEFAULT_MAX_OUTPUT_TOKENS
+from iop_edge.domain.fleet import DEFAULT_MAX_OUTPUT_TOKENS, DEFAULT_RETRIES
 from iop_proto.v1 import runtime_pb2 as pb
 
 
@@ -18,3 +18,16 @@ def test_a_models_output_cap_is_taken_and_defaults_when_unset() -> None:
     models = fleet_from_proto(config).models
     assert models["capped"].max_output_tokens == 4096
     assert models["older-control-plane"].max_output_tokens == DEFAULT_MAX_OUTPUT_TOKENS == 32768
+
+
+def test_a_models_retries_are_taken_zero_included_and_default_when_unset() -> None:
+    config = pb.FleetConfig(
+        models=[
+            pb.ModelConfig(id="three", providers={"p": "s"}, retries=3),
+            pb.ModelConfig(id="off", providers={"p": "s"}, retries=0),
+            pb.ModelConfig(id="older-control-plane", providers={"p": "s"}),
+        ],
+    )
+    models = fleet_from_proto(config).models
+    assert [models[m].retries for m in ("three", "off")] == [3, 0]
+    assert models["older-control-plane"].retries == DEFAULT_RETRIES == 2

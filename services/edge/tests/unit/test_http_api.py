@@ -29,7 +29,7 @@ from iop_edge.entrypoints.api_auth import KeySlots
 from iop_edge.entrypoints.api_metrics import ApiMetrics
 from iop_edge.entrypoints.http_api import create_api_app, load_openapi
 from iop_edge.errors import EdgeError, NoProviderAvailable, QueueFull, QueueTimeout
-from iop_edge.ports import EdgeRunRecord, RunSpec
+from iop_edge.ports import AttemptRecord, EdgeRunRecord, RunSpec
 from iop_proto.v1 import runtime_pb2 as pb
 
 
@@ -114,6 +114,9 @@ class FakeRun:
         self.cancel_reasons.append(reason)
         self.cancelled.set()
         self._ended.set()
+
+    def attempt_records(self) -> tuple[AttemptRecord, ...]:
+        return (AttemptRecord(self.run_id, self.provider_id, self.node_id, "completed"),)
 
 
 def standard_run(spec: RunSpec) -> FakeRun:

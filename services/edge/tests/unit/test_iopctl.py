@@ -19,7 +19,7 @@ import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import pytest
 from aiohttp import web
@@ -94,6 +94,15 @@ class Canned:
                 await self.run_polled.wait()
 
 
+ATTEMPTS: Final = [  # run-1 failed over: node-b-mock refused it, node-a-mock answered
+    {"run_id": "run-1", "provider_id": "node-b-mock", "node_id": "node-b", "outcome": "failed",
+     "error_code": "provider_unavailable", "started_ms": 1_700_000_001_001, "duration_ms": 2},
+    {"run_id": "run-1b", "provider_id": "node-a-mock", "node_id": "node-a",
+     "outcome": "completed", "error_code": "", "started_ms": 1_700_000_001_003,
+     "duration_ms": 2490},
+]  # fmt: skip
+
+
 def canned_data() -> Canned:
     return Canned(
         providers=[
@@ -125,7 +134,7 @@ def canned_data() -> Canned:
         ],
         runs=[
             record("run-2", 1_700_000_002_000, outcome="failed", status=503, error_code="x_err"),
-            record("run-1", 1_700_000_001_000, ttft_ms=0, duration_ms=2500),
+            record("run-1", 1_700_000_001_000, ttft_ms=0, duration_ms=2500, attempts=ATTEMPTS),
         ],
     )
 
@@ -257,7 +266,8 @@ async def test_runs_table_reads_oldest_first_and_passes_the_limit(edge: Canned) 
         "RECEIVED", "RUN", "MODEL", "PROVIDER", "WAIT", "TTFT", "DURATION", "TOKENS", "OUTCOME",
     ]  # fmt: skip
     assert cells(older)[1:] == ["run-1", "mock-small", "node-a-mock", "3ms", "-", "2.50s", "5/7",
-                                "completed", "200"]  # fmt: skip
+                                "completed", "200", "after", "node-b-mock",
+                                "provider_unavailable"]  # fmt: skip
     assert cells(newer)[1:] == ["run-2", "mock-small", "node-a-mock", "3ms", "120ms", "1.50s",
                                 "5/7", "failed", "503", "x_err"]  # fmt: skip
 

@@ -70,8 +70,9 @@ class Pool:
         self.catalog = PoolCatalog(self.dispatcher.fleet, self.dispatcher.pool, self.dispatcher)
 
     async def run(self) -> EdgeRun:
+        """The first attempt of a new request (nobody reads it: no failover follows)."""
         spec = RunSpec("m", Operation.CHAT_COMPLETIONS, {"model": "m"}, False, False)
-        return await self.dispatcher.open_run(spec)
+        return (await self.dispatcher.open_run(spec)).attempt
 
     def end(self, run: EdgeRun, event: Completed | Failed) -> None:
         assert self.dispatcher.deliver(run.run_id, event)

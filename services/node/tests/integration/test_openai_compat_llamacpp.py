@@ -28,7 +28,7 @@ from iop_node.adapters import openai_compat
 from iop_node.adapters.openai_compat import OpenAICompatAdapter
 from iop_node.domain.provider import ProviderConfig
 from iop_node.domain.runs import Delta, ExecutionSpec, Operation
-from iop_node.errors import InvalidRequest, ProviderFailed, ProviderTimeout
+from iop_node.errors import InvalidRequest, ProviderTimeout
 from iop_node.ports import AdapterContext
 
 pytestmark = pytest.mark.slow
@@ -249,9 +249,6 @@ async def test_provider_errors_keep_their_status(adapter: OpenAICompatAdapter) -
     with pytest.raises(InvalidRequest) as bad:
         await adapter.execute(spec({"messages": "not a list"}), Sink())
     assert bad.value.provider_status == 400
-    with pytest.raises(ProviderFailed) as unsupported:  # started without --embeddings
-        await adapter.execute(spec({"input": "x"}, operation=Operation.EMBEDDINGS), Sink())
-    assert unsupported.value.provider_status == 501
 
 
 async def test_cancel_mid_stream_frees_the_slot(
@@ -302,3 +299,15 @@ async def test_streamed_logprobs_reach_the_deltas(adapter: OpenAICompatAdapter) 
     assert all(isinstance(entry["logprob"], float) for entry in tokens)
     assert all(len(entry["top_logprobs"]) == 2 for entry in tokens)
     assert "".join(entry["token"] for entry in tokens) == sink.text
+
+
+async def test_an_operation_the_server_does_not_offer_is_the_clients_error(
+    adapter: OpenAICompatAdapter,
+) -> None:
+    """llama.cpp started without --embeddings answers 501: an invalid request naming the
+    model and the operation, not a provider failure (which would be retried and counted)."""
+    body = {"input": "hello"}
+    with pytest.raises(InvalidRequest) as info:
+        await adapter.execute(spec(body, operation=Operation.EMBEDDINGS), Sink())
+    assert info.value.provider_status == 501
+    assert f"'{MODEL}' does not offer embeddings" in info.value.message

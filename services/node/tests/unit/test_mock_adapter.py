@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import struct
 from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
+import jsonschema
 import pytest
 
 from iop_node.adapters.mock import WORDS, MockAdapter
@@ -253,13 +255,87 @@ async def test_named_tool_choice_streams_tool_call_deltas(context: AdapterContex
     assert sink.text == ""
 
 
-async def test_auto_tool_choice_answers_with_text(context: AdapterContext) -> None:
+@pytest.mark.parametrize("choice", ["auto", None])
+async def test_offered_tools_are_called_unless_a_tool_result_ends_the_conversation(
+    context: AdapterContext, choice: str | None
+) -> None:
+    offered = {**CHAT, "tools": TOOLS, **({"tool_choice": choice} if choice else {})}
+    called = await mock(context).execute(spec(offered, stream=False), Collect())
+    assert called.finish_reason == "tool_calls"
+    assert called.result is not None
+    (call,) = called.result["choices"][0]["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather"
+    result = {"role": "tool", "tool_call_id": call["id"], "content": "sunny"}
+    answered = {
+        **offered,
+        "messages": [*CHAT["messages"], called.result["choices"][0]["message"], result],
+    }
     sink = Collect()
-    completion = await mock(context, default_tokens=2).execute(
-        spec({**CHAT, "tools": TOOLS, "tool_choice": "auto"}), sink
-    )
+    completion = await mock(context, default_tokens=2).execute(spec(answered), sink)
     assert completion.finish_reason == "stop"
     assert sink.text == "the quick "
+
+
+async def test_tool_choice_none_answers_with_text(context: AdapterContext) -> None:
+    sink = Collect()
+    body = {**CHAT, "tools": TOOLS, "tool_choice": "none"}
+    completion = await mock(context, default_tokens=2).execute(spec(body), sink)
+    assert completion.finish_reason == "stop"
+    assert sink.text == "the quick "
+
+
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "minLength": 2},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+
+
+async def test_tool_arguments_stream_in_fragments_and_fit_the_schema(
+    context: AdapterContext,
+) -> None:
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": WEATHER}}]
+    sink = Collect()
+    await mock(context).execute(spec({**CHAT, "tools": tools, "tool_choice": "required"}), sink)
+    head, *fragments = sink.deltas
+    assert head.tool_calls[0].function_name == "weather"
+    assert len(fragments) == 2  # clients must put them together, as for real models
+    arguments = json.loads("".join(f.tool_calls[0].function_arguments for f in fragments))
+    jsonschema.validate(arguments, WEATHER)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_a_json_schema_response_format_gets_a_valid_instance(
+    context: AdapterContext, stream: bool
+) -> None:
+    wanted = {
+        "type": "json_schema",
+        "json_schema": {"name": "w", "schema": WEATHER, "strict": True},
+    }
+    sink = Collect()
+    completion = await mock(context).execute(
+        spec({**CHAT, "response_format": wanted}, stream=stream), sink
+    )
+    if stream:
+        assert len(sink.deltas) > 1
+        text = sink.text
+    else:
+        assert completion.result is not None
+        text = completion.result["choices"][0]["message"]["content"]
+    jsonschema.validate(json.loads(text), WEATHER)
+    assert completion.finish_reason == "stop"
+
+
+async def test_a_json_object_response_format_gets_an_object(context: AdapterContext) -> None:
+    body = {**CHAT, "response_format": {"type": "json_object"}}
+    completion = await mock(context).execute(spec(body, stream=False), Collect())
+    assert completion.result is not None
+    assert isinstance(json.loads(completion.result["choices"][0]["message"]["content"]), dict)
 
 
 async def test_unknown_named_tool_is_an_invalid_request(context: AdapterContext) -> None:

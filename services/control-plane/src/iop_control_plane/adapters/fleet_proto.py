@@ -47,13 +47,14 @@ def node_config_to_proto(node: NodeSpec) -> pb.NodeConfig:
 
 def models_to_proto(spec: FleetSpec) -> list[pb.ModelConfig]:
     """The model catalog for the edge: public id, display name, provider id -> served name,
-    output cap."""
+    output cap, failovers."""
     return [
         pb.ModelConfig(
             id=m.id,
             display_name=m.display_name,
             providers=m.providers,
             max_output_tokens=m.max_output_tokens,
+            retries=m.retries,
         )
         for m in spec.models
     ]
@@ -85,6 +86,7 @@ def fleet_view(spec: FleetSpec) -> dict[str, Any]:
                 "id": model.id,
                 "display_name": model.display_name,
                 "max_output_tokens": model.max_output_tokens,
+                "retries": model.retries,
                 "providers": routes,
             }
         )

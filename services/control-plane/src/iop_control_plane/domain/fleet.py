@@ -61,6 +61,10 @@ _PROBLEMS: Final = "fleet_problems"  # the error type carrying id-named problems
 DEFAULT_MAX_OUTPUT_TOKENS: Final = 32_768
 """A model's output cap when the file gives none (the edge's default too): a request's
 ``max_tokens`` above it is refused, so no client holds a slot for 2**31 tokens."""
+DEFAULT_RETRIES: Final = 2
+"""How often the edge runs a request again on another provider of the model when it fails
+before its first byte (unreachable, 5xx, node lost); 0 turns failover off."""
+MAX_RETRIES: Final = 10  # more would only hold a client through a whole failing pool
 
 
 def _matching(regex: str, rule: str) -> AfterValidator:
@@ -204,6 +208,8 @@ class ModelSpec(_Frozen):
     display_name: str = Field(min_length=1)
     providers: dict[EntityId, ServedName] = Field(min_length=1)
     max_output_tokens: int = Field(default=DEFAULT_MAX_OUTPUT_TOKENS, ge=1, le=_UINT32_MAX)
+    # failovers of a run that fails before its first byte (the edge's docs/ARCHITECTURE.md#failover)
+    retries: int = Field(default=DEFAULT_RETRIES, ge=0, le=MAX_RETRIES)
 
     @model_validator(mode="before")
     @classmethod

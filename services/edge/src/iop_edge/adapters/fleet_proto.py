@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from iop_edge.domain.fleet import (
     DEFAULT_MAX_OUTPUT_TOKENS,
+    DEFAULT_RETRIES,
     ApiKeyEntry,
     Fleet,
     ModelEntry,
@@ -43,6 +44,8 @@ def fleet_from_proto(config: pb.FleetConfig) -> Fleet:
             providers={pid: m.providers[pid] for pid in providers if pid in m.providers},
             # 0: a control-plane from before the field (or none set): the edge's default
             max_output_tokens=m.max_output_tokens or DEFAULT_MAX_OUTPUT_TOKENS,
+            # unset: a control-plane from before the field (0 is a value: no failover)
+            retries=m.retries if m.HasField("retries") else DEFAULT_RETRIES,
         )
         for m in config.models
     }

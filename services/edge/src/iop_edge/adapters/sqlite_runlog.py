@@ -19,10 +19,11 @@ from typing import Any
 
 from loguru import logger
 
-from iop_edge.ports import EdgeRunRecord
+from iop_edge.ports import AttemptRecord, EdgeRunRecord
+from iop_proto import json_codec
 from iop_proto.sqlite import BatchedWriter, WriterTuning, open_database, statement_migrations
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 """Kept in ``PRAGMA user_version``; bump it with a migration when the table changes."""
 
 # The record's fields, in order, are the table's columns (the round-trip test holds
@@ -47,7 +48,8 @@ _SCHEMA = (
         duration_ms       INTEGER NOT NULL,
         prompt_tokens     INTEGER NOT NULL,
         completion_tokens INTEGER NOT NULL,
-        key_id            TEXT NOT NULL DEFAULT ''
+        key_id            TEXT NOT NULL DEFAULT '',
+        attempts          TEXT NOT NULL DEFAULT '[]'
     )""",
     # "recent" walks this backwards; run_id breaks ties in the same millisecond.
     "CREATE INDEX IF NOT EXISTS runs_received ON runs (received_ms, run_id)",
@@ -59,7 +61,11 @@ _SCHEMA = (
 _MIGRATIONS = {
     # 1 -> 2: the key of each run; runs recorded before are nobody's (operators see them)
     1: ("ALTER TABLE runs ADD COLUMN key_id TEXT NOT NULL DEFAULT ''",),
+    # 2 -> 3: every attempt of a run, as JSON (docs/ARCHITECTURE.md#failover); runs
+    # recorded before list none
+    2: ("ALTER TABLE runs ADD COLUMN attempts TEXT NOT NULL DEFAULT '[]'",),
 }
+
 
 # REPLACE: a run id recorded twice (a retried write, a repeated record) keeps the last.
 _INSERT = f"INSERT OR REPLACE INTO runs ({_COLUMN_LIST}) VALUES ({', '.join('?' * len(_COLUMNS))})"
@@ -78,7 +84,25 @@ class RunLogClosed(RunLogError, RuntimeError):
 def _record(row: Iterable[object]) -> EdgeRunRecord:
     values: dict[str, Any] = dict(zip(_COLUMNS, row, strict=True))
     values["stream"] = bool(values["stream"])
+    values["attempts"] = tuple(AttemptRecord(**a) for a in json_codec.loads(values["attempts"]))
     return EdgeRunRecord(**values)
+
+
+def _attempts_json(attempts: tuple[AttemptRecord, ...]) -> str:
+    # Written out, not dataclasses.asdict: this runs once per run, on the event loop.
+    rows = [
+        {
+            "run_id": a.run_id,
+            "provider_id": a.provider_id,
+            "node_id": a.node_id,
+            "outcome": a.outcome,
+            "error_code": a.error_code,
+            "started_ms": a.started_ms,
+            "duration_ms": a.duration_ms,
+        }
+        for a in attempts
+    ]
+    return json_codec.dumps(rows).decode()
 
 
 class SqliteRunLog(BatchedWriter[EdgeRunRecord]):
@@ -153,4 +177,8 @@ class SqliteRunLog(BatchedWriter[EdgeRunRecord]):
         return record.run_id
 
     def _row(self, record: EdgeRunRecord) -> tuple[object, ...]:
-        return tuple(getattr(record, column) for column in _COLUMNS)  # a bool binds as 0/1
+        # a bool binds as 0/1; the attempts are JSON text
+        return tuple(
+            _attempts_json(record.attempts) if c == "attempts" else getattr(record, c)
+            for c in _COLUMNS
+        )

@@ -134,6 +134,12 @@ def model_row(m: Row) -> list[object]:
 
 def run_row(r: Row) -> list[object]:
     outcome = " ".join(str(v) for v in (r["outcome"], r["status"] or "", r["error_code"]) if v)
+    # A run that failed over lists its earlier attempts (docs/ARCHITECTURE.md#failover);
+    # PROVIDER is the one that answered. An edge from before attempts sends none.
+    earlier = (r.get("attempts") or [])[:-1]
+    if earlier:
+        tried = (f"{a['provider_id']} {a['error_code'] or a['outcome']}" for a in earlier)
+        outcome += " after " + ", ".join(tried)
     return [
         _clock(r["received_ms"]),
         r["run_id"] or "-",

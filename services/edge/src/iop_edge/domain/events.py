@@ -2,7 +2,8 @@
 
 The node's protobuf events are converted once, where they arrive
 (``adapters/run_wire.py``); everything past the node listener (the run, the
-HTTP relay, batch lines, the run trace) sees only these. Slotted and frozen:
+HTTP relay, batch lines, the run trace) sees only these, and ``Retrying``, which the
+edge itself puts between two attempts of one run (``service/failover.py``). Slotted and frozen:
 one small object per event, on the path every token takes, and nothing to copy
 (a delta's text is the string the wire gave).
 """
@@ -94,9 +95,40 @@ class Failed:
     provider_status: int = 0
 
 
-RunEvent = Started | Delta | Completed | Failed
+@dataclass(frozen=True, slots=True)
+class Retrying:
+    """The run failed with ``failed`` on ``provider_id`` before the client got anything,
+    and starts again on another provider (docs/ARCHITECTURE.md#failover): a reader drops
+    what it kept of the run so far (the deltas of a non-streamed answer)."""
+
+    failed: Failed
+    provider_id: str = ""
+
+
+RunEvent = Started | Delta | Completed | Failed | Retrying
 TERMINAL = (Completed, Failed)
 """The events that end a run (``isinstance(event, TERMINAL)``)."""
+
+
+def retryable(failed: Failed) -> bool:
+    """Would another provider of the model likely succeed where this one failed? The one
+    rule of failover (docs/ARCHITECTURE.md#failover).
+
+    Yes when the provider (or its node) is the problem: unreachable or refusing, the node
+    lost or not acknowledging the run (``PROVIDER_UNAVAILABLE``), a stalled stream or a
+    provider that never answered (``PROVIDER_TIMEOUT``), a 5xx or a transport failure
+    without any HTTP status (``PROVIDER_ERROR`` with ``provider_status`` 0 or >= 500).
+    No when the request is the problem (invalid, a 4xx, not found) or the client or the
+    edge ended it (cancelled, deadline exceeded, queue full or timed out): another
+    provider would say the same, or nobody is waiting for the answer.
+    """
+    code = failed.code
+    if code is ErrorCode.PROVIDER_UNAVAILABLE or code is ErrorCode.PROVIDER_TIMEOUT:
+        return True
+    if code is ErrorCode.PROVIDER_ERROR:
+        status = failed.provider_status
+        return status == 0 or status >= 500
+    return False
 
 
 @dataclass(frozen=True, slots=True)

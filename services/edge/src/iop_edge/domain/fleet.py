@@ -14,6 +14,9 @@ from typing import Final
 DEFAULT_MAX_OUTPUT_TOKENS: Final = 32_768
 """A model's output cap when the fleet file gives none: above any model's real output
 length today, and far below a max_tokens that would hold a slot for hours."""
+DEFAULT_RETRIES: Final = 2
+"""How many times a model's run that failed before its first byte is run again on another
+provider when the fleet file says nothing (docs/ARCHITECTURE.md#failover)."""
 
 
 class Operation(StrEnum):
@@ -31,6 +34,7 @@ class ModelEntry:
     display_name: str
     providers: Mapping[str, str]  # provider id -> served name, in the fleet file's order
     max_output_tokens: int = DEFAULT_MAX_OUTPUT_TOKENS  # the most max_tokens a request may ask
+    retries: int = DEFAULT_RETRIES  # failovers per run before the first byte; 0 = none
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,7 +24,7 @@ an entry whose version is behind is dropped when it reaches the top).
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable, Sequence
+from collections.abc import Container, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from iop_edge.domain.events import Completed, Failed
@@ -240,15 +240,43 @@ class ModelIndex:
     def any_usable(self) -> bool:
         return self._usable_count > 0
 
-    def select(self) -> ProviderSlot | None:
-        """The member with a free slot and the lowest load ratio; the first listed on ties."""
+    def select(self, exclude: Container[str] = ()) -> ProviderSlot | None:
+        """The member with a free slot and the lowest load ratio; the first listed on ties.
+
+        ``exclude``: provider ids a retry may not go back to (docs/ARCHITECTURE.md#failover);
+        their entries are set aside while the heap is searched, then put back.
+        """
         heap = self._heap
+        if exclude:
+            return self._select_excluding(exclude)
         while heap:
             _, _, version, slot = heap[0]
             if version == slot.version:
                 return slot
             heapq.heappop(heap)
         return None
+
+    def _select_excluding(self, exclude: Container[str]) -> ProviderSlot | None:
+        heap = self._heap
+        aside: list[_Entry] = []
+        found = None
+        while heap:
+            entry = heap[0]
+            slot = entry[3]
+            if entry[2] != slot.version:
+                heapq.heappop(heap)
+            elif slot.provider_id in exclude:
+                aside.append(heapq.heappop(heap))
+            else:
+                found = slot
+                break
+        for entry in aside:
+            heapq.heappush(heap, entry)
+        return found
+
+    def any_usable_except(self, exclude: Container[str]) -> bool:
+        """A member outside ``exclude`` is a candidate (free slot or not)."""
+        return any(s.provider_id not in exclude and s.usable for s in self.members)
 
     def count_usable(self, step: int) -> None:
         """A member became usable (+1) or stopped being so (-1)."""

@@ -278,6 +278,10 @@ class _SseSink:
     def started(self, event: Started) -> None:
         self._trace.started(event)
 
+    def restart(self) -> None:
+        """Nothing to drop: a stream fails over only before its first delta, and that
+        delta is what sends the status line (``_first``)."""
+
     def delta(self, event: Delta) -> Awaitable[None] | None:
         response = self._response
         if not response.prepared:

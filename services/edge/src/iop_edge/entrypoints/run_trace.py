@@ -33,6 +33,7 @@ class RunTrace:
     key_id: str = ""  # the caller's API key, once authenticated ("" while the API is open)
     stream: bool = False
     run_id: str = ""  # set once RunService dispatched the request
+    run: RunEvents | None = None  # the dispatched run: its attempts, for the record
     local_id: str = ""  # the log's id for a request that never became a run
     provider_id: str = ""
     node_id: str = ""
@@ -67,6 +68,7 @@ class RunTrace:
         return self.local_id
 
     def dispatched(self, events: RunEvents, edge_wait_s: float) -> None:
+        self.run = events
         self.run_id = events.run_id
         self.provider_id = events.provider_id
         self.node_id = events.node_id
@@ -79,6 +81,10 @@ class RunTrace:
     def first_delta(self) -> None:
         if not self.first_delta_at:
             self.first_delta_at = time.monotonic()
+
+    def restarted(self) -> None:
+        """A non-streamed run failed over: its time to first token is the next attempt's."""
+        self.first_delta_at = 0.0
 
     def completed(self, complete: Completed) -> None:
         self.run_ended = True
@@ -111,11 +117,14 @@ class RunTrace:
     def record(self) -> EdgeRunRecord:
         # 0 means "did not happen" in the record: anything that happened is at least 1 ms.
         ttft_ms = _ms(self.first_delta_at - self.received_at) if self.first_delta_at else 0
+        run = self.run
+        attempts = run.attempt_records() if run is not None else ()
+        last = attempts[-1] if attempts else None  # who served it (after a failover too)
         return EdgeRunRecord(
             run_id=self.request_id,
             model=self.model,
-            provider_id=self.provider_id,
-            node_id=self.node_id,
+            provider_id=self.provider_id if last is None else last.provider_id,
+            node_id=self.node_id if last is None else last.node_id,
             operation=self.operation.value,
             stream=self.stream,
             outcome=self.outcome or "failed",
@@ -128,6 +137,7 @@ class RunTrace:
             prompt_tokens=self.prompt_tokens,
             completion_tokens=self.completion_tokens,
             key_id=self.key_id,
+            attempts=attempts,
         )
 
     @property

@@ -6,7 +6,8 @@ Owns the per-model FIFO queues and the runs in flight, nothing else: the pool
 and the node links are the ``ProviderRegistry``'s, the fleet the ``FleetHolder``'s.
 Every slot taken is released exactly once, by the run's end, and every release
 (and every change the registry reports) first serves the queues of the models
-it can serve.
+it can serve. A run that fails before its first byte is opened again here, on
+another provider (``reopen``, for ``FailoverRun``: docs/ARCHITECTURE.md#failover).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from collections.abc import Iterable
 
 from iop_edge.domain.events import ErrorCode, Failed, RunEvent, RunOrder
 from iop_edge.domain.fleet import Fleet, ModelEntry
-from iop_edge.domain.pool import ProviderSlot
+from iop_edge.domain.pool import ModelIndex, ProviderSlot
 from iop_edge.domain.queue import ModelQueue
 from iop_edge.errors import (
     EdgeError,
@@ -31,11 +32,14 @@ from iop_edge.errors import (
 )
 from iop_edge.metrics import EdgeMetrics
 from iop_edge.ports import FleetView, RunSpec
+from iop_edge.service.failover import FailoverRun
 from iop_edge.service.limits import RunBody, check_output_tokens, check_run_frame
 from iop_edge.service.registry import ProviderRegistry
 from iop_edge.service.runs import EdgeRun, NodeLink
 from iop_proto.errors import FrameTooLarge
 from iop_proto.framing import DEFAULT_MAX_FRAME_SIZE
+
+_NOBODY: frozenset[str] = frozenset()
 
 
 class Dispatcher:
@@ -61,6 +65,8 @@ class Dispatcher:
         self._max_frame_size = max_frame_size  # a run that cannot fit is refused (limits)
         self._queues: dict[str, ModelQueue[ProviderSlot]] = {}
         self._runs: dict[str, EdgeRun] = {}
+        # Waiters that are a retry, with the providers they may not go back to.
+        self._excluded: dict[asyncio.Future[ProviderSlot], frozenset[str]] = {}
         self._metrics = metrics
         registry.subscribe(self)
 
@@ -99,13 +105,15 @@ class Dispatcher:
 
     # ------------------------------------------------------------ runs
 
-    async def open_run(self, spec: RunSpec) -> EdgeRun:
+    async def open_run(self, spec: RunSpec) -> FailoverRun:
         """Check the request, take a slot (maybe after a wait in the model's queue), send.
 
         What can be judged without a slot is judged first: the output cap, and the
         run's frame, serialised once and measured. From the slot taken to the node
         having the run, any failure at all (an error, a cancellation) gives the slot
         back, leaves no run behind and tells a node that may have the run to drop it.
+        A node link that fails under the send makes an attempt that failed
+        (``provider_unavailable``), which the run fails over from like any other.
         """
         if self._stopping is not None:
             raise ShuttingDown(self._stopping)
@@ -115,12 +123,48 @@ class Dispatcher:
         check_output_tokens(spec.operation, spec.body, model.max_output_tokens)
         body = RunBody.encode(spec.body)
         check_run_frame(body, model, self._max_frame_size)
+        first = await self._open_attempt(model, spec, body, _NOBODY, None)
+        return FailoverRun(self, spec, body, first, model.retries)
+
+    async def reopen(
+        self,
+        spec: RunSpec,
+        body: RunBody,
+        exclude: frozenset[str],
+        deadline: float,
+        failed: EdgeRun,
+    ) -> EdgeRun:
+        """The next attempt of a run whose attempt ``failed`` failed before its first byte
+        (``FailoverRun``): a provider of the model outside ``exclude``, taken as any
+        request takes one (FIFO, maybe after a wait in the queue) by ``deadline``.
+
+        Raises ``NoProviderAvailable`` when no other provider is usable, and what
+        ``open_run`` raises (``QueueFull``, ``QueueTimeout``, ``ShuttingDown`` ...):
+        the run then ends with the failure it had. A draining edge starts nothing new.
+        """
+        if self._stopping is not None:
+            raise ShuttingDown(self._stopping)
+        model = self._fleet.current.models.get(spec.model)
+        index = self._registry.index(spec.model)
+        if model is None or index is None or not index.any_usable_except(exclude):
+            raise NoProviderAvailable(f"No other provider of '{spec.model}' is available")
+        self._metrics.count_retry(model.id, failed.provider_id)
+        return await self._open_attempt(model, spec, body, exclude, deadline)
+
+    async def _open_attempt(
+        self,
+        model: ModelEntry,
+        spec: RunSpec,
+        body: RunBody,
+        exclude: frozenset[str],
+        deadline: float | None,
+    ) -> EdgeRun:
         loop = asyncio.get_running_loop()
         started = loop.time()
-        slot = await self._acquire(model, spec.batch)
+        slot = await self._acquire(model, spec.batch, exclude, deadline)
         run: EdgeRun | None = None
         try:
-            run = self._start(model, slot, spec, body)
+            run = self._start(model, slot, spec, body, deadline)
             run.edge_queue_wait_s = loop.time() - started
             await run.send()
         except BaseException as exc:
@@ -130,32 +174,50 @@ class Dispatcher:
                 self._release(slot)
             else:
                 reason = f"not dispatched: {type(exc).__name__}"
+                if isinstance(exc, ConnectionError):
+                    message = f"node {slot.node_id} unreachable: {exc}"
+                    failure = Failed(ErrorCode.PROVIDER_UNAVAILABLE, message)
+                    await run.abandon(reason, sent=True, failure=failure)
+                    return run
                 await run.abandon(reason, sent=not isinstance(exc, FrameTooLarge))
-            refusal = _refusal(exc, slot.node_id)
+            refusal = _refusal(exc)
             if refusal is None:
                 raise
             raise refusal from exc
         return run
 
-    async def _acquire(self, model: ModelEntry, batch: bool) -> ProviderSlot:
+    async def _acquire(
+        self,
+        model: ModelEntry,
+        batch: bool,
+        exclude: frozenset[str] = _NOBODY,
+        deadline: float | None = None,
+    ) -> ProviderSlot:
         queue = self._queues[model.id]
         index = self._registry.index(model.id)
         assert index is not None  # the registry indexes every model of the fleet
         # FIFO: nobody overtakes a waiter of its own class (and batch waits behind all).
         overtakes = len(queue) > 0 if batch else queue.interactive > 0
-        slot = None if overtakes else index.select()
+        slot = None if overtakes else index.select(exclude)
         if slot is not None:
             slot.take()
             self._metrics.publish_slot(slot)
             return slot
-        if not index.any_usable:
+        if not (index.any_usable_except(exclude) if exclude else index.any_usable):
             raise NoProviderAvailable(f"No provider of '{model.id}' is available right now")
         max_queue, timeout_s = self._fleet.current.queue_limits(model.id)
+        loop = asyncio.get_running_loop()
+        if deadline is not None:  # a retry: within what is left of the request's time
+            timeout_s = min(timeout_s, deadline - loop.time())
         # Each class has its own room: batch lines never take an interactive place.
         if (queue.batch if batch else queue.interactive) >= max_queue:
             raise QueueFull(f"The queue of '{model.id}' is full ({max_queue} waiting); retry later")
-        waiter: asyncio.Future[ProviderSlot] = asyncio.get_running_loop().create_future()
+        waiter: asyncio.Future[ProviderSlot] = loop.create_future()
         queue.push(waiter, batch=batch)
+        if exclude:
+            self._excluded[waiter] = exclude
+        if self._excluded:  # a retry waiting ahead may leave a free slot to this one
+            self._serve_queues((model.id,))
         self._metrics.publish_queued(model.id, len(queue))
         try:
             async with asyncio.timeout(timeout_s):
@@ -172,12 +234,19 @@ class Dispatcher:
                 ) from None
             raise
         finally:
+            if exclude:
+                del self._excluded[waiter]
             if self._queues.get(model.id) is queue:  # else the model was removed meanwhile
                 self._metrics.publish_queued(model.id, len(queue))
             self._check_idle()
 
     def _start(
-        self, model: ModelEntry, slot: ProviderSlot, spec: RunSpec, body: RunBody
+        self,
+        model: ModelEntry,
+        slot: ProviderSlot,
+        spec: RunSpec,
+        body: RunBody,
+        deadline: float | None,
     ) -> EdgeRun:
         served = model.providers[slot.provider_id]
         entry = self._fleet.current.providers[slot.provider_id]
@@ -187,7 +256,11 @@ class Dispatcher:
         if link is None:  # the node left while this request waited for the slot
             raise NoProviderAvailable(f"node {slot.node_id} is gone", code="provider_unavailable")
         run_id = secrets.token_hex(16)  # 32 hex digits, like uuid4().hex, for less work
-        timeout_ms = entry.request_timeout_ms or 600_000
+        timeout_s = (entry.request_timeout_ms or 600_000) / 1000
+        now = asyncio.get_running_loop().time()
+        if deadline is not None and deadline - now < timeout_s:
+            timeout_s = deadline - now  # a retry ends when the request's time does
+        now_ms = int(time.time() * 1000)
         request = RunOrder(
             run_id=run_id,
             model=model.id,
@@ -198,7 +271,7 @@ class Dispatcher:
             # the target rewrite, here and only here (docs/ARCHITECTURE.md#target-rewrite)
             body_json=body.with_model(served),
             stream=spec.stream,
-            deadline_unix_ms=int(time.time() * 1000) + timeout_ms,
+            deadline_unix_ms=now_ms + int(timeout_s * 1000),
             include_usage=spec.include_usage,
         )
         run = EdgeRun(
@@ -207,9 +280,10 @@ class Dispatcher:
             slot.provider_id,
             link,
             served,
-            asyncio.get_running_loop().time() + timeout_ms / 1000,
+            now + timeout_s,
             self._run_finished,
             self._deadline_grace_s,
+            now_ms,
         )
         self._runs[run_id] = run
         return run
@@ -235,16 +309,33 @@ class Dispatcher:
             if not queue or index is None:
                 continue
             while queue:
-                slot = index.select()
-                if slot is None:
-                    break
-                waiter = queue.pop_waiting()
-                if waiter is None:
+                if self._excluded:
+                    waiter, slot = self._servable(queue, index)
+                else:
+                    slot = index.select()
+                    waiter = None if slot is None else queue.pop_waiting()
+                if waiter is None or slot is None:
                     break
                 slot.take()
                 self._metrics.publish_slot(slot)
                 waiter.set_result(slot)
             self._metrics.publish_queued(model_id, len(queue))
+
+    def _servable(
+        self, queue: ModelQueue[ProviderSlot], index: ModelIndex
+    ) -> tuple[asyncio.Future[ProviderSlot] | None, ProviderSlot | None]:
+        """The first waiter (interactive first) that may take a free slot, and that slot:
+        a retry that may not go back to the providers with one lets the next take it."""
+        if index.select() is None:
+            return None, None
+        for waiter in queue:
+            if waiter.done():
+                continue
+            slot = index.select(self._excluded.get(waiter, _NOBODY))
+            if slot is not None:
+                queue.remove(waiter)
+                return waiter, slot
+        return None, None
 
     def _fail_waiters(self, queue: ModelQueue[ProviderSlot], reason: str) -> None:
         while (waiter := queue.pop_waiting()) is not None:
@@ -293,7 +384,7 @@ class Dispatcher:
         return len(self._runs)
 
 
-def _refusal(exc: BaseException, node_id: str) -> EdgeError | None:
+def _refusal(exc: BaseException) -> EdgeError | None:
     """The ``EdgeError`` a run that did not reach its node ends with, for what the edge
     understands; ``None``: raise the original (an ``EdgeError`` already, a cancellation,
     or a bug, which the request's boundary answers with a 500 and logs)."""
@@ -302,7 +393,4 @@ def _refusal(exc: BaseException, node_id: str) -> EdgeError | None:
             f"The request is too large: its run takes {exc.length} bytes on its way to "
             f"the provider, over this server's limit of {exc.maximum} bytes."
         )
-    if isinstance(exc, ConnectionError):
-        message = f"node {node_id} unreachable: {exc}"
-        return NoProviderAvailable(message, code="provider_unavailable")
     return None

@@ -3,6 +3,8 @@
 The streaming relay, the non-streaming answer and batch lines all read a run
 the same way: starts and deltas go to a ``RunSink`` as they come, the run's end
 is returned. What each does with a delta (write a chunk, keep it) is its own.
+A ``Retrying`` between two attempts (docs/ARCHITECTURE.md#failover) tells the
+sink to drop what it kept: the next attempt starts clean.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Awaitable
 from typing import Protocol
 
-from iop_edge.domain.events import Completed, Delta, Failed, Started
+from iop_edge.domain.events import Completed, Delta, Failed, Retrying, Started
 from iop_edge.ports import RunEvents
 
 
@@ -23,6 +25,11 @@ class RunSink(Protocol):
         """Take one delta; what it returns (a write, say) is awaited before the next.
         Not a coroutine itself: most deltas need no wait, and a coroutine per token
         showed in the per-token cost."""
+        ...
+
+    def restart(self) -> None:
+        """The run failed before its first byte and starts again elsewhere: what was
+        kept of it is void."""
         ...
 
 
@@ -39,6 +46,8 @@ async def follow(events: RunEvents, sink: RunSink) -> Completed | Failed | None:
                 sink.started(event)
             case Completed() | Failed():
                 return event
+            case Retrying():
+                sink.restart()
     return None
 
 
@@ -48,6 +57,10 @@ class RunWatcher(Protocol):
     def started(self, start: Started) -> None: ...
 
     def first_delta(self) -> None: ...
+
+    def restarted(self) -> None:
+        """The run starts again elsewhere: its first delta is yet to come."""
+        ...
 
 
 class Collector:
@@ -68,3 +81,8 @@ class Collector:
         if self._watcher is not None:
             self._watcher.first_delta()
         self.deltas.append(event)
+
+    def restart(self) -> None:
+        self.deltas.clear()  # the failed attempt's: the answer is the next attempt's alone
+        if self._watcher is not None:
+            self._watcher.restarted()

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from iop_edge.domain.events import TERMINAL, Completed, ErrorCode, Failed, RunEvent, RunOrder
+from iop_edge.ports import AttemptRecord
 
 
 class NodeLink(Protocol):
@@ -27,7 +28,8 @@ class NodeLink(Protocol):
 
 
 class EdgeRun:
-    """Implements ``RunEvents`` for one run on one provider."""
+    """One run on one provider: one attempt of a request (``FailoverRun`` holds them all),
+    iterated like ``RunEvents``."""
 
     def __init__(
         self,
@@ -39,6 +41,7 @@ class EdgeRun:
         deadline: float,
         on_finish: Callable[[EdgeRun], None],
         deadline_grace_s: float,
+        started_ms: int = 0,
     ) -> None:
         self.run_id = run_id
         self.request = request
@@ -56,19 +59,31 @@ class EdgeRun:
         self.finished = False
         self.outcome: Completed | Failed | None = None  # the terminal event, once finished
         self.edge_queue_wait_s = 0.0
+        self.started_ms = started_ms  # Unix ms, for the run log
+        loop = asyncio.get_running_loop()
+        self._opened_at = loop.time()
+        self._ended_at = 0.0
         # One timer per run (not a timeout per event: that cost showed in profiles).
         self._timed_out: Failed | None = None
-        self._timer = asyncio.get_running_loop().call_at(deadline + deadline_grace_s, self._expire)
+        self._timer = loop.call_at(deadline + deadline_grace_s, self._expire)
+
+    @property
+    def deadline(self) -> float:
+        """When the provider's answer is due (the loop's clock)."""
+        return self._deadline
 
     async def send(self) -> None:
         """Send the run request to its node (``Dispatcher.open_run`` undoes a failure)."""
         await self._node.send_run(self.request)
 
-    async def abandon(self, reason: str, *, sent: bool) -> None:
+    async def abandon(self, reason: str, *, sent: bool, failure: Failed | None = None) -> None:
         """The run did not reach its node for sure: end it now (the slot goes back at
         once, whatever follows) and, when its frame may have left (``sent``), ask the node
-        to drop it; shielded, so a second cancellation cannot keep the node running it."""
-        self._finish()
+        to drop it; shielded, so a second cancellation cannot keep the node running it.
+        With ``failure``, that is the run's last event (the reader fails over from it)."""
+        if failure is not None and not self.finished:
+            self._push(failure)
+        self._finish(failure)
         if sent:
             await asyncio.shield(self._tell_node(reason))
 
@@ -149,5 +164,27 @@ class EdgeRun:
         if not self.finished:
             self.finished = True
             self.outcome = outcome
+            self._ended_at = asyncio.get_running_loop().time()
             self._timer.cancel()
             self._on_finish(self)
+
+    def record(self) -> AttemptRecord:
+        """This attempt for the run log."""
+        outcome = self.outcome
+        end = self._ended_at or asyncio.get_running_loop().time()
+        if outcome is None:
+            state, code = ("failed" if self.finished else "running"), ""
+        elif isinstance(outcome, Completed):
+            state, code = "completed", ""
+        else:
+            cancelled = outcome.code is ErrorCode.CANCELLED
+            state, code = ("cancelled" if cancelled else "failed"), outcome.code.value
+        return AttemptRecord(
+            run_id=self.run_id,
+            provider_id=self.provider_id,
+            node_id=self.node_id,
+            outcome=state,
+            error_code=code,
+            started_ms=self.started_ms,
+            duration_ms=max(1, round((end - self._opened_at) * 1000)),
+        )

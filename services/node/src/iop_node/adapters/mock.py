@@ -5,6 +5,13 @@ queues, SSE) can be exercised and failure paths rehearsed on demand. The output
 depends only on the request, so tests can assert exact text; the pace is set by
 ``tokens_per_second`` so streaming and capacity behave like a slow real model.
 
+It is a partner for client libraries too: offered ``tools`` (and ``tool_choice``
+not ``none``), it calls one (the named one, or the first) with arguments valid
+for that tool's JSON schema, and once the conversation ends with a tool result
+it answers in text (unless a tool is forced); asked for a ``json_schema``
+``response_format`` it answers with a valid instance (``mock_schema``), for
+``json_object`` with a JSON object.
+
 Failure drills ride in the request body, which the edge passes through untouched::
 
     "iop_mock": {"fail": "provider_error" | "unavailable" | "timeout",
@@ -24,6 +31,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from iop_node.adapters.mock_schema import instance
 from iop_node.domain.health import ProbeResult
 from iop_node.domain.provider import ProviderConfig
 from iop_node.domain.runs import Completion, Delta, ExecutionSpec, Operation, ToolCallDelta, Usage
@@ -46,6 +54,8 @@ UNPACED_RATE = 1_000_000.0
 """At or above this rate (or at 0) tokens are produced as fast as possible."""
 
 EMBEDDING_DIMENSIONS = 8
+STRUCTURED_PIECE = 8
+"""A JSON answer streams in pieces of this many characters, each counted as a token."""
 FAIL_MODES = ("provider_error", "unavailable", "timeout")
 
 
@@ -131,28 +141,12 @@ class MockAdapter:
         body = spec.body
         chat = spec.operation is Operation.CHAT_COMPLETIONS
         prompt_tokens = _prompt_words(body, spec.operation)
-        tool = _forced_tool(body) if chat else None
-        if tool is not None:
-            await self._maybe_fail(drill, produced=0, planned=1)
-            call_id = f"call_{spec.run_id}"
-            if spec.stream:
-                head = ToolCallDelta(0, id=call_id, type="function", function_name=tool)
-                await sink.delta(Delta(role="assistant", tool_calls=(head,)))
-                await sink.delta(Delta(tool_calls=(ToolCallDelta(0, function_arguments="{}"),)))
-            await self._maybe_fail(drill, produced=1, planned=1)
-            usage = Usage.of(prompt_tokens, 1)
-            message = {
-                "role": "assistant",
-                "content": None,
-                "tool_calls": [
-                    {
-                        "id": call_id,
-                        "type": "function",
-                        "function": {"name": tool, "arguments": "{}"},
-                    }
-                ],
-            }
-            return self._finish(spec, "tool_calls", usage, message=message)
+        call = _tool_call(body) if chat else None
+        if call is not None:
+            return await self._call_tool(spec, sink, drill, call, prompt_tokens)
+        structured = _structured_answer(body) if chat else None
+        if structured is not None:
+            return await self._answer_structured(spec, sink, drill, structured, prompt_tokens)
 
         limit = _max_tokens(body)
         planned = self._default_tokens if limit is None else limit
@@ -174,6 +168,63 @@ class MockAdapter:
             await sink.delta(Delta(role="assistant"))  # the client still learns who spoke
         usage = Usage.of(prompt_tokens, planned)
         return self._finish(spec, finish_reason, usage, text="".join(pieces))
+
+    async def _call_tool(
+        self,
+        spec: ExecutionSpec,
+        sink: EventSink,
+        drill: FailureDrill,
+        call: tuple[str, str],
+        prompt_tokens: int,
+    ) -> Completion:
+        """One call of ``call`` (name, arguments JSON); streamed as a head and (but for
+        ``{}``) two argument fragments, so clients reassemble them as for real models."""
+        name, arguments = call
+        await self._maybe_fail(drill, produced=0, planned=1)
+        call_id = f"call_{spec.run_id}"
+        if spec.stream:
+            head = ToolCallDelta(0, id=call_id, type="function", function_name=name)
+            await sink.delta(Delta(role="assistant", tool_calls=(head,)))
+            half = len(arguments) // 2 if len(arguments) > 2 else 0  # "{}" goes whole
+            for part in (arguments[:half], arguments[half:]):
+                if part:
+                    fragment = ToolCallDelta(0, function_arguments=part)
+                    await sink.delta(Delta(tool_calls=(fragment,)))
+        await self._maybe_fail(drill, produced=1, planned=1)
+        usage = Usage.of(prompt_tokens, 1)
+        message = {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": call_id,
+                    "type": "function",
+                    "function": {"name": name, "arguments": arguments},
+                }
+            ],
+        }
+        return self._finish(spec, "tool_calls", usage, message=message)
+
+    async def _answer_structured(
+        self,
+        spec: ExecutionSpec,
+        sink: EventSink,
+        drill: FailureDrill,
+        text: str,
+        prompt_tokens: int,
+    ) -> Completion:
+        """A JSON answer, streamed in pieces of ``STRUCTURED_PIECE`` characters (paced)."""
+        pieces = [text[i : i + STRUCTURED_PIECE] for i in range(0, len(text), STRUCTURED_PIECE)]
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        for index, piece in enumerate(pieces):
+            await self._maybe_fail(drill, produced=index, planned=len(pieces))
+            await self._pace(loop, start, index)
+            if spec.stream:
+                await sink.delta(Delta(text=piece, role="assistant" if index == 0 else ""))
+        await self._maybe_fail(drill, produced=len(pieces), planned=len(pieces))
+        usage = Usage.of(prompt_tokens, len(pieces))
+        return self._finish(spec, "stop", usage, text=text)
 
     async def _pace(self, loop: asyncio.AbstractEventLoop, start: float, index: int) -> None:
         """Sleep until token ``index`` is due; due times come from ``start``, so no drift."""
@@ -297,25 +348,55 @@ def _vector(key: str, dimensions: int) -> list[float]:
     return [v / norm for v in values]
 
 
-def _forced_tool(body: Mapping[str, Any]) -> str | None:
-    """The function a request forces (``tool_choice`` required or named), else None."""
+def _tool_call(body: Mapping[str, Any]) -> tuple[str, str] | None:
+    """The function the mock calls and its arguments (JSON valid for the function's
+    ``parameters``), or ``None`` to answer in text: no tools, ``tool_choice`` ``none``,
+    or (``auto``, the default) a conversation whose last message is a tool result."""
     tools = body.get("tools")
     choice = body.get("tool_choice")
-    if not tools or choice is None or choice in ("auto", "none"):
+    if not tools or choice == "none":
         return None
     if not isinstance(tools, list) or not all(isinstance(t, Mapping) for t in tools):
         raise InvalidRequest("tools must be a list of objects")
-    names = [str((t.get("function") or {}).get("name", "")) for t in tools]
-    if choice == "required":
-        if not names[0]:
-            raise InvalidRequest("tools[0].function.name is missing")
-        return names[0]
+    functions = [t.get("function") if isinstance(t.get("function"), Mapping) else {} for t in tools]
+    names = [str(f.get("name", "")) for f in functions]
     if isinstance(choice, Mapping):
-        name = str((choice.get("function") or {}).get("name", ""))
+        name = str((choice.get("function") or {}).get("name", "")) or str(choice.get("name", ""))
         if name not in names or not name:
             raise InvalidRequest(f"tool_choice names an unknown function {name!r}")
-        return name
-    raise InvalidRequest("tool_choice must be none, auto, required or a named function")
+        index = names.index(name)
+    elif choice in (None, "auto", "required"):
+        if choice != "required" and _answers_a_tool_result(body):
+            return None
+        index = 0
+    else:
+        raise InvalidRequest("tool_choice must be none, auto, required or a named function")
+    if not names[index]:
+        raise InvalidRequest(f"tools[{index}].function.name is missing")
+    arguments = instance(functions[index].get("parameters"))
+    return names[index], json.dumps(arguments, separators=(",", ":"))
+
+
+def _answers_a_tool_result(body: Mapping[str, Any]) -> bool:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        return False
+    last = messages[-1]
+    return isinstance(last, Mapping) and last.get("role") == "tool"
+
+
+def _structured_answer(body: Mapping[str, Any]) -> str | None:
+    """The JSON text a ``response_format`` asks for (``None``: plain text is asked for)."""
+    wanted = body.get("response_format")
+    if not isinstance(wanted, Mapping):
+        return None
+    if wanted.get("type") == "json_schema":
+        spec = wanted.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, Mapping) else None
+        return json.dumps(instance(schema), separators=(",", ":"))
+    if wanted.get("type") == "json_object":
+        return json.dumps({"answer": " ".join(WORDS[:4])}, separators=(",", ":"))
+    return None
 
 
 def _max_tokens(body: Mapping[str, Any]) -> int | None:

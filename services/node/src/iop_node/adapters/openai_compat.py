@@ -41,6 +41,7 @@ CONNECT_TIMEOUT_S: Final = 10.0
 deadline alone (aiohttp's default 5-minute total would cut off legitimate runs)."""
 ERROR_BODY_LIMIT: Final = 64 * 1024
 CLIENT_FAULT_STATUSES: Final = frozenset({400, 404, 422})
+NOT_IMPLEMENTED: Final = 501  # the provider does not offer the operation
 """Statuses that mean the request itself is wrong: the client's fault, not the provider's."""
 
 _PATHS: Final[Mapping[Operation, str]] = {
@@ -201,7 +202,7 @@ class OpenAICompatAdapter:
             raise ProviderUnavailable(f"{url}: {_describe(exc)}") from exc
         try:
             if response.status >= 400:
-                failure = await _http_failure(response)
+                failure = await _http_failure(response, spec)
                 response.release()  # read to the end (usually): the connection can be reused
                 raise failure
             if spec.stream and response.content_type != "application/json":
@@ -367,8 +368,13 @@ def _model_ids(document: Any) -> tuple[str, ...]:
     return tuple(str(m["id"]) for m in data if isinstance(m, dict) and m.get("id"))
 
 
-async def _http_failure(response: aiohttp.ClientResponse) -> RunFailure:
-    """The failure an HTTP error status stands for, with the provider's own message."""
+async def _http_failure(response: aiohttp.ClientResponse, spec: ExecutionSpec) -> RunFailure:
+    """The failure an HTTP error status stands for, with the provider's own message.
+
+    A 501 is the provider saying it does not offer the operation (llama.cpp started
+    without ``--embeddings``): the client's request cannot succeed there, so it is an
+    invalid request naming model and operation, not a provider failure to retry
+    elsewhere or to count against the provider."""
     chunks: list[bytes] = []
     size = 0
     async for chunk in response.content.iter_any():
@@ -377,6 +383,12 @@ async def _http_failure(response: aiohttp.ClientResponse) -> RunFailure:
         if size >= ERROR_BODY_LIMIT:
             break
     message = f"HTTP {response.status}: {_error_message(b''.join(chunks))}"
+    if response.status == NOT_IMPLEMENTED:
+        return InvalidRequest(
+            f"The model '{spec.model}' does not offer {spec.operation.value} on this provider"
+            f" ({message})",
+            provider_status=NOT_IMPLEMENTED,
+        )
     if response.status in CLIENT_FAULT_STATUSES:
         return InvalidRequest(message, provider_status=response.status)
     return ProviderFailed(message, provider_status=response.status)

@@ -290,13 +290,23 @@
       const outcome = [r.outcome, r.status ? `${r.status}` : "", r.error_code]
         .filter(Boolean)
         .join(" · ");
+      // A run that failed over: the attempts before the one that answered (or failed last).
+      const tried = (r.attempts || [])
+        .slice(0, -1)
+        .map((a) => `${a.provider_id} ${a.error_code || a.outcome}`)
+        .join(", ");
       return el(
         "tr",
         { "data-testid": "run-row", "data-run-id": r.run_id },
         el("td", { class: "mono" }, clock(r.received_ms)),
         el("td", { class: "mono small", title: r.run_id }, r.run_id.slice(0, 12)),
         el("td", { class: "mono", "data-testid": "run-model" }, r.model),
-        el("td", { class: "mono", "data-testid": "run-provider" }, r.provider_id || "—"),
+        el(
+          "td",
+          { class: "mono", "data-testid": "run-provider", title: tried && `failed over from ${tried}` },
+          r.provider_id || "—",
+          tried && el("span", { class: "muted small", "data-testid": "run-failover" }, ` ← ${tried}`),
+        ),
         el("td", { class: "num" }, ms(r.queue_wait_ms, false)),
         el("td", { class: "num" }, ms(r.ttft_ms, true)),
         el("td", { class: "num" }, ms(r.duration_ms, true)),
