@@ -198,6 +198,7 @@ async def test_tool_use_round_trip(client: AsyncAnthropic) -> None:
     [call] = [block for block in message.content if block.type == "tool_use"]
     assert call.name == "get_weather"
     assert isinstance(call.input, dict)
+    assert isinstance(call.input["city"], str)  # valid for the tool's input_schema
     assert call.id
     answer = await client.messages.create(
         model="mock-small",
@@ -349,6 +350,11 @@ async def _chat_anthropic_calls(model: Any) -> None:
     assert answer.content == "the quick brown "
     assert answer.usage_metadata is not None
     assert answer.usage_metadata["output_tokens"] == 3
+    with_tools = model.bind_tools([WEATHER])
+    called = await with_tools.ainvoke("What is the weather in Paris?")
+    [call] = called.tool_calls  # type: ignore[attr-defined]
+    assert call["name"] == "get_weather"
+    assert isinstance(call["args"]["city"], str)
     pieces = [chunk async for chunk in model.astream("hello again")]
     text = "".join(str(chunk.content) if isinstance(chunk.content, str) else "" for chunk in pieces)
     streamed = "".join(
