@@ -537,3 +537,78 @@ async def _llamacpp_checks(sdk: AsyncAnthropic, root: str, model: str) -> None:
         assert len(chunks) > 1
     finally:
         await chat._async_client.close()
+
+
+async def test_a_request_shaped_as_claude_code_sends_it_streams_to_message_stop(
+    stack: Any, keys: Keys
+) -> None:
+    """What Claude Code sends: ``?beta=true``, beta headers, system blocks and tools with
+    ``cache_control``, ``metadata.user_id``, thinking, a history with thinking and tool
+    turns, and a stream."""
+    cache = {"type": "ephemeral"}
+    body = {
+        "model": "mock-small",
+        "max_tokens": 32000,
+        "stream": True,
+        "temperature": 1,
+        "metadata": {"user_id": "user_abc_account__session_1"},
+        "thinking": {"type": "enabled", "budget_tokens": 31999},
+        "system": [
+            {"type": "text", "text": "You are Claude Code.", "cache_control": cache},
+            {"type": "text", "text": "Use the tools.", "cache_control": cache},
+        ],
+        "tools": [
+            {**WEATHER, "cache_control": cache},
+            {
+                "name": "Bash",
+                "description": "Run a command.",
+                "input_schema": {
+                    "type": "object",
+                    "properties": {"command": {"type": "string"}},
+                    "required": ["command"],
+                    "additionalProperties": False,
+                    "$schema": "http://json-schema.org/draft-07/schema#",
+                },
+            },
+        ],
+        "messages": [
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "list files", "cache_control": cache}],
+            },
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "thinking", "thinking": "use Bash", "signature": "abc"},
+                    {
+                        "type": "tool_use",
+                        "id": "toolu_01",
+                        "name": "Bash",
+                        "input": {"command": "ls"},
+                    },
+                ],
+            },
+            {
+                "role": "user",
+                "content": [
+                    {"type": "tool_result", "tool_use_id": "toolu_01", "content": "a.py\nb.py"}
+                ],
+            },
+        ],
+    }
+    headers = {
+        "x-api-key": keys.full,
+        "anthropic-version": "2023-06-01",
+        "anthropic-beta": "claude-code-20250219,interleaved-thinking-2025-05-14",
+    }
+    url = base_url(stack) + "/v1/messages?beta=true"
+    async with (
+        aiohttp.ClientSession() as http,
+        http.post(url, json=body, headers=headers) as response,
+    ):
+        assert response.status == 200
+        events = contract.parse_sse(await response.text())
+    contract.check_stream(events)
+    stop = next(data for name, data in events if name == "message_delta")
+    assert stop["delta"]["stop_reason"] == "max_tokens"  # the mock answers the tool result in text
+    assert stop["usage"]["output_tokens"] == 64  # 32000, held to mock-small's max_output_tokens

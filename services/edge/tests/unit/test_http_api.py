@@ -28,6 +28,7 @@ from iop_edge.domain.fleet import ApiKeyEntry, ModelEntry, Operation
 from iop_edge.entrypoints.api_auth import KeySlots
 from iop_edge.entrypoints.api_metrics import ApiMetrics
 from iop_edge.entrypoints.http_api import create_api_app, load_openapi
+from iop_edge.entrypoints.stop_gate import StopGate
 from iop_edge.errors import EdgeError, NoProviderAvailable, QueueFull, QueueTimeout
 from iop_edge.ports import AttemptRecord, EdgeRunRecord, RunSpec
 from iop_proto.v1 import runtime_pb2 as pb
@@ -262,6 +263,7 @@ async def serve(
     keys: dict[str, ApiKeyEntry] | None = None,
     cors_origins: tuple[str, ...] = (),
     max_body_bytes: int | None = None,
+    stop_gate: StopGate | None = None,
 ) -> AsyncIterator[Edge]:
     models = [
         ModelEntry(CHAT, "Llama 3.1 8B", {"p1": SERVED}),
@@ -279,6 +281,7 @@ async def serve(
         openapi=load_openapi(),
         key_slots=slots,
         cors_origins=cors_origins,
+        stop_gate=stop_gate,
         **({} if max_body_bytes is None else {"max_body_bytes": max_body_bytes}),
     )
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
@@ -1348,3 +1351,16 @@ async def test_a_messages_run_failing_mid_stream_ends_with_an_error_event(
     ]
     last = text.strip().split("\n")[-1].removeprefix("data: ")
     assert json.loads(last) == {"type": "error", "error": {"type": "api_error", "message": "boom"}}
+
+
+async def test_a_draining_edge_answers_messages_with_anthropics_529() -> None:
+    gate = StopGate()
+    async with serve(stop_gate=gate) as edge, aiohttp.ClientSession() as http:
+        gate.close()
+        async with http.post(f"{edge.url}/v1/messages", json={}) as response:
+            assert response.status == 529
+            assert response.headers["Connection"] == "close"
+            assert (await response.json())["error"]["type"] == "overloaded_error"
+        async with http.post(f"{edge.url}/v1/chat/completions", json={}) as response:
+            assert response.status == 503  # OpenAI's routes keep OpenAI's status
+            assert (await response.json())["error"]["code"] == "shutting_down"

@@ -278,3 +278,12 @@ def test_count_tokens_needs_no_max_tokens_and_estimates_by_bytes() -> None:
     assert "max_tokens" not in chat
     size = len('[[{"role":"user","content":"' + "x" * 40 + '"}],null]')
     assert estimate_tokens(chat) == (size + 3) // 4
+
+
+def test_an_assistant_turn_of_thinking_alone_is_an_empty_text_turn() -> None:
+    turn = {
+        "role": "assistant",
+        "content": [{"type": "thinking", "thinking": "t", "signature": ""}],
+    }
+    messages = chat_body(body(messages=[turn]), max_tokens_cap=None)["messages"]
+    assert messages == [{"role": "assistant", "content": ""}]

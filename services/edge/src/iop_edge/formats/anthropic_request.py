@@ -170,7 +170,9 @@ def _assistant(blocks: list[Any], where: str) -> dict[str, Any]:
             continue
         else:
             raise InvalidRequest(f"{at}: an assistant block of type {kind!r} is not supported.")
-    out: dict[str, Any] = {"role": "assistant", "content": "".join(texts) or None}
+    # null content only beside tool calls: servers refuse an assistant turn with neither
+    content = "".join(texts)
+    out: dict[str, Any] = {"role": "assistant", "content": content or (None if calls else "")}
     if calls:
         out["tool_calls"] = calls
     return out
