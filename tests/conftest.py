@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import re
+import shutil
 import signal
+import subprocess
 import sys
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -88,10 +91,11 @@ class Stack:
         default_factory=dict
     )
 
-    async def start(self, name: str) -> RunningService:
-        """Start (or start again) a service from its settings file in the stack's root."""
+    async def start(self, name: str, wrapper: Sequence[str] = ()) -> RunningService:
+        """Start (or start again) a service from its settings file in the stack's root;
+        ``wrapper`` execs it (``Namespace.wrapper``: inside a network namespace)."""
         script = SCRIPTS.get(name, "iop-node")
-        context = running_service(script, self.root / f"{name}.yaml")
+        context = running_service(script, self.root / f"{name}.yaml", wrapper=wrapper)
         service = await context.__aenter__()
         self._running[name] = context
         self.services[name] = service
@@ -186,7 +190,8 @@ PORT_KEYS = {"edges": "listen", "http": "http", "nodes": "node_listener"}
 async def start_stack(
     root: Path, fleet: dict[str, object], edge_settings: dict[str, object] | None = None
 ) -> AsyncIterator[Stack]:
-    """The stack for ``fleet``; ``edge_settings``: keys of the edge's settings file to add."""
+    """The stack for ``fleet``; ``edge_settings``: top-level keys of the edge's settings
+    to set (a section replaces the stack's, e.g. ``node_listener``)."""
     ca = trustme.CA()
     for name, role in ROLES.items():
         write_identity(ca, root / "pki", name, role)
@@ -265,6 +270,73 @@ async def start_stack(
         yield stack
     finally:
         await stack.stop_all()
+
+
+@dataclass(frozen=True)
+class Namespace:
+    """A network namespace whose only link is a veth pair to this host (a /30, no route
+    out): a client or a node "on another host", and a link that can be cut silently."""
+
+    name: str
+    host_if: str  # this host's end of the veth pair
+    host_address: str
+    client_address: str  # the namespace's end
+
+    @property
+    def wrapper(self) -> tuple[str, ...]:
+        """Prefix of a command run inside the namespace (``Stack.start(wrapper=...)``)."""
+        return ("ip", "netns", "exec", self.name)
+
+    def run(self, *command: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [*self.wrapper, *command],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+            env={**os.environ},
+        )
+
+    def cut(self) -> None:
+        """Take the link down: nothing more crosses it, and nobody is told (no RST, no FIN)."""
+        _ip("link", "set", self.host_if, "down")
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=10)
+
+
+@contextlib.contextmanager
+def veth_namespace(tag: str, subnet: int) -> Iterator[Namespace]:
+    """A namespace named for ``tag`` (a letter or two) on ``10.<subnet>.<n>.0/30``; skips the
+    test where there is no root or no ``ip netns``."""
+    if shutil.which("ip") is None or os.geteuid() != 0:
+        pytest.skip("needs root and iproute2 ('ip netns') for a second network host")
+    n = os.getpid() % 250 + 1  # unique per run, so parallel runs do not collide
+    name, host_if, ns_if = f"iop{tag}{n}", f"iop{tag}{n}h", f"iop{tag}{n}n"
+    ns = Namespace(name, host_if, f"10.{subnet}.{n}.1", f"10.{subnet}.{n}.2")
+    try:
+        _ip("netns", "add", name)
+    except subprocess.CalledProcessError as exc:
+        pytest.skip(f"'ip netns add' is not usable here: {exc.stderr.decode().strip()}")
+    try:
+        _ip("link", "add", host_if, "type", "veth", "peer", "name", ns_if)
+        _ip("link", "set", ns_if, "netns", name)
+        _ip("addr", "add", f"{ns.host_address}/30", "dev", host_if)
+        _ip("link", "set", host_if, "up")
+        _ip("-n", name, "addr", "add", f"{ns.client_address}/30", "dev", ns_if)
+        _ip("-n", name, "link", "set", ns_if, "up")
+        _ip("-n", name, "link", "set", "lo", "up")
+        yield ns
+    finally:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True, check=False)
+        subprocess.run(["ip", "link", "del", host_if], capture_output=True, check=False)
+
+
+@pytest.fixture(scope="session")
+def netns_factory() -> object:
+    """``veth_namespace`` for test modules (a conftest cannot be imported)."""
+    return veth_namespace
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")

@@ -10,7 +10,10 @@ and that break it (negative), seeded and bounded. Whatever it sends:
   well-formed bodies reach the mock providers, which can refuse them;
 - every 4xx and 5xx body is an OpenAI error object
   ``{"error": {"message", "type", "param", "code"}}`` (``/healthz`` and
-  ``/readyz`` answer load balancers in their own documented shape);
+  ``/readyz`` answer load balancers in their own documented shape, the
+  ``/v1/messages`` paths with Anthropic's ``{"type": "error", "error": ...}``);
+- every stream is its API's: chat chunks ending with ``[DONE]``, Responses and
+  Messages events each named by its ``event:`` line, in their order;
 - schemathesis' own conformance checks hold: statuses, content types and
   response bodies are the ones the document declares, and schema-breaking
   input is refused with a 4xx.
@@ -111,9 +114,23 @@ def sse_problem(body: bytes, cut_short: bool) -> str | None:
     return None
 
 
-def responses_sse_problem(body: bytes, cut_short: bool) -> str | None:
-    """Why a Responses stream is not OpenAI's: ``event:`` + ``data:`` per event, numbered
-    from 0, ``response.created`` first, a terminal ``response.*`` event last, no ``[DONE]``."""
+def anthropic_error_problem(status: int, body: bytes) -> str | None:
+    """Why ``body`` is not Anthropic's error object (the ``/v1/messages`` paths' errors)."""
+    try:
+        payload = json.loads(body)
+    except ValueError:
+        return f"{status} with a body that is not JSON: {body[:120]!r}"
+    error = payload.get("error") if isinstance(payload, dict) else None
+    if payload.get("type") != "error" or not isinstance(error, dict):
+        return f"{status} with a body that is not an Anthropic error object: {body[:200]!r}"
+    if not isinstance(error.get("type"), str) or not isinstance(error.get("message"), str):
+        return f"{status} with an Anthropic error whose type or message is not a string: {error}"
+    return None
+
+
+def named_events(body: bytes, cut_short: bool) -> list[dict[str, Any]] | str:
+    """The events of a stream whose every event has an ``event:`` line naming its data's
+    type (Responses, Messages), or why it has not."""
     frames = [frame for frame in body.decode().split("\n\n") if frame]
     if cut_short:
         frames = frames[:-1]
@@ -121,11 +138,33 @@ def responses_sse_problem(body: bytes, cut_short: bool) -> str | None:
     for frame in frames:
         head, _, data = frame.partition("\n")
         if not head.startswith("event: ") or not data.startswith("data: "):
-            return f"a Responses stream frame without event: and data: lines: {frame[:200]!r}"
+            return f"a stream frame without event: and data: lines: {frame[:200]!r}"
         payload = json.loads(data[len("data: ") :])
         if payload.get("type") != head[len("event: ") :]:
             return f"an event: line that does not name its data's type: {frame[:200]!r}"
         events.append(payload)
+    return events
+
+
+def messages_sse_problem(body: bytes, cut_short: bool) -> str | None:
+    """Why a Messages stream is not Anthropic's: ``message_start`` first, ``message_stop``
+    (or an ``error``) last."""
+    events = named_events(body, cut_short)
+    if isinstance(events, str):
+        return events
+    if events and events[0]["type"] != "message_start":
+        return f"a Messages stream that starts with {events[0]['type']}"
+    if not cut_short and (not events or events[-1]["type"] not in ("message_stop", "error")):
+        return f"a Messages stream that does not end with message_stop: {body[-200:]!r}"
+    return None
+
+
+def responses_sse_problem(body: bytes, cut_short: bool) -> str | None:
+    """Why a Responses stream is not OpenAI's: ``event:`` + ``data:`` per event, numbered
+    from 0, ``response.created`` first, a terminal ``response.*`` event last, no ``[DONE]``."""
+    events = named_events(body, cut_short)
+    if isinstance(events, str):
+        return events
     if [e.get("sequence_number") for e in events] != list(range(len(events))):
         return "Responses events not numbered 0, 1, 2, ..."
     if events and events[0]["type"] != "response.created":
@@ -153,8 +192,10 @@ class Findings:
         label = f"{case.operation.label} ({mode})"
         if status >= 500 and status not in GATEWAY_STATUSES:
             self.problems.append(f"{label}: server error {status}: {response.content[:300]!r}")
+        messages = case.operation.path.startswith("/v1/messages")
         if status >= 400 and case.operation.label not in HEALTH_PROBES:
-            problem = openai_error_problem(status, response.content)
+            shape = anthropic_error_problem if messages else openai_error_problem
+            problem = shape(status, response.content)
             if problem is not None:
                 self.problems.append(f"{label}: {problem}")
         checks = CONFORMANCE_CHECKS
@@ -165,11 +206,11 @@ class Findings:
             checks = [c for c in checks if c is not openapi_checks.response_schema_conformance]
             self.streams += 1
             self.streams_cut_short += response.stream_cut_short
-            judge = (
-                responses_sse_problem
-                if case.operation.label == "POST /v1/responses"
-                else sse_problem
-            )
+            judge = sse_problem
+            if case.operation.label == "POST /v1/responses":
+                judge = responses_sse_problem
+            elif messages:
+                judge = messages_sse_problem
             problem = judge(response.content, response.stream_cut_short)
             if problem is not None:
                 self.problems.append(f"{label}: {problem}")

@@ -18,11 +18,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import re
-import shutil
 import sqlite3
-import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -152,50 +149,11 @@ async def chat_run_id(client: AsyncOpenAI, model: str) -> str:
 # --- the secure default (first: the stack has no keys yet) -------------------------------
 
 
-@dataclass(frozen=True)
-class Namespace:
-    name: str
-    host_address: str  # this host's end of the veth pair
-    client_address: str  # the namespace's end
-
-    def run(self, *command: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            ["ip", "netns", "exec", self.name, *command],
-            capture_output=True,
-            text=True,
-            timeout=30,
-            check=False,
-            env={**os.environ},
-        )
-
-
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=10)
-
-
 @pytest.fixture(scope="module")
-def namespace() -> Iterator[Namespace]:
-    """A network namespace whose only link is a veth pair to this host (a /30, no route out)."""
-    if shutil.which("ip") is None or os.geteuid() != 0:
-        pytest.skip("needs root and iproute2 ('ip netns') for a non-loopback client")
-    tag = os.getpid() % 250 + 1  # unique per run, so parallel runs do not collide
-    name, host_if, ns_if = f"iopkeys{tag}", f"iopk{tag}h", f"iopk{tag}n"
-    ns = Namespace(name, f"10.213.{tag}.1", f"10.213.{tag}.2")
-    try:
-        _ip("netns", "add", name)
-    except subprocess.CalledProcessError as exc:
-        pytest.skip(f"'ip netns add' is not usable here: {exc.stderr.decode().strip()}")
-    try:
-        _ip("link", "add", host_if, "type", "veth", "peer", "name", ns_if)
-        _ip("link", "set", ns_if, "netns", name)
-        _ip("addr", "add", f"{ns.host_address}/30", "dev", host_if)
-        _ip("link", "set", host_if, "up")
-        _ip("-n", name, "addr", "add", f"{ns.client_address}/30", "dev", ns_if)
-        _ip("-n", name, "link", "set", ns_if, "up")
+def namespace(netns_factory: Any) -> Iterator[Any]:
+    """A client on another host: a network namespace behind a veth pair (tests/conftest.py)."""
+    with netns_factory("k", 213) as ns:
         yield ns
-    finally:
-        subprocess.run(["ip", "netns", "del", name], capture_output=True, check=False)
-        subprocess.run(["ip", "link", "del", host_if], capture_output=True, check=False)
 
 
 # Run inside the namespace: list models through the SDK, print what came back.
@@ -210,7 +168,7 @@ except openai.APIStatusError as exc:
 """
 
 
-async def remote_models(ns: Namespace, port: int) -> dict[str, Any]:
+async def remote_models(ns: Any, port: int) -> dict[str, Any]:
     url = f"http://{ns.host_address}:{port}/v1"
     done = await asyncio.to_thread(ns.run, sys.executable, "-c", REMOTE_CLIENT, url)
     assert done.returncode == 0, done.stderr
@@ -230,9 +188,7 @@ async def restart_edge(stack: Any, **http: object) -> Any:
     return edge
 
 
-async def test_without_keys_only_loopback_clients_are_served(
-    stack: Any, namespace: Namespace
-) -> None:
+async def test_without_keys_only_loopback_clients_are_served(stack: Any, namespace: Any) -> None:
     port = api_port(stack)
     try:
         # Bound to every interface, no key issued: loopback yes, the namespace no.

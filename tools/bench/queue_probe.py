@@ -47,6 +47,7 @@ class FakeLink:
 
     def __init__(self, node_id: str) -> None:
         self.node_id = node_id
+        self.acknowledges_runs = False
         self.sent: asyncio.Queue[pb.RunRequest] = asyncio.Queue()
 
     async def send_run(self, request: RunOrder) -> None:

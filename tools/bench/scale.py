@@ -121,6 +121,7 @@ class _FakeLink:
 
     def __init__(self, node_id: str) -> None:
         self.node_id = node_id
+        self.acknowledges_runs = False
 
     async def send_run(self, request: RunOrder) -> None:
         """Sent."""

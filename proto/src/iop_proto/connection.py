@@ -1,8 +1,16 @@
 """A framed connection to one peer: send and receive envelopes, supervise liveness.
 
-The owner reads with ``receive()`` (or ``async for``) continuously; any frame
-counts as a sign of life, heartbeats are answered by nothing and never reach the
-owner. A protocol fault sends an ``error`` frame, closes this one connection and
+The owner reads with ``receive()`` (or ``async for``) continuously; any bytes
+received count as a sign of life, heartbeats are answered by nothing and never
+reach the owner. A peer silent for ``missed_heartbeats`` intervals (2 s each by
+default) is dead: it is sent the error frame and the transport is aborted at
+once, without TLS's close_notify exchange (a frozen or cut-off peer never
+answers it), so the owner's read ends within the same pass and its cleanup (the
+edge: the node's providers unavailable, its runs failed) does not wait for a
+teardown. The socket also carries TCP keepalive and a user timeout
+(``iop_proto.keepalive``), on both ends.
+
+A protocol fault sends an ``error`` frame, closes this one connection and
 raises the typed error: it never takes the process down. A frame whose header
 arrived must be complete within ``frame_read_timeout``: silence between frames
 is for the heartbeats to judge, half a frame held open is a fault.
@@ -32,10 +40,11 @@ from iop_proto.framing import (
     FrameReadTimeout,
     encode_frame,
 )
+from iop_proto.keepalive import enable_keepalive
 from iop_proto.tls import PeerIdentity, peer_identity
 from iop_proto.v1 import runtime_pb2 as pb
 
-DEFAULT_HEARTBEAT_INTERVAL = 30.0
+DEFAULT_HEARTBEAT_INTERVAL = 2.0  # a dead peer is judged within 3 x 2 s (the 10 s bound)
 DEFAULT_MISSED_HEARTBEATS = 3
 _CLOSE_TIMEOUT = 2.0
 READ_SIZE = 64 * 1024  # per read: whatever has arrived, up to this
@@ -71,6 +80,7 @@ class Connection:
         self.missed_heartbeats = missed_heartbeats
         self.frame_read_timeout = frame_read_timeout
         self.peer: PeerIdentity | None = peer_identity(writer)
+        enable_keepalive(writer.get_extra_info("socket"))
         self.peer_error: pb.Error | None = None  # the last error frame the peer sent
         self._last_received = time.monotonic()
         self._closed = asyncio.Event()
@@ -146,6 +156,17 @@ class Connection:
         with contextlib.suppress(ConnectionError, OSError, TimeoutError, asyncio.TimeoutError):
             async with asyncio.timeout(_CLOSE_TIMEOUT):
                 await self._writer.wait_closed()
+
+    def send_soon(self, body: object, *, correlation_id: str = "") -> None:
+        """Send a small frame with this event-loop pass's others, without waiting for
+        drain: for heartbeats and run acknowledgements, which must never block their
+        caller (a peer that stopped reading would hold a ``drain()`` forever)."""
+        if self._closed.is_set() or self._writer.is_closing():
+            raise ConnectionClosed(f"connection to {self.peer_name} is closed") from self._fault
+        envelope = self.envelope(body, correlation_id)
+        self._deferred.append(encode_frame(envelope, self.max_frame_size))
+        if len(self._deferred) == 1:
+            asyncio.get_running_loop().call_soon(self._flush_deferred)
 
     async def abort(self, fault: ProtocolError) -> None:
         """Close because of a protocol fault, telling the peer why."""
@@ -227,7 +248,6 @@ class Connection:
             except (ConnectionClosed, ConnectionError, OSError) as exc:
                 await self.close()
                 raise self._closed_error() from exc
-            self._last_received = time.monotonic()
             kind = envelope.WhichOneof("body")
             if kind == "heartbeat":
                 continue
@@ -255,6 +275,9 @@ class Connection:
                 data = await self._reader.read(READ_SIZE)
             if not data:
                 raise frames.end_of_stream()
+            # Bytes are the sign of life, not whole frames: a large frame on a slow link
+            # may take longer than the heartbeat verdict (``frame_read_timeout`` bounds it).
+            self._last_received = time.monotonic()
             frames.feed(data)
 
     async def _read_rest_of_frame(self, timeout_s: float) -> bytes:
@@ -321,23 +344,46 @@ class Connection:
     # ------------------------------------------------------------ liveness
 
     async def _heartbeat_loop(self) -> None:
-        allowed_silence = self.heartbeat_interval * self.missed_heartbeats
+        """Beat every interval; wake at the next beat or at the silence deadline, whichever
+        comes first, so a dead peer is judged when the deadline passes, not up to an
+        interval later. A beat never waits for drain (``send_soon``)."""
+        interval = self.heartbeat_interval
+        allowed_silence = interval * self.missed_heartbeats
+        next_beat = time.monotonic() + interval
         while not self._closed.is_set():
-            await asyncio.sleep(self.heartbeat_interval)
-            silence = time.monotonic() - self._last_received
-            if silence > allowed_silence:
-                await self.abort(
+            wake = min(next_beat, self._last_received + allowed_silence)
+            await asyncio.sleep(max(0.0, wake - time.monotonic()))
+            now = time.monotonic()
+            silence = now - self._last_received
+            if silence >= allowed_silence:
+                await self._peer_dead(
                     HeartbeatTimeout(
                         f"no frame from {self.peer_name} for {silence:.1f}s "
                         f"({self.missed_heartbeats} heartbeats missed)"
                     )
                 )
                 return
-            try:
-                await self.send(pb.Heartbeat(monotonic_ms=int(time.monotonic() * 1000)))
-            except (ConnectionError, OSError):
-                await self.close()
-                return
+            if now >= next_beat:
+                next_beat = now + interval
+                try:
+                    self.send_soon(pb.Heartbeat(monotonic_ms=int(now * 1000)))
+                except (ConnectionError, OSError):
+                    await self.close()
+                    return
+
+    async def _peer_dead(self, fault: HeartbeatTimeout) -> None:
+        """Abort the transport first: the read loop ends now, not after a TLS teardown a
+        silent peer never completes (asyncio waits up to 30 s for its close_notify)."""
+        if self._fault is None:
+            self._fault = fault
+        logger.warning("closing connection to {}: {}", self.peer_name, fault)
+        with contextlib.suppress(ConnectionError, ProtocolError, OSError):
+            # Handed to the kernel now, or never: a peer that is merely slow learns why.
+            self._deferred.append(encode_frame(self.envelope(error_body(fault.code, str(fault)))))
+            self._flush_deferred()
+        self._deferred.clear()
+        self._writer.transport.abort()
+        await self.close()
 
 
 def _body_fields() -> dict[type, str]:

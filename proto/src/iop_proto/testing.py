@@ -17,7 +17,7 @@ import signal
 import socket
 import ssl
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -245,8 +245,12 @@ async def running_service(
     config: Path,
     env: dict[str, str] | None = None,
     ready_timeout: float = 30.0,
+    wrapper: Sequence[str] = (),
 ) -> AsyncIterator[RunningService]:
     """Start ``script --config config`` and wait for its ``ready:`` log line.
+
+    ``wrapper``: a command that execs the service (``ip netns exec NAME``), so the
+    process started is still the service's own: signals reach it.
 
     The readiness line is the explicit signal: it names the admin URL and the bound
     listening ports (``RunningService.ports``), so every port may be 0. The process
@@ -254,6 +258,7 @@ async def running_service(
     """
     bin_dir = Path(sys.executable).parent
     process = await asyncio.create_subprocess_exec(
+        *wrapper,
         str(bin_dir / script),
         "--config",
         str(config),

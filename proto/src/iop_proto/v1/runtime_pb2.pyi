@@ -143,18 +143,20 @@ class Error(_message.Message):
     def __init__(self, code: _Optional[_Union[ErrorCode, str]] = ..., message: _Optional[str] = ..., run_id: _Optional[str] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("peer_id", "token", "version", "role", "providers")
+    __slots__ = ("peer_id", "token", "version", "role", "providers", "acknowledges_runs")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     PROVIDERS_FIELD_NUMBER: _ClassVar[int]
+    ACKNOWLEDGES_RUNS_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     token: str
     version: str
     role: PeerRole
     providers: _containers.RepeatedCompositeFieldContainer[ProviderState]
-    def __init__(self, peer_id: _Optional[str] = ..., token: _Optional[str] = ..., version: _Optional[str] = ..., role: _Optional[_Union[PeerRole, str]] = ..., providers: _Optional[_Iterable[_Union[ProviderState, _Mapping]]] = ...) -> None: ...
+    acknowledges_runs: bool
+    def __init__(self, peer_id: _Optional[str] = ..., token: _Optional[str] = ..., version: _Optional[str] = ..., role: _Optional[_Union[PeerRole, str]] = ..., providers: _Optional[_Iterable[_Union[ProviderState, _Mapping]]] = ..., acknowledges_runs: _Optional[bool] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("accepted", "reason", "node_config", "heartbeat_interval_ms", "edge_id")
@@ -354,21 +356,27 @@ class RunError(_message.Message):
     provider_status: int
     def __init__(self, code: _Optional[_Union[ErrorCode, str]] = ..., message: _Optional[str] = ..., provider_status: _Optional[int] = ...) -> None: ...
 
+class RunAccepted(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class RunEvent(_message.Message):
-    __slots__ = ("run_id", "sequence", "start", "delta", "complete", "error")
+    __slots__ = ("run_id", "sequence", "start", "delta", "complete", "error", "accepted")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     DELTA_FIELD_NUMBER: _ClassVar[int]
     COMPLETE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     sequence: int
     start: RunStart
     delta: RunDelta
     complete: RunComplete
     error: RunError
-    def __init__(self, run_id: _Optional[str] = ..., sequence: _Optional[int] = ..., start: _Optional[_Union[RunStart, _Mapping]] = ..., delta: _Optional[_Union[RunDelta, _Mapping]] = ..., complete: _Optional[_Union[RunComplete, _Mapping]] = ..., error: _Optional[_Union[RunError, _Mapping]] = ...) -> None: ...
+    accepted: RunAccepted
+    def __init__(self, run_id: _Optional[str] = ..., sequence: _Optional[int] = ..., start: _Optional[_Union[RunStart, _Mapping]] = ..., delta: _Optional[_Union[RunDelta, _Mapping]] = ..., complete: _Optional[_Union[RunComplete, _Mapping]] = ..., error: _Optional[_Union[RunError, _Mapping]] = ..., accepted: _Optional[_Union[RunAccepted, _Mapping]] = ...) -> None: ...
 
 class CancelRequest(_message.Message):
     __slots__ = ("run_id", "reason")

@@ -30,6 +30,7 @@ from iop_edge.service.dispatch import Dispatcher
 from iop_edge.service.fleet_holder import FleetHolder
 from iop_edge.service.limits import max_body_bytes
 from iop_edge.service.registry import ProviderRegistry
+from iop_edge.service.runs import RunGuards
 from iop_edge.settings import EdgeSettings
 from iop_proto.service import AdminServer
 from iop_proto.tasks import cancel_and_wait
@@ -96,6 +97,7 @@ async def build(
         metrics,
         settings.max_frame_size,
         deadline_grace_s=settings.deadline_grace_s,
+        guards=RunGuards(settings.run_ack_timeout_s, settings.stall_timeout_s),
     )
     body_limit = max_body_bytes(settings.max_frame_size)  # what a node link can carry
     catalog = PoolCatalog(fleet_holder, providers, dispatcher)
@@ -153,7 +155,7 @@ async def build(
             tls=client_tls,
             cache_file=settings.config_cache,
             on_fleet=on_fleet,
-            heartbeat_interval_s=settings.heartbeat_interval_s,
+            heartbeat_interval_s=cp.heartbeat_interval_s,
             reconnect_max_s=cp.reconnect_max_s,
             authorize_timeout_s=cp.authorize_timeout_s,
             on_link=metrics.control_plane_connected.set,

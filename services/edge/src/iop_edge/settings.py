@@ -77,6 +77,15 @@ class ControlPlaneAddress(FrozenModel):
         gt=0,
         description="a node's registration waits this long for the control-plane's verdict",
     )
+    heartbeat_interval_s: float = Field(
+        default=30.0,
+        gt=0,
+        description=(
+            "heartbeats with the control-plane: keep it equal to the control-plane's"
+            " heartbeat_interval_s (each side judges the other by its own: 3 missed = dead);"
+            " losing this link costs no selection, the cached fleet config is served"
+        ),
+    )
 
 
 class EdgeSettings(DrainingSettings):
@@ -102,7 +111,33 @@ class EdgeSettings(DrainingSettings):
     batch_lease_ttl_s: float = Field(
         default=30.0, gt=0, description="a worker that stops renewing loses its batch after this"
     )
-    heartbeat_interval_s: float = Field(default=30.0, gt=0)
+    heartbeat_interval_s: float = Field(
+        default=2.0,
+        gt=0,
+        description=(
+            "with nodes and workers (they take the edge's): a peer silent for 3 intervals is"
+            " dead, a node's providers leave selection at once"
+        ),
+    )
+    run_ack_timeout_s: float = Field(
+        default=2.0,
+        ge=0,
+        description=(
+            "a run its node has not acknowledged this long after it was sent fails"
+            " (provider_unavailable) and the node's providers leave selection until its next"
+            " snapshot; 0 = off (nodes of older versions, which do not acknowledge, never are"
+            " timed)"
+        ),
+    )
+    stall_timeout_s: float = Field(
+        default=30.0,
+        ge=0,
+        description=(
+            "a streamed run whose node sends nothing for this long (from its acknowledgement,"
+            " then from each event) fails (provider_timeout); non-streamed runs are bound by"
+            " their request timeout only; 0 = off"
+        ),
+    )
     max_frame_size: int = Field(
         default=DEFAULT_MAX_FRAME_SIZE,
         ge=1024 * 1024,

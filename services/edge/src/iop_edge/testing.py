@@ -11,6 +11,7 @@ from iop_edge.metrics import EdgeMetrics
 from iop_edge.service.dispatch import Dispatcher
 from iop_edge.service.fleet_holder import FleetHolder
 from iop_edge.service.registry import ProviderRegistry
+from iop_edge.service.runs import UNGUARDED, RunGuards
 from iop_edge.settings import EdgeSettings
 from iop_proto.framing import DEFAULT_MAX_FRAME_SIZE
 
@@ -25,8 +26,11 @@ class WiredDispatcher(Dispatcher):
         metrics: EdgeMetrics,
         max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
         outliers: OutlierPolicy | None = None,
+        guards: RunGuards = UNGUARDED,
     ) -> None:
         self.fleet = FleetHolder()
         self.pool = ProviderRegistry(self.fleet, metrics, outliers or OutlierPolicy())
         grace_s = float(EdgeSettings.model_fields["deadline_grace_s"].default)
-        super().__init__(self.fleet, self.pool, metrics, max_frame_size, deadline_grace_s=grace_s)
+        super().__init__(
+            self.fleet, self.pool, metrics, max_frame_size, deadline_grace_s=grace_s, guards=guards
+        )

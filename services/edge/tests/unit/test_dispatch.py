@@ -23,6 +23,7 @@ from iop_proto.v1 import runtime_pb2 as pb
 class FakeNode:
     def __init__(self, node_id: str) -> None:
         self.node_id = node_id
+        self.acknowledges_runs = False
         self.sent: list[RunOrder] = []
         self.cancelled: list[str] = []
 

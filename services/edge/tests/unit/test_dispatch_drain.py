@@ -23,6 +23,7 @@ from iop_proto.v1 import runtime_pb2 as pb
 
 class FakeNode:
     node_id = "node-a"
+    acknowledges_runs = False
 
     async def send_run(self, request: RunOrder) -> None:
         pass

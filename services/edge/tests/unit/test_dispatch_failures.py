@@ -52,6 +52,7 @@ class Link:
         frame_limit: int | None = None,
     ) -> None:
         self.node_id = "node-a"
+        self.acknowledges_runs = False
         self.fault = fault
         self.hold = hold
         self.hold_cancel = hold_cancel

@@ -43,6 +43,7 @@ class FakeNode:
 
     def __init__(self, node_id: str) -> None:
         self.node_id = node_id
+        self.acknowledges_runs = False
         self.sent: list[RunOrder] = []
         self.cancelled: list[str] = []
         self.got_run = asyncio.Event()

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+import anthropic
 import openai
 import pytest
 from aiohttp import web
@@ -27,6 +28,7 @@ from iop_edge.domain.fleet import ApiKeyEntry, ModelEntry, Operation
 from iop_edge.entrypoints.api_auth import KeySlots
 from iop_edge.entrypoints.api_metrics import ApiMetrics
 from iop_edge.entrypoints.http_api import create_api_app, load_openapi
+from iop_edge.entrypoints.stop_gate import StopGate
 from iop_edge.errors import EdgeError, NoProviderAvailable, QueueFull, QueueTimeout
 from iop_edge.ports import AttemptRecord, EdgeRunRecord, RunSpec
 from iop_proto.v1 import runtime_pb2 as pb
@@ -258,7 +260,10 @@ class Edge:
 
 @contextlib.asynccontextmanager
 async def serve(
-    keys: dict[str, ApiKeyEntry] | None = None, cors_origins: tuple[str, ...] = ()
+    keys: dict[str, ApiKeyEntry] | None = None,
+    cors_origins: tuple[str, ...] = (),
+    max_body_bytes: int | None = None,
+    stop_gate: StopGate | None = None,
 ) -> AsyncIterator[Edge]:
     models = [
         ModelEntry(CHAT, "Llama 3.1 8B", {"p1": SERVED}),
@@ -276,6 +281,8 @@ async def serve(
         openapi=load_openapi(),
         key_slots=slots,
         cors_origins=cors_origins,
+        stop_gate=stop_gate,
+        **({} if max_body_bytes is None else {"max_body_bytes": max_body_bytes}),
     )
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
@@ -1052,6 +1059,8 @@ async def test_health_readiness_and_openapi(edge: Edge, http: aiohttp.ClientSess
         "/v1/batches",
         "/v1/batches/{batch_id}",
         "/v1/batches/{batch_id}/cancel",
+        "/v1/messages",
+        "/v1/messages/count_tokens",
         "/v1/responses",
         "/v1/responses/{response_id}",
         "/v1/responses/{response_id}/input_items",
@@ -1179,3 +1188,182 @@ async def test_any_origin_with_a_star() -> None:
             answer = await http.get(f"{edge.url}/v1/models", headers={"Origin": "https://a.b"})
     assert answer.headers["Access-Control-Allow-Origin"] == "*"
     assert "Vary" not in answer.headers
+
+
+# ---------------------------------------------------------------- Anthropic's Messages API
+
+
+def anthropic_sdk(edge: Edge, **auth: Any) -> anthropic.AsyncAnthropic:
+    auth = auth or {"api_key": "sk-any"}
+    return anthropic.AsyncAnthropic(base_url=edge.url, max_retries=0, **auth)
+
+
+async def test_messages_run_as_chat_and_answer_as_messages(edge: Edge) -> None:
+    async with anthropic_sdk(edge) as client:
+        message = await client.messages.create(
+            model=CHAT,
+            max_tokens=5,
+            system="sys",
+            messages=[{"role": "user", "content": "hi"}],
+        )
+        async with client.messages.stream(
+            model=CHAT, max_tokens=99_999, messages=[{"role": "user", "content": "hi"}]
+        ) as stream:
+            final = await stream.get_final_message()
+    plain, streamed = edge.service.specs
+    assert plain.operation is Operation.CHAT_COMPLETIONS
+    assert plain.body["messages"] == [
+        {"role": "system", "content": "sys"},
+        {"role": "user", "content": "hi"},
+    ]
+    assert plain.body["max_tokens"] == 5
+    assert streamed.body["max_tokens"] == 32768  # held to the model's max_output_tokens
+    assert (streamed.stream, streamed.body["stream_options"]) == (True, {"include_usage": True})
+    assert message.id == "msg_run-1"
+    assert message.model == CHAT  # the public id, never the served name
+    assert [b.type for b in message.content] == ["text"]
+    assert message.content[0].text == "Hello"  # type: ignore[union-attr]
+    assert (message.stop_reason, message.usage.input_tokens, message.usage.output_tokens) == (
+        "end_turn",
+        5,
+        2,
+    )
+    assert final.content[0].text == "Hello"  # type: ignore[union-attr]
+    assert (final.usage.input_tokens, final.usage.output_tokens) == (5, 2)
+    records = await edge.runlog.wait_for(2)
+    assert {(r.operation, r.outcome, r.status) for r in records} == {
+        ("chat_completions", "completed", 200)
+    }
+
+
+async def test_count_tokens_runs_one_token_and_reads_the_prompt_usage(edge: Edge) -> None:
+    async with anthropic_sdk(edge) as client:
+        counted = await client.messages.count_tokens(
+            model=CHAT, messages=[{"role": "user", "content": "hi"}]
+        )
+    assert counted.input_tokens == 5
+    [spec] = edge.service.specs
+    assert (spec.stream, spec.body["max_tokens"]) == (False, 1)
+
+
+async def test_messages_keys_by_x_api_key_or_bearer_with_anthropic_errors() -> None:
+    keys = {"sk-a": key("a", CHAT)}
+    hello: Any = [{"role": "user", "content": "hi"}]
+    async with serve(keys) as edge:
+        for auth in ({"api_key": "sk-a"}, {"auth_token": "sk-a", "api_key": None}):
+            async with anthropic_sdk(edge, **auth) as client:
+                await client.messages.create(model=CHAT, max_tokens=1, messages=hello)
+        async with anthropic_sdk(edge, api_key="sk-wrong") as client:
+            with pytest.raises(anthropic.AuthenticationError) as wrong:
+                await client.messages.create(model=CHAT, max_tokens=1, messages=hello)
+        async with anthropic_sdk(edge, api_key="sk-a") as client:
+            with pytest.raises(anthropic.PermissionDeniedError) as denied:
+                await client.messages.create(model=OTHER, max_tokens=1, messages=hello)
+        async with aiohttp.ClientSession() as http:
+            async with http.post(f"{edge.url}/v1/messages", json={}) as response:
+                missing = (response.status, await response.json())
+            async with http.post(
+                f"{edge.url}/v1/chat/completions", json={}, headers={"x-api-key": "sk-a"}
+            ) as response:
+                assert response.status == 400  # the same key serves OpenAI's routes too
+    assert wrong.value.body == {
+        "type": "error",
+        "error": {"type": "authentication_error", "message": "Incorrect API key provided."},
+    }
+    assert denied.value.body["error"]["type"] == "permission_error"  # type: ignore[index]
+    assert missing[0] == 401
+    assert missing[1]["error"]["type"] == "authentication_error"
+
+
+@pytest.mark.parametrize(
+    ("error", "status", "kind"),
+    [
+        (NoProviderAvailable("none"), 529, "overloaded_error"),
+        (QueueTimeout("waited"), 529, "overloaded_error"),
+        (QueueFull("full"), 429, "rate_limit_error"),
+    ],
+)
+async def test_messages_dispatch_refusals_in_anthropics_shape(
+    edge: Edge, http: aiohttp.ClientSession, error: EdgeError, status: int, kind: str
+) -> None:
+    edge.service.error = error
+    body = {"model": CHAT, "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]}
+    async with http.post(f"{edge.url}/v1/messages", json=body) as response:
+        assert response.status == status
+        assert response.headers["X-Request-Id"]
+        assert await response.json() == {
+            "type": "error",
+            "error": {"type": kind, "message": error.message},
+        }
+
+
+async def test_messages_errors_raised_before_the_handler_are_anthropics(
+    edge: Edge, http: aiohttp.ClientSession
+) -> None:
+    async with http.post(f"{edge.url}/v1/messages/nope", json={}) as response:
+        assert response.status == 404
+        assert (await response.json())["error"]["type"] == "not_found_error"
+    async with http.get(f"{edge.url}/v1/messages") as response:
+        assert response.status == 405
+        assert "POST" in response.headers["Allow"]
+        assert (await response.json())["type"] == "error"
+    async with http.post(f"{edge.url}/v1/messages", data=b"{not json") as response:
+        assert response.status == 400
+        assert (await response.json())["error"]["type"] == "invalid_request_error"
+    body = {"model": "nope", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]}
+    async with http.post(f"{edge.url}/v1/messages", json=body) as response:
+        assert response.status == 404
+        assert (await response.json())["error"]["type"] == "not_found_error"
+    assert edge.service.specs == []
+
+
+async def test_a_messages_body_over_the_limit_is_request_too_large() -> None:
+    async with serve(max_body_bytes=1024) as edge, aiohttp.ClientSession() as http:
+        body = {
+            "model": CHAT,
+            "max_tokens": 3,
+            "messages": [{"role": "user", "content": "x" * 4096}],
+        }
+        async with http.post(f"{edge.url}/v1/messages", json=body) as response:
+            assert response.status == 413
+            assert (await response.json())["error"]["type"] == "request_too_large"
+
+
+async def test_a_messages_run_failing_mid_stream_ends_with_an_error_event(
+    edge: Edge, http: aiohttp.ClientSession
+) -> None:
+    edge.service.plan = lambda spec: FakeRun(
+        [start(), delta("Hel", role="assistant"), run_error(pb.ERROR_CODE_PROVIDER_ERROR)]
+    )
+    body = {
+        "model": CHAT,
+        "max_tokens": 3,
+        "stream": True,
+        "messages": [{"role": "user", "content": "hi"}],
+    }
+    async with http.post(f"{edge.url}/v1/messages", json=body) as response:
+        assert response.status == 200
+        text = await response.text()
+    names = [line.removeprefix("event: ") for line in text.split("\n") if line.startswith("event:")]
+    assert names == [
+        "message_start",
+        "ping",
+        "content_block_start",
+        "content_block_delta",
+        "error",
+    ]
+    last = text.strip().split("\n")[-1].removeprefix("data: ")
+    assert json.loads(last) == {"type": "error", "error": {"type": "api_error", "message": "boom"}}
+
+
+async def test_a_draining_edge_answers_messages_with_anthropics_529() -> None:
+    gate = StopGate()
+    async with serve(stop_gate=gate) as edge, aiohttp.ClientSession() as http:
+        gate.close()
+        async with http.post(f"{edge.url}/v1/messages", json={}) as response:
+            assert response.status == 529
+            assert response.headers["Connection"] == "close"
+            assert (await response.json())["error"]["type"] == "overloaded_error"
+        async with http.post(f"{edge.url}/v1/chat/completions", json={}) as response:
+            assert response.status == 503  # OpenAI's routes keep OpenAI's status
+            assert (await response.json())["error"]["code"] == "shutting_down"

@@ -28,6 +28,7 @@ class FakeNode:
 
     def __init__(self, node_id: str, configured: Set[str] = frozenset()) -> None:
         self.node_id = node_id
+        self.acknowledges_runs = False
         self.conn: Connection = FakeConn()  # type: ignore[assignment]
         self.configured = configured
 

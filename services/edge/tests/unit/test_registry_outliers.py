@@ -31,6 +31,7 @@ FIVE_HUNDRED = Failed(ErrorCode.PROVIDER_ERROR, "HTTP 500", provider_status=500)
 class FakeNode:
     def __init__(self, node_id: str) -> None:
         self.node_id = node_id
+        self.acknowledges_runs = False
         self.sent: list[RunOrder] = []
 
     async def send_run(self, request: RunOrder) -> None:

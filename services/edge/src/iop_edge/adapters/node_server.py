@@ -3,7 +3,8 @@
 A node is admitted only when its certificate identity equals the node id it
 registers as and the control-plane vouches for its token. Its providers are
 routable while its connection lives; when the connection drops or goes silent
-they are unavailable at once and its runs end with an error.
+(the heartbeat watchdog aborts it: no TLS teardown to wait for) they are
+unavailable at once and its runs end with an error.
 
 A refused peer is told only ``REFUSED``; why goes to the edge's log (and its
 counter). What a registered peer sends about runs, providers and leases is
@@ -51,9 +52,15 @@ class NodeConnection:
     """A registered node, as dispatch sees it (implements ``NodeLink``)."""
 
     def __init__(
-        self, node_id: str, conn: Connection, token_id: str, config: pb.NodeConfig
+        self,
+        node_id: str,
+        conn: Connection,
+        token_id: str,
+        config: pb.NodeConfig,
+        acknowledges_runs: bool = False,
     ) -> None:
         self.node_id = node_id
+        self.acknowledges_runs = acknowledges_runs
         self.conn = conn
         self.token_id = token_id
         self.config = config
@@ -248,7 +255,13 @@ class NodeServer:
             )
             await conn.close()
             return None
-        node = NodeConnection(request.peer_id, conn, answer.token_id, answer.node_config)
+        node = NodeConnection(
+            request.peer_id,
+            conn,
+            answer.token_id,
+            answer.node_config,
+            request.acknowledges_runs,
+        )
         previous = self._registry.link(node.node_id)
         if isinstance(previous, NodeConnection):
             await previous.conn.close(

@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from iop_edge.domain.events import (
+    ACCEPTED,
+    Accepted,
     Completed,
     Delta,
     ErrorCode,
@@ -46,8 +48,9 @@ _CODES = {
 }
 
 
-def run_event(event: pb.RunEvent) -> RunEvent | None:
-    """The node's event as the edge's; ``None`` for one without a body (nothing to say)."""
+def run_event(event: pb.RunEvent) -> RunEvent | Accepted | None:
+    """The node's event as the edge's (``ACCEPTED`` for its acknowledgement); ``None``
+    for one without a body (nothing to say)."""
     kind = event.WhichOneof("kind")
     if kind == "delta":
         d = event.delta
@@ -71,6 +74,8 @@ def run_event(event: pb.RunEvent) -> RunEvent | None:
     if kind == "start":
         s = event.start
         return Started(s.provider_id, s.target, s.queue_wait_ms)
+    if kind == "accepted":
+        return ACCEPTED
     return None
 
 

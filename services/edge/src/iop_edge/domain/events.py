@@ -105,6 +105,15 @@ class Retrying:
     provider_id: str = ""
 
 
+@dataclass(frozen=True, slots=True)
+class Accepted:
+    """The node took the run (before its own queue): the run's acknowledgement. Not a
+    ``RunEvent``: it ends the run's ack guard and is never queued for a reader."""
+
+
+ACCEPTED = Accepted()
+"""The one instance (it carries nothing): the wire adapter allocates none per run."""
+
 RunEvent = Started | Delta | Completed | Failed | Retrying
 TERMINAL = (Completed, Failed)
 """The events that end a run (``isinstance(event, TERMINAL)``)."""

@@ -39,16 +39,21 @@ OPEN_PATHS: Final = frozenset({"/healthz", "/readyz"})
 def authenticate(request: web.BaseRequest, keys: KeyRing) -> ApiKeyEntry | None:
     """The caller's key policy; ``None`` when the API is open (no keys configured).
 
-    Raises ``AuthenticationFailed`` (401) for a missing, malformed or unknown key.
+    The key comes as ``Authorization: Bearer <key>`` (OpenAI's clients) or as
+    ``x-api-key: <key>`` (Anthropic's); either way it is the same key, with the
+    same allow-list. Raises ``AuthenticationFailed`` (401) for a missing,
+    malformed or unknown key.
     """
     if keys.open:
         return None
     scheme, _, token = request.headers.get("Authorization", "").partition(" ")
     token = token.strip()
     if scheme.lower() != "bearer" or not token:
+        token = request.headers.get("x-api-key", "").strip()
+    if not token:
         raise AuthenticationFailed(
             "You didn't provide an API key. Send it in the Authorization header "
-            "as 'Authorization: Bearer <key>'."
+            "as 'Authorization: Bearer <key>' (or as 'x-api-key: <key>')."
         )
     entry = keys.lookup(token)
     if entry is None:

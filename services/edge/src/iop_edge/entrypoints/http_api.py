@@ -25,6 +25,11 @@ from iop_edge.entrypoints.api_metrics import ApiMetrics
 from iop_edge.entrypoints.batch_routes import BatchRoutes
 from iop_edge.entrypoints.cors import CorsPolicy
 from iop_edge.entrypoints.inference_routes import InferenceRoutes
+from iop_edge.entrypoints.messages_dialect import (
+    is_messages_path,
+    messages_error_response,
+    register_messages,
+)
 from iop_edge.entrypoints.openai_errors import error_response, from_http_exception
 from iop_edge.entrypoints.responses_routes import ResponsesRoutes
 from iop_edge.entrypoints.stop_gate import StopGate
@@ -113,6 +118,7 @@ def create_api_app(
     slots = key_slots if key_slots is not None else KeySlots()
     inference = InferenceRoutes(service, catalog, keys, runlog, metrics, slots)
     inference.register(app)
+    register_messages(app, inference, catalog)
     if responses is not None:
         ResponsesRoutes(responses, keys).register(app, inference.route)
     ReadRoutes(catalog, keys, runlog, openapi).register(app)
@@ -123,7 +129,8 @@ def create_api_app(
 
 @web.middleware
 async def openai_error_boundary(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """The outermost boundary: every error leaves as an OpenAI error object.
+    """The outermost boundary: every error leaves as an OpenAI error object (an
+    Anthropic one on the Messages API's paths: ``is_messages_path``).
 
     ``EdgeError``s and aiohttp's own 4xx (unknown route, wrong method) are
     expected, and so is input aiohttp cannot parse while a handler reads it (a
@@ -132,20 +139,21 @@ async def openai_error_boundary(request: web.Request, handler: Handler) -> web.S
     traceback (bounded: ``log_unexpected``), answered 500. ``CancelledError`` is
     not an ``Exception`` and passes through.
     """
+    respond = messages_error_response if is_messages_path(request.path) else error_response
     try:
         return await handler(request)
     except EdgeError as exc:
-        return error_response(exc)
+        return respond(exc)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise  # a redirect is not an error
-        return error_response(from_http_exception(request, exc))
+        return respond(from_http_exception(request, exc))
     except (HttpProcessingError, web.RequestPayloadError) as exc:
         detail = exc.message if isinstance(exc, HttpProcessingError) else str(exc)
-        return error_response(InvalidRequest(f"The request could not be read: {detail[:200]}"))
+        return respond(InvalidRequest(f"The request could not be read: {detail[:200]}"))
     except Exception as exc:
         log_unexpected(exc, "unhandled error serving {} {}", request.method, request.path)
-        return error_response(internal_error())
+        return respond(internal_error())
 
 
 def body_deadline(timeout_s: float, min_rate: int = MIN_BODY_RATE) -> Middleware:

@@ -2,7 +2,8 @@
 
 The listening socket is closed first (new connections are refused by the OS);
 this gate answers what still arrives on a connection kept alive from before:
-an OpenAI 503, and ``Connection: close`` so the client reconnects elsewhere.
+an OpenAI 503 (Anthropic's 529 on the Messages API), and ``Connection: close`` so
+the client reconnects elsewhere.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
+from iop_edge.entrypoints.messages_dialect import is_messages_path, messages_error_response
 from iop_edge.entrypoints.openai_errors import error_response
 from iop_edge.errors import ShuttingDown
 
@@ -28,7 +30,11 @@ class StopGate:
         async def stop_gate(request: web.Request, handler: Handler) -> web.StreamResponse:
             if not self.closed:
                 return await handler(request)
-            response = error_response(ShuttingDown("The server is shutting down; retry later"))
+            refusal = ShuttingDown("The server is shutting down; retry later")
+            if is_messages_path(request.path):
+                response = messages_error_response(refusal)
+            else:
+                response = error_response(refusal)
             response.force_close()  # aiohttp then sends Connection: close
             return response
 

@@ -17,7 +17,7 @@ import secrets
 import time
 from collections.abc import Iterable
 
-from iop_edge.domain.events import ErrorCode, Failed, RunEvent, RunOrder
+from iop_edge.domain.events import Accepted, ErrorCode, Failed, RunEvent, RunOrder
 from iop_edge.domain.fleet import Fleet, ModelEntry
 from iop_edge.domain.pool import ModelIndex, ProviderSlot
 from iop_edge.domain.queue import ModelQueue
@@ -35,7 +35,7 @@ from iop_edge.ports import FleetView, RunSpec
 from iop_edge.service.failover import FailoverRun
 from iop_edge.service.limits import RunBody, check_output_tokens, check_run_frame
 from iop_edge.service.registry import ProviderRegistry
-from iop_edge.service.runs import EdgeRun, NodeLink
+from iop_edge.service.runs import UNGUARDED, EdgeRun, NodeLink, RunGuards
 from iop_proto.errors import FrameTooLarge
 from iop_proto.framing import DEFAULT_MAX_FRAME_SIZE
 
@@ -55,8 +55,11 @@ class Dispatcher:
         max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
         *,
         deadline_grace_s: float,
+        guards: RunGuards = UNGUARDED,
     ) -> None:
         self._fleet = fleet
+        self._guards = guards
+        self._stall_only = RunGuards(stall_timeout_s=guards.stall_timeout_s)
         self._registry = registry
         self._deadline_grace_s = deadline_grace_s
         self._stopping: str | None = None  # set by stop_admitting: new runs are refused
@@ -89,7 +92,7 @@ class Dispatcher:
         for run in [r for r in self._runs.values() if r.link is link]:
             run.fail(ErrorCode.PROVIDER_UNAVAILABLE, f"node {link.node_id} lost: {reason}")
 
-    def deliver(self, run_id: str, event: RunEvent) -> bool:
+    def deliver(self, run_id: str, event: RunEvent | Accepted) -> bool:
         """Route a node's run event to its run; False for an unknown run id."""
         run = self._runs.get(run_id)
         if run is None:
@@ -284,6 +287,8 @@ class Dispatcher:
             self._run_finished,
             self._deadline_grace_s,
             now_ms,
+            # a node of an older version never acknowledges: its runs get no ack guard
+            self._guards if link.acknowledges_runs else self._stall_only,
         )
         self._runs[run_id] = run
         return run
@@ -291,6 +296,8 @@ class Dispatcher:
     def _run_finished(self, run: EdgeRun) -> None:
         self._runs.pop(run.run_id, None)
         self._registry.record_outcome(run.provider_id, run.outcome)  # before the slot is offered
+        if run.unacknowledged:  # the node, not the provider, is in doubt
+            self._registry.node_unresponsive(run.node_id, f"run {run.run_id} unacknowledged")
         slot = self._registry.slot(run.provider_id)
         if slot is not None:
             self._release(slot)

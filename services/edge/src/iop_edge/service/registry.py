@@ -209,5 +209,15 @@ class ProviderRegistry:
         for provider_id in list(self._cooldowns):
             self._cancel_cooldown(provider_id)
 
+    def node_unresponsive(self, node_id: str, reason: str) -> None:
+        """The node did not acknowledge a run in time: none of its providers is chosen
+        until it speaks again (its next snapshot says what they are), while its
+        connection, and the runs it did acknowledge, stay to the heartbeats to judge."""
+        for slot in self._slots_of_node(node_id):
+            if slot.health == AVAILABLE:
+                slot.update(health=UNAVAILABLE)
+                slot.detail = f"node unresponsive: {reason}"
+                self._metrics.publish_slot(slot)
+
     def _slots_of_node(self, node_id: str) -> list[ProviderSlot]:
         return [slot for slot in self._slots.values() if slot.node_id == node_id]

@@ -1,8 +1,17 @@
 """One dispatched run as the edge holds it: events from the node, cancel, one release.
 
 The node link delivers events; the HTTP layer iterates them. Whatever ends the
-run (terminal event, cancel, node loss, the edge's own deadline guard), the
-provider slot is released exactly once.
+run (terminal event, cancel, node loss, the edge's own guards), the provider
+slot is released exactly once.
+
+The guards, on one timer per run, re-armed by itself (never per event):
+- the acknowledgement: a node that registered ``acknowledges_runs`` must say it
+  took the run within ``ack_timeout_s``, else the run fails
+  ``provider_unavailable`` and ``unacknowledged`` tells the dispatcher the node
+  itself is in doubt (frozen, cut off, its loop stuck);
+- the stall: a streamed run whose node sends nothing for ``stall_timeout_s``
+  fails ``provider_timeout`` (each event only notes the loop time);
+- the deadline: the node enforces it, this catches a node that does not.
 """
 
 from __future__ import annotations
@@ -11,16 +20,41 @@ import asyncio
 import contextlib
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
-from iop_edge.domain.events import TERMINAL, Completed, ErrorCode, Failed, RunEvent, RunOrder
+from iop_edge.domain.events import (
+    TERMINAL,
+    Accepted,
+    Completed,
+    ErrorCode,
+    Failed,
+    RunEvent,
+    RunOrder,
+)
 from iop_edge.ports import AttemptRecord
+
+
+@dataclass(frozen=True, slots=True)
+class RunGuards:
+    """How long the edge waits for a node's acknowledgement and, in a stream, between
+    its events, before it fails the run itself (0: not guarded; the settings'
+    ``run_ack_timeout_s`` and ``stall_timeout_s``)."""
+
+    ack_timeout_s: float = 0.0
+    stall_timeout_s: float = 0.0
+
+
+UNGUARDED = RunGuards()
+"""Only the deadline is guarded (the default of tests and tools that build runs)."""
 
 
 class NodeLink(Protocol):
     """A registered node's connection, as dispatch uses it."""
 
     node_id: str
+    acknowledges_runs: bool
+    """The node sends ``Accepted`` for each run it takes (it said so when it registered)."""
 
     async def send_run(self, order: RunOrder) -> None: ...
 
@@ -42,6 +76,7 @@ class EdgeRun:
         on_finish: Callable[[EdgeRun], None],
         deadline_grace_s: float,
         started_ms: int = 0,
+        guards: RunGuards = UNGUARDED,
     ) -> None:
         self.run_id = run_id
         self.request = request
@@ -60,12 +95,21 @@ class EdgeRun:
         self.outcome: Completed | Failed | None = None  # the terminal event, once finished
         self.edge_queue_wait_s = 0.0
         self.started_ms = started_ms  # Unix ms, for the run log
-        loop = asyncio.get_running_loop()
-        self._opened_at = loop.time()
-        self._ended_at = 0.0
-        # One timer per run (not a timeout per event: that cost showed in profiles).
+        # One timer per run (not a timeout per event: that cost showed in profiles), at
+        # the earliest guard; when it fires it judges them all and re-arms itself.
         self._timed_out: Failed | None = None
-        self._timer = loop.call_at(deadline + deadline_grace_s, self._expire)
+        self.unacknowledged = False  # failed for want of the node's acknowledgement
+        loop = self._loop = asyncio.get_running_loop()
+        now = loop.time()
+        self._opened_at = now
+        self._ended_at = 0.0
+        self._expires_at = deadline + deadline_grace_s
+        self._ack_timeout_s = guards.ack_timeout_s
+        self._acked = guards.ack_timeout_s <= 0  # nothing to wait for
+        self._ack_by = now + guards.ack_timeout_s
+        self._stall_s = guards.stall_timeout_s if request.stream else 0.0
+        self._last_event = now  # the stall clock: the send, then each event
+        self._timer = loop.call_at(self._next_check(), self._check)
 
     @property
     def deadline(self) -> float:
@@ -87,9 +131,15 @@ class EdgeRun:
         if sent:
             await asyncio.shield(self._tell_node(reason))
 
-    def deliver(self, event: RunEvent) -> None:
-        """From the node link: queue the event; a terminal one releases the slot now."""
+    def deliver(self, event: RunEvent | Accepted) -> None:
+        """From the node link: queue the event; a terminal one releases the slot now.
+        Any event is an acknowledgement; ``Accepted`` is nothing else (never queued)."""
         if self.finished:
+            return
+        self._acked = True
+        if self._stall_s:
+            self._last_event = self._loop.time()
+        if isinstance(event, Accepted):
             return
         self._push(event)
         if isinstance(event, TERMINAL):
@@ -97,7 +147,10 @@ class EdgeRun:
 
     def fail(self, code: ErrorCode, message: str) -> None:
         """End the run from the edge's side (node lost, edge stopping)."""
-        self.deliver(Failed(code, message))
+        if not self.finished:
+            failure = Failed(code, message)
+            self._push(failure)
+            self._finish(failure)
 
     @property
     def link(self) -> NodeLink:
@@ -132,18 +185,47 @@ class EdgeRun:
                 self._waiter = None
         event = events.popleft()
         if event is self._timed_out:
-            await self._tell_node("deadline passed without an answer from the node")
+            await self._tell_node(event.message)
         if isinstance(event, TERMINAL):
             self._iterated = True  # the terminal event is the last one anyone sees
         return event
 
-    def _expire(self) -> None:
-        """The node never ended the run: end it here so no client waits forever."""
+    def _next_check(self) -> float:
+        """When the timer must next look: the earliest guard still open."""
+        at = self._expires_at
+        if not self._acked and self._ack_by < at:
+            at = self._ack_by
+        if self._stall_s and self._last_event + self._stall_s < at:
+            at = self._last_event + self._stall_s
+        return at
+
+    def _check(self) -> None:
+        """The timer: fail the run for the first guard that passed, or re-arm."""
         if self.finished:
             return
-        self._timed_out = Failed(ErrorCode.PROVIDER_TIMEOUT, "the provider did not answer in time")
-        self._push(self._timed_out)
-        self._finish(self._timed_out)
+        now = self._loop.time()
+        if now >= self._expires_at:
+            self._expire(Failed(ErrorCode.PROVIDER_TIMEOUT, "the provider did not answer in time"))
+        elif not self._acked and now >= self._ack_by:
+            self.unacknowledged = True
+            self._expire(
+                Failed(
+                    ErrorCode.PROVIDER_UNAVAILABLE,
+                    f"node {self.node_id} did not acknowledge the run within"
+                    f" {self._ack_timeout_s:g} s",
+                )
+            )
+        elif self._stall_s and now - self._last_event >= self._stall_s:
+            self._expire(Failed(ErrorCode.PROVIDER_TIMEOUT, f"no output for {self._stall_s:g} s"))
+        else:
+            self._timer = self._loop.call_at(self._next_check(), self._check)
+
+    def _expire(self, failure: Failed) -> None:
+        """The node did not do its part in time: end the run here so no client waits
+        forever (whoever reads the events tells the node to drop it)."""
+        self._timed_out = failure
+        self._push(failure)
+        self._finish(failure)
 
     async def cancel(self, reason: str) -> None:
         """Client gone: tell the node to abort the provider call, and free the slot."""

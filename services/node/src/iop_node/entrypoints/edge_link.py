@@ -40,7 +40,9 @@ class ConnectionChannel:
     in the same write (the edge has no use for it sooner, and a non-streamed run
     then costs one write, not two); deltas are deferred so those of one provider
     read leave together (``Connection.send(defer=True)``); the terminal event
-    takes whatever waits along at once.
+    takes whatever waits along at once. ``accepted`` (event 0) leaves at the end
+    of the loop pass that took the run, before the run's queue and its provider:
+    the edge fails a run it does not hear of in time (``run_ack_timeout_s``).
     """
 
     def __init__(self, conn: Connection, run_id: str) -> None:
@@ -63,6 +65,13 @@ class ConnectionChannel:
             await self._conn.send(self._number(event), correlation_id=self._run_id, defer=defer)
         except (ConnectionClosed, OSError) as exc:  # closed, or reset under the write
             raise RunCancelled(EDGE_GONE) from exc
+
+    def accepted(self) -> None:
+        """The node took the run: tell the edge now (never blocks the receive loop)."""
+        event = self._number(pb.RunEvent(accepted={}))
+        # a connection gone already: the run finds out itself when it sends
+        with contextlib.suppress(ConnectionClosed, OSError):
+            self._conn.send_soon(event, correlation_id=self._run_id)
 
     async def started(self, provider_id: str, target: str, queue_wait_ms: int) -> None:
         start = {"provider_id": provider_id, "target": target, "queue_wait_ms": queue_wait_ms}
@@ -108,6 +117,7 @@ class EdgeLink(Dialer):
             version=self._version,
             role=pb.PEER_ROLE_NODE,
             providers=self._provider_states(),
+            acknowledges_runs=True,
         )
 
     async def _accepted(self, conn: Connection, response: pb.RegisterResponse) -> str:
@@ -134,9 +144,9 @@ class EdgeLink(Dialer):
         async for envelope in conn:
             kind = envelope.WhichOneof("body")
             if kind == "run_request":
-                self._core.start_run(
-                    envelope.run_request, ConnectionChannel(conn, envelope.run_request.run_id)
-                )
+                channel = ConnectionChannel(conn, envelope.run_request.run_id)
+                if self._core.start_run(envelope.run_request, channel):
+                    channel.accepted()
             elif kind == "cancel_request":
                 cancel = envelope.cancel_request
                 why = cancel.reason or "no reason given"

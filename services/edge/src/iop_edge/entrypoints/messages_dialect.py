@@ -1,0 +1,164 @@
+"""Anthropic's Messages API as a ``Dialect``: ``POST /v1/messages`` and its ``count_tokens``.
+
+A request is translated into a chat-completions body (``formats.anthropic_request``)
+and runs through the shared pipeline like any chat completion: the same keys and
+allow-lists, queue, selection, failover, cancellation and run log, on every
+provider. Its answer and stream are written back as Anthropic's
+(``formats.anthropic``), and so are its errors: here for the handler's, and through
+``is_messages_path`` for those the middlewares raise before it (authentication,
+the loopback rule, unknown routes, the stop gate).
+
+``count_tokens`` asks the model itself: the request runs once with ``max_tokens``
+1, and the answer is the prompt tokens the provider counted (its own tokenizer
+and chat template, which no count at the edge could match). A provider that
+reports no usage gets an estimate (``estimate_tokens``: about four bytes a token).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Final
+
+from aiohttp import web
+
+from iop_edge.domain.events import Completed, Delta
+from iop_edge.domain.fleet import ApiKeyEntry, Operation
+from iop_edge.entrypoints.api_dialect import DialectRequest
+from iop_edge.entrypoints.openai_errors import MethodNotAllowed
+from iop_edge.errors import EdgeError, QueueFull
+from iop_edge.formats.anthropic import (
+    MessageStream,
+    error_body,
+    error_status,
+    render_message,
+)
+from iop_edge.formats.anthropic_request import chat_body, estimate_tokens, prompt_body
+from iop_edge.ports import Catalog, RunSpec
+from iop_proto import json_codec
+
+if TYPE_CHECKING:
+    from iop_edge.entrypoints.inference_routes import InferenceRoutes
+
+MESSAGES_PATH: Final = "/v1/messages"
+COUNT_TOKENS_PATH: Final = "/v1/messages/count_tokens"
+CHAT: Final = Operation.CHAT_COMPLETIONS
+
+
+def is_messages_path(path: str) -> bool:
+    """A path of the Messages API, whose errors are Anthropic's whatever raised them."""
+    return path == MESSAGES_PATH or path.startswith(MESSAGES_PATH + "/")
+
+
+def messages_error_response(exc: EdgeError) -> web.Response:
+    """An error before the first byte in Anthropic's shape, status and headers."""
+    response = web.Response(
+        status=error_status(exc),
+        body=json_codec.dumps(error_body(exc)),
+        content_type="application/json",
+    )
+    if isinstance(exc, QueueFull):
+        response.headers["Retry-After"] = str(exc.retry_after_s)
+    elif isinstance(exc, MethodNotAllowed) and exc.allowed:
+        response.headers["Allow"] = exc.allowed
+    return response
+
+
+class MessagesDialect:
+    """Implements ``Dialect`` for ``POST /v1/messages``, streamed or not."""
+
+    operation: Final = CHAT
+
+    def __init__(self, catalog: Catalog) -> None:
+        self._catalog = catalog
+
+    def read(self, body: dict[str, Any]) -> DialectRequest:
+        model = body.get("model")
+        entry = self._catalog.model(model) if isinstance(model, str) else None
+        chat = chat_body(body, max_tokens_cap=entry.max_output_tokens if entry else None)
+        stream = bool(chat.get("stream"))
+        spec = RunSpec(
+            model=chat["model"], operation=CHAT, body=chat, stream=stream, include_usage=stream
+        )
+        return DialectRequest(spec, context=tuple(chat.get("stop", ())))
+
+    async def resolve(self, asked: DialectRequest, key: ApiKeyEntry | None) -> DialectRequest:
+        return asked  # nothing stored to read: a Messages request carries its conversation
+
+    def stream_writer(self, request: DialectRequest, run_id: str, created: int) -> MessageStream:
+        return MessageStream(message_id=f"msg_{run_id}", model=request.spec.model)
+
+    async def answer(
+        self,
+        request: DialectRequest,
+        end: Completed,
+        deltas: Sequence[Delta],
+        run_id: str,
+        created: int,
+    ) -> bytes:
+        message = render_message(
+            end,
+            deltas,
+            message_id=f"msg_{run_id}",
+            model=request.spec.model,
+            stop_sequences=request.context,
+        )
+        return json_codec.dumps(message)
+
+    def error_response(self, exc: EdgeError) -> web.Response:
+        return messages_error_response(exc)
+
+
+class CountTokensDialect:
+    """Implements ``Dialect`` for ``POST /v1/messages/count_tokens``: never streamed."""
+
+    operation: Final = CHAT
+
+    def read(self, body: dict[str, Any]) -> DialectRequest:
+        chat = prompt_body(body)
+        chat["max_tokens"] = 1
+        spec = RunSpec(
+            model=chat["model"], operation=CHAT, body=chat, stream=False, include_usage=False
+        )
+        return DialectRequest(spec, context=chat)
+
+    async def resolve(self, asked: DialectRequest, key: ApiKeyEntry | None) -> DialectRequest:
+        return asked
+
+    def stream_writer(self, request: DialectRequest, run_id: str, created: int) -> MessageStream:
+        return MessageStream(message_id=f"msg_{run_id}", model=request.spec.model)  # unused
+
+    async def answer(
+        self,
+        request: DialectRequest,
+        end: Completed,
+        deltas: Sequence[Delta],
+        run_id: str,
+        created: int,
+    ) -> bytes:
+        counted = _prompt_tokens(end, deltas)
+        return json_codec.dumps({"input_tokens": counted or estimate_tokens(request.context)})
+
+    def error_response(self, exc: EdgeError) -> web.Response:
+        return messages_error_response(exc)
+
+
+def _prompt_tokens(end: Completed, deltas: Sequence[Delta]) -> int:
+    """The prompt tokens the provider reported (its result's usage first), 0 if none."""
+    if end.result_json:
+        try:
+            result = json_codec.loads(end.result_json)
+        except ValueError:
+            result = None
+        usage = result.get("usage") if isinstance(result, dict) else None
+        prompt = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+        if isinstance(prompt, int) and prompt > 0:
+            return prompt
+    if end.usage is not None and end.usage.prompt_tokens > 0:
+        return end.usage.prompt_tokens
+    return next((d.usage.prompt_tokens for d in deltas if d.usage and d.usage.prompt_tokens), 0)
+
+
+def register_messages(app: web.Application, routes: InferenceRoutes, catalog: Catalog) -> None:
+    """``/v1/messages`` and ``/v1/messages/count_tokens`` over the shared pipeline."""
+    app.router.add_post(MESSAGES_PATH, routes.route(MessagesDialect(catalog)))
+    app.router.add_post(COUNT_TOKENS_PATH, routes.route(CountTokensDialect()))

@@ -1,0 +1,359 @@
+"""An Anthropic Messages request as the OpenAI chat-completions body every node adapter takes.
+
+Pure: a body in, a chat body out, or ``InvalidRequest`` naming the field (as
+Anthropic's ``invalid_request_error`` does). What the translation does, field
+by field (docs/ARCHITECTURE.md#messages-api):
+
+- ``system`` (a string or text blocks) becomes the first, ``system`` message.
+- ``messages``: text blocks become text parts; ``image`` blocks (base64 or URL
+  sources) become ``image_url`` parts, base64 as ``data:`` URLs; an assistant's
+  ``tool_use`` blocks become its ``tool_calls`` (``input`` written as the
+  arguments JSON); a user's ``tool_result`` blocks become ``tool`` messages, put
+  first (chat wants them right after the assistant turn that called), an
+  ``is_error`` result prefixed ``Error:`` (chat has no such flag). ``thinking``
+  blocks sent back are dropped: chat models take no reasoning as input.
+- ``tools`` become function tools (``input_schema`` is the parameters schema);
+  Anthropic's server tools (web search, code execution ...) are refused: only
+  the client runs tools here. ``tool_choice`` ``auto``/``any``/``tool``/``none``
+  become ``auto``/``required``/the named function/``none``, and
+  ``disable_parallel_tool_use`` becomes ``parallel_tool_calls: false``.
+- ``max_tokens`` is required; ``stop_sequences`` become ``stop``; ``temperature``,
+  ``top_p`` and ``top_k`` pass as they are.
+- ``thinking`` (``enabled`` with ``budget_tokens``) and ``output_config.effort``
+  become ``reasoning_effort``, the chat API's reasoning control; a JSON
+  ``output_config.format`` becomes a ``json_schema`` ``response_format``.
+- ``metadata`` and the Claude-only fields (``service_tier``, ``container``,
+  ``cache_control`` on blocks ...) are accepted and not forwarded: no provider
+  here has a use for them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Final
+
+from iop_edge.errors import InvalidRequest
+from iop_proto import json_codec
+
+PASSED_SAMPLING: Final = ("temperature", "top_p", "top_k")
+PASSED_THROUGH: Final = ("iop_mock",)
+"""IOP's own request hooks (the mock provider's failure drills) travel as in chat."""
+EFFORT_BUDGETS: Final = ((4096, "low"), (16384, "medium"))
+"""``budget_tokens`` up to these become that effort; above, ``high``. Claude Code's
+"think" / "think hard" / "ultrathink" budgets (4000, 10000, 31999) land on the three."""
+EFFORTS: Final = {"low": "low", "medium": "medium", "high": "high", "xhigh": "high", "max": "high"}
+CUSTOM_TOOL_TYPES: Final = (None, "custom")
+TOOL_CHOICES: Final = {"auto": "auto", "any": "required", "none": "none"}
+ERROR_PREFIX: Final = "Error: "
+
+
+def chat_body(body: Mapping[str, Any], *, max_tokens_cap: int | None) -> dict[str, Any]:
+    """The chat-completions body of a ``POST /v1/messages`` body.
+
+    ``max_tokens_cap``: the model's ``max_output_tokens``; a larger ``max_tokens`` is
+    lowered to it (Anthropic clients size it for Claude, not for the pool's model),
+    ``None`` when the model is unknown (the pipeline then answers 404).
+    """
+    max_tokens = body.get("max_tokens")
+    if type(max_tokens) is not int:
+        raise InvalidRequest("max_tokens: Field required (an integer).", param="max_tokens")
+    if max_tokens < 1:
+        raise InvalidRequest("max_tokens: must be greater than or equal to 1.", param="max_tokens")
+    chat = prompt_body(body)
+    chat["max_tokens"] = max_tokens if max_tokens_cap is None else min(max_tokens, max_tokens_cap)
+    stop = body.get("stop_sequences")
+    if stop is not None:
+        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+            raise InvalidRequest("stop_sequences: must be an array of strings.", param="stop")
+        if stop:
+            chat["stop"] = stop
+    for field in PASSED_SAMPLING:
+        value = body.get(field)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise InvalidRequest(f"{field}: must be a number.", param=field)
+        chat[field] = value
+    metadata = body.get("metadata")
+    if metadata is not None and not isinstance(metadata, dict):
+        raise InvalidRequest("metadata: must be an object.", param="metadata")
+    for field in PASSED_THROUGH:
+        if field in body:
+            chat[field] = body[field]
+    if stream_asked(body):
+        chat["stream"] = True
+        chat["stream_options"] = {"include_usage": True}  # the usage message_delta reports
+    return chat
+
+
+def prompt_body(body: Mapping[str, Any]) -> dict[str, Any]:
+    """What a request and its ``count_tokens`` share: model, system, messages, tools,
+    tool choice and the reasoning controls."""
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise InvalidRequest("model: Field required (a string).", param="model")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequest("messages: must be a non-empty array.", param="messages")
+    chat: dict[str, Any] = {"model": model}
+    converted = _system(body.get("system"))
+    for position, message in enumerate(messages):
+        converted.extend(_message(message, f"messages.{position}"))
+    chat["messages"] = converted
+    tools = _tools(body.get("tools"))
+    if tools:
+        chat["tools"] = tools
+        chat.update(_tool_choice(body.get("tool_choice"), {t["function"]["name"] for t in tools}))
+    effort = _effort(body.get("thinking"), body.get("output_config"))
+    if effort:
+        chat["reasoning_effort"] = effort
+    answer_format = _response_format(body.get("output_config"))
+    if answer_format is not None:
+        chat["response_format"] = answer_format
+    return chat
+
+
+def stream_asked(body: Mapping[str, Any]) -> bool:
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise InvalidRequest("stream: must be a boolean.", param="stream")
+    return bool(stream)
+
+
+def _system(system: Any) -> list[dict[str, Any]]:
+    if system is None or system == "":
+        return []
+    if isinstance(system, str):
+        return [{"role": "system", "content": system}]
+    if isinstance(system, list):
+        texts = [_text_of(block, f"system.{i}") for i, block in enumerate(system)]
+        return [{"role": "system", "content": "\n\n".join(texts)}] if texts else []
+    raise InvalidRequest("system: must be a string or an array of text blocks.", param="system")
+
+
+def _text_of(block: Any, where: str) -> str:
+    if not isinstance(block, dict) or block.get("type") != "text":
+        raise InvalidRequest(f"{where}: must be a text block.", param=where)
+    text = block.get("text")
+    if not isinstance(text, str):
+        raise InvalidRequest(f"{where}.text: Field required (a string).", param=where)
+    return text
+
+
+def _message(message: Any, where: str) -> list[dict[str, Any]]:
+    """One Anthropic message as one or more chat messages (tool results split off)."""
+    if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
+        raise InvalidRequest(
+            f"{where}: must be an object with role user or assistant.", param=where
+        )
+    content = message.get("content")
+    if isinstance(content, str):
+        return [{"role": message["role"], "content": content}]
+    if not isinstance(content, list):
+        raise InvalidRequest(f"{where}.content: must be a string or an array.", param=where)
+    if message["role"] == "assistant":
+        return [_assistant(content, where)]
+    return _user(content, where)
+
+
+def _assistant(blocks: list[Any], where: str) -> dict[str, Any]:
+    texts: list[str] = []
+    calls: list[dict[str, Any]] = []
+    for i, block in enumerate(blocks):
+        kind = block.get("type") if isinstance(block, dict) else None
+        at = f"{where}.content.{i}"
+        if kind == "text":
+            texts.append(_text_of(block, at))
+        elif kind == "tool_use":
+            calls.append(_tool_call(block, at))
+        elif kind in ("thinking", "redacted_thinking"):
+            continue
+        else:
+            raise InvalidRequest(f"{at}: an assistant block of type {kind!r} is not supported.")
+    # null content only beside tool calls: servers refuse an assistant turn with neither
+    content = "".join(texts)
+    out: dict[str, Any] = {"role": "assistant", "content": content or (None if calls else "")}
+    if calls:
+        out["tool_calls"] = calls
+    return out
+
+
+def _tool_call(block: dict[str, Any], where: str) -> dict[str, Any]:
+    call_id, name, arguments = block.get("id"), block.get("name"), block.get("input", {})
+    if not isinstance(call_id, str) or not isinstance(name, str) or not name:
+        raise InvalidRequest(f"{where}: a tool_use block needs an id and a name.", param=where)
+    if not isinstance(arguments, dict):
+        raise InvalidRequest(f"{where}.input: must be an object.", param=where)
+    encoded = json_codec.dumps(arguments).decode()
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": encoded}}
+
+
+def _user(blocks: list[Any], where: str) -> list[dict[str, Any]]:
+    results: list[dict[str, Any]] = []
+    parts: list[dict[str, Any]] = []
+    for i, block in enumerate(blocks):
+        kind = block.get("type") if isinstance(block, dict) else None
+        at = f"{where}.content.{i}"
+        if kind == "text":
+            parts.append({"type": "text", "text": _text_of(block, at)})
+        elif kind == "image":
+            parts.append(_image(block, at))
+        elif kind == "tool_result":
+            tool_message, images = _tool_result(block, at)
+            results.append(tool_message)
+            parts.extend(images)  # chat's tool messages take text only: images follow
+        elif kind == "document" and _text_source(block):
+            parts.append({"type": "text", "text": block["source"]["data"]})
+        else:
+            raise InvalidRequest(f"{at}: a user block of type {kind!r} is not supported.")
+    if parts:
+        results.append({"role": "user", "content": parts})
+    return results
+
+
+def _text_source(block: dict[str, Any]) -> bool:
+    source = block.get("source")
+    return isinstance(source, dict) and source.get("type") == "text" and "data" in source
+
+
+def _image(block: dict[str, Any], where: str) -> dict[str, Any]:
+    source = block.get("source")
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "base64" and isinstance(source, dict):
+        media, data = source.get("media_type"), source.get("data")
+        if not isinstance(media, str) or not isinstance(data, str):
+            raise InvalidRequest(f"{where}.source: needs media_type and data.", param=where)
+        url = f"data:{media};base64,{data}"
+    elif kind == "url" and isinstance(source, dict) and isinstance(source.get("url"), str):
+        url = source["url"]
+    else:
+        raise InvalidRequest(f"{where}.source: only base64 and url images are supported.")
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def _tool_result(block: dict[str, Any], where: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    call_id = block.get("tool_use_id")
+    if not isinstance(call_id, str) or not call_id:
+        raise InvalidRequest(f"{where}.tool_use_id: Field required.", param=where)
+    content = block.get("content", "")
+    images: list[dict[str, Any]] = []
+    if isinstance(content, str):
+        text = content
+    elif isinstance(content, list):
+        texts = []
+        for i, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "image":
+                images.append(_image(part, f"{where}.content.{i}"))
+            else:
+                texts.append(_text_of(part, f"{where}.content.{i}"))
+        text = "\n".join(texts)
+    else:
+        raise InvalidRequest(f"{where}.content: must be a string or an array.", param=where)
+    if block.get("is_error") is True:
+        text = ERROR_PREFIX + text
+    return {"role": "tool", "tool_call_id": call_id, "content": text}, images
+
+
+def _tools(tools: Any) -> list[dict[str, Any]]:
+    if tools is None:
+        return []
+    if not isinstance(tools, list):
+        raise InvalidRequest("tools: must be an array.", param="tools")
+    converted = []
+    for i, tool in enumerate(tools):
+        where = f"tools.{i}"
+        if not isinstance(tool, dict):
+            raise InvalidRequest(f"{where}: must be an object.", param=where)
+        if tool.get("type") not in CUSTOM_TOOL_TYPES:
+            raise InvalidRequest(
+                f"{where}: the tool type {tool.get('type')!r} is one of Anthropic's server "
+                "tools; this server offers custom tools (name, input_schema) only.",
+                param=where,
+            )
+        name, schema = tool.get("name"), tool.get("input_schema")
+        if not isinstance(name, str) or not name:
+            raise InvalidRequest(f"{where}.name: Field required.", param=where)
+        if not isinstance(schema, dict):
+            raise InvalidRequest(f"{where}.input_schema: Field required (an object).", param=where)
+        function: dict[str, Any] = {"name": name, "parameters": schema}
+        if isinstance(tool.get("description"), str):
+            function["description"] = tool["description"]
+        converted.append({"type": "function", "function": function})
+    return converted
+
+
+def _tool_choice(choice: Any, names: set[str]) -> dict[str, Any]:
+    if choice is None:
+        return {}
+    kind = choice.get("type") if isinstance(choice, dict) else None
+    if not isinstance(choice, dict) or kind not in (*TOOL_CHOICES, "tool"):
+        raise InvalidRequest(
+            "tool_choice: must be an object of type auto, any, tool or none.", param="tool_choice"
+        )
+    out: dict[str, Any] = {}
+    if kind == "tool":
+        name = choice.get("name")
+        if name not in names:
+            raise InvalidRequest(
+                f"tool_choice.name: no tool is named {name!r}.", param="tool_choice"
+            )
+        out["tool_choice"] = {"type": "function", "function": {"name": name}}
+    else:
+        out["tool_choice"] = TOOL_CHOICES[kind]
+    if choice.get("disable_parallel_tool_use") is True and kind != "none":
+        out["parallel_tool_calls"] = False
+    return out
+
+
+def _effort(thinking: Any, output_config: Any) -> str | None:
+    """The chat ``reasoning_effort`` the request asks for, if any."""
+    if isinstance(output_config, dict) and output_config.get("effort") is not None:
+        effort = EFFORTS.get(output_config["effort"])
+        if effort is None:
+            raise InvalidRequest(
+                f"output_config.effort: must be one of {', '.join(EFFORTS)}.", param="output_config"
+            )
+        return effort
+    if thinking is None:
+        return None
+    kind = thinking.get("type") if isinstance(thinking, dict) else None
+    if kind in ("disabled", "adaptive"):
+        return None  # adaptive: the model's own default
+    if kind != "enabled" or not isinstance(thinking, dict):
+        raise InvalidRequest(
+            "thinking: type must be enabled, adaptive or disabled.", param="thinking"
+        )
+    budget = thinking.get("budget_tokens")
+    if type(budget) is not int or budget < 1:
+        raise InvalidRequest(
+            "thinking.budget_tokens: Field required (a positive integer).", param="thinking"
+        )
+    return next((effort for limit, effort in EFFORT_BUDGETS if budget <= limit), "high")
+
+
+def _response_format(output_config: Any) -> dict[str, Any] | None:
+    if output_config is None:
+        return None
+    if not isinstance(output_config, dict):
+        raise InvalidRequest("output_config: must be an object.", param="output_config")
+    answer_format = output_config.get("format")
+    if answer_format is None:
+        return None
+    if not isinstance(answer_format, dict) or answer_format.get("type") != "json_schema":
+        raise InvalidRequest(
+            "output_config.format: type must be json_schema.", param="output_config"
+        )
+    schema = answer_format.get("schema")
+    if not isinstance(schema, dict):
+        raise InvalidRequest(
+            "output_config.format.schema: must be an object.", param="output_config"
+        )
+    return {"type": "json_schema", "json_schema": {"name": "output", "schema": schema}}
+
+
+def estimate_tokens(chat: Mapping[str, Any]) -> int:
+    """A rough input size when a provider reports no usage: about four bytes of UTF-8
+    a token, over the messages and tools as JSON (``count_tokens`` says so)."""
+    size = len(json_codec.dumps([chat.get("messages"), chat.get("tools")]))
+    return max(1, (size + 3) // 4)

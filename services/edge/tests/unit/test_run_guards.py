@@ -1,0 +1,175 @@
+"""A run's guards on its one timer: the node's acknowledgement, the stall, the deadline.
+
+A run whose node does not acknowledge it in time fails ``provider_unavailable`` and
+its node's providers leave selection until the node speaks again; a stream that goes
+quiet fails ``provider_timeout``; a node that never said it acknowledges (an older
+version) is judged only on its deadline. Timeouts are tiny here; what is checked is
+the outcome, not the time it took.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from iop_edge.adapters.run_wire import provider_reports, run_event
+from iop_edge.domain.events import ACCEPTED, Completed, Delta, ErrorCode, Failed, RunEvent, RunOrder
+from iop_edge.domain.fleet import Fleet, ModelEntry, Operation, ProviderEntry
+from iop_edge.domain.pool import AVAILABLE, UNAVAILABLE
+from iop_edge.metrics import EdgeMetrics
+from iop_edge.ports import RunSpec
+from iop_edge.service.runs import EdgeRun, RunGuards
+from iop_edge.testing import WiredDispatcher
+from iop_proto.v1 import runtime_pb2 as pb
+
+SHORT = 0.05  # seconds: a guard that passes within the test
+
+
+class Node:
+    def __init__(self, node_id: str, *, acknowledges_runs: bool = True) -> None:
+        self.node_id = node_id
+        self.acknowledges_runs = acknowledges_runs
+        self.sent: list[RunOrder] = []
+        self.cancelled: dict[str, str] = {}
+
+    async def send_run(self, request: RunOrder) -> None:
+        self.sent.append(request)
+
+    async def send_cancel(self, run_id: str, reason: str) -> None:
+        self.cancelled[run_id] = reason
+
+
+def provider(pid: str, node: str) -> ProviderEntry:
+    return ProviderEntry(
+        id=pid,
+        node_id=node,
+        type="mock",
+        category="local_inference",
+        models=(pid,),
+        capacity=2,
+        max_queue=2,
+        queue_timeout_ms=200,
+        request_timeout_ms=30_000,
+    )
+
+
+def wired(guards: RunGuards) -> WiredDispatcher:
+    dispatcher = WiredDispatcher(EdgeMetrics.create(CollectorRegistry()), guards=guards)
+    providers = {"a": provider("a", "node-a"), "b": provider("b", "node-b")}
+    model = ModelEntry("m", "M", {"a": "m-a", "b": "m-b"})
+    dispatcher.pool.apply_fleet(Fleet(version=1, models={"m": model}, providers=providers))
+    return dispatcher
+
+
+def connect(dispatcher: WiredDispatcher, node: Node, provider_id: str) -> None:
+    state = pb.ProviderState(provider_id=provider_id, health=pb.HEALTH_AVAILABLE)
+    dispatcher.pool.node_connected(node, provider_reports([state]))
+
+
+def spec(stream: bool = False) -> RunSpec:
+    return RunSpec("m", Operation.CHAT_COMPLETIONS, {"model": "m", "messages": []}, stream, False)
+
+
+async def last_event(run: EdgeRun) -> RunEvent:
+    events = [event async for event in run]
+    return events[-1]
+
+
+def health(dispatcher: WiredDispatcher, provider_id: str) -> str:
+    slot = dispatcher.pool.slot(provider_id)
+    assert slot is not None
+    return slot.health
+
+
+async def test_an_unacknowledged_run_fails_and_takes_its_node_out_of_selection() -> None:
+    dispatcher = wired(RunGuards(ack_timeout_s=SHORT))
+    node_a, node_b = Node("node-a"), Node("node-b")
+    connect(dispatcher, node_a, "a")
+    connect(dispatcher, node_b, "b")
+    run = (await dispatcher.open_run(spec())).attempt
+    assert run.provider_id == "a"  # ties go to the first listed
+
+    ended = await last_event(run)
+    assert isinstance(ended, Failed)
+    assert ended.code is ErrorCode.PROVIDER_UNAVAILABLE
+    assert ended.message == f"node node-a did not acknowledge the run within {SHORT:g} s"
+    assert run.run_id in node_a.cancelled  # a node that wakes up drops it
+    assert health(dispatcher, "a") == UNAVAILABLE
+    assert dispatcher.runs_in_flight() == 0
+
+    following = (await dispatcher.open_run(spec())).attempt
+    assert following.provider_id == "b"  # the silent node gets nothing new
+    following.deliver(ACCEPTED)
+    following.deliver(Completed("stop"))
+
+    # The node's next snapshot is its word again.
+    state = pb.ProviderState(provider_id="a", health=pb.HEALTH_AVAILABLE)
+    dispatcher.pool.apply_snapshot("node-a", provider_reports([state]))
+    assert health(dispatcher, "a") == AVAILABLE
+
+
+async def test_an_acknowledged_run_is_left_to_its_deadline() -> None:
+    dispatcher = wired(RunGuards(ack_timeout_s=SHORT))
+    node = Node("node-a")
+    connect(dispatcher, node, "a")
+    run = (await dispatcher.open_run(spec())).attempt
+    accepted = run_event(pb.RunEvent(run_id=run.run_id, accepted={}))
+    assert accepted is ACCEPTED
+    assert dispatcher.deliver(run.run_id, accepted)
+    await asyncio.sleep(SHORT * 3)  # well past the ack timeout: nothing happens
+    assert not run.finished
+    assert not run.more_ready
+    run.deliver(Completed("stop"))
+    assert await last_event(run) == Completed("stop")
+    assert health(dispatcher, "a") == AVAILABLE
+
+
+async def test_a_node_that_does_not_acknowledge_runs_is_not_timed() -> None:
+    dispatcher = wired(RunGuards(ack_timeout_s=SHORT))
+    node = Node("node-a", acknowledges_runs=False)  # registered without the flag
+    connect(dispatcher, node, "a")
+    run = (await dispatcher.open_run(spec())).attempt
+    await asyncio.sleep(SHORT * 3)
+    assert not run.finished
+    run.deliver(Completed("stop"))
+    assert await last_event(run) == Completed("stop")
+
+
+@pytest.mark.parametrize("first", ["accepted", "delta"])
+async def test_a_stream_that_goes_quiet_fails_with_a_timeout(first: str) -> None:
+    dispatcher = wired(RunGuards(ack_timeout_s=10, stall_timeout_s=SHORT * 2))
+    node = Node("node-a")
+    connect(dispatcher, node, "a")
+    run = (await dispatcher.open_run(spec(stream=True))).attempt
+    run.deliver(ACCEPTED if first == "accepted" else Delta("hi"))
+    ended = await last_event(run)
+    assert isinstance(ended, Failed)
+    assert ended.code is ErrorCode.PROVIDER_TIMEOUT
+    assert ended.message == f"no output for {SHORT * 2:g} s"
+    assert health(dispatcher, "a") == AVAILABLE  # a slow provider, not a lost node
+
+
+async def test_each_event_moves_the_stall_deadline() -> None:
+    dispatcher = wired(RunGuards(stall_timeout_s=SHORT * 4))
+    node = Node("node-a", acknowledges_runs=False)
+    connect(dispatcher, node, "a")
+    run = (await dispatcher.open_run(spec(stream=True))).attempt
+    for _ in range(8):  # twice the stall timeout in all, never that long between events
+        await asyncio.sleep(SHORT)
+        run.deliver(Delta("x"))
+    run.deliver(Completed("stop"))
+    assert await last_event(run) == Completed("stop")
+
+
+async def test_a_non_streamed_run_is_never_failed_as_stalled() -> None:
+    dispatcher = wired(RunGuards(stall_timeout_s=SHORT))
+    node = Node("node-a")
+    connect(dispatcher, node, "a")
+    run = (await dispatcher.open_run(spec(stream=False))).attempt
+    run.deliver(ACCEPTED)
+    await asyncio.sleep(SHORT * 3)  # its answer comes whole, at the end
+    assert not run.finished
+    run.deliver(Completed("stop"))
+    assert await last_event(run) == Completed("stop")
