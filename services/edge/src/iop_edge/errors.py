@@ -111,6 +111,9 @@ class ControlPlaneUnavailable(EdgeError, ConnectionError):
 
 NOT_IMPLEMENTED = 501
 """A provider's answer when it does not offer the operation (the node passes it on)."""
+NOT_FOUND = 404
+"""A provider's answer when it does not serve the model named (vLLM: "The model `x` does
+not exist."): the fleet names a served name the provider lacks."""
 
 
 def from_failure(failure: Failed) -> EdgeError:
@@ -119,6 +122,8 @@ def from_failure(failure: Failed) -> EdgeError:
     match failure.code:
         case ErrorCode.INVALID_REQUEST if failure.provider_status == NOT_IMPLEMENTED:
             return InvalidRequest(message, code="unsupported_operation")
+        case ErrorCode.INVALID_REQUEST if failure.provider_status == NOT_FOUND:
+            return ModelNotFound(message, param="model")
         case ErrorCode.INVALID_REQUEST:
             return InvalidRequest(message)
         case ErrorCode.NOT_FOUND:
