@@ -21,6 +21,11 @@ problem, which restarting would only hide. Ctrl-C still stops everything.
 
 With ``--port-offset`` the control-plane is given a copy of the fleet file whose
 local endpoints are shifted too, so node-a dials the shifted llama.cpp port.
+
+With ``--vllm`` (``make run VLLM=1``) a real vLLM (``tools/vllm_server.py``, from
+``make vllm``) starts after llama.cpp, and the control-plane reads
+``configs/fleet-vllm.yaml``: ``smollm2:135m`` served by llama.cpp on node-a and by vLLM
+on node-b, each under its own name, one public model id.
 """
 
 from __future__ import annotations
@@ -68,6 +73,7 @@ class ServiceSpec:
     # {port} (``admin_port`` shifted). Empty: ``<--bin>/<script> --config <config>``.
     argv: tuple[str, ...] = ()
     port_role: str = "admin"  # what ``admin_port`` serves, for messages
+    ready_timeout_s: float | None = None  # its own bound on start-up; None: --ready-timeout
 
     def all_ports(self) -> dict[str, int]:
         """Every port this service listens on, keyed by what it is for."""
@@ -142,6 +148,34 @@ SERVICES: tuple[ServiceSpec, ...] = (
     ),
 )
 
+# node-b's second provider with --vllm (configs/fleet-vllm.yaml: node-b-vllm at
+# 127.0.0.1:8092), started right after llama.cpp. vLLM takes 45-50 s to start on 2 cores
+# (more beside other work): it has a start-up bound of its own.
+VLLM_SERVICE = ServiceSpec(
+    "vllm",
+    "tools/vllm_server.py",
+    None,
+    8092,
+    tls=False,
+    health_path="/health",
+    argv=(
+        "{python}",
+        "{script}",
+        *("--host", "{host}", "--port", "{port}", "--served-model-name", "smollm2-135m-vllm"),
+        *("--max-model-len", "1024", "--max-num-seqs", "4", "--stop-timeout", "8"),
+    ),
+    port_role="API",
+    ready_timeout_s=300.0,
+)
+VLLM_FLEET = REPO / "configs" / "fleet-vllm.yaml"
+VLLM_MODEL = "var/vllm/smollm2-135m-instruct"  # what `make vllm` converts (the launcher's default)
+
+
+def services(vllm: bool) -> tuple[ServiceSpec, ...]:
+    """The stack's processes in start order; with vLLM, it comes right after llama.cpp."""
+    return (*SERVICES[:1], VLLM_SERVICE, *SERVICES[1:]) if vllm else SERVICES
+
+
 SELF = "devstack"
 CONTROL_PLANE = "iop-control-plane"
 FLEET_ENV = "IOP_FLEET_FILE"  # the control-plane's fleet_file setting
@@ -174,6 +208,7 @@ class Options:
     ready_timeout: float
     stop_timeout: float
     providers_timeout: float
+    fleet: Path | None = None  # the fleet file instead of the dev control-plane's (--vllm)
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,6 +251,8 @@ def child_env(spec: ServiceSpec, opts: Options) -> dict[str, str]:
         env["IOP_ADMIN__PORT"] = str(spec.admin_port + opts.port_offset)
     if spec.script == CONTROL_PLANE and opts.port_offset:
         env[FLEET_ENV] = str(opts.state_dir / FLEET_COPY)  # see write_fleet()
+    elif spec.script == CONTROL_PLANE and opts.fleet is not None:
+        env[FLEET_ENV] = str(opts.fleet)
     for name, port in {**spec.ports, **spec.dials}.items():
         env[name] = str(port + opts.port_offset)
     for name, file_name in spec.state.items():
@@ -266,8 +303,11 @@ LOCAL_ENDPOINT = re.compile(
 )
 
 
-def fleet_source(plans: Sequence[Plan]) -> Path:
-    """The fleet file the dev control-plane's settings name (relative to the repository)."""
+def fleet_source(plans: Sequence[Plan], fleet: Path | None = None) -> Path:
+    """``fleet`` if given, else the fleet file the dev control-plane's settings name
+    (relative to the repository)."""
+    if fleet is not None:
+        return fleet
     cp = control_plane(plans)
     settings = yaml.safe_load(cp.config.read_text()) if cp.config is not None else None
     named = (settings or {}).get("fleet_file")
@@ -296,7 +336,7 @@ def write_fleet(plans: Sequence[Plan], opts: Options) -> Path:
     Without an offset the control-plane reads the original, so `config reload` after
     editing configs/fleet.yaml works as the README says.
     """
-    source = fleet_source(plans)
+    source = fleet_source(plans, opts.fleet)
     if not opts.port_offset:
         return source
     ours = {port for plan in plans for port in plan.spec.all_ports().values()}
@@ -409,7 +449,21 @@ def check_pid_files(plans: Sequence[Plan]) -> list[str]:
 
 
 def preflight(plans: Sequence[Plan], opts: Options) -> list[str]:
-    return check_ports(plans, opts) + check_files(plans, opts) + check_pid_files(plans)
+    return (
+        check_ports(plans, opts)
+        + check_files(plans, opts)
+        + check_pid_files(plans)
+        + check_vllm(plans)
+    )
+
+
+def check_vllm(plans: Sequence[Plan]) -> list[str]:
+    """vLLM's venv and converted model, which ``make vllm`` makes (the launcher checks
+    them too, but only once it runs, a minute into the stack's start)."""
+    if not any(plan.spec is VLLM_SERVICE for plan in plans):
+        return []
+    needed = (REPO / ".venv-vllm" / "bin" / "python", REPO / VLLM_MODEL / "config.json")
+    return [f"vllm: {path} does not exist (make vllm)" for path in needed if not path.exists()]
 
 
 # --- output ------------------------------------------------------------------------------
@@ -663,6 +717,11 @@ class Stack:
             await cancel_all(helpers)
         return done
 
+    def ready_timeout(self, plan: Plan) -> float:
+        """How long ``plan``'s service may take to be ready: its own bound, if it has one."""
+        own = plan.spec.ready_timeout_s
+        return self.opts.ready_timeout if own is None else max(own, self.opts.ready_timeout)
+
     async def wait_ready(
         self, child: Child, session: aiohttp.ClientSession, stop: asyncio.Event
     ) -> str | None:
@@ -675,9 +734,10 @@ class Stack:
             asyncio.create_task(poll_health(session, url)),
             asyncio.create_task(child.ready.wait()),
         ]
-        done = await self.race(goals, stop, self.opts.ready_timeout)
+        within = self.ready_timeout(child.plan)
+        done = await self.race(goals, stop, within)
         if not done:
-            return f"{child.plan.name} was not ready within {self.opts.ready_timeout:.0f}s"
+            return f"{child.plan.name} was not ready within {within:.0f}s"
         return self.exit_failure(done, "during start-up")
 
     async def wait_providers(
@@ -778,15 +838,14 @@ class Stack:
                 asyncio.create_task(poll_health(session, url)),
                 asyncio.create_task(child.ready.wait()),
             ]
-            done = await self.race(goals, stop, self.opts.ready_timeout, watching=[child])
+            within = self.ready_timeout(child.plan)
+            done = await self.race(goals, stop, within, watching=[child])
         if stop.is_set() or child.exited in done:
             return
         if done:
             self.console.say(f"{child.plan.name} is ready again")
             return
-        self.console.say(
-            f"{child.plan.name} was not ready within {self.opts.ready_timeout:.0f}s; killing it"
-        )
+        self.console.say(f"{child.plan.name} was not ready within {within:.0f}s; killing it")
         signal_group(child.proc.pid, signal.SIGKILL)
 
     async def stop_all(self) -> None:
@@ -910,6 +969,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=REPO / "var" / "dev",
         help="where services keep their state (databases)",
     )
+    parser.add_argument(
+        "--vllm",
+        action="store_true",
+        help="also run vLLM (make vllm) and serve smollm2:135m from llama.cpp and vLLM "
+        f"({VLLM_FLEET.relative_to(REPO)})",
+    )
     parser.add_argument("--ready-timeout", type=float, default=READY_TIMEOUT_S, help="seconds")
     parser.add_argument("--stop-timeout", type=float, default=STOP_TIMEOUT_S, help="seconds")
     parser.add_argument(
@@ -931,6 +996,7 @@ def options_from(args: argparse.Namespace) -> Options:
         ready_timeout=args.ready_timeout,
         stop_timeout=args.stop_timeout,
         providers_timeout=args.providers_timeout,
+        fleet=VLLM_FLEET if args.vllm else None,
     )
 
 
@@ -968,8 +1034,9 @@ def issue_dev_tokens(plans: Sequence[Plan], opts: Options, console: Console) -> 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    opts = options_from(parse_args(argv))
-    plans = [make_plan(spec, opts) for spec in SERVICES]
+    args = parse_args(argv)
+    opts = options_from(args)
+    plans = [make_plan(spec, opts) for spec in services(args.vllm)]
     console = Console([plan.name for plan in plans], color=wants_color())
     problems = preflight(plans, opts)
     if problems:

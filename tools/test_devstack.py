@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import importlib.util
 import os
 import re
@@ -469,6 +470,61 @@ def test_the_control_plane_gets_a_shifted_fleet_only_with_an_offset(tmp_path: Pa
     assert "endpoint: http://127.0.0.1:8391" in copy.read_text()
     assert copy.read_text().replace(":8391", ":8091") == fleet.read_text()
     assert devstack.fleet_providers(copy) == {"node-a-llamacpp", "node-a-mock", "node-b-mock"}
+
+
+def test_with_vllm_it_starts_after_llamacpp_and_the_control_plane_reads_the_pool_fleet(
+    tmp_path: Path,
+) -> None:
+    """``make run VLLM=1``: the launcher runs with this Python (it needs only the standard
+    library; vLLM's own venv is its business), on the shifted port, with its long start-up
+    bound, and the control-plane reads configs/fleet-vllm.yaml (a shifted copy of it)."""
+    opts = dataclasses.replace(options(tmp_path, 100), fleet=devstack.VLLM_FLEET)
+    specs = devstack.services(vllm=True)
+    assert [spec.name for spec in specs] == [NAMES[0], "vllm", *NAMES[1:]]
+    assert devstack.services(vllm=False) == devstack.SERVICES
+    plans = [devstack.make_plan(spec, opts) for spec in specs]
+    vllm = plans[1]
+    assert vllm.argv[:2] == (sys.executable, str(REPO / "tools" / "vllm_server.py"))
+    flags = dict(zip(vllm.argv[2::2], vllm.argv[3::2], strict=True))
+    assert flags["--port"] == "8192"
+    assert flags["--served-model-name"] == "smollm2-135m-vllm"
+    assert vllm.spec.health_path == "/health"
+    stack = devstack.Stack(devstack.Console(NAMES, color=False), opts)
+    assert stack.ready_timeout(vllm) == 300.0
+    assert stack.ready_timeout(plans[0]) == opts.ready_timeout
+
+    copy = devstack.write_fleet(plans, opts)
+    assert devstack.control_plane(plans).env[devstack.FLEET_ENV] == str(copy)
+    assert "endpoint: http://127.0.0.1:8192" in copy.read_text()  # node-b's vLLM, shifted
+    assert devstack.fleet_providers(copy) == {
+        "node-a-llamacpp",
+        "node-a-mock",
+        "node-b-vllm",
+        "node-b-mock",
+    }
+    unshifted = dataclasses.replace(opts, port_offset=0)
+    plans = [devstack.make_plan(spec, unshifted) for spec in specs]
+    assert devstack.write_fleet(plans, unshifted) == devstack.VLLM_FLEET
+    assert devstack.control_plane(plans).env[devstack.FLEET_ENV] == str(devstack.VLLM_FLEET)
+
+
+def test_without_make_vllm_nothing_starts(tmp_path: Path) -> None:
+    """The preflight names what ``make vllm`` makes, only when the stack runs vLLM."""
+    opts = options(tmp_path, 100)
+    plain = [devstack.make_plan(spec, opts) for spec in devstack.SERVICES]
+    assert devstack.check_vllm(plain) == []
+    with_vllm = [devstack.make_plan(spec, opts) for spec in devstack.services(vllm=True)]
+    expected = [
+        path
+        for path in (
+            REPO / ".venv-vllm" / "bin" / "python",
+            REPO / devstack.VLLM_MODEL / "config.json",
+        )
+        if not path.exists()
+    ]
+    assert devstack.check_vllm(with_vllm) == [
+        f"vllm: {path} does not exist (make vllm)" for path in expected
+    ]
 
 
 def test_the_up_line_names_the_api_and_the_catalog(tmp_path: Path) -> None:

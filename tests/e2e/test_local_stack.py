@@ -58,7 +58,6 @@ def _load_devstack() -> ModuleType:
 
 devstack = _load_devstack()
 NAMES = {spec.name for spec in devstack.SERVICES}
-PORTS = [port for spec in devstack.SERVICES for port in spec.all_ports().values()]
 
 
 def missing_llamacpp() -> str | None:
@@ -117,16 +116,16 @@ class RunningDevstack:
             if match and not self.up.done():
                 self.up.set_result(match)
 
-    async def wait_up(self) -> re.Match[str] | None:
+    async def wait_up(self, within_s: float = UP_TIMEOUT_S) -> re.Match[str] | None:
         """The ``IOP is up`` line, or ``None`` if the program ended first; fails after
-        UP_TIMEOUT_S."""
+        ``within_s``."""
         done, _ = await asyncio.wait(
-            {self.up, self.reader}, timeout=UP_TIMEOUT_S, return_when=asyncio.FIRST_COMPLETED
+            {self.up, self.reader}, timeout=within_s, return_when=asyncio.FIRST_COMPLETED
         )
         if self.up in done:
             return self.up.result()
         if not done:
-            pytest.fail(f"devstack was not up within {UP_TIMEOUT_S:.0f}s; output:\n{self.output}")
+            pytest.fail(f"devstack was not up within {within_s:.0f}s; output:\n{self.output}")
         await self.proc.wait()
         return None
 
@@ -172,18 +171,21 @@ def certs(tmp_path: Path) -> Path:
 
 @contextlib.asynccontextmanager
 async def local_stack(
-    root: Path, certs: Path
+    root: Path, certs: Path, *, vllm: bool = False, up_within_s: float = UP_TIMEOUT_S
 ) -> AsyncIterator[tuple[RunningDevstack, re.Match[str]]]:
-    """Start the stack as ``make run`` does, on shifted ports, with its files under ``root``;
-    yields it once up, with its ``IOP is up`` line. The ports are given up front (the
-    offset), so when another process took one first the stack starts again elsewhere."""
+    """Start the stack as ``make run`` does (``make run VLLM=1`` with ``vllm``), on shifted
+    ports, with its files under ``root``; yields it once up, with its ``IOP is up`` line.
+    The ports are given up front (the offset), so when another process took one first the
+    stack starts again elsewhere."""
     run_dir = root / "run"
-    for offset in port_offsets(PORTS):
+    ports = [port for spec in devstack.services(vllm) for port in spec.all_ports().values()]
+    for offset in port_offsets(ports):
         proc = await asyncio.create_subprocess_exec(
             sys.executable,
             str(DEVSTACK),
             *("--port-offset", str(offset), "--certs", str(certs)),
             *("--run-dir", str(run_dir), "--state-dir", str(root / "state")),
+            *(("--vllm",) if vllm else ()),
             cwd=REPO,
             stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE,
@@ -192,8 +194,8 @@ async def local_stack(
         )
         running = RunningDevstack(proc, run_dir)
         try:
-            up = await running.wait_up()
-            if up is None and any(port_taken(port + offset) for port in PORTS):
+            up = await running.wait_up(up_within_s)
+            if up is None and any(port_taken(port + offset) for port in ports):
                 continue  # lost the race for a port: another offset
             if up is None:
                 pytest.fail(f"devstack ended before it was up; output:\n{running.output}")

@@ -1,0 +1,102 @@
+"""``make run VLLM=1`` for real: ``smollm2:135m`` from a pool of llama.cpp and vLLM.
+
+``tools/devstack.py --vllm`` is started as ``make run VLLM=1`` starts it (on shifted
+ports, files under ``tmp_path``), with ``test_local_stack``'s harness. The seed's central
+scenario on real engines: one public model id, two provider types on two nodes, each
+with its own served name, and concurrent requests spread by load ratio, so both answer.
+This stack starts a vLLM of its own (the program's, not the session's).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import sys
+from collections import Counter
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import aiohttp
+import pytest
+from openai import AsyncOpenAI
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(600)]
+
+E2E = Path(__file__).resolve().parents[1] / "e2e"
+MODEL = "smollm2:135m"
+UP_WITHIN_S = 420.0
+
+
+def _load(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"iop_vllm_{name}", E2E / f"{name}.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+local = _load("test_local_stack")
+certs = local.certs  # the fixture, under this module's name
+
+
+async def get_json(url: str) -> Any:
+    async with aiohttp.ClientSession() as http:
+        async with http.get(url) as response:
+            assert response.status == 200, await response.text()
+            return await response.json()
+
+
+async def test_make_run_vllm_serves_one_model_from_llamacpp_and_vllm(
+    tmp_path: Path, certs: Path, vllm_installed: None
+) -> None:
+    if (reason := local.missing_llamacpp()) is not None:
+        pytest.skip(f"the real llama.cpp provider cannot run: {reason}")
+
+    async with local.local_stack(tmp_path, certs, vllm=True, up_within_s=UP_WITHIN_S) as (
+        running,
+        up,
+    ):
+        assert set(running.pid_files()) == {*local.NAMES, "vllm"}, running.output
+        rows = {row["provider_id"]: row for row in (await get_json(up["catalog"]))["data"]}
+        assert rows["node-a-llamacpp"]["health"] == rows["node-b-vllm"]["health"] == "available"
+        assert (rows["node-a-llamacpp"]["type"], rows["node-b-vllm"]["type"]) == (
+            "llamacpp",
+            "vllm",
+        )
+        assert rows["node-a-llamacpp"]["node_id"] == "node-a"
+        assert rows["node-b-vllm"]["node_id"] == "node-b"
+        models = {
+            m["id"]: m
+            for m in (await get_json(up["catalog"].replace("providers", "models")))["data"]
+        }
+        assert models[MODEL]["providers"] == {
+            "node-a-llamacpp": MODEL,
+            "node-b-vllm": "smollm2-135m-vllm",
+        }
+        assert sorted(models[MODEL]["available_providers"]) == ["node-a-llamacpp", "node-b-vllm"]
+
+        async with AsyncOpenAI(base_url=up["api"], api_key="unused", max_retries=0) as sdk:
+            # Five at once: llama.cpp's one slot and vLLM's four (load ratio decides).
+            answers = await asyncio.gather(
+                *(
+                    sdk.chat.completions.create(
+                        model=MODEL,
+                        messages=[{"role": "user", "content": f"Say hello to {n}."}],
+                        max_tokens=16,
+                    )
+                    for n in range(5)
+                )
+            )
+        assert all(a.model == MODEL for a in answers)
+        assert all(a.usage is not None and a.usage.completion_tokens > 0 for a in answers)
+        runs = (await get_json(up["api"].replace("/v1", "/iop/v1/runs?limit=20")))["data"]
+        served = Counter(r["provider_id"] for r in runs if r["model"] == MODEL)
+        assert set(served) == {"node-a-llamacpp", "node-b-vllm"}, served
+        assert sum(served.values()) == 5
+
+        code = await running.stop()
+    assert code == 0, running.output
+    assert "stopping vLLM" in running.output
