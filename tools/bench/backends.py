@@ -1,4 +1,4 @@
-"""The backends the gateways sit in front of, each a child process: the fake, llama.cpp.
+"""The backends the gateways sit in front of, each a child process: the fake, llama.cpp, vLLM.
 
 A child process each, so that their CPU is never the benchmark client's and a
 backend's work is never mistaken for a gateway's.
@@ -21,7 +21,11 @@ import aiohttp
 from .procs import spawn
 
 FAKE_SCRIPT: Final = Path(__file__).resolve().parent / "fake_backend.py"
+VLLM_LAUNCHER: Final = Path(__file__).resolve().parent.parent / "vllm_server.py"
+REPO: Final = VLLM_LAUNCHER.parent.parent
 SMOLLM2: Final = "smollm2:135m"
+SMOLLM2_VLLM: Final = "smollm2-135m-vllm"  # vLLM's served name: the pool's second name
+VLLM_START_TIMEOUT_S: Final = 300.0
 
 # The llama.cpp server of the node's integration tests (xllamacpp + SmolLM2-135M), with one
 # slot: the benchmark measures one stream at a time. It serves until its stdin closes.
@@ -94,3 +98,39 @@ async def _wait_healthy(url: str, timeout_s: float = 60.0) -> None:
                         if response.status == 200:
                             return
                 await asyncio.sleep(0.1)
+
+
+def vllm_missing() -> str | None:
+    """Why the vLLM scenario cannot run here (``make vllm`` has not run), or ``None``."""
+    needed = (
+        REPO / ".venv-vllm" / "bin" / "python",
+        REPO / "var" / "vllm" / "smollm2-135m-instruct",
+    )
+    for path in needed:
+        if not path.exists():
+            return f"{path} does not exist (make vllm installs vLLM and converts SmolLM2)"
+    return None
+
+
+@dataclass
+class VllmServer:
+    url: str  # without /v1
+    pid: int  # the launcher (tools/vllm_server.py), which owns vLLM's processes
+
+
+@contextlib.asynccontextmanager
+async def vllm(log: Path) -> AsyncIterator[VllmServer]:
+    """SmolLM2-135M behind a real vLLM (``tools/vllm_server.py``: bfloat16, 4 sequences),
+    once it says ready (``/health`` answered); SIGTERM at the end stops its processes."""
+    argv = [
+        sys.executable,
+        str(VLLM_LAUNCHER),
+        *("--port", "0", "--served-model-name", SMOLLM2_VLLM, "--log", str(log)),
+    ]
+    async with spawn(
+        argv,
+        ready=re.compile(r"ready: vllm (http://\S+)"),
+        log=log.with_suffix(".launcher.log"),
+        timeout_s=VLLM_START_TIMEOUT_S,
+    ) as child:
+        yield VllmServer(url=child.match.group(1), pid=child.pid)

@@ -36,17 +36,37 @@ def skipped(reason: str) -> ScenarioResult:
     return ScenarioResult(SCENARIO, status="skipped", reason=reason)
 
 
+EXTRA: dict[str, Any] = {
+    "temperature": 0,
+    "seed": 7,
+    "ignore_eos": True,  # llama.cpp's and vLLM's own: every stream runs to max_tokens
+    "stream_options": {"include_usage": True},
+}
+
+
 async def run(targets: dict[str, Target], settings: Settings) -> ScenarioResult:
     """``targets``: ``direct`` (the llama.cpp server) and ``iop``."""
     result = ScenarioResult(SCENARIO)
+    rates, decode = await pairs(targets, settings)
+    result.data, share = summarise(rates, decode, settings)
+    mean = result.data["mean_tokens_per_s"]
+    result.rows = [
+        Row(SCENARIO, f"SmolLM2-135M tokens/s ({settings.tokens}-token streams)", "tokens/s",
+            mean["iop"], mean["direct"], "not measured (no LiteLLM route)", share,
+            "IOP/direct (median of pairs)", ">= 0.97x direct",
+            None if share is None else share >= 0.97),
+    ]  # fmt: skip
+    return result
+
+
+async def pairs(
+    targets: dict[str, Target], settings: Settings
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Each round one stream per target, back to back, alternating who goes first:
+    (tokens/s of each stream, decode tokens/s of each stream) per target."""
     rates: dict[str, list[float]] = {name: [] for name in targets}
     decode: dict[str, list[float]] = {name: [] for name in targets}
-    extra: dict[str, Any] = {
-        "temperature": 0,
-        "seed": 7,
-        "ignore_eos": True,
-        "stream_options": {"include_usage": True},
-    }
+    extra = EXTRA
     names = list(targets)
     async with session(len(names), keepalive=False) as http:
         for name in names:  # warm-up: load the prompt cache and the connections
@@ -61,21 +81,22 @@ async def run(targets: dict[str, Target], settings: Settings) -> ScenarioResult:
                 span = timing.arrivals[-1] - timing.arrivals[0] if timing.arrivals else 0.0
                 if span > 0:
                     decode[name].append((len(timing.arrivals) - 1) / span)
+    return rates, decode
+
+
+def summarise(
+    rates: dict[str, list[float]], decode: dict[str, list[float]], settings: object
+) -> tuple[dict[str, Any], float | None]:
+    """The JSON of a direct/IOP comparison, and its share (median of IOP/direct pairs)."""
     mean = {name: statistics.fmean(values) for name, values in rates.items()}
-    pairs = [iop / direct for iop, direct in zip(rates["iop"], rates["direct"], strict=True)]
-    share = statistics.median(pairs) if pairs else None
-    result.data = {
+    ratios = [iop / direct for iop, direct in zip(rates["iop"], rates["direct"], strict=True)]
+    share = statistics.median(ratios) if ratios else None
+    data = {
         "tokens_per_s": rates,
         "decode_tokens_per_s": decode,
         "mean_tokens_per_s": mean,
-        "pair_ratios": pairs,
+        "pair_ratios": ratios,
         "ratio_of_means": ratio(mean["iop"], mean["direct"]),
-        "settings": settings.__dict__,
+        "settings": dict(settings.__dict__),
     }
-    result.rows = [
-        Row(SCENARIO, f"SmolLM2-135M tokens/s ({settings.tokens}-token streams)", "tokens/s",
-            mean["iop"], mean["direct"], "not measured (no LiteLLM route)", share,
-            "IOP/direct (median of pairs)", ">= 0.97x direct",
-            None if share is None else share >= 0.97),
-    ]  # fmt: skip
-    return result
+    return data, share

@@ -32,15 +32,24 @@ from typing import Any
 # Run as a script (``tools/bench/run.py``): tools/ holds the ``bench`` package.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench import overhead, realmodel, scale, streaming
-from bench.backends import SMOLLM2, fake_backend, llamacpp, llamacpp_missing
+from bench import overhead, realmodel, scale, streaming, vllm_pool
+from bench.backends import (
+    SMOLLM2,
+    SMOLLM2_VLLM,
+    fake_backend,
+    llamacpp,
+    llamacpp_missing,
+    vllm,
+    vllm_missing,
+)
 from bench.client import Target
 from bench.peers import SKIPPED, litellm_available, litellm_version, start_litellm
 from bench.procs import Gateway
 from bench.results import Row, ScenarioResult, render
 from bench.stack import ProviderSpec, start_iop
 
-SCENARIOS = ("overhead", "streaming", "scale", "realmodel")
+SCENARIOS = ("overhead", "streaming", "scale", "realmodel", "vllm")
+GATEWAY_SCENARIOS = ("overhead", "streaming", "realmodel", "vllm")
 FAKE_MODEL = "fake"
 
 
@@ -53,6 +62,7 @@ class Profile:
     streaming: streaming.Settings
     scale: scale.Settings
     realmodel: realmodel.Settings
+    vllm: vllm_pool.Settings | None  # None: not run in this mode (vLLM takes a minute to start)
     litellm: bool  # start LiteLLM when it is installed
     run_timeout_s: float
 
@@ -70,6 +80,7 @@ PROFILES = {
             registration_nodes=3, providers_per_node=2,
         ),
         realmodel.Settings(rounds=1, tokens=4),
+        None,
         litellm=False,
         run_timeout_s=80,
     ),
@@ -85,6 +96,7 @@ PROFILES = {
             registration_nodes=100,
         ),
         realmodel.Settings(rounds=12, tokens=64),
+        vllm_pool.Settings(rounds=6, tokens=64, pool_seconds=20.0, pool_streams=5),
         litellm=True,
         run_timeout_s=600,
     ),
@@ -100,6 +112,7 @@ PROFILES = {
             registration_nodes=100,
         ),
         realmodel.Settings(rounds=20, tokens=128),
+        vllm_pool.Settings(rounds=12, tokens=128, pool_seconds=60.0, pool_streams=5),
         litellm=True,
         run_timeout_s=1800,
     ),
@@ -172,13 +185,18 @@ class Report:
 async def _gateways(report: Report, root: Path) -> None:
     """The scenarios that need the gateways: overhead, streaming, the real model."""
     profile = report.profile
-    if not {"overhead", "streaming", "realmodel"} & set(report.wanted):
-        for name in ("overhead", "streaming", "realmodel"):
+    if not set(GATEWAY_SCENARIOS) & set(report.wanted):
+        for name in GATEWAY_SCENARIOS:
             report.skip(name, "not selected (--only)")
         return
     llama_missing = llamacpp_missing()
-    if "realmodel" not in report.wanted:
+    if not {"realmodel", "vllm"} & set(report.wanted):
         llama_missing = "not selected (--only)"
+    vllm_absent = vllm_missing() or llama_missing
+    if "vllm" not in report.wanted:
+        vllm_absent = "not selected (--only)"
+    elif profile.vllm is None:
+        vllm_absent = f"not run in --{profile.name} (vLLM takes about a minute to start)"
     async with contextlib.AsyncExitStack() as exits:
         models = (FAKE_MODEL, f"{FAKE_MODEL}-r{profile.streaming.gap_rate}")
         fake_url, _ = await exits.enter_async_context(
@@ -202,8 +220,28 @@ async def _gateways(report: Report, root: Path) -> None:
                     capacity=1,
                 )
             )
+        engine = None
+        pools: dict[str, dict[str, str]] = {}
+        if vllm_absent is None and llama is not None:
+            print("   starting vLLM (~50 s)", file=sys.stderr, flush=True)
+            try:
+                engine = await exits.enter_async_context(vllm(root / "vllm.log"))
+            except Exception as exc:  # optional, as llama.cpp is
+                vllm_absent = f"vLLM did not start: {exc}"
+        if engine is not None:
+            providers.append(
+                ProviderSpec(
+                    "bench-vllm",
+                    "vllm",
+                    "local_inference",
+                    (SMOLLM2_VLLM,),
+                    endpoint=engine.url,
+                    capacity=4,
+                )
+            )
+            pools[vllm_pool.POOL_MODEL] = {"bench-llamacpp": SMOLLM2, "bench-vllm": SMOLLM2_VLLM}
         print("   starting IOP (control-plane, edge, node)", file=sys.stderr, flush=True)
-        iop = await exits.enter_async_context(start_iop(root / "iop", providers))
+        iop = await exits.enter_async_context(start_iop(root / "iop", providers, pools=pools))
         targets = {
             "direct": Target("direct", f"{fake_url}/v1", FAKE_MODEL),
             "iop": Target("iop", iop.api_url, FAKE_MODEL),
@@ -242,6 +280,20 @@ async def _gateways(report: Report, root: Path) -> None:
                 "iop": Target("iop", iop.api_url, SMOLLM2),
             }
             await report.scenario("realmodel", lambda: realmodel.run(real, profile.realmodel))
+        if engine is None or llama is None or profile.vllm is None:
+            report.skip("vllm", vllm_absent or "vLLM did not start")
+        else:
+            direct = {
+                "direct": Target("direct", f"{engine.url}/v1", SMOLLM2_VLLM),
+                "iop": Target("iop", iop.api_url, SMOLLM2_VLLM),
+            }
+            pool = Target("iop", iop.api_url, vllm_pool.POOL_MODEL)
+            members = {
+                "llamacpp": vllm_pool.Member(Target("llamacpp", f"{llama.url}/v1", SMOLLM2), 1),
+                "vllm": vllm_pool.Member(Target("vllm", f"{engine.url}/v1", SMOLLM2_VLLM), 4),
+            }
+            settings = profile.vllm
+            await report.scenario("vllm", lambda: vllm_pool.run(direct, pool, members, settings))
 
 
 async def main(profile: Profile, only: tuple[str, ...] = SCENARIOS) -> Report:
@@ -255,7 +307,7 @@ async def main(profile: Profile, only: tuple[str, ...] = SCENARIOS) -> Report:
                     await _gateways(report, root)
                 except Exception as exc:  # a stack that did not start fails what it hosts
                     traceback.print_exc()
-                    for name in ("overhead", "streaming", "realmodel"):
+                    for name in GATEWAY_SCENARIOS:
                         if name not in report.results:
                             report.results[name] = ScenarioResult(
                                 name, status="failed", reason=f"{type(exc).__name__}: {exc}"

@@ -67,13 +67,18 @@ class ProviderSpec:
         return entry
 
 
-def fleet_for(nodes: Mapping[str, Sequence[ProviderSpec]]) -> dict[str, Any]:
-    """A fleet where each served name is a public model of the same name."""
+def fleet_for(
+    nodes: Mapping[str, Sequence[ProviderSpec]],
+    pools: Mapping[str, Mapping[str, str]] | None = None,
+) -> dict[str, Any]:
+    """A fleet where each served name is a public model of the same name, plus ``pools``:
+    public models of several providers (public id -> provider id -> served name)."""
     models: dict[str, dict[str, str]] = {}
     for providers in nodes.values():
         for provider in providers:
             for served in provider.models:
                 models.setdefault(served, {})[provider.id] = served
+    models.update({public: dict(members) for public, members in (pools or {}).items()})
     return {
         "models": [{"id": m, "providers": p} for m, p in models.items()],
         "nodes": [
@@ -229,14 +234,18 @@ class IopStack:
 
 @contextlib.asynccontextmanager
 async def start_iop(
-    root: Path, providers: Sequence[ProviderSpec], *, probe_interval_s: float = 2.0
+    root: Path,
+    providers: Sequence[ProviderSpec],
+    *,
+    probe_interval_s: float = 2.0,
+    pools: Mapping[str, Mapping[str, str]] | None = None,
 ) -> AsyncIterator[IopStack]:
     """Control-plane, edge and the bench node serving ``providers``, all ready.
 
     ``probe_interval_s``: how often the node probes its providers (``hops.py`` sets it
     past its whole measurement, so that no probe lands in a traced window).
     """
-    fleet = fleet_for({NODE_ID: providers})
+    fleet = fleet_for({NODE_ID: providers}, pools)
     async with start_core(root, fleet, [NODE_ID]) as core:
         settings = core.settings_file(
             NODE_ID,
@@ -253,6 +262,6 @@ async def start_iop(
             await asyncio.wait_for(
                 edge.wait_for_line(f"node {NODE_ID} registered"), READY_TIMEOUT_S
             )
-            served = [m for p in providers for m in p.models]
+            served = [m for p in providers for m in p.models] + list(pools or {})
             await wait_models_available(core.edge_url, served, READY_TIMEOUT_S)
             yield IopStack(core, node)
