@@ -145,9 +145,8 @@ class Dispatcher:
         not go to; ``UnsupportedOperation`` when that is all of them (before any queue)."""
         index = self._registry.index(spec.model)
         lacking = None if index is None else index.lacking.get(spec.operation)
-        if lacking is None:  # all offer it: the one lookup of the common case
+        if index is None or lacking is None:  # all offer it: the one lookup of the common case
             return _NOBODY
-        assert index is not None
         if not index.offers(spec.operation):
             raise UnsupportedOperation(
                 f"The model '{spec.model}' does not offer {spec.operation.value}: none of its"
