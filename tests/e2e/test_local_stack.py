@@ -298,6 +298,10 @@ async def check_llamacpp_without_embeddings(sdk: AsyncOpenAI) -> None:
         await sdk.embeddings.create(model=LLAMA_MODEL, input="hello")
     assert info.value.code == "unsupported_operation"
     assert f"'{LLAMA_MODEL}' does not offer embeddings" in info.value.message
+    # learnt from that 501: the next is refused by the edge, before the provider
+    with pytest.raises(openai.BadRequestError) as info:
+        await sdk.embeddings.create(model=LLAMA_MODEL, input="hello")
+    assert f"'{LLAMA_MODEL}' does not offer embeddings: none of its providers" in info.value.message
 
 
 async def check_mock(sdk: AsyncOpenAI) -> None:
@@ -327,6 +331,10 @@ async def check_catalog(catalog_url: str) -> None:
         m["id"]: m for m in (await get_json(catalog_url.replace("providers", "models")))["data"]
     }
     assert models[LLAMA_MODEL]["providers"] == {"node-a-llamacpp": LLAMA_MODEL}
+    # after check_llamacpp_without_embeddings: its 501 is known, chat is still offered
+    assert rows["node-a-llamacpp"]["refused_operations"] == ["embeddings"]
+    assert models[LLAMA_MODEL]["operations"] == ["chat_completions", "completions"]
+    assert rows["node-a-mock"]["operations"] == ["chat_completions", "completions", "embeddings"]
     assert models["mock-small"]["providers"] == {
         "node-a-mock": "mock-small",
         "node-b-mock": "mock-small-b",

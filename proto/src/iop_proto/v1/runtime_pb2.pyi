@@ -229,7 +229,7 @@ class ProviderSnapshot(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., providers: _Optional[_Iterable[_Union[ProviderState, _Mapping]]] = ...) -> None: ...
 
 class ProviderConfig(_message.Message):
-    __slots__ = ("id", "type", "category", "models", "capacity", "max_queue", "queue_timeout_ms", "request_timeout_ms", "settings_json")
+    __slots__ = ("id", "type", "category", "models", "capacity", "max_queue", "queue_timeout_ms", "request_timeout_ms", "settings_json", "operations")
     ID_FIELD_NUMBER: _ClassVar[int]
     TYPE_FIELD_NUMBER: _ClassVar[int]
     CATEGORY_FIELD_NUMBER: _ClassVar[int]
@@ -239,6 +239,7 @@ class ProviderConfig(_message.Message):
     QUEUE_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     SETTINGS_JSON_FIELD_NUMBER: _ClassVar[int]
+    OPERATIONS_FIELD_NUMBER: _ClassVar[int]
     id: str
     type: str
     category: ProviderCategory
@@ -248,7 +249,8 @@ class ProviderConfig(_message.Message):
     queue_timeout_ms: int
     request_timeout_ms: int
     settings_json: bytes
-    def __init__(self, id: _Optional[str] = ..., type: _Optional[str] = ..., category: _Optional[_Union[ProviderCategory, str]] = ..., models: _Optional[_Iterable[str]] = ..., capacity: _Optional[int] = ..., max_queue: _Optional[int] = ..., queue_timeout_ms: _Optional[int] = ..., request_timeout_ms: _Optional[int] = ..., settings_json: _Optional[bytes] = ...) -> None: ...
+    operations: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, id: _Optional[str] = ..., type: _Optional[str] = ..., category: _Optional[_Union[ProviderCategory, str]] = ..., models: _Optional[_Iterable[str]] = ..., capacity: _Optional[int] = ..., max_queue: _Optional[int] = ..., queue_timeout_ms: _Optional[int] = ..., request_timeout_ms: _Optional[int] = ..., settings_json: _Optional[bytes] = ..., operations: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class NodeConfig(_message.Message):
     __slots__ = ("node_id", "providers")

@@ -597,5 +597,68 @@ def test_fleet_view_is_json_ready_and_names_only_the_key_variable() -> None:
         "max_queue": 64,
         "queue_timeout_ms": 30000,
         "request_timeout_ms": 600000,
+        "operations": ["chat_completions", "completions", "embeddings"],
         "settings": {"endpoint": "http://127.0.0.1:8000", "api_key_env": "VLLM_API_KEY"},
     }
+
+
+def test_operations_default_to_the_types_and_a_listed_subset_is_sent_to_the_edge() -> None:
+    data = fleet()
+    data["nodes"][1]["providers"][0]["operations"] = ["embeddings", "chat_completions"]
+    data["nodes"].append(
+        {
+            "id": "box",
+            "providers": [
+                {"id": "box-cli", "type": "cli", "category": "cli", "command": ["echo"],
+                 "models": ["echo"]},
+            ],
+        }
+    )  # fmt: skip
+    spec = parse_fleet(data, "fleet.yaml").spec
+    offered = {
+        p.id: list(p.operations)
+        for node in spec.nodes
+        for p in node_config_to_proto(node).providers
+    }
+    assert offered == {
+        "gpu-a-vllm": ["chat_completions", "completions", "embeddings"],  # the type's: all
+        "mac-ollama": ["chat_completions", "embeddings"],  # as listed, in a fixed order
+        "box-cli": ["chat_completions", "completions"],  # a program has no embeddings
+    }
+    assert fleet_view(spec)["nodes"][1]["providers"][0]["operations"] == [
+        "chat_completions",
+        "embeddings",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("provider", "operations", "expected"),
+    [
+        (0, ["embeddings", "images"], "nodes[gpu-a].providers[gpu-a-vllm].operations[1]: Input "
+         "should be 'chat_completions', 'completions' or 'embeddings' (got 'images')"),
+        (1, [], "nodes[mac].providers[mac-ollama].operations: List should have at least 1 "
+         "item after validation, not 0 (got [])"),
+    ],
+)  # fmt: skip
+def test_unknown_or_no_operations_are_refused_naming_the_provider(
+    provider: int, operations: list[str], expected: str
+) -> None:
+    data = fleet()
+    data["nodes"][provider]["providers"][0]["operations"] = operations
+    assert problems_of(data) == [expected]
+
+
+def test_a_cli_provider_cannot_claim_embeddings() -> None:
+    data = fleet()
+    data["nodes"][1]["providers"][0] = {
+        "id": "box-cli",
+        "type": "cli",
+        "category": "cli",
+        "command": ["echo"],
+        "models": ["qwen3.6:35b"],
+        "operations": ["chat_completions", "embeddings"],
+    }
+    data["models"][0]["providers"] = {"gpu-a-vllm": "B", "box-cli": "qwen3.6:35b"}
+    assert problems_of(data) == [
+        "nodes[mac].providers[box-cli].operations: type 'cli' does not offer embeddings"
+    ]

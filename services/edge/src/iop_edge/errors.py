@@ -6,7 +6,7 @@ Errors become HTTP statuses and OpenAI error objects in exactly one place
 
 from __future__ import annotations
 
-from iop_edge.domain.events import ErrorCode, Failed
+from iop_edge.domain.events import NOT_IMPLEMENTED, ErrorCode, Failed
 
 
 class EdgeError(Exception):
@@ -25,7 +25,14 @@ class EdgeError(Exception):
 
 
 class InvalidRequest(EdgeError, ValueError):
-    status, type, code = 400, "invalid_request_error", None
+    status, type = 400, "invalid_request_error"
+
+
+class UnsupportedOperation(InvalidRequest):
+    """No provider of the model offers the operation (the fleet file's ``operations``, or
+    every one answered 501): a 400 naming both, which SDKs do not retry."""
+
+    code = "unsupported_operation"
 
 
 class RequestTooLarge(EdgeError, ValueError):
@@ -109,8 +116,6 @@ class ControlPlaneUnavailable(EdgeError, ConnectionError):
     status, type, code = 503, "server_error", "control_plane_unavailable"
 
 
-NOT_IMPLEMENTED = 501
-"""A provider's answer when it does not offer the operation (the node passes it on)."""
 NOT_FOUND = 404
 """A provider's answer when it does not serve the model named (vLLM: "The model `x` does
 not exist."): the fleet names a served name the provider lacks."""
@@ -121,7 +126,7 @@ def from_failure(failure: Failed) -> EdgeError:
     message = failure.message or failure.code.value
     match failure.code:
         case ErrorCode.INVALID_REQUEST if failure.provider_status == NOT_IMPLEMENTED:
-            return InvalidRequest(message, code="unsupported_operation")
+            return UnsupportedOperation(message)
         case ErrorCode.INVALID_REQUEST if failure.provider_status == NOT_FOUND:
             return ModelNotFound(message, param="model")
         case ErrorCode.INVALID_REQUEST:

@@ -126,6 +126,10 @@ class SlotView(Protocol):
     def detail(self) -> str: ...
     @property
     def outlier(self) -> OutlierView: ...
+    @property
+    def operations(self) -> frozenset[Operation]: ...
+    @property
+    def refused(self) -> frozenset[Operation]: ...
 
 
 class ProviderView(Protocol):
@@ -172,7 +176,8 @@ class Catalog(Protocol):
 
     def provider_views(self, key: ApiKeyEntry | None = None) -> list[dict[str, Any]]:
         """``/iop/v1/catalog/providers`` rows: provider_id, node_id, type, category, health,
-        capacity, in_flight, load_ratio, queued, models, lifecycle_capabilities, and the
+        capacity, in_flight, load_ratio, queued, models, lifecycle_capabilities, operations
+        (what it offers now) and refused_operations (it answered 501 for them), and the
         outlier ejection state (outlier_state, ejected, ejected_until_ms,
         consecutive_failures).
 
@@ -183,7 +188,8 @@ class Catalog(Protocol):
 
     def model_views(self, key: ApiKeyEntry | None = None) -> list[dict[str, Any]]:
         """``/iop/v1/catalog/models`` rows: id, display_name, providers,
-        available_providers, queued; only the models ``key`` may use, when given."""
+        available_providers, operations (what some provider of it offers), queued; only
+        the models ``key`` may use, when given."""
         ...
 
     def any_available(self) -> bool:

@@ -458,3 +458,26 @@ async def test_every_batch_route_is_in_the_openapi_document(tmp_path: Path) -> N
         ("/v1/batches/{batch_id}/cancel", "post"),
     }
     assert {(path, method) for path, method in expected if method in documented[path]} == expected
+
+
+async def test_the_file_list_pages_by_limit_after_and_order_and_filters_by_purpose(
+    tmp_path: Path,
+) -> None:
+    """``GET /v1/files`` as OpenAI's reference has it: ``purpose``, ``limit``, ``after``,
+    ``order`` (newest first by default), read through the SDK's pager."""
+    async with serve(tmp_path) as edge, edge.sdk() as client:
+        made = [
+            (await client.files.create(file=(f"{n}.jsonl", jsonl(request(n))), purpose="batch")).id
+            for n in ("a", "b", "c")
+        ]
+        newest_first = await client.files.list(limit=2)
+        oldest_first = await client.files.list(limit=2, order="asc")
+        after = await client.files.list(order="asc", after=made[0])
+        everything = [f.id async for f in client.files.list(limit=1)]  # the pager follows after
+        other_purpose = await client.files.list(purpose="assistants")
+    assert [f.id for f in newest_first.data] == [made[2], made[1]]
+    assert newest_first.has_more
+    assert [f.id for f in oldest_first.data] == made[:2]
+    assert [f.id for f in after.data] == made[1:]
+    assert everything == made[::-1]
+    assert other_purpose.data == []

@@ -143,6 +143,8 @@ async def read_all(run: FailoverRun) -> list[RunEvent]:
         (Failed(ErrorCode.PROVIDER_ERROR, "bad request", provider_status=400), False),
         (Failed(ErrorCode.PROVIDER_ERROR, "rate limited", provider_status=429), False),
         (Failed(ErrorCode.INVALID_REQUEST, "no messages"), False),
+        # the provider does not offer the operation: another of the model may
+        (Failed(ErrorCode.INVALID_REQUEST, "no embeddings", provider_status=501), True),
         (Failed(ErrorCode.NOT_FOUND, "no such model"), False),
         (Failed(ErrorCode.CANCELLED, "client gone"), False),
         (Failed(ErrorCode.DEADLINE_EXCEEDED, "too late"), False),

@@ -15,6 +15,7 @@ from iop_edge.errors import (
     InvalidRequest,
     ModelNotFound,
     ProviderFailed,
+    UnsupportedOperation,
     from_failure,
 )
 
@@ -26,7 +27,7 @@ from iop_edge.errors import (
         (400, InvalidRequest, 400, None),
         (422, InvalidRequest, 400, None),
         (404, ModelNotFound, 404, "model_not_found"),
-        (501, InvalidRequest, 400, "unsupported_operation"),
+        (501, UnsupportedOperation, 400, "unsupported_operation"),
     ],
 )
 def test_an_invalid_request_takes_the_providers_status_into_account(

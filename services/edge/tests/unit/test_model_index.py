@@ -7,6 +7,7 @@ import random
 import pytest
 
 from iop_edge.domain.events import Completed, ErrorCode, Failed
+from iop_edge.domain.fleet import Operation
 from iop_edge.domain.outliers import OutlierPolicy
 from iop_edge.domain.pool import (
     AVAILABLE,
@@ -159,6 +160,13 @@ _OUTCOMES = (
 )
 
 
+def _random_operations(rng: random.Random) -> frozenset[Operation]:
+    """Mostly all of them (as most providers), else a random non-empty part."""
+    if rng.random() < 0.5:
+        return frozenset(Operation)
+    return frozenset(rng.sample(list(Operation), rng.randint(1, len(Operation))))
+
+
 @pytest.mark.parametrize("seed", range(40))
 def test_the_index_chooses_what_the_scan_chooses(seed: int) -> None:
     rng = random.Random(seed)
@@ -168,6 +176,7 @@ def test_the_index_chooses_what_the_scan_chooses(seed: int) -> None:
     }
     for s in pool.values():
         s.update(connected=rng.random() < 0.8, health=rng.choice((AVAILABLE, AVAILABLE, UNKNOWN)))
+        s.offer(_random_operations(rng))
     models = _random_fleet(rng, pool)
     indexes = index_models(models, pool.values())
     slots = list(pool.values())
@@ -197,9 +206,15 @@ def test_the_index_chooses_what_the_scan_chooses(seed: int) -> None:
                     s.update(connected=connected, reported_in_flight=0 if not connected else None)
         elif action < 0.96:
             target.update(capacity=rng.choice((0, 1, 2, 3, 4, 6, 8)))
-        else:  # a new fleet config: other models, other orders
+        elif action < 0.98:  # a new fleet config: other models, other orders, operations
+            for s in slots:
+                s.offer(_random_operations(rng))
             models = _random_fleet(rng, pool)
             indexes = index_models(models, pool.values())
+        elif action < 0.99:  # a provider answered 501 for an operation
+            target.refuse(rng.choice(list(Operation)))
+        else:  # its node connected again: what it refused is tried again
+            target.offer(target.declared)
         if rng.random() < 0.3:  # outlier ejection: a run's end, or a cooldown over
             other = rng.choice(slots)
             if rng.random() < 0.75:
@@ -210,4 +225,29 @@ def test_the_index_chooses_what_the_scan_chooses(seed: int) -> None:
             index = indexes[model_id]
             assert index.select() is select(members), (seed, step, model_id)
             assert index.any_usable == any(s.usable for s in members), (seed, step, model_id)
+            for op in Operation:  # a request for ``op``: only the members that offer it
+                offering = [s for s in members if op in s.operations]
+                lacking = index.lacking.get(op, frozenset())
+                assert lacking == {s.provider_id for s in members} - {
+                    s.provider_id for s in offering
+                }, (seed, step, model_id, op)
+                assert index.offers(op) == (not members or bool(offering)), (seed, step, op)
+                assert index.select(lacking) is select(offering), (seed, step, model_id, op)
     assert ejected, seed  # providers went through ejection and trial
+
+
+def test_a_request_for_an_operation_goes_only_to_the_members_that_offer_it() -> None:
+    chat_only, everything = slot("chat-only"), slot("everything", in_flight=3)
+    chat_only.offer(frozenset({Operation.CHAT_COMPLETIONS, Operation.COMPLETIONS}))
+    index = ModelIndex("m", [chat_only, everything])
+    assert index.lacking == {Operation.EMBEDDINGS: {"chat-only"}}
+    assert Operation.CHAT_COMPLETIONS not in index.lacking  # the common case: no filter
+    assert index.select(index.lacking[Operation.EMBEDDINGS]) is everything  # though 3/4
+    assert index.operations == list(Operation)
+    assert everything.refuse(Operation.EMBEDDINGS)  # it answered 501
+    assert not everything.refuse(Operation.EMBEDDINGS)  # once is news, not twice
+    assert not index.offers(Operation.EMBEDDINGS)
+    assert index.operations == [Operation.CHAT_COMPLETIONS, Operation.COMPLETIONS]
+    everything.offer(everything.declared)  # its node connected again
+    assert everything.refused == frozenset()
+    assert index.offers(Operation.EMBEDDINGS)

@@ -35,6 +35,7 @@ def provider_config_to_proto(provider: ProviderSpec) -> pb.ProviderConfig:
         queue_timeout_ms=provider.queue_timeout_ms,
         request_timeout_ms=provider.request_timeout_ms,
         settings_json=settings_json(provider),
+        operations=provider.offered_operations(),
     )
 
 
@@ -103,6 +104,7 @@ def fleet_view(spec: FleetSpec) -> dict[str, Any]:
                     "max_queue": p.max_queue,
                     "queue_timeout_ms": p.queue_timeout_ms,
                     "request_timeout_ms": p.request_timeout_ms,
+                    "operations": p.offered_operations(),
                     "settings": p.type_settings(),
                 }
                 for p in node.providers

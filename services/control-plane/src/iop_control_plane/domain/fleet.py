@@ -39,6 +39,14 @@ ALLOWED_CATEGORIES: Final[Mapping[str, tuple[Category, ...]]] = {
     "openai_api": ("api",),
 }
 
+Operation = Literal["chat_completions", "completions", "embeddings"]
+ALL_OPERATIONS: Final[tuple[Operation, ...]] = ("chat_completions", "completions", "embeddings")
+#: What each type offers when a provider lists no ``operations`` (a type not named: all). A
+#: provider that lacks one of these (llama.cpp without ``--embeddings``) lists what it has.
+TYPE_OPERATIONS: Final[Mapping[str, tuple[Operation, ...]]] = {
+    "cli": ("chat_completions", "completions"),
+}
+
 #: The type-specific fields of `ProviderSpec` each type reads; setting any other is refused,
 #: because a setting the node would silently ignore is almost always a mistake.
 TYPE_SETTINGS: Final[Mapping[str, tuple[str, ...]]] = {
@@ -157,6 +165,8 @@ class ProviderSpec(_Frozen):
     max_queue: int = Field(default=16, ge=0, le=_UINT32_MAX)
     queue_timeout_ms: Timeout = 30_000
     request_timeout_ms: Timeout = 600_000
+    # what it offers; None: its type's default (`TYPE_OPERATIONS`)
+    operations: Annotated[list[Operation], Field(min_length=1)] | None = None
     # type-specific settings (see TYPE_SETTINGS)
     endpoint: Annotated[str, AfterValidator(_check_endpoint)] | None = None
     api_key_env: EnvName | None = None
@@ -174,6 +184,12 @@ class ProviderSpec(_Frozen):
                 ("category", f"{self.category!r} does not fit type {self.type!r} "
                              f"(allowed: {', '.join(allowed)})")
             )  # fmt: skip
+        offered = TYPE_OPERATIONS.get(self.type, ALL_OPERATIONS)
+        beyond = [o for o in self.operations or () if o not in offered]
+        if beyond:
+            problems.append(
+                ("operations", f"type {self.type!r} does not offer {', '.join(beyond)}")
+            )
         own = TYPE_SETTINGS[self.type]
         for name in _ALL_SETTINGS:
             value = getattr(self, name)
@@ -184,6 +200,11 @@ class ProviderSpec(_Frozen):
                 problems.append((name, f"not a setting of type {self.type!r} (it takes: {takes})"))
         _raise_problems(problems)
         return self
+
+    def offered_operations(self) -> list[Operation]:
+        """What it offers: its ``operations``, else its type's default, in a fixed order."""
+        listed = self.operations or TYPE_OPERATIONS.get(self.type, ALL_OPERATIONS)
+        return [operation for operation in ALL_OPERATIONS if operation in listed]
 
     def type_settings(self) -> dict[str, Any]:
         """The settings of this provider's type, defaults filled: the node adapter's input."""

@@ -8,7 +8,9 @@ from iop_edge.domain.fleet import (
     ApiKeyEntry,
     Fleet,
     ModelEntry,
+    Operation,
     ProviderEntry,
+    default_operations,
 )
 from iop_proto.v1 import runtime_pb2 as pb
 
@@ -17,6 +19,8 @@ _CATEGORY = {
     pb.PROVIDER_CATEGORY_CLI: "cli",
     pb.PROVIDER_CATEGORY_LOCAL_INFERENCE: "local_inference",
 }
+
+_OPERATIONS = frozenset(Operation)  # a newer control-plane's unknown names are skipped
 
 
 def fleet_from_proto(config: pb.FleetConfig) -> Fleet:
@@ -31,6 +35,9 @@ def fleet_from_proto(config: pb.FleetConfig) -> Fleet:
             max_queue=p.max_queue,
             queue_timeout_ms=p.queue_timeout_ms,
             request_timeout_ms=p.request_timeout_ms,
+            # none listed: a control-plane from before the field, the type's default
+            operations=frozenset(Operation(o) for o in p.operations if o in _OPERATIONS)
+            or default_operations(p.type),
         )
         for node in config.nodes
         for p in node.providers

@@ -31,6 +31,10 @@ class ErrorCode(StrEnum):
     INTERNAL = "internal"
 
 
+NOT_IMPLEMENTED = 501
+"""A provider's answer when it does not offer the operation (the node passes it on)."""
+
+
 @dataclass(frozen=True, slots=True)
 class Usage:
     prompt_tokens: int = 0
@@ -127,6 +131,10 @@ def retryable(failed: Failed) -> bool:
     lost or not acknowledging the run (``PROVIDER_UNAVAILABLE``), a stalled stream or a
     provider that never answered (``PROVIDER_TIMEOUT``), a 5xx or a transport failure
     without any HTTP status (``PROVIDER_ERROR`` with ``provider_status`` 0 or >= 500).
+    Yes, too, for a provider that does not offer the operation (``INVALID_REQUEST`` with
+    ``provider_status`` 501: llama.cpp without ``--embeddings``): that is the provider's
+    limitation, not the client's fault, and another provider of the model may offer it
+    (the dispatcher stops choosing this one for it; with nobody left, the 400 stands).
     No when the request is the problem (invalid, a 4xx, not found) or the client or the
     edge ended it (cancelled, deadline exceeded, queue full or timed out): another
     provider would say the same, or nobody is waiting for the answer.
@@ -137,7 +145,7 @@ def retryable(failed: Failed) -> bool:
     if code is ErrorCode.PROVIDER_ERROR:
         status = failed.provider_status
         return status == 0 or status >= 500
-    return False
+    return code is ErrorCode.INVALID_REQUEST and failed.provider_status == NOT_IMPLEMENTED
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,6 +25,18 @@ class Operation(StrEnum):
     EMBEDDINGS = "embeddings"
 
 
+ALL_OPERATIONS: Final = frozenset(Operation)
+TYPE_OPERATIONS: Final[Mapping[str, frozenset[Operation]]] = {
+    "cli": frozenset({Operation.CHAT_COMPLETIONS, Operation.COMPLETIONS}),
+}
+"""What a provider type offers when the fleet file lists no ``operations`` (a type not
+named here: all of them; a ``cli`` program takes a prompt and has no embeddings)."""
+
+
+def default_operations(provider_type: str) -> frozenset[Operation]:
+    return TYPE_OPERATIONS.get(provider_type, ALL_OPERATIONS)
+
+
 @dataclass(frozen=True, slots=True)
 class ModelEntry:
     """One public model: its id is the queue and catalog key
@@ -50,6 +62,7 @@ class ProviderEntry:
     max_queue: int
     queue_timeout_ms: int
     request_timeout_ms: int
+    operations: frozenset[Operation] = ALL_OPERATIONS  # what it offers (the fleet file's word)
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,6 +19,12 @@ change of what selection depends on goes through ``ProviderSlot.take``,
 ``release``, ``update``, ``record_outcome`` or ``end_ejection``, which push a
 fresh heap entry and retire the old ones (each entry carries the slot's version;
 an entry whose version is behind is dropped when it reaches the top).
+
+Operations: a provider offers some of ``chat_completions``, ``completions``,
+``embeddings`` (the fleet file's ``operations``, less what it answered 501 for). A
+request for an operation only some providers of the model offer excludes the others
+(``ModelIndex.lacking``: one dict lookup, empty in a pool whose providers all offer
+everything), as a retry excludes the providers it failed on.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from collections.abc import Container, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from iop_edge.domain.events import Completed, Failed
+from iop_edge.domain.fleet import ALL_OPERATIONS, Operation
 from iop_edge.domain.outliers import OutlierPolicy, OutlierState, Phase
 
 AVAILABLE = "available"
@@ -99,6 +106,10 @@ class ProviderSlot:
     lifecycle: dict[str, bool] = field(default_factory=dict)
     detail: str = ""
     outlier: OutlierState = field(default_factory=OutlierState)
+    # What it offers: ``declared`` (the fleet file) less ``refused`` (answered 501 for).
+    declared: frozenset[Operation] = ALL_OPERATIONS
+    refused: frozenset[Operation] = frozenset()
+    operations: frozenset[Operation] = ALL_OPERATIONS
     # The indexes this slot is in, with its position in each, and what they last saw.
     _indexes: list[tuple[ModelIndex, int]] = field(default_factory=list, init=False, repr=False)
     _version: int = field(default=0, init=False, repr=False)
@@ -178,6 +189,27 @@ class ProviderSlot:
             self._reindex()
         return changed
 
+    def offer(self, declared: frozenset[Operation]) -> None:
+        """What the fleet file says it offers; what it refused is forgotten (a fleet
+        change or a new connection of its node: the provider may have been restarted)."""
+        self.declared, self.refused = declared, frozenset()
+        self._set_operations(declared)
+
+    def refuse(self, operation: Operation) -> bool:
+        """The provider answered 501 for ``operation``: it is not chosen for it any more;
+        tells whether that is news."""
+        if operation in self.refused:
+            return False
+        self.refused = self.refused | {operation}
+        self._set_operations(self.declared - self.refused)
+        return True
+
+    def _set_operations(self, operations: frozenset[Operation]) -> None:
+        if operations != self.operations:
+            self.operations = operations
+            for index, _ in self._indexes:
+                index.count_operations()
+
     def model_ids(self) -> list[str]:
         """The models whose index holds this slot, in the order the indexes were built."""
         return [index.model_id for index, _ in self._indexes]
@@ -219,7 +251,7 @@ class ModelIndex:
     or not.
     """
 
-    __slots__ = ("_heap", "_limit", "_usable_count", "members", "model_id")
+    __slots__ = ("_heap", "_limit", "_usable_count", "lacking", "members", "model_id")
 
     def __init__(self, model_id: str, members: Sequence[ProviderSlot]) -> None:
         """``members`` in the model's provider order (the tie-break)."""
@@ -231,6 +263,30 @@ class ModelIndex:
             self._usable_count += slot.join(self, position)
         self._heap: list[_Entry] = []
         self._rebuild()
+        self.lacking: dict[Operation, frozenset[str]] = {}
+        self.count_operations()
+
+    def count_operations(self) -> None:
+        """``lacking``: for each operation some member does not offer, the ids of those
+        members (absent: all offer it). A member's operations changed, or it joined."""
+        members = self.members
+        found: dict[Operation, frozenset[str]] = {}
+        for operation in Operation:
+            lacking = frozenset(s.provider_id for s in members if operation not in s.operations)
+            if lacking:
+                found[operation] = lacking
+        self.lacking = found  # whole: a request never sees half of a change
+
+    def offers(self, operation: Operation) -> bool:
+        """Some member offers ``operation`` (a model without members offers everything:
+        it has nobody to refuse, and no provider either)."""
+        lacking = self.lacking.get(operation)
+        return lacking is None or len(lacking) < len(self.members)
+
+    @property
+    def operations(self) -> list[Operation]:
+        """What some member offers, in ``Operation``'s order (the catalog's)."""
+        return [operation for operation in Operation if self.offers(operation)]
 
     @property
     def usable_count(self) -> int:

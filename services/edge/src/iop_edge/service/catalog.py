@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 from typing import Any, TypeGuard
 
-from iop_edge.domain.fleet import ApiKeyEntry, ModelEntry
+from iop_edge.domain.fleet import ApiKeyEntry, ModelEntry, Operation
 from iop_edge.domain.outliers import Phase
 from iop_edge.domain.pool import LIFECYCLE_FLAGS, UNAVAILABLE
 from iop_edge.ports import FleetView, OutlierView, ProviderView, QueueView
@@ -66,6 +66,9 @@ class PoolCatalog:
                     "lifecycle_capabilities": {
                         flag: slot.lifecycle.get(flag, False) for flag in LIFECYCLE_FLAGS
                     },
+                    "operations": _in_order(slot.operations),
+                    # answered 501 for these: not chosen for them until its node reconnects
+                    "refused_operations": _in_order(slot.refused),
                     "detail": slot.detail,
                     **_outlier_fields(slot.outlier),
                 }
@@ -83,6 +86,12 @@ class PoolCatalog:
                 "available_providers": [
                     p for p in model.providers if (slot := providers.slot(p)) and slot.usable
                 ],
+                # what some provider of it offers: any other is refused with a 400
+                "operations": _in_order(
+                    frozenset().union(
+                        *(slot.operations for p in model.providers if (slot := providers.slot(p)))
+                    )
+                ),
                 "queued": self._queues.queued(model.id),
             }
             for model in self._fleet.current.models.values()
@@ -91,6 +100,10 @@ class PoolCatalog:
 
     def any_available(self) -> bool:
         return any(slot.usable for slot in self._providers.slots())
+
+
+def _in_order(operations: frozenset[Operation]) -> list[str]:
+    return [operation.value for operation in Operation if operation in operations]
 
 
 def _outlier_fields(outlier: OutlierView) -> dict[str, Any]:

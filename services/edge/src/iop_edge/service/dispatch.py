@@ -17,7 +17,14 @@ import secrets
 import time
 from collections.abc import Iterable
 
-from iop_edge.domain.events import Accepted, ErrorCode, Failed, RunEvent, RunOrder
+from iop_edge.domain.events import (
+    NOT_IMPLEMENTED,
+    Accepted,
+    ErrorCode,
+    Failed,
+    RunEvent,
+    RunOrder,
+)
 from iop_edge.domain.fleet import Fleet, ModelEntry
 from iop_edge.domain.pool import ModelIndex, ProviderSlot
 from iop_edge.domain.queue import ModelQueue
@@ -29,6 +36,7 @@ from iop_edge.errors import (
     QueueTimeout,
     RequestTooLarge,
     ShuttingDown,
+    UnsupportedOperation,
 )
 from iop_edge.metrics import EdgeMetrics
 from iop_edge.ports import FleetView, RunSpec
@@ -97,8 +105,11 @@ class Dispatcher:
         run = self._runs.get(run_id)
         if run is None:
             return False
-        if type(event) is Failed and event.code is ErrorCode.PROVIDER_UNAVAILABLE:
-            self._registry.mark_unavailable(run.provider_id)
+        if type(event) is Failed:
+            if event.code is ErrorCode.PROVIDER_UNAVAILABLE:
+                self._registry.mark_unavailable(run.provider_id)
+            elif event.provider_status == NOT_IMPLEMENTED:  # before a failover chooses again
+                self._registry.refuse_operation(run.provider_id, run.request.operation)
         run.deliver(event)
         return True
 
@@ -126,8 +137,23 @@ class Dispatcher:
         check_output_tokens(spec.operation, spec.body, model.max_output_tokens)
         body = RunBody.encode(spec.body)
         check_run_frame(body, model, self._max_frame_size)
-        first = await self._open_attempt(model, spec, body, _NOBODY, None)
+        first = await self._open_attempt(model, spec, body, self._lacking(spec), None)
         return FailoverRun(self, spec, body, first, model.retries)
+
+    def _lacking(self, spec: RunSpec) -> frozenset[str]:
+        """The model's providers that do not offer the request's operation, which it may
+        not go to; ``UnsupportedOperation`` when that is all of them (before any queue)."""
+        index = self._registry.index(spec.model)
+        lacking = None if index is None else index.lacking.get(spec.operation)
+        if index is None or lacking is None:  # all offer it: the one lookup of the common case
+            return _NOBODY
+        if not index.offers(spec.operation):
+            raise UnsupportedOperation(
+                f"The model '{spec.model}' does not offer {spec.operation.value}: none of its"
+                " providers does",
+                param="model",
+            )
+        return lacking
 
     async def reopen(
         self,
@@ -149,6 +175,8 @@ class Dispatcher:
             raise ShuttingDown(self._stopping)
         model = self._fleet.current.models.get(spec.model)
         index = self._registry.index(spec.model)
+        if index is not None and (lacking := index.lacking.get(spec.operation)):
+            exclude = exclude | lacking  # also what it learnt from the failed attempt's 501
         if model is None or index is None or not index.any_usable_except(exclude):
             raise NoProviderAvailable(f"No other provider of '{spec.model}' is available")
         self._metrics.count_retry(model.id, failed.provider_id)

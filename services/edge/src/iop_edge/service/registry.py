@@ -23,7 +23,7 @@ from typing import Protocol
 from loguru import logger
 
 from iop_edge.domain.events import Completed, Failed, ProviderReport
-from iop_edge.domain.fleet import Fleet
+from iop_edge.domain.fleet import Fleet, Operation
 from iop_edge.domain.outliers import OutlierPolicy, Phase
 from iop_edge.domain.pool import AVAILABLE, UNAVAILABLE, ModelIndex, ProviderSlot, index_models
 from iop_edge.metrics import EdgeMetrics
@@ -107,6 +107,7 @@ class ProviderRegistry:
             if slot is None:
                 slot = slots[entry.id] = ProviderSlot(entry.id, entry.node_id)
             slot.node_id, slot.type, slot.category = entry.node_id, entry.type, entry.category
+            slot.offer(entry.operations)  # what it refused is tried again under a new fleet
             # connected follows the node, also for a provider moved to another node
             slot.update(capacity=entry.capacity, connected=entry.node_id in self._links)
         self._indexes = index_models(
@@ -123,6 +124,7 @@ class ProviderRegistry:
         self._metrics.nodes_connected.set(len(self._links))
         for slot in self._slots_of_node(link.node_id):
             slot.update(connected=True)
+            slot.offer(slot.declared)  # maybe restarted with what it lacked (--embeddings)
         self.apply_snapshot(link.node_id, providers)
 
     def node_disconnected(self, link: NodeLink, reason: str) -> None:
@@ -160,6 +162,19 @@ class ProviderRegistry:
         if slot is not None and slot.health == AVAILABLE:
             slot.update(health=UNAVAILABLE)
             self._metrics.publish_slot(slot)
+
+    def refuse_operation(self, provider_id: str, operation: Operation) -> None:
+        """The provider answered 501 for ``operation`` (it does not offer it, e.g. a
+        llama.cpp started without ``--embeddings``): it is not chosen for it until its
+        node connects again or the fleet changes, and the catalog says so."""
+        slot = self._slots.get(provider_id)
+        if slot is not None and slot.refuse(operation):
+            logger.warning(
+                "provider {} does not offer {} (it answered 501): not chosen for it until"
+                " its node reconnects or the fleet changes",
+                provider_id,
+                operation.value,
+            )
 
     def record_outcome(self, provider_id: str, outcome: Completed | Failed | None) -> None:
         """A run on the provider ended (``outcome``: its terminal event, ``None`` if it
