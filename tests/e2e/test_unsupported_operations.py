@@ -27,6 +27,8 @@ import pytest_asyncio
 from aiohttp import web
 from openai import AsyncOpenAI
 
+from iop_proto.testing import loopback_app
+
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 ALL = ["chat_completions", "completions", "embeddings"]
@@ -46,23 +48,14 @@ class NoEmbeddingsUpstream:
 
     def __init__(self) -> None:
         self.embeddings: Counter[str] = Counter()
-        self.runner: web.AppRunner | None = None
         self.port = 0
 
-    async def start(self) -> None:
+    def app(self) -> web.Application:
         app = web.Application()
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/v1/embeddings", self._embeddings)
-        self.runner = web.AppRunner(app)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        await site.start()
-        self.port = self.runner.addresses[0][1]
-
-    async def stop(self) -> None:
-        if self.runner is not None:
-            await self.runner.cleanup()
+        return app
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response(
@@ -143,11 +136,9 @@ def fleet(port: int) -> dict[str, Any]:
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def upstream() -> AsyncIterator[NoEmbeddingsUpstream]:
     server = NoEmbeddingsUpstream()
-    await server.start()
-    try:
+    async with loopback_app(server.app()) as port:
+        server.port = port
         yield server
-    finally:
-        await server.stop()
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")

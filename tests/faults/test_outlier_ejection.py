@@ -25,6 +25,8 @@ from aiohttp import web
 from openai import AsyncOpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
+from iop_proto.testing import loopback_app
+
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 FLAKY = "node-a-flaky"
@@ -107,15 +109,9 @@ async def backend() -> AsyncIterator[Backend]:
     app = web.Application()
     app.router.add_get("/v1/models", state.models)
     app.router.add_post("/v1/chat/completions", state.chat)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    state.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    try:
+    async with loopback_app(app) as port:
+        state.port = port
         yield state
-    finally:
-        await runner.cleanup()
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")

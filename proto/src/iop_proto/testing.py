@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from aiohttp import web
+
 from iop_proto.tls import TlsSettings, client_context, server_context
 
 if TYPE_CHECKING:
@@ -179,6 +181,26 @@ async def loopback_server(handler: Handler, context: ssl.SSLContext | None) -> A
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await server.wait_closed()
+
+
+@contextlib.asynccontextmanager
+async def loopback_app(
+    app: web.Application, *, cancel_handlers: bool = False
+) -> AsyncIterator[int]:
+    """Serve an aiohttp ``app`` on 127.0.0.1 (ephemeral port); yields the port.
+
+    The fake upstreams and API apps of the tests, served one way: bound to port 0 and
+    read back, no access log, cleaned up on exit. ``cancel_handlers``: a handler is
+    cancelled when its client leaves, as the edge's own runner is set up.
+    """
+    runner = web.AppRunner(app, handler_cancellation=cancel_handlers, access_log=None)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        yield int(runner.addresses[0][1])
+    finally:
+        await runner.cleanup()
 
 
 async def open_client(

@@ -22,6 +22,7 @@ from iop_edge.entrypoints.responses_routes import ResponsesRoutes
 from iop_edge.errors import InvalidRequest, NotFound
 from iop_edge.ports import StoredResponse
 from iop_proto import json_codec
+from iop_proto.testing import loopback_app
 
 
 class MemoryStore:
@@ -138,15 +139,8 @@ async def serve(store: MemoryStore) -> AsyncIterator[str]:
 
     app = web.Application(middlewares=[openai_error_boundary])
     ResponsesRoutes(store, Keys()).register(app, route)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    try:
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        host, port = runner.addresses[0][:2]
-        yield f"http://{host}:{port}/v1/responses"
-    finally:
-        await runner.cleanup()
+    async with loopback_app(app) as port:
+        yield f"http://127.0.0.1:{port}/v1/responses"
 
 
 async def test_the_routes_read_list_and_delete_only_the_owner_s_responses() -> None:

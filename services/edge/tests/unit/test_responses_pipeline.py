@@ -11,7 +11,6 @@ from typing import Any
 
 import openai
 import pytest
-from aiohttp import web
 from openai import AsyncOpenAI
 from prometheus_client import CollectorRegistry
 
@@ -21,6 +20,7 @@ from iop_edge.entrypoints.api_metrics import ApiMetrics
 from iop_edge.entrypoints.http_api import create_api_app, load_openapi
 from iop_edge.ports import AttemptRecord, EdgeRunRecord, RunSpec, StoredResponse
 from iop_proto import json_codec
+from iop_proto.testing import loopback_app
 
 MODEL = "m"
 
@@ -120,17 +120,10 @@ async def serve() -> AsyncIterator[Edge]:
         openapi=load_openapi(),
         responses=store,
     )
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-    await runner.setup()
-    try:
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        host, port = runner.addresses[0][:2]
-        url = f"http://{host}:{port}/v1"
+    async with loopback_app(app, cancel_handlers=True) as port:
+        url = f"http://127.0.0.1:{port}/v1"
         async with AsyncOpenAI(base_url=url, api_key="x", max_retries=0) as sdk:
             yield Edge(sdk, service, store, runlog)
-    finally:
-        await runner.cleanup()
 
 
 @pytest.fixture
