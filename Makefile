@@ -23,7 +23,7 @@ help:
 	@echo "make install create .venv with the five packages editable and the dev tools"
 	@echo "make bench   quick benchmarks (< 5 min on 2 cores): table + var/bench/results-<time>.json"
 	@echo "make bench-full  the long benchmark run (same scenarios, more requests)"
-	@echo "make bench-peers install LiteLLM (pinned) into tools/bench/.peers/litellm for comparison"
+	@echo "make bench-peers install LiteLLM, vllm-router and sglang-router (pinned) into tools/bench/.peers/"
 	@echo "make soak    10 min at 20 req/s with random node restarts: lost requests, RSS slopes (not in CI; SOAK_ARGS=--duration 60)"
 
 install: $(STAMP)
@@ -90,6 +90,8 @@ lint: install
 
 BENCH_OUT = var/bench/results-$(shell date +%Y%m%d-%H%M%S).json
 LITELLM_VERSION := 1.106.12
+VLLM_ROUTER_VERSION := 0.1.17
+SGLANG_ROUTER_VERSION := 0.3.2
 PEERS := tools/bench/.peers
 
 bench: install
@@ -103,11 +105,19 @@ bench-full: install
 soak: install
 	$(BIN)/python tools/soak.py $(SOAK_ARGS)
 
-# LiteLLM lives in a venv of its own: its dependency tree must not touch IOP's.
+# Each peer lives in a venv of its own: their dependency trees must not touch IOP's (nor
+# each other's). The routers are wheels with their Rust binary inside (tools/bench/routers.py).
+define peer_venv
+	test -x $(PEERS)/$(1)/bin/python || $(PYTHON) -m venv $(PEERS)/$(1)
+	$(PEERS)/$(1)/bin/python -m pip install --quiet --upgrade pip
+	$(PEERS)/$(1)/bin/python -m pip install --quiet "$(2)"
+
+endef
+
 bench-peers:
-	test -x $(PEERS)/litellm/bin/python || $(PYTHON) -m venv $(PEERS)/litellm
-	$(PEERS)/litellm/bin/python -m pip install --quiet --upgrade pip
-	$(PEERS)/litellm/bin/python -m pip install --quiet "litellm[proxy]==$(LITELLM_VERSION)"
+	$(call peer_venv,litellm,litellm[proxy]==$(LITELLM_VERSION))
+	$(call peer_venv,vllm_router,vllm-router==$(VLLM_ROUTER_VERSION))
+	$(call peer_venv,sglang_router,sglang-router==$(SGLANG_ROUTER_VERSION))
 
 # Container images: iop-<service>:<version of services/<service>/pyproject.toml> and :latest, so
 # each service is released on its own; iop-init (deploy/init/, the compose stack's one-shot)

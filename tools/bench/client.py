@@ -179,12 +179,17 @@ def summary_ms(seconds: list[float]) -> dict[str, float]:
 
 
 async def closed_loop(
-    http: aiohttp.ClientSession, target: Target, concurrency: int, duration_s: float
+    http: aiohttp.ClientSession,
+    target: Target,
+    concurrency: int,
+    duration_s: float,
+    latencies: list[float] | None = None,
 ) -> tuple[int, int, float]:
     """``concurrency`` workers each sending back to back for ``duration_s``.
 
     Returns (completed, failed, elapsed seconds). Requests started before the end
     are allowed to finish (and counted), so elapsed is a little over the duration.
+    Each completed request's latency is appended to ``latencies`` when given.
     """
     loop = asyncio.get_running_loop()
     started = loop.time()
@@ -195,11 +200,13 @@ async def closed_loop(
         nonlocal done, failed
         while loop.time() < end:
             try:
-                await complete(http, target)
+                latency = await complete(http, target)
             except (RequestFailed, aiohttp.ClientError, TimeoutError):
                 failed += 1
             else:
                 done += 1
+                if latencies is not None:
+                    latencies.append(latency)
 
     async with asyncio.TaskGroup() as group:
         for _ in range(concurrency):

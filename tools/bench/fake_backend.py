@@ -100,7 +100,9 @@ class FakeBackend:
         body = _loads(await request.read())
         model = str(body.get("model") or "fake")
         behaviour = self._defaults.for_model(model)
-        tokens = max(1, min(int(body.get("max_tokens") or DEFAULT_TOKENS), MAX_TOKENS))
+        # sglang-router forwards max_tokens as OpenAI's newer max_completion_tokens
+        asked = body.get("max_completion_tokens") or body.get("max_tokens") or DEFAULT_TOKENS
+        tokens = max(1, min(int(asked), MAX_TOKENS))
         if behaviour.delay_s > 0:
             await asyncio.sleep(behaviour.delay_s)
         if body.get("stream"):

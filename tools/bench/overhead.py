@@ -1,4 +1,5 @@
-"""Gateway overhead: the same non-streamed requests direct, through IOP, through LiteLLM.
+"""Gateway overhead: the same non-streamed requests direct, through IOP and through each peer
+(LiteLLM, vllm-router, sglang-router).
 
 Measured the way vllm-project/router's docs/benchmarks/router_overhead.md measures
 it: direct and routed requests in one run, alternating (the order rotates every
@@ -14,12 +15,12 @@ minus the direct one as the gateway's cost.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from .client import Target, closed_loop, complete, session, summary_ms
 from .procs import Gateway
-from .results import Row, ScenarioResult, ratio
+from .results import Row, ScenarioResult, peer_cells, ratio
 
 SCENARIO = "overhead"
 
@@ -79,10 +80,10 @@ async def run(
     targets: dict[str, Target],
     gateways: dict[str, Gateway],
     settings: Settings,
-    litellm_missing: str,
+    missing: dict[str, str],
 ) -> ScenarioResult:
-    """``targets`` has ``direct`` and ``iop``, and ``litellm`` unless it is missing
-    (then ``litellm_missing`` says why, in LiteLLM's column)."""
+    """``targets`` has ``direct`` and ``iop``, and each peer (``results.PEERS``) not in
+    ``missing``, which says why that peer is not measured (in its column)."""
     result = ScenarioResult(SCENARIO)
     latencies = await _latency(targets, settings)
     stats = {name: summary_ms(values) for name, values in latencies.items()}
@@ -111,68 +112,57 @@ async def run(
 
     direct = stats["direct"]
 
-    def added(name: str, key: str) -> float | str:
-        if name not in stats:
-            return litellm_missing
-        return stats[name][key] - direct[key]
+    def added(name: str, key: str) -> float | None:
+        return stats[name][key] - direct[key] if name in stats else None
 
-    def lite(key: str) -> float | str:
-        return stats["litellm"][key] if "litellm" in stats else litellm_missing
+    def cells(value: Callable[[str], float | None]) -> dict[str, float | str | None]:
+        return peer_cells(value, missing)
 
-    iop_mean_added = added("iop", "mean")
-    lite_mean_added = added("litellm", "mean")
+    def of(table: Mapping[str, float], name: str) -> float | None:
+        return table.get(name)
+
+    iop_mean = added("iop", "mean")
+    lite_mean = added("litellm", "mean")
+    vllm_p50 = added("vllm_router", "p50")
     c = settings.concurrency
+    iop_rps = rps["iop"]
     rows = [
         Row(SCENARIO, "latency p50 at c=1", "ms", stats["iop"]["p50"], direct["p50"],
-            lite("p50")),
+            **cells(lambda n: stats[n]["p50"])),
         Row(SCENARIO, "latency p99 at c=1", "ms", stats["iop"]["p99"], direct["p99"],
-            lite("p99")),
-        _target_row("added p50 at c=1", added("iop", "p50"), added("litellm", "p50"),
-                    "IOP <= 1.0 ms", 1.0),
-        _target_row("added p99 at c=1", added("iop", "p99"), added("litellm", "p99"),
-                    "IOP <= 3 ms", 3.0),
-        Row(SCENARIO, "added mean at c=1 (mean minus direct)", "ms", _num(iop_mean_added), 0.0,
-            lite_mean_added, ratio(_num(iop_mean_added), lite_mean_added), "IOP/LiteLLM",
-            "IOP <= 1/5 of LiteLLM",
-            _met(ratio(_num(iop_mean_added), lite_mean_added), lambda r: r <= 0.2)),
-        Row(SCENARIO, f"throughput at c={c}", "req/s", rps["iop"], rps["direct"],
-            rps.get("litellm", litellm_missing), ratio(rps["iop"], rps["direct"]),
-            "IOP/direct", ">= 0.5x direct",
-            _met(ratio(rps["iop"], rps["direct"]), lambda r: r >= 0.5)),
-        Row(SCENARIO, f"throughput at c={c} vs LiteLLM (1 worker each)", "req/s", rps["iop"],
-            None, rps.get("litellm", litellm_missing),
-            ratio(rps["iop"], rps.get("litellm", litellm_missing)), "IOP/LiteLLM",
-            ">= 5x LiteLLM",
-            _met(ratio(rps["iop"], rps.get("litellm", litellm_missing)), lambda r: r >= 5)),
+            **cells(lambda n: stats[n]["p99"])),
+        Row(SCENARIO, "added p50 at c=1", "ms", added("iop", "p50"), 0.0,
+            **cells(lambda n: added(n, "p50")), target="IOP <= 1.0 ms",
+            met=_met(added("iop", "p50"), lambda v: v <= 1.0)),
+        Row(SCENARIO, "added p50 at c=1 vs vllm-router", "ms", added("iop", "p50"), None,
+            **cells(lambda n: added(n, "p50")), ratio=ratio(added("iop", "p50"), vllm_p50),
+            ratio_of="IOP/vllm-router", target="<= 2x vllm-router",
+            met=_met(ratio(added("iop", "p50"), vllm_p50), lambda r: r <= 2.0)),
+        Row(SCENARIO, "added p99 at c=1", "ms", added("iop", "p99"), 0.0,
+            **cells(lambda n: added(n, "p99")), target="IOP <= 3 ms",
+            met=_met(added("iop", "p99"), lambda v: v <= 3.0)),
+        Row(SCENARIO, "added mean at c=1 (mean minus direct)", "ms", iop_mean, 0.0,
+            **cells(lambda n: added(n, "mean")), ratio=ratio(iop_mean, lite_mean),
+            ratio_of="IOP/LiteLLM", target="IOP <= 1/5 of LiteLLM",
+            met=_met(ratio(iop_mean, lite_mean), lambda r: r <= 0.2)),
+        Row(SCENARIO, f"throughput at c={c}", "req/s", iop_rps, rps["direct"],
+            **cells(lambda n: of(rps, n)), ratio=ratio(iop_rps, rps["direct"]),
+            ratio_of="IOP/direct", target=">= 0.5x direct",
+            met=_met(ratio(iop_rps, rps["direct"]), lambda r: r >= 0.5)),
+        Row(SCENARIO, f"throughput at c={c} vs LiteLLM (1 worker each)", "req/s", iop_rps, None,
+            **cells(lambda n: of(rps, n)), ratio=ratio(iop_rps, rps.get("litellm")),
+            ratio_of="IOP/LiteLLM", target=">= 5x LiteLLM",
+            met=_met(ratio(iop_rps, rps.get("litellm")), lambda r: r >= 5)),
         Row(SCENARIO, f"CPU per 1,000 requests at c={c}", "s", cpu_per_1000.get("iop"), None,
-            cpu_per_1000.get("litellm", litellm_missing),
-            ratio(cpu_per_1000.get("litellm"), cpu_per_1000.get("iop")), "LiteLLM/IOP"),
+            **cells(lambda n: of(cpu_per_1000, n)),
+            ratio=ratio(cpu_per_1000.get("litellm"), cpu_per_1000.get("iop")),
+            ratio_of="LiteLLM/IOP"),
         Row(SCENARIO, "peak RSS of the gateway processes", "MiB", rss["iop"]["total"], None,
-            rss["litellm"]["total"] if "litellm" in rss else litellm_missing),
+            **cells(lambda n: rss[n]["total"] if n in rss else None)),
     ]  # fmt: skip
     result.rows = rows
     return result
 
 
-def _num(value: float | str) -> float | None:
-    return value if isinstance(value, float) else None
-
-
 def _met(value: float | None, check: Callable[[float], bool]) -> bool | None:
     return None if value is None else check(value)
-
-
-def _target_row(
-    metric: str, iop: float | str, litellm: float | str, target: str, limit: float
-) -> Row:
-    value = _num(iop)
-    return Row(
-        SCENARIO,
-        metric,
-        "ms",
-        value,
-        0.0,
-        litellm,
-        target=target,
-        met=None if value is None else value <= limit,
-    )

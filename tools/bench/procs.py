@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 TICKS_PER_S = os.sysconf("SC_CLK_TCK")
+_NO_LINE = re.compile("").fullmatch("")  # a child started with ready=None matched nothing
+assert _NO_LINE is not None
 STOP_TIMEOUT_S = 10.0
 
 
@@ -136,13 +138,14 @@ async def _drain(stream: asyncio.StreamReader, log: Path) -> None:
 async def spawn(
     argv: Sequence[str],
     *,
-    ready: re.Pattern[str],
+    ready: re.Pattern[str] | None,
     log: Path,
     timeout_s: float = 60.0,
     env: dict[str, str] | None = None,
     stdin_pipe: bool = False,
 ) -> AsyncIterator[Child]:
-    """Start ``argv`` and wait for an output line matching ``ready`` (the readiness signal).
+    """Start ``argv`` and wait for an output line matching ``ready`` (the readiness signal;
+    ``None``: no line to wait for, the caller polls the child itself).
 
     stdout and stderr are merged into ``log``. On exit the process gets SIGTERM (or,
     with ``stdin_pipe``, first its stdin closed: how a child serving "until stdin
@@ -159,8 +162,12 @@ async def spawn(
     assert process.stdout is not None
     drain: asyncio.Task[None] | None = None
     try:
+        line, match = "", _NO_LINE
         try:
-            line, match = await asyncio.wait_for(_read_ready(process.stdout, ready, log), timeout_s)
+            if ready is not None:
+                line, match = await asyncio.wait_for(
+                    _read_ready(process.stdout, ready, log), timeout_s
+                )
         except TimeoutError:
             raise RuntimeError(
                 f"{argv[0]} not ready within {timeout_s:g} s:\n{_tail(log)}"

@@ -7,15 +7,20 @@ runs; ``render`` makes the table people read.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Final
+
+PEERS: Final = ("litellm", "vllm_router", "sglang_router")
+"""The other gateways, each a column: LiteLLM's proxy and the two Rust routers."""
 
 
 @dataclass
 class Row:
-    """One metric of one scenario, as IOP, direct and LiteLLM measured it in the same run.
+    """One metric of one scenario, as IOP, direct and the peers measured it in the same run.
 
-    ``litellm`` is a number, or the reason it is missing (``skipped (...)``).
+    A peer's value (``litellm``, ``vllm_router``, ``sglang_router``) is a number, or
+    the reason it is missing (``skipped (...)``, ``not installed (...)``).
     ``ratio`` is the quantity the target is about; ``ratio_of`` says what it divides.
     ``met`` is ``None`` where the row has no target.
     """
@@ -30,6 +35,8 @@ class Row:
     ratio_of: str = ""
     target: str = ""
     met: bool | None = None
+    vllm_router: float | str | None = None
+    sglang_router: float | str | None = None
 
     def as_json(self) -> dict[str, Any]:
         return {k: _finite(v) for k, v in asdict(self).items()}
@@ -40,6 +47,13 @@ def _finite(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return None
     return value
+
+
+def peer_cells(
+    value: Callable[[str], float | None], missing: Mapping[str, str]
+) -> dict[str, float | str | None]:
+    """Each peer's cell of a row: ``value(peer)``, or why the peer is not in this run."""
+    return {name: missing[name] if name in missing else value(name) for name in PEERS}
 
 
 def ratio(numerator: float | None, denominator: float | str | None) -> float | None:
@@ -98,7 +112,10 @@ def fmt(value: float | str | None) -> str:
     return f"{value:.3g}"
 
 
-HEADERS = ("scenario", "metric", "IOP", "direct", "LiteLLM", "ratio", "target", "met?")
+HEADERS = (
+    "scenario", "metric", "IOP", "direct", "LiteLLM", "vllm-router", "sglang-router", "ratio",
+    "target", "met?",
+)  # fmt: skip
 
 
 def table_rows(rows: list[Row]) -> list[tuple[str, ...]]:
@@ -113,6 +130,8 @@ def table_rows(rows: list[Row]) -> list[tuple[str, ...]]:
                 fmt(row.iop),
                 fmt(row.direct),
                 fmt(row.litellm),
+                fmt(row.vllm_router),
+                fmt(row.sglang_router),
                 ratio_text,
                 row.target,
                 met,

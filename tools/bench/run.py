@@ -32,7 +32,7 @@ from typing import Any
 # Run as a script (``tools/bench/run.py``): tools/ holds the ``bench`` package.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench import overhead, realmodel, scale, streaming, vllm_pool
+from bench import overhead, realmodel, scale, streaming, sweep, vllm_pool
 from bench.backends import (
     SMOLLM2,
     SMOLLM2_VLLM,
@@ -45,11 +45,13 @@ from bench.backends import (
 from bench.client import Target
 from bench.peers import SKIPPED, litellm_available, litellm_version, start_litellm
 from bench.procs import Gateway
-from bench.results import Row, ScenarioResult, render
+from bench.results import PEERS, Row, ScenarioResult, render
+from bench.routers import ROUTERS, start_router
 from bench.stack import ProviderSpec, start_iop
 
-SCENARIOS = ("overhead", "streaming", "scale", "realmodel", "vllm")
-GATEWAY_SCENARIOS = ("overhead", "streaming", "realmodel", "vllm")
+SCENARIOS = ("overhead", "sweep", "streaming", "scale", "realmodel", "vllm")
+GATEWAY_SCENARIOS = ("overhead", "sweep", "streaming", "realmodel", "vllm")
+PEER_SCENARIOS = ("overhead", "sweep", "streaming")  # the ones with a column per peer
 FAKE_MODEL = "fake"
 
 
@@ -59,11 +61,13 @@ class Profile:
 
     name: str
     overhead: overhead.Settings
+    sweep: sweep.Settings
     streaming: streaming.Settings
     scale: scale.Settings
     realmodel: realmodel.Settings
     vllm: vllm_pool.Settings | None  # None: not run in this mode (vLLM takes a minute to start)
     litellm: bool  # start LiteLLM when it is installed
+    routers: bool  # start vllm-router and sglang-router when installed
     run_timeout_s: float
 
 
@@ -71,6 +75,7 @@ PROFILES = {
     "tiny": Profile(
         "tiny",
         overhead.Settings(warmup=2, pairs=5, concurrency=4, rounds=1, seconds=0.3),
+        sweep.Settings(levels=(1, 4), seconds=0.2),
         streaming.Settings(
             ttft_pairs=3, chunks=50, concurrency=2, seconds=0.3, rounds=1,
             gap_streams=1, gap_chunks=10, gap_rate=200,
@@ -82,11 +87,13 @@ PROFILES = {
         realmodel.Settings(rounds=1, tokens=4),
         None,
         litellm=False,
+        routers=True,  # they start in well under a second: the smoke run covers them
         run_timeout_s=80,
     ),
     "quick": Profile(
         "quick",
         overhead.Settings(warmup=30, pairs=300, concurrency=64, rounds=2, seconds=4.0),
+        sweep.Settings(levels=(1, 16, 64, 256), seconds=2.0),
         streaming.Settings(
             ttft_pairs=100, chunks=1000, concurrency=8, seconds=4.0, rounds=1,
             gap_streams=8, gap_chunks=100, gap_rate=200,
@@ -98,11 +105,13 @@ PROFILES = {
         realmodel.Settings(rounds=12, tokens=64),
         vllm_pool.Settings(rounds=6, tokens=64, pool_seconds=20.0, pool_streams=5),
         litellm=True,
-        run_timeout_s=600,
+        routers=True,
+        run_timeout_s=720,
     ),
     "full": Profile(
         "full",
         overhead.Settings(warmup=100, pairs=2000, concurrency=64, rounds=5, seconds=10.0),
+        sweep.Settings(levels=(1, 16, 64, 256), seconds=6.0),
         streaming.Settings(
             ttft_pairs=500, chunks=1000, concurrency=8, seconds=10.0, rounds=3,
             gap_streams=30, gap_chunks=200, gap_rate=200,
@@ -114,6 +123,7 @@ PROFILES = {
         realmodel.Settings(rounds=20, tokens=128),
         vllm_pool.Settings(rounds=12, tokens=128, pool_seconds=60.0, pool_streams=5),
         litellm=True,
+        routers=True,
         run_timeout_s=1800,
     ),
 }  # fmt: skip
@@ -136,6 +146,7 @@ class Report:
                 "load_average_at_start": os.getloadavg(),
             },
             "litellm_version": litellm_version(),
+            **{f"{kind.name}_version": kind.installed_version() for kind in ROUTERS},
             "scenarios_selected": list(only),
         }
 
@@ -247,28 +258,12 @@ async def _gateways(report: Report, root: Path) -> None:
             "iop": Target("iop", iop.api_url, FAKE_MODEL),
         }
         gateways: dict[str, Gateway] = {"iop": iop.gateway()}
-        missing = SKIPPED
-        if not profile.litellm:
-            missing = f"skipped (not run in --{profile.name})"
-        elif not {"overhead", "streaming"} & set(report.wanted):
-            missing = "skipped (not selected)"
-        elif litellm_available():
-            print("   starting LiteLLM (~30 s)", file=sys.stderr, flush=True)
-            try:
-                lite = await exits.enter_async_context(
-                    start_litellm(root / "litellm", fake_url, models)
-                )
-            except Exception as exc:  # a broken peer must not cost IOP its measurement
-                traceback.print_exc()
-                missing = f"skipped (LiteLLM did not start: {type(exc).__name__})"
-            else:
-                targets["litellm"] = Target("litellm", lite.base_url, FAKE_MODEL)
-                gateways["litellm"] = lite.gateway()
-        report.meta["litellm"] = "used" if "litellm" in targets else missing
+        missing = await _peers(report, exits, root, fake_url, models, targets, gateways)
 
         await report.scenario(
             "overhead", lambda: overhead.run(targets, gateways, profile.overhead, missing)
         )
+        await report.scenario("sweep", lambda: sweep.run(targets, profile.sweep, missing))
         await report.scenario(
             "streaming", lambda: streaming.run(targets, profile.streaming, missing)
         )
@@ -294,6 +289,62 @@ async def _gateways(report: Report, root: Path) -> None:
             }
             settings = profile.vllm
             await report.scenario("vllm", lambda: vllm_pool.run(direct, pool, members, settings))
+
+
+async def _peers(
+    report: Report,
+    exits: contextlib.AsyncExitStack,
+    root: Path,
+    fake_url: str,
+    models: tuple[str, ...],
+    targets: dict[str, Target],
+    gateways: dict[str, Gateway],
+) -> dict[str, str]:
+    """Start the peers this run measures (into ``targets`` and ``gateways``); returns why
+    each other one is not measured, for its column."""
+    profile = report.profile
+    missing: dict[str, str] = {}
+    if not set(PEER_SCENARIOS) & set(report.wanted):
+        missing = dict.fromkeys(PEERS, "skipped (not selected)")
+    if not profile.litellm:
+        missing.setdefault("litellm", f"skipped (not run in --{profile.name})")
+    elif not litellm_available():
+        missing.setdefault("litellm", SKIPPED)
+    if "litellm" not in missing:
+        print("   starting LiteLLM (~30 s)", file=sys.stderr, flush=True)
+        try:
+            lite = await exits.enter_async_context(
+                start_litellm(root / "litellm", fake_url, models)
+            )
+        except Exception as exc:  # a broken peer must not cost IOP its measurement
+            traceback.print_exc()
+            missing["litellm"] = f"skipped (LiteLLM did not start: {type(exc).__name__})"
+        else:
+            targets["litellm"] = Target("litellm", lite.base_url, FAKE_MODEL)
+            gateways["litellm"] = lite.gateway()
+    for kind in ROUTERS:
+        if kind.name in missing:
+            continue
+        if not profile.routers:
+            missing[kind.name] = f"skipped (not run in --{profile.name})"
+            continue
+        if not kind.available():
+            missing[kind.name] = kind.missing()
+            continue
+        print(f"   starting {kind.package}", file=sys.stderr, flush=True)
+        try:
+            router = await exits.enter_async_context(
+                start_router(kind, root / kind.name, fake_url, FAKE_MODEL)
+            )
+        except Exception as exc:  # as LiteLLM: IOP is measured whatever a peer does
+            traceback.print_exc()
+            missing[kind.name] = f"skipped ({kind.package} did not start: {type(exc).__name__})"
+        else:
+            targets[kind.name] = Target(kind.name, router.base_url, FAKE_MODEL)
+            gateways[kind.name] = router.gateway()
+    for name in PEERS:
+        report.meta[name] = "used" if name in targets else missing[name]
+    return missing
 
 
 async def main(profile: Profile, only: tuple[str, ...] = SCENARIOS) -> Report:
