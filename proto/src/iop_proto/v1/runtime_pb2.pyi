@@ -319,7 +319,7 @@ class RunStart(_message.Message):
     def __init__(self, provider_id: _Optional[str] = ..., target: _Optional[str] = ..., queue_wait_ms: _Optional[int] = ...) -> None: ...
 
 class RunDelta(_message.Message):
-    __slots__ = ("choice_index", "role", "text", "tool_calls", "finish_reason", "usage", "reasoning_text", "logprobs_json")
+    __slots__ = ("choice_index", "role", "text", "tool_calls", "finish_reason", "usage", "reasoning_text", "logprobs_json", "provider_us")
     CHOICE_INDEX_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -328,6 +328,7 @@ class RunDelta(_message.Message):
     USAGE_FIELD_NUMBER: _ClassVar[int]
     REASONING_TEXT_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_JSON_FIELD_NUMBER: _ClassVar[int]
+    PROVIDER_US_FIELD_NUMBER: _ClassVar[int]
     choice_index: int
     role: str
     text: str
@@ -336,27 +337,32 @@ class RunDelta(_message.Message):
     usage: Usage
     reasoning_text: str
     logprobs_json: bytes
-    def __init__(self, choice_index: _Optional[int] = ..., role: _Optional[str] = ..., text: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCallDelta, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., reasoning_text: _Optional[str] = ..., logprobs_json: _Optional[bytes] = ...) -> None: ...
+    provider_us: int
+    def __init__(self, choice_index: _Optional[int] = ..., role: _Optional[str] = ..., text: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCallDelta, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., reasoning_text: _Optional[str] = ..., logprobs_json: _Optional[bytes] = ..., provider_us: _Optional[int] = ...) -> None: ...
 
 class RunComplete(_message.Message):
-    __slots__ = ("finish_reason", "usage", "result_json")
+    __slots__ = ("finish_reason", "usage", "result_json", "provider_us")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     RESULT_JSON_FIELD_NUMBER: _ClassVar[int]
+    PROVIDER_US_FIELD_NUMBER: _ClassVar[int]
     finish_reason: str
     usage: Usage
     result_json: bytes
-    def __init__(self, finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., result_json: _Optional[bytes] = ...) -> None: ...
+    provider_us: int
+    def __init__(self, finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., result_json: _Optional[bytes] = ..., provider_us: _Optional[int] = ...) -> None: ...
 
 class RunError(_message.Message):
-    __slots__ = ("code", "message", "provider_status")
+    __slots__ = ("code", "message", "provider_status", "provider_us")
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     PROVIDER_STATUS_FIELD_NUMBER: _ClassVar[int]
+    PROVIDER_US_FIELD_NUMBER: _ClassVar[int]
     code: ErrorCode
     message: str
     provider_status: int
-    def __init__(self, code: _Optional[_Union[ErrorCode, str]] = ..., message: _Optional[str] = ..., provider_status: _Optional[int] = ...) -> None: ...
+    provider_us: int
+    def __init__(self, code: _Optional[_Union[ErrorCode, str]] = ..., message: _Optional[str] = ..., provider_status: _Optional[int] = ..., provider_us: _Optional[int] = ...) -> None: ...
 
 class RunAccepted(_message.Message):
     __slots__ = ()

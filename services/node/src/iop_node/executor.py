@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections.abc import Callable
 
@@ -42,16 +43,23 @@ def _unix_ms() -> int:
     return int(time.time() * 1000)
 
 
+def _us_since(began: float) -> int:
+    return int((time.perf_counter() - began) * 1_000_000)
+
+
 class _FirstTokenSink:
-    """Passes deltas to the channel and notes when the first one went out."""
+    """Passes deltas to the channel and notes when the first one went out; the first
+    carries the wait on the provider up to it (``Delta.provider_us``)."""
 
     def __init__(self, channel: RunChannel) -> None:
         self._channel = channel
         self.first_token_ms = 0
+        self.provider_began = 0.0  # perf_counter() when the adapter was called
 
     async def delta(self, delta: Delta) -> None:
         if not self.first_token_ms:
             self.first_token_ms = _unix_ms()
+            delta = dataclasses.replace(delta, provider_us=_us_since(self.provider_began))
         await self._channel.delta(delta)
 
 
@@ -92,9 +100,14 @@ class RunExecutor:
                 await channel.started(
                     spec.provider_id, spec.target, int(admission.queue_wait_s * 1000)
                 )
+                sink.provider_began = time.perf_counter()
                 try:
                     async with asyncio.timeout_at(spec.deadline):
                         completion = await adapter.execute(spec, sink)
+                    if not completion.provider_us:
+                        completion = dataclasses.replace(
+                            completion, provider_us=_us_since(sink.provider_began)
+                        )
                 except TimeoutError:
                     raise ProviderTimeout(
                         f"provider {spec.provider_id} did not finish before the deadline"
@@ -114,8 +127,9 @@ class RunExecutor:
             code, message = _code_name(failure.code), failure.message
             if isinstance(failure, ProviderUnavailable):
                 self._mark_unavailable(runtime, failure.message)
+            waited = _us_since(sink.provider_began) if sink.provider_began else 0
             await self._fail_quietly(
-                channel, failure.code, failure.message, failure.provider_status
+                channel, failure.code, failure.message, failure.provider_status, waited
             )
         except asyncio.CancelledError as cancel:
             # The canceller's reason (``NodeCore.cancel``), or a plain "cancelled".
@@ -146,11 +160,16 @@ class RunExecutor:
             self._on_change()
 
     async def _fail_quietly(
-        self, channel: RunChannel, code: int, message: str, provider_status: int
+        self,
+        channel: RunChannel,
+        code: int,
+        message: str,
+        provider_status: int,
+        provider_us: int = 0,
     ) -> None:
         """The edge may be gone already: a failed error report changes nothing."""
         with contextlib.suppress(RunCancelled, ConnectionError, OSError):
-            await channel.failed(code, message, provider_status)
+            await channel.failed(code, message, provider_status, provider_us)
 
     def _mark_unavailable(self, runtime: ProviderRuntime, detail: str) -> None:
         if runtime.health.mark_unavailable(detail):

@@ -49,7 +49,9 @@ class RunChannel(EventSink, Protocol):
 
     async def completed(self, completion: Completion) -> None: ...
 
-    async def failed(self, code: int, message: str, provider_status: int) -> None: ...
+    async def failed(
+        self, code: int, message: str, provider_status: int, provider_us: int = 0
+    ) -> None: ...
 
 
 class Adapter(Protocol):

@@ -51,7 +51,9 @@ class Channel:
     async def completed(self, completion: Completion) -> None:
         self.events.append(("completed", completion.finish_reason))
 
-    async def failed(self, code: int, message: str, provider_status: int) -> None:
+    async def failed(
+        self, code: int, message: str, provider_status: int, provider_us: int = 0
+    ) -> None:
         self.events.append(("failed", code, message))
 
 

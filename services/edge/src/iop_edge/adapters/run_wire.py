@@ -63,11 +63,15 @@ def run_event(event: pb.RunEvent) -> RunEvent | Accepted | None:
             _usage(d.usage) if d.HasField("usage") else None,
             d.reasoning_text,
             d.logprobs_json,
+            d.provider_us,
         )
     if kind == "complete":
         c = event.complete
         return Completed(
-            c.finish_reason, _usage(c.usage) if c.HasField("usage") else None, c.result_json
+            c.finish_reason,
+            _usage(c.usage) if c.HasField("usage") else None,
+            c.result_json,
+            c.provider_us,
         )
     if kind == "error":
         return failed(event.error)
@@ -83,7 +87,12 @@ def failed(error: pb.RunError) -> Failed:
     """A run error: codes the edge does not tell apart are ``INTERNAL``; an error without
     a message is named by its wire code."""
     code = _CODES.get(error.code, ErrorCode.INTERNAL)
-    return Failed(code, error.message or pb.ErrorCode.Name(error.code), error.provider_status)
+    return Failed(
+        code,
+        error.message or pb.ErrorCode.Name(error.code),
+        error.provider_status,
+        error.provider_us,
+    )
 
 
 def run_request(order: RunOrder) -> pb.RunRequest:

@@ -79,6 +79,7 @@ class Delta:
     usage: Usage | None = None
     reasoning_text: str = ""
     logprobs_json: bytes = b""  # the provider's choice ``logprobs``, JSON as it sent it
+    provider_us: int = 0  # a run's first delta: the node's wait on the provider up to it
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +89,7 @@ class Completed:
     finish_reason: str = ""
     usage: Usage | None = None
     result_json: bytes = b""
+    provider_us: int = 0  # the node's wait on the provider over the run (x-iop-overhead-ms)
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +99,7 @@ class Failed:
     code: ErrorCode
     message: str = ""
     provider_status: int = 0
+    provider_us: int = 0  # the node's wait on the provider before it failed
 
 
 @dataclass(frozen=True, slots=True)

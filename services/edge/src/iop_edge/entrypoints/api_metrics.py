@@ -15,6 +15,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 _WAIT_BUCKETS: Final = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _TTFT_BUCKETS: Final = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60)
 _DURATION_BUCKETS: Final = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+_OVERHEAD_BUCKETS: Final = (
+    0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10,
+)  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -45,7 +48,18 @@ class ApiMetrics:
     ttft: Histogram  # request received -> first delta
     duration: Histogram  # request received -> last byte (or the error)
     in_flight: Gauge  # requests past validation, not yet answered
+    overhead: Histogram  # x-iop-overhead-ms, by operation and stream (see RunTrace.overhead)
     _models: dict[str, ModelSeries] = field(default_factory=dict)
+    _overheads: dict[tuple[str, bool], Histogram] = field(default_factory=dict)
+
+    def overhead_of(self, operation: str, stream: bool) -> Histogram:
+        """The overhead series of one operation, streamed or not (a bounded label set)."""
+        series = self._overheads.get((operation, stream))
+        if series is None:
+            series = self._overheads[operation, stream] = self.overhead.labels(
+                operation, "true" if stream else "false"
+            )
+        return series
 
     def model(self, model: str) -> ModelSeries:
         """The series of ``model`` (a catalog id or ``""``: the label set stays bounded)."""
@@ -96,6 +110,14 @@ class ApiMetrics:
                 "iop_edge_requests_in_flight",
                 "Inference requests being served (queued or running)",
                 model,
+                registry=registry,
+            ),
+            overhead=Histogram(
+                "iop_edge_overhead_seconds",
+                "Time in the edge and the node, the provider's excluded (x-iop-overhead-ms):"
+                ' to the response\'s end, or for streams (stream="true") to its first byte',
+                ["operation", "stream"],
+                buckets=_OVERHEAD_BUCKETS,
                 registry=registry,
             ),
         )

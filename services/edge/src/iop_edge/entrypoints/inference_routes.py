@@ -24,14 +24,14 @@ from typing import Final
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from iop_edge.domain.events import Completed, Delta, Started
+from iop_edge.domain.events import Completed, Delta, Failed, Started
 from iop_edge.domain.fleet import Operation
 from iop_edge.entrypoints.api_auth import InFlight, KeySlots, authenticate
 from iop_edge.entrypoints.api_dialect import Dialect, DialectRequest, StreamWriter
 from iop_edge.entrypoints.api_metrics import ApiMetrics
 from iop_edge.entrypoints.inference_request import read_json_body
 from iop_edge.entrypoints.openai_dialect import OpenAIDialect
-from iop_edge.entrypoints.run_trace import RunTrace
+from iop_edge.entrypoints.run_trace import OVERHEAD_HEADER, RunTrace
 from iop_edge.errors import (
     EdgeError,
     ModelNotAllowed,
@@ -87,6 +87,7 @@ class InferenceRoutes:
             trace.failed(exc, status=exc.status)
             response = dialect.error_response(exc)
             response.headers["X-Request-Id"] = trace.request_id
+            response.headers[OVERHEAD_HEADER] = trace.overhead()
             return response
         except asyncio.CancelledError:
             trace.client_gone()
@@ -200,11 +201,15 @@ class InferenceRoutes:
             return web.Response(
                 body=body,
                 content_type="application/json",
-                headers={"X-Request-Id": events.run_id},
+                headers={
+                    "X-Request-Id": events.run_id,
+                    OVERHEAD_HEADER: trace.overhead(end.provider_us),
+                },
             )
         trace.run_ended = True
         if end is None:
             raise ProviderFailed("the run ended without a result")
+        trace.provider_s = end.provider_us / 1_000_000
         raise flight.run_error(end)
 
     async def _account(self, trace: RunTrace) -> None:
@@ -239,6 +244,7 @@ async def _relay(
         trace.completed(end)
         if not response.prepared:
             trace.status = 200
+            response.headers[OVERHEAD_HEADER] = trace.overhead(end.provider_us)
             await response.prepare(request)
             pending.append(writer.opening())
         pending.append(writer.closing(end))
@@ -248,6 +254,8 @@ async def _relay(
     trace.run_ended = True
     if end is None:
         return ProviderFailed("the run ended without a result")
+    if isinstance(end, Failed):
+        trace.provider_s = end.provider_us / 1_000_000
     if pending:
         await response.write(b"".join(pending))
     return flight.run_error(end)
@@ -297,8 +305,10 @@ class _SseSink:
     async def _first(self, event: Delta) -> None:
         """The first delta sends the status line (a run failing before it gets a real
         HTTP error instead)."""
-        self._trace.first_delta()
-        self._trace.status = 200
+        trace = self._trace
+        trace.first_delta()
+        trace.status = 200
+        self._response.headers[OVERHEAD_HEADER] = trace.overhead(event.provider_us)
         await self._response.prepare(self._request)
         opening = self._writer.opening()
         if opening:

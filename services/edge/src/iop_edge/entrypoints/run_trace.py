@@ -19,6 +19,7 @@ from iop_edge.ports import EdgeRunRecord, RunEvents
 
 CLIENT_CLOSED = 499
 """The status recorded when the client left before any response was sent (nginx's)."""
+OVERHEAD_HEADER = "x-iop-overhead-ms"
 
 
 @dataclass(slots=True)
@@ -47,6 +48,8 @@ class RunTrace:
     error_code: str = ""
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    provider_s: float = 0.0  # the node's wait on the provider, as its last event said
+    overhead_s: float | None = None  # what x-iop-overhead-ms said, once it was sent
 
     @classmethod
     def begin(cls, operation: Operation) -> RunTrace:
@@ -77,6 +80,20 @@ class RunTrace:
     def started(self, start: Started) -> None:
         self.node_wait_ms = start.queue_wait_ms
         self.provider_id = start.provider_id or self.provider_id
+
+    def overhead(self, provider_us: int | None = None) -> str:
+        """``x-iop-overhead-ms``: the time since the request arrived, less the provider's
+        (``provider_us`` from the node's event, when given), in ms; kept for the metric.
+
+        Taken when the response head leaves: for a stream that is its first byte, so the
+        value is the overhead up to the first byte; otherwise the whole response's.
+        Failed attempts of a failover, and queueing for a free slot, count as overhead.
+        """
+        if provider_us is not None:
+            self.provider_s = provider_us / 1_000_000
+        spent = time.monotonic() - self.received_at - self.provider_s
+        self.overhead_s = spent if spent > 0.0 else 0.0
+        return f"{self.overhead_s * 1000:.3f}"
 
     def first_delta(self) -> None:
         if not self.first_delta_at:
@@ -152,6 +169,8 @@ class RunTrace:
             series.queue_wait.observe(self.queue_wait_ms / 1000)
         if self.first_delta_at:
             series.ttft.observe(self.first_delta_at - self.received_at)
+        if self.overhead_s is not None:
+            metrics.overhead_of(self.operation.value, self.stream).observe(self.overhead_s)
 
 
 def _ms(seconds: float) -> int:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -189,6 +190,7 @@ class OpenAICompatAdapter:
     async def _execute(self, spec: ExecutionSpec, sink: EventSink) -> Completion:
         url = self._base + _PATHS[spec.operation]
         data = json_codec.dumps(self._payload(spec))
+        began = time.perf_counter()  # the provider's time: the HTTP exchange, not our work
         try:
             response = await self._http.post(
                 url,
@@ -213,7 +215,9 @@ class OpenAICompatAdapter:
                 _read_result(await response.read(), spec.operation)
                 raise ProviderFailed(f"{url}: asked for a stream, got one JSON body")
             else:
-                completion = _read_result(await response.read(), spec.operation)
+                body = await response.read()
+                provider_us = int((time.perf_counter() - began) * 1_000_000)
+                completion = _read_result(body, spec.operation, provider_us)
         except aiohttp.ClientError as exc:
             response.close()
             raise ProviderFailed(f"{url}: connection lost mid-response: {_describe(exc)}") from exc
@@ -329,7 +333,7 @@ def _tool_call(call: dict[str, Any], position: int) -> ToolCallDelta:
     )
 
 
-def _read_result(body: bytes, operation: Operation) -> Completion:
+def _read_result(body: bytes, operation: Operation, provider_us: int = 0) -> Completion:
     """The provider's answer to a non-streamed run; its own bytes travel on to the edge."""
     try:
         result = json_codec.loads(body)
@@ -349,6 +353,7 @@ def _read_result(body: bytes, operation: Operation) -> Completion:
         usage=_usage(result.get("usage")),
         result=result,
         result_json=body,  # forwarded as it came: the edge's codec reads what json reads
+        provider_us=provider_us,
     )
 
 

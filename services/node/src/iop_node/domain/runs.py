@@ -74,6 +74,7 @@ class Delta:
     reasoning_text: str = ""
     usage: Usage | None = None
     logprobs_json: bytes = b""  # the choice's ``logprobs`` as JSON, when the provider sent them
+    provider_us: int = 0  # a run's first delta: the wait on the provider up to it (executor)
 
 
 @record
@@ -86,12 +87,18 @@ class Completion:
     the answer). ``result_json``, when not empty, is ``result`` exactly as the
     provider encoded it: it is forwarded as is instead of encoding ``result``
     again, so nothing may change ``result`` once it is set.
+
+    ``provider_us`` is the run's time waiting on the provider, in microseconds: an
+    adapter that can tell its own work from the provider's sets it; otherwise the
+    executor puts the whole ``execute`` call's time there. The edge subtracts it
+    from its own time for ``x-iop-overhead-ms``.
     """
 
     finish_reason: str = ""
     usage: Usage | None = None
     result: dict[str, Any] | None = None
     result_json: bytes = b""
+    provider_us: int = 0
 
 
 @dataclass(slots=True)

@@ -83,8 +83,15 @@ class ConnectionChannel:
     async def completed(self, completion: Completion) -> None:
         await self._send(wire.complete_event(completion))
 
-    async def failed(self, code: int, message: str, provider_status: int) -> None:
-        error = pb.RunError(code=code, message=message, provider_status=provider_status)  # type: ignore[arg-type]
+    async def failed(
+        self, code: int, message: str, provider_status: int, provider_us: int = 0
+    ) -> None:
+        error = pb.RunError(
+            code=code,  # type: ignore[arg-type]
+            message=message,
+            provider_status=provider_status,
+            provider_us=provider_us,
+        )
         await self._send(pb.RunEvent(error=error))
 
 

@@ -79,12 +79,17 @@ def delta_event(delta: Delta) -> pb.RunEvent:
         fields["usage"] = usage(delta.usage)
     if delta.logprobs_json:
         fields["logprobs_json"] = delta.logprobs_json
+    if delta.provider_us:
+        fields["provider_us"] = delta.provider_us
     return pb.RunEvent(delta=fields)
 
 
 def complete_event(completion: Completion) -> pb.RunEvent:
     """The ``run.event`` that ends a run well, with the provider's result when it gave one."""
-    fields: dict[str, Any] = {"finish_reason": completion.finish_reason}
+    fields: dict[str, Any] = {
+        "finish_reason": completion.finish_reason,
+        "provider_us": completion.provider_us,
+    }
     if completion.usage is not None:
         fields["usage"] = usage(completion.usage)
     if completion.result_json:
