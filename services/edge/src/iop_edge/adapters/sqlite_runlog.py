@@ -13,6 +13,7 @@ commits on power loss (never corrupting the file).
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,8 @@ SCHEMA_VERSION = 3
 # the two together when EdgeRunRecord grows a field).
 _COLUMNS = tuple(field.name for field in dataclasses.fields(EdgeRunRecord))
 _COLUMN_LIST = ", ".join(_COLUMNS)
+_READ_COLUMNS = operator.attrgetter(*_COLUMNS)
+_ATTEMPTS = _COLUMNS.index("attempts")
 
 _SCHEMA = (
     """CREATE TABLE IF NOT EXISTS runs (
@@ -177,8 +180,8 @@ class SqliteRunLog(BatchedWriter[EdgeRunRecord]):
         return record.run_id
 
     def _row(self, record: EdgeRunRecord) -> tuple[object, ...]:
-        # a bool binds as 0/1; the attempts are JSON text
-        return tuple(
-            _attempts_json(record.attempts) if c == "attempts" else getattr(record, c)
-            for c in _COLUMNS
-        )
+        # a bool binds as 0/1; the attempts are JSON text. One C call reads every
+        # column (once per run, on the event loop), then the attempts are swapped in.
+        row = list(_READ_COLUMNS(record))
+        row[_ATTEMPTS] = _attempts_json(record.attempts)
+        return tuple(row)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import ipaddress
 from collections.abc import Iterator
 from typing import Final
@@ -61,10 +62,13 @@ def authenticate(request: web.BaseRequest, keys: KeyRing) -> ApiKeyEntry | None:
     return entry
 
 
+@functools.lru_cache(maxsize=1024)
 def is_loopback(remote: str | None) -> bool:
     """``remote`` (aiohttp's ``request.remote``) is 127.0.0.0/8 or ::1, also IPv4-mapped.
 
     Anything that is not an address (``None``, a Unix socket's empty name) is not loopback.
+    Asked on every request of an open edge: the answers for the last 1,024 addresses are
+    kept (parsing one costs a dozen Python calls; the cache is bounded, whoever calls).
     """
     if not remote:
         return False
