@@ -67,8 +67,17 @@ class RequestFailed(Exception):
     """A benchmark request did not get a 200 and a complete answer."""
 
 
-async def complete(http: aiohttp.ClientSession, target: Target, max_tokens: int = 8) -> float:
-    """One non-streamed chat completion; returns its latency in seconds."""
+OVERHEAD_HEADER: Final = "x-iop-overhead-ms"
+
+
+async def complete(
+    http: aiohttp.ClientSession,
+    target: Target,
+    max_tokens: int = 8,
+    reported: list[float] | None = None,
+) -> float:
+    """One non-streamed chat completion; returns its latency in seconds. With
+    ``reported``, the gateway's own ``x-iop-overhead-ms`` (in ms) is appended to it."""
     headers = {"Authorization": f"Bearer {target.api_key}"}
     started = time.perf_counter()
     async with http.post(
@@ -78,6 +87,11 @@ async def complete(http: aiohttp.ClientSession, target: Target, max_tokens: int 
         elapsed = time.perf_counter() - started
     if response.status != 200 or b'"choices"' not in body:
         raise RequestFailed(f"{target.name}: HTTP {response.status}: {body[:300]!r}")
+    if reported is not None:
+        value = response.headers.get(OVERHEAD_HEADER)
+        if value is None:
+            raise RequestFailed(f"{target.name}: no {OVERHEAD_HEADER} header")
+        reported.append(float(value))
     return elapsed
 
 

@@ -39,7 +39,10 @@ def _rotated(names: list[str], i: int) -> list[str]:
     return names[k:] + names[:k]
 
 
-async def _latency(targets: dict[str, Target], settings: Settings) -> dict[str, list[float]]:
+async def _latency(
+    targets: dict[str, Target], settings: Settings, reported: list[float]
+) -> dict[str, list[float]]:
+    """Latencies at c=1 by target; IOP's own ``x-iop-overhead-ms`` values go to ``reported``."""
     names = list(targets)
     latencies: dict[str, list[float]] = {name: [] for name in names}
     async with session(len(names)) as http:
@@ -48,7 +51,8 @@ async def _latency(targets: dict[str, Target], settings: Settings) -> dict[str, 
                 await complete(http, targets[name])
         for i in range(settings.pairs):
             for name in _rotated(names, i):
-                latencies[name].append(await complete(http, targets[name]))
+                own = reported if name == "iop" else None
+                latencies[name].append(await complete(http, targets[name], reported=own))
     return latencies
 
 
@@ -85,8 +89,10 @@ async def run(
     """``targets`` has ``direct`` and ``iop``, and each peer (``results.PEERS``) not in
     ``missing``, which says why that peer is not measured (in its column)."""
     result = ScenarioResult(SCENARIO)
-    latencies = await _latency(targets, settings)
+    reported: list[float] = []
+    latencies = await _latency(targets, settings, reported)
     stats = {name: summary_ms(values) for name, values in latencies.items()}
+    header = summary_ms([ms / 1000 for ms in reported])
     totals = await _throughput(targets, gateways, settings)
     rps = {
         name: t["done"] / t["seconds"] if t["seconds"] else float("nan")
@@ -100,6 +106,7 @@ async def run(
     rss = {name: gateway.peak_rss() for name, gateway in gateways.items()}
     result.data = {
         "latency_ms": stats,
+        "x_iop_overhead_ms": header,
         "throughput": {name: {**totals[name], "rps": rps[name]} for name in totals},
         "cpu_s_per_1000": cpu_per_1000,
         "peak_rss_mib": rss,
@@ -134,6 +141,8 @@ async def run(
         Row(SCENARIO, "added p50 at c=1", "ms", added("iop", "p50"), 0.0,
             **cells(lambda n: added(n, "p50")), target="IOP <= 1.0 ms",
             met=_met(added("iop", "p50"), lambda v: v <= 1.0)),
+        Row(SCENARIO, "x-iop-overhead-ms p50 at c=1 (IOP's own header)", "ms", header["p50"],
+            None, **cells(lambda n: None)),
         Row(SCENARIO, "added p50 at c=1 vs vllm-router", "ms", added("iop", "p50"), None,
             **cells(lambda n: added(n, "p50")), ratio=ratio(added("iop", "p50"), vllm_p50),
             ratio_of="IOP/vllm-router", target="<= 2x vllm-router",

@@ -244,12 +244,15 @@ class BatchedWriter(Generic[R]):
         while True:
             await self._wake.wait()
             # Let a burst of records arrive before writing, unless a flush is waiting.
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self._flush_interval_s):
-                    await self._urgent.wait()
+            await self._gather()
             while self._pending:
                 if await self._write_batch():
                     failures = 0
+                    if self._pending and len(self._pending) < self._max_batch:
+                        # What arrived while that batch was written gathers for the next
+                        # one too: under steady traffic one transaction per interval, not
+                        # one per record (each a thread round trip, a commit, GIL handoffs).
+                        await self._gather()
                     continue
                 failures += 1
                 delay = min(self._retry_delay_s * 2 ** min(failures - 1, 16), MAX_RETRY_DELAY_S)
@@ -258,6 +261,12 @@ class BatchedWriter(Generic[R]):
             # No await since the loop condition: nothing can have arrived in between.
             self._wake.clear()
             self._urgent.clear()
+
+    async def _gather(self) -> None:
+        """Wait ``flush_interval_s`` for more records, or less if a flush is waiting."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self._flush_interval_s):
+                await self._urgent.wait()
 
     async def _write_batch(self) -> bool:
         """Commit the oldest pending records in one transaction; False if that failed."""

@@ -26,6 +26,9 @@ from iop_proto.dialer import Dialer, DialSettings
 from iop_proto.errors import ConnectionClosed, UnexpectedMessage
 from iop_proto.v1 import runtime_pb2 as pb
 
+ACK_HOLD_S = 0.02
+"""How long a run's acknowledgement waits to leave with its first event (see
+``ConnectionChannel``): a hundredth of the edge's default ``run_ack_timeout_s``."""
 SNAPSHOT_MIN_GAP_S = 0.1  # coalesce bursts of changes into one snapshot (each costs both sides)
 STOPPING = "the node is stopping"
 EDGE_GONE = "the edge connection is gone"
@@ -40,9 +43,12 @@ class ConnectionChannel:
     in the same write (the edge has no use for it sooner, and a non-streamed run
     then costs one write, not two); deltas are deferred so those of one provider
     read leave together (``Connection.send(defer=True)``); the terminal event
-    takes whatever waits along at once. ``accepted`` (event 0) leaves at the end
-    of the loop pass that took the run, before the run's queue and its provider:
-    the edge fails a run it does not hear of in time (``run_ack_timeout_s``).
+    takes whatever waits along at once. ``accepted`` (event 0) is held for at most
+    ``ACK_HOLD_S``: a run that sends anything before then takes it along in the same
+    write (a fast run, streamed or not, costs one write and one wake-up of the edge
+    fewer); a run still queued or waiting on its provider then sends it alone. The
+    edge fails a run it does not hear of in time (``run_ack_timeout_s``, 2 s by
+    default; any event acknowledges), so the hold must stay far below it.
     """
 
     def __init__(self, conn: Connection, run_id: str) -> None:
@@ -50,6 +56,8 @@ class ConnectionChannel:
         self._run_id = run_id
         self._sequence = 0
         self._start: pb.RunEvent | None = None
+        self._ack: pb.RunEvent | None = None
+        self._ack_timer: asyncio.TimerHandle | None = None
 
     def _number(self, event: pb.RunEvent) -> pb.RunEvent:
         event.run_id = self._run_id
@@ -59,6 +67,11 @@ class ConnectionChannel:
 
     async def _send(self, event: pb.RunEvent, *, defer: bool = False) -> None:
         try:
+            if self._ack is not None:
+                ack, self._ack = self._ack, None
+                if self._ack_timer is not None:
+                    self._ack_timer.cancel()
+                await self._conn.send(ack, correlation_id=self._run_id, defer=True)
             if self._start is not None:
                 start, self._start = self._start, None
                 await self._conn.send(start, correlation_id=self._run_id, defer=True)
@@ -67,11 +80,18 @@ class ConnectionChannel:
             raise RunCancelled(EDGE_GONE) from exc
 
     def accepted(self) -> None:
-        """The node took the run: tell the edge now (never blocks the receive loop)."""
-        event = self._number(pb.RunEvent(accepted={}))
+        """The node took the run: the edge hears of it with the run's first event, or
+        after ``ACK_HOLD_S`` on its own (never blocks the receive loop)."""
+        self._ack = self._number(pb.RunEvent(accepted={}))
+        self._ack_timer = asyncio.get_running_loop().call_later(ACK_HOLD_S, self._send_ack)
+
+    def _send_ack(self) -> None:
+        ack, self._ack = self._ack, None
+        if ack is None:
+            return
         # a connection gone already: the run finds out itself when it sends
         with contextlib.suppress(ConnectionClosed, OSError):
-            self._conn.send_soon(event, correlation_id=self._run_id)
+            self._conn.send_soon(ack, correlation_id=self._run_id)
 
     async def started(self, provider_id: str, target: str, queue_wait_ms: int) -> None:
         start = {"provider_id": provider_id, "target": target, "queue_wait_ms": queue_wait_ms}
