@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import sqlite3
 import stat
+import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -165,6 +166,43 @@ async def test_put_returns_at_once_and_flush_writes_everything_in_batches(
     assert len(on_disk(path)) == 120
     assert notes.writes == 3  # max_batch 50
     assert notes.unwritten() == []
+
+
+class SlowNoteWriter(NoteWriter):
+    """Each row takes 5 ms in SQLite's thread (a function in the statement), so records
+    keep arriving while a batch is written, as they do under steady traffic."""
+
+    statement = "INSERT OR REPLACE INTO notes (id, body) VALUES (?, slow(?))"
+
+
+def _slow(value: str) -> str:
+    time.sleep(0.005)  # in the writer's thread, off the event loop
+    return value
+
+
+async def test_records_that_arrive_while_a_batch_is_written_wait_for_the_next_batch(
+    path: Path,
+) -> None:
+    """Under steady traffic one transaction per ``flush_interval_s``, not one per record:
+    what arrives during a write gathers for the next batch as the first burst did."""
+    db = await open_notes(path)
+    await db.create_function("slow", 1, _slow)
+    interval = 0.3
+    writer = SlowNoteWriter(db, path, WriterTuning(interval, 1000, 1000, 0.02))
+    writer.start("note-writer")
+    try:
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        for n in range(100):  # a record every 10 ms: about 1 s of steady traffic
+            writer.put(Note(f"n{n:03}", "x"))
+            await asyncio.sleep(0.01)
+        await writer.flush()
+        elapsed = loop.time() - began
+    finally:
+        await writer.aclose()
+    assert len(on_disk(path)) == 100
+    # one batch per interval (however slow the machine ran), and the flush's
+    assert writer.writes <= elapsed / interval + 2, (writer.writes, elapsed)
 
 
 async def test_a_record_put_again_replaces_the_unwritten_one_unless_it_may_not(
