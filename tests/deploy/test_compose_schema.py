@@ -76,24 +76,3 @@ def test_the_schema_refuses_a_broken_copy(path: Path) -> None:
     messages = " ".join(error.message for error in validator().iter_errors(document))
     assert "healthchek" in messages
     assert "sometime" in messages
-
-
-def test_the_default_stack_pulls_nothing_from_a_registry() -> None:
-    """`docker compose up` with no profile runs only images this repository builds (every one
-    with a `build:`); the upstream provider images are each under a profile."""
-    found = load(ROOT / "docker-compose.yml")["services"]
-    default = {name for name, service in found.items() if not service.get("profiles")}
-    assert default == {"iop-init", "control-plane", "edge", "node-a", "worker", "llamacpp"}
-    for name in default:
-        assert "build" in found[name], name
-        assert found[name]["image"].startswith("iop-"), name
-    upstream = {
-        name: service["profiles"] for name, service in found.items() if "build" not in service
-    }
-    assert upstream == {
-        "llamacpp-model": ["llamacpp-upstream"],
-        "llamacpp-upstream": ["llamacpp-upstream"],
-        "ollama": ["ollama"],
-        "ollama-pull": ["ollama"],
-        "vllm": ["gpu"],
-    }
