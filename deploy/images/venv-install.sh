@@ -2,10 +2,10 @@
 # The one install step of every IOP image's builder stage (bind-mounted, never in an image):
 #   venv-install.sh LOCK... [-- LOCAL_PACKAGE_DIR...]
 # makes the venv /opt/venv, installs the LOCKs' pinned packages there with --require-hashes and
-# --no-deps (a lock is the whole closure), then the local packages (./proto, ./services/<name>). The wheels come from
-# /wheels (the repository's wheelhouse/, `make wheelhouse`); when it holds none (a plain
-# `docker compose up --build` of a fresh clone) pip takes the same pinned, hashed files from
-# the package index instead. Either way two builds of one commit install the same bytes.
+# --no-deps (a lock is the whole closure), then the local packages (./proto, ./services/<name>).
+# The wheels come from /wheels (the repository's wheelhouse/, `make wheelhouse`); when it holds
+# none (a plain `docker compose up --build` of a fresh clone) pip takes the same pinned, hashed
+# files from the package index instead. Either way two builds of one commit install the same bytes.
 set -eu
 
 LOCKS=

@@ -13,7 +13,8 @@
    IOP_BASE_IMAGE (for the tests' own builds) and testcontainers' Ryuk off (its image comes
    from a registry; every test removes what it starts).
 The engine is stopped by its PID at the end, whatever happened; images and build cache stay
-in its data root, so a second run builds nothing.
+in its data root, so a second run builds nothing (containers, networks and volumes left by a
+run that was killed are removed when the engine starts).
 """
 
 from __future__ import annotations
@@ -91,6 +92,22 @@ def choose_base_image(docker: list[str]) -> str:
     return base.ensure_base_image(docker, base.DEFAULT_TAG, STATE / "base")
 
 
+def remove_leftovers(docker: str) -> None:
+    """Containers, networks and volumes a killed earlier run left in OUR engine (nothing else
+    uses it): dockerd would otherwise restart its `unless-stopped` containers. Images and the
+    build cache stay."""
+    leftovers = subprocess.run(
+        [docker, "ps", "--all", "--quiet"], capture_output=True, text=True, check=True
+    )
+    if ids := leftovers.stdout.split():
+        engine.say(f"removing {len(ids)} container(s) left by an earlier run")
+        subprocess.run(
+            [docker, "rm", "--force", "--volumes", *ids], capture_output=True, check=False
+        )
+    for kind in ("network", "volume"):
+        subprocess.run([docker, kind, "prune", "--force"], capture_output=True, check=False)
+
+
 def timed(label: str, command: list[str]) -> int:
     started = time.monotonic()
     code = subprocess.run(command, cwd=ROOT, check=False).returncode
@@ -114,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
         if cli is None:
             raise SystemExit(f"containers: {missing}")
         os.environ.update(client_environment(docker_host, cli))  # for every child from here
+        if own is not None:
+            remove_leftovers(cli)
         base_image = choose_base_image([cli])
         os.environ["IOP_BASE_IMAGE"] = base_image
         make = shutil.which("make") or "make"
