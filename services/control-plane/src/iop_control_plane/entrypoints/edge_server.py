@@ -172,4 +172,8 @@ class EdgeServer:
         role = conn.peer.role if conn.peer else None
         if role in self._settings.edge_roles:
             return None
-        return f"certificate role {role!r} may not connect to the control-plane (edges only)"
+        return (
+            f"certificate role (OU) {role!r} may not connect to the control-plane (edges only: "
+            f"edge_roles is {', '.join(self._settings.edge_roles)}); dial it with the edge's "
+            "certificate (devcerts --identity edge:edge)"
+        )
