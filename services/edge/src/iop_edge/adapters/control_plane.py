@@ -138,10 +138,14 @@ class ControlPlaneClient:
         """Tell the control-plane which nodes are connected (``node list``), without
         holding up the caller (a node's registration) on the control link."""
         self._node_report = report
-        if self._conn is not None and self.connected.is_set():
+        if self._conn is not None and self.connected.is_set() and self._takes_reports():
             task = asyncio.get_running_loop().create_task(self._send_report(self._conn))
             self._reports.add(task)
             task.add_done_callback(self._reports.discard)
+
+    def _takes_reports(self) -> bool:
+        """An older control-plane would close the link on a report it does not know."""
+        return self.config is not None and self.config.accepts_node_status
 
     async def _send_report(self, conn: Connection) -> None:
         with contextlib.suppress(ConnectionClosed, ConnectionError):
@@ -218,7 +222,8 @@ class ControlPlaneClient:
                     self._on_link(True)
                 followed = True
                 logger.info("connected to the control-plane (config version {})", self.version)
-                await conn.send(self._node_report)
+                if self._takes_reports():
+                    await conn.send(self._node_report)
                 async for envelope in conn:
                     await self._handle(envelope)
                 reason = conn.peer_error.message if conn.peer_error else "closed by its side"
