@@ -297,6 +297,10 @@ async def node_rows(store: CredentialStore, fleet: FleetSpec | None) -> list[dic
     return rows
 
 
+def _since(moment: str | None) -> str:
+    return show_time(datetime.fromisoformat(moment) if moment else None)
+
+
 async def list_nodes(
     store: CredentialStore, context: NodeContext, out: TextIO, err: TextIO, *, as_json: bool
 ) -> int:
@@ -314,7 +318,7 @@ async def list_nodes(
             {True: "yes", False: "no", None: "?"}[r["in_fleet_file"]],
             str(len(r["live_tokens"])),
             r["edge_id"] or "-",
-            (r["retired_at"] or r["since"] or "-").replace("+00:00", "Z"),
+            _since(r["retired_at"] or r["since"]),
             r["peer_address"] or "-",
             r["detail"] or "",
         ]
