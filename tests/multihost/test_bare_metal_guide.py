@@ -180,9 +180,9 @@ async def test_a_retired_node_leaves_the_catalog_and_its_token_is_revoked(guide:
         models = await catalog(host1, "models")
         return "node-b-mock" not in providers and "mock-small" not in models
 
+    # `node retire` alone, the fleet file still naming node-b: out at once.
     await guide.run("retire")
-    await eventually(forgotten, 30)
-    assert guide.exits[(3, "iop-node")] == 0  # stopped by the guide's systemctl, cleanly
+    await eventually(forgotten, 10)
     files = guide.files(1)
     listed = await guide.shell(
         1,
@@ -194,6 +194,14 @@ async def test_a_retired_node_leaves_the_catalog_and_its_token_is_revoked(guide:
     assert all(t["revoked_at"] for t in tokens)
     status, answer = await chat(host1, "mock-small")
     assert status == 404, answer
+    # node-b, still running on host 3, is refused: it stays out.
+    await asyncio.sleep(3)
+    assert await forgotten()
+
+    await guide.run("retire-cleanup")
+    assert guide.exits[(3, "iop-node")] == 0  # stopped by the guide's systemctl, cleanly
+    assert await forgotten()
+    assert await available(host1, "smollm2:135m", "node-a-llamacpp")()
 
 
 async def test_a_silently_cut_link_takes_the_nodes_provider_out_within_the_bound(
@@ -212,6 +220,9 @@ async def test_a_silently_cut_link_takes_the_nodes_provider_out_within_the_bound
     detected_s = time.monotonic() - cut_at
     record({"link_cut_out_of_selection_s": round(detected_s, 2)})
     assert detected_s <= HEARTBEAT_DEADLINE_S + MEASURE_SLACK_S
+    # Found by the silence (no FIN, no RST crossed the cut), not by a closed connection.
+    edge = guide.services[(1, "iop-edge")]
+    await edge.wait_for_line("node node-a disconnected: no frame from node-a")
     # With its only provider gone, a request is told so at once rather than left waiting.
     status, answer = await chat(host1, model)
     assert status == 503, answer
