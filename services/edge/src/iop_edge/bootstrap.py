@@ -180,6 +180,7 @@ async def build(
             register_timeout_s=settings.node_listener.register_timeout_s,
             handshake_timeout_s=settings.node_listener.handshake_timeout_s,
         )
+        nodes.status.subscribe(control_plane.report_nodes)
         await nodes.start()
         stack.push_async_callback(nodes.aclose)
 

@@ -58,6 +58,7 @@ class EdgeSession:
                 await self._answer(envelope)
         finally:
             self.authority.unsubscribe(self.push)
+            await self.authority.edge_lost(self.edge_id)
 
     async def _answer(self, envelope: pb.Envelope) -> None:
         kind = envelope.WhichOneof("body")
@@ -67,6 +68,8 @@ class EdgeSession:
                 self.authority.authorization_response(decision),
                 correlation_id=envelope.message_id,
             )
+        elif kind == "node_status_report":
+            await self.authority.record_node_status(self.edge_id, envelope.node_status_report)
         elif kind == "error":
             logger.warning("edge {} reported: {}", self.edge_id, envelope.error.message)
         else:

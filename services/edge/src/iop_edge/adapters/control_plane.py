@@ -59,6 +59,8 @@ class ControlPlaneClient:
         self._authorize_timeout_s = authorize_timeout_s
         self._conn: Connection | None = None
         self._pending: dict[str, asyncio.Future[pb.AuthorizeNodeResponse]] = {}
+        self._node_report = pb.NodeStatusReport()  # the latest, sent again on each connect
+        self._reports: set[asyncio.Task[None]] = set()
         self.config: pb.FleetConfig | None = None
         self.connected = asyncio.Event()
 
@@ -126,6 +128,21 @@ class ControlPlaneClient:
         finally:
             self._pending.pop(envelope.message_id, None)
 
+    # ------------------------------------------------------------ node status
+
+    def report_nodes(self, report: pb.NodeStatusReport) -> None:
+        """Tell the control-plane which nodes are connected (``node list``), without
+        holding up the caller (a node's registration) on the control link."""
+        self._node_report = report
+        if self._conn is not None and self.connected.is_set():
+            task = asyncio.get_running_loop().create_task(self._send_report(self._conn))
+            self._reports.add(task)
+            task.add_done_callback(self._reports.discard)
+
+    async def _send_report(self, conn: Connection) -> None:
+        with contextlib.suppress(ConnectionClosed, ConnectionError):
+            await conn.send(self._node_report)  # the latest by the time it is written
+
     # ------------------------------------------------------------ connection
 
     async def run(self) -> None:
@@ -177,6 +194,7 @@ class ControlPlaneClient:
                     self._on_link(True)
                 followed = True
                 logger.info("connected to the control-plane (config version {})", self.version)
+                await conn.send(self._node_report)
                 async for envelope in conn:
                     await self._handle(envelope)
                 reason = conn.peer_error.message if conn.peer_error else "closed by its side"
