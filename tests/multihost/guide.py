@@ -161,9 +161,16 @@ class Guide:
         assert found, f"the guide has no block of step {step!r}"
         return found
 
-    def manual_commands(self, *steps: str) -> int:
-        """What an operator types for ``steps``: each command once per host that runs it."""
-        return sum(len(c.hosts) for s in steps for b in self.steps(s) for c in b.commands)
+    def manual_commands(self, *steps: str, installs: bool = True) -> int:
+        """What an operator types for ``steps``: each command once per host that runs it
+        (``installs=False``: leaving out the blocks the test does not run)."""
+        return sum(
+            len(c.hosts)
+            for s in steps
+            for b in self.steps(s)
+            if installs or b.mode != "no"
+            for c in b.commands
+        )
 
     async def run(self, step: str) -> str:
         """Run every block of ``step`` in order; returns what its commands printed."""

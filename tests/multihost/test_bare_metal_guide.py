@@ -75,11 +75,14 @@ async def catalog(host: Host, kind: str) -> dict[str, dict[str, Any]]:
     return {entry[key]: entry for entry in answer["data"]}
 
 
-async def eventually(check: Callable[[], Awaitable[bool]], within_s: float) -> float:
-    """Poll ``check`` until true; the seconds it took. Fails after ``within_s``."""
+async def eventually(
+    check: Callable[[], Awaitable[bool]], within_s: float, seen: object = None
+) -> float:
+    """Poll ``check`` until true; the seconds it took. Fails after ``within_s``, showing
+    ``seen`` (what the check last saw, where it keeps that)."""
     started = time.monotonic()
     while not await check():
-        assert time.monotonic() - started < within_s, f"not so within {within_s} s"
+        assert time.monotonic() - started < within_s, f"not so within {within_s} s: {seen}"
         await asyncio.sleep(POLL_S)
     return time.monotonic() - started
 
@@ -95,6 +98,16 @@ def available(host: Host, model: str, provider: str) -> Callable[[], Awaitable[b
 async def chat(host: Host, model: str) -> tuple[int, Any]:
     body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
     return await http(host, "POST", "/v1/chat/completions", body)
+
+
+def control_plane_cli(guide: Guide, *args: str) -> str:
+    """The control-plane's CLI on host 1, with the settings file the guide wrote there."""
+    settings = guide.files(1).root / "etc/iop/control-plane.yaml"
+    return " ".join([f"{sys.prefix}/bin/iop-control-plane", "--config", str(settings), *args])
+
+
+def node_list(guide: Guide) -> str:
+    return control_plane_cli(guide, "node", "list", "--json")
 
 
 def record(figures: dict[str, Any]) -> None:
@@ -130,12 +143,25 @@ async def test_first_completion_on_three_hosts_following_the_guide(guide: Guide)
     assert status == 200
     assert runs["data"][0]["provider_id"] == "node-a-llamacpp"
     assert runs["data"][0]["outcome"] == "completed"
+    # and `node list` on host 1 says it is connected.
+    seen: list[object] = []
+
+    async def connected() -> bool:
+        nodes = {n["node_id"]: n for n in json.loads(await guide.shell(1, node_list(guide)))}
+        seen[:] = [nodes.get("node-a")]
+        return (nodes.get("node-a") or {}).get("state") == "connected"
+
+    await eventually(connected, 30, seen)
     record(
         {
             "before": {"manual_steps": BEFORE_STEPS, "seconds": BEFORE_SECONDS},
             "after": {
                 "manual_steps": guide.manual_commands("first", "first-completion"),
+                "manual_steps_without_the_install": guide.manual_commands(
+                    "first", "first-completion", installs=False
+                ),
                 "seconds_run_by_the_test": round(took_s, 1),
+                "seconds_of_the_setup_commands": round(guide.durations["first"], 1),
             },
         }
     )
@@ -175,32 +201,36 @@ async def test_a_changed_served_name_reaches_the_catalog(guide: Guide) -> None:
 async def test_a_retired_node_leaves_the_catalog_and_its_token_is_revoked(guide: Guide) -> None:
     host1 = guide.network.host(1)
 
+    seen: list[object] = []
+
     async def forgotten() -> bool:
         providers = await catalog(host1, "providers")
-        models = await catalog(host1, "models")
-        return "node-b-mock" not in providers and "mock-small" not in models
+        model = (await catalog(host1, "models")).get("mock-small")
+        seen[:] = [sorted(providers), model]
+        return "node-b-mock" not in providers and (model is None or model["providers"] == {})
 
     # `node retire` alone, the fleet file still naming node-b: out at once.
-    await guide.run("retire")
-    await eventually(forgotten, 10)
-    files = guide.files(1)
-    listed = await guide.shell(
-        1,
-        f"{sys.prefix}/bin/iop-control-plane --config {files.root}/etc/iop/control-plane.yaml"
-        " token list --json",
-    )
+    printed = await guide.run("retire")
+    assert "Retired node 'node-b'" in printed
+    await eventually(forgotten, 10, seen)
+    listed = await guide.shell(1, control_plane_cli(guide, "token", "list", "--json"))
     tokens = [t for t in json.loads(listed) if t["node_id"] == "node-b"]
     assert tokens
     assert all(t["revoked_at"] for t in tokens)
     status, answer = await chat(host1, "mock-small")
-    assert status == 404, answer
-    # node-b, still running on host 3, is refused: it stays out.
-    await asyncio.sleep(3)
+    assert status == 503, answer
+    # node-b, still running on host 3, dials again and is refused: it stays out.
+    edge = guide.services[(1, "iop-edge")]
+    await edge.wait_for_line("node node-b: retired, disconnecting it")
+    await edge.wait_for_line("refused node node-b at registration")
     assert await forgotten()
 
     await guide.run("retire-cleanup")
     assert guide.exits[(3, "iop-node")] == 0  # stopped by the guide's systemctl, cleanly
-    assert await forgotten()
+    models = await catalog(host1, "models")
+    assert "mock-small" not in models
+    status, answer = await chat(host1, "mock-small")
+    assert status == 404, answer
     assert await available(host1, "smollm2:135m", "node-a-llamacpp")()
 
 
