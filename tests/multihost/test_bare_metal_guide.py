@@ -167,6 +167,11 @@ async def test_first_completion_on_three_hosts_following_the_guide(guide: Guide)
     )
 
 
+async def test_the_worker_joins_the_edge(guide: Guide) -> None:
+    await guide.run("worker")
+    await guide.services[(1, "iop-edge")].wait_for_line("worker worker registered")
+
+
 async def test_a_node_added_at_runtime_serves(guide: Guide) -> None:
     host1 = guide.network.host(1)
     await guide.run("add-node")
