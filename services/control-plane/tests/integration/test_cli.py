@@ -8,7 +8,7 @@ import json
 import logging
 import re
 import stat
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -34,15 +34,6 @@ class Run:
 
     def __init__(self, code: int, out: str, err: str) -> None:
         self.code, self.out, self.err = code, out, err
-
-
-@pytest.fixture
-async def store(tmp_path: Path) -> AsyncIterator[SqliteCredentialStore]:
-    opened = await SqliteCredentialStore.open(tmp_path / "credentials.db")
-    try:
-        yield opened
-    finally:
-        await opened.aclose()
 
 
 class Logs:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import io
 import json
 import stat
-from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -29,15 +28,6 @@ FLEET = {
         }
     ],
 }
-
-
-@pytest.fixture
-async def store(tmp_path: Path) -> AsyncIterator[SqliteCredentialStore]:
-    opened = await SqliteCredentialStore.open(tmp_path / "credentials.db")
-    try:
-        yield opened
-    finally:
-        await opened.aclose()
 
 
 @pytest.fixture

@@ -20,6 +20,7 @@ from iop_proto.accept import StreamServer
 from iop_proto.connection import Connection, error_body
 from iop_proto.errors import ConnectionClosed, ProtocolError, UnexpectedMessage
 from iop_proto.tls import TlsRefused
+from iop_proto.tls_explain import PEER_CLOSED_REASON
 from iop_proto.v1 import runtime_pb2 as pb
 
 HELLO_TIMEOUT_S = 10.0
@@ -159,7 +160,10 @@ class EdgeServer:
 
     def _tls_refused(self, exc: TlsRefused, peer: object) -> None:
         self._metrics.tls_refusals.labels(exc.reason).inc()
-        logger.warning("refused {} in TLS ({}): {}", peer, exc.reason, exc.detail)
+        if exc.reason == PEER_CLOSED_REASON:  # not our refusal: the edge ended the handshake
+            logger.warning("TLS handshake with {} ended: {}", peer, exc.detail)
+        else:
+            logger.warning("refused {} in TLS ({}): {}", peer, exc.reason, exc.detail)
 
     def _refusal(self, conn: Connection) -> str | None:
         """Why this peer may not talk to the control-plane, or ``None``."""
@@ -168,4 +172,8 @@ class EdgeServer:
         role = conn.peer.role if conn.peer else None
         if role in self._settings.edge_roles:
             return None
-        return f"certificate role {role!r} may not connect to the control-plane (edges only)"
+        return (
+            f"certificate role (OU) {role!r} may not connect to the control-plane (edges only: "
+            f"edge_roles is {', '.join(self._settings.edge_roles)}); dial it with the edge's "
+            "certificate (devcerts --identity edge:edge)"
+        )

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ipaddress
 import os
 import re
 import signal
@@ -37,6 +36,7 @@ from iop_control_plane.entrypoints.output import (
 )
 from iop_control_plane.errors import CredentialError, FleetConfigError
 from iop_control_plane.ports import CredentialStore
+from iop_proto.tls_explain import is_address
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -109,7 +109,7 @@ def _snippet(config: dict[str, Any]) -> str:
         f"  host: {edge['host']}",
         f"  port: {edge['port']}",
     ]
-    if _is_address(edge["host"]):
+    if is_address(edge["host"]):
         lines.append(
             "  # server_name: edge   # only if the edge's certificate does not name "
             f"IP:{edge['host']} (devcerts --san edge=IP:{edge['host']} makes it)"
@@ -119,14 +119,6 @@ def _snippet(config: dict[str, Any]) -> str:
         f"  {key}: {str(value).lower() if value is True else value}" for key, value in tls.items()
     ]
     return "\n".join(lines)
-
-
-def _is_address(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return True
 
 
 async def add_node(

@@ -20,6 +20,8 @@ from loguru import logger
 from iop_edge.errors import ControlPlaneUnavailable
 from iop_proto.connection import Connection
 from iop_proto.errors import ConnectionClosed, ProtocolError, UnexpectedMessage
+from iop_proto.tls import TlsSettings
+from iop_proto.tls_explain import PEER_CLOSED, peer_closed_during_handshake, rejection
 from iop_proto.v1 import runtime_pb2 as pb
 
 FleetListener = Callable[[pb.FleetConfig], Awaitable[None]]
@@ -43,6 +45,7 @@ class ControlPlaneClient:
         reconnect_max_s: float,
         authorize_timeout_s: float,
         on_link: Callable[[bool], None] | None = None,
+        tls_files: TlsSettings | None = None,
     ) -> None:
         """``on_link``: told ``True`` when a connection is up (its first config applied)
         and ``False`` when it is lost, so the edge can show the link's state."""
@@ -52,6 +55,7 @@ class ControlPlaneClient:
         self._edge_id = edge_id
         self._version = version
         self._tls = tls
+        self._tls_files = tls_files  # named when the control-plane's certificate does not fit
         self._cache_file = cache_file
         self._on_fleet = on_fleet
         self._heartbeat_interval_s = heartbeat_interval_s
@@ -167,8 +171,28 @@ class ControlPlaneClient:
                 ),
                 10,
             )
+        except ssl.SSLCertVerificationError as exc:
+            # A configuration error, but the edge goes on: it serves its cached config
+            # and its nodes meanwhile, and keeps trying in case the certificate is fixed.
+            mismatch = await rejection(
+                exc,
+                host=self._host,
+                port=self._port,
+                server_name=self._server_name,
+                settings=self._tls_files,
+                peer="control-plane",
+                setting="control_plane",
+                timeout_s=10,
+            )
+            logger.error("control-plane at {}:{}: {}", self._host, self._port, mismatch)
+            return False
         except (OSError, TimeoutError) as exc:
-            logger.warning("control-plane at {}:{} unreachable: {}", self._host, self._port, exc)
+            if self._tls is not None and peer_closed_during_handshake(exc):
+                logger.warning("control-plane at {}:{}: {}", self._host, self._port, PEER_CLOSED)
+            else:
+                logger.warning(
+                    "control-plane at {}:{} unreachable: {}", self._host, self._port, exc
+                )
             return False
         conn = Connection(
             reader, writer, sender_id=self._edge_id, heartbeat_interval=self._heartbeat_interval_s

@@ -242,7 +242,12 @@ class NodeServer:
         role = conn.peer.role if conn.peer else "node"
         refusal, code = None, ""
         if self._tls is not None and role not in self._node_roles:
-            refusal, code = f"certificate role {role!r} may not register as a node", "wrong_role"
+            refusal = (
+                f"certificate role (OU) {role!r} may not register as a node (allowed: "
+                f"{', '.join(self._node_roles)}): issue its certificate with that role "
+                f"(devcerts --identity {identity}:node)"
+            )
+            code = "wrong_role"
         elif identity != request.peer_id:
             refusal = (
                 f"certificate identity {identity!r} does not match node id {request.peer_id!r}"
@@ -315,7 +320,11 @@ class NodeServer:
         if self._batches is None:
             refusal, code = "this edge runs no batch jobs", "no_batches"
         elif self._tls is not None and role not in self._worker_roles:
-            refusal = f"certificate role {role!r} may not register as a worker"
+            refusal = (
+                f"certificate role (OU) {role!r} may not register as a worker (allowed: "
+                f"{', '.join(self._worker_roles)}): issue its certificate with that role "
+                f"(devcerts --identity {identity}:worker)"
+            )
             code = "wrong_role"
         elif identity != request.peer_id:
             refusal = (
