@@ -62,7 +62,20 @@ class Network:
         _ip("-n", self.bridge_namespace, "link", "set", port, "down")
 
     def mend(self, number: int) -> None:
+        """Bring host ``number``'s link back up."""
         _ip("-n", self.bridge_namespace, "link", "set", self.host(number).bridge_port, "up")
+
+    def add_address(self, number: int, address: str) -> None:
+        """Give host ``number`` one more address on the segment (a second name for it)."""
+        _ip(
+            "-n",
+            self.host(number).namespace,
+            "addr",
+            "add",
+            f"{address}/{PREFIX_LEN}",
+            "dev",
+            "eth0",
+        )
 
 
 def _ip(*args: str) -> None:

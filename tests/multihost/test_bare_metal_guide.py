@@ -19,12 +19,16 @@ import os
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 import pytest_asyncio
+from cryptography import x509
 from guide import ROOT, Guide
-from netns import Host, Network
+from netns import SUBNET, Host, Network
+
+from iop_proto.testing import running_service
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -239,6 +243,29 @@ async def test_a_retired_node_leaves_the_catalog_and_its_token_is_revoked(guide:
     assert await available(host1, "smollm2:135m", "node-a-llamacpp")()
 
 
+async def test_a_node_dialling_an_address_the_edge_certificate_lacks_stops_with_exit_2(
+    guide: Guide, tmp_path: Path
+) -> None:
+    """The mistake the issue began with, on real addresses: the exit code the units do not
+    restart on (RestartPreventExitStatus=2), and a line naming the fix."""
+    other = f"{SUBNET}.101"  # host 1 again, by an address its certificate does not carry
+    guide.network.add_address(1, other)
+    settings = guide.files(2).root / "etc/iop/node.yaml"  # node-a's, as the guide wrote it
+    env = {
+        "IOP_EDGE__HOST": other,
+        "IOP_ADMIN__PORT": "0",
+        "IOP_HISTORY_DB": str(tmp_path / "history.db"),
+    }
+    host2 = guide.network.host(2)
+    async with running_service("iop-node", settings, env=env, wrapper=host2.wrapper) as node:
+        code = await asyncio.wait_for(node.process.wait(), 30)
+    log = "".join(node.log)
+    assert code == 2, log
+    assert f"devcerts --san edge=IP:{other}" in log
+    # The real node-a, beside it on host 2, is still serving.
+    assert await available(guide.network.host(1), "smollm2:135m", "node-a-llamacpp")()
+
+
 async def test_a_silently_cut_link_takes_the_nodes_provider_out_within_the_bound(
     guide: Guide,
 ) -> None:
@@ -261,3 +288,18 @@ async def test_a_silently_cut_link_takes_the_nodes_provider_out_within_the_bound
     # With its only provider gone, a request is told so at once rather than left waiting.
     status, answer = await chat(host1, model)
     assert status == 503, answer
+
+
+async def test_the_edge_reissued_with_another_name_takes_its_nodes_back(guide: Guide) -> None:
+    host1 = guide.network.host(1)
+    guide.network.mend(2)
+    await guide.run("reissue")
+    pem = (guide.files(1).root / "etc/iop/certs/edge.pem").read_bytes()
+    names = x509.load_pem_x509_certificate(pem).extensions.get_extension_for_class(
+        x509.SubjectAlternativeName
+    )
+    assert "iop-edge.example" in names.value.get_values_for_type(x509.DNSName)
+    # node-a, its link back, dials the restarted edge (with its new certificate) again.
+    await eventually(available(host1, "smollm2:135m", "node-a-llamacpp"), 40)
+    status, answer = await chat(host1, "smollm2:135m")
+    assert status == 200, answer

@@ -11,7 +11,16 @@ import re
 
 from guide import GUIDE, parse
 
-STEPS = ("first", "first-completion", "worker", "add-node", "models", "retire", "retire-cleanup")
+STEPS = (
+    "first",
+    "first-completion",
+    "worker",
+    "add-node",
+    "models",
+    "retire",
+    "retire-cleanup",
+    "reissue",
+)
 
 
 def test_every_shell_block_of_the_guide_is_tagged_for_the_test() -> None:
