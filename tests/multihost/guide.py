@@ -128,7 +128,6 @@ class Guide:
     network: Network
     base: Path
     environment: Mapping[str, str]
-    text: str = ""  # the guide's text; by default docs/deploy-bare-metal.md
     blocks: list[Block] = field(default_factory=list)
     services: dict[tuple[int, str], RunningService] = field(default_factory=dict)
     durations: dict[str, float] = field(default_factory=dict)
@@ -138,7 +137,7 @@ class Guide:
     _files: dict[int, HostFiles] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.blocks, variables = parse(self.text or GUIDE.read_text())
+        self.blocks, variables = parse(GUIDE.read_text())
         hosts = [f"HOST{h.number}" for h in self.network.hosts]
         assert variables == hosts, f"the guide's vars block defines {variables}, not {hosts}"
         for host in self.network.hosts:
