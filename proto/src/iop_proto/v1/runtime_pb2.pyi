@@ -438,20 +438,22 @@ class ApiKeyPolicy(_message.Message):
     def __init__(self, key_id: _Optional[str] = ..., name: _Optional[str] = ..., key_hash: _Optional[str] = ..., models: _Optional[_Iterable[str]] = ..., max_concurrent: _Optional[int] = ..., operator: _Optional[bool] = ...) -> None: ...
 
 class FleetConfig(_message.Message):
-    __slots__ = ("version", "models", "nodes", "api_keys", "revoked_token_ids", "retired_node_ids")
+    __slots__ = ("version", "models", "nodes", "api_keys", "revoked_token_ids", "retired_node_ids", "accepts_node_status")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MODELS_FIELD_NUMBER: _ClassVar[int]
     NODES_FIELD_NUMBER: _ClassVar[int]
     API_KEYS_FIELD_NUMBER: _ClassVar[int]
     REVOKED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     RETIRED_NODE_IDS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTS_NODE_STATUS_FIELD_NUMBER: _ClassVar[int]
     version: int
     models: _containers.RepeatedCompositeFieldContainer[ModelConfig]
     nodes: _containers.RepeatedCompositeFieldContainer[NodeConfig]
     api_keys: _containers.RepeatedCompositeFieldContainer[ApiKeyPolicy]
     revoked_token_ids: _containers.RepeatedScalarFieldContainer[str]
     retired_node_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, version: _Optional[int] = ..., models: _Optional[_Iterable[_Union[ModelConfig, _Mapping]]] = ..., nodes: _Optional[_Iterable[_Union[NodeConfig, _Mapping]]] = ..., api_keys: _Optional[_Iterable[_Union[ApiKeyPolicy, _Mapping]]] = ..., revoked_token_ids: _Optional[_Iterable[str]] = ..., retired_node_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    accepts_node_status: bool
+    def __init__(self, version: _Optional[int] = ..., models: _Optional[_Iterable[_Union[ModelConfig, _Mapping]]] = ..., nodes: _Optional[_Iterable[_Union[NodeConfig, _Mapping]]] = ..., api_keys: _Optional[_Iterable[_Union[ApiKeyPolicy, _Mapping]]] = ..., revoked_token_ids: _Optional[_Iterable[str]] = ..., retired_node_ids: _Optional[_Iterable[str]] = ..., accepts_node_status: _Optional[bool] = ...) -> None: ...
 
 class NodeStatus(_message.Message):
     __slots__ = ("node_id", "connected", "token_id", "since_unix_ms", "peer_address", "detail")

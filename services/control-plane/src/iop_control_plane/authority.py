@@ -163,6 +163,7 @@ class FleetAuthority:
             api_keys=self._api_keys,
             revoked_token_ids=self._revoked_token_ids,
             retired_node_ids=sorted(retired),
+            accepts_node_status=True,
         )
         digest = hashlib.sha256(content.SerializeToString(deterministic=True)).digest()
         if digest == self._digest:

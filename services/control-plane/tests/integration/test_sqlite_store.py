@@ -310,3 +310,14 @@ async def test_a_version_2_database_gains_the_node_tables(db_path: Path) -> None
         assert raw.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
     finally:
         raw.close()
+
+
+async def test_a_report_of_many_nodes_is_kept_whole(store: SqliteCredentialStore) -> None:
+    """More nodes than one statement carries: every state is kept, the latest wins."""
+    states = [NodeState(f"n{i}", "edge", True, "t", NOW, "", "", NOW) for i in range(1200)]
+    await store.record_node_states(states)
+    await store.record_node_states([NodeState("n7", "edge", False, "t", NOW, "", "gone", NOW)])
+    kept = await store.node_states()
+    assert len(kept) == 1200
+    assert (kept["n7"].connected, kept["n7"].detail) == (False, "gone")
+    assert kept["n1199"].connected

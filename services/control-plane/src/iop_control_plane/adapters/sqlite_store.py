@@ -78,6 +78,7 @@ _MIGRATIONS: dict[int, tuple[str, ...]] = {
 }
 """The statements that bring a file at version ``v`` (the key) to ``v + 1``."""
 
+_STATE_ROWS_PER_STATEMENT = 500  # 8 values a row, well under SQLite's 32766 variables
 _TOKEN_COLUMNS = "token_id, node_id, secret_hash, created_at, revoked_at"
 _KEY_COLUMNS = "key_id, name, secret_hash, models, max_concurrent, created_at, revoked_at, operator"
 
@@ -275,20 +276,28 @@ class SqliteCredentialStore:
         Not counted as a change (``change_marker``): connection states are not part
         of the configuration the server pushes, and every report would else rebuild it.
         """
-        for state in states:
+        rows = [
+            (
+                state.node_id,
+                state.edge_id,
+                int(state.connected),
+                state.token_id,
+                _to_optional_text(state.since),
+                state.peer_address,
+                state.detail,
+                _to_text(state.reported_at),
+            )
+            for state in states
+        ]
+        # One statement per chunk: one transaction (one fsync) for many nodes, and still
+        # nothing another coroutine's statement could fall into the middle of.
+        for start in range(0, len(rows), _STATE_ROWS_PER_STATEMENT):
+            chunk = rows[start : start + _STATE_ROWS_PER_STATEMENT]
+            values = ", ".join(["(?, ?, ?, ?, ?, ?, ?, ?)"] * len(chunk))
             async with self._db.execute(
                 "INSERT OR REPLACE INTO node_states (node_id, edge_id, connected, token_id,"
-                " since, peer_address, detail, reported_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                (
-                    state.node_id,
-                    state.edge_id,
-                    int(state.connected),
-                    state.token_id,
-                    _to_optional_text(state.since),
-                    state.peer_address,
-                    state.detail,
-                    _to_text(state.reported_at),
-                ),
+                f" since, peer_address, detail, reported_at) VALUES {values}",
+                tuple(value for row in chunk for value in row),
             ):
                 pass
 

@@ -20,11 +20,14 @@ from loguru import logger
 from iop_edge.errors import ControlPlaneUnavailable
 from iop_proto.connection import Connection
 from iop_proto.errors import ConnectionClosed, ProtocolError, UnexpectedMessage
+from iop_proto.tasks import cancel_and_wait
 from iop_proto.tls import TlsSettings
 from iop_proto.tls_explain import PEER_CLOSED, peer_closed_during_handshake, rejection
 from iop_proto.v1 import runtime_pb2 as pb
 
 FleetListener = Callable[[pb.FleetConfig], Awaitable[None]]
+REPORT_COALESCE_S = 0.2
+"""How long a node status report waits for the ones right behind it (a reconnect storm)."""
 
 
 class ControlPlaneClient:
@@ -64,7 +67,7 @@ class ControlPlaneClient:
         self._conn: Connection | None = None
         self._pending: dict[str, asyncio.Future[pb.AuthorizeNodeResponse]] = {}
         self._node_report = pb.NodeStatusReport()  # the latest, sent again on each connect
-        self._reports: set[asyncio.Task[None]] = set()
+        self._report_task: asyncio.Task[None] | None = None  # at most one send pending
         self.config: pb.FleetConfig | None = None
         self.connected = asyncio.Event()
 
@@ -136,14 +139,25 @@ class ControlPlaneClient:
 
     def report_nodes(self, report: pb.NodeStatusReport) -> None:
         """Tell the control-plane which nodes are connected (``node list``), without
-        holding up the caller (a node's registration) on the control link."""
+        holding up the caller (a node's registration) on the control link.
+
+        Reports are coalesced: while one send waits, later reports only replace what
+        it will send, so a storm of reconnecting nodes costs a few reports, not one
+        full list per node.
+        """
         self._node_report = report
-        if self._conn is not None and self.connected.is_set():
-            task = asyncio.get_running_loop().create_task(self._send_report(self._conn))
-            self._reports.add(task)
-            task.add_done_callback(self._reports.discard)
+        conn = self._conn
+        if conn is None or not self.connected.is_set() or not self._takes_reports():
+            return
+        if self._report_task is None or self._report_task.done():
+            self._report_task = asyncio.get_running_loop().create_task(self._send_report(conn))
+
+    def _takes_reports(self) -> bool:
+        """An older control-plane would close the link on a report it does not know."""
+        return self.config is not None and self.config.accepts_node_status
 
     async def _send_report(self, conn: Connection) -> None:
+        await asyncio.sleep(REPORT_COALESCE_S)
         with contextlib.suppress(ConnectionClosed, ConnectionError):
             await conn.send(self._node_report)  # the latest by the time it is written
 
@@ -218,7 +232,8 @@ class ControlPlaneClient:
                     self._on_link(True)
                 followed = True
                 logger.info("connected to the control-plane (config version {})", self.version)
-                await conn.send(self._node_report)
+                if self._takes_reports():
+                    await conn.send(self._node_report)
                 async for envelope in conn:
                     await self._handle(envelope)
                 reason = conn.peer_error.message if conn.peer_error else "closed by its side"
@@ -230,6 +245,8 @@ class ControlPlaneClient:
         finally:
             self._conn = None
             self.connected.clear()
+            await cancel_and_wait(self._report_task)  # the next link sends the latest
+            self._report_task = None
             if self._on_link is not None and followed:
                 self._on_link(False)
             for future in self._pending.values():
