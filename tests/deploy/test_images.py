@@ -326,7 +326,13 @@ def test_init_dockerfile_is_the_control_plane_cli_with_devcerts() -> None:
     for sources, destination in copy_sources(instructions):
         for source in sources:
             assert (ROOT / source).exists(), f"COPY {source}: no such path in the repository"
-            allowed = ("proto/", "services/control-plane/", "tools/devcerts.py", "deploy/init/")
+            allowed = (
+                "proto/",
+                "services/control-plane/",
+                "tools/devcerts.py",
+                "tools/devcerts_x509.py",
+                "deploy/init/",
+            )
             assert source.startswith(allowed), source
             assert not dockerignored(source), f"COPY {source}: excluded by .dockerignore"
             if destination.endswith("/"):
@@ -337,6 +343,8 @@ def test_init_dockerfile_is_the_control_plane_cli_with_devcerts() -> None:
     assert copied[entrypoint[1]] == "deploy/init/iop_init.py"
     # iop_init.py runs devcerts.py from its own directory and `iop-control-plane` from PATH.
     assert copied[str(PurePosixPath(entrypoint[1]).with_name("devcerts.py"))] == "tools/devcerts.py"
+    beside = str(PurePosixPath(entrypoint[1]).with_name("devcerts_x509.py"))
+    assert copied[beside] == "tools/devcerts_x509.py"  # devcerts.py imports it
     assert "iop-control-plane" in pyproject("control-plane")["project"]["scripts"]
     version_args = [a for k, a in stage if k == "ARG" and a.startswith("VERSION=")]
     assert version_args == [f"VERSION={pyproject('control-plane')['project']['version']}"]
@@ -370,6 +378,7 @@ def test_dockerignore_keeps_secrets_environments_and_tests_out() -> None:
         "proto/src/iop_proto/v1/runtime_pb2.py",
         "services/edge/src/iop_edge/settings.py",
         "tools/devcerts.py",
+        "tools/devcerts_x509.py",
         "deploy/init/iop_init.py",
     ]:
         assert not dockerignored(path), path
