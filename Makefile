@@ -179,8 +179,10 @@ $(WHEELHOUSE)/.stamp: $(LOCKS) | $(TOOLS_STAMP)
 	$(foreach lock,$(LOCKS),$(call download,$(lock)))
 	touch $@
 
-images: wheelhouse
+# The engine check first: without one, fail at once rather than after the wheelhouse download.
+images:
 	@$(PYTHON) tools/containers/buildkit.py --check
+	@$(MAKE) --no-print-directory wheelhouse
 	$(foreach name,$(IMAGE_SERVICES),$(call build_image,iop-$(name),services/$(name)/Dockerfile,$(call image_version,services/$(name)/pyproject.toml)))
 	$(call build_image,iop-init,deploy/init/Dockerfile,$(call image_version,services/control-plane/pyproject.toml))
 	$(call build_image,iop-llamacpp,deploy/llamacpp/Dockerfile,$(XLLAMACPP_VERSION))

@@ -150,6 +150,10 @@ def main(argv: list[str] | None = None) -> int:
         return code
     finally:
         if own is not None:
+            # Image versions that a rebuild untagged: var/ would otherwise grow run by run.
+            prune = [shutil.which("docker") or "docker", "image", "prune", "--force"]
+            ours = {**os.environ, "DOCKER_HOST": own.host}  # never another engine
+            subprocess.run(prune, capture_output=True, env=ours, timeout=120, check=False)
             own.stop()
         engine.say(f"test-containers: {time.monotonic() - started:.0f} s in all")
 
