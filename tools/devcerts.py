@@ -3,90 +3,69 @@
 Every IOP service is both a TLS server and a TLS client of its neighbours, so each
 leaf certificate carries serverAuth and clientAuth. A peer's identity is the
 certificate's subject commonName and its role the organizationalUnitName (see
-``iop_proto.tls``); the SANs cover ``localhost``, 127.0.0.1 and the docker compose
-service name, which is the identity itself.
+``iop_proto.tls``). Every leaf names ``DNS:<identity>`` (the docker compose service
+name); ``--san IDENTITY=DNS:name`` / ``--san IDENTITY=IP:addr`` add the names peers
+really dial on other hosts.
+
+Without ``--identity`` the development set is issued (edge, control-plane, node-a,
+node-b, worker), each also valid for ``localhost`` and 127.0.0.1 so that ``make run``
+works on one machine. With ``--identity`` only the identities named are issued, and
+without the loopback names: a fleet's CA should sign keys that somebody uses, for the
+hosts they are used on.
 
 Existing files are never overwritten without ``--force``: regenerating a CA behind
 the back of running services, or of certificates copied elsewhere, breaks them in
 ways that are slow to diagnose. Without ``--force`` only missing leaves are issued,
-signed by the CA already on disk.
+signed by the CA already on disk. A leaf on disk whose names or role differ from what
+was asked is an error, not silently kept: ``--reissue NAME`` replaces just that leaf
+(signed by the existing CA, every other file untouched), ``--force`` replaces everything.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import ipaddress
 import os
-import re
 import sys
 import tempfile
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+from cryptography.x509.oid import NameOID
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # devcerts_x509, also when imported
+from devcerts_x509 import (
+    CA_NAME,
+    DEFAULT_DAYS,
+    DEFAULT_IDENTITIES,
+    DEV_EXTRA_SANS,
+    Authority,
+    Identity,
+    SanRequest,
+    build_ca,
+    build_leaf,
+    describe_san,
+    new_key,
+    parse_identity,
+    parse_san,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_DAYS = 365
-CA_NAME = "ca"
-CA_COMMON_NAME = "IOP development CA"
-ORGANIZATION = "IOP development"
-# A little backdating so a certificate made now is valid on a peer whose clock lags.
-CLOCK_SKEW = datetime.timedelta(minutes=5)
-# The identity is also a DNS SAN (the compose service name), so it must be a DNS label.
-_DNS_LABEL = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
-_ROLE = re.compile(r"^[a-z0-9][a-z0-9-]*$")
 
 
 class DevCertsError(Exception):
     """A state of the output directory that the generator refuses to resolve by itself."""
 
 
-@dataclass(frozen=True, slots=True)
-class Identity:
-    """A service identity (certificate CN) and its role (certificate OU)."""
-
-    name: str
-    role: str
-
-
-DEFAULT_IDENTITIES: tuple[Identity, ...] = (
-    Identity("edge", "edge"),
-    Identity("control-plane", "control-plane"),
-    Identity("node-a", "node"),
-    Identity("node-b", "node"),
-    Identity("worker", "worker"),
-)
-
-
-@dataclass(frozen=True, slots=True)
-class Authority:
-    """The CA's certificate and private key, needed together to sign leaves."""
-
-    cert: x509.Certificate
-    key: ec.EllipticCurvePrivateKey
-
-
-def parse_identity(text: str) -> Identity:
-    """Parse ``NAME:ROLE`` early, so a typo is a usage error rather than a bad certificate."""
-    name, sep, role = text.partition(":")
-    if not sep or not _DNS_LABEL.match(name) or not _ROLE.match(role):
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not NAME:ROLE (lower-case letters, digits and '-', "
-            "NAME usable as a DNS label)"
-        )
-    if name == CA_NAME:
-        raise argparse.ArgumentTypeError(f"{CA_NAME!r} is reserved for the CA's own files")
-    return Identity(name, role)
-
-
 def merge_identities(extra: Iterable[Identity]) -> list[Identity]:
-    """The default identities plus extras; one name with two roles is a mistake, not a merge."""
-    merged: dict[str, Identity] = {i.name: i for i in DEFAULT_IDENTITIES}
+    """The identities asked for, or the default set when none is.
+
+    One name with two roles is a mistake, not a merge.
+    """
+    merged: dict[str, Identity] = {}
     for identity in extra:
         known = merged.setdefault(identity.name, identity)
         if known.role != identity.role:
@@ -94,7 +73,29 @@ def merge_identities(extra: Iterable[Identity]) -> list[Identity]:
                 f"identity {identity.name!r} given with role {identity.role!r} "
                 f"but it already has role {known.role!r}"
             )
-    return list(merged.values())
+    return list(merged.values()) or list(DEFAULT_IDENTITIES)
+
+
+def wanted_sans(
+    identities: Sequence[Identity], sans: Iterable[SanRequest], *, dev: bool
+) -> dict[str, tuple[x509.GeneralName, ...]]:
+    """Each identity's SANs: ``DNS:<identity>``, the loopback names for the dev set, extras.
+
+    A ``--san`` for an identity that is not being issued is refused: it would be
+    silently dropped, and the operator would find out only when a peer's dial fails.
+    """
+    result: dict[str, list[x509.GeneralName]] = {
+        i.name: [x509.DNSName(i.name), *(DEV_EXTRA_SANS if dev else ())] for i in identities
+    }
+    for request in sans:
+        if request.identity not in result:
+            raise DevCertsError(
+                f"--san for {request.identity!r}, which is not issued here "
+                f"(issuing {', '.join(result)}); add --identity {request.identity}:ROLE"
+            )
+        if request.name not in result[request.identity]:
+            result[request.identity].append(request.name)
+    return {name: tuple(values) for name, values in result.items()}
 
 
 def cert_path(out: Path, name: str) -> Path:
@@ -103,114 +104,6 @@ def cert_path(out: Path, name: str) -> Path:
 
 def key_path(out: Path, name: str) -> Path:
     return out / f"{name}.key"
-
-
-def new_key() -> ec.EllipticCurvePrivateKey:
-    """P-256: fast to generate and accepted by every TLS stack we talk to."""
-    return ec.generate_private_key(ec.SECP256R1())
-
-
-def _validity(days: int) -> tuple[datetime.datetime, datetime.datetime]:
-    now = datetime.datetime.now(datetime.UTC)
-    return now - CLOCK_SKEW, now + datetime.timedelta(days=days)
-
-
-def build_ca(key: ec.EllipticCurvePrivateKey, days: int) -> x509.Certificate:
-    """A self-signed CA that may sign leaves only (path length 0)."""
-    name = x509.Name(
-        [
-            x509.NameAttribute(NameOID.ORGANIZATION_NAME, ORGANIZATION),
-            x509.NameAttribute(NameOID.COMMON_NAME, CA_COMMON_NAME),
-        ]
-    )
-    not_before, not_after = _validity(days)
-    public = key.public_key()
-    return (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(public)
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(not_before)
-        .not_valid_after(not_after)
-        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .add_extension(
-            x509.KeyUsage(
-                digital_signature=False,
-                content_commitment=False,
-                key_encipherment=False,
-                data_encipherment=False,
-                key_agreement=False,
-                key_cert_sign=True,
-                crl_sign=True,
-                encipher_only=False,
-                decipher_only=False,
-            ),
-            critical=True,
-        )
-        .add_extension(x509.SubjectKeyIdentifier.from_public_key(public), critical=False)
-        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(public), critical=False)
-        .sign(key, hashes.SHA256())
-    )
-
-
-def build_leaf(
-    identity: Identity, key: ec.EllipticCurvePrivateKey, ca: Authority, days: int
-) -> x509.Certificate:
-    """A certificate usable on both ends of mTLS, naming the identity (CN) and role (OU)."""
-    subject = x509.Name(
-        [
-            x509.NameAttribute(NameOID.ORGANIZATION_NAME, ORGANIZATION),
-            x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, identity.role),
-            x509.NameAttribute(NameOID.COMMON_NAME, identity.name),
-        ]
-    )
-    sans = x509.SubjectAlternativeName(
-        [
-            x509.DNSName("localhost"),
-            x509.DNSName(identity.name),
-            x509.IPAddress(ipaddress.IPv4Address("127.0.0.1")),
-        ]
-    )
-    ca_ski = ca.cert.extensions.get_extension_for_class(x509.SubjectKeyIdentifier).value
-    not_before, not_after = _validity(days)
-    return (
-        x509.CertificateBuilder()
-        .subject_name(subject)
-        .issuer_name(ca.cert.subject)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(not_before)
-        .not_valid_after(min(not_after, ca.cert.not_valid_after_utc))
-        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(
-            x509.KeyUsage(
-                digital_signature=True,
-                content_commitment=False,
-                key_encipherment=False,
-                data_encipherment=False,
-                key_agreement=False,
-                key_cert_sign=False,
-                crl_sign=False,
-                encipher_only=False,
-                decipher_only=False,
-            ),
-            critical=True,
-        )
-        .add_extension(
-            x509.ExtendedKeyUsage(
-                [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
-            ),
-            critical=False,
-        )
-        .add_extension(sans, critical=False)
-        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
-        .add_extension(
-            x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ca_ski),
-            critical=False,
-        )
-        .sign(ca.key, hashes.SHA256())
-    )
 
 
 def _cert_bytes(cert: x509.Certificate) -> bytes:
@@ -333,8 +226,61 @@ def obtain_authority(out: Path, days: int, *, leaves_exist: bool) -> tuple[Autho
     return authority, write_pair(out, CA_NAME, authority.cert, authority.key, force=False)
 
 
-def generate(out: Path, identities: Sequence[Identity], *, days: int, force: bool) -> list[Path]:
-    """Bring ``out`` to a complete set of dev certificates; return the files written."""
+def leaf_mismatch(path: Path, identity: Identity, sans: Sequence[x509.GeneralName]) -> str | None:
+    """Why the leaf at ``path`` is not the one asked for (role or names), or None if it is."""
+    try:
+        cert = x509.load_pem_x509_certificate(path.read_bytes())
+        found = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except (OSError, ValueError, x509.ExtensionNotFound) as exc:
+        return f"{path} cannot be read as a certificate with SANs ({exc})"
+    roles = [a.value for a in cert.subject.get_attributes_for_oid(NameOID.ORGANIZATIONAL_UNIT_NAME)]
+    if roles != [identity.role]:
+        return f"{path} has role {', '.join(map(str, roles)) or 'none'}, not {identity.role}"
+    if set(found) != set(sans):
+        have = ", ".join(describe_san(n) for n in found)
+        want = ", ".join(describe_san(n) for n in sans)
+        return f"{path} names {have}, but {want} was asked"
+    return None
+
+
+def check_existing(
+    out: Path, identities: Sequence[Identity], sans: dict[str, tuple[x509.GeneralName, ...]]
+) -> None:
+    """Refuse to keep a leaf whose role or names differ from the request.
+
+    Keeping it would report success while a peer dialling the new name still fails
+    its handshake; replacing it unasked would break the hosts it was copied to.
+    """
+    for identity in identities:
+        path = cert_path(out, identity.name)
+        reason = leaf_mismatch(path, identity, sans[identity.name])
+        if reason is not None:
+            raise DevCertsError(
+                f"{reason}; pass --reissue {identity.name} to replace just that leaf "
+                "(signed by the existing CA) or --force to replace every file"
+            )
+
+
+def generate(
+    out: Path,
+    identities: Sequence[Identity],
+    *,
+    days: int,
+    force: bool,
+    sans: dict[str, tuple[x509.GeneralName, ...]] | None = None,
+    reissue: Iterable[str] = (),
+) -> list[Path]:
+    """Bring ``out`` to a complete set of certificates; return the files written.
+
+    ``sans`` defaults to the development names (``wanted_sans(..., dev=True)``);
+    ``reissue`` names leaves to replace even though they exist.
+    """
+    if sans is None:
+        sans = wanted_sans(identities, (), dev=True)
+    replace = set(reissue)
+    unknown = replace - {i.name for i in identities}
+    if unknown:
+        raise DevCertsError(f"--reissue {', '.join(sorted(unknown))}: not an identity issued here")
     out.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
     if force:
@@ -343,15 +289,19 @@ def generate(out: Path, identities: Sequence[Identity], *, days: int, force: boo
         written += write_pair(out, CA_NAME, authority.cert, authority.key, force=True)
         to_issue = list(identities)
     else:
-        to_issue, leaves_exist = check_leaves(out, identities)
+        kept = [i for i in identities if i.name not in replace]
+        missing, leaves_exist = check_leaves(out, kept)
+        check_existing(out, [i for i in kept if i not in missing], sans)
+        to_issue = [i for i in identities if i in missing or i.name in replace]
         ca_complete = cert_path(out, CA_NAME).exists() and key_path(out, CA_NAME).exists()
         if not to_issue and ca_complete:
             return written  # nothing is missing: keep every file as it is
-        authority, written = obtain_authority(out, days, leaves_exist=leaves_exist)
+        authority, written = obtain_authority(out, days, leaves_exist=leaves_exist or bool(replace))
     for identity in to_issue:
         key = new_key()
-        cert = build_leaf(identity, key, authority, days)
-        written += write_pair(out, identity.name, cert, key, force=force)
+        cert = build_leaf(identity, key, authority, days, sans[identity.name])
+        overwrite = force or identity.name in replace
+        written += write_pair(out, identity.name, cert, key, force=overwrite)
     return written
 
 
@@ -383,7 +333,30 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="NAME:ROLE",
-        help="an identity to add to the default set (repeatable)",
+        help="issue this identity (repeatable); when given, only the identities named "
+        "(default: the dev set edge, control-plane, node-a, node-b, worker)",
+    )
+    parser.add_argument(
+        "--san",
+        dest="sans",
+        type=parse_san,
+        action="append",
+        default=[],
+        metavar="IDENTITY=DNS:name|IDENTITY=IP:addr",
+        help="one more name peers dial IDENTITY by, besides DNS:IDENTITY (repeatable)",
+    )
+    parser.add_argument(
+        "--dev",
+        action="store_true",
+        help="issue the dev set besides any --identity, every leaf also valid for localhost "
+        "and 127.0.0.1 (what make run and the compose stack use; implied without --identity)",
+    )
+    parser.add_argument(
+        "--reissue",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="replace NAME's existing leaf (new key, current names), signed by the existing CA",
     )
     return parser
 
@@ -391,8 +364,17 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        identities = merge_identities(args.identities)
-        written = generate(args.out, identities, days=args.days, force=args.force)
+        dev = args.dev or not args.identities
+        identities = merge_identities([*(DEFAULT_IDENTITIES if dev else ()), *args.identities])
+        sans = wanted_sans(identities, args.sans, dev=dev)
+        written = generate(
+            args.out,
+            identities,
+            days=args.days,
+            force=args.force,
+            sans=sans,
+            reissue=args.reissue,
+        )
     except (DevCertsError, OSError) as exc:
         print(f"devcerts: error: {exc}", file=sys.stderr)
         return 1

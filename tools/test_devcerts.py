@@ -124,14 +124,100 @@ def test_days_sets_the_validity(tmp_path: Path) -> None:
     assert 3 * 86400 <= lifetime.total_seconds() <= 3 * 86400 + 3600
 
 
-def test_extra_identity_is_added_to_the_defaults(tmp_path: Path) -> None:
-    assert run(tmp_path, "--identity", "probe:tester") == 0
+def sans_of(path: Path) -> set[str]:
+    sans = load_cert(path).extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    return {f"DNS:{n}" for n in sans.get_values_for_type(x509.DNSName)} | {
+        f"IP:{a}" for a in sans.get_values_for_type(x509.IPAddress)
+    }
+
+
+def test_identities_given_are_the_only_ones_issued(tmp_path: Path) -> None:
+    assert run(tmp_path, "--identity", "probe:tester", "--identity", "edge:edge") == 0
     assert {p.name for p in tmp_path.iterdir()} == expected_files(
-        {**DEFAULT_IDENTITIES, "probe": "tester"}
+        {"probe": "tester", "edge": "edge"}
     )
     leaf = load_cert(tmp_path / "probe.pem")
     assert attribute(leaf.subject, NameOID.COMMON_NAME) == "probe"
     assert attribute(leaf.subject, NameOID.ORGANIZATIONAL_UNIT_NAME) == "tester"
+    # A fleet leaf names its identity, not every host's loopback.
+    assert sans_of(tmp_path / "probe.pem") == {"DNS:probe"}
+
+
+def test_san_adds_names_to_one_identity(tmp_path: Path) -> None:
+    args = ["--identity", "edge:edge", "--identity", "node-c:node"]
+    sans = ["--san", "edge=DNS:gw.example.org", "--san", "edge=IP:10.0.0.1"]
+    assert run(tmp_path, *args, *sans, "--san", "node-c=IP:fd00::3") == 0
+    assert sans_of(tmp_path / "edge.pem") == {"DNS:edge", "DNS:gw.example.org", "IP:10.0.0.1"}
+    assert sans_of(tmp_path / "node-c.pem") == {"DNS:node-c", "IP:fd00::3"}
+
+
+def test_san_on_the_dev_set_keeps_the_loopback_names(tmp_path: Path) -> None:
+    assert run(tmp_path, "--san", "edge=IP:10.0.0.1") == 0
+    assert {p.name for p in tmp_path.iterdir()} == expected_files(DEFAULT_IDENTITIES)
+    assert sans_of(tmp_path / "edge.pem") == {
+        "DNS:edge",
+        "DNS:localhost",
+        "IP:127.0.0.1",
+        "IP:10.0.0.1",
+    }
+    assert sans_of(tmp_path / "worker.pem") == {"DNS:worker", "DNS:localhost", "IP:127.0.0.1"}
+
+
+@pytest.mark.parametrize(
+    "bad", ["edge", "edge=10.0.0.1", "edge=IP:10.0.0", "edge=DNS:a_b", "=IP:::1"]
+)
+def test_malformed_san_is_a_usage_error(tmp_path: Path, bad: str) -> None:
+    with pytest.raises(SystemExit) as exc:
+        run(tmp_path, "--san", bad)
+    assert exc.value.code == 2
+    assert not tmp_path.joinpath("ca.pem").exists()
+
+
+def test_san_for_an_identity_not_issued_fails(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert run(tmp_path, "--identity", "edge:edge", "--san", "node-a=IP:10.0.0.2") == 1
+    assert "--identity node-a:ROLE" in capsys.readouterr().err
+    assert not tmp_path.joinpath("ca.pem").exists()
+
+
+def test_leaf_with_other_names_is_an_error_until_reissued(
+    out: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    before = snapshot(out)
+    capsys.readouterr()
+    assert run(out, "--san", "edge=IP:10.0.0.1") == 1
+    err = capsys.readouterr().err
+    assert "names DNS:edge, DNS:localhost, IP:127.0.0.1, but" in err
+    assert "IP:10.0.0.1 was asked" in err
+    assert "--reissue edge" in err
+    assert snapshot(out) == before
+
+    assert run(out, "--san", "edge=IP:10.0.0.1", "--reissue", "edge") == 0
+    after = snapshot(out)
+    unchanged = {n for n in before if not n.startswith("edge.")}
+    assert {n: after[n] for n in unchanged} == {n: before[n] for n in unchanged}
+    assert after["edge.key"] != before["edge.key"]
+    assert "IP:10.0.0.1" in sans_of(out / "edge.pem")
+    load_cert(out / "edge.pem").verify_directly_issued_by(load_cert(out / "ca.pem"))
+    assert stat.S_IMODE((out / "edge.key").stat().st_mode) == 0o600
+    # Asked again the same way, the reissued leaf is kept.
+    assert run(out, "--san", "edge=IP:10.0.0.1") == 0
+    assert snapshot(out) == after
+
+
+def test_leaf_with_another_role_is_an_error(out: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    before = snapshot(out)
+    capsys.readouterr()
+    assert run(out, "--identity", "node-a:worker") == 1
+    assert "role node, not worker" in capsys.readouterr().err
+    assert snapshot(out) == before
+
+
+def test_reissue_of_an_identity_not_asked_for_fails(out: Path) -> None:
+    before = snapshot(out)
+    assert run(out, "--reissue", "nobody") == 1
+    assert snapshot(out) == before
 
 
 @pytest.mark.parametrize("bad", ["noroleseparator", "Bad_Name:node", "ca:node", "x:"])
@@ -142,8 +228,8 @@ def test_malformed_identity_is_a_usage_error(tmp_path: Path, bad: str) -> None:
     assert not tmp_path.joinpath("ca.pem").exists()
 
 
-def test_conflicting_role_for_a_default_identity_fails(tmp_path: Path) -> None:
-    assert run(tmp_path, "--identity", "edge:worker") == 1
+def test_conflicting_roles_for_one_identity_fail(tmp_path: Path) -> None:
+    assert run(tmp_path, "--identity", "edge:edge", "--identity", "edge:worker") == 1
     assert not tmp_path.joinpath("ca.pem").exists()
 
 
@@ -183,9 +269,10 @@ def test_missing_leaf_is_reissued_by_the_existing_ca(out: Path) -> None:
 
 def test_new_identity_is_issued_by_the_existing_ca(out: Path) -> None:
     before = snapshot(out)
-    assert run(out, "--identity", "probe:tester") == 0
+    assert run(out, "--identity", "probe:tester", "--san", "probe=IP:10.0.0.9") == 0
     after = snapshot(out)
     assert {n: after[n] for n in before} == before
+    assert set(after) - set(before) == {"probe.pem", "probe.key"}
     load_cert(out / "probe.pem").verify_directly_issued_by(load_cert(out / "ca.pem"))
 
 
@@ -278,3 +365,29 @@ async def test_generated_certificates_complete_a_mutual_tls_handshake(out: Path)
     finally:
         server.close()
         await server.wait_closed()
+
+
+async def test_ip_san_lets_a_peer_dial_by_address(tmp_path: Path) -> None:
+    """A leaf without the address fails the client's check; with --san it verifies."""
+    base = ["--identity", "edge:edge", "--identity", "node-a:node"]
+    assert run(tmp_path, *base) == 0
+    client_ctx = client_context(settings(tmp_path, "node-a"))
+
+    async def handshake() -> None:
+        server = await asyncio.start_server(
+            lambda _r, w: w.close(), "127.0.0.1", 0, ssl=server_context(settings(tmp_path, "edge"))
+        )
+        port = server.sockets[0].getsockname()[1]
+        try:
+            _, writer = await asyncio.open_connection(
+                "127.0.0.1", port, ssl=client_ctx, server_hostname="127.0.0.1"
+            )
+            writer.close()
+        finally:
+            server.close()
+            await server.wait_closed()
+
+    with pytest.raises(ssl.SSLCertVerificationError, match="IP address mismatch"):
+        await handshake()
+    assert run(tmp_path, *base, "--san", "edge=IP:127.0.0.1", "--reissue", "edge") == 0
+    await handshake()

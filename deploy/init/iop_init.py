@@ -6,6 +6,9 @@ Every step creates only what is missing, so a second run changes nothing:
 
 1. The fleet CA and one certificate per identity (CN = identity, OU = role), made by
    tools/devcerts.py in the private PKI directory: the only place the CA key exists.
+   Without `--identity`, devcerts' development set plus one leaf per `--node` (each also
+   valid for localhost: the compose stack); with `--identity NAME:ROLE` only those and the
+   `--node`s, for real hosts, named by `--san IDENTITY=DNS:name|IP:addr` (passed through).
 2. The CA certificate and each identity's certificate and key, copied into the certificate
    directory that the services mount read-only. Never the CA key.
 3. A node token per node, issued by `iop-control-plane token issue` (run in this process)
@@ -78,13 +81,36 @@ def take_ownership(directories: list[Path], uid: int, gid: int) -> None:
     os.setuid(uid)
 
 
-def make_certificates(devcerts: Path, pki: Path, nodes: list[str], days: int) -> None:
+def find_devcerts(here: Path) -> Path:
+    """devcerts.py beside this file (the iop-init image) or in the checkout's tools/."""
+    for candidate in (here / "devcerts.py", here.parent.parent / "tools" / "devcerts.py"):
+        if candidate.is_file():
+            return candidate
+    return here / "devcerts.py"  # the error then names the image's layout
+
+
+def devcerts_arguments(args: argparse.Namespace, nodes: list[str]) -> list[str]:
+    """devcerts' flags: the identities (dev set unless some are named), SANs, reissues."""
+    command = ["--days", str(args.days)] + ([] if args.identities else ["--dev"])
+    for identity in args.identities:
+        command += ["--identity", identity]
+    for node in nodes:
+        if not any(i.partition(":")[0] == node for i in args.identities):
+            command += ["--identity", f"{node}:node"]
+    for san in args.sans:
+        command += ["--san", san]
+    for name in args.reissue:
+        command += ["--reissue", name]
+    return command
+
+
+def make_certificates(devcerts: Path, pki: Path, arguments: list[str]) -> None:
     """The CA and every leaf in ``pki``; devcerts keeps what exists and issues what is missing."""
+    if not devcerts.is_file():
+        raise InitError(f"{devcerts} is not there; pass --devcerts PATH/TO/tools/devcerts.py")
     pki.mkdir(parents=True, exist_ok=True)
     pki.chmod(0o700)  # the CA key's directory: for this program only
-    command = [sys.executable, str(devcerts), "--out", str(pki), "--days", str(days)]
-    for node in nodes:
-        command += ["--identity", f"{node}:node"]
+    command = [sys.executable, str(devcerts), "--out", str(pki), *arguments]
     # devcerts prints its progress on stdout, which belongs to --bundle's tar.
     result = subprocess.run(command, stdout=sys.stderr, check=False)
     if result.returncode != 0:
@@ -190,7 +216,31 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tokens", type=Path, default=Path("/tokens"))
     parser.add_argument("--user", type=user_ids, default=user_ids(SERVICE_USER), help="UID:GID")
     parser.add_argument("--days", type=int, default=365, help="validity of new certificates")
-    parser.add_argument("--devcerts", type=Path, default=here / "devcerts.py")
+    parser.add_argument(
+        "--identity",
+        dest="identities",
+        action="append",
+        default=[],
+        metavar="NAME:ROLE",
+        help="certificates for these identities (and each --node) only, instead of the dev set",
+    )
+    parser.add_argument(
+        "--san",
+        dest="sans",
+        action="append",
+        default=[],
+        metavar="IDENTITY=DNS:name|IDENTITY=IP:addr",
+        help="a name peers dial IDENTITY by (repeatable; passed to devcerts)",
+    )
+    parser.add_argument(
+        "--reissue", action="append", default=[], metavar="NAME", help="replace NAME's leaf"
+    )
+    parser.add_argument(
+        "--devcerts",
+        type=Path,
+        default=find_devcerts(here),
+        help="tools/devcerts.py (default: beside this file, else the checkout's tools/)",
+    )
     parser.add_argument("--bundle", type=node_id, metavar="NODE", help="tar of NODE's files")
     return parser
 
@@ -207,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if os.geteuid() == 0 and (uid, gid) != (0, 0):
             take_ownership([args.pki, args.certs, args.tokens, settings.database.parent], uid, gid)
-        make_certificates(args.devcerts, args.pki, nodes, args.days)
+        make_certificates(args.devcerts, args.pki, devcerts_arguments(args, nodes))
         for path in publish_certificates(args.pki, args.certs):
             log(f"published {path}")
         for path in issue_tokens(args.config, args.tokens, nodes):

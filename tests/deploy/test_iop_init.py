@@ -3,7 +3,8 @@
 The same program the `iop-init` image runs, with the same tools: tools/devcerts.py for the
 certificates and the control-plane's `token` commands, on the compose stack's own control-plane
 settings (the database path moved by `IOP_DATABASE`, as any key can be). The tokens are
-checked with the `iop-control-plane` console script itself.
+checked with the `iop-control-plane` console script itself. No `--devcerts`: run from a
+checkout, iop_init finds tools/devcerts.py by itself.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ from cryptography.x509.oid import NameOID
 
 ROOT = Path(__file__).resolve().parents[2]
 INIT = ROOT / "deploy" / "init" / "iop_init.py"
-DEVCERTS = ROOT / "tools" / "devcerts.py"
 CP_SETTINGS = ROOT / "deploy" / "compose" / "control-plane.yaml"
 CONTROL_PLANE = Path(sys.executable).parent / "iop-control-plane"
 NODES = ["node-a", "node-b", "node-gpu"]
@@ -75,8 +75,6 @@ class Volumes:
             str(self.certs),
             "--tokens",
             str(self.tokens),
-            "--devcerts",
-            str(DEVCERTS),
             "--user",
             ids,
             *args,
@@ -164,6 +162,36 @@ def test_init_issues_again_when_the_database_lost_the_token(volumes: Volumes) ->
     assert result.returncode == 0, result.stderr.decode()
     assert (volumes.tokens / "node-a.token").read_text() != old
     assert volumes.live_tokens() == dict.fromkeys(NODES, 1)
+
+
+def test_init_for_real_hosts_issues_only_the_identities_named(volumes: Volumes) -> None:
+    """`--identity` and `--san` go to devcerts: the fleet's leaves, for the hosts' addresses."""
+    result = volumes.run(
+        "--identity",
+        "edge:edge",
+        "--identity",
+        "control-plane:control-plane",
+        "--node",
+        "node-c",
+        "--san",
+        "edge=IP:10.0.0.1",
+        "--san",
+        "node-c=DNS:gpu1.example.org",
+    )
+    assert result.returncode == 0, result.stderr.decode()
+    names = {"edge", "control-plane", "node-c"}
+    assert {p.name for p in volumes.certs.iterdir()} == {"ca.pem"} | {
+        f"{n}.{ext}" for n in names for ext in ("pem", "key")
+    }
+    edge = x509.load_pem_x509_certificate((volumes.certs / "edge.pem").read_bytes())
+    sans = edge.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert [str(a) for a in sans.get_values_for_type(x509.IPAddress)] == ["10.0.0.1"]
+    assert sans.get_values_for_type(x509.DNSName) == ["edge"]
+    node = x509.load_pem_x509_certificate((volumes.certs / "node-c.pem").read_bytes())
+    assert subject(node, NameOID.ORGANIZATIONAL_UNIT_NAME) == "node"
+    node_sans = node.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert set(node_sans.get_values_for_type(x509.DNSName)) == {"node-c", "gpu1.example.org"}
+    assert volumes.live_tokens() == {"node-c": 1}
 
 
 def test_init_refuses_a_bad_node_id(volumes: Volumes) -> None:

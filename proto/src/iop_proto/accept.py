@@ -22,6 +22,12 @@ from collections.abc import Awaitable, Callable
 from loguru import logger
 
 from iop_proto.tls import TlsRefused, refusal_reason
+from iop_proto.tls_explain import (
+    PEER_CLOSED,
+    PEER_CLOSED_REASON,
+    explain_server_rejection,
+    peer_closed_during_handshake,
+)
 
 StreamHandler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 RefusalHandler = Callable[[TlsRefused, object], None]
@@ -119,8 +125,7 @@ class StreamServer:
                     )
         except (ssl.SSLError, ConnectionError, TimeoutError, OSError) as exc:
             sock.close()
-            detail = str(exc) or type(exc).__name__
-            self._on_refused(TlsRefused(refusal_reason(exc), detail), peer)
+            self._on_refused(handshake_failure(exc), peer)
             return
         # Handed over: from here the handler owns the connection, and the server's
         # close() no longer cancels it (the handler's owner ends it its own way).
@@ -129,3 +134,13 @@ class StreamServer:
             self._connections.discard(task)
         writer = asyncio.StreamWriter(transport, protocol, reader, loop)
         await self._handler(reader, writer)
+
+
+def handshake_failure(exc: BaseException) -> TlsRefused:
+    """A failed handshake as the listener reports it: a reason code, and in words what
+    did not match (when we rejected the peer) or that the peer closed (when it did)."""
+    if peer_closed_during_handshake(exc):
+        return TlsRefused(PEER_CLOSED_REASON, PEER_CLOSED)
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return TlsRefused(refusal_reason(exc), explain_server_rejection(exc))
+    return TlsRefused(refusal_reason(exc), str(exc) or type(exc).__name__)

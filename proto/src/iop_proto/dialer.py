@@ -3,10 +3,16 @@
 A node or worker dials the edge (never the reverse, so it may sit behind NAT),
 opens TLS, sends its ``RegisterRequest``, waits for the answer, serves the
 connection until it ends, and after any loss waits a jittered, growing delay
-and dials again, until stopped or cancelled. ``Dialer`` is that loop; a
-service subclasses it and says what it registers with, what it does with an
-accepted registration, how it serves a registered connection, and what it
-cleans up after one.
+and dials again, until stopped or cancelled. A certificate of the edge that does not
+fit our TLS settings (a name it lacks, another CA, an expiry) ends the loop with
+``TlsMismatch`` instead: only an operator can fix it (``iop_proto.tls_explain``). A
+refused registration is retried: the edge tells a refused peer only that it was
+refused (not whether the token was bad or the control-plane away, which is for the
+operator's eyes), so the node cannot tell a lasting refusal from a passing one.
+
+``Dialer`` is that loop; a service subclasses it and says what it registers with,
+what it does with an accepted registration, how it serves a registered connection,
+and what it cleans up after one.
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ from prometheus_client import Gauge
 from iop_proto.connection import Connection
 from iop_proto.errors import ConnectionClosed, ProtocolError, UnexpectedMessage
 from iop_proto.framing import DEFAULT_MAX_FRAME_SIZE
+from iop_proto.tls import TlsSettings
+from iop_proto.tls_explain import PEER_CLOSED, peer_closed_during_handshake, rejection
 from iop_proto.v1 import runtime_pb2 as pb
 
 
@@ -80,6 +88,8 @@ class DialSettings:
     initial_delay_s: float
     max_delay_s: float
     max_frame_size: int = DEFAULT_MAX_FRAME_SIZE
+    tls_files: TlsSettings | None = None
+    """Our certificate files: named in the explanation of a failed handshake."""
 
     @classmethod
     def of(
@@ -98,6 +108,7 @@ class DialSettings:
             initial_delay_s=settings.reconnect.initial_s,
             max_delay_s=settings.reconnect.max_s,
             max_frame_size=max_frame_size,
+            tls_files=getattr(settings, "tls", None),
         )
 
 
@@ -143,7 +154,8 @@ class Dialer:
         self._stopping.set()
 
     async def run(self) -> None:
-        """Connect, serve, and reconnect with jittered exponential backoff, until stopped."""
+        """Connect, serve, and reconnect with jittered exponential backoff, until stopped
+        (or until the edge's certificate proves not to fit: ``TlsMismatch``)."""
         delay = self._dial.initial_delay_s
         failures = 0
         while not self._stopping.is_set():
@@ -163,16 +175,33 @@ class Dialer:
     async def _connect_and_serve(self) -> bool:
         """One connection's life; ``True`` when the edge accepted the registration."""
         dial = self._dial
+        name = dial.server_name or dial.host
         try:
             async with asyncio.timeout(dial.register_timeout_s):
                 reader, writer = await asyncio.open_connection(
                     dial.host,
                     dial.port,
                     ssl=self._tls,
-                    server_hostname=(dial.server_name or dial.host) if self._tls else None,
+                    server_hostname=name if self._tls else None,
                 )
+        except ssl.SSLCertVerificationError as exc:
+            raise await rejection(
+                exc,
+                host=dial.host,
+                port=dial.port,
+                server_name=name,
+                settings=dial.tls_files,
+                peer="edge",
+                setting="edge",
+                timeout_s=dial.register_timeout_s,
+            ) from None
         except (OSError, TimeoutError) as exc:
-            logger.warning("cannot reach the edge at {}:{}: {}", dial.host, dial.port, exc)
+            if self._tls is not None and peer_closed_during_handshake(exc):
+                logger.warning("edge at {}:{}: {}", dial.host, dial.port, PEER_CLOSED)
+            elif isinstance(exc, ssl.SSLError):
+                logger.warning("edge at {}:{}: TLS handshake failed: {}", dial.host, dial.port, exc)
+            else:
+                logger.warning("cannot reach the edge at {}:{}: {}", dial.host, dial.port, exc)
             return False
         conn = Connection(
             reader, writer, sender_id=dial.sender_id, max_frame_size=dial.max_frame_size
@@ -186,7 +215,10 @@ class Dialer:
             await conn.abort(exc)
             logger.warning("edge connection closed: {}", exc)
         except (ConnectionClosed, ConnectionError, TimeoutError) as exc:
-            logger.warning("edge connection lost: {}", exc or type(exc).__name__)
+            if registered or isinstance(exc, TimeoutError):
+                logger.warning("edge connection lost: {}", exc or type(exc).__name__)
+            else:
+                logger.warning("{}", self._closed_before_answer())
         except Exception:
             # The outermost per-connection boundary: a bug must not end the link for good.
             logger.exception("edge connection failed")
@@ -196,6 +228,20 @@ class Dialer:
             await conn.close()
             await self._disconnected()
         return registered
+
+    def _closed_before_answer(self) -> str:
+        """The edge closed before answering the registration: with TLS 1.3 that is what
+        a client sees when the server rejected its certificate (its handshake had
+        already succeeded), so say so, and where the reason is."""
+        if self._tls is None:
+            return "the edge closed the connection before answering the registration"
+        files = self._dial.tls_files
+        ours = f" (tls.cert_file {files.cert_file})" if files is not None else ""
+        return (
+            "the edge closed the connection right after the TLS handshake, before answering "
+            f"the registration: it most likely rejected our certificate{ours}, e.g. one not "
+            "signed by its CA or expired; the edge's log says why"
+        )
 
     async def _register(self, conn: Connection) -> bool:
         sent = await conn.send(self._register_request())

@@ -65,9 +65,17 @@ class ConnectionClosed(IopError, ConnectionError):
         self.error = error
 
 
-class TlsConfigError(IopError, ValueError):
+class ConfigurationError(IopError):
+    """The service's configuration cannot work, and retrying would not change that.
+
+    The service stops and its process exits with code 2 (``EXIT_BAD_SETTINGS``) and one
+    line saying what to fix, rather than retrying what only an operator can repair.
+    """
+
+
+class TlsConfigError(ConfigurationError, ValueError):
     """Certificate files are missing or do not form a usable TLS context."""
 
 
-class SettingsError(IopError, ValueError):
+class SettingsError(ConfigurationError, ValueError):
     """A service's settings file or environment overrides are invalid."""

@@ -15,6 +15,8 @@ from typing import Any
 
 from loguru import logger
 
+from iop_proto.errors import ConfigurationError
+
 
 async def cancel_and_wait(*tasks: asyncio.Task[Any] | None) -> None:
     """Cancel ``tasks`` (``None`` entries are skipped) and wait until each has ended.
@@ -34,7 +36,13 @@ async def cancel_and_wait(*tasks: asyncio.Task[Any] | None) -> None:
 
 
 def log_failures(tasks: Iterable[asyncio.Task[Any]]) -> None:
-    """Log each finished task that raised (cancelled ones and successes are quiet)."""
+    """Log each finished task that raised (cancelled ones and successes are quiet).
+
+    A ``ConfigurationError`` is not a failure of the code: the runner reports it as the
+    reason the service stopped (``AdminServer.fail``), in one line, without a traceback.
+    """
     for task in tasks:
         if task.done() and not task.cancelled() and (error := task.exception()) is not None:
+            if isinstance(error, ConfigurationError):
+                continue
             logger.opt(exception=error).error("task {} failed", task.get_name())

@@ -15,6 +15,8 @@ from collections.abc import Callable
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from iop_proto.errors import ConfigurationError
+
 ReadinessCheck = Callable[[], str | None]
 """Returns ``None`` when ready, else the reason it is not."""
 
@@ -43,10 +45,32 @@ class AdminServer:
         self.ports: dict[str, int] = {}  # listener name -> bound port, for /readyz
         self._runner: web.AppRunner | None = None
         self.started = asyncio.Event()  # set once bound: a readiness signal for tests
+        self.failure: ConfigurationError | None = None
+        self.failed = asyncio.Event()
 
     def set_readiness(self, check: ReadinessCheck) -> None:
         """Let the service decide ``/readyz`` (e.g. "registered with the edge")."""
         self._readiness = check
+
+    def fail(self, error: ConfigurationError) -> None:
+        """The service found, while running, that its configuration cannot work (a
+        peer's certificate that does not fit, say): the runner stops it and the process
+        exits with code 2. The first failure is the one reported."""
+        if self.failure is None:
+            self.failure = error
+        self.failed.set()
+
+    def fail_on_configuration_error(self, task: asyncio.Task[None]) -> None:
+        """``fail`` with the ``ConfigurationError`` that ends ``task``, if one does."""
+
+        def done(finished: asyncio.Task[None]) -> None:
+            if finished.cancelled():
+                return
+            error = finished.exception()
+            if isinstance(error, ConfigurationError):
+                self.fail(error)
+
+        task.add_done_callback(done)
 
     def report_port(self, name: str, port: int) -> None:
         """Name a port the service listens on (the bound one, when configured as 0)."""

@@ -20,7 +20,7 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 from loguru import logger
 from prometheus_client import CollectorRegistry, Info
 
-from iop_proto.errors import IopError, SettingsError
+from iop_proto.errors import ConfigurationError, IopError, SettingsError
 from iop_proto.service.admin import AdminServer
 from iop_proto.service.logging import configure_logging
 from iop_proto.service.process_metrics import register_process_metrics
@@ -92,16 +92,24 @@ async def serve(
             port,
             json.dumps(admin.ports, separators=(",", ":")),
         )
-        await _wait_for_stop(stop, reload or asyncio.Event(), service)
+        await _wait_for_stop(stop, reload or asyncio.Event(), service, admin.failed)
         logger.info("stopping {} (up to {:.0f}s)", settings.service_id, settings.shutdown_timeout_s)
         async with asyncio.timeout(settings.shutdown_timeout_s):
             await stack.aclose()
     logger.info("stopped {}", settings.service_id)
+    if admin.failure is not None:
+        raise admin.failure
 
 
-async def _wait_for_stop(stop: asyncio.Event, reload: asyncio.Event, service: object) -> None:
-    while not stop.is_set():
-        waiters = {asyncio.create_task(stop.wait()), asyncio.create_task(reload.wait())}
+async def _wait_for_stop(
+    stop: asyncio.Event, reload: asyncio.Event, service: object, failed: asyncio.Event
+) -> None:
+    while not stop.is_set() and not failed.is_set():
+        waiters = {
+            asyncio.create_task(stop.wait()),
+            asyncio.create_task(reload.wait()),
+            asyncio.create_task(failed.wait()),
+        }
         try:
             await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -148,6 +156,10 @@ def run_service(
     configure_logging(settings.service_id, settings.log)
     try:
         _event_loop_runner(settings.event_loop)(_main(name, version, settings, build))
+    except ConfigurationError as exc:
+        # One line that says what to fix; no traceback: nothing here is a bug.
+        logger.error("{} stopped: configuration error: {}", settings.service_id, exc)
+        return EXIT_BAD_SETTINGS
     except IopError as exc:
         logger.error("{} failed: {}", settings.service_id, exc)
         return EXIT_FAILED

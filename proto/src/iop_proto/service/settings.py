@@ -110,7 +110,13 @@ def load_settings(model: type[SettingsT], config_file: Path) -> SettingsT:
     if not config_file.is_file():
         raise SettingsError(f"settings file {config_file} does not exist")
     raw = Dynaconf(settings_files=[str(config_file)], envvar_prefix=ENV_PREFIX)
-    data = _lower_keys(raw.as_dict())
+    try:
+        data = _lower_keys(raw.as_dict())
+    except Exception as exc:
+        # dynaconf raises its vendored YAML parser's errors (and OSError, and more): at
+        # this boundary each is the same thing to the operator, a file that cannot be read.
+        where = " ".join(str(exc).split())
+        raise SettingsError(f"cannot read settings file {config_file}: {where}") from None
     try:
         return model.model_validate(data)
     except ValidationError as exc:

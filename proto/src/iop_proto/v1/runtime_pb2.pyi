@@ -87,7 +87,7 @@ OPERATION_COMPLETIONS: Operation
 OPERATION_EMBEDDINGS: Operation
 
 class Envelope(_message.Message):
-    __slots__ = ("message_id", "correlation_id", "sent_at_unix_ms", "register_request", "register_response", "heartbeat", "provider_snapshot", "run_request", "run_event", "cancel_request", "error", "edge_hello", "fleet_config", "authorize_node_request", "authorize_node_response", "lease_request", "lease_grant", "lease_renew", "lease_release", "batch_line_request", "batch_line_result")
+    __slots__ = ("message_id", "correlation_id", "sent_at_unix_ms", "register_request", "register_response", "heartbeat", "provider_snapshot", "run_request", "run_event", "cancel_request", "error", "edge_hello", "fleet_config", "authorize_node_request", "authorize_node_response", "node_status_report", "lease_request", "lease_grant", "lease_renew", "lease_release", "batch_line_request", "batch_line_result")
     MESSAGE_ID_FIELD_NUMBER: _ClassVar[int]
     CORRELATION_ID_FIELD_NUMBER: _ClassVar[int]
     SENT_AT_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
@@ -103,6 +103,7 @@ class Envelope(_message.Message):
     FLEET_CONFIG_FIELD_NUMBER: _ClassVar[int]
     AUTHORIZE_NODE_REQUEST_FIELD_NUMBER: _ClassVar[int]
     AUTHORIZE_NODE_RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    NODE_STATUS_REPORT_FIELD_NUMBER: _ClassVar[int]
     LEASE_REQUEST_FIELD_NUMBER: _ClassVar[int]
     LEASE_GRANT_FIELD_NUMBER: _ClassVar[int]
     LEASE_RENEW_FIELD_NUMBER: _ClassVar[int]
@@ -124,13 +125,14 @@ class Envelope(_message.Message):
     fleet_config: FleetConfig
     authorize_node_request: AuthorizeNodeRequest
     authorize_node_response: AuthorizeNodeResponse
+    node_status_report: NodeStatusReport
     lease_request: LeaseRequest
     lease_grant: LeaseGrant
     lease_renew: LeaseRenew
     lease_release: LeaseRelease
     batch_line_request: BatchLineRequest
     batch_line_result: BatchLineResult
-    def __init__(self, message_id: _Optional[str] = ..., correlation_id: _Optional[str] = ..., sent_at_unix_ms: _Optional[int] = ..., register_request: _Optional[_Union[RegisterRequest, _Mapping]] = ..., register_response: _Optional[_Union[RegisterResponse, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., provider_snapshot: _Optional[_Union[ProviderSnapshot, _Mapping]] = ..., run_request: _Optional[_Union[RunRequest, _Mapping]] = ..., run_event: _Optional[_Union[RunEvent, _Mapping]] = ..., cancel_request: _Optional[_Union[CancelRequest, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., edge_hello: _Optional[_Union[EdgeHello, _Mapping]] = ..., fleet_config: _Optional[_Union[FleetConfig, _Mapping]] = ..., authorize_node_request: _Optional[_Union[AuthorizeNodeRequest, _Mapping]] = ..., authorize_node_response: _Optional[_Union[AuthorizeNodeResponse, _Mapping]] = ..., lease_request: _Optional[_Union[LeaseRequest, _Mapping]] = ..., lease_grant: _Optional[_Union[LeaseGrant, _Mapping]] = ..., lease_renew: _Optional[_Union[LeaseRenew, _Mapping]] = ..., lease_release: _Optional[_Union[LeaseRelease, _Mapping]] = ..., batch_line_request: _Optional[_Union[BatchLineRequest, _Mapping]] = ..., batch_line_result: _Optional[_Union[BatchLineResult, _Mapping]] = ...) -> None: ...
+    def __init__(self, message_id: _Optional[str] = ..., correlation_id: _Optional[str] = ..., sent_at_unix_ms: _Optional[int] = ..., register_request: _Optional[_Union[RegisterRequest, _Mapping]] = ..., register_response: _Optional[_Union[RegisterResponse, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., provider_snapshot: _Optional[_Union[ProviderSnapshot, _Mapping]] = ..., run_request: _Optional[_Union[RunRequest, _Mapping]] = ..., run_event: _Optional[_Union[RunEvent, _Mapping]] = ..., cancel_request: _Optional[_Union[CancelRequest, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., edge_hello: _Optional[_Union[EdgeHello, _Mapping]] = ..., fleet_config: _Optional[_Union[FleetConfig, _Mapping]] = ..., authorize_node_request: _Optional[_Union[AuthorizeNodeRequest, _Mapping]] = ..., authorize_node_response: _Optional[_Union[AuthorizeNodeResponse, _Mapping]] = ..., node_status_report: _Optional[_Union[NodeStatusReport, _Mapping]] = ..., lease_request: _Optional[_Union[LeaseRequest, _Mapping]] = ..., lease_grant: _Optional[_Union[LeaseGrant, _Mapping]] = ..., lease_renew: _Optional[_Union[LeaseRenew, _Mapping]] = ..., lease_release: _Optional[_Union[LeaseRelease, _Mapping]] = ..., batch_line_request: _Optional[_Union[BatchLineRequest, _Mapping]] = ..., batch_line_result: _Optional[_Union[BatchLineResult, _Mapping]] = ...) -> None: ...
 
 class Error(_message.Message):
     __slots__ = ("code", "message", "run_id")
@@ -442,18 +444,44 @@ class ApiKeyPolicy(_message.Message):
     def __init__(self, key_id: _Optional[str] = ..., name: _Optional[str] = ..., key_hash: _Optional[str] = ..., models: _Optional[_Iterable[str]] = ..., max_concurrent: _Optional[int] = ..., operator: _Optional[bool] = ...) -> None: ...
 
 class FleetConfig(_message.Message):
-    __slots__ = ("version", "models", "nodes", "api_keys", "revoked_token_ids")
+    __slots__ = ("version", "models", "nodes", "api_keys", "revoked_token_ids", "retired_node_ids", "accepts_node_status")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MODELS_FIELD_NUMBER: _ClassVar[int]
     NODES_FIELD_NUMBER: _ClassVar[int]
     API_KEYS_FIELD_NUMBER: _ClassVar[int]
     REVOKED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    RETIRED_NODE_IDS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTS_NODE_STATUS_FIELD_NUMBER: _ClassVar[int]
     version: int
     models: _containers.RepeatedCompositeFieldContainer[ModelConfig]
     nodes: _containers.RepeatedCompositeFieldContainer[NodeConfig]
     api_keys: _containers.RepeatedCompositeFieldContainer[ApiKeyPolicy]
     revoked_token_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, version: _Optional[int] = ..., models: _Optional[_Iterable[_Union[ModelConfig, _Mapping]]] = ..., nodes: _Optional[_Iterable[_Union[NodeConfig, _Mapping]]] = ..., api_keys: _Optional[_Iterable[_Union[ApiKeyPolicy, _Mapping]]] = ..., revoked_token_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    retired_node_ids: _containers.RepeatedScalarFieldContainer[str]
+    accepts_node_status: bool
+    def __init__(self, version: _Optional[int] = ..., models: _Optional[_Iterable[_Union[ModelConfig, _Mapping]]] = ..., nodes: _Optional[_Iterable[_Union[NodeConfig, _Mapping]]] = ..., api_keys: _Optional[_Iterable[_Union[ApiKeyPolicy, _Mapping]]] = ..., revoked_token_ids: _Optional[_Iterable[str]] = ..., retired_node_ids: _Optional[_Iterable[str]] = ..., accepts_node_status: _Optional[bool] = ...) -> None: ...
+
+class NodeStatus(_message.Message):
+    __slots__ = ("node_id", "connected", "token_id", "since_unix_ms", "peer_address", "detail")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    CONNECTED_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    SINCE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    connected: bool
+    token_id: str
+    since_unix_ms: int
+    peer_address: str
+    detail: str
+    def __init__(self, node_id: _Optional[str] = ..., connected: _Optional[bool] = ..., token_id: _Optional[str] = ..., since_unix_ms: _Optional[int] = ..., peer_address: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class NodeStatusReport(_message.Message):
+    __slots__ = ("nodes",)
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    nodes: _containers.RepeatedCompositeFieldContainer[NodeStatus]
+    def __init__(self, nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ...) -> None: ...
 
 class AuthorizeNodeRequest(_message.Message):
     __slots__ = ("node_id", "token", "certificate_identity")

@@ -12,6 +12,7 @@ import asyncio
 import hashlib
 import time
 from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
 from pathlib import Path
 
 from loguru import logger
@@ -21,6 +22,7 @@ from iop_control_plane.adapters.fleet_proto import models_to_proto, node_config_
 from iop_control_plane.domain.authorization import Decision, authorize
 from iop_control_plane.domain.credentials import hash_secret
 from iop_control_plane.domain.fleet import FleetSpec, ParsedFleet
+from iop_control_plane.domain.nodes import NodeState
 from iop_control_plane.errors import FleetConfigError
 from iop_control_plane.metrics import ControlPlaneMetrics
 from iop_control_plane.ports import CredentialStore
@@ -46,6 +48,7 @@ class FleetAuthority:
         self._fleet: ParsedFleet | None = None
         self._api_keys: list[pb.ApiKeyPolicy] = []
         self._revoked_token_ids: list[str] = []
+        self._retired: frozenset[str] = frozenset()
         self._store_marker: int | None = None
         self._snapshot = pb.FleetConfig()
         self._digest = b""
@@ -63,6 +66,11 @@ class FleetAuthority:
     def snapshot(self) -> pb.FleetConfig:
         """The configuration edges receive; never mutated after it is built."""
         return self._snapshot
+
+    @property
+    def retired(self) -> frozenset[str]:
+        """Nodes retired by ``node retire``: left out of the snapshot, refused at registration."""
+        return self._retired
 
     @property
     def version(self) -> int:
@@ -141,14 +149,21 @@ class FleetAuthority:
         self._revoked_token_ids = sorted(
             token.token_id for token in await self._store.list_node_tokens() if token.revoked
         )
+        self._retired = frozenset(await self._store.retired_nodes())
 
     def _rebuild(self) -> bool:
         """Rebuild the snapshot; the version moves only when the content changed."""
+        retired = self._retired
+        gone = {p.id for n in self.fleet.nodes if n.id in retired for p in n.providers}
         content = pb.FleetConfig(
-            models=models_to_proto(self.fleet),
-            nodes=[node_config_to_proto(node) for node in self.fleet.nodes],
+            models=models_to_proto(self.fleet, without=gone),
+            nodes=[
+                node_config_to_proto(node) for node in self.fleet.nodes if node.id not in retired
+            ],
             api_keys=self._api_keys,
             revoked_token_ids=self._revoked_token_ids,
+            retired_node_ids=sorted(retired),
+            accepts_node_status=True,
         )
         digest = hashlib.sha256(content.SerializeToString(deterministic=True)).digest()
         if digest == self._digest:
@@ -177,7 +192,9 @@ class FleetAuthority:
         token = (
             await self._store.find_node_token(hash_secret(request.token)) if request.token else None
         )
-        decision = authorize(request.node_id, request.certificate_identity, token, self.fleet)
+        decision = authorize(
+            request.node_id, request.certificate_identity, token, self.fleet, self._retired
+        )
         reason = decision.refusal.value if decision.refusal else "accepted"
         self._metrics.authorizations.labels(
             result="accepted" if decision.accepted else "refused", reason=reason
@@ -187,6 +204,31 @@ class FleetAuthority:
         else:
             logger.warning("node {} refused: {}", request.node_id or "?", decision.reason)
         return decision
+
+    async def record_node_status(self, edge_id: str, report: pb.NodeStatusReport) -> None:
+        """Keep what an edge reports of its node connections, for ``node list``."""
+        now = datetime.now(UTC)
+        await self._store.record_node_states(
+            [
+                NodeState(
+                    node_id=status.node_id,
+                    edge_id=edge_id,
+                    connected=status.connected,
+                    token_id=status.token_id,
+                    since=datetime.fromtimestamp(status.since_unix_ms / 1000, UTC)
+                    if status.since_unix_ms
+                    else None,
+                    peer_address=status.peer_address,
+                    detail=status.detail,
+                    reported_at=now,
+                )
+                for status in report.nodes
+            ]
+        )
+
+    async def edge_lost(self, edge_id: str) -> None:
+        """The edge's link ended: what it reported as connected is no longer known."""
+        await self._store.edge_lost(edge_id, datetime.now(UTC))
 
     def authorization_response(self, decision: Decision) -> pb.AuthorizeNodeResponse:
         if decision.node is None:

@@ -6,6 +6,7 @@ from datetime import datetime
 from typing import Protocol
 
 from iop_control_plane.domain.credentials import ApiKey, NodeToken
+from iop_control_plane.domain.nodes import NodeState
 
 
 class CredentialStore(Protocol):
@@ -65,4 +66,28 @@ class CredentialStore(Protocol):
         Only comparable between calls on the same store instance; it may also
         move without a visible change (that costs one needless reload, no more).
         """
+        ...
+
+    async def retire_node(self, node_id: str, now: datetime) -> datetime:
+        """Retire ``node_id`` (see ``domain.nodes``); a repeat keeps the first time."""
+        ...
+
+    async def unretire_node(self, node_id: str) -> bool:
+        """Admit a retired node again; whether it was retired."""
+        ...
+
+    async def retired_nodes(self) -> dict[str, datetime]:
+        """Every retired node and when it was retired."""
+        ...
+
+    async def record_node_states(self, states: list[NodeState]) -> None:
+        """Keep the latest state an edge reported of each of these nodes."""
+        ...
+
+    async def node_states(self) -> dict[str, NodeState]:
+        """The last reported state of every node an edge ever reported."""
+        ...
+
+    async def edge_lost(self, edge_id: str, now: datetime) -> None:
+        """The edge's link ended: the nodes it reported connected are no longer known."""
         ...

@@ -7,7 +7,8 @@ import io
 import json
 import logging
 import re
-from collections.abc import AsyncIterator, Iterator
+import stat
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -33,15 +34,6 @@ class Run:
 
     def __init__(self, code: int, out: str, err: str) -> None:
         self.code, self.out, self.err = code, out, err
-
-
-@pytest.fixture
-async def store(tmp_path: Path) -> AsyncIterator[SqliteCredentialStore]:
-    opened = await SqliteCredentialStore.open(tmp_path / "credentials.db")
-    try:
-        yield opened
-    finally:
-        await opened.aclose()
 
 
 class Logs:
@@ -253,3 +245,61 @@ async def test_run_command_refuses_args_without_a_credential_command(
 ) -> None:
     with pytest.raises(ValueError, match="credential command"):
         await run_command(argparse.Namespace(command="serve"), store, io.StringIO())
+
+
+async def test_token_issue_to_a_file_prints_only_where_it_went(
+    store: SqliteCredentialStore, tmp_path: Path, logs: Logs
+) -> None:
+    path = tmp_path / "gpu-1.token"
+    run = await _run(store, "token", "issue", "--node", "gpu-1", "--output", str(path))
+    assert run.code == 0, run.err
+    assert not TOKEN.search(run.out)
+    assert str(path) in run.out
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    [secret] = TOKEN.findall(path.read_text())
+    assert path.read_text() == f"{secret}\n"  # what a node's token_file holds
+    token = await store.find_node_token(hash_secret(secret))
+    assert token is not None
+    assert token.node_id == "gpu-1"
+    assert secret not in logs.text()
+
+    # An existing file is not overwritten (a running node may use it) and no token is stored.
+    again = await _run(store, "token", "issue", "--node", "gpu-1", "--output", str(path))
+    assert again.code == 1
+    assert "--force" in again.err
+    assert path.read_text() == f"{secret}\n"
+    assert len(await store.list_node_tokens()) == 1
+    forced = await _run(
+        store, "token", "issue", "--node", "gpu-1", "--output", str(path), "--force", "--json"
+    )
+    assert forced.code == 0, forced.err
+    shown = json.loads(forced.out)
+    assert shown["output"] == str(path)
+    assert "token" not in shown
+    assert TOKEN.findall(path.read_text()) != [secret]
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+
+
+async def test_token_issue_to_a_missing_directory_stores_nothing(
+    store: SqliteCredentialStore, tmp_path: Path
+) -> None:
+    run = await _run(store, "token", "issue", "--node", "n", "--output", str(tmp_path / "no/t"))
+    assert run.code == 1
+    assert "cannot write the token" in run.err
+    assert await store.list_node_tokens() == []
+
+
+async def test_every_credential_command_speaks_json(store: SqliteCredentialStore) -> None:
+    issued = json.loads((await _run(store, "token", "issue", "--node", "n1", "--json")).out)
+    assert TOKEN.fullmatch(issued["token"])
+    assert issued["node_id"] == "n1"
+    revoked = json.loads((await _run(store, "token", "revoke", issued["token_id"], "--json")).out)
+    assert revoked["revoked_at"] is not None
+    assert revoked["already_revoked"] is False
+    again = json.loads((await _run(store, "token", "revoke", issued["token_id"], "--json")).out)
+    assert again["already_revoked"] is True
+    key = json.loads((await _run(store, "key", "issue", "--name", "k", "--json")).out)
+    assert KEY.fullmatch(key["key"])
+    assert key["models"] == []
+    gone = json.loads((await _run(store, "key", "revoke", key["key_id"], "--json")).out)
+    assert gone["revoked_at"] is not None

@@ -18,6 +18,7 @@ from iop_control_plane.domain.credentials import (
     new_api_key,
     new_node_token,
 )
+from iop_control_plane.domain.nodes import NodeState
 from iop_control_plane.errors import CredentialError
 from iop_control_plane.ports import CredentialStore
 
@@ -270,6 +271,53 @@ async def test_a_version_1_database_is_migrated_its_keys_ordinary_ones(db_path: 
         await store.aclose()
     raw = sqlite3.connect(db_path)
     try:
-        assert raw.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 2
+        assert raw.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 3
     finally:
         raw.close()
+
+
+async def test_a_version_2_database_gains_the_node_tables(db_path: Path) -> None:
+    """Retirements and reported states (``node retire``/``node list``) on an old file."""
+    _create_database(db_path, 2)
+    raw = sqlite3.connect(db_path)
+    try:
+        raw.execute(V1_API_KEYS)
+        raw.execute("ALTER TABLE api_keys ADD COLUMN operator INTEGER NOT NULL DEFAULT 0")
+        raw.execute(V1_NODE_TOKENS)
+        raw.commit()
+    finally:
+        raw.close()
+    store = await SqliteCredentialStore.open(db_path)
+    try:
+        assert await store.retired_nodes() == {}
+        assert await store.retire_node("node-c", NOW) == NOW
+        later = NOW.replace(year=NOW.year + 1)
+        assert await store.retire_node("node-c", later) == NOW  # the first time is kept
+        assert await store.retired_nodes() == {"node-c": NOW}
+        assert await store.unretire_node("node-c")
+        assert not await store.unretire_node("node-c")
+        state = NodeState("node-c", "edge", True, "tok_1", NOW, "10.0.0.3:5000", "", NOW)
+        await store.record_node_states([state])
+        assert await store.node_states() == {"node-c": state}
+        await store.edge_lost("edge", later)
+        [lost] = (await store.node_states()).values()
+        assert (lost.connected, lost.since) == (False, later)
+        assert "edge edge lost its control link" in lost.detail
+    finally:
+        await store.aclose()
+    raw = sqlite3.connect(db_path)
+    try:
+        assert raw.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+    finally:
+        raw.close()
+
+
+async def test_a_report_of_many_nodes_is_kept_whole(store: SqliteCredentialStore) -> None:
+    """More nodes than one statement carries: every state is kept, the latest wins."""
+    states = [NodeState(f"n{i}", "edge", True, "t", NOW, "", "", NOW) for i in range(1200)]
+    await store.record_node_states(states)
+    await store.record_node_states([NodeState("n7", "edge", False, "t", NOW, "", "gone", NOW)])
+    kept = await store.node_states()
+    assert len(kept) == 1200
+    assert (kept["n7"].connected, kept["n7"].detail) == (False, "gone")
+    assert kept["n1199"].connected

@@ -159,6 +159,7 @@ async def build(
             reconnect_max_s=cp.reconnect_max_s,
             authorize_timeout_s=cp.authorize_timeout_s,
             on_link=metrics.control_plane_connected.set,
+            tls_files=settings.tls if settings.tls.enabled else None,
         )
         await control_plane.load_cache()
         cp_task = asyncio.create_task(control_plane.run(), name="control-plane")
@@ -180,6 +181,7 @@ async def build(
             register_timeout_s=settings.node_listener.register_timeout_s,
             handshake_timeout_s=settings.node_listener.handshake_timeout_s,
         )
+        nodes.status.subscribe(control_plane.report_nodes)
         await nodes.start()
         stack.push_async_callback(nodes.aclose)
 

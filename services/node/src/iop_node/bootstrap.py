@@ -61,6 +61,7 @@ async def build(
 
         link = EdgeLink(settings, core, tls, token, metrics, __version__)
         link_task = asyncio.create_task(link.run(), name="edge-link")
+        admin.fail_on_configuration_error(link_task)  # e.g. the edge's certificate does not fit
         stack.push_async_callback(cancel_and_wait, link_task)
         # First on the way out: runs in flight finish; shutdown_reserve_s is kept for closing
         # the link, the adapters and the history.

@@ -122,13 +122,25 @@ class NodeCore:
         return runtime
 
     async def _update(self, runtime: ProviderRuntime, config: ProviderConfig) -> None:
+        """Apply a changed config to a provider that stays.
+
+        A new type or settings means a new upstream: a new adapter and a fresh health.
+        New served names (``models``) keep the upstream and its health, but the adapter
+        is made again too, since adapters that have no upstream list (mock, cli) report
+        their config's names in each probe; and the names of the last probe are dropped,
+        so the next snapshot (and the edge's catalog) names the new ones, not the old.
+        """
         old = runtime.config
-        if (old.type, dict(old.settings)) != (config.type, dict(config.settings)):
+        upstream_changed = (old.type, dict(old.settings)) != (config.type, dict(config.settings))
+        if upstream_changed or old.models != config.models:
             factory = self._factories.get(config.type)
             if factory is None:
                 raise ConfigError(f"no adapter for provider type {config.type!r}")
             old_adapter, runtime.adapter = runtime.adapter, factory(config, self._context)
-            runtime.health = HealthTracker(self._probes.rise, self._probes.fall)
+            if upstream_changed:
+                runtime.health = HealthTracker(self._probes.rise, self._probes.fall)
+            else:
+                runtime.health.models = ()
             self._close_when_idle(runtime, old_adapter)
         runtime.gate.resize(config.capacity, config.max_queue)
         runtime.config = config
@@ -182,7 +194,10 @@ class NodeCore:
         except Exception as exc:
             result = ProbeResult(ok=False, detail=f"probe failed: {exc}")
         self._last_probe_ms[provider_id] = int(time.time() * 1000)
+        models_before = runtime.health.models
         changed = runtime.health.observe(result)
+        if not changed and runtime.health.models != models_before:
+            self._changed()  # the upstream lists other names: the edge's catalog follows
         if changed:
             logger.info(
                 "provider {} is {}{}",

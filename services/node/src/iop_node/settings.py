@@ -6,6 +6,7 @@ from pathlib import Path
 
 from pydantic import Field, SecretStr, model_validator
 
+from iop_proto.errors import SettingsError
 from iop_proto.framing import DEFAULT_MAX_FRAME_SIZE
 from iop_proto.service import DrainingSettings
 from iop_proto.service.settings import FrozenModel
@@ -66,4 +67,14 @@ class NodeSettings(DrainingSettings):
         if self.token is not None:
             return self.token.get_secret_value().strip()
         assert self.token_file is not None
-        return self.token_file.read_text().strip()
+        try:
+            token = self.token_file.read_text().strip()
+        except OSError as exc:
+            raise SettingsError(
+                f"token_file {self.token_file} cannot be read ({exc.strerror or exc}): write "
+                "the node's token there (`iop-control-plane token issue --node "
+                f"{self.service_id} --output FILE`)"
+            ) from None
+        if not token:
+            raise SettingsError(f"token_file {self.token_file} is empty")
+        return token

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from loguru import logger
 from prometheus_client import CollectorRegistry
 
+from iop_proto.errors import ConfigurationError
 from iop_proto.service import AdminServer
 from iop_proto.tls import client_context
 from iop_worker import __version__
@@ -30,7 +31,8 @@ async def _stop(link: EdgeLink, task: asyncio.Task[None], grace_s: float) -> Non
         )
         task.cancel()
     [outcome] = await asyncio.gather(task, return_exceptions=True)
-    if isinstance(outcome, Exception):
+    # A configuration error is the runner's to report (one line, exit code 2).
+    if isinstance(outcome, Exception) and not isinstance(outcome, ConfigurationError):
         logger.opt(exception=outcome).error("the edge link failed")
 
 
@@ -51,6 +53,7 @@ async def build(
     link = EdgeLink(settings, runner, tls, metrics, __version__)
     async with contextlib.AsyncExitStack() as stack:
         task = asyncio.create_task(link.run(), name="edge-link")
+        admin.fail_on_configuration_error(task)  # e.g. the edge's certificate does not fit
         stack.push_async_callback(_stop, link, task, settings.drain_s)
         admin.set_readiness(
             lambda: None if link.registered.is_set() else "not registered with the edge"

@@ -7,6 +7,7 @@ The domain stays free of protobuf (see STYLE.md); this is the one place that kno
 from __future__ import annotations
 
 import json
+from collections.abc import Set
 from typing import Any, Final
 
 from iop_control_plane.domain.fleet import Category, FleetSpec, NodeSpec, ProviderSpec
@@ -46,14 +47,14 @@ def node_config_to_proto(node: NodeSpec) -> pb.NodeConfig:
     )
 
 
-def models_to_proto(spec: FleetSpec) -> list[pb.ModelConfig]:
+def models_to_proto(spec: FleetSpec, without: Set[str] = frozenset()) -> list[pb.ModelConfig]:
     """The model catalog for the edge: public id, display name, provider id -> served name,
-    output cap, failovers."""
+    output cap, failovers; ``without``: providers left out (those of retired nodes)."""
     return [
         pb.ModelConfig(
             id=m.id,
             display_name=m.display_name,
-            providers=m.providers,
+            providers={p: served for p, served in m.providers.items() if p not in without},
             max_output_tokens=m.max_output_tokens,
             retries=m.retries,
         )

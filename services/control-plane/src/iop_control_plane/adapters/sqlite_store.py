@@ -18,14 +18,33 @@ from typing import Any
 import aiosqlite
 
 from iop_control_plane.domain.credentials import ApiKey, NodeToken, as_utc
+from iop_control_plane.domain.nodes import NodeState
 from iop_control_plane.errors import CredentialError
 from iop_proto.sqlite import open_database, statement_migrations
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 """Kept in ``PRAGMA user_version``; bump it with a migration when the tables change."""
 
 BUSY_TIMEOUT_S = 5.0
 """How long a write waits for another process's write to finish before failing."""
+
+_NODE_TABLES = (
+    """CREATE TABLE IF NOT EXISTS retired_nodes (
+        node_id    TEXT PRIMARY KEY,
+        retired_at TEXT NOT NULL
+    )""",
+    """CREATE TABLE IF NOT EXISTS node_states (
+        node_id      TEXT PRIMARY KEY,
+        edge_id      TEXT NOT NULL,
+        connected    INTEGER NOT NULL,
+        token_id     TEXT NOT NULL,
+        since        TEXT,
+        peer_address TEXT NOT NULL,
+        detail       TEXT NOT NULL,
+        reported_at  TEXT NOT NULL
+    )""",
+)
+"""Retired nodes and the connection states edges report (``node list``)."""
 
 _SCHEMA = (
     """CREATE TABLE IF NOT EXISTS node_tokens (
@@ -47,15 +66,19 @@ _SCHEMA = (
         operator       INTEGER NOT NULL DEFAULT 0
     )""",
     "CREATE UNIQUE INDEX IF NOT EXISTS api_keys_secret_hash ON api_keys (secret_hash)",
+    *_NODE_TABLES,
 )
 """The schema, statement by statement, each idempotent (it also runs after the migrations)."""
 
 _MIGRATIONS: dict[int, tuple[str, ...]] = {
     # version 1 -> 2: operator keys; every key issued before is an ordinary one
     1: ("ALTER TABLE api_keys ADD COLUMN operator INTEGER NOT NULL DEFAULT 0",),
+    # version 2 -> 3: retired nodes and the connection states edges report (node list)
+    2: _NODE_TABLES,
 }
 """The statements that bring a file at version ``v`` (the key) to ``v + 1``."""
 
+_STATE_ROWS_PER_STATEMENT = 500  # 8 values a row, well under SQLite's 32766 variables
 _TOKEN_COLUMNS = "token_id, node_id, secret_hash, created_at, revoked_at"
 _KEY_COLUMNS = "key_id, name, secret_hash, models, max_concurrent, created_at, revoked_at, operator"
 
@@ -225,3 +248,81 @@ class SqliteCredentialStore:
         # Both terms only grow, so their sum moves whenever either does.
         rows = await self._fetch("PRAGMA data_version")
         return int(rows[0][0]) + self._own_writes
+
+    # ------------------------------------------------------------ nodes
+
+    async def retire_node(self, node_id: str, now: datetime) -> datetime:
+        """Mark ``node_id`` retired; a repeat keeps (and returns) the first time."""
+        await self._write(
+            "INSERT OR IGNORE INTO retired_nodes (node_id, retired_at) VALUES (?, ?)",
+            (node_id, _to_text(now)),
+        )
+        rows = await self._fetch(
+            "SELECT retired_at FROM retired_nodes WHERE node_id = ?", (node_id,)
+        )
+        return _from_text(rows[0]["retired_at"])
+
+    async def unretire_node(self, node_id: str) -> bool:
+        """Admit ``node_id`` again (``node add``); whether it was retired."""
+        return await self._write("DELETE FROM retired_nodes WHERE node_id = ?", (node_id,)) > 0
+
+    async def retired_nodes(self) -> dict[str, datetime]:
+        rows = await self._fetch("SELECT node_id, retired_at FROM retired_nodes ORDER BY node_id")
+        return {row["node_id"]: _from_text(row["retired_at"]) for row in rows}
+
+    async def record_node_states(self, states: list[NodeState]) -> None:
+        """Keep the latest reported state of each node (one edge's report).
+
+        Not counted as a change (``change_marker``): connection states are not part
+        of the configuration the server pushes, and every report would else rebuild it.
+        """
+        rows = [
+            (
+                state.node_id,
+                state.edge_id,
+                int(state.connected),
+                state.token_id,
+                _to_optional_text(state.since),
+                state.peer_address,
+                state.detail,
+                _to_text(state.reported_at),
+            )
+            for state in states
+        ]
+        # One statement per chunk: one transaction (one fsync) for many nodes, and still
+        # nothing another coroutine's statement could fall into the middle of.
+        for start in range(0, len(rows), _STATE_ROWS_PER_STATEMENT):
+            chunk = rows[start : start + _STATE_ROWS_PER_STATEMENT]
+            values = ", ".join(["(?, ?, ?, ?, ?, ?, ?, ?)"] * len(chunk))
+            async with self._db.execute(
+                "INSERT OR REPLACE INTO node_states (node_id, edge_id, connected, token_id,"
+                f" since, peer_address, detail, reported_at) VALUES {values}",
+                tuple(value for row in chunk for value in row),
+            ):
+                pass
+
+    async def edge_lost(self, edge_id: str, now: datetime) -> None:
+        """``edge_id``'s control link ended: its connected nodes become unknown (shown
+        disconnected, saying why) until it reports again."""
+        async with self._db.execute(
+            "UPDATE node_states SET connected = 0, since = ?, reported_at = ?, detail = ?"
+            " WHERE edge_id = ? AND connected = 1",
+            (_to_text(now), _to_text(now), f"edge {edge_id} lost its control link", edge_id),
+        ):
+            pass
+
+    async def node_states(self) -> dict[str, NodeState]:
+        rows = await self._fetch("SELECT * FROM node_states ORDER BY node_id")
+        return {
+            row["node_id"]: NodeState(
+                node_id=row["node_id"],
+                edge_id=row["edge_id"],
+                connected=bool(row["connected"]),
+                token_id=row["token_id"],
+                since=_from_optional_text(row["since"]),
+                peer_address=row["peer_address"],
+                detail=row["detail"],
+                reported_at=_from_text(row["reported_at"]),
+            )
+            for row in rows
+        }

@@ -8,6 +8,7 @@ checks never tells a caller more than the first failing reason.
 
 from __future__ import annotations
 
+from collections.abc import Set
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -24,6 +25,7 @@ class Refusal(StrEnum):
     REVOKED = "token_revoked"
     OTHER_NODE = "token_of_another_node"
     UNKNOWN_NODE = "node_not_in_fleet"
+    RETIRED = "node_retired"
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,8 +47,12 @@ def authorize(
     certificate_identity: str,
     token: NodeToken | None,
     fleet: FleetSpec,
+    retired: Set[str] = frozenset(),
 ) -> Decision:
-    """Decide a registration of ``node_id`` presenting ``token`` over a certificate."""
+    """Decide a registration of ``node_id`` presenting ``token`` over a certificate.
+
+    A retired node is refused even with a valid token: ``node add`` admits it again.
+    """
     if not node_id or not certificate_identity:
         return _refuse(Refusal.MALFORMED, "node id and certificate identity are required")
     if certificate_identity != node_id:
@@ -62,6 +68,11 @@ def authorize(
         return _refuse(
             Refusal.OTHER_NODE,
             f"token {token.token_id} was issued for node {token.node_id!r}, not {node_id!r}",
+        )
+    if node_id in retired:
+        return _refuse(
+            Refusal.RETIRED,
+            f"node {node_id!r} was retired (`iop-control-plane node add {node_id}` admits it)",
         )
     node = fleet.node(node_id)
     if node is None:

@@ -1,11 +1,13 @@
 """The operator's credential commands: issue, revoke and list node tokens and API keys.
 
-    token issue --node ID          token revoke TOKEN_ID      token list [--json]
+    token issue --node ID [--output FILE [--force]]   token revoke TOKEN_ID   token list
     key issue --name NAME [--models a,b] [--max-concurrent N] [--operator]
-    key revoke KEY_ID              key list [--json]
+    key revoke KEY_ID              key list                   (each takes --json)
 
 A secret is printed once, by the command that issues it, and goes nowhere else:
-not into the store (only its hash), not into listings, not into any log. Each
+not into the store (only its hash), not into listings, not into any log. With
+``--output FILE`` a token goes only into FILE (mode 0600) and the command prints
+where it went, so it never passes through a terminal or a shell's history. Each
 command is a function of a store and output streams returning an exit code, so
 tests drive them with a real store and a ``StringIO``; the console script only
 parses arguments and opens the store.
@@ -14,10 +16,11 @@ parses arguments and opens the store.
 from __future__ import annotations
 
 import argparse
-import json
+import asyncio
 import sys
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any, TextIO
 
 from iop_control_plane.domain.credentials import (
@@ -27,6 +30,10 @@ from iop_control_plane.domain.credentials import (
     new_api_key,
     new_node_token,
 )
+from iop_control_plane.entrypoints.output import json_time as _json_time
+from iop_control_plane.entrypoints.output import print_json, write_secret_file
+from iop_control_plane.entrypoints.output import show_time as _show_time
+from iop_control_plane.entrypoints.output import table as _table
 from iop_control_plane.errors import CredentialError
 from iop_control_plane.ports import CredentialStore
 
@@ -49,29 +56,12 @@ def _when(now: datetime | None) -> datetime:
     return datetime.now(UTC) if now is None else as_utc(now)
 
 
-def _show_time(moment: datetime | None) -> str:
-    return "-" if moment is None else moment.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%SZ")
-
-
-def _json_time(moment: datetime | None) -> str | None:
-    return None if moment is None else moment.astimezone(UTC).isoformat()
-
-
 def _show_models(models: Sequence[str]) -> str:
     return ",".join(models) if models else "(all)"
 
 
 def _show_limit(max_concurrent: int) -> str:
     return str(max_concurrent) if max_concurrent else "unlimited"
-
-
-def _table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    widths = [max(len(cell) for cell in column) for column in zip(headers, *rows, strict=True)]
-    lines = [
-        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
-        for row in (headers, *rows)
-    ]
-    return "\n".join(lines)
 
 
 # --- node tokens -------------------------------------------------------------------------
@@ -84,17 +74,42 @@ async def issue_token(
     *,
     err: TextIO | None = None,
     now: datetime | None = None,
+    output: Path | None = None,
+    force: bool = False,
+    as_json: bool = False,
 ) -> int:
-    """Issue a token for ``node_id`` and print its plaintext, the one time it is ever shown."""
+    """Issue a token for ``node_id``; print its plaintext the one time it is ever shown,
+    or write it to ``output`` (0600) and print only where it went.
+
+    The file is written before the token is stored, so a refused path (it exists, the
+    directory is missing) leaves no live token that nobody holds.
+    """
     try:
         issued = new_node_token(node_id, _when(now))
-        await store.add_node_token(issued.token)
+        if output is not None:
+            await asyncio.to_thread(write_secret_file, output, issued.plaintext, force=force)
     except CredentialError as exc:
         return _fail(err, exc)
+    except FileExistsError:
+        return _fail(err, CredentialError(f"{output} exists; --force replaces it"))
+    except OSError as exc:
+        return _fail(err, CredentialError(f"cannot write the token to {output}: {exc}"))
+    try:
+        await store.add_node_token(issued.token)
+    except CredentialError as exc:
+        if output is not None:
+            await asyncio.to_thread(output.unlink, missing_ok=True)
+        return _fail(err, exc)
     token = issued.token
-    print(f"Issued node token {token.token_id} for node {token.node_id!r}:", file=out)
-    print(f"\n{issued.plaintext}\n", file=out)
-    print(_SHOWN_ONCE, file=out)
+    if as_json:
+        shown = {"token": issued.plaintext} if output is None else {"output": str(output)}
+        print_json({**_token_json(token), **shown}, out)
+    elif output is not None:
+        print(f"Wrote node token {token.token_id} for node {token.node_id!r} to {output}", file=out)
+    else:
+        print(f"Issued node token {token.token_id} for node {token.node_id!r}:", file=out)
+        print(f"\n{issued.plaintext}\n", file=out)
+        print(_SHOWN_ONCE, file=out)
     return EXIT_OK
 
 
@@ -105,6 +120,7 @@ async def revoke_token(
     *,
     err: TextIO | None = None,
     now: datetime | None = None,
+    as_json: bool = False,
 ) -> int:
     """Revoke a token by id; an unknown id fails, a repeat reports the first revocation."""
     when = _when(now)
@@ -112,7 +128,9 @@ async def revoke_token(
         token = await store.revoke_node_token(token_id, when)
     except CredentialError as exc:
         return _fail(err, exc)
-    if token.revoked_at != when:
+    if as_json:
+        print_json({**_token_json(token), "already_revoked": token.revoked_at != when}, out)
+    elif token.revoked_at != when:
         print(
             f"Node token {token_id} was already revoked at {_show_time(token.revoked_at)}.",
             file=out,
@@ -136,7 +154,7 @@ async def list_tokens(store: CredentialStore, out: TextIO, *, as_json: bool = Fa
     """Print every node token, revoked ones too; never a secret or a hash."""
     tokens = await store.list_node_tokens()
     if as_json:
-        print(json.dumps([_token_json(token) for token in tokens], indent=2), file=out)
+        print_json([_token_json(token) for token in tokens], out)
     elif not tokens:
         print("No node tokens.", file=out)
     else:
@@ -161,6 +179,7 @@ async def issue_key(
     operator: bool = False,
     err: TextIO | None = None,
     now: datetime | None = None,
+    as_json: bool = False,
 ) -> int:
     """Issue an API key and print its plaintext, the one time it is ever shown.
 
@@ -172,6 +191,9 @@ async def issue_key(
     except CredentialError as exc:
         return _fail(err, exc)
     key = issued.key
+    if as_json:
+        print_json({**_key_json(key), "key": issued.plaintext}, out)
+        return EXIT_OK
     print(
         f"Issued API key {key.key_id} named {key.name!r} "
         f"(models: {_show_models(key.models)}; "
@@ -191,6 +213,7 @@ async def revoke_key(
     *,
     err: TextIO | None = None,
     now: datetime | None = None,
+    as_json: bool = False,
 ) -> int:
     """Revoke an API key by id; an unknown id fails, a repeat reports the first revocation."""
     when = _when(now)
@@ -198,7 +221,9 @@ async def revoke_key(
         key = await store.revoke_api_key(key_id, when)
     except CredentialError as exc:
         return _fail(err, exc)
-    if key.revoked_at != when:
+    if as_json:
+        print_json({**_key_json(key), "already_revoked": key.revoked_at != when}, out)
+    elif key.revoked_at != when:
         print(f"API key {key_id} was already revoked at {_show_time(key.revoked_at)}.", file=out)
     else:
         print(f"Revoked API key {key_id} ({key.name!r}).", file=out)
@@ -221,7 +246,7 @@ async def list_keys(store: CredentialStore, out: TextIO, *, as_json: bool = Fals
     """Print every API key and its policy, revoked ones too; never a secret or a hash."""
     keys = await store.list_api_keys()
     if as_json:
-        print(json.dumps([_key_json(key) for key in keys], indent=2), file=out)
+        print_json([_key_json(key) for key in keys], out)
     elif not keys:
         print("No API keys.", file=out)
     else:
@@ -268,13 +293,15 @@ def _non_negative_int(text: str) -> int:
 async def _run_token_issue(
     args: argparse.Namespace, store: CredentialStore, out: TextIO, err: TextIO
 ) -> int:
-    return await issue_token(store, out, args.node, err=err)
+    return await issue_token(
+        store, out, args.node, err=err, output=args.output, force=args.force, as_json=args.json
+    )
 
 
 async def _run_token_revoke(
     args: argparse.Namespace, store: CredentialStore, out: TextIO, err: TextIO
 ) -> int:
-    return await revoke_token(store, out, args.token_id, err=err)
+    return await revoke_token(store, out, args.token_id, err=err, as_json=args.json)
 
 
 async def _run_token_list(
@@ -287,14 +314,21 @@ async def _run_key_issue(
     args: argparse.Namespace, store: CredentialStore, out: TextIO, err: TextIO
 ) -> int:
     return await issue_key(
-        store, out, args.name, args.models, args.max_concurrent, operator=args.operator, err=err
+        store,
+        out,
+        args.name,
+        args.models,
+        args.max_concurrent,
+        operator=args.operator,
+        err=err,
+        as_json=args.json,
     )
 
 
 async def _run_key_revoke(
     args: argparse.Namespace, store: CredentialStore, out: TextIO, err: TextIO
 ) -> int:
-    return await revoke_key(store, out, args.key_id, err=err)
+    return await revoke_key(store, out, args.key_id, err=err, as_json=args.json)
 
 
 async def _run_key_list(
@@ -309,12 +343,21 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
     token_actions = token.add_subparsers(dest="token_action", metavar="ACTION", required=True)
     issue = token_actions.add_parser("issue", help="issue a node token (printed once)")
     issue.add_argument("--node", required=True, metavar="ID", help="the node it authenticates")
+    issue.add_argument(
+        "--output",
+        type=Path,
+        metavar="FILE",
+        help="write the token to FILE (mode 0600) and print only where it went",
+    )
+    issue.add_argument("--force", action="store_true", help="with --output: replace FILE")
+    _json_flag(issue)
     issue.set_defaults(**{_HANDLER: _run_token_issue})
     revoke = token_actions.add_parser("revoke", help="revoke a node token")
     revoke.add_argument("token_id", metavar="TOKEN_ID", help="as shown by 'token list'")
+    _json_flag(revoke)
     revoke.set_defaults(**{_HANDLER: _run_token_revoke})
     listing = token_actions.add_parser("list", help="list node tokens (never their secrets)")
-    listing.add_argument("--json", action="store_true", help="print JSON")
+    _json_flag(listing)
     listing.set_defaults(**{_HANDLER: _run_token_list})
 
     key = subparsers.add_parser("key", help="issue, revoke or list API keys")
@@ -340,13 +383,19 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
         action="store_true",
         help="an operator key: sees every key's runs, files and batches (the console's key)",
     )
+    _json_flag(issue)
     issue.set_defaults(**{_HANDLER: _run_key_issue})
     revoke = key_actions.add_parser("revoke", help="revoke an API key")
     revoke.add_argument("key_id", metavar="KEY_ID", help="as shown by 'key list'")
+    _json_flag(revoke)
     revoke.set_defaults(**{_HANDLER: _run_key_revoke})
     listing = key_actions.add_parser("list", help="list API keys (never their secrets)")
-    listing.add_argument("--json", action="store_true", help="print JSON")
+    _json_flag(listing)
     listing.set_defaults(**{_HANDLER: _run_key_list})
+
+
+def _json_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print JSON")
 
 
 async def run_command(

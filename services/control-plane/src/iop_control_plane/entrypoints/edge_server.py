@@ -20,6 +20,7 @@ from iop_proto.accept import StreamServer
 from iop_proto.connection import Connection, error_body
 from iop_proto.errors import ConnectionClosed, ProtocolError, UnexpectedMessage
 from iop_proto.tls import TlsRefused
+from iop_proto.tls_explain import PEER_CLOSED_REASON
 from iop_proto.v1 import runtime_pb2 as pb
 
 HELLO_TIMEOUT_S = 10.0
@@ -58,6 +59,7 @@ class EdgeSession:
                 await self._answer(envelope)
         finally:
             self.authority.unsubscribe(self.push)
+            await self.authority.edge_lost(self.edge_id)
 
     async def _answer(self, envelope: pb.Envelope) -> None:
         kind = envelope.WhichOneof("body")
@@ -67,6 +69,8 @@ class EdgeSession:
                 self.authority.authorization_response(decision),
                 correlation_id=envelope.message_id,
             )
+        elif kind == "node_status_report":
+            await self.authority.record_node_status(self.edge_id, envelope.node_status_report)
         elif kind == "error":
             logger.warning("edge {} reported: {}", self.edge_id, envelope.error.message)
         else:
@@ -156,7 +160,10 @@ class EdgeServer:
 
     def _tls_refused(self, exc: TlsRefused, peer: object) -> None:
         self._metrics.tls_refusals.labels(exc.reason).inc()
-        logger.warning("refused {} in TLS ({}): {}", peer, exc.reason, exc.detail)
+        if exc.reason == PEER_CLOSED_REASON:  # not our refusal: the edge ended the handshake
+            logger.warning("TLS handshake with {} ended: {}", peer, exc.detail)
+        else:
+            logger.warning("refused {} in TLS ({}): {}", peer, exc.reason, exc.detail)
 
     def _refusal(self, conn: Connection) -> str | None:
         """Why this peer may not talk to the control-plane, or ``None``."""
@@ -165,4 +172,8 @@ class EdgeServer:
         role = conn.peer.role if conn.peer else None
         if role in self._settings.edge_roles:
             return None
-        return f"certificate role {role!r} may not connect to the control-plane (edges only)"
+        return (
+            f"certificate role (OU) {role!r} may not connect to the control-plane (edges only: "
+            f"edge_roles is {', '.join(self._settings.edge_roles)}); dial it with the edge's "
+            "certificate (devcerts --identity edge:edge)"
+        )

@@ -4,15 +4,17 @@ iop-control-plane --config FILE                      run the server
 iop-control-plane --config FILE token issue --node N issue a node token (shown once)
 iop-control-plane --config FILE key issue --name N   issue an API key (shown once)
 iop-control-plane --config FILE config reload        re-read the fleet file (SIGHUP)
+iop-control-plane --config FILE node add|retire|list node lifecycle (node_commands)
 iop-control-plane config check FLEET_FILE            validate without applying
+
+Every command but `config check FILE` runs on the control-plane's host: it opens the
+server's database and signals the server through its pid file.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import os
-import signal
 import sys
 from pathlib import Path
 from typing import TextIO
@@ -21,7 +23,7 @@ from iop_control_plane import __version__
 from iop_control_plane.adapters.fleet_file import load_fleet_file
 from iop_control_plane.adapters.sqlite_store import SqliteCredentialStore
 from iop_control_plane.bootstrap import build
-from iop_control_plane.entrypoints import cli
+from iop_control_plane.entrypoints import cli, node_commands
 from iop_control_plane.errors import FleetConfigError
 from iop_control_plane.settings import ControlPlaneSettings
 from iop_proto.errors import SettingsError
@@ -41,8 +43,12 @@ def _parser() -> argparse.ArgumentParser:
     config_actions = config.add_subparsers(dest="action", required=True)
     check = config_actions.add_parser("check", help="validate a fleet file without applying it")
     check.add_argument("file", type=Path, nargs="?", help="default: the settings' fleet_file")
-    config_actions.add_parser("reload", help="make the running server re-read its fleet file")
+    config_actions.add_parser(
+        "reload",
+        help="make the running server re-read its fleet file (on the control-plane's host)",
+    )
     cli.add_commands(commands)
+    node_commands.add_commands(commands)
     return parser
 
 
@@ -66,11 +72,9 @@ def reload_server(settings: ControlPlaneSettings, out: TextIO, err: TextIO) -> i
         print("not reloaded: the running server keeps its configuration", file=err)
         return EXIT_FAILED
     pid_file = settings.resolved_pid_file
-    try:
-        pid = int(pid_file.read_text().strip())
-        os.kill(pid, signal.SIGHUP)
-    except (FileNotFoundError, ValueError, ProcessLookupError) as exc:
-        print(f"no running control-plane found through {pid_file}: {exc}", file=err)
+    pid = node_commands.signal_reload(pid_file)
+    if pid is None:
+        print(f"no running control-plane found through {pid_file}", file=err)
         return EXIT_FAILED
     print(f"reload signalled to pid {pid}", file=out)
     return EXIT_OK
@@ -79,6 +83,9 @@ def reload_server(settings: ControlPlaneSettings, out: TextIO, err: TextIO) -> i
 async def _run_credential_command(args: argparse.Namespace, settings: ControlPlaneSettings) -> int:
     store = await SqliteCredentialStore.open(settings.database)
     try:
+        if node_commands.is_node_command(args):
+            context = node_commands.NodeContext(settings.fleet_file, settings.resolved_pid_file)
+            return await node_commands.run_command(args, store, context, sys.stdout, sys.stderr)
         return await cli.run_command(args, store, sys.stdout)
     finally:
         await store.aclose()

@@ -20,9 +20,14 @@ from loguru import logger
 from iop_edge.errors import ControlPlaneUnavailable
 from iop_proto.connection import Connection
 from iop_proto.errors import ConnectionClosed, ProtocolError, UnexpectedMessage
+from iop_proto.tasks import cancel_and_wait
+from iop_proto.tls import TlsSettings
+from iop_proto.tls_explain import PEER_CLOSED, peer_closed_during_handshake, rejection
 from iop_proto.v1 import runtime_pb2 as pb
 
 FleetListener = Callable[[pb.FleetConfig], Awaitable[None]]
+REPORT_COALESCE_S = 0.2
+"""How long a node status report waits for the ones right behind it (a reconnect storm)."""
 
 
 class ControlPlaneClient:
@@ -43,6 +48,7 @@ class ControlPlaneClient:
         reconnect_max_s: float,
         authorize_timeout_s: float,
         on_link: Callable[[bool], None] | None = None,
+        tls_files: TlsSettings | None = None,
     ) -> None:
         """``on_link``: told ``True`` when a connection is up (its first config applied)
         and ``False`` when it is lost, so the edge can show the link's state."""
@@ -52,6 +58,7 @@ class ControlPlaneClient:
         self._edge_id = edge_id
         self._version = version
         self._tls = tls
+        self._tls_files = tls_files  # named when the control-plane's certificate does not fit
         self._cache_file = cache_file
         self._on_fleet = on_fleet
         self._heartbeat_interval_s = heartbeat_interval_s
@@ -59,6 +66,8 @@ class ControlPlaneClient:
         self._authorize_timeout_s = authorize_timeout_s
         self._conn: Connection | None = None
         self._pending: dict[str, asyncio.Future[pb.AuthorizeNodeResponse]] = {}
+        self._node_report = pb.NodeStatusReport()  # the latest, sent again on each connect
+        self._report_task: asyncio.Task[None] | None = None  # at most one send pending
         self.config: pb.FleetConfig | None = None
         self.connected = asyncio.Event()
 
@@ -126,6 +135,32 @@ class ControlPlaneClient:
         finally:
             self._pending.pop(envelope.message_id, None)
 
+    # ------------------------------------------------------------ node status
+
+    def report_nodes(self, report: pb.NodeStatusReport) -> None:
+        """Tell the control-plane which nodes are connected (``node list``), without
+        holding up the caller (a node's registration) on the control link.
+
+        Reports are coalesced: while one send waits, later reports only replace what
+        it will send, so a storm of reconnecting nodes costs a few reports, not one
+        full list per node.
+        """
+        self._node_report = report
+        conn = self._conn
+        if conn is None or not self.connected.is_set() or not self._takes_reports():
+            return
+        if self._report_task is None or self._report_task.done():
+            self._report_task = asyncio.get_running_loop().create_task(self._send_report(conn))
+
+    def _takes_reports(self) -> bool:
+        """An older control-plane would close the link on a report it does not know."""
+        return self.config is not None and self.config.accepts_node_status
+
+    async def _send_report(self, conn: Connection) -> None:
+        await asyncio.sleep(REPORT_COALESCE_S)
+        with contextlib.suppress(ConnectionClosed, ConnectionError):
+            await conn.send(self._node_report)  # the latest by the time it is written
+
     # ------------------------------------------------------------ connection
 
     async def run(self) -> None:
@@ -150,8 +185,28 @@ class ControlPlaneClient:
                 ),
                 10,
             )
+        except ssl.SSLCertVerificationError as exc:
+            # A configuration error, but the edge goes on: it serves its cached config
+            # and its nodes meanwhile, and keeps trying in case the certificate is fixed.
+            mismatch = await rejection(
+                exc,
+                host=self._host,
+                port=self._port,
+                server_name=self._server_name,
+                settings=self._tls_files,
+                peer="control-plane",
+                setting="control_plane",
+                timeout_s=10,
+            )
+            logger.error("control-plane at {}:{}: {}", self._host, self._port, mismatch)
+            return False
         except (OSError, TimeoutError) as exc:
-            logger.warning("control-plane at {}:{} unreachable: {}", self._host, self._port, exc)
+            if self._tls is not None and peer_closed_during_handshake(exc):
+                logger.warning("control-plane at {}:{}: {}", self._host, self._port, PEER_CLOSED)
+            else:
+                logger.warning(
+                    "control-plane at {}:{} unreachable: {}", self._host, self._port, exc
+                )
             return False
         conn = Connection(
             reader, writer, sender_id=self._edge_id, heartbeat_interval=self._heartbeat_interval_s
@@ -177,6 +232,8 @@ class ControlPlaneClient:
                     self._on_link(True)
                 followed = True
                 logger.info("connected to the control-plane (config version {})", self.version)
+                if self._takes_reports():
+                    await conn.send(self._node_report)
                 async for envelope in conn:
                     await self._handle(envelope)
                 reason = conn.peer_error.message if conn.peer_error else "closed by its side"
@@ -188,6 +245,8 @@ class ControlPlaneClient:
         finally:
             self._conn = None
             self.connected.clear()
+            await cancel_and_wait(self._report_task)  # the next link sends the latest
+            self._report_task = None
             if self._on_link is not None and followed:
                 self._on_link(False)
             for future in self._pending.values():

@@ -20,6 +20,7 @@ from typing import Protocol
 
 from loguru import logger
 
+from iop_edge.adapters.node_status import NodeStatusBook
 from iop_edge.adapters.peer_guard import UNKNOWN_ROLE, PeerGuard
 from iop_edge.adapters.run_wire import provider_reports, run_event, run_request
 from iop_edge.adapters.worker_session import WorkerSession
@@ -107,8 +108,10 @@ class NodeServer:
         node_roles: tuple[str, ...] = ("node",),
         worker_roles: tuple[str, ...] = ("worker",),
         batches: BatchLeases | None = None,
+        status: NodeStatusBook | None = None,
     ) -> None:
         self._host, self.port = host, port
+        self.status = status or NodeStatusBook()
         self._edge_id = edge_id
         self._registry = registry
         self._dispatcher = dispatcher
@@ -162,10 +165,16 @@ class NodeServer:
     # ------------------------------------------------------------ config pushes
 
     async def apply_fleet(self, config: pb.FleetConfig) -> None:
-        """Push changed node configs; drop nodes admitted with a now revoked token."""
+        """Push changed node configs; drop retired nodes and those admitted with a now
+        revoked token."""
         revoked = set(config.revoked_token_ids)
+        retired = set(config.retired_node_ids)
         configs = {node.node_id: node for node in config.nodes}
         for node in self._nodes():
+            if node.node_id in retired:
+                logger.warning("node {}: retired, disconnecting it", node.node_id)
+                await node.conn.close(error_body(pb.ERROR_CODE_UNAUTHENTICATED, "node retired"))
+                continue
             if node.token_id in revoked:
                 logger.warning("node {}: its token {} was revoked", node.node_id, node.token_id)
                 await node.conn.close(error_body(pb.ERROR_CODE_UNAUTHENTICATED, "token revoked"))
@@ -216,6 +225,8 @@ class NodeServer:
             await conn.close()
             if node is not None:
                 self._registry.node_disconnected(node, reason)
+                if self._registry.link(node.node_id) is None:  # else a new one replaced it
+                    self.status.disconnected(node.node_id, node.token_id, reason)
                 logger.warning("node {} disconnected: {}", node.node_id, reason)
             self._tasks.discard(task)
 
@@ -231,7 +242,12 @@ class NodeServer:
         role = conn.peer.role if conn.peer else "node"
         refusal, code = None, ""
         if self._tls is not None and role not in self._node_roles:
-            refusal, code = f"certificate role {role!r} may not register as a node", "wrong_role"
+            refusal = (
+                f"certificate role (OU) {role!r} may not register as a node (allowed: "
+                f"{', '.join(self._node_roles)}): issue its certificate with that role "
+                f"(devcerts --identity {identity}:node)"
+            )
+            code = "wrong_role"
         elif identity != request.peer_id:
             refusal = (
                 f"certificate identity {identity!r} does not match node id {request.peer_id!r}"
@@ -277,6 +293,7 @@ class NodeServer:
             correlation_id=first.message_id,
         )
         self._registry.node_connected(node, provider_reports(request.providers))
+        self.status.connected(node.node_id, node.token_id, conn.peer_name)
         self._metrics.registrations.labels("accepted").inc()
         logger.info(
             "node {} registered ({} providers)", node.node_id, len(answer.node_config.providers)
@@ -303,7 +320,11 @@ class NodeServer:
         if self._batches is None:
             refusal, code = "this edge runs no batch jobs", "no_batches"
         elif self._tls is not None and role not in self._worker_roles:
-            refusal = f"certificate role {role!r} may not register as a worker"
+            refusal = (
+                f"certificate role (OU) {role!r} may not register as a worker (allowed: "
+                f"{', '.join(self._worker_roles)}): issue its certificate with that role "
+                f"(devcerts --identity {identity}:worker)"
+            )
             code = "wrong_role"
         elif identity != request.peer_id:
             refusal = (

@@ -43,6 +43,7 @@ from iop_edge.ports import BatchLeases, ProviderView, RunView
 from iop_edge.service.runs import NodeLink
 from iop_proto.connection import Connection
 from iop_proto.errors import ProtocolError
+from iop_proto.tls_explain import PEER_CLOSED_REASON
 from iop_proto.v1 import runtime_pb2 as pb
 
 OWNERSHIP = "ownership"
@@ -175,6 +176,9 @@ class PeerGuard:
         """Log and count one refusal of the node port (never with a token in ``detail``)."""
         self._metrics.refusals.labels(stage, role, reason).inc()
         subject = who if role == UNKNOWN_ROLE else f"{role} {who}"
+        if reason == PEER_CLOSED_REASON:  # not our refusal: the peer ended the handshake
+            logger.warning("TLS handshake with {} ended: {}", subject, detail)
+            return
         logger.warning("refused {} at {} ({}): {}", subject, stage, reason, detail)
 
     def _not_yours(

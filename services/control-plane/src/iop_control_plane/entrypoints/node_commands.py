@@ -1,0 +1,429 @@
+"""The operator's node lifecycle commands: add, retire and list nodes.
+
+    node add ID [--output TOKEN_FILE] [--edge HOST:PORT]   a token file and the config to copy
+    node retire ID                                          out of the fleet, tokens revoked
+    node list                                               tokens, fleet, connection state
+    (each takes --json)
+
+They run on the control-plane's host: they use its database (tokens, retirements and
+the connection states edges report, see ``domain.nodes``) and its pid file. The running
+server notices a change in the database within ``credentials_poll_s`` (as it does for
+``token revoke``) and pushes it to the edges; ``node retire`` also signals it to reload.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import signal
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, TextIO
+
+from iop_control_plane.adapters.fleet_file import load_fleet_file
+from iop_control_plane.domain.credentials import new_node_token
+from iop_control_plane.domain.fleet import FleetSpec
+from iop_control_plane.entrypoints.output import (
+    json_time,
+    print_json,
+    show_time,
+    table,
+    write_secret_file,
+)
+from iop_control_plane.errors import CredentialError, FleetConfigError
+from iop_control_plane.ports import CredentialStore
+from iop_proto.tls_explain import is_address
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+DEFAULT_EDGE_PORT = 7000  # the edge's node_listener port in configs/edge.yaml
+_PROG = "iop-control-plane"
+_NODE_ID = re.compile(r"^[a-z0-9]([a-z0-9_-]{0,61}[a-z0-9])?$")  # the fleet file's ids
+_HANDLER = "node_command"
+
+WHERE = (
+    "Run on the control-plane's host: the commands use its database and pid file "
+    "(the same --config as the server)."
+)
+
+
+@dataclass(frozen=True, slots=True)
+class NodeContext:
+    """What the node commands need besides the store: the server's files."""
+
+    fleet_file: Path
+    pid_file: Path
+
+
+def signal_reload(pid_file: Path) -> int | None:
+    """SIGHUP the running server named by ``pid_file``; its pid, or None if none runs."""
+    try:
+        pid = int(pid_file.read_text().strip())
+        os.kill(pid, signal.SIGHUP)
+    except (FileNotFoundError, ValueError, ProcessLookupError):
+        return None
+    return pid
+
+
+def _fleet(path: Path, err: TextIO) -> FleetSpec | None:
+    """The fleet file as the server would read it, or None (with why) when it cannot."""
+    try:
+        return load_fleet_file(path).spec
+    except FleetConfigError as exc:
+        print(f"{_PROG}: warning: {exc}", file=err)
+        return None
+
+
+def _fail(err: TextIO, message: str) -> int:
+    print(f"{_PROG}: {message}", file=err)
+    return EXIT_FAILED
+
+
+# --- node add --------------------------------------------------------------------------
+
+
+def node_config(node_id: str, edge: tuple[str, int], token_file: Path) -> dict[str, Any]:
+    """The keys of the node's settings file that tie it to this fleet (configs/node.yaml)."""
+    return {
+        "service_id": node_id,
+        "edge": {"host": edge[0], "port": edge[1]},
+        "token_file": str(token_file),
+        "tls": {
+            "enabled": True,
+            "ca_file": "certs/ca.pem",
+            "cert_file": f"certs/{node_id}.pem",
+            "key_file": f"certs/{node_id}.key",
+        },
+    }
+
+
+def _snippet(config: dict[str, Any]) -> str:
+    edge, tls = config["edge"], config["tls"]
+    lines = [
+        f"service_id: {config['service_id']}",
+        "edge:",
+        f"  host: {edge['host']}",
+        f"  port: {edge['port']}",
+    ]
+    if is_address(edge["host"]):
+        lines.append(
+            "  # server_name: edge   # only if the edge's certificate does not name "
+            f"IP:{edge['host']} (devcerts --san edge=IP:{edge['host']} makes it)"
+        )
+    lines += [f"token_file: {config['token_file']}", "tls:"]
+    lines += [
+        f"  {key}: {str(value).lower() if value is True else value}" for key, value in tls.items()
+    ]
+    return "\n".join(lines)
+
+
+async def add_node(
+    store: CredentialStore,
+    context: NodeContext,
+    out: TextIO,
+    err: TextIO,
+    node_id: str,
+    *,
+    output: Path | None = None,
+    edge: tuple[str, int] | None = None,
+    force: bool = False,
+    as_json: bool = False,
+) -> int:
+    """Admit ``node_id`` (again, if it was retired), write a new token to a file and print
+    the node's settings to copy, and whether the fleet file lists it yet.
+
+    The fleet file is not edited: the node's providers are the operator's to write, and
+    rewriting a commented YAML file would lose what the operator wrote around them.
+    """
+    token_file = output or Path(f"{node_id}.token")
+    issued = new_node_token(node_id, datetime.now(UTC))
+    try:
+        await asyncio.to_thread(write_secret_file, token_file, issued.plaintext, force=force)
+    except FileExistsError:
+        return _fail(err, f"{token_file} exists; --force replaces it (a node using it stops)")
+    except OSError as exc:
+        return _fail(err, f"cannot write the token to {token_file}: {exc}")
+    try:
+        await store.add_node_token(issued.token)
+    except CredentialError as exc:
+        await asyncio.to_thread(token_file.unlink, missing_ok=True)
+        return _fail(err, str(exc))
+    was_retired = await store.unretire_node(node_id)
+    fleet = _fleet(context.fleet_file, err)
+    in_fleet = fleet is not None and fleet.node(node_id) is not None
+    config = node_config(node_id, edge or ("EDGE_HOST", DEFAULT_EDGE_PORT), token_file)
+    if as_json:
+        print_json(
+            {
+                "node_id": node_id,
+                "token_id": issued.token.token_id,
+                "token_file": str(token_file),
+                "was_retired": was_retired,
+                "in_fleet_file": in_fleet,
+                "fleet_file": str(context.fleet_file),
+                "node_config": config,
+            },
+            out,
+        )
+        return EXIT_OK
+    print(
+        f"Wrote node token {issued.token.token_id} for node {node_id!r} to {token_file}", file=out
+    )
+    if was_retired:
+        print(f"Node {node_id!r} was retired: it is admitted again.", file=out)
+    print(
+        f"\nCopy {token_file} and the node's certificates to its host, and put this in its "
+        "settings file (configs/node.yaml has every other key):\n",
+        file=out,
+    )
+    print(_snippet(config), file=out)
+    if edge is None:
+        print(
+            "\n(EDGE_HOST: the address the node dials the edge at; --edge HOST:PORT sets it)",
+            file=out,
+        )
+    if in_fleet:
+        print(f"\n{context.fleet_file} lists {node_id!r}: it can register now.", file=out)
+    else:
+        print(
+            f"\n{context.fleet_file} does not list {node_id!r} yet: add it under nodes: with its "
+            f"providers (and them under a model), then `{_PROG} config reload`:\n\n"
+            f"  - id: {node_id}\n    providers:\n      - id: {node_id}-mock\n        type: mock\n"
+            f"        category: api\n        models: [mock-small]",
+            file=out,
+        )
+    return EXIT_OK
+
+
+# --- node retire -----------------------------------------------------------------------
+
+
+async def retire_node(
+    store: CredentialStore,
+    context: NodeContext,
+    out: TextIO,
+    err: TextIO,
+    node_id: str,
+    *,
+    as_json: bool = False,
+) -> int:
+    """Take ``node_id`` out of the fleet: retired in the database (its providers leave the
+    served config, its registrations are refused), every live token revoked, and the
+    running server told to reload, which pushes both to the edges: they drop its
+    connection and their catalogs forget its providers."""
+    now = datetime.now(UTC)
+    tokens = [t for t in await store.list_node_tokens() if t.node_id == node_id]
+    fleet = _fleet(context.fleet_file, err)
+    in_fleet = fleet is not None and fleet.node(node_id) is not None
+    states = await store.node_states()
+    if not tokens and not in_fleet and node_id not in states:
+        return _fail(err, f"no node {node_id!r}: no token, not in {context.fleet_file}")
+    retired_at = await store.retire_node(node_id, now)
+    revoked = [t.token_id for t in tokens if not t.revoked]
+    for token_id in revoked:
+        await store.revoke_node_token(token_id, now)
+    pid = signal_reload(context.pid_file)
+    if as_json:
+        print_json(
+            {
+                "node_id": node_id,
+                "retired_at": json_time(retired_at),
+                "revoked_token_ids": revoked,
+                "reload_signalled_pid": pid,
+                "in_fleet_file": in_fleet,
+            },
+            out,
+        )
+        return EXIT_OK
+    again = "" if retired_at == now else f" (retired since {show_time(retired_at)})"
+    print(f"Retired node {node_id!r}{again}; revoked {len(revoked)} token(s).", file=out)
+    if pid is not None:
+        print(f"Reload signalled to pid {pid}: edges drop the node and its providers.", file=out)
+    else:
+        print(
+            f"No running control-plane found through {context.pid_file}: "
+            "it applies this when it starts.",
+            file=out,
+        )
+    if in_fleet:
+        print(
+            f"{context.fleet_file} still lists {node_id!r}; it stays retired, but remove it "
+            "(and its providers from models) when you next edit the file.",
+            file=out,
+        )
+    return EXIT_OK
+
+
+# --- node list -------------------------------------------------------------------------
+
+
+async def node_rows(store: CredentialStore, fleet: FleetSpec | None) -> list[dict[str, Any]]:
+    """Every node known to the fleet file, the tokens, the retirements or an edge's report."""
+    tokens = await store.list_node_tokens()
+    retired = await store.retired_nodes()
+    states = await store.node_states()
+    listed = [n.id for n in fleet.nodes] if fleet is not None else []
+    known = dict.fromkeys([*listed, *(t.node_id for t in tokens), *retired, *states])
+    rows = []
+    for node_id in known:
+        state = states.get(node_id)
+        if node_id in retired:
+            status = "retired"
+        elif state is None:
+            status = "never connected"
+        else:
+            status = "connected" if state.connected else "disconnected"
+        mine = [t for t in tokens if t.node_id == node_id]
+        rows.append(
+            {
+                "node_id": node_id,
+                "state": status,
+                "in_fleet_file": node_id in listed if fleet is not None else None,
+                "live_tokens": [t.token_id for t in mine if not t.revoked],
+                "revoked_tokens": [t.token_id for t in mine if t.revoked],
+                "retired_at": json_time(retired.get(node_id)),
+                "edge_id": state.edge_id if state else None,
+                "connected": state.connected if state else False,
+                "since": json_time(state.since) if state else None,
+                "peer_address": state.peer_address if state else None,
+                "detail": state.detail if state else None,
+                "reported_at": json_time(state.reported_at) if state else None,
+            }
+        )
+    return rows
+
+
+def _since(moment: str | None) -> str:
+    return show_time(datetime.fromisoformat(moment) if moment else None)
+
+
+async def list_nodes(
+    store: CredentialStore, context: NodeContext, out: TextIO, err: TextIO, *, as_json: bool
+) -> int:
+    rows = await node_rows(store, _fleet(context.fleet_file, err))
+    if as_json:
+        print_json(rows, out)
+        return EXIT_OK
+    if not rows:
+        print("No nodes.", file=out)
+        return EXIT_OK
+    cells = [
+        [
+            r["node_id"],
+            r["state"],
+            {True: "yes", False: "no", None: "?"}[r["in_fleet_file"]],
+            str(len(r["live_tokens"])),
+            r["edge_id"] or "-",
+            _since(r["retired_at"] or r["since"]),
+            r["peer_address"] or "-",
+            r["detail"] or "",
+        ]
+        for r in rows
+    ]
+    headers = ["NODE", "STATE", "IN_FLEET", "TOKENS", "EDGE", "SINCE", "FROM", "DETAIL"]
+    print(table(headers, cells), file=out)
+    return EXIT_OK
+
+
+# --- argument parsing ------------------------------------------------------------------
+
+
+def _node_id(text: str) -> str:
+    if not _NODE_ID.match(text):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a node id (lower-case letters, digits, - _)"
+        )
+    return text
+
+
+def _edge_address(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise argparse.ArgumentTypeError(f"{text!r} is not HOST:PORT")
+    return host.strip("[]"), int(port)
+
+
+_Handler = Callable[
+    [argparse.Namespace, CredentialStore, NodeContext, TextIO, TextIO], Awaitable[int]
+]
+
+
+async def _run_add(
+    args: argparse.Namespace, store: CredentialStore, ctx: NodeContext, out: TextIO, err: TextIO
+) -> int:
+    return await add_node(
+        store,
+        ctx,
+        out,
+        err,
+        args.node_id,
+        output=args.output,
+        edge=args.edge,
+        force=args.force,
+        as_json=args.json,
+    )
+
+
+async def _run_retire(
+    args: argparse.Namespace, store: CredentialStore, ctx: NodeContext, out: TextIO, err: TextIO
+) -> int:
+    return await retire_node(store, ctx, out, err, args.node_id, as_json=args.json)
+
+
+async def _run_list(
+    args: argparse.Namespace, store: CredentialStore, ctx: NodeContext, out: TextIO, err: TextIO
+) -> int:
+    return await list_nodes(store, ctx, out, err, as_json=args.json)
+
+
+def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Register ``node add|retire|list`` on the console script's sub-command parser."""
+    node = subparsers.add_parser(
+        "node", help="add, retire or list nodes (on the control-plane's host)", description=WHERE
+    )
+    actions = node.add_subparsers(dest="node_action", metavar="ACTION", required=True)
+    add = actions.add_parser(
+        "add",
+        help="issue a node's token to a file and print its settings to copy",
+        description=f"{WHERE} A retired node is admitted again.",
+    )
+    add.add_argument("node_id", type=_node_id, metavar="ID")
+    add.add_argument("--output", type=Path, metavar="TOKEN_FILE", help="default: ./ID.token")
+    add.add_argument("--force", action="store_true", help="replace TOKEN_FILE if it exists")
+    add.add_argument(
+        "--edge", type=_edge_address, metavar="HOST:PORT", help="where the node dials the edge"
+    )
+    add.set_defaults(**{_HANDLER: _run_add})
+    retire = actions.add_parser(
+        "retire",
+        help="take a node out of the fleet: tokens revoked, edges drop it and its providers",
+        description=f"{WHERE} `node add ID` admits it again.",
+    )
+    retire.add_argument("node_id", type=_node_id, metavar="ID")
+    retire.set_defaults(**{_HANDLER: _run_retire})
+    listing = actions.add_parser(
+        "list",
+        help="every node: state (connected, disconnected, retired), tokens, fleet file",
+        description=f"{WHERE} The state is the last one an edge reported over its control "
+        "link (with its time), also while the server is down.",
+    )
+    listing.set_defaults(**{_HANDLER: _run_list})
+    for parser in (add, retire, listing):
+        parser.add_argument("--json", action="store_true", help="print JSON")
+
+
+def is_node_command(args: argparse.Namespace) -> bool:
+    return getattr(args, _HANDLER, None) is not None
+
+
+async def run_command(
+    args: argparse.Namespace, store: CredentialStore, context: NodeContext, out: TextIO, err: TextIO
+) -> int:
+    handler: _Handler | None = getattr(args, _HANDLER, None)
+    if handler is None:
+        raise ValueError("args do not name a node command (see add_commands)")
+    return await handler(args, store, context, out, err)

@@ -1,0 +1,60 @@
+"""How the operator's commands print: tables, times, JSON, and secret files.
+
+Shared by the credential commands (``cli``) and the node commands (``node_commands``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, TextIO
+
+
+def show_time(moment: datetime | None) -> str:
+    return "-" if moment is None else moment.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%SZ")
+
+
+def json_time(moment: datetime | None) -> str | None:
+    return None if moment is None else moment.astimezone(UTC).isoformat()
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(cell) for cell in column) for column in zip(headers, *rows, strict=True)]
+    lines = [
+        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        for row in (headers, *rows)
+    ]
+    return "\n".join(lines)
+
+
+def print_json(value: Any, out: TextIO) -> None:
+    print(json.dumps(value, indent=2), file=out)
+
+
+def write_secret_file(path: Path, secret: str, *, force: bool) -> None:
+    """Write ``secret`` and a newline to ``path``, mode 0600 from its first byte.
+
+    Without ``force`` an existing file is refused (``FileExistsError``): it may hold the
+    token a running node uses. With it, a temporary file is renamed over the old one, so
+    a node reading it never sees half a token.
+    """
+    data = f"{secret}\n".encode()
+    if not force:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as handle:
+            os.fchmod(handle.fileno(), 0o600)  # whatever the umask made of it
+            handle.write(data)
+        return
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            os.fchmod(handle.fileno(), 0o600)
+            handle.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
