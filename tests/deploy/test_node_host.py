@@ -161,9 +161,12 @@ def test_health_restart_and_start_order() -> None:
     admin_port = yaml.safe_load((HOST_DIR / "node.yaml").read_text())["admin"]["port"]
     assert f"127.0.0.1:{admin_port}/healthz" in " ".join(node["healthcheck"]["test"])
     assert node["ports"] == [f"127.0.0.1:{admin_port}:{admin_port}"]
+    # Each provider only when its profile is on: the node waits for those that start.
     assert node["depends_on"] == {
-        "ollama": {"condition": "service_healthy"},
-        "ollama-pull": {"condition": "service_completed_successfully"},
+        "llamacpp": {"condition": "service_healthy", "required": False},
+        "ollama": {"condition": "service_healthy", "required": False},
+        "ollama-pull": {"condition": "service_completed_successfully", "required": False},
+        "vllm": {"condition": "service_healthy", "required": False},
     }
     for name, service in found.items():
         if name == "ollama-pull":
@@ -171,7 +174,18 @@ def test_health_restart_and_start_order() -> None:
         else:
             assert service["restart"] == "unless-stopped", name
             assert "healthcheck" in service, name
-    assert found["vllm"]["profiles"] == ["gpu"]
     devices = found["vllm"]["deploy"]["resources"]["reservations"]["devices"]
     assert any(d["driver"] == "nvidia" and "gpu" in d["capabilities"] for d in devices)
-    assert "profiles" not in found["ollama"]
+
+
+def test_only_the_providers_asked_for_start() -> None:
+    """One profile per provider (vLLM also under `gpu`, as in the full stack); the node has
+    none, so `up` with no profile starts the node alone (its mock providers)."""
+    profiles = {name: service.get("profiles") for name, service in services().items()}
+    assert profiles == {
+        "node": None,
+        "llamacpp": ["llamacpp"],
+        "ollama": ["ollama"],
+        "ollama-pull": ["ollama"],
+        "vllm": ["vllm", "gpu"],
+    }
