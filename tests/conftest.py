@@ -91,11 +91,14 @@ class Stack:
         default_factory=dict
     )
 
-    async def start(self, name: str, wrapper: Sequence[str] = ()) -> RunningService:
+    async def start(
+        self, name: str, wrapper: Sequence[str] = (), env: dict[str, str] | None = None
+    ) -> RunningService:
         """Start (or start again) a service from its settings file in the stack's root;
-        ``wrapper`` execs it (``Namespace.wrapper``: inside a network namespace)."""
+        ``wrapper`` execs it (``Namespace.wrapper``: inside a network namespace); ``env``:
+        ``IOP_*`` overrides of its settings."""
         script = SCRIPTS.get(name, "iop-node")
-        context = running_service(script, self.root / f"{name}.yaml", wrapper=wrapper)
+        context = running_service(script, self.root / f"{name}.yaml", env=env, wrapper=wrapper)
         service = await context.__aenter__()
         self._running[name] = context
         self.services[name] = service

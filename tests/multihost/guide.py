@@ -41,6 +41,8 @@ _HEREDOC = re.compile(r"<<-?\s*'?(\w+)'?")
 _ONLY = re.compile(r"#\s*hosts?\s+([\d, ]+)\s*$")  # "# host 1", "# hosts 2, 3": who runs it
 _SUDO = re.compile(r"\bsudo (?:-u \S+ )?")
 _VAR = re.compile(r"^(HOST\d)=\S+", re.M)
+# A host's own directory where a settings file names it (not inside a path already rewritten)
+_HOST_DIR = re.compile(r"(?<![\w.-])(/etc/iop|/var/lib/iop)(?=/|\b)")
 
 
 class GuideError(AssertionError):
@@ -115,6 +117,10 @@ class HostFiles:
         text = text.replace("/opt/iop", sys.prefix)
         text = _SUDO.sub("", text)
         return text.replace("-o iop -g iop ", "").replace("iop:iop", "root:root")
+
+    def rewrite_settings(self, text: str) -> str:
+        """A settings file copied here: the paths it names, on this host."""
+        return _HOST_DIR.sub(lambda m: str(self.root) + m.group(1), text)
 
     @property
     def checkout(self) -> Path:
@@ -286,7 +292,9 @@ class Guide:
         address, _, path = target.split("@", 1)[-1].partition(":")
         (receiver,) = [f for f in self._files.values() if f.host.address == address]
         for source in sources:
-            _copy(files.checkout, Path(files.rewrite(source)), receiver.rewrite(path))
+            into = _copy(files.checkout, Path(files.rewrite(source)), receiver.rewrite(path))
+            if into.suffix == ".yaml":
+                into.write_text(receiver.rewrite_settings(into.read_text()))
 
     async def close(self) -> None:
         for number, unit in reversed(list(self._stacks)):
@@ -312,13 +320,15 @@ def _read_unit(files: HostFiles, unit: str) -> tuple[str, Path, dict[str, str]]:
     return script.name, Path(argv[2]), env
 
 
-def _copy(cwd: Path, source: Path, target: str) -> None:
-    """scp's copy: into a directory when the target ends with '/', keeping the mode."""
+def _copy(cwd: Path, source: Path, target: str) -> Path:
+    """scp's copy: into a directory when the target ends with '/', keeping the mode; the
+    file written."""
     source = source if source.is_absolute() else cwd / source
     into = Path(target) / source.name if target.endswith("/") else Path(target)
     into.parent.mkdir(parents=True, exist_ok=True)
     into.write_bytes(source.read_bytes())
     into.chmod(source.stat().st_mode & 0o777)
+    return into
 
 
 def _unit_service_section(text: str) -> dict[str, str]:

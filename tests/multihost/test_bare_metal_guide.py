@@ -156,6 +156,10 @@ async def test_first_completion_on_three_hosts_following_the_guide(guide: Guide)
         return (nodes.get("node-a") or {}).get("state") == "connected"
 
     await eventually(connected, 30, seen)
+    # from host 2's address, as the edge saw the connection come
+    (node_a,) = seen
+    assert isinstance(node_a, dict)
+    assert node_a["peer_address"].startswith(f"{guide.network.host(2).address}:"), node_a
     record(
         {
             "before": {"manual_steps": BEFORE_STEPS, "seconds": BEFORE_SECONDS},
@@ -179,6 +183,9 @@ async def test_the_worker_joins_the_edge(guide: Guide) -> None:
 async def test_a_node_added_at_runtime_serves(guide: Guide) -> None:
     host1 = guide.network.host(1)
     await guide.run("add-node")
+    # Host 3's settings are the file `node add` wrote on host 1, copied as they were.
+    written = guide.files(1).root / "etc/iop/tokens/node-b.yaml"
+    assert "service_id: node-b" in written.read_text()
     await eventually(available(host1, "mock-small", "node-b-mock"), 30)
     status, answer = await chat(host1, "mock-small")
     assert status == 200, answer
@@ -221,7 +228,11 @@ async def test_a_retired_node_leaves_the_catalog_and_its_token_is_revoked(guide:
     # `node retire` alone, the fleet file still naming node-b: out at once.
     printed = await guide.run("retire")
     assert "Retired node 'node-b'" in printed
+    assert "Models left with no provider: mock-small." in printed
     await eventually(forgotten, 10, seen)
+    model = (await catalog(host1, "models"))["mock-small"]
+    assert model["available"] is False
+    assert "no provider serves it" in model["unavailable_reason"]
     listed = await guide.shell(1, control_plane_cli(guide, "token", "list", "--json"))
     tokens = [t for t in json.loads(listed) if t["node_id"] == "node-b"]
     assert tokens
@@ -231,7 +242,11 @@ async def test_a_retired_node_leaves_the_catalog_and_its_token_is_revoked(guide:
     # node-b, still running on host 3, dials again and is refused: it stays out.
     edge = guide.services[(1, "iop-edge")]
     await edge.wait_for_line("node node-b: retired, disconnecting it")
-    await edge.wait_for_line("refused node node-b at registration")
+    await edge.wait_for_line("refused node node-b at registration (node_retired)")
+    # and the node's own log says so, with what admits it again
+    line = await guide.services[(3, "iop-node")].wait_for_line("the edge refused")
+    assert "node 'node-b' is retired" in line
+    assert "node add node-b" in line
     assert await forgotten()
 
     await guide.run("retire-cleanup")

@@ -127,6 +127,16 @@ class Connection:
         return str(peername) if peername else "unknown"
 
     @property
+    def peer_address(self) -> str:
+        """The peer's network address, ``host:port`` (``[host]:port`` for IPv6), as the
+        socket sees it; ``peer_name`` is its certificate's name where there is one."""
+        peername = self._writer.get_extra_info("peername")
+        if not peername:
+            return "unknown"
+        host, port = peername[0], peername[1]
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+    @property
     def closed(self) -> bool:
         return self._closed.is_set()
 

@@ -54,7 +54,24 @@ async def run_json(
     return json.loads(out)
 
 
-async def test_add_writes_the_token_file_and_prints_the_node_settings(
+def expected_settings(node_id: str, edge: dict[str, object], token_file: str) -> dict[str, object]:
+    """The node's settings file, with the guide's paths on the node's host."""
+    return {
+        "service_id": node_id,
+        "admin": {"host": "127.0.0.1", "port": 9102},
+        "tls": {
+            "enabled": True,
+            "ca_file": "/etc/iop/certs/ca.pem",
+            "cert_file": f"/etc/iop/certs/{node_id}.pem",
+            "key_file": f"/etc/iop/certs/{node_id}.key",
+        },
+        "edge": edge,
+        "token_file": token_file,
+        "history_db": "/var/lib/iop/node/history.db",
+    }
+
+
+async def test_add_writes_the_token_file_and_prints_only_the_node_settings_file(
     store: SqliteCredentialStore, context: node_commands.NodeContext, tmp_path: Path
 ) -> None:
     path = tmp_path / "gpu-1.token"
@@ -68,21 +85,58 @@ async def test_add_writes_the_token_file_and_prints_the_node_settings(
     token = await store.find_node_token(hash_secret(secret))
     assert token is not None
     assert token.node_id == "gpu-1"
-    # The snippet is the node's settings file, as YAML a user can paste.
-    snippet = out.split("key):\n\n", 1)[1].split("\n\n", 1)[0]
-    assert yaml.safe_load(snippet) == {
-        "service_id": "gpu-1",
-        "edge": {"host": "10.0.0.1", "port": 7000},
-        "token_file": str(path),
-        "tls": {
-            "enabled": True,
-            "ca_file": "certs/ca.pem",
-            "cert_file": "certs/gpu-1.pem",
-            "key_file": "certs/gpu-1.key",
-        },
+    # stdout is the settings file, all of it YAML (`node add ... > node.yaml` saves it),
+    # with the node host's paths; the rest is on stderr.
+    edge = {"host": "10.0.0.1", "port": 7000}
+    assert yaml.safe_load(out) == expected_settings("gpu-1", edge, "/etc/iop/certs/gpu-1.token")
+    assert "--san edge=IP:10.0.0.1" in out  # the hint for dialling the edge by address
+    assert "It lists gpu-1 with: gpu-1-mock (mock)" in out
+    assert "lists 'gpu-1': it can register now" in err
+    assert str(path) in err
+
+
+async def test_add_writes_the_node_settings_file_with_the_node_host_s_paths(
+    store: SqliteCredentialStore, context: node_commands.NodeContext, tmp_path: Path
+) -> None:
+    config = tmp_path / "gpu-1.yaml"
+    argv = ["add", "gpu-1", "--output", str(tmp_path / "t"), "--config-output", str(config)]
+    code, out, err = await run(
+        store, context, *argv, "--edge", "edge.example:7443", "--node-certs-dir", "/srv/iop"
+    )
+    assert code == 0, err
+    assert f"settings file to {config}" in out
+    assert "service_id" not in out
+    edge = {"host": "edge.example", "port": 7443}
+    expected = expected_settings("gpu-1", edge, "/srv/iop/gpu-1.token")
+    expected["tls"] = {
+        "enabled": True,
+        "ca_file": "/srv/iop/ca.pem",
+        "cert_file": "/srv/iop/gpu-1.pem",
+        "key_file": "/srv/iop/gpu-1.key",
     }
-    assert "--san edge=IP:10.0.0.1" in snippet  # the hint for dialling the edge by address
-    assert "lists 'gpu-1': it can register now" in out
+    assert yaml.safe_load(config.read_text()) == expected
+    assert stat.S_IMODE(config.stat().st_mode) == 0o644  # no secret in it
+    # Not overwritten without --force; the token path on the node's host is its own option.
+    code, _, err = await run(store, context, *argv, "--edge", "edge.example:7443")
+    assert code == 1
+    assert f"{config} exists" in err
+    code, _, err = await run(
+        store, context, *argv, "--edge", "h:1", "--force", "--node-token-path", "/run/t"
+    )
+    assert code == 0, err
+    assert yaml.safe_load(config.read_text())["token_file"] == "/run/t"
+
+
+async def test_add_writes_no_settings_file_without_the_edge(
+    store: SqliteCredentialStore, context: node_commands.NodeContext, tmp_path: Path
+) -> None:
+    config = tmp_path / "gpu-1.yaml"
+    argv = ["add", "gpu-1", "--output", str(tmp_path / "t"), "--config-output", str(config)]
+    code, _, err = await run(store, context, *argv)
+    assert code == 1
+    assert "--edge" in err
+    assert not config.exists()
+    assert await store.list_node_tokens() == []
 
 
 async def test_add_of_a_node_the_fleet_lacks_says_what_to_add(
@@ -91,10 +145,16 @@ async def test_add_of_a_node_the_fleet_lacks_says_what_to_add(
     added = await run_json(store, context, "add", "gpu-2", "--output", str(tmp_path / "t"))
     assert added["in_fleet_file"] is False
     assert added["node_config"]["edge"] == {"host": "EDGE_HOST", "port": 7000}
-    code, out, _ = await run(store, context, "add", "gpu-2", "--output", str(tmp_path / "u"))
+    code, out, err = await run(store, context, "add", "gpu-2", "--output", str(tmp_path / "u"))
     assert code == 0
-    assert "does not list 'gpu-2' yet" in out
-    assert "config reload" in out
+    assert "does not list 'gpu-2' yet" in err
+    assert "config reload" in err
+    # The settings file's last comment is the fleet entry to add, as YAML once uncommented.
+    example = out.split("e.g.\n", 1)[1]
+    entry = yaml.safe_load("\n".join(line[1:] for line in example.splitlines()))
+    assert entry[0]["id"] == "gpu-2"
+    assert entry[0]["providers"][0]["type"] == "mock"
+    assert yaml.safe_load(out)["edge"] == {"host": "EDGE_HOST", "port": 7000}
 
 
 async def test_add_refuses_to_overwrite_a_token_file(
@@ -116,6 +176,7 @@ async def test_retire_revokes_every_token_and_add_admits_the_node_again(
         await run_json(store, context, "add", "gpu-1", "--output", str(tmp_path / name))
     retired = await run_json(store, context, "retire", "gpu-1")
     assert len(retired["revoked_token_ids"]) == 2
+    assert retired["models_without_provider"] == ["m"]  # gpu-1 was its only provider
     assert retired["reload_signalled_pid"] is None  # no server runs here
     assert retired["in_fleet_file"] is True
     assert all(t.revoked for t in await store.list_node_tokens())
@@ -127,6 +188,7 @@ async def test_retire_revokes_every_token_and_add_admits_the_node_again(
     assert code == 0
     assert "retired since" in out  # a repeat keeps the first time
     assert "still lists 'gpu-1'" in out
+    assert "Models left with no provider: m." in out
 
     added = await run_json(store, context, "add", "gpu-1", "--output", str(tmp_path / "c"))
     assert added["was_retired"] is True

@@ -82,3 +82,17 @@ def test_identity_is_checked_before_the_token(fleet: FleetSpec) -> None:
     """A caller without the node's certificate learns nothing about a token's validity."""
     decision = authorize("node-a", "intruder", None, fleet)
     assert decision.refusal is Refusal.IDENTITY_MISMATCH
+
+
+@pytest.mark.parametrize("state", ["revoked", "live", "none"])
+def test_a_retired_node_is_refused_as_retired_whatever_its_token(
+    fleet: FleetSpec, token: NodeToken, state: str
+) -> None:
+    """`node retire` revokes the node's tokens too: the refusal says why it really is
+    out, and what admits it again, not that its token was revoked."""
+    presented = {"revoked": token.revoke(NOW), "live": token, "none": None}[state]
+    decision = authorize("node-a", "node-a", presented, fleet, retired={"node-a"})
+    assert decision.refusal is Refusal.RETIRED
+    assert "node 'node-a' is retired" in decision.reason
+    assert "iop-control-plane node add node-a" in decision.reason
+    assert "revoked" not in decision.reason.replace("node retire", "")

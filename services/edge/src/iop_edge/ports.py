@@ -188,8 +188,8 @@ class Catalog(Protocol):
 
     def model_views(self, key: ApiKeyEntry | None = None) -> list[dict[str, Any]]:
         """``/iop/v1/catalog/models`` rows: id, display_name, providers,
-        available_providers, operations (what some provider of it offers), queued; only
-        the models ``key`` may use, when given."""
+        available_providers, available (and unavailable_reason when not), operations (what
+        some provider of it offers), queued; only the models ``key`` may use, when given."""
         ...
 
     def any_available(self) -> bool:

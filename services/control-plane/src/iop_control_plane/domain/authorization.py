@@ -51,7 +51,8 @@ def authorize(
 ) -> Decision:
     """Decide a registration of ``node_id`` presenting ``token`` over a certificate.
 
-    A retired node is refused even with a valid token: ``node add`` admits it again.
+    A retired node is refused as retired, whatever its token (``node retire`` revoked
+    them): ``node add`` admits it again. The certificate already proved which node it is.
     """
     if not node_id or not certificate_identity:
         return _refuse(Refusal.MALFORMED, "node id and certificate identity are required")
@@ -59,6 +60,14 @@ def authorize(
         return _refuse(
             Refusal.IDENTITY_MISMATCH,
             f"certificate identity {certificate_identity!r} does not match node id {node_id!r}",
+        )
+    if node_id in retired:
+        # Before the token: retiring revoked its tokens, and "revoked" would hide why.
+        return _refuse(
+            Refusal.RETIRED,
+            f"node {node_id!r} is retired (`iop-control-plane node retire`): "
+            f"`iop-control-plane node add {node_id}` on the control-plane's host admits it "
+            "again, with a new token",
         )
     if token is None:
         return _refuse(Refusal.UNKNOWN_TOKEN, f"the token presented by {node_id!r} is not known")
@@ -68,11 +77,6 @@ def authorize(
         return _refuse(
             Refusal.OTHER_NODE,
             f"token {token.token_id} was issued for node {token.node_id!r}, not {node_id!r}",
-        )
-    if node_id in retired:
-        return _refuse(
-            Refusal.RETIRED,
-            f"node {node_id!r} was retired (`iop-control-plane node add {node_id}` admits it)",
         )
     node = fleet.node(node_id)
     if node is None:

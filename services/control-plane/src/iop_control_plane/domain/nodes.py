@@ -14,8 +14,11 @@ down (then it is the last state reported, with its time).
 
 from __future__ import annotations
 
+from collections.abc import Container
 from dataclasses import dataclass
 from datetime import datetime
+
+from iop_control_plane.domain.fleet import FleetSpec
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,3 +33,14 @@ class NodeState:
     peer_address: str
     detail: str
     reported_at: datetime
+
+
+def unserved_models(fleet: FleetSpec, retired: Container[str]) -> list[str]:
+    """The fleet's models each of whose providers is on a retired node: the catalog shows
+    them with no provider until the fleet file gives them one or drops them."""
+
+    def served(provider_id: str) -> bool:
+        found = fleet.provider(provider_id)
+        return found is not None and found[0].id not in retired
+
+    return [model.id for model in fleet.models if not any(map(served, model.providers))]

@@ -1,6 +1,7 @@
 """The operator's node lifecycle commands: add, retire and list nodes.
 
-    node add ID [--output TOKEN_FILE] [--edge HOST:PORT]   a token file and the config to copy
+    node add ID [--output TOKEN_FILE] [--config-output FILE] [--edge HOST:PORT]
+                                                            a token file, the node's settings file
     node retire ID                                          out of the fleet, tokens revoked
     node list                                               tokens, fleet, connection state
     (each takes --json)
@@ -19,7 +20,7 @@ import os
 import re
 import signal
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TextIO
@@ -27,20 +28,25 @@ from typing import Any, TextIO
 from iop_control_plane.adapters.fleet_file import load_fleet_file
 from iop_control_plane.domain.credentials import new_node_token
 from iop_control_plane.domain.fleet import FleetSpec
+from iop_control_plane.domain.nodes import unserved_models
+from iop_control_plane.entrypoints.node_config import (
+    NODE_CERTS_DIR,
+    NodeHostPaths,
+    node_settings,
+    render,
+)
 from iop_control_plane.entrypoints.output import (
     json_time,
     print_json,
     show_time,
     table,
-    write_secret_file,
+    write_file,
 )
 from iop_control_plane.errors import CredentialError, FleetConfigError
 from iop_control_plane.ports import CredentialStore
-from iop_proto.tls_explain import is_address
 
 EXIT_OK = 0
 EXIT_FAILED = 1
-DEFAULT_EDGE_PORT = 7000  # the edge's node_listener port in configs/edge.yaml
 _PROG = "iop-control-plane"
 _NODE_ID = re.compile(r"^[a-z0-9]([a-z0-9_-]{0,61}[a-z0-9])?$")  # the fleet file's ids
 _HANDLER = "node_command"
@@ -86,39 +92,15 @@ def _fail(err: TextIO, message: str) -> int:
 # --- node add --------------------------------------------------------------------------
 
 
-def node_config(node_id: str, edge: tuple[str, int], token_file: Path) -> dict[str, Any]:
-    """The keys of the node's settings file that tie it to this fleet (configs/node.yaml)."""
-    return {
-        "service_id": node_id,
-        "edge": {"host": edge[0], "port": edge[1]},
-        "token_file": str(token_file),
-        "tls": {
-            "enabled": True,
-            "ca_file": "certs/ca.pem",
-            "cert_file": f"certs/{node_id}.pem",
-            "key_file": f"certs/{node_id}.key",
-        },
-    }
+@dataclass(frozen=True, slots=True)
+class AddOptions:
+    """Where ``node add`` writes, and what the node's settings file says."""
 
-
-def _snippet(config: dict[str, Any]) -> str:
-    edge, tls = config["edge"], config["tls"]
-    lines = [
-        f"service_id: {config['service_id']}",
-        "edge:",
-        f"  host: {edge['host']}",
-        f"  port: {edge['port']}",
-    ]
-    if is_address(edge["host"]):
-        lines.append(
-            "  # server_name: edge   # only if the edge's certificate does not name "
-            f"IP:{edge['host']} (devcerts --san edge=IP:{edge['host']} makes it)"
-        )
-    lines += [f"token_file: {config['token_file']}", "tls:"]
-    lines += [
-        f"  {key}: {str(value).lower() if value is True else value}" for key, value in tls.items()
-    ]
-    return "\n".join(lines)
+    output: Path | None = None  # the token, on this host; default ./ID.token
+    config_output: Path | None = None  # the node's settings file; default: stdout
+    edge: tuple[str, int] | None = None
+    paths: NodeHostPaths = field(default_factory=NodeHostPaths)
+    force: bool = False
 
 
 async def add_node(
@@ -127,75 +109,89 @@ async def add_node(
     out: TextIO,
     err: TextIO,
     node_id: str,
+    options: AddOptions = AddOptions(),
     *,
-    output: Path | None = None,
-    edge: tuple[str, int] | None = None,
-    force: bool = False,
     as_json: bool = False,
 ) -> int:
-    """Admit ``node_id`` (again, if it was retired), write a new token to a file and print
-    the node's settings to copy, and whether the fleet file lists it yet.
+    """Admit ``node_id`` (again, if it was retired), write a new token to a file and the
+    node's settings file (with the node host's paths) to another or to ``out``.
 
-    The fleet file is not edited: the node's providers are the operator's to write, and
-    rewriting a commented YAML file would lose what the operator wrote around them.
+    Printed without ``--config-output``, ``out`` gets the settings file alone (YAML), what
+    else there is to say goes to ``err``: ``node add ID > node.yaml`` saves it. The fleet
+    file is not edited: the node's providers are the operator's to write, and rewriting a
+    commented YAML file would lose what the operator wrote around them.
     """
-    token_file = output or Path(f"{node_id}.token")
-    issued = new_node_token(node_id, datetime.now(UTC))
-    try:
-        await asyncio.to_thread(write_secret_file, token_file, issued.plaintext, force=force)
-    except FileExistsError:
-        return _fail(err, f"{token_file} exists; --force replaces it (a node using it stops)")
-    except OSError as exc:
-        return _fail(err, f"cannot write the token to {token_file}: {exc}")
-    try:
-        await store.add_node_token(issued.token)
-    except CredentialError as exc:
-        await asyncio.to_thread(token_file.unlink, missing_ok=True)
-        return _fail(err, str(exc))
-    was_retired = await store.unretire_node(node_id)
+    if options.config_output is not None and options.edge is None:
+        return _fail(err, "--config-output needs --edge HOST:PORT: where the node dials the edge")
+    token_file = options.output or Path(f"{node_id}.token")
+    now = datetime.now(UTC)
     fleet = _fleet(context.fleet_file, err)
-    in_fleet = fleet is not None and fleet.node(node_id) is not None
-    config = node_config(node_id, edge or ("EDGE_HOST", DEFAULT_EDGE_PORT), token_file)
+    node = fleet.node(node_id) if fleet is not None else None
+    settings = node_settings(node_id, options.edge, options.paths)
+    text = render(settings, issued_at=now, fleet_file=context.fleet_file, node=node)
+    config_file = options.config_output
+    if config_file is not None:
+        failed = await _write(err, config_file, text, options.force, 0o644, "the settings")
+        if failed:
+            return failed
+    issued = new_node_token(node_id, now)
+    failed = await _write(
+        err, token_file, f"{issued.plaintext}\n", options.force, 0o600, "the token"
+    )
+    if not failed:
+        try:
+            await store.add_node_token(issued.token)
+        except CredentialError as exc:
+            await asyncio.to_thread(token_file.unlink, missing_ok=True)
+            failed = _fail(err, str(exc))
+    if failed:
+        if config_file is not None:
+            await asyncio.to_thread(config_file.unlink, missing_ok=True)
+        return failed
+    was_retired = await store.unretire_node(node_id)
     if as_json:
         print_json(
             {
                 "node_id": node_id,
                 "token_id": issued.token.token_id,
                 "token_file": str(token_file),
+                "config_file": None if config_file is None else str(config_file),
                 "was_retired": was_retired,
-                "in_fleet_file": in_fleet,
+                "in_fleet_file": node is not None,
                 "fleet_file": str(context.fleet_file),
-                "node_config": config,
+                "node_config": settings,
             },
             out,
         )
         return EXIT_OK
-    print(
-        f"Wrote node token {issued.token.token_id} for node {node_id!r} to {token_file}", file=out
-    )
+    notes = err if config_file is None else out  # stdout: the settings file alone
+    written = "" if config_file is None else f" and its settings file to {config_file}"
+    print(f"Wrote the token of node {node_id!r} to {token_file}{written}.", file=notes)
+    if config_file is None:
+        print(text, end="", file=out)
     if was_retired:
-        print(f"Node {node_id!r} was retired: it is admitted again.", file=out)
+        print(f"Node {node_id!r} was retired: it is admitted again.", file=notes)
     print(
-        f"\nCopy {token_file} and the node's certificates to its host, and put this in its "
-        "settings file (configs/node.yaml has every other key):\n",
-        file=out,
+        f"On the node's host: the token goes to {settings['token_file']}, the settings file "
+        "to /etc/iop/node.yaml.",
+        file=notes,
     )
-    print(_snippet(config), file=out)
-    if edge is None:
-        print(
-            "\n(EDGE_HOST: the address the node dials the edge at; --edge HOST:PORT sets it)",
-            file=out,
-        )
-    if in_fleet:
-        print(f"\n{context.fleet_file} lists {node_id!r}: it can register now.", file=out)
-    else:
-        print(
-            f"\n{context.fleet_file} does not list {node_id!r} yet: add it under nodes: with its "
-            f"providers (and them under a model), then `{_PROG} config reload`:\n\n"
-            f"  - id: {node_id}\n    providers:\n      - id: {node_id}-mock\n        type: mock\n"
-            f"        category: api\n        models: [mock-small]",
-            file=out,
-        )
+    listed = f"lists {node_id!r}: it can register now"
+    if node is None:
+        listed = f"does not list {node_id!r} yet: add it under nodes: (the settings file's "
+        listed += f"last comment shows how), then `{_PROG} config reload`"
+    print(f"{context.fleet_file} {listed}.", file=notes)
+    return EXIT_OK
+
+
+async def _write(err: TextIO, path: Path, text: str, force: bool, mode: int, what: str) -> int:
+    """Write a file ``add_node`` makes; EXIT_OK, or EXIT_FAILED said on ``err``."""
+    try:
+        await asyncio.to_thread(write_file, path, text, force=force, mode=mode)
+    except FileExistsError:
+        return _fail(err, f"{path} exists; --force replaces it (a node using it stops)")
+    except OSError as exc:
+        return _fail(err, f"cannot write {what} to {path}: {exc}")
     return EXIT_OK
 
 
@@ -227,6 +223,7 @@ async def retire_node(
     for token_id in revoked:
         await store.revoke_node_token(token_id, now)
     pid = signal_reload(context.pid_file)
+    orphans = unserved_models(fleet, await store.retired_nodes()) if fleet else []
     if as_json:
         print_json(
             {
@@ -235,6 +232,7 @@ async def retire_node(
                 "revoked_token_ids": revoked,
                 "reload_signalled_pid": pid,
                 "in_fleet_file": in_fleet,
+                "models_without_provider": orphans,
             },
             out,
         )
@@ -253,6 +251,12 @@ async def retire_node(
         print(
             f"{context.fleet_file} still lists {node_id!r}; it stays retired, but remove it "
             "(and its providers from models) when you next edit the file.",
+            file=out,
+        )
+    if orphans:
+        print(
+            f"Models left with no provider: {', '.join(orphans)}. The catalog shows them "
+            f"unavailable until {context.fleet_file} gives them a provider or drops them.",
             file=out,
         )
     return EXIT_OK
@@ -355,17 +359,9 @@ _Handler = Callable[
 async def _run_add(
     args: argparse.Namespace, store: CredentialStore, ctx: NodeContext, out: TextIO, err: TextIO
 ) -> int:
-    return await add_node(
-        store,
-        ctx,
-        out,
-        err,
-        args.node_id,
-        output=args.output,
-        edge=args.edge,
-        force=args.force,
-        as_json=args.json,
-    )
+    paths = NodeHostPaths(args.node_certs_dir, args.node_token_path)
+    options = AddOptions(args.output, args.config_output, args.edge, paths, args.force)
+    return await add_node(store, ctx, out, err, args.node_id, options, as_json=args.json)
 
 
 async def _run_retire(
@@ -388,14 +384,26 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
     actions = node.add_subparsers(dest="node_action", metavar="ACTION", required=True)
     add = actions.add_parser(
         "add",
-        help="issue a node's token to a file and print its settings to copy",
+        help="issue a node's token to a file, and its settings file to save on its host",
         description=f"{WHERE} A retired node is admitted again.",
     )
     add.add_argument("node_id", type=_node_id, metavar="ID")
-    add.add_argument("--output", type=Path, metavar="TOKEN_FILE", help="default: ./ID.token")
-    add.add_argument("--force", action="store_true", help="replace TOKEN_FILE if it exists")
+    for flag, metavar, text in (
+        ("--output", "TOKEN_FILE", "the token, on this host (default: ./ID.token)"),
+        ("--config-output", "FILE", "write the node's settings file there (needs --edge)"),
+        ("--node-token-path", "PATH", "the token on the node's host (default: DIR/ID.token)"),
+    ):
+        add.add_argument(flag, type=Path, metavar=metavar, help=text)
+    add.add_argument("--force", action="store_true", help="replace the files if they exist")
     add.add_argument(
         "--edge", type=_edge_address, metavar="HOST:PORT", help="where the node dials the edge"
+    )
+    add.add_argument(
+        "--node-certs-dir",
+        type=Path,
+        default=NODE_CERTS_DIR,
+        metavar="DIR",
+        help=f"where ca.pem, ID.pem and ID.key are on the node's host (default {NODE_CERTS_DIR})",
     )
     add.set_defaults(**{_HANDLER: _run_add})
     retire = actions.add_parser(

@@ -36,23 +36,29 @@ def print_json(value: Any, out: TextIO) -> None:
 
 
 def write_secret_file(path: Path, secret: str, *, force: bool) -> None:
-    """Write ``secret`` and a newline to ``path``, mode 0600 from its first byte.
+    """Write ``secret`` and a newline to ``path``, mode 0600 from its first byte
+    (``write_file``)."""
+    write_file(path, f"{secret}\n", force=force, mode=0o600)
+
+
+def write_file(path: Path, text: str, *, force: bool, mode: int) -> None:
+    """Write ``text`` to ``path`` with ``mode`` from its first byte.
 
     Without ``force`` an existing file is refused (``FileExistsError``): it may hold the
-    token a running node uses. With it, a temporary file is renamed over the old one, so
-    a node reading it never sees half a token.
+    token or the settings a running node uses. With it, a temporary file is renamed over
+    the old one, so a node reading it never sees half of it.
     """
-    data = f"{secret}\n".encode()
+    data = text.encode()
     if not force:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
         with os.fdopen(fd, "wb") as handle:
-            os.fchmod(handle.fileno(), 0o600)  # whatever the umask made of it
+            os.fchmod(handle.fileno(), mode)  # whatever the umask made of it
             handle.write(data)
         return
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
         with os.fdopen(fd, "wb") as handle:
-            os.fchmod(handle.fileno(), 0o600)
+            os.fchmod(handle.fileno(), mode)
             handle.write(data)
         os.replace(tmp, path)
     except BaseException:

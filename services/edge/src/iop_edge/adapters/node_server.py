@@ -7,8 +7,10 @@ routable while its connection lives; when the connection drops or goes silent
 unavailable at once and its runs end with an error.
 
 A refused peer is told only ``REFUSED``; why goes to the edge's log (and its
-counter). What a registered peer sends about runs, providers and leases is
-checked by ``PeerGuard`` (one rule for every message type).
+counter). A retired node is told that it is retired: its certificate proved which node
+it is, and its operator, reading its log, is who must act. What a registered peer sends
+about runs, providers and leases is checked by ``PeerGuard`` (one rule for every message
+type).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from iop_proto.v1 import runtime_pb2 as pb
 REFUSED = "registration refused (the edge's log says why)"
 """All a refused peer learns: which node a token belongs to, or whether the
 control-plane is up, is for the operator, not for whoever holds a certificate."""
+RETIRED = "node_retired"  # the control-plane's reason code for a retired node
 
 
 class Authorizer(Protocol):
@@ -265,8 +268,9 @@ class NodeServer:
         if refusal is not None or answer is None:
             self._metrics.registrations.labels("refused").inc()
             self._refuse("node", code, _who(request, identity), refusal or "refused")
+            told = refusal if code == RETIRED and conn.peer is not None and refusal else REFUSED
             await conn.send(
-                pb.RegisterResponse(accepted=False, reason=REFUSED),
+                pb.RegisterResponse(accepted=False, reason=told),
                 correlation_id=first.message_id,
             )
             await conn.close()
@@ -293,7 +297,7 @@ class NodeServer:
             correlation_id=first.message_id,
         )
         self._registry.node_connected(node, provider_reports(request.providers))
-        self.status.connected(node.node_id, node.token_id, conn.peer_name)
+        self.status.connected(node.node_id, node.token_id, conn.peer_address)
         self._metrics.registrations.labels("accepted").inc()
         logger.info(
             "node {} registered ({} providers)", node.node_id, len(answer.node_config.providers)

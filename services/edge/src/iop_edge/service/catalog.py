@@ -76,30 +76,38 @@ class PoolCatalog:
         return views
 
     def model_views(self, key: ApiKeyEntry | None = None) -> list[dict[str, Any]]:
-        providers = self._providers
         scope = key if _restricted(key) else None
         return [
-            {
-                "id": model.id,
-                "display_name": model.display_name,
-                "providers": dict(model.providers),
-                "available_providers": [
-                    p for p in model.providers if (slot := providers.slot(p)) and slot.usable
-                ],
-                # what some provider of it offers: any other is refused with a 400
-                "operations": _in_order(
-                    frozenset().union(
-                        *(slot.operations for p in model.providers if (slot := providers.slot(p)))
-                    )
-                ),
-                "queued": self._queues.queued(model.id),
-            }
+            self._model_view(model)
             for model in self._fleet.current.models.values()
             if scope is None or scope.allows(model.id)
         ]
 
+    def _model_view(self, model: ModelEntry) -> dict[str, Any]:
+        slots = [slot for p in model.providers if (slot := self._providers.slot(p))]
+        usable = [slot.provider_id for slot in slots if slot.usable]
+        return {
+            "id": model.id,
+            "display_name": model.display_name,
+            "providers": dict(model.providers),
+            "available_providers": usable,
+            # false with the reason: no provider at all (its nodes retired, say) is for the
+            # fleet file to fix; providers that are all down, for their nodes
+            "available": bool(usable),
+            "unavailable_reason": None if usable else _unavailable(model),
+            # what some provider of it offers: any other is refused with a 400
+            "operations": _in_order(frozenset().union(*(slot.operations for slot in slots))),
+            "queued": self._queues.queued(model.id),
+        }
+
     def any_available(self) -> bool:
         return any(slot.usable for slot in self._providers.slots())
+
+
+def _unavailable(model: ModelEntry) -> str:
+    if not model.providers:
+        return "no provider serves it: give it one in the fleet file, or drop it there"
+    return f"none of its {len(model.providers)} provider(s) is available now"
 
 
 def _in_order(operations: frozenset[Operation]) -> list[str]:
