@@ -29,6 +29,7 @@ import itertools
 import time
 from collections.abc import AsyncIterator
 from types import TracebackType
+from typing import Any
 
 from loguru import logger
 
@@ -178,17 +179,21 @@ class Connection:
     # ------------------------------------------------------------ sending
 
     def envelope(self, body: object, correlation_id: str = "") -> pb.Envelope:
-        """Wrap a body in a new envelope (its id is known before it is sent)."""
-        envelope = pb.Envelope(
-            message_id=f"{self._sender_id}-{next(self._ids)}",
-            correlation_id=correlation_id,
-            sent_at_unix_ms=int(time.time() * 1000),
-        )
+        """Wrap a body in a new envelope (its id is known before it is sent).
+
+        The body goes in as a constructor argument (protobuf copies it in C), not
+        by ``getattr(envelope, field).CopyFrom(body)``: two Python calls fewer a send.
+        """
         field = _BODY_FIELDS.get(type(body))
         if field is None:
             raise TypeError(f"{type(body).__name__} is not an Envelope body")
-        getattr(envelope, field).CopyFrom(body)
-        return envelope
+        oneof: dict[str, Any] = {field: body}  # the type checked just above
+        return pb.Envelope(
+            message_id=f"{self._sender_id}-{next(self._ids)}",
+            correlation_id=correlation_id,
+            sent_at_unix_ms=int(time.time() * 1000),
+            **oneof,
+        )
 
     async def send(
         self, body: object, *, correlation_id: str = "", defer: bool = False
