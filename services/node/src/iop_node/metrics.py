@@ -9,7 +9,15 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 from prometheus_client import Gauge as ClientGauge
 
-from iop_proto.loop_metrics import Child, Counter, Gauge, Histogram, Labelled
+from iop_proto.loop_metrics import (
+    Child,
+    Counter,
+    CounterChild,
+    Gauge,
+    GaugeChild,
+    Histogram,
+    Labelled,
+)
 
 _WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _SERVICE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
@@ -26,7 +34,8 @@ class NodeMetrics:
     runs: Counter
     tokens: Counter
     edge_connected: ClientGauge  # not per run: prometheus_client's
-    # (provider, metric, *other labels) -> the metric's child for them; see ``child``.
+    # (provider, metric, *other labels) -> the metric's child for them (``child``), or
+    # (provider, group name) -> a tuple of children (``load_of``, ``tokens_of``).
     _children: dict[tuple[Any, ...], Any] = field(default_factory=dict, init=False, repr=False)
 
     @classmethod
@@ -92,6 +101,29 @@ class NodeMetrics:
         found = self._children.get(key)
         if found is None:
             found = self._children[key] = metric.labels(provider_id, *labels)
+        return found
+
+    def load_of(self, provider_id: str) -> tuple[GaugeChild, GaugeChild, GaugeChild]:
+        """The provider's in-flight, queued and capacity gauges (set together once a run)."""
+        key = (provider_id, "load")
+        found: tuple[GaugeChild, GaugeChild, GaugeChild] | None = self._children.get(key)
+        if found is None:
+            found = self._children[key] = (
+                self.in_flight.labels(provider_id),
+                self.queued.labels(provider_id),
+                self.capacity.labels(provider_id),
+            )
+        return found
+
+    def tokens_of(self, provider_id: str) -> tuple[CounterChild, CounterChild]:
+        """The provider's prompt and completion token counters (counted together)."""
+        key = (provider_id, "tokens")
+        found: tuple[CounterChild, CounterChild] | None = self._children.get(key)
+        if found is None:
+            found = self._children[key] = (
+                self.tokens.labels(provider_id, "prompt"),
+                self.tokens.labels(provider_id, "completion"),
+            )
         return found
 
     def forget(self, provider_id: str) -> None:
