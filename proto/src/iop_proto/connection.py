@@ -167,7 +167,7 @@ class Connection:
         envelope = self.envelope(body, correlation_id)
         self._deferred.append(encode_frame(envelope, self.max_frame_size))
         if len(self._deferred) == 1:
-            asyncio.get_running_loop().call_soon(self._flush_deferred)
+            self._running_loop().call_soon(self._flush_deferred)
 
     async def abort(self, fault: ProtocolError) -> None:
         """Close because of a protocol fault, telling the peer why."""
@@ -213,7 +213,10 @@ class Connection:
         if defer:
             self._deferred.append(frame)
             if len(self._deferred) == 1:
-                asyncio.get_running_loop().call_soon(self._flush_deferred)
+                loop = self._loop
+                if loop is None:
+                    loop = self._running_loop()
+                loop.call_soon(self._flush_deferred)
         elif self._deferred:
             self._deferred.append(frame)
             self._flush_deferred()
@@ -221,6 +224,14 @@ class Connection:
             self._writer.write(frame)
         # Returns at once unless the peer is behind (transport above its high-water mark).
         await self._writer.drain()
+
+    def _running_loop(self) -> asyncio.AbstractEventLoop:
+        """The loop the connection is used on, kept: on Python 3.11 every
+        ``asyncio.get_running_loop()`` is a ``getpid`` system call."""
+        loop = self._loop
+        if loop is None:
+            loop = self._loop = asyncio.get_running_loop()
+        return loop
 
     def _flush_deferred(self) -> None:
         """Write the waiting frames as one buffer (a no-op when a send took them along)."""
@@ -296,7 +307,7 @@ class Connection:
         """
         loop = self._loop
         if loop is None:
-            loop = self._loop = asyncio.get_running_loop()
+            loop = self._running_loop()
         if self._frame_started is None:
             self._frame_started = loop.time()
         task = asyncio.current_task(loop)  # with the loop: a third of the cost without

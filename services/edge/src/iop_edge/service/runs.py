@@ -178,7 +178,7 @@ class EdgeRun:
             raise StopAsyncIteration
         events = self._events
         if not events:
-            self._waiter = asyncio.get_running_loop().create_future()
+            self._waiter = self._loop.create_future()
             try:
                 await self._waiter
             finally:
@@ -246,14 +246,14 @@ class EdgeRun:
         if not self.finished:
             self.finished = True
             self.outcome = outcome
-            self._ended_at = asyncio.get_running_loop().time()
+            self._ended_at = self._loop.time()
             self._timer.cancel()
             self._on_finish(self)
 
     def record(self) -> AttemptRecord:
         """This attempt for the run log."""
         outcome = self.outcome
-        end = self._ended_at or asyncio.get_running_loop().time()
+        end = self._ended_at or self._loop.time()
         if outcome is None:
             state, code = ("failed" if self.finished else "running"), ""
         elif isinstance(outcome, Completed):
