@@ -191,7 +191,7 @@ class Connection:
         return pb.Envelope(
             message_id=f"{self._sender_id}-{next(self._ids)}",
             correlation_id=correlation_id,
-            sent_at_unix_ms=int(time.time() * 1000),
+            sent_at_unix_ms=time.time_ns() // 1_000_000,
             **oneof,
         )
 

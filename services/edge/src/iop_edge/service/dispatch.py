@@ -291,7 +291,7 @@ class Dispatcher:
         now = asyncio.get_running_loop().time()
         if deadline is not None and deadline - now < timeout_s:
             timeout_s = deadline - now  # a retry ends when the request's time does
-        now_ms = int(time.time() * 1000)
+        now_ms = time.time_ns() // 1_000_000
         request = RunOrder(
             run_id=run_id,
             model=model.id,
