@@ -77,6 +77,7 @@ class EdgeRun:
         deadline_grace_s: float,
         started_ms: int = 0,
         guards: RunGuards = UNGUARDED,
+        loop: asyncio.AbstractEventLoop | None = None,  # the running one unless given
     ) -> None:
         self.run_id = run_id
         self.request = request
@@ -99,7 +100,7 @@ class EdgeRun:
         # the earliest guard; when it fires it judges them all and re-arms itself.
         self._timed_out: Failed | None = None
         self.unacknowledged = False  # failed for want of the node's acknowledgement
-        loop = self._loop = asyncio.get_running_loop()
+        loop = self._loop = loop or asyncio.get_running_loop()
         now = loop.time()
         self._opened_at = now
         self._ended_at = 0.0
