@@ -29,6 +29,7 @@ import itertools
 import time
 from collections.abc import AsyncIterator
 from types import TracebackType
+from typing import Any
 
 from loguru import logger
 
@@ -176,7 +177,7 @@ class Connection:
         envelope = self.envelope(body, correlation_id)
         self._deferred.append(encode_frame(envelope, self.max_frame_size))
         if len(self._deferred) == 1:
-            asyncio.get_running_loop().call_soon(self._flush_deferred)
+            self._running_loop().call_soon(self._flush_deferred)
 
     async def abort(self, fault: ProtocolError) -> None:
         """Close because of a protocol fault, telling the peer why."""
@@ -188,17 +189,21 @@ class Connection:
     # ------------------------------------------------------------ sending
 
     def envelope(self, body: object, correlation_id: str = "") -> pb.Envelope:
-        """Wrap a body in a new envelope (its id is known before it is sent)."""
-        envelope = pb.Envelope(
-            message_id=f"{self._sender_id}-{next(self._ids)}",
-            correlation_id=correlation_id,
-            sent_at_unix_ms=int(time.time() * 1000),
-        )
+        """Wrap a body in a new envelope (its id is known before it is sent).
+
+        The body goes in as a constructor argument (protobuf copies it in C), not
+        by ``getattr(envelope, field).CopyFrom(body)``: two Python calls fewer a send.
+        """
         field = _BODY_FIELDS.get(type(body))
         if field is None:
             raise TypeError(f"{type(body).__name__} is not an Envelope body")
-        getattr(envelope, field).CopyFrom(body)
-        return envelope
+        oneof: dict[str, Any] = {field: body}  # the type checked just above
+        return pb.Envelope(
+            message_id=f"{self._sender_id}-{next(self._ids)}",
+            correlation_id=correlation_id,
+            sent_at_unix_ms=time.time_ns() // 1_000_000,
+            **oneof,
+        )
 
     async def send(
         self, body: object, *, correlation_id: str = "", defer: bool = False
@@ -218,7 +223,10 @@ class Connection:
         if defer:
             self._deferred.append(frame)
             if len(self._deferred) == 1:
-                asyncio.get_running_loop().call_soon(self._flush_deferred)
+                loop = self._loop
+                if loop is None:
+                    loop = self._running_loop()
+                loop.call_soon(self._flush_deferred)
         elif self._deferred:
             self._deferred.append(frame)
             self._flush_deferred()
@@ -226,6 +234,14 @@ class Connection:
             self._writer.write(frame)
         # Returns at once unless the peer is behind (transport above its high-water mark).
         await self._writer.drain()
+
+    def _running_loop(self) -> asyncio.AbstractEventLoop:
+        """The loop the connection is used on, kept: on Python 3.11 every
+        ``asyncio.get_running_loop()`` is a ``getpid`` system call."""
+        loop = self._loop
+        if loop is None:
+            loop = self._loop = asyncio.get_running_loop()
+        return loop
 
     def _flush_deferred(self) -> None:
         """Write the waiting frames as one buffer (a no-op when a send took them along)."""
@@ -301,7 +317,7 @@ class Connection:
         """
         loop = self._loop
         if loop is None:
-            loop = self._loop = asyncio.get_running_loop()
+            loop = self._running_loop()
         if self._frame_started is None:
             self._frame_started = loop.time()
         task = asyncio.current_task(loop)  # with the loop: a third of the cost without

@@ -59,11 +59,13 @@ def encode_frame(envelope: pb.Envelope, max_frame_size: int = DEFAULT_MAX_FRAME_
     return HEADER.pack(len(payload)) + payload
 
 
-def decode_payload(payload: bytes) -> pb.Envelope:
+def decode_payload(payload: bytes | bytearray) -> pb.Envelope:
     """Parse a frame's payload; an envelope without a body is as useless as garbage."""
     envelope = pb.Envelope()
     try:
-        envelope.ParseFromString(payload)
+        # The stubs say bytes; the C (upb) parser reads any buffer (FrameBuffer's tests
+        # parse every frame from its bytearray).
+        envelope.ParseFromString(payload)  # type: ignore[arg-type]
     except DecodeError as exc:
         raise UnparsableFrame(f"payload of {len(payload)} bytes is not an Envelope: {exc}") from exc
     if envelope.WhichOneof("body") is None:
@@ -111,10 +113,10 @@ class FrameBuffer:
         end = pos + HEADER.size + length
         if len(data) < end:
             return None
-        with memoryview(data) as view:
-            payload = bytes(view[pos + HEADER.size : end])
         self._pos = end
-        return decode_payload(payload)
+        # The slice is the one copy (protobuf parses a bytearray as it parses bytes, and
+        # keeps nothing of it): no memoryview and bytes() calls per frame.
+        return decode_payload(data[pos + HEADER.size : end])
 
     @property
     def in_frame(self) -> bool:

@@ -9,6 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from iop_edge.domain.outliers import Phase
 from iop_edge.domain.pool import AVAILABLE, UNAVAILABLE, UNKNOWN, ProviderSlot
+from iop_proto import loop_metrics
 
 _HEALTH_STATES = (AVAILABLE, UNAVAILABLE, UNKNOWN)
 
@@ -18,8 +19,8 @@ class _ProviderSeries:
     """A provider's gauge children and the values last set on them."""
 
     node_id: str
-    in_flight: Gauge
-    health: tuple[Gauge, ...]  # one per ``_HEALTH_STATES``
+    in_flight: loop_metrics.GaugeChild
+    health: tuple[loop_metrics.GaugeChild, ...]  # one per ``_HEALTH_STATES``
     ejected: Gauge
     last_in_flight: int = -1
     last_state: str = ""
@@ -27,7 +28,7 @@ class _ProviderSeries:
 
 @dataclass(slots=True)
 class _QueueSeries:
-    gauge: Gauge
+    gauge: loop_metrics.GaugeChild
     last: int = -1
 
 
@@ -38,11 +39,12 @@ class EdgeMetrics:
     The dispatcher publishes a provider or a queue on every change, i.e. several
     times per request: the labelled children are looked up once and kept (until
     the provider or model leaves the fleet), and only values that moved are set.
+    Those three are ``loop_metrics`` gauges (an update is one call, no lock).
     """
 
-    queued: Gauge
-    provider_in_flight: Gauge
-    provider_health: Gauge
+    queued: loop_metrics.Gauge
+    provider_in_flight: loop_metrics.Gauge
+    provider_health: loop_metrics.Gauge
     provider_ejected: Gauge
     ejections: Counter
     nodes_connected: Gauge
@@ -58,19 +60,19 @@ class EdgeMetrics:
     @classmethod
     def create(cls, registry: CollectorRegistry) -> EdgeMetrics:
         return cls(
-            queued=Gauge(
+            queued=loop_metrics.Gauge(
                 "iop_edge_model_queued",
                 "Requests waiting in a model's queue",
                 ["model"],
                 registry=registry,
             ),
-            provider_in_flight=Gauge(
+            provider_in_flight=loop_metrics.Gauge(
                 "iop_edge_provider_in_flight",
                 "Runs in flight on a provider",
                 ["provider", "node"],
                 registry=registry,
             ),
-            provider_health=Gauge(
+            provider_health=loop_metrics.Gauge(
                 "iop_edge_provider_health",
                 "1 for the provider's current state (disconnected counts as unavailable)",
                 ["provider", "state"],

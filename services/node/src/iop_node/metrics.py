@@ -4,12 +4,20 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.metrics import MetricWrapperBase
+from prometheus_client import CollectorRegistry
+from prometheus_client import Gauge as ClientGauge
 
-_Metric = TypeVar("_Metric", bound=MetricWrapperBase)
+from iop_proto.loop_metrics import (
+    Child,
+    Counter,
+    CounterChild,
+    Gauge,
+    GaugeChild,
+    Histogram,
+    Labelled,
+)
 
 _WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _SERVICE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
@@ -25,8 +33,9 @@ class NodeMetrics:
     service_time: Histogram
     runs: Counter
     tokens: Counter
-    edge_connected: Gauge
-    # (provider, metric, *other labels) -> the metric's child for them; see ``child``.
+    edge_connected: ClientGauge  # not per run: prometheus_client's
+    # (provider, metric, *other labels) -> the metric's child for them (``child``), or
+    # (provider, group name) -> a tuple of children (``load_of``, ``tokens_of``).
     _children: dict[tuple[Any, ...], Any] = field(default_factory=dict, init=False, repr=False)
 
     @classmethod
@@ -74,24 +83,47 @@ class NodeMetrics:
                 ["provider", "kind"],
                 registry=registry,
             ),
-            edge_connected=Gauge(
+            edge_connected=ClientGauge(
                 "iop_node_edge_connected",
                 "1 while registered with the edge",
                 registry=registry,
             ),
         )
 
-    def child(self, metric: _Metric, provider_id: str, *labels: str) -> _Metric:
+    def child(self, metric: Labelled[Child], provider_id: str, *labels: str) -> Child:
         """``metric.labels(provider_id, *labels)``, looked up once and then kept.
 
-        ``labels()`` checks its arguments, builds a key and takes a lock on every
-        call, several times per run; this is one dict hit. A series is still
-        created on first use, so /metrics shows exactly what ``labels()`` would.
+        ``labels()`` checks its arguments and builds a key on every call, several
+        times per run; this is one dict hit. A series is still created on first
+        use, so /metrics shows exactly what ``labels()`` would.
         """
         key = (provider_id, metric, *labels)
         found = self._children.get(key)
         if found is None:
             found = self._children[key] = metric.labels(provider_id, *labels)
+        return found
+
+    def load_of(self, provider_id: str) -> tuple[GaugeChild, GaugeChild, GaugeChild]:
+        """The provider's in-flight, queued and capacity gauges (set together once a run)."""
+        key = (provider_id, "load")
+        found: tuple[GaugeChild, GaugeChild, GaugeChild] | None = self._children.get(key)
+        if found is None:
+            found = self._children[key] = (
+                self.in_flight.labels(provider_id),
+                self.queued.labels(provider_id),
+                self.capacity.labels(provider_id),
+            )
+        return found
+
+    def tokens_of(self, provider_id: str) -> tuple[CounterChild, CounterChild]:
+        """The provider's prompt and completion token counters (counted together)."""
+        key = (provider_id, "tokens")
+        found: tuple[CounterChild, CounterChild] | None = self._children.get(key)
+        if found is None:
+            found = self._children[key] = (
+                self.tokens.labels(provider_id, "prompt"),
+                self.tokens.labels(provider_id, "completion"),
+            )
         return found
 
     def forget(self, provider_id: str) -> None:

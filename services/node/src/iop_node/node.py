@@ -226,20 +226,23 @@ class NodeCore:
             logger.warning("duplicate run id {} ignored", run_id)
             return False
         runtime = self.providers.get(request.provider_id)
+        # One look-up of the loop (each get_running_loop() is a getpid on Python 3.11;
+        # asyncio.create_task makes another).
+        loop = asyncio.get_running_loop()
         try:
             spec = resolve(
                 request,
                 None if runtime is None else runtime.config,
-                loop_now=asyncio.get_running_loop().time(),
-                unix_now_ms=int(time.time() * 1000),
+                loop_now=loop.time(),
+                unix_now_ms=time.time_ns() // 1_000_000,
             )
         except RunFailure as failure:
-            task = asyncio.create_task(
+            task = loop.create_task(
                 channel.failed(failure.code, failure.message, failure.provider_status)
             )
         else:
             assert runtime is not None  # resolve refuses a provider this node lacks
-            task = asyncio.create_task(
+            task = loop.create_task(
                 self._executor.execute_run(runtime, spec, channel), name=f"run:{run_id}"
             )
         self._runs[run_id] = task

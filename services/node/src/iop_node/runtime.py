@@ -36,7 +36,8 @@ class ProviderRuntime:
 
     def publish_load(self, metrics: NodeMetrics) -> None:
         """Copy the live counters only: what every run changes (its health rarely does)."""
-        pid, gate = self.config.id, self.gate
-        metrics.child(metrics.in_flight, pid).set(gate.in_flight)
-        metrics.child(metrics.queued, pid).set(gate.queued)
-        metrics.child(metrics.capacity, pid).set(gate.capacity)
+        gate = self.gate
+        in_flight, queued, capacity = metrics.load_of(self.config.id)
+        in_flight.set(gate.in_flight)
+        queued.set(gate.queued)
+        capacity.set(gate.capacity)

@@ -10,7 +10,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Final
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry
+
+from iop_proto.loop_metrics import (
+    Counter,
+    CounterChild,
+    Gauge,
+    GaugeChild,
+    Histogram,
+    HistogramChild,
+)
 
 _WAIT_BUCKETS: Final = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _TTFT_BUCKETS: Final = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60)
@@ -24,15 +33,15 @@ _OVERHEAD_BUCKETS: Final = (
 class ModelSeries:
     """One model's series, looked up once: ``labels()`` costs more than the update itself."""
 
-    queue_wait: Histogram
-    ttft: Histogram
-    duration: Histogram
-    in_flight: Gauge
+    queue_wait: HistogramChild
+    ttft: HistogramChild
+    duration: HistogramChild
+    in_flight: GaugeChild
     _requests: Counter
     _model: str
-    _by_status: dict[int, Counter] = field(default_factory=dict)
+    _by_status: dict[int, CounterChild] = field(default_factory=dict)
 
-    def requests(self, status: int) -> Counter:
+    def requests(self, status: int) -> CounterChild:
         series = self._by_status.get(status)
         if series is None:
             series = self._by_status[status] = self._requests.labels(self._model, str(status))
@@ -50,9 +59,9 @@ class ApiMetrics:
     in_flight: Gauge  # requests past validation, not yet answered
     overhead: Histogram  # x-iop-overhead-ms, by operation and stream (see RunTrace.overhead)
     _models: dict[str, ModelSeries] = field(default_factory=dict)
-    _overheads: dict[tuple[str, bool], Histogram] = field(default_factory=dict)
+    _overheads: dict[tuple[str, bool], HistogramChild] = field(default_factory=dict)
 
-    def overhead_of(self, operation: str, stream: bool) -> Histogram:
+    def overhead_of(self, operation: str, stream: bool) -> HistogramChild:
         """The overhead series of one operation, streamed or not (a bounded label set)."""
         series = self._overheads.get((operation, stream))
         if series is None:

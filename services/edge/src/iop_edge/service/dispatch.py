@@ -195,7 +195,7 @@ class Dispatcher:
         slot = await self._acquire(model, spec.batch, exclude, deadline)
         run: EdgeRun | None = None
         try:
-            run = self._start(model, slot, spec, body, deadline)
+            run = self._start(model, slot, spec, body, deadline, loop)
             run.edge_queue_wait_s = loop.time() - started
             await run.send()
         except BaseException as exc:
@@ -278,6 +278,7 @@ class Dispatcher:
         spec: RunSpec,
         body: RunBody,
         deadline: float | None,
+        loop: asyncio.AbstractEventLoop,
     ) -> EdgeRun:
         served = model.providers[slot.provider_id]
         entry = self._fleet.current.providers[slot.provider_id]
@@ -288,10 +289,10 @@ class Dispatcher:
             raise NoProviderAvailable(f"node {slot.node_id} is gone", code="provider_unavailable")
         run_id = secrets.token_hex(16)  # 32 hex digits, like uuid4().hex, for less work
         timeout_s = (entry.request_timeout_ms or 600_000) / 1000
-        now = asyncio.get_running_loop().time()
+        now = loop.time()
         if deadline is not None and deadline - now < timeout_s:
             timeout_s = deadline - now  # a retry ends when the request's time does
-        now_ms = int(time.time() * 1000)
+        now_ms = time.time_ns() // 1_000_000
         request = RunOrder(
             run_id=run_id,
             model=model.id,
@@ -317,6 +318,7 @@ class Dispatcher:
             now_ms,
             # a node of an older version never acknowledges: its runs get no ack guard
             self._guards if link.acknowledges_runs else self._stall_only,
+            loop,  # the caller's: each get_running_loop() is a getpid on Python 3.11
         )
         self._runs[run_id] = run
         return run

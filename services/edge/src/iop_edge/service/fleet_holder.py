@@ -11,16 +11,16 @@ from iop_edge.domain.fleet import Fleet
 
 
 class FleetHolder:
-    """Implements ``FleetView``: the current fleet, empty until the first config."""
+    """Implements ``FleetView``: the current fleet, empty until the first config.
 
-    __slots__ = ("_fleet",)
+    ``current`` is a plain attribute, not a property: a request reads it about six
+    times, and a slot read is no Python call. Only ``replace`` assigns it.
+    """
+
+    __slots__ = ("current",)
 
     def __init__(self, fleet: Fleet | None = None) -> None:
-        self._fleet = fleet if fleet is not None else Fleet()
-
-    @property
-    def current(self) -> Fleet:
-        return self._fleet
+        self.current = fleet if fleet is not None else Fleet()
 
     def replace(self, fleet: Fleet) -> None:
-        self._fleet = fleet
+        self.current = fleet

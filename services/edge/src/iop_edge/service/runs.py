@@ -77,6 +77,7 @@ class EdgeRun:
         deadline_grace_s: float,
         started_ms: int = 0,
         guards: RunGuards = UNGUARDED,
+        loop: asyncio.AbstractEventLoop | None = None,  # the running one unless given
     ) -> None:
         self.run_id = run_id
         self.request = request
@@ -99,7 +100,7 @@ class EdgeRun:
         # the earliest guard; when it fires it judges them all and re-arms itself.
         self._timed_out: Failed | None = None
         self.unacknowledged = False  # failed for want of the node's acknowledgement
-        loop = self._loop = asyncio.get_running_loop()
+        loop = self._loop = loop or asyncio.get_running_loop()
         now = loop.time()
         self._opened_at = now
         self._ended_at = 0.0
@@ -178,7 +179,7 @@ class EdgeRun:
             raise StopAsyncIteration
         events = self._events
         if not events:
-            self._waiter = asyncio.get_running_loop().create_future()
+            self._waiter = self._loop.create_future()
             try:
                 await self._waiter
             finally:
@@ -246,14 +247,14 @@ class EdgeRun:
         if not self.finished:
             self.finished = True
             self.outcome = outcome
-            self._ended_at = asyncio.get_running_loop().time()
+            self._ended_at = self._loop.time()
             self._timer.cancel()
             self._on_finish(self)
 
     def record(self) -> AttemptRecord:
         """This attempt for the run log."""
         outcome = self.outcome
-        end = self._ended_at or asyncio.get_running_loop().time()
+        end = self._ended_at or self._loop.time()
         if outcome is None:
             state, code = ("failed" if self.finished else "running"), ""
         elif isinstance(outcome, Completed):

@@ -95,7 +95,7 @@ def _record(row: Iterable[object]) -> RunRecord:
 
 
 def _unix_ms() -> int:
-    return int(time.time() * 1000)
+    return time.time_ns() // 1_000_000  # as the executor's clock
 
 
 class SqliteRunHistory(BatchedWriter[RunRecord]):
