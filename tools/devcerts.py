@@ -25,9 +25,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import os
 import sys
-import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -35,6 +33,8 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
+
+from iop_proto.files import write_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # devcerts_x509, also when imported
 from devcerts_x509 import (
@@ -117,30 +117,6 @@ def _key_bytes(key: ec.EllipticCurvePrivateKey) -> bytes:
         serialization.PrivateFormat.PKCS8,
         serialization.NoEncryption(),
     )
-
-
-def write_file(path: Path, data: bytes, mode: int, *, force: bool) -> None:
-    """Write ``data`` with ``mode``; replace an existing file only when ``force``.
-
-    Without ``force`` the file is created exclusively, so even a file that appeared
-    since we looked is not clobbered. With ``force`` a temporary file is renamed
-    over the old one, so a reader never sees a half-written key.
-    """
-    if not force:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
-        with os.fdopen(fd, "wb") as handle:
-            os.fchmod(handle.fileno(), mode)  # the umask may have narrowed or widened it
-            handle.write(data)
-        return
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            os.fchmod(handle.fileno(), mode)
-            handle.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def write_pair(

@@ -33,7 +33,6 @@ import re
 import subprocess
 import sys
 import tarfile
-import tempfile
 import time
 from pathlib import Path
 from typing import BinaryIO
@@ -41,6 +40,7 @@ from typing import BinaryIO
 from iop_control_plane.entrypoints.main import main as control_plane_main
 from iop_control_plane.settings import ControlPlaneSettings
 from iop_proto.errors import SettingsError
+from iop_proto.files import write_file
 from iop_proto.service import load_settings
 
 SERVICE_USER = "10001:10001"  # the USER of every service image
@@ -55,19 +55,6 @@ class InitError(Exception):
 
 def log(message: str) -> None:
     print(f"iop-init: {message}", file=sys.stderr, flush=True)
-
-
-def write_atomically(path: Path, data: bytes, mode: int) -> None:
-    """Replace ``path`` by a complete file of ``mode``: a reader never sees half a key."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            os.fchmod(handle.fileno(), mode)
-            handle.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def take_ownership(directories: list[Path], uid: int, gid: int) -> None:
@@ -130,7 +117,7 @@ def publish_certificates(pki: Path, certs: Path) -> list[Path]:
         data = source.read_bytes()
         if target.is_file() and target.read_bytes() == data:
             continue
-        write_atomically(target, data, 0o600 if source.suffix == ".key" else 0o644)
+        write_file(target, data, 0o600 if source.suffix == ".key" else 0o644, force=True)
         written.append(target)
     return written
 
@@ -169,7 +156,7 @@ def issue_tokens(config: Path, tokens: Path, nodes: list[str]) -> list[Path]:
         match = _TOKEN.search(output)
         if match is None:
             raise InitError(f"`token issue --node {node}` printed no token")
-        write_atomically(path, f"{match.group(0)}\n".encode(), 0o600)
+        write_file(path, f"{match.group(0)}\n".encode(), 0o600, force=True)
         written.append(path)
     return written
 

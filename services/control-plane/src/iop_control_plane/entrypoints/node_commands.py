@@ -40,10 +40,10 @@ from iop_control_plane.entrypoints.output import (
     print_json,
     show_time,
     table,
-    write_file,
 )
 from iop_control_plane.errors import CredentialError, FleetConfigError
 from iop_control_plane.ports import CredentialStore
+from iop_proto.files import write_file
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -187,7 +187,7 @@ async def add_node(
 async def _write(err: TextIO, path: Path, text: str, force: bool, mode: int, what: str) -> int:
     """Write a file ``add_node`` makes; EXIT_OK, or EXIT_FAILED said on ``err``."""
     try:
-        await asyncio.to_thread(write_file, path, text, force=force, mode=mode)
+        await asyncio.to_thread(write_file, path, text.encode(), mode, force=force)
     except FileExistsError:
         return _fail(err, f"{path} exists; --force replaces it (a node using it stops)")
     except OSError as exc:

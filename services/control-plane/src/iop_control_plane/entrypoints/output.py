@@ -6,12 +6,12 @@ Shared by the credential commands (``cli``) and the node commands (``node_comman
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TextIO
+
+from iop_proto.files import write_file
 
 
 def show_time(moment: datetime | None) -> str:
@@ -38,29 +38,4 @@ def print_json(value: Any, out: TextIO) -> None:
 def write_secret_file(path: Path, secret: str, *, force: bool) -> None:
     """Write ``secret`` and a newline to ``path``, mode 0600 from its first byte
     (``write_file``)."""
-    write_file(path, f"{secret}\n", force=force, mode=0o600)
-
-
-def write_file(path: Path, text: str, *, force: bool, mode: int) -> None:
-    """Write ``text`` to ``path`` with ``mode`` from its first byte.
-
-    Without ``force`` an existing file is refused (``FileExistsError``): it may hold the
-    token or the settings a running node uses. With it, a temporary file is renamed over
-    the old one, so a node reading it never sees half of it.
-    """
-    data = text.encode()
-    if not force:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
-        with os.fdopen(fd, "wb") as handle:
-            os.fchmod(handle.fileno(), mode)  # whatever the umask made of it
-            handle.write(data)
-        return
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            os.fchmod(handle.fileno(), mode)
-            handle.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_file(path, f"{secret}\n".encode(), 0o600, force=force)
