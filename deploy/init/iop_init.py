@@ -45,7 +45,6 @@ from iop_proto.service import load_settings
 
 SERVICE_USER = "10001:10001"  # the USER of every service image
 CA_KEY = "ca.key"
-_TOKEN = re.compile(r"iopnt_\S+")
 _NODE_ID = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")  # a DNS label, as devcerts wants
 
 
@@ -152,11 +151,10 @@ def issue_tokens(config: Path, tokens: Path, nodes: list[str]) -> list[Path]:
             continue
         if present:
             log(f"the database has no live token for {node}: issuing a new one")
-        output = control_plane_cli(config, "token", "issue", "--node", node)
-        match = _TOKEN.search(output)
-        if match is None:
-            raise InitError(f"`token issue --node {node}` printed no token")
-        write_file(path, f"{match.group(0)}\n".encode(), 0o600, force=True)
+        # the command writes the file itself (0600, atomically): the token never passes here
+        control_plane_cli(
+            config, "token", "issue", "--node", node, "--output", str(path), "--force"
+        )
         written.append(path)
     return written
 
