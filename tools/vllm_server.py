@@ -27,17 +27,17 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # llama_server, also when imported
+from llama_server import STOP_SIGNALS, healthy, stop_requested
 
 NAME = "vllm"
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_VENV = REPO / ".venv-vllm"
 DEFAULT_MODEL = REPO / "var" / "vllm" / "smollm2-135m-instruct"
 DEFAULT_CACHE = REPO / "var" / "vllm" / "cache"
-STOP_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM})
 POLL_S = 0.2
 STOP_TIMEOUT_S = 15.0
 PR_SET_PDEATHSIG = 1
@@ -113,19 +113,6 @@ def die_with_parent() -> None:
     with contextlib.suppress(OSError, AttributeError):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-def healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{url}/health", timeout=1.0) as response:
-            return bool(response.status == 200)
-    except (urllib.error.URLError, OSError):
-        return False
-
-
-def stop_requested(within_s: float) -> signal.Signals | None:
-    info = signal.sigtimedwait(STOP_SIGNALS, within_s)
-    return None if info is None else signal.Signals(info.si_signo)
 
 
 def stop(process: subprocess.Popen[bytes], timeout_s: float) -> int:
