@@ -19,9 +19,10 @@ import pytest
 from iop_node.adapters import openai_compat
 from iop_node.adapters.openai_compat import OpenAICompatAdapter
 from iop_node.domain.provider import ProviderConfig
-from iop_node.domain.runs import Delta, ExecutionSpec, Operation
+from iop_node.domain.runs import ExecutionSpec, Operation
 from iop_node.errors import InvalidRequest, ProviderTimeout
 from iop_node.ports import AdapterContext, LifecycleFlags
+from iop_node.testing import RecordingSink
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(420)]
 
@@ -38,20 +39,6 @@ async def adapter(vllm_server: Any) -> AsyncIterator[OpenAICompatAdapter]:
         yield built
         await built.aclose()
     await vllm_server.wait_idle()  # the next test starts with an idle engine
-
-
-class Sink:
-    def __init__(self) -> None:
-        self.deltas: list[Delta] = []
-        self.first = asyncio.Event()
-
-    async def delta(self, delta: Delta) -> None:
-        self.deltas.append(delta)
-        self.first.set()
-
-    @property
-    def text(self) -> str:
-        return "".join(d.text for d in self.deltas)
 
 
 def spec(
@@ -81,7 +68,7 @@ def chat(max_tokens: int, **extra: Any) -> dict[str, Any]:
 
 
 async def test_chat_non_stream(adapter: OpenAICompatAdapter, vllm_server: Any) -> None:
-    completion = await adapter.execute(spec(vllm_server.served, chat(8)), Sink())
+    completion = await adapter.execute(spec(vllm_server.served, chat(8)), RecordingSink())
 
     result = completion.result
     assert result is not None
@@ -101,7 +88,7 @@ async def test_chat_stream_counts_usage_from_the_last_chunk(
     adapter: OpenAICompatAdapter, vllm_server: Any
 ) -> None:
     """The node forces ``stream_options.include_usage``: vLLM sends usage in a last chunk."""
-    sink = Sink()
+    sink = RecordingSink()
     completion = await adapter.execute(spec(vllm_server.served, chat(8), stream=True), sink)
 
     assert len(sink.deltas) > 1
@@ -120,14 +107,14 @@ async def test_text_completions_streamed_and_not(
 ) -> None:
     body = {"prompt": "Once upon a time", "max_tokens": 8}
     plain = spec(vllm_server.served, body, operation=Operation.COMPLETIONS)
-    completion = await adapter.execute(plain, Sink())
+    completion = await adapter.execute(plain, RecordingSink())
     assert completion.result is not None
     assert completion.result["object"] == "text_completion"
     assert completion.result["choices"][0]["text"]
     assert completion.usage is not None
     assert 0 < completion.usage.completion_tokens <= 8
 
-    sink = Sink()
+    sink = RecordingSink()
     streamed = spec(vllm_server.served, body, operation=Operation.COMPLETIONS, stream=True)
     done = await adapter.execute(streamed, sink)
     assert sink.text
@@ -142,7 +129,7 @@ async def test_vllm_sampling_parameters_pass_through(
     """``ignore_eos`` and ``min_tokens`` are vLLM's own: the node forwards them untouched,
     and they visibly take effect (exactly ``max_tokens`` generated)."""
     body = chat(12, ignore_eos=True, min_tokens=12, seed=7, top_k=20)
-    completion = await adapter.execute(spec(vllm_server.served, body), Sink())
+    completion = await adapter.execute(spec(vllm_server.served, body), RecordingSink())
     assert completion.finish_reason == "length"
     assert completion.usage is not None
     assert completion.usage.completion_tokens == 12
@@ -155,7 +142,7 @@ async def test_stop_ends_the_answer_at_the_stop_string(
     """``stop`` ends generation where the string first appears, which is left out. ``.``
     within 120 tokens of a story is all but certain; ignore_eos rules out an early end."""
     body = chat(120, stop=["."], ignore_eos=True, temperature=0)
-    sink = Sink()
+    sink = RecordingSink()
     completion = await adapter.execute(spec(vllm_server.served, body, stream=stream), sink)
 
     assert completion.finish_reason == "stop"
@@ -189,7 +176,7 @@ async def test_unknown_model_is_an_invalid_request_with_vllms_404(
 ) -> None:
     body = {"model": "no-such-model", "messages": STORY, "max_tokens": 4}
     with pytest.raises(InvalidRequest) as info:
-        await adapter.execute(spec("no-such-model", body), Sink())
+        await adapter.execute(spec("no-such-model", body), RecordingSink())
     assert info.value.provider_status == 404
     assert "no-such-model" in info.value.message
     assert "does not exist" in info.value.message
@@ -200,7 +187,7 @@ async def test_max_tokens_past_the_context_is_an_invalid_request_with_vllms_400(
 ) -> None:
     body = chat(2 * vllm_server.max_model_len)
     with pytest.raises(InvalidRequest) as info:
-        await adapter.execute(spec(vllm_server.served, body), Sink())
+        await adapter.execute(spec(vllm_server.served, body), RecordingSink())
     assert info.value.provider_status == 400
     assert str(vllm_server.max_model_len) in info.value.message
 
@@ -212,7 +199,7 @@ async def test_cancel_mid_stream_aborts_the_request_in_vllm(
     so) instead of generating the remaining tokens for nobody: at 10-20 tokens/s, 600
     would take 30 s and more."""
     generated_before = await vllm_server.generated()
-    sink = Sink()
+    sink = RecordingSink()
     body = chat(600, ignore_eos=True)
     run = asyncio.create_task(adapter.execute(spec(vllm_server.served, body, stream=True), sink))
     await asyncio.wait_for(sink.first.wait(), 60)
@@ -232,7 +219,9 @@ async def test_deadline_becomes_provider_timeout_and_aborts(
     generated_before = await vllm_server.generated()
     body = chat(600, ignore_eos=True)
     with pytest.raises(ProviderTimeout):
-        await adapter.execute(spec(vllm_server.served, body, stream=True, seconds=2.0), Sink())
+        await adapter.execute(
+            spec(vllm_server.served, body, stream=True, seconds=2.0), RecordingSink()
+        )
     await vllm_server.wait_idle(within_s=10)
     assert await vllm_server.generated() - generated_before < 300
 
@@ -241,7 +230,7 @@ async def test_four_concurrent_streams_all_complete(
     adapter: OpenAICompatAdapter, vllm_server: Any
 ) -> None:
     """``--max-num-seqs 4``: four runs at once are batched, none waits for another."""
-    sinks = [Sink() for _ in range(4)]
+    sinks = [RecordingSink() for _ in range(4)]
     done = await asyncio.gather(
         *(adapter.execute(spec(vllm_server.served, chat(16), stream=True), sink) for sink in sinks)
     )

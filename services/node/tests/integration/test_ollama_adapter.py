@@ -28,9 +28,10 @@ from aiohttp import web
 
 from iop_node.adapters.ollama import OllamaAdapter
 from iop_node.domain.provider import ProviderConfig
-from iop_node.domain.runs import Completion, Delta, ExecutionSpec, Operation
+from iop_node.domain.runs import Completion, ExecutionSpec, Operation
 from iop_node.errors import InvalidRequest, ProviderFailed, ProviderTimeout, ProviderUnavailable
 from iop_node.ports import AdapterContext
+from iop_node.testing import RecordingSink
 from iop_proto.testing import refused_port
 
 SENTENCE = ("the", "quick", "brown", "fox", "jumps", "over", "the", "lazy", "dog")
@@ -191,22 +192,6 @@ class FakeOllama:
         return response
 
 
-class CollectingSink:
-    """An ``EventSink`` that keeps every delta and signals the first one."""
-
-    def __init__(self) -> None:
-        self.deltas: list[Delta] = []
-        self.first = asyncio.Event()
-
-    async def delta(self, delta: Delta) -> None:
-        self.deltas.append(delta)
-        self.first.set()
-
-    @property
-    def text(self) -> str:
-        return "".join(d.text for d in self.deltas)
-
-
 @pytest.fixture
 async def fake() -> AsyncIterator[FakeOllama]:
     server = FakeOllama()
@@ -258,7 +243,7 @@ def chat(content: str | list[dict[str, Any]] = "hello there", **extra: Any) -> d
 
 
 async def test_stream_chat_sends_deltas_then_usage_and_stop(adapter: OllamaAdapter) -> None:
-    sink = CollectingSink()
+    sink = RecordingSink()
     completion = await adapter.execute(spec(chat(), stream=True), sink)
     assert sink.text == " ".join(SENTENCE)
     assert [d.role for d in sink.deltas] == ["assistant"] + [""] * (len(SENTENCE) - 1)
@@ -271,7 +256,7 @@ async def test_stream_chat_sends_deltas_then_usage_and_stop(adapter: OllamaAdapt
 async def test_stream_chat_stops_at_num_predict_with_length(
     adapter: OllamaAdapter, fake: FakeOllama
 ) -> None:
-    sink = CollectingSink()
+    sink = RecordingSink()
     completion = await adapter.execute(spec(chat(max_tokens=3), stream=True), sink)
     assert sink.text == "the quick brown"
     assert fake.last("/api/chat")["options"] == {"num_predict": 3}
@@ -281,7 +266,7 @@ async def test_stream_chat_stops_at_num_predict_with_length(
 
 
 async def test_non_stream_chat_is_an_openai_chat_completion(adapter: OllamaAdapter) -> None:
-    completion = await adapter.execute(spec(chat(max_completion_tokens=4)), CollectingSink())
+    completion = await adapter.execute(spec(chat(max_completion_tokens=4)), RecordingSink())
     result = completion.result
     assert result is not None
     assert result["id"] == "chatcmpl-run-0123456789abcdef"
@@ -308,7 +293,7 @@ async def test_openai_parameters_become_ollama_options_and_format(
         response_format={"type": "json_object"},
         keep_alive="10m",
     )
-    await adapter.execute(spec(body), CollectingSink())
+    await adapter.execute(spec(body), RecordingSink())
     sent = fake.last("/api/chat")
     assert sent["options"] == {
         "num_predict": 5,
@@ -325,7 +310,7 @@ async def test_openai_parameters_become_ollama_options_and_format(
     body = chat(
         response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}
     )
-    await adapter.execute(spec(body), CollectingSink())
+    await adapter.execute(spec(body), RecordingSink())
     assert fake.last("/api/chat")["format"] == schema
 
 
@@ -356,7 +341,7 @@ async def test_messages_are_converted_to_ollama_shape(
         },
         {"role": "tool", "tool_call_id": "c1", "content": "a cat"},
     ]
-    await adapter.execute(spec({"messages": messages}), CollectingSink())
+    await adapter.execute(spec({"messages": messages}), RecordingSink())
     assert fake.last("/api/chat")["messages"] == [
         {"role": "system", "content": "be brief"},
         {"role": "user", "content": "what is\nthis?", "images": [png]},
@@ -370,12 +355,12 @@ async def test_messages_are_converted_to_ollama_shape(
     remote = [{"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}]
     requests = len(fake.requests)
     with pytest.raises(InvalidRequest, match="base64"):
-        await adapter.execute(spec(chat(remote)), CollectingSink())
+        await adapter.execute(spec(chat(remote)), RecordingSink())
     assert len(fake.requests) == requests  # refused before any call
 
 
 async def test_stream_tool_calls_become_tool_call_deltas(adapter: OllamaAdapter) -> None:
-    sink = CollectingSink()
+    sink = RecordingSink()
     body = chat("what is the weather in Paris?", tools=[WEATHER_TOOL])
     completion = await adapter.execute(spec(body, stream=True), sink)
     calls = [call for d in sink.deltas for call in d.tool_calls]
@@ -394,7 +379,7 @@ async def test_non_stream_tool_calls_are_in_the_message(
     adapter: OllamaAdapter, fake: FakeOllama
 ) -> None:
     body = chat("weather please", tools=[WEATHER_TOOL])
-    completion = await adapter.execute(spec(body), CollectingSink())
+    completion = await adapter.execute(spec(body), RecordingSink())
     assert fake.last("/api/chat")["tools"] == [WEATHER_TOOL]
     assert completion.result is not None
     choice = completion.result["choices"][0]
@@ -411,7 +396,7 @@ async def test_non_stream_tool_calls_are_in_the_message(
 
 async def test_completions_use_api_generate(adapter: OllamaAdapter, fake: FakeOllama) -> None:
     body = {"prompt": "once upon a time", "max_tokens": 2, "suffix": "end"}
-    sink = CollectingSink()
+    sink = RecordingSink()
     completion = await adapter.execute(
         spec(body, operation=Operation.COMPLETIONS, stream=True), sink
     )
@@ -436,7 +421,7 @@ async def test_completions_use_api_generate(adapter: OllamaAdapter, fake: FakeOl
 
 async def test_embeddings_use_api_embed(adapter: OllamaAdapter, fake: FakeOllama) -> None:
     body = {"model": "embed:1b", "input": ["a b", "cde"]}
-    completion = await adapter.execute(spec(body, operation=Operation.EMBEDDINGS), CollectingSink())
+    completion = await adapter.execute(spec(body, operation=Operation.EMBEDDINGS), RecordingSink())
     assert fake.last("/api/embed") == {"model": "embed:1b", "input": ["a b", "cde"]}
     assert completion.result == {
         "object": "list",
@@ -449,7 +434,7 @@ async def test_embeddings_use_api_embed(adapter: OllamaAdapter, fake: FakeOllama
     }
     body = {"model": "embed:1b", "input": "hi", "encoding_format": "base64"}
     result = (
-        await adapter.execute(spec(body, operation=Operation.EMBEDDINGS), CollectingSink())
+        await adapter.execute(spec(body, operation=Operation.EMBEDDINGS), RecordingSink())
     ).result
     assert result is not None
     packed = base64.b64decode(result["data"][0]["embedding"])
@@ -458,25 +443,25 @@ async def test_embeddings_use_api_embed(adapter: OllamaAdapter, fake: FakeOllama
 
 async def test_unknown_model_is_an_invalid_request(adapter: OllamaAdapter) -> None:
     with pytest.raises(InvalidRequest, match="model 'nope:1b' not found") as caught:
-        await adapter.execute(spec(chat(model="nope:1b"), stream=True), CollectingSink())
+        await adapter.execute(spec(chat(model="nope:1b"), stream=True), RecordingSink())
     assert caught.value.provider_status == 404
 
 
 async def test_server_error_is_provider_failed_with_its_status(adapter: OllamaAdapter) -> None:
     with pytest.raises(ProviderFailed, match="runner process has terminated") as caught:
-        await adapter.execute(spec(chat(model=BROKEN)), CollectingSink())
+        await adapter.execute(spec(chat(model=BROKEN)), RecordingSink())
     assert caught.value.provider_status == 500
 
 
 async def test_error_object_mid_stream_is_provider_failed(adapter: OllamaAdapter) -> None:
-    sink = CollectingSink()
+    sink = RecordingSink()
     with pytest.raises(ProviderFailed, match="error was encountered"):
         await adapter.execute(spec(chat(model=FLAKY), stream=True), sink)
     assert sink.text == "the quick"
 
 
 async def test_connection_lost_mid_stream_is_provider_failed(adapter: OllamaAdapter) -> None:
-    sink = CollectingSink()
+    sink = RecordingSink()
     with pytest.raises(ProviderFailed, match="broke off"):
         await adapter.execute(spec(chat(model=CUT), stream=True), sink)
     assert sink.text == "the quick"
@@ -486,11 +471,11 @@ async def test_connection_refused_is_provider_unavailable(http: aiohttp.ClientSe
     with refused_port() as port:
         adapter = make_adapter(http, f"http://127.0.0.1:{port}")
         with pytest.raises(ProviderUnavailable, match="cannot reach ollama"):
-            await adapter.execute(spec(chat(), stream=True), CollectingSink())
+            await adapter.execute(spec(chat(), stream=True), RecordingSink())
 
 
 async def test_deadline_is_provider_timeout(adapter: OllamaAdapter, fake: FakeOllama) -> None:
-    sink = CollectingSink()
+    sink = RecordingSink()
     with pytest.raises(ProviderTimeout):
         await adapter.execute(spec(chat(model=SLOW), stream=True, seconds=0.2), sink)
     assert sink.deltas
@@ -501,7 +486,7 @@ async def test_deadline_is_provider_timeout(adapter: OllamaAdapter, fake: FakeOl
 async def test_cancel_mid_stream_closes_the_connection(
     adapter: OllamaAdapter, fake: FakeOllama
 ) -> None:
-    sink = CollectingSink()
+    sink = RecordingSink()
     run = asyncio.create_task(adapter.execute(spec(chat(model=SLOW), stream=True), sink))
     await sink.first.wait()
     run.cancel()
@@ -600,7 +585,7 @@ async def test_against_the_real_ollama_image(real_ollama: str, http: aiohttp.Cli
         await adapter.probe()
     ).models  # tests check shape and counts, never a small model's text
 
-    sink = CollectingSink()
+    sink = RecordingSink()
     body = chat("Say hello.", model=REAL_CHAT_MODEL, max_tokens=8, temperature=0)
     completion = await adapter.execute(spec(body, stream=True, seconds=300), sink)
     assert sink.deltas[0].role == "assistant"

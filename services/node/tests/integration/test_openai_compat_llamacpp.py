@@ -27,9 +27,10 @@ import pytest
 from iop_node.adapters import openai_compat
 from iop_node.adapters.openai_compat import OpenAICompatAdapter
 from iop_node.domain.provider import ProviderConfig
-from iop_node.domain.runs import Delta, ExecutionSpec, Operation
+from iop_node.domain.runs import ExecutionSpec, Operation
 from iop_node.errors import InvalidRequest, ProviderTimeout
 from iop_node.ports import AdapterContext
+from iop_node.testing import RecordingSink
 
 pytestmark = pytest.mark.slow
 
@@ -124,20 +125,6 @@ async def adapter(llamacpp: str) -> AsyncIterator[OpenAICompatAdapter]:
         await built.aclose()
 
 
-class Sink:
-    def __init__(self) -> None:
-        self.deltas: list[Delta] = []
-        self.first = asyncio.Event()
-
-    async def delta(self, delta: Delta) -> None:
-        self.deltas.append(delta)
-        self.first.set()
-
-    @property
-    def text(self) -> str:
-        return "".join(d.text for d in self.deltas)
-
-
 def spec(
     body: dict[str, Any],
     *,
@@ -183,7 +170,7 @@ async def wait_all_idle(base: str, within: float) -> float:
 
 
 async def test_chat_non_stream(adapter: OpenAICompatAdapter) -> None:
-    completion = await adapter.execute(spec(chat(8)), Sink())
+    completion = await adapter.execute(spec(chat(8)), RecordingSink())
 
     result = completion.result
     assert result is not None
@@ -199,7 +186,7 @@ async def test_chat_non_stream(adapter: OpenAICompatAdapter) -> None:
 
 
 async def test_chat_stream(adapter: OpenAICompatAdapter) -> None:
-    sink = Sink()
+    sink = RecordingSink()
     completion = await adapter.execute(spec(chat(8), stream=True), sink)
 
     assert len(sink.deltas) > 1
@@ -215,14 +202,14 @@ async def test_chat_stream(adapter: OpenAICompatAdapter) -> None:
 
 async def test_text_completion(adapter: OpenAICompatAdapter) -> None:
     body = {"prompt": "Once upon a time", "max_tokens": 8}
-    completion = await adapter.execute(spec(body, operation=Operation.COMPLETIONS), Sink())
+    completion = await adapter.execute(spec(body, operation=Operation.COMPLETIONS), RecordingSink())
     assert completion.result is not None
     assert completion.result["choices"][0]["text"]
     assert completion.finish_reason in {"stop", "length"}
     assert completion.usage is not None
     assert completion.usage.completion_tokens > 0
 
-    sink = Sink()
+    sink = RecordingSink()
     streamed = await adapter.execute(spec(body, operation=Operation.COMPLETIONS, stream=True), sink)
     assert sink.text
     assert streamed.finish_reason in {"stop", "length"}
@@ -239,7 +226,7 @@ async def test_probe_lists_the_alias(adapter: OpenAICompatAdapter) -> None:
 async def test_uninterpreted_parameters_pass_through(adapter: OpenAICompatAdapter) -> None:
     # seed and logit_bias are accepted; ignore_eos (llama.cpp's own) visibly takes effect.
     body = chat(12, seed=7, logit_bias={}, ignore_eos=True, top_k=20)
-    completion = await adapter.execute(spec(body), Sink())
+    completion = await adapter.execute(spec(body), RecordingSink())
     assert completion.finish_reason == "length"
     assert completion.usage is not None
     assert completion.usage.completion_tokens == 12
@@ -247,14 +234,14 @@ async def test_uninterpreted_parameters_pass_through(adapter: OpenAICompatAdapte
 
 async def test_provider_errors_keep_their_status(adapter: OpenAICompatAdapter) -> None:
     with pytest.raises(InvalidRequest) as bad:
-        await adapter.execute(spec({"messages": "not a list"}), Sink())
+        await adapter.execute(spec({"messages": "not a list"}), RecordingSink())
     assert bad.value.provider_status == 400
 
 
 async def test_cancel_mid_stream_frees_the_slot(
     adapter: OpenAICompatAdapter, llamacpp: str
 ) -> None:
-    sink = Sink()
+    sink = RecordingSink()
     # ignore_eos: the model cannot finish early, so an idle slot can only mean the abort.
     run = asyncio.create_task(adapter.execute(spec(chat(200, ignore_eos=True), stream=True), sink))
     await asyncio.wait_for(sink.first.wait(), 30)
@@ -269,7 +256,9 @@ async def test_cancel_mid_stream_frees_the_slot(
     # Both slots serve again at once.
     loop = asyncio.get_running_loop()
     started = loop.time()
-    done = await asyncio.gather(*(adapter.execute(spec(chat(4)), Sink()) for _ in range(2)))
+    done = await asyncio.gather(
+        *(adapter.execute(spec(chat(4)), RecordingSink()) for _ in range(2))
+    )
     assert all(c.finish_reason in {"stop", "length"} for c in done)
     assert loop.time() - started < 15
 
@@ -280,7 +269,9 @@ async def test_deadline_becomes_provider_timeout(
     loop = asyncio.get_running_loop()
     started = loop.time()
     with pytest.raises(ProviderTimeout):
-        await adapter.execute(spec(chat(200, ignore_eos=True), stream=True, seconds=0.5), Sink())
+        await adapter.execute(
+            spec(chat(200, ignore_eos=True), stream=True, seconds=0.5), RecordingSink()
+        )
     assert loop.time() - started < 2
     # The abort itself is proven by the cancel test; here the deadline may fall in prompt
     # processing, where llama.cpp notices the disconnect only at its first token. Wait
@@ -290,7 +281,7 @@ async def test_deadline_becomes_provider_timeout(
 
 async def test_streamed_logprobs_reach_the_deltas(adapter: OpenAICompatAdapter) -> None:
     """llama.cpp streams each token's logprobs: they travel with the delta, as JSON."""
-    sink = Sink()
+    sink = RecordingSink()
     await adapter.execute(spec(chat(4, logprobs=True, top_logprobs=2), stream=True), sink)
 
     carried = [json.loads(d.logprobs_json) for d in sink.deltas if d.logprobs_json]
@@ -308,6 +299,6 @@ async def test_an_operation_the_server_does_not_offer_is_the_clients_error(
     model and the operation, not a provider failure (which would be retried and counted)."""
     body = {"input": "hello"}
     with pytest.raises(InvalidRequest) as info:
-        await adapter.execute(spec(body, operation=Operation.EMBEDDINGS), Sink())
+        await adapter.execute(spec(body, operation=Operation.EMBEDDINGS), RecordingSink())
     assert info.value.provider_status == 501
     assert f"'{MODEL}' does not offer embeddings" in info.value.message

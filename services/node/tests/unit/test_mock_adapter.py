@@ -24,6 +24,7 @@ from iop_node.errors import (
     ProviderUnavailable,
 )
 from iop_node.ports import AdapterContext, LifecycleFlags
+from iop_node.testing import RecordingSink
 
 CHAT = {
     "messages": [
@@ -36,22 +37,6 @@ TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "parameters": {}}},
     {"type": "function", "function": {"name": "get_time", "parameters": {}}},
 ]
-
-
-class Collect:
-    """An event sink that keeps every delta and can signal the first one."""
-
-    def __init__(self) -> None:
-        self.deltas: list[Delta] = []
-        self.first = asyncio.Event()
-
-    async def delta(self, delta: Delta) -> None:
-        self.deltas.append(delta)
-        self.first.set()
-
-    @property
-    def text(self) -> str:
-        return "".join(d.text for d in self.deltas)
 
 
 @pytest.fixture
@@ -94,7 +79,7 @@ def expected_text(tokens: int) -> str:
 
 async def test_streams_one_delta_per_token_deterministically(context: AdapterContext) -> None:
     adapter = mock(context, default_tokens=20)
-    first, second = Collect(), Collect()
+    first, second = RecordingSink(), RecordingSink()
     completion = await adapter.execute(spec(CHAT), first)
     await adapter.execute(spec(CHAT, run_id="r2"), second)
 
@@ -110,7 +95,7 @@ async def test_streams_one_delta_per_token_deterministically(context: AdapterCon
 async def test_max_tokens_sets_the_length_and_finishes_with_length(
     context: AdapterContext, key: str
 ) -> None:
-    sink = Collect()
+    sink = RecordingSink()
     completion = await mock(context).execute(spec({**CHAT, key: 40}), sink)
     assert sink.text == expected_text(40)
     assert completion.finish_reason == "length"
@@ -118,13 +103,13 @@ async def test_max_tokens_sets_the_length_and_finishes_with_length(
 
 
 async def test_default_length_comes_from_settings(context: AdapterContext) -> None:
-    completion = await mock(context).execute(spec(CHAT, stream=False), Collect())
+    completion = await mock(context).execute(spec(CHAT, stream=False), RecordingSink())
     assert completion.usage is not None
     assert completion.usage.completion_tokens == 32
 
 
 async def test_non_streaming_chat_returns_an_openai_body(context: AdapterContext) -> None:
-    sink = Collect()
+    sink = RecordingSink()
     completion = await mock(context).execute(spec({**CHAT, "max_tokens": 3}, stream=False), sink)
     assert sink.deltas == []
     body = completion.result
@@ -148,7 +133,7 @@ async def test_completions_count_the_prompt_and_return_text(context: AdapterCont
     adapter = mock(context, default_tokens=2)
     body = {"prompt": "one two three"}
     completion = await adapter.execute(
-        spec(body, operation=Operation.COMPLETIONS, stream=False), Collect()
+        spec(body, operation=Operation.COMPLETIONS, stream=False), RecordingSink()
     )
     assert completion.result is not None
     assert completion.result["object"] == "text_completion"
@@ -156,21 +141,23 @@ async def test_completions_count_the_prompt_and_return_text(context: AdapterCont
     assert completion.result["choices"][0]["finish_reason"] == "stop"
     assert completion.usage == Usage.of(3, 2)
 
-    sink = Collect()
+    sink = RecordingSink()
     await adapter.execute(spec(body, operation=Operation.COMPLETIONS), sink)
     assert [(d.text, d.role) for d in sink.deltas] == [("the ", ""), ("quick ", "")]
 
 
 async def test_prompt_words_include_text_parts(context: AdapterContext) -> None:
     parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "a b c d"}]}]}
-    completion = await mock(context, default_tokens=0).execute(spec(parts), Collect())
+    completion = await mock(context, default_tokens=0).execute(spec(parts), RecordingSink())
     assert completion.usage == Usage.of(4, 0)
 
 
 async def test_paced_tokens_are_not_faster_than_the_rate(context: AdapterContext) -> None:
     loop = asyncio.get_running_loop()
     started = loop.time()
-    await mock(context, tokens_per_second=200).execute(spec({**CHAT, "max_tokens": 20}), Collect())
+    await mock(context, tokens_per_second=200).execute(
+        spec({**CHAT, "max_tokens": 20}), RecordingSink()
+    )
     # 20 tokens at 200/s cannot take less than 0.1 s; slack for the loop's clock resolution.
     assert loop.time() - started >= 0.09
 
@@ -178,7 +165,7 @@ async def test_paced_tokens_are_not_faster_than_the_rate(context: AdapterContext
 async def test_delay_comes_before_the_first_token(context: AdapterContext) -> None:
     loop = asyncio.get_running_loop()
     started = loop.time()
-    sink = Collect()
+    sink = RecordingSink()
     await mock(context).execute(
         spec({**CHAT, "max_tokens": 1, "iop_mock": {"delay_ms": 100}}), sink
     )
@@ -190,10 +177,10 @@ async def test_embeddings_are_deterministic_unit_vectors(context: AdapterContext
     adapter = mock(context)
     body = {"input": ["hello world", "other text here"]}
     first = await adapter.execute(
-        spec(body, operation=Operation.EMBEDDINGS, stream=False), Collect()
+        spec(body, operation=Operation.EMBEDDINGS, stream=False), RecordingSink()
     )
     again = await adapter.execute(
-        spec(body, operation=Operation.EMBEDDINGS, stream=False), Collect()
+        spec(body, operation=Operation.EMBEDDINGS, stream=False), RecordingSink()
     )
     assert first.result is not None
     assert again.result is not None
@@ -211,9 +198,12 @@ async def test_embeddings_are_deterministic_unit_vectors(context: AdapterContext
 
 async def test_embeddings_in_base64_decode_to_the_float_vector(context: AdapterContext) -> None:
     adapter = mock(context)
-    floats = await adapter.execute(spec({"input": "x"}, operation=Operation.EMBEDDINGS), Collect())
+    floats = await adapter.execute(
+        spec({"input": "x"}, operation=Operation.EMBEDDINGS), RecordingSink()
+    )
     packed = await adapter.execute(
-        spec({"input": "x", "encoding_format": "base64"}, operation=Operation.EMBEDDINGS), Collect()
+        spec({"input": "x", "encoding_format": "base64"}, operation=Operation.EMBEDDINGS),
+        RecordingSink(),
     )
     assert floats.result is not None
     assert packed.result is not None
@@ -224,7 +214,7 @@ async def test_embeddings_in_base64_decode_to_the_float_vector(context: AdapterC
 
 async def test_required_tool_choice_calls_the_first_function(context: AdapterContext) -> None:
     body = {**CHAT, "tools": TOOLS, "tool_choice": "required"}
-    completion = await mock(context).execute(spec(body, stream=False), Collect())
+    completion = await mock(context).execute(spec(body, stream=False), RecordingSink())
     assert completion.finish_reason == "tool_calls"
     assert completion.result is not None
     message = completion.result["choices"][0]["message"]
@@ -241,7 +231,7 @@ async def test_required_tool_choice_calls_the_first_function(context: AdapterCon
 
 async def test_named_tool_choice_streams_tool_call_deltas(context: AdapterContext) -> None:
     choice = {"type": "function", "function": {"name": "get_time"}}
-    sink = Collect()
+    sink = RecordingSink()
     completion = await mock(context).execute(
         spec({**CHAT, "tools": TOOLS, "tool_choice": choice}), sink
     )
@@ -260,7 +250,7 @@ async def test_offered_tools_are_called_unless_a_tool_result_ends_the_conversati
     context: AdapterContext, choice: str | None
 ) -> None:
     offered = {**CHAT, "tools": TOOLS, **({"tool_choice": choice} if choice else {})}
-    called = await mock(context).execute(spec(offered, stream=False), Collect())
+    called = await mock(context).execute(spec(offered, stream=False), RecordingSink())
     assert called.finish_reason == "tool_calls"
     assert called.result is not None
     (call,) = called.result["choices"][0]["message"]["tool_calls"]
@@ -270,14 +260,14 @@ async def test_offered_tools_are_called_unless_a_tool_result_ends_the_conversati
         **offered,
         "messages": [*CHAT["messages"], called.result["choices"][0]["message"], result],
     }
-    sink = Collect()
+    sink = RecordingSink()
     completion = await mock(context, default_tokens=2).execute(spec(answered), sink)
     assert completion.finish_reason == "stop"
     assert sink.text == "the quick "
 
 
 async def test_tool_choice_none_answers_with_text(context: AdapterContext) -> None:
-    sink = Collect()
+    sink = RecordingSink()
     body = {**CHAT, "tools": TOOLS, "tool_choice": "none"}
     completion = await mock(context, default_tokens=2).execute(spec(body), sink)
     assert completion.finish_reason == "stop"
@@ -300,7 +290,7 @@ async def test_tool_arguments_stream_in_fragments_and_fit_the_schema(
     context: AdapterContext,
 ) -> None:
     tools = [{"type": "function", "function": {"name": "weather", "parameters": WEATHER}}]
-    sink = Collect()
+    sink = RecordingSink()
     await mock(context).execute(spec({**CHAT, "tools": tools, "tool_choice": "required"}), sink)
     head, *fragments = sink.deltas
     assert head.tool_calls[0].function_name == "weather"
@@ -317,7 +307,7 @@ async def test_a_json_schema_response_format_gets_a_valid_instance(
         "type": "json_schema",
         "json_schema": {"name": "w", "schema": WEATHER, "strict": True},
     }
-    sink = Collect()
+    sink = RecordingSink()
     completion = await mock(context).execute(
         spec({**CHAT, "response_format": wanted}, stream=stream), sink
     )
@@ -333,7 +323,7 @@ async def test_a_json_schema_response_format_gets_a_valid_instance(
 
 async def test_a_json_object_response_format_gets_an_object(context: AdapterContext) -> None:
     body = {**CHAT, "response_format": {"type": "json_object"}}
-    completion = await mock(context).execute(spec(body, stream=False), Collect())
+    completion = await mock(context).execute(spec(body, stream=False), RecordingSink())
     assert completion.result is not None
     assert isinstance(json.loads(completion.result["choices"][0]["message"]["content"]), dict)
 
@@ -342,12 +332,12 @@ async def test_unknown_named_tool_is_an_invalid_request(context: AdapterContext)
     choice = {"type": "function", "function": {"name": "nope"}}
     with pytest.raises(InvalidRequest):
         await mock(context).execute(
-            spec({**CHAT, "tools": TOOLS, "tool_choice": choice}), Collect()
+            spec({**CHAT, "tools": TOOLS, "tool_choice": choice}), RecordingSink()
         )
 
 
 async def test_provider_error_drill_fails_after_n_tokens(context: AdapterContext) -> None:
-    sink = Collect()
+    sink = RecordingSink()
     drill = {"fail": "provider_error", "after_tokens": 3, "status": 503}
     with pytest.raises(ProviderFailed) as caught:
         await mock(context).execute(spec({**CHAT, "iop_mock": drill}), sink)
@@ -356,7 +346,7 @@ async def test_provider_error_drill_fails_after_n_tokens(context: AdapterContext
 
 
 async def test_unavailable_drill_defaults_to_failing_at_once(context: AdapterContext) -> None:
-    sink = Collect()
+    sink = RecordingSink()
     with pytest.raises(ProviderUnavailable):
         await mock(context).execute(spec({**CHAT, "iop_mock": {"fail": "unavailable"}}), sink)
     assert sink.deltas == []
@@ -365,7 +355,7 @@ async def test_unavailable_drill_defaults_to_failing_at_once(context: AdapterCon
 async def test_drill_after_more_tokens_than_the_answer_fails_at_the_end(
     context: AdapterContext,
 ) -> None:
-    sink = Collect()
+    sink = RecordingSink()
     drill = {"fail": "provider_error", "after_tokens": 100}
     with pytest.raises(ProviderFailed) as caught:
         await mock(context).execute(spec({**CHAT, "max_tokens": 4, "iop_mock": drill}), sink)
@@ -374,7 +364,7 @@ async def test_drill_after_more_tokens_than_the_answer_fails_at_the_end(
 
 
 async def test_timeout_drill_hangs_until_the_deadline(context: AdapterContext) -> None:
-    sink = Collect()
+    sink = RecordingSink()
     drill = {"fail": "timeout", "after_tokens": 2}
     with pytest.raises(ProviderTimeout):
         await mock(context).execute(spec({**CHAT, "iop_mock": drill}, timeout=0.2), sink)
@@ -384,13 +374,13 @@ async def test_timeout_drill_hangs_until_the_deadline(context: AdapterContext) -
 async def test_embeddings_honour_the_drill(context: AdapterContext) -> None:
     body = {"input": "x", "iop_mock": {"fail": "provider_error", "status": 429}}
     with pytest.raises(ProviderFailed) as caught:
-        await mock(context).execute(spec(body, operation=Operation.EMBEDDINGS), Collect())
+        await mock(context).execute(spec(body, operation=Operation.EMBEDDINGS), RecordingSink())
     assert caught.value.provider_status == 429
 
 
 async def test_slow_answer_past_the_deadline_is_a_provider_timeout(context: AdapterContext) -> None:
     adapter = mock(context, tokens_per_second=20, default_tokens=1000)
-    sink = Collect()
+    sink = RecordingSink()
     with pytest.raises(ProviderTimeout):
         await adapter.execute(spec(CHAT, timeout=0.2), sink)
     assert 0 < len(sink.deltas) < 1000
@@ -398,7 +388,7 @@ async def test_slow_answer_past_the_deadline_is_a_provider_timeout(context: Adap
 
 async def test_cancel_stops_the_run(context: AdapterContext) -> None:
     adapter = mock(context, tokens_per_second=50, default_tokens=1000)
-    sink = Collect()
+    sink = RecordingSink()
     task = asyncio.create_task(adapter.execute(spec(CHAT), sink))
     await sink.first.wait()
     task.cancel()
@@ -436,7 +426,7 @@ async def test_unpaced_run_stays_cancellable(context: AdapterContext) -> None:
 )
 async def test_malformed_hook_is_an_invalid_request(context: AdapterContext, hook: Any) -> None:
     with pytest.raises(InvalidRequest):
-        await mock(context).execute(spec({**CHAT, "iop_mock": hook}), Collect())
+        await mock(context).execute(spec({**CHAT, "iop_mock": hook}), RecordingSink())
 
 
 @pytest.mark.parametrize(

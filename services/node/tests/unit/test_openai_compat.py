@@ -31,6 +31,7 @@ from iop_node.errors import (
     RunCancelled,
 )
 from iop_node.ports import AdapterContext, LifecycleFlags
+from iop_node.testing import RecordingSink
 from iop_proto.testing import refused_port
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -105,25 +106,6 @@ async def provider() -> AsyncIterator[FakeProvider]:
 async def http() -> AsyncIterator[aiohttp.ClientSession]:
     async with aiohttp.ClientSession() as session:
         yield session
-
-
-class Sink:
-    """Collects deltas; ``first`` is set by the first one."""
-
-    def __init__(self, *, fail_after: int | None = None) -> None:
-        self.deltas: list[Delta] = []
-        self.first = asyncio.Event()
-        self._fail_after = fail_after
-
-    async def delta(self, delta: Delta) -> None:
-        if self._fail_after is not None and len(self.deltas) >= self._fail_after:
-            raise RunCancelled("consumer gone")
-        self.deltas.append(delta)
-        self.first.set()
-
-    @property
-    def text(self) -> str:
-        return "".join(d.text for d in self.deltas)
 
 
 def make_adapter(
@@ -203,7 +185,7 @@ async def test_non_stream_forwards_every_field_and_returns_the_body(
         "response_format": {"type": "json_object"},
         "x_vendor_knob": [1, {"deep": None}],
     }
-    completion = await make_adapter(http, provider.url).execute(make_spec(body), Sink())
+    completion = await make_adapter(http, provider.url).execute(make_spec(body), RecordingSink())
 
     (got,) = provider.requests
     assert got.path == "/v1/chat/completions"
@@ -221,7 +203,7 @@ async def test_stream_asks_for_usage_and_keeps_other_stream_options(
     spec = make_spec(
         {"messages": [], "stream_options": {"continuous_usage_stats": True}}, stream=True
     )
-    await make_adapter(http, provider.url).execute(spec, Sink())
+    await make_adapter(http, provider.url).execute(spec, RecordingSink())
 
     sent = provider.requests[0].body
     assert sent["stream"] is True
@@ -238,7 +220,7 @@ async def test_non_stream_result_bytes_travel_as_the_provider_sent_them(
         return web.Response(body=raw, content_type="application/json")
 
     provider.reply = reply
-    completion = await make_adapter(http, provider.url).execute(make_spec({}), Sink())
+    completion = await make_adapter(http, provider.url).execute(make_spec({}), RecordingSink())
     assert completion.result_json == raw  # not parsed and encoded again on the way out
     assert completion.result == json.loads(raw)
 
@@ -254,7 +236,7 @@ async def test_a_result_only_the_standard_parser_reads_is_forwarded_as_it_came(
         return web.Response(body=raw, content_type="application/json")
 
     provider.reply = reply
-    completion = await make_adapter(http, provider.url).execute(make_spec({}), Sink())
+    completion = await make_adapter(http, provider.url).execute(make_spec({}), RecordingSink())
     assert completion.result_json == raw
     assert completion.result is not None
     assert completion.result["choices"] == CHAT_RESULT["choices"]
@@ -269,14 +251,14 @@ async def test_a_result_that_is_no_json_fails_clearly(
 
     provider.reply = reply
     with pytest.raises(ProviderFailed, match="not JSON"):
-        await make_adapter(http, provider.url).execute(make_spec({}), Sink())
+        await make_adapter(http, provider.url).execute(make_spec({}), RecordingSink())
 
 
 async def test_values_the_fast_encoder_refuses_are_still_forwarded(
     provider: FakeProvider, http: aiohttp.ClientSession
 ) -> None:
     body = {"messages": [{"role": "user", "content": "cut \ud83d"}], "seed": 2**70}
-    await make_adapter(http, provider.url).execute(make_spec(body), Sink())
+    await make_adapter(http, provider.url).execute(make_spec(body), RecordingSink())
     sent = provider.requests[0].body
     assert sent["seed"] == 2**70
     assert sent["messages"] == body["messages"]
@@ -299,7 +281,9 @@ def test_endpoint_is_normalised_with_or_without_v1(endpoint: str, base: str) -> 
 async def test_endpoint_with_v1_reaches_the_same_paths(
     provider: FakeProvider, http: aiohttp.ClientSession
 ) -> None:
-    await make_adapter(http, provider.url + "/v1/").execute(make_spec({"messages": []}), Sink())
+    await make_adapter(http, provider.url + "/v1/").execute(
+        make_spec({"messages": []}), RecordingSink()
+    )
     assert provider.requests[0].path == "/v1/chat/completions"
 
 
@@ -324,7 +308,7 @@ async def test_api_key_env_becomes_a_bearer_header(
     provider: FakeProvider, http: aiohttp.ClientSession
 ) -> None:
     adapter = make_adapter(http, provider.url, environ={"K": "sk-secret"}, api_key_env="K")
-    await adapter.execute(make_spec({"messages": []}), Sink())
+    await adapter.execute(make_spec({"messages": []}), RecordingSink())
     assert (await adapter.probe()).ok
     assert [r.headers["Authorization"] for r in provider.requests] == ["Bearer sk-secret"] * 2
 
@@ -337,7 +321,7 @@ async def test_missing_api_key_variable_is_reported_not_sent(
     assert not result.ok
     assert "OPENAI_KEY" in result.detail
     with pytest.raises(ProviderUnavailable, match="OPENAI_KEY"):
-        await adapter.execute(make_spec({"messages": []}), Sink())
+        await adapter.execute(make_spec({"messages": []}), RecordingSink())
     assert provider.requests == []
 
 
@@ -353,7 +337,7 @@ async def test_embeddings(provider: FakeProvider, http: aiohttp.ClientSession) -
 
     provider.reply = reply
     spec = make_spec({"input": ["a", "b"], "dimensions": 2}, operation=Operation.EMBEDDINGS)
-    completion = await make_adapter(http, provider.url).execute(spec, Sink())
+    completion = await make_adapter(http, provider.url).execute(spec, RecordingSink())
 
     got = provider.requests[0]
     assert got.path == "/v1/embeddings"
@@ -422,7 +406,7 @@ async def test_multi_line_json_chunks_and_usage(
             b"data: [DONE]\n\n",
         ]
     )
-    sink = Sink()
+    sink = RecordingSink()
     spec = make_spec({"messages": []}, stream=True)
     completion = await make_adapter(http, provider.url).execute(spec, sink)
 
@@ -446,7 +430,7 @@ async def test_tool_call_deltas(provider: FakeProvider, http: aiohttp.ClientSess
             b"data: [DONE]\n\n",
         ]
     )
-    sink = Sink()
+    sink = RecordingSink()
     completion = await make_adapter(http, provider.url).execute(
         make_spec({"messages": [], "tools": [{"type": "function"}]}, stream=True), sink
     )
@@ -468,7 +452,7 @@ async def test_text_completion_stream(provider: FakeProvider, http: aiohttp.Clie
         return b"data: " + json.dumps(event).encode() + b"\n\n"
 
     provider.reply = sse_reply([text("Once"), text(" upon"), text("", "stop"), USAGE_CHUNK])
-    sink = Sink()
+    sink = RecordingSink()
     spec = make_spec({"prompt": "x"}, operation=Operation.COMPLETIONS, stream=True)
     completion = await make_adapter(http, provider.url).execute(spec, sink)
 
@@ -504,7 +488,7 @@ async def test_http_errors_map_to_failures_with_provider_status(
     for stream in (False, True):
         with pytest.raises(kind, match=f"nope {status}") as caught:
             await make_adapter(http, provider.url).execute(
-                make_spec({"messages": []}, stream=stream), Sink()
+                make_spec({"messages": []}, stream=stream), RecordingSink()
             )
         assert isinstance(caught.value, ProviderFailed | InvalidRequest)
         assert caught.value.provider_status == status
@@ -527,7 +511,7 @@ async def test_error_message_from_other_shapes(
 
     provider.reply = reply
     with pytest.raises(ProviderFailed, match=message) as caught:
-        await make_adapter(http, provider.url).execute(make_spec({"messages": []}), Sink())
+        await make_adapter(http, provider.url).execute(make_spec({"messages": []}), RecordingSink())
     assert caught.value.provider_status == 502
     assert len(caught.value.message) < 600
 
@@ -536,7 +520,7 @@ async def test_error_object_mid_stream(provider: FakeProvider, http: aiohttp.Cli
     provider.reply = sse_reply(
         [chunk(content="partial"), b'data: {"error": {"message": "kv cache full"}}\n\n']
     )
-    sink = Sink()
+    sink = RecordingSink()
     with pytest.raises(ProviderFailed, match="kv cache full"):
         await make_adapter(http, provider.url).execute(
             make_spec({"messages": []}, stream=True), sink
@@ -552,7 +536,7 @@ async def test_a_chunk_only_the_standard_parser_reads_still_streams(
         b'"logprobs":{"content":[{"logprob":-Infinity}]},"finish_reason":null}]}\n\n'
     )
     provider.reply = sse_reply([chunk(content="a"), nan_chunk, b"data: [DONE]\n\n"])
-    sink = Sink()
+    sink = RecordingSink()
     await make_adapter(http, provider.url).execute(make_spec({}, stream=True), sink)
     assert sink.text == "ab"
 
@@ -561,7 +545,7 @@ async def test_malformed_chunk_fails(provider: FakeProvider, http: aiohttp.Clien
     provider.reply = sse_reply([b"data: {not json\n\n"])
     with pytest.raises(ProviderFailed, match="malformed"):
         await make_adapter(http, provider.url).execute(
-            make_spec({"messages": []}, stream=True), Sink()
+            make_spec({"messages": []}, stream=True), RecordingSink()
         )
 
 
@@ -569,7 +553,7 @@ async def test_connection_refused_is_unavailable(http: aiohttp.ClientSession) ->
     with refused_port() as port:
         adapter = make_adapter(http, f"http://127.0.0.1:{port}")
         with pytest.raises(ProviderUnavailable):
-            await adapter.execute(make_spec({"messages": []}), Sink())
+            await adapter.execute(make_spec({"messages": []}), RecordingSink())
         result = await adapter.probe()
     assert not result.ok
     assert "127.0.0.1" in result.detail
@@ -587,19 +571,19 @@ async def test_deadline_becomes_provider_timeout(
     loop = asyncio.get_running_loop()
     started = loop.time()
     with pytest.raises(ProviderTimeout):
-        await adapter.execute(make_spec({"messages": []}, seconds=0.3), Sink())
+        await adapter.execute(make_spec({"messages": []}, seconds=0.3), RecordingSink())
     assert loop.time() - started < 2
     await asyncio.wait_for(provider.disconnected.wait(), 5)
 
     with pytest.raises(ProviderTimeout):  # already past: fails without waiting
-        await adapter.execute(make_spec({"messages": []}, seconds=-1), Sink())
+        await adapter.execute(make_spec({"messages": []}, seconds=-1), RecordingSink())
 
 
 async def test_cancel_mid_stream_disconnects_from_the_provider(
     provider: FakeProvider, http: aiohttp.ClientSession
 ) -> None:
     provider.reply = sse_reply([chunk(content="t")] * 500, pause=0.02)
-    sink = Sink()
+    sink = RecordingSink()
     run = asyncio.create_task(
         make_adapter(http, provider.url).execute(make_spec({"messages": []}, stream=True), sink)
     )
@@ -617,7 +601,7 @@ async def test_sink_gone_stops_the_run_and_disconnects(
     provider.reply = sse_reply([chunk(content="t")] * 500, pause=0.02)
     with pytest.raises(RunCancelled):
         await make_adapter(http, provider.url).execute(
-            make_spec({"messages": []}, stream=True), Sink(fail_after=2)
+            make_spec({"messages": []}, stream=True), RecordingSink(fail_after=2)
         )
     await asyncio.wait_for(provider.disconnected.wait(), 5)
 
