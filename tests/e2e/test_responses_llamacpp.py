@@ -140,12 +140,18 @@ async def check_tool_round_trip(sdk: AsyncOpenAI) -> None:
 
 async def check_agents_and_langchain(api: str) -> None:
     import httpx
-    from agents import Agent, OpenAIResponsesModel, Runner, set_tracing_disabled
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, set_tracing_disabled
     from langchain_openai import ChatOpenAI
 
     set_tracing_disabled(True)
     async with AsyncOpenAI(base_url=api, api_key="unused", max_retries=0) as client:
-        agent = Agent(name="a", model=OpenAIResponsesModel(model=LLAMA, openai_client=client))
+        # Greedy, so that SmolLM2 answers the same way every run: sampled, it now and then
+        # runs to the output cap, and the SDK raises on `response.incomplete`.
+        agent = Agent(
+            name="a",
+            model=OpenAIResponsesModel(model=LLAMA, openai_client=client),
+            model_settings=ModelSettings(temperature=0.0),
+        )
         result = await Runner.run(agent, "Say hello.")
         assert isinstance(result.final_output, str)
     async with httpx.AsyncClient() as http:
