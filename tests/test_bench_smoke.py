@@ -24,7 +24,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 RUN = REPO / "tools" / "bench" / "run.py"
 HOPS = REPO / "tools" / "bench" / "hops.py"
-SCENARIOS = {"overhead", "sweep", "streaming", "scale", "realmodel", "vllm"}
+SCENARIOS = {"overhead", "sweep", "streaming", "floor", "scale", "realmodel", "vllm"}
 TIMEOUT_S = 100  # the run stops itself after 80 s; this is the backstop
 HOPS_TIMEOUT_S = 60  # about 12 s on 2 shared cores
 
@@ -70,6 +70,10 @@ def test_tiny_run_writes_every_scenario(tmp_path: Path) -> None:
     assert results["meta"]["mode"] == "tiny"
     assert {row["scenario"] for row in results["rows"]} <= SCENARIOS
     assert "scenario" in output  # the table was printed
+    # the floor's three variants each served the fake's answers through their hops
+    floor = results["scenarios"]["floor"]["data"]["targets"]
+    assert set(floor) == {"direct", "design", "libraries", "iop"}
+    assert all(row["c64_done"] > 0 and row["c64_failed"] == 0 for row in floor.values())
 
 
 def test_hops_reports_the_path_of_a_stream(tmp_path: Path) -> None:

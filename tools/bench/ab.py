@@ -1,8 +1,9 @@
 """Two IOP checkouts side by side in one run: what a change gives, measured the way the
 benchmark measures the peers.
 
-    tools/bench/ab.py BASE NEW [--rounds 400] [--seconds 3]
+    tools/bench/ab.py BASE NEW [--rounds 400] [--seconds 3] [--base-python PY] [--new-python PY]
     # e.g. git worktree add --detach ../base main && tools/bench/ab.py ../base .
+    # two interpreters: tools/bench/ab.py . . --new-python var/bench-py313/bin/python
 
 One fake backend, one IOP stack (control-plane, edge, node) from each checkout's
 sources (its ``PYTHONPATH`` for the services), and the direct path; requests
@@ -12,6 +13,8 @@ added TTFT p50, c=64 throughput (and its share of direct's) and the gateway's CP
 per 1,000 requests for both, and the new side's ``x-iop-overhead-ms`` p50. Both
 checkouts must read each other's databases (the stacks start from scratch, so
 only the schema version this process's control-plane writes must be one both know).
+``--base-python`` / ``--new-python``: the interpreter a side's services run on (a venv
+with the services' dependencies; the sources still come from the checkout).
 """
 
 from __future__ import annotations
@@ -95,7 +98,7 @@ async def _c64(
     return rps, {name: cpu[name] / done[name] * 1000 for name in gateways}
 
 
-async def main(base: Path, new: Path, rounds: int, seconds: float) -> None:
+async def main(sides: dict[str, tuple[Path, str | None]], rounds: int, seconds: float) -> None:
     with tempfile.TemporaryDirectory(prefix="iop-ab-") as scratch:
         root = Path(scratch)
         async with contextlib.AsyncExitStack() as stack:
@@ -103,9 +106,9 @@ async def main(base: Path, new: Path, rounds: int, seconds: float) -> None:
             spec = ProviderSpec("bench-fake", "openai_api", "api", ("fake",), endpoint=url)
             targets = {"direct": Target("direct", f"{url}/v1", "fake")}
             gateways: dict[str, Gateway] = {}
-            for name, checkout in (("base", base), ("new", new)):
+            for name, (checkout, python) in sides.items():
                 os.environ["PYTHONPATH"] = _pythonpath(checkout)  # the services' sources
-                iop = await stack.enter_async_context(start_iop(root / name, [spec]))
+                iop = await stack.enter_async_context(start_iop(root / name, [spec], python=python))
                 targets[name] = Target(name, iop.api_url, "fake")
                 gateways[name] = iop.gateway()
             latency, ttft, header = await _c1(targets, rounds)
@@ -132,8 +135,14 @@ def cli() -> None:
     parser.add_argument("new", type=Path, help="the checkout with the change")
     parser.add_argument("--rounds", type=int, default=400, help="c=1 rounds (each target once)")
     parser.add_argument("--seconds", type=float, default=3.0, help="per target per c=64 round")
+    for side in ("base", "new"):
+        parser.add_argument(f"--{side}-python", help=f"the interpreter of {side}'s services")
     args = parser.parse_args()
-    asyncio.run(main(args.base.resolve(), args.new.resolve(), args.rounds, args.seconds))
+    sides = {
+        "base": (args.base.resolve(), args.base_python),
+        "new": (args.new.resolve(), args.new_python),
+    }
+    asyncio.run(main(sides, args.rounds, args.seconds))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Run the IOP benchmarks: overhead, streaming, scale, a real model; print a table, write JSON.
+"""Run the IOP benchmarks (overhead, sweep, streaming, floor, scale, real models): table + JSON.
 
     tools/bench/run.py --quick  --out var/bench/results.json   # make bench (< 5 min)
     tools/bench/run.py --full   --out ...                      # make bench-full
@@ -32,7 +32,7 @@ from typing import Any
 # Run as a script (``tools/bench/run.py``): tools/ holds the ``bench`` package.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench import overhead, realmodel, scale, streaming, sweep, vllm_pool
+from bench import floor, overhead, realmodel, scale, streaming, sweep, vllm_pool
 from bench.backends import (
     SMOLLM2,
     SMOLLM2_VLLM,
@@ -49,7 +49,7 @@ from bench.results import PEERS, Row, ScenarioResult, render
 from bench.routers import ROUTERS, start_router
 from bench.stack import ProviderSpec, start_iop
 
-SCENARIOS = ("overhead", "sweep", "streaming", "scale", "realmodel", "vllm")
+SCENARIOS = ("overhead", "sweep", "streaming", "floor", "scale", "realmodel", "vllm")
 GATEWAY_SCENARIOS = ("overhead", "sweep", "streaming", "realmodel", "vllm")
 PEER_SCENARIOS = ("overhead", "sweep", "streaming")  # the ones with a column per peer
 FAKE_MODEL = "fake"
@@ -63,6 +63,7 @@ class Profile:
     overhead: overhead.Settings
     sweep: sweep.Settings
     streaming: streaming.Settings
+    floor: floor.Settings
     scale: scale.Settings
     realmodel: realmodel.Settings
     vllm: vllm_pool.Settings | None  # None: not run in this mode (vLLM takes a minute to start)
@@ -80,6 +81,7 @@ PROFILES = {
             ttft_pairs=3, chunks=50, concurrency=2, seconds=0.3, rounds=1,
             gap_streams=1, gap_chunks=10, gap_rate=200,
         ),
+        floor.Settings(warmup=2, pairs=5, rounds=1, seconds=0.2),
         scale.Settings(
             providers=1000, nodes=100, decisions=200, queue_waiters=200,
             registration_nodes=3, providers_per_node=2,
@@ -98,6 +100,7 @@ PROFILES = {
             ttft_pairs=100, chunks=1000, concurrency=8, seconds=4.0, rounds=1,
             gap_streams=8, gap_chunks=100, gap_rate=200,
         ),
+        floor.Settings(warmup=50, pairs=300, rounds=2, seconds=3.0),
         scale.Settings(
             providers=1000, nodes=100, decisions=20_000, queue_waiters=10_000,
             registration_nodes=100,
@@ -116,6 +119,7 @@ PROFILES = {
             ttft_pairs=500, chunks=1000, concurrency=8, seconds=10.0, rounds=3,
             gap_streams=30, gap_chunks=200, gap_rate=200,
         ),
+        floor.Settings(warmup=100, pairs=1000, rounds=3, seconds=8.0),
         scale.Settings(
             providers=1000, nodes=100, decisions=50_000, queue_waiters=10_000,
             registration_nodes=100,
@@ -363,8 +367,9 @@ async def main(profile: Profile, only: tuple[str, ...] = SCENARIOS) -> Report:
                             report.results[name] = ScenarioResult(
                                 name, status="failed", reason=f"{type(exc).__name__}: {exc}"
                             )
-                # The scale scenario starts its own edge: after the gateways stopped, so
-                # the machine is quiet for it.
+                # The floor and scale scenarios start stacks of their own: after the
+                # gateways stopped, so the machine is quiet for them.
+                await report.scenario("floor", lambda: floor.run(root / "floor", profile.floor))
                 await report.scenario("scale", lambda: scale.run(root / "scale", profile.scale))
         except TimeoutError:
             for name in SCENARIOS:

@@ -145,6 +145,11 @@ class Core:
         return path
 
 
+def _wrapper(python: str | None) -> tuple[str, ...]:
+    """What runs a service's console script: another interpreter, or its own shebang."""
+    return (python,) if python else ()
+
+
 def _write_fleet(root: Path, fleet: dict[str, Any]) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     path = root / "fleet.yaml"
@@ -154,9 +159,14 @@ def _write_fleet(root: Path, fleet: dict[str, Any]) -> Path:
 
 @contextlib.asynccontextmanager
 async def start_core(
-    root: Path, fleet: dict[str, Any], node_ids: Sequence[str]
+    root: Path, fleet: dict[str, Any], node_ids: Sequence[str], *, python: str | None = None
 ) -> AsyncIterator[Core]:
-    """Start the control-plane and the edge for ``fleet``; tokens for ``node_ids`` exist."""
+    """Start the control-plane and the edge for ``fleet``; tokens for ``node_ids`` exist.
+
+    ``python``: the interpreter the services run on (their console scripts are run with
+    it); by default this venv's own.
+    """
+    wrapper = _wrapper(python)
     fleet_file = _write_fleet(root, fleet)
     tokens = await issue_tokens(root / "cp.db", node_ids)
     core = Core(root, trustme.CA(), {}, tokens, "", 0)
@@ -171,7 +181,9 @@ async def start_core(
     )
     async with contextlib.AsyncExitStack() as exits:
         cp = await exits.enter_async_context(
-            running_service("iop-control-plane", cp_settings, ready_timeout=READY_TIMEOUT_S)
+            running_service(
+                "iop-control-plane", cp_settings, ready_timeout=READY_TIMEOUT_S, wrapper=wrapper
+            )
         )
         core.services["control-plane"] = cp
         cp_port = _port(cp, r"listening for edges on [\d.]+:(\d+)")
@@ -188,7 +200,9 @@ async def start_core(
             },
         )
         edge = await exits.enter_async_context(
-            running_service("iop-edge", edge_settings, ready_timeout=READY_TIMEOUT_S)
+            running_service(
+                "iop-edge", edge_settings, ready_timeout=READY_TIMEOUT_S, wrapper=wrapper
+            )
         )
         core.services["edge"] = edge
         api_port = _port(edge, r"OpenAI API on http://[\d.]+:(\d+)/v1")
@@ -239,14 +253,16 @@ async def start_iop(
     *,
     probe_interval_s: float = 2.0,
     pools: Mapping[str, Mapping[str, str]] | None = None,
+    python: str | None = None,
 ) -> AsyncIterator[IopStack]:
     """Control-plane, edge and the bench node serving ``providers``, all ready.
 
     ``probe_interval_s``: how often the node probes its providers (``hops.py`` sets it
     past its whole measurement, so that no probe lands in a traced window).
+    ``python``: the services' interpreter (``ab.py`` compares two), as in ``start_core``.
     """
     fleet = fleet_for({NODE_ID: providers}, pools)
-    async with start_core(root, fleet, [NODE_ID]) as core:
+    async with start_core(root, fleet, [NODE_ID], python=python) as core:
         settings = core.settings_file(
             NODE_ID,
             "node",
@@ -257,7 +273,10 @@ async def start_iop(
                 "probes": {"interval_s": probe_interval_s},
             },
         )
-        async with running_service("iop-node", settings, ready_timeout=READY_TIMEOUT_S) as node:
+        node_service = running_service(
+            "iop-node", settings, ready_timeout=READY_TIMEOUT_S, wrapper=_wrapper(python)
+        )
+        async with node_service as node:
             edge = core.services["edge"]
             await asyncio.wait_for(
                 edge.wait_for_line(f"node {NODE_ID} registered"), READY_TIMEOUT_S
