@@ -34,6 +34,7 @@ from iop_proto.tls import client_context, server_context
 
 HEADER = struct.Struct("!II")  # request number, payload length
 JSON = "application/json"
+FAILED = b""  # the node's answer when the provider gave no 200
 
 
 async def _read_frame(reader: asyncio.StreamReader) -> tuple[int, bytes]:
@@ -54,16 +55,23 @@ async def edge(tls: Path) -> None:
 
     async def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         linked.set_result((reader, writer))
-        while True:
-            number, payload = await _read_frame(reader)
-            waiting.pop(number).set_result(payload)
+        try:
+            while True:
+                number, payload = await _read_frame(reader)
+                waiting.pop(number).set_result(payload)
+        except (asyncio.IncompleteReadError, OSError):  # the node is gone: fail what waits
+            for answer in waiting.values():
+                answer.set_result(FAILED)
 
     async def forward(request: web.Request) -> web.Response:
         _, writer = await linked
         number = next(numbers)
         answer = waiting[number] = asyncio.get_running_loop().create_future()
         writer.write(_frame(number, request.path.encode() + b"\n" + await request.read()))
-        return web.Response(body=await answer, content_type=JSON)
+        body = await answer
+        if body == FAILED:
+            return web.Response(status=502, text="the node could not reach the provider")
+        return web.Response(body=body, content_type=JSON)
 
     context = server_context(identity(tls, "edge"))
     link = await asyncio.start_server(accept, "127.0.0.1", 0, ssl=context)
@@ -92,8 +100,14 @@ async def node(upstream: str, provider: str, tls: Path) -> None:
     async def post(number: int, payload: bytes) -> None:
         path, _, body = payload.partition(b"\n")
         headers = {"Content-Type": JSON}
-        async with http.post(provider + path.decode(), data=body, headers=headers) as response:
-            writer.write(_frame(number, await response.read()))
+        answer = FAILED  # a failure is answered (the edge sends a 502), never left hanging
+        try:
+            async with http.post(provider + path.decode(), data=body, headers=headers) as response:
+                if response.status == 200:
+                    answer = await response.read()
+        except (aiohttp.ClientError, OSError):
+            pass
+        writer.write(_frame(number, answer))
 
     print("passthrough linked", flush=True)
     while True:

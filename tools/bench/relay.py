@@ -63,13 +63,17 @@ class _Downstream(asyncio.Protocol):
     async def _open(self) -> None:
         loop = asyncio.get_running_loop()
         server_hostname = "localhost" if self._context else None
-        up, _ = await loop.create_connection(
-            lambda: _Upstream(self._down),
-            self._host,
-            self._port,
-            ssl=self._context,
-            server_hostname=server_hostname,
-        )
+        try:
+            up, _ = await loop.create_connection(
+                lambda: _Upstream(self._down),
+                self._host,
+                self._port,
+                ssl=self._context,
+                server_hostname=server_hostname,
+            )
+        except OSError:  # the client sees its connection close, not a silent hang
+            self._down.close()
+            return
         up.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         for data in self._early:
             up.write(data)
