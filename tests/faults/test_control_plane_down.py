@@ -93,6 +93,7 @@ async def test_edge_serves_while_the_control_plane_is_away(
     assert await control_plane_link_is(stack, 1)  # the config came over a live link
     accepted = await register(stack, "node-fuzz", fuzz_token.group(0))
     assert accepted.accepted, accepted.reason
+    assert accepted.takes_folded_completions  # the real edge reads a completion's start
     providers = {r["provider_id"]: r for r in await faults.catalog(stack.api_url, "providers")}
     assert not providers["node-b-mock"]["connected"]
     assert await chat(stack) == 2  # node-a still serves the pool

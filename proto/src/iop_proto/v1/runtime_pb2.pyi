@@ -161,18 +161,20 @@ class RegisterRequest(_message.Message):
     def __init__(self, peer_id: _Optional[str] = ..., token: _Optional[str] = ..., version: _Optional[str] = ..., role: _Optional[_Union[PeerRole, str]] = ..., providers: _Optional[_Iterable[_Union[ProviderState, _Mapping]]] = ..., acknowledges_runs: _Optional[bool] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("accepted", "reason", "node_config", "heartbeat_interval_ms", "edge_id")
+    __slots__ = ("accepted", "reason", "node_config", "heartbeat_interval_ms", "edge_id", "takes_folded_completions")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     NODE_CONFIG_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
     EDGE_ID_FIELD_NUMBER: _ClassVar[int]
+    TAKES_FOLDED_COMPLETIONS_FIELD_NUMBER: _ClassVar[int]
     accepted: bool
     reason: str
     node_config: NodeConfig
     heartbeat_interval_ms: int
     edge_id: str
-    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., node_config: _Optional[_Union[NodeConfig, _Mapping]] = ..., heartbeat_interval_ms: _Optional[int] = ..., edge_id: _Optional[str] = ...) -> None: ...
+    takes_folded_completions: bool
+    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., node_config: _Optional[_Union[NodeConfig, _Mapping]] = ..., heartbeat_interval_ms: _Optional[int] = ..., edge_id: _Optional[str] = ..., takes_folded_completions: _Optional[bool] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ("monotonic_ms",)
@@ -343,16 +345,18 @@ class RunDelta(_message.Message):
     def __init__(self, choice_index: _Optional[int] = ..., role: _Optional[str] = ..., text: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCallDelta, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., reasoning_text: _Optional[str] = ..., logprobs_json: _Optional[bytes] = ..., provider_us: _Optional[int] = ...) -> None: ...
 
 class RunComplete(_message.Message):
-    __slots__ = ("finish_reason", "usage", "result_json", "provider_us")
+    __slots__ = ("finish_reason", "usage", "result_json", "provider_us", "start")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     RESULT_JSON_FIELD_NUMBER: _ClassVar[int]
     PROVIDER_US_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
     finish_reason: str
     usage: Usage
     result_json: bytes
     provider_us: int
-    def __init__(self, finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., result_json: _Optional[bytes] = ..., provider_us: _Optional[int] = ...) -> None: ...
+    start: RunStart
+    def __init__(self, finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., result_json: _Optional[bytes] = ..., provider_us: _Optional[int] = ..., start: _Optional[_Union[RunStart, _Mapping]] = ...) -> None: ...
 
 class RunError(_message.Message):
     __slots__ = ("code", "message", "provider_status", "provider_us")

@@ -792,6 +792,34 @@ async def test_one_record_per_request(edge: Edge, http: aiohttp.ClientSession) -
     assert edge.metric("iop_edge_queue_wait_seconds_count", model=CHAT) == 2
 
 
+async def test_a_folded_completion_is_answered_and_recorded_as_three_events_are(
+    edge: Edge, http: aiohttp.ClientSession
+) -> None:
+    """A node that finished the run within its acknowledgement hold sends one event: the
+    completion with the start in it. The answer and the record are those of three."""
+    result = {
+        "object": "chat.completion",
+        "model": SERVED,
+        "choices": [
+            {
+                "index": 0,
+                "finish_reason": "stop",
+                "message": {"role": "assistant", "content": "Hello"},
+            }
+        ],
+    }
+    folded = complete(result, finish_reason="stop", usage=usage(), start=start().start)
+    edge.service.plan = lambda spec: FakeRun([folded])
+    async with http.post(f"{edge.url}/v1/chat/completions", json=chat_body()) as response:
+        assert response.status == 200
+        answer = await response.json()
+    assert answer["choices"][0]["message"]["content"] == "Hello"
+    [record] = await edge.runlog.wait_for(1)
+    assert (record.outcome, record.provider_id) == ("completed", "p1")
+    assert record.queue_wait_ms >= 7  # the node's queue wait, from the folded start
+    assert edge.metric("iop_edge_queue_wait_seconds_count", model=CHAT) == 1
+
+
 # ---------------------------------------------------------------- disconnects cancel the run
 
 

@@ -105,8 +105,9 @@ class NodeSession:
 class FakeEdge:
     """The edge's side of node registration, just enough to drive a real node."""
 
-    def __init__(self, providers: list[pb.ProviderConfig]) -> None:
+    def __init__(self, providers: list[pb.ProviderConfig], *, folds: bool = False) -> None:
         self.providers = providers
+        self.folds = folds  # the edge takes folded completions (as the real edge does)
         self.sessions: asyncio.Queue[NodeSession] = asyncio.Queue()
         self._pumps: set[asyncio.Task[None]] = set()
 
@@ -123,6 +124,7 @@ class FakeEdge:
                     node_config=pb.NodeConfig(node_id=register.peer_id, providers=self.providers),
                     heartbeat_interval_ms=30_000,
                     edge_id="test-edge",
+                    takes_folded_completions=self.folds,
                 ),
                 correlation_id=hello.message_id,
             )
@@ -212,10 +214,57 @@ async def test_non_streaming_run_returns_the_whole_result(edge_and_node: FakeEdg
         "run-2", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}, stream=False
     )
     events = await session.events("run-2")
+    # an edge that did not say it takes folded completions gets all three events
     assert [e.WhichOneof("kind") for e in events] == ["accepted", "start", "complete"]
     result = json.loads(events[-1].complete.result_json)
     assert result["object"] == "chat.completion"
     assert result["usage"]["completion_tokens"] == 3
+
+
+@contextlib.asynccontextmanager
+async def folding_session(
+    tokens_per_second: float, pki: Pki, tmp_path: Path
+) -> AsyncIterator[NodeSession]:
+    """A real node registered with a test edge that takes folded completions."""
+    edge = FakeEdge([mock_provider(tokens_per_second=tokens_per_second)], folds=True)
+    async with loopback_server(edge.handle, server_context(pki.edge)) as port:
+        async with running_node(pki, port, tmp_path):
+            yield await asyncio.wait_for(edge.sessions.get(), 10)
+
+
+THREE_TOKENS = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+
+
+async def test_a_fast_run_sends_its_completion_alone_to_an_edge_that_takes_folds(
+    pki: Pki, tmp_path: Path
+) -> None:
+    async with folding_session(0, pki, tmp_path) as session:
+        await session.run("fast", THREE_TOKENS, stream=False)
+        [event] = await session.events("fast")  # acknowledges, starts and ends the run
+        assert (event.sequence, event.WhichOneof("kind")) == (0, "complete")
+        start = event.complete.start
+        assert (start.provider_id, start.target) == ("node-a-mock", "mock-small")
+        assert json.loads(event.complete.result_json)["usage"]["completion_tokens"] == 3
+        # a stream's first delta leaves with the acknowledgement and the start, unfolded
+        await session.run("streamed", THREE_TOKENS, stream=True)
+        events = await session.events("streamed")
+        assert [e.sequence for e in events] == list(range(len(events)))
+        assert [e.WhichOneof("kind") for e in events[:2]] == ["accepted", "start"]
+        assert not events[-1].complete.HasField("start")
+
+
+async def test_a_run_past_the_hold_is_acknowledged_alone_even_when_the_edge_takes_folds(
+    pki: Pki, tmp_path: Path
+) -> None:
+    async with folding_session(50, pki, tmp_path) as session:  # 3 tokens: ~60 ms > 20 ms
+        await session.run("slow", THREE_TOKENS, stream=False)
+        events = await session.events("slow")
+        assert [(e.sequence, e.WhichOneof("kind")) for e in events] == [
+            (0, "accepted"),
+            (1, "start"),
+            (2, "complete"),
+        ]
+        assert not events[-1].complete.HasField("start")
 
 
 async def test_cancel_frees_the_slot(pki: Pki, tmp_path: Path) -> None:

@@ -293,6 +293,7 @@ class NodeServer:
                 node_config=answer.node_config,
                 heartbeat_interval_ms=int(self._heartbeat_interval_s * 1000),
                 edge_id=self._edge_id,
+                takes_folded_completions=True,
             ),
             correlation_id=first.message_id,
         )

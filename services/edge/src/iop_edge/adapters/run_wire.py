@@ -72,15 +72,19 @@ def run_event(event: pb.RunEvent) -> RunEvent | Accepted | None:
             _usage(c.usage) if c.HasField("usage") else None,
             c.result_json,
             c.provider_us,
+            _start(c.start) if c.HasField("start") else None,
         )
     if kind == "error":
         return failed(event.error)
     if kind == "start":
-        s = event.start
-        return Started(s.provider_id, s.target, s.queue_wait_ms)
+        return _start(event.start)
     if kind == "accepted":
         return ACCEPTED
     return None
+
+
+def _start(start: pb.RunStart) -> Started:
+    return Started(start.provider_id, start.target, start.queue_wait_ms)
 
 
 def failed(error: pb.RunError) -> Failed:

@@ -84,12 +84,18 @@ class Delta:
 
 @dataclass(frozen=True, slots=True)
 class Completed:
-    """The run's end: why, its usage, and the provider's whole result when it sent one."""
+    """The run's end: why, its usage, and the provider's whole result when it sent one.
+
+    ``start``: the run's start when it came with the end (a node that finished the run
+    within its acknowledgement hold sends one event for all three: ``run_reader``
+    gives the start to the sink first); ``None`` when it came on its own before.
+    """
 
     finish_reason: str = ""
     usage: Usage | None = None
     result_json: bytes = b""
     provider_us: int = 0  # the node's wait on the provider over the run (x-iop-overhead-ms)
+    start: Started | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -44,7 +44,11 @@ async def follow(events: RunEvents, sink: RunSink) -> Completed | Failed | None:
                     await wait
             case Started():
                 sink.started(event)
-            case Completed() | Failed():
+            case Completed():
+                if event.start is not None:  # a folded completion: the start came with it
+                    sink.started(event.start)
+                return event
+            case Failed():
                 return event
             case Retrying():
                 sink.restart()

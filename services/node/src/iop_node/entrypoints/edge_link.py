@@ -49,11 +49,18 @@ class ConnectionChannel:
     fewer); a run still queued or waiting on its provider then sends it alone. The
     edge fails a run it does not hear of in time (``run_ack_timeout_s``, 2 s by
     default; any event acknowledges), so the hold must stay far below it.
+
+    ``fold``: the edge reads a completion's start (``takes_folded_completions``), so a
+    run that completes while its acknowledgement and start are still held sends one
+    event, the completion with the start in it, instead of three: the edge decodes,
+    checks and routes one event, not three, for every fast non-streamed run.
+    Events are numbered as they leave, so the run's numbers have no gaps either way.
     """
 
-    def __init__(self, conn: Connection, run_id: str) -> None:
+    def __init__(self, conn: Connection, run_id: str, *, fold: bool = False) -> None:
         self._conn = conn
         self._run_id = run_id
+        self._fold = fold
         self._sequence = 0
         self._start: pb.RunEvent | None = None
         self._ack: pb.RunEvent | None = None
@@ -69,12 +76,11 @@ class ConnectionChannel:
         try:
             if self._ack is not None:
                 ack, self._ack = self._ack, None
-                if self._ack_timer is not None:
-                    self._ack_timer.cancel()
-                await self._conn.send(ack, correlation_id=self._run_id, defer=True)
+                self._cancel_ack_timer()
+                await self._conn.send(self._number(ack), correlation_id=self._run_id, defer=True)
             if self._start is not None:
                 start, self._start = self._start, None
-                await self._conn.send(start, correlation_id=self._run_id, defer=True)
+                await self._conn.send(self._number(start), correlation_id=self._run_id, defer=True)
             await self._conn.send(self._number(event), correlation_id=self._run_id, defer=defer)
         except (ConnectionClosed, OSError) as exc:  # closed, or reset under the write
             raise RunCancelled(EDGE_GONE) from exc
@@ -82,8 +88,12 @@ class ConnectionChannel:
     def accepted(self) -> None:
         """The node took the run: the edge hears of it with the run's first event, or
         after ``ACK_HOLD_S`` on its own (never blocks the receive loop)."""
-        self._ack = self._number(pb.RunEvent(accepted={}))
+        self._ack = pb.RunEvent(accepted={})
         self._ack_timer = asyncio.get_running_loop().call_later(ACK_HOLD_S, self._send_ack)
+
+    def _cancel_ack_timer(self) -> None:
+        if self._ack_timer is not None:
+            self._ack_timer.cancel()
 
     def _send_ack(self) -> None:
         ack, self._ack = self._ack, None
@@ -91,17 +101,22 @@ class ConnectionChannel:
             return
         # a connection gone already: the run finds out itself when it sends
         with contextlib.suppress(ConnectionClosed, OSError):
-            self._conn.send_soon(ack, correlation_id=self._run_id)
+            self._conn.send_soon(self._number(ack), correlation_id=self._run_id)
 
     async def started(self, provider_id: str, target: str, queue_wait_ms: int) -> None:
         start = {"provider_id": provider_id, "target": target, "queue_wait_ms": queue_wait_ms}
-        self._start = self._number(pb.RunEvent(start=start))
+        self._start = pb.RunEvent(start=start)
 
     async def delta(self, delta: Delta) -> None:
         await self._send(wire.delta_event(delta), defer=True)
 
     async def completed(self, completion: Completion) -> None:
-        await self._send(wire.complete_event(completion))
+        event = wire.complete_event(completion)
+        if self._fold and self._ack is not None and self._start is not None:
+            event.complete.start.CopyFrom(self._start.start)
+            self._ack = self._start = None  # the completion acknowledges and starts it
+            self._cancel_ack_timer()
+        await self._send(event)
 
     async def failed(
         self, code: int, message: str, provider_status: int, provider_us: int = 0
@@ -135,6 +150,7 @@ class EdgeLink(Dialer):
         self._version = version
         self._dirty = asyncio.Event()
         self._draining = False
+        self._folds = False  # the edge takes folded completions (its registration says)
         core.on_change(self._dirty.set)
 
     def _register_request(self) -> pb.RegisterRequest:
@@ -148,6 +164,8 @@ class EdgeLink(Dialer):
         )
 
     async def _accepted(self, conn: Connection, response: pb.RegisterResponse) -> str:
+        # this connection's edge: config updates later carry no capabilities
+        self._folds = response.takes_folded_completions
         await self._apply(response.node_config)
         return f" ({len(response.node_config.providers)} providers)"
 
@@ -171,7 +189,8 @@ class EdgeLink(Dialer):
         async for envelope in conn:
             kind = envelope.WhichOneof("body")
             if kind == "run_request":
-                channel = ConnectionChannel(conn, envelope.run_request.run_id)
+                run_id = envelope.run_request.run_id
+                channel = ConnectionChannel(conn, run_id, fold=self._folds)
                 if self._core.start_run(envelope.run_request, channel):
                     channel.accepted()
             elif kind == "cancel_request":
