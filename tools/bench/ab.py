@@ -30,7 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.backends import fake_backend
-from bench.client import Target, closed_loop, complete, percentile, session, stream
+from bench.client import Target, closed_loop, complete, percentile, rotated, session, stream
 from bench.procs import Gateway
 from bench.stack import ProviderSpec, start_iop
 
@@ -43,11 +43,6 @@ NAMES = ("direct", "base", "new")
 
 def _pythonpath(checkout: Path) -> str:
     return os.pathsep.join(str(checkout / part) for part in SOURCES)
-
-
-def _rotated(i: int) -> list[str]:
-    k = i % len(NAMES)
-    return [*NAMES[k:], *NAMES[:k]]
 
 
 Samples = dict[str, list[float]]
@@ -64,11 +59,11 @@ async def _c1(targets: dict[str, Target], rounds: int) -> tuple[Samples, Samples
                 await complete(http, targets[name])
                 await stream(http, targets[name], 4)
         for i in range(rounds):
-            for name in _rotated(i):
+            for name in rotated(NAMES, i):
                 own = header["new"] if name == "new" else None
                 latency[name].append(await complete(http, targets[name], reported=own))
         for i in range(rounds // 3):
-            for name in _rotated(i):
+            for name in rotated(NAMES, i):
                 ttft[name].append((await stream(http, targets[name], 4)).ttft_s)
     return latency, ttft, header
 
@@ -84,7 +79,7 @@ async def _c64(
         for name in NAMES:
             await closed_loop(http, targets[name], 64, 0.3)
         for i in range(3):
-            for name in _rotated(i):
+            for name in rotated(NAMES, i):
                 gateway = gateways.get(name)
                 before = gateway.cpu() if gateway else 0.0
                 completed, failed, took = await closed_loop(http, targets[name], 64, seconds)

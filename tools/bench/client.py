@@ -12,7 +12,7 @@ import itertools
 import json
 import statistics
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -168,6 +168,13 @@ def _completion_tokens(line: bytes) -> int:
         return 0
     value = usage.get("completion_tokens")
     return value if isinstance(value, int) else 0
+
+
+def rotated(names: Sequence[str], i: int) -> list[str]:
+    """``names`` starting at the ``i``-th (modulo): round ``i``'s order, so that no target
+    always goes first on a warm cache (every scenario alternates its targets this way)."""
+    k = i % len(names)
+    return [*names[k:], *names[:k]]
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -34,7 +34,7 @@ import trustme
 from iop_proto.testing import write_identity
 
 from .backends import fake_backend
-from .client import Target, closed_loop, complete, percentile, session
+from .client import Target, closed_loop, complete, percentile, rotated, session
 from .procs import cpu_seconds, spawn
 from .results import Row, ScenarioResult, ratio
 from .stack import ProviderSpec, start_iop
@@ -122,11 +122,6 @@ def _identities(directory: Path) -> Path:
     return directory
 
 
-def _rotated(i: int) -> list[str]:
-    k = i % len(NAMES)
-    return [*NAMES[k:], *NAMES[:k]]
-
-
 async def run(root: Path, settings: Settings) -> ScenarioResult:
     """Start the four targets, measure them alternating, stop them."""
     pki = _identities(root / "pki")
@@ -167,12 +162,12 @@ async def _measure(variants: _Variants, settings: Settings) -> dict[str, dict[st
             for _ in range(settings.warmup):
                 await complete(http, targets[name])
         for i in range(settings.pairs):
-            for name in _rotated(i):
+            for name in rotated(NAMES, i):
                 latency[name].append(await complete(http, targets[name]))
         for name in NAMES:  # the 64 connections (a relay's TLS handshakes) before timing
             await closed_loop(http, targets[name], 64, 0.2)
         for i in range(settings.rounds):
-            for name in _rotated(i):
+            for name in rotated(NAMES, i):
                 before = {group: cpu_seconds(pids) for group, pids in variants.pids.items()}
                 completed, lost, took = await closed_loop(http, targets[name], 64, settings.seconds)
                 for group, pids in variants.pids.items():

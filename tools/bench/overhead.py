@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from .client import Target, closed_loop, complete, session, summary_ms
+from .client import Target, closed_loop, complete, rotated, session, summary_ms
 from .procs import Gateway
 from .results import Row, ScenarioResult, peer_cells, ratio
 
@@ -34,11 +34,6 @@ class Settings:
     seconds: float  # per target per round
 
 
-def _rotated(names: list[str], i: int) -> list[str]:
-    k = i % len(names)
-    return names[k:] + names[:k]
-
-
 async def _latency(
     targets: dict[str, Target], settings: Settings, reported: list[float]
 ) -> dict[str, list[float]]:
@@ -50,7 +45,7 @@ async def _latency(
             for _ in range(settings.warmup):
                 await complete(http, targets[name])
         for i in range(settings.pairs):
-            for name in _rotated(names, i):
+            for name in rotated(names, i):
                 own = reported if name == "iop" else None
                 latencies[name].append(await complete(http, targets[name], reported=own))
     return latencies
@@ -65,7 +60,7 @@ async def _throughput(
         for name in names:  # open the connections before anything is timed
             await closed_loop(http, targets[name], settings.concurrency, 0.3)
         for i in range(settings.rounds):
-            for name in _rotated(names, i):
+            for name in rotated(names, i):
                 gateway = gateways.get(name)
                 cpu_before = gateway.cpu() if gateway else 0.0
                 done, failed, elapsed = await closed_loop(

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from .client import RequestFailed, Target, percentile, session, stream, summary_ms
+from .client import RequestFailed, Target, percentile, rotated, session, stream, summary_ms
 from .results import Row, ScenarioResult, peer_cells, ratio
 
 SCENARIO = "streaming"
@@ -38,11 +38,6 @@ class Settings:
     gap_rate: int  # chunks/s the fake paces them at
 
 
-def _rotated(names: list[str], i: int) -> list[str]:
-    k = i % len(names)
-    return names[k:] + names[:k]
-
-
 async def _ttft(targets: dict[str, Target], settings: Settings) -> dict[str, list[float]]:
     names = list(targets)
     out: dict[str, list[float]] = {name: [] for name in names}
@@ -50,7 +45,7 @@ async def _ttft(targets: dict[str, Target], settings: Settings) -> dict[str, lis
         for name in names:  # warm the connections
             await stream(http, targets[name], TTFT_TOKENS)
         for i in range(settings.ttft_pairs):
-            for name in _rotated(names, i):
+            for name in rotated(names, i):
                 timing = await stream(http, targets[name], TTFT_TOKENS)
                 out[name].append(timing.ttft_s)
     return out
@@ -88,7 +83,7 @@ async def _chunk_rate(
     totals = {name: {"chunks": 0.0, "seconds": 0.0, "failed": 0.0} for name in names}
     async with session(settings.concurrency * len(names)) as http:
         for i in range(settings.rounds):
-            for name in _rotated(names, i):
+            for name in rotated(names, i):
                 chunks, failed, elapsed = await _streams_for(http, targets[name], settings)
                 totals[name]["chunks"] += chunks
                 totals[name]["failed"] += failed
@@ -107,7 +102,7 @@ async def _gaps(targets: dict[str, Target], settings: Settings) -> dict[str, dic
     ttft: dict[str, list[float]] = {name: [] for name in names}
     async with session(len(names)) as http:
         for i in range(settings.gap_streams):
-            for name in _rotated(names, i):
+            for name in rotated(names, i):
                 timing = await stream(http, paced[name], settings.gap_chunks)
                 arrivals = timing.arrivals
                 gaps[name] += [b - a for a, b in itertools.pairwise(arrivals)]

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .client import Target, closed_loop, session, summary_ms
+from .client import Target, closed_loop, rotated, session, summary_ms
 from .results import Row, ScenarioResult, peer_cells, ratio
 
 SCENARIO = "sweep"
@@ -26,11 +26,6 @@ class Settings:
     seconds: float  # per target per level
 
 
-def _rotated(names: list[str], i: int) -> list[str]:
-    k = i % len(names)
-    return names[k:] + names[:k]
-
-
 async def _level(
     targets: dict[str, Target], concurrency: int, seconds: float, i: int
 ) -> dict[str, dict[str, float]]:
@@ -39,7 +34,7 @@ async def _level(
     async with session(concurrency * len(names)) as http:
         for name in names:  # open the connections before anything is timed
             await closed_loop(http, targets[name], concurrency, 0.1)
-        for name in _rotated(names, i):
+        for name in rotated(names, i):
             latencies: list[float] = []
             done, failed, elapsed = await closed_loop(
                 http, targets[name], concurrency, seconds, latencies

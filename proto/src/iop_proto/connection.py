@@ -223,10 +223,7 @@ class Connection:
         if defer:
             self._deferred.append(frame)
             if len(self._deferred) == 1:
-                loop = self._loop
-                if loop is None:
-                    loop = self._running_loop()
-                loop.call_soon(self._flush_deferred)
+                self._running_loop().call_soon(self._flush_deferred)
         elif self._deferred:
             self._deferred.append(frame)
             self._flush_deferred()
@@ -315,9 +312,7 @@ class Connection:
         and the watchdog rarely exists. It cancels a late read, and the cancel is
         turned into ``FrameReadTimeout`` here, the way ``asyncio.timeout`` does it.
         """
-        loop = self._loop
-        if loop is None:
-            loop = self._running_loop()
+        loop = self._running_loop()
         if self._frame_started is None:
             self._frame_started = loop.time()
         task = asyncio.current_task(loop)  # with the loop: a third of the cost without
