@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed-stamp
 PACKAGES := proto services/control-plane services/edge services/node services/worker
 PYPROJECTS := $(addsuffix /pyproject.toml,$(PACKAGES))
 
-.PHONY: install proto certs run test lint bench bench-full bench-peers help vllm test-vllm test-multihost
+.PHONY: install proto certs run test lint bench bench-full bench-peers help vllm test-vllm test-multihost agents test-agents
 
 help:
 	@echo "make run     start the whole stack as local processes (Ctrl-C stops it)"
@@ -17,6 +17,8 @@ help:
 	@echo "make test-vllm  the vLLM provider suite against a real vLLM (make vllm first, itself)"
 	@echo "make test    run every test (installs first)"
 	@echo "make test-multihost  docs/deploy-bare-metal.md run on three network-namespace hosts (root)"
+	@echo "make agents  install the coding agents (Codex CLI, Claude Code, opencode, Continue CLI, aider) into var/agents"
+	@echo "make test-agents  each agent, unchanged, finishes a turn against make run's stack (make agents first, itself)"
 	@echo "make lint    ruff + mypy"
 	@echo "make proto   regenerate iop_proto from proto/iop/v1/*.proto"
 	@echo "make certs   generate development certificates under certs/dev (--force: make certs FORCE=1)"
@@ -91,6 +93,29 @@ test-vllm: install vllm
 # make namespaces here" from a skip into a failure.
 test-multihost: install
 	TEST_MULTIHOST_REQUIRED=1 $(BIN)/python -m pytest tests/multihost
+
+# The coding agents, real and pinned (tests/agents/agents.py names the same versions): the npm
+# ones into var/agents/node_modules, aider into a venv of its own (its dependency tree must not
+# touch .venv). Needs node and npm (Debian's nodejs and npm where the machine has none).
+AGENTS_DIR   := var/agents
+AGENTS_STAMP := $(AGENTS_DIR)/.installed-stamp
+AGENTS_NPM   := @openai/codex@0.171.0 @anthropic-ai/claude-code@2.1.197 opencode-ai@1.18.33 \
+	@continuedev/cli@1.5.47
+AIDER_VERSION := 0.86.2
+
+agents: $(AGENTS_STAMP)
+
+$(AGENTS_STAMP): Makefile
+	command -v npm >/dev/null || (export DEBIAN_FRONTEND=noninteractive; apt-get update -qq && apt-get install -y -qq nodejs npm >/dev/null)
+	mkdir -p $(AGENTS_DIR)
+	npm install --prefix $(AGENTS_DIR) --no-save --no-audit --no-fund --loglevel=error $(AGENTS_NPM)
+	test -x $(AGENTS_DIR)/aider/bin/python || $(PYTHON) -m venv $(AGENTS_DIR)/aider
+	$(AGENTS_DIR)/aider/bin/python -m pip install --quiet aider-chat==$(AIDER_VERSION)
+	touch $@
+
+# Every agent against make run's stack, none skipped (TEST_AGENTS_REQUIRED).
+test-agents: install agents
+	TEST_AGENTS_REQUIRED=1 $(BIN)/python -m pytest tests/agents
 
 lint: install
 	$(BIN)/ruff check .
