@@ -96,14 +96,28 @@ test-multihost: install
 
 # The coding agents, real and pinned (tests/agents/agents.py names the same versions): the npm
 # ones into var/agents/node_modules, aider into a venv of its own (its dependency tree must not
-# touch .venv). Needs node and npm (Debian's nodejs and npm where the machine has none).
+# touch .venv), and the Python client libraries into var/clients. Needs node and npm (Debian's
+# nodejs and npm where the machine has none).
 AGENTS_DIR   := var/agents
 AGENTS_STAMP := $(AGENTS_DIR)/.installed-stamp
 AGENTS_NPM   := @openai/codex@0.171.0 @anthropic-ai/claude-code@2.1.197 opencode-ai@1.18.33 \
 	@continuedev/cli@1.5.47
 AIDER_VERSION := 0.86.2
+# Python client libraries (tests/agents/test_python_clients.py), each in a venv of its own
+# (var/clients/<name>): they pin openai, anthropic and httpx in ways that exclude each other
+# (pydantic-ai 2.31 hands anthropic 2.15+ an httpx client it refuses; LlamaIndex wants
+# openai<3), and none of that may move .venv's.
+CLIENTS_DIR  := var/clients
+CLIENT_LIBRARIES := llamaindex:llama-index-llms-openai-like==0.8.1 litellm:litellm==1.110.2 \
+	instructor:instructor==1.17.0 pydantic-ai:pydantic-ai-slim[openai,anthropic]==2.68.0
 
 agents: $(AGENTS_STAMP)
+
+define client_venv
+	test -x $(1)/bin/python || $(PYTHON) -m venv $(1)
+	$(1)/bin/python -m pip install --quiet "$(2)"
+
+endef
 
 $(AGENTS_STAMP): Makefile
 	command -v npm >/dev/null || (export DEBIAN_FRONTEND=noninteractive; apt-get update -qq && apt-get install -y -qq nodejs npm >/dev/null)
@@ -111,9 +125,10 @@ $(AGENTS_STAMP): Makefile
 	npm install --prefix $(AGENTS_DIR) --no-save --no-audit --no-fund --loglevel=error $(AGENTS_NPM)
 	test -x $(AGENTS_DIR)/aider/bin/python || $(PYTHON) -m venv $(AGENTS_DIR)/aider
 	$(AGENTS_DIR)/aider/bin/python -m pip install --quiet aider-chat==$(AIDER_VERSION)
+	$(foreach client,$(CLIENT_LIBRARIES),$(call client_venv,$(CLIENTS_DIR)/$(word 1,$(subst :, ,$(client))),$(word 2,$(subst :, ,$(client)))))
 	touch $@
 
-# Every agent against make run's stack, none skipped (TEST_AGENTS_REQUIRED).
+# Every agent and client library against make run's stack, none skipped (TEST_AGENTS_REQUIRED).
 test-agents: install agents
 	TEST_AGENTS_REQUIRED=1 $(BIN)/python -m pytest tests/agents
 

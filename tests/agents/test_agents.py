@@ -17,24 +17,21 @@ the fixtures the contract tests (``tests/e2e/test_agent_requests.py``) replay in
 
 from __future__ import annotations
 
-import asyncio
 import importlib.util
 import json
 import os
 import sys
-from collections.abc import AsyncIterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
-import pytest_asyncio
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.asyncio(loop_scope="module"),
+    pytest.mark.asyncio(loop_scope="session"),
     pytest.mark.timeout(600),  # the stack comes up once, then a turn may take minutes on a CPU
 ]
 
@@ -63,27 +60,12 @@ TOO_LONG_FOR_LLAMA = {"claude"}
 
 
 def _require(agent: Any) -> None:
-    why = agent.missing() or local.missing_llamacpp()
+    why = agent.missing()
     if why is None:
         return
     if REQUIRED:
         pytest.fail(f"{agent.name}: {why} (make test-agents requires every agent)")
     pytest.skip(why)
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def origin(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[str]:
-    """``make run``'s stack on shifted ports; yields the edge's origin."""
-    if local.missing_llamacpp() is not None and not REQUIRED:
-        pytest.skip(local.missing_llamacpp())
-    root = tmp_path_factory.mktemp("agents-stack")
-    certs = root / "certs"
-    made = await asyncio.create_subprocess_exec(
-        sys.executable, str(REPO / "tools" / "devcerts.py"), "--out", str(certs)
-    )
-    assert await made.wait() == 0
-    async with local.local_stack(root, certs) as (_, up):
-        yield up["api"].removesuffix("/v1")
 
 
 async def _turn(agent: Any, origin: str, model: str, tmp_path: Path) -> tuple[Any, list[Any]]:
