@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -1221,6 +1222,88 @@ async def test_any_origin_with_a_star() -> None:
 # ---------------------------------------------------------------- Anthropic's Messages API
 
 
+# ---------------------------------------------------------------- output lengths past the cap
+
+
+OPENCODE_TITLE_REQUEST: dict[str, Any] = {
+    # opencode 1.18's first request of a session (captured, text shortened): it asks
+    # 32000 whatever the model, and a refusal failed every session.
+    "model": CHAT,
+    "max_tokens": 32000,
+    "messages": [
+        {"role": "system", "content": "You are a title generator. You output ONLY a thread title."},
+        {"role": "user", "content": "Generate a title for this conversation:\n"},
+        {"role": "user", "content": "list the files here"},
+    ],
+    "stream": True,
+    "stream_options": {"include_usage": True},
+}
+
+
+def capped(edge: Edge, cap: int) -> None:
+    edge.catalog.entries[0] = dataclasses.replace(edge.catalog.entries[0], max_output_tokens=cap)
+
+
+async def test_opencodes_request_past_the_cap_runs_clamped_and_says_so(
+    edge: Edge, http: aiohttp.ClientSession
+) -> None:
+    capped(edge, 4096)
+    async with http.post(f"{edge.url}/v1/chat/completions", json=OPENCODE_TITLE_REQUEST) as resp:
+        assert resp.status == 200
+        assert resp.headers["x-iop-max-tokens-clamped"] == "32000->4096"
+        chunks = [json.loads(d) for d in sse_data(await resp.text())[:-1]]
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    assert text == "Hello"
+    [spec] = edge.service.specs
+    assert spec.body["max_tokens"] == 4096
+    assert OPENCODE_TITLE_REQUEST["max_tokens"] == 32000  # the client's body is its own
+
+
+async def test_every_api_clamps_by_the_one_rule_with_the_one_header(edge: Edge) -> None:
+    capped(edge, 64)
+    hello = [{"role": "user", "content": "hi"}]
+    async with edge.sdk() as client:
+        chat = await client.chat.completions.with_raw_response.create(
+            model=CHAT, messages=hello, max_completion_tokens=2**31 - 1
+        )
+        text = await client.completions.with_raw_response.create(
+            model=CHAT, prompt="hi", max_tokens=65
+        )
+        within = await client.chat.completions.with_raw_response.create(
+            model=CHAT, messages=hello, max_tokens=64
+        )
+    async with anthropic_sdk(edge) as anthropic_client:
+        message = await anthropic_client.messages.with_raw_response.create(
+            model=CHAT, max_tokens=16000, messages=hello
+        )
+    assert chat.headers["x-iop-max-tokens-clamped"] == "2147483647->64"
+    assert text.headers["x-iop-max-tokens-clamped"] == "65->64"
+    assert message.headers["x-iop-max-tokens-clamped"] == "16000->64"
+    assert "x-iop-max-tokens-clamped" not in within.headers
+    specs = edge.service.specs
+    assert [s.body.get("max_tokens", s.body.get("max_completion_tokens")) for s in specs] == [
+        64,
+        64,
+        64,
+        64,
+    ]
+
+
+@pytest.mark.parametrize("value", [2**31, 0, -1, "32000", 1.5, True])
+async def test_output_lengths_that_are_not_integers_below_2_to_the_31_stay_a_400(
+    edge: Edge, http: aiohttp.ClientSession, value: object
+) -> None:
+    for path, body in (
+        ("/v1/chat/completions", chat_body(max_tokens=value)),
+        ("/v1/completions", {"model": CHAT, "prompt": "hi", "max_tokens": value}),
+    ):
+        async with http.post(f"{edge.url}{path}", json=body) as resp:
+            error = (await resp.json())["error"]
+            assert (resp.status, error["param"]) == (400, "max_tokens"), error
+            assert "x-iop-max-tokens-clamped" not in resp.headers
+    assert edge.service.specs == []
+
+
 def anthropic_sdk(edge: Edge, **auth: Any) -> anthropic.AsyncAnthropic:
     auth = auth or {"api_key": "sk-any"}
     return anthropic.AsyncAnthropic(base_url=edge.url, max_retries=0, **auth)
@@ -1245,7 +1328,7 @@ async def test_messages_run_as_chat_and_answer_as_messages(edge: Edge) -> None:
         {"role": "user", "content": "hi"},
     ]
     assert plain.body["max_tokens"] == 5
-    assert streamed.body["max_tokens"] == 32768  # held to the model's max_output_tokens
+    assert streamed.body["max_tokens"] == 32768  # lowered to the model's max_output_tokens
     assert (streamed.stream, streamed.body["stream_options"]) == (True, {"include_usage": True})
     assert message.id == "msg_run-1"
     assert message.model == CHAT  # the public id, never the served name

@@ -118,7 +118,7 @@ def create_api_app(
     slots = key_slots if key_slots is not None else KeySlots()
     inference = InferenceRoutes(service, catalog, keys, runlog, metrics, slots)
     inference.register(app)
-    register_messages(app, inference, catalog)
+    register_messages(app, inference)
     if responses is not None:
         ResponsesRoutes(responses, keys).register(app, inference.route)
     ReadRoutes(catalog, keys, runlog, openapi).register(app)
