@@ -607,6 +607,65 @@ async def test_a_run_error_before_any_delta_is_a_real_http_error(edge: Edge, str
     assert edge.service.runs[0].cancel_reasons == []  # the run had ended
 
 
+def context_overflow(window: int = 256, prompt: int = 431) -> pb.RunEvent:
+    """What a node sends for llama.cpp's ``exceed_context_size_error``."""
+    said = f"HTTP 400: request ({prompt} tokens) exceeds the available context size"
+    error = pb.RunError(
+        code=pb.ERROR_CODE_CONTEXT_LENGTH_EXCEEDED,
+        message=said,
+        provider_status=400,
+        context_window=window,
+        prompt_tokens=prompt,
+    )
+    return pb.RunEvent(error=error)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_prompt_past_the_context_is_openais_context_length_exceeded(
+    edge: Edge, http: aiohttp.ClientSession, stream: bool
+) -> None:
+    edge.service.plan = lambda spec: FakeRun([start(), context_overflow()])
+    async with http.post(f"{edge.url}/v1/chat/completions", json=chat_body(stream=stream)) as resp:
+        assert resp.status == 400
+        assert await resp.json() == {
+            "error": {
+                "message": "This model's maximum context length is 256 tokens. However, your "
+                "messages resulted in 431 tokens. Please reduce the length of the messages.",
+                "type": "invalid_request_error",
+                "param": "messages",
+                "code": "context_length_exceeded",
+            }
+        }
+    async with edge.sdk() as client:  # the SDK's own reading of it
+        with pytest.raises(openai.BadRequestError) as caught:
+            await client.completions.create(model=CHAT, prompt="x" * 2000, stream=stream)
+    assert (caught.value.code, caught.value.param) == ("context_length_exceeded", "messages")
+    records = await edge.runlog.wait_for(2)
+    assert {(r.status, r.error_code) for r in records} == {(400, "context_length_exceeded")}
+
+
+async def test_a_prompt_past_the_context_is_anthropics_prompt_too_long(edge: Edge) -> None:
+    edge.service.plan = lambda spec: FakeRun([start(), context_overflow(200, 90)])
+    hello = [{"role": "user", "content": "hi"}]
+    async with anthropic_sdk(edge) as client:
+        with pytest.raises(anthropic.BadRequestError) as caught:
+            await client.messages.create(model=CHAT, max_tokens=8, messages=hello)
+        assert caught.value.body == {
+            "type": "error",
+            "error": {
+                "type": "invalid_request_error",
+                "message": "input length and `max_tokens` exceed context limit: 90 + max_tokens"
+                " > 200, decrease input length or `max_tokens` and try again",
+            },
+        }
+        edge.service.plan = lambda spec: FakeRun([start(), context_overflow(200, 900)])
+        with pytest.raises(anthropic.BadRequestError) as caught:
+            async with client.messages.stream(model=CHAT, max_tokens=8, messages=hello) as s:
+                await s.get_final_message()
+        error: Any = caught.value.body
+        assert error["error"]["message"] == "prompt is too long: 900 tokens > 200 maximum"
+
+
 async def test_a_run_error_mid_stream_is_an_sse_error_event(
     edge: Edge, http: aiohttp.ClientSession
 ) -> None:

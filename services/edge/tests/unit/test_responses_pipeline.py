@@ -198,3 +198,16 @@ async def test_max_output_tokens_past_the_cap_is_clamped_and_a_bad_one_named(edg
         await edge.sdk.responses.create(model=MODEL, input="hi", max_output_tokens=2**31)
     assert info.value.param == "max_output_tokens"  # as the client called it
     assert "'max_output_tokens'" in info.value.message
+
+
+async def test_a_prompt_past_the_context_names_the_input(edge: Edge) -> None:
+    edge.service.events = [
+        Failed(ErrorCode.CONTEXT_LENGTH_EXCEEDED, "HTTP 400: too long", 400, 0, 4096, 5000)
+    ]
+    with pytest.raises(openai.BadRequestError) as info:
+        await edge.sdk.responses.create(model=MODEL, input="x", stream=True)
+    assert (info.value.code, info.value.param) == ("context_length_exceeded", "input")
+    assert info.value.message.endswith(
+        "This model's maximum context length is 4096 tokens. However, your input resulted "
+        "in 5000 tokens. Please reduce the length of the input."
+    )
