@@ -67,7 +67,10 @@ class Dispatcher:
     ) -> None:
         self._fleet = fleet
         self._guards = guards
-        self._stall_only = RunGuards(stall_timeout_s=guards.stall_timeout_s)
+        self._stall_only = RunGuards(
+            stall_timeout_s=guards.stall_timeout_s,
+            first_token_timeout_s=guards.first_token_timeout_s,
+        )
         self._registry = registry
         self._deadline_grace_s = deadline_grace_s
         self._stopping: str | None = None  # set by stop_admitting: new runs are refused
