@@ -437,8 +437,31 @@ async def test_models_list_and_retrieve_ids_with_colon_and_slash(edge: Edge) -> 
             await client.models.retrieve("no/such:model")
     assert [m.id for m in listed.data] == [CHAT, EMBED, OTHER]
     assert (one.id, one.owned_by, one.created) == (OTHER, "iop", 0)
-    assert one.model_extra == {"display_name": "Qwen 2.5 7B"}
+    assert one.model_extra == {
+        "display_name": "Qwen 2.5 7B",
+        "max_output_tokens": 32768,  # the default cap; no context window in its fleet entry
+        "max_output_length": 32768,
+    }
     assert missing.value.code == "model_not_found"
+
+
+async def test_models_tell_their_context_window_and_output_cap(edge: Edge) -> None:
+    entry = edge.catalog.entries[0]
+    edge.catalog.entries[0] = dataclasses.replace(
+        entry, context_window=8192, max_output_tokens=2048
+    )
+    async with edge.sdk() as client:
+        listed = await client.models.list()
+        one = await client.models.retrieve(CHAT)
+    limits = {
+        "context_window": 8192,  # Codex's model metadata name
+        "context_length": 8192,  # opencode's (and OpenRouter's) name
+        "max_output_tokens": 2048,
+        "max_output_length": 2048,  # opencode's name
+    }
+    assert (
+        listed.data[0].model_extra == one.model_extra == {"display_name": "Llama 3.1 8B", **limits}
+    )
 
 
 # ---------------------------------------------------------------- errors, as the SDK sees them
