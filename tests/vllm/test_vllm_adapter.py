@@ -20,7 +20,7 @@ from iop_node.adapters import openai_compat
 from iop_node.adapters.openai_compat import OpenAICompatAdapter
 from iop_node.domain.provider import ProviderConfig
 from iop_node.domain.runs import ExecutionSpec, Operation
-from iop_node.errors import InvalidRequest, ProviderTimeout
+from iop_node.errors import ContextLengthExceeded, InvalidRequest, ProviderTimeout
 from iop_node.ports import AdapterContext, LifecycleFlags
 from iop_node.testing import RecordingSink
 
@@ -190,6 +190,9 @@ async def test_max_tokens_past_the_context_is_an_invalid_request_with_vllms_400(
         await adapter.execute(spec(vllm_server.served, body), RecordingSink())
     assert info.value.provider_status == 400
     assert str(vllm_server.max_model_len) in info.value.message
+    # vLLM's "maximum context length is N tokens": told apart, with vLLM's numbers
+    assert isinstance(info.value, ContextLengthExceeded)
+    assert info.value.context_window == vllm_server.max_model_len
 
 
 async def test_cancel_mid_stream_aborts_the_request_in_vllm(

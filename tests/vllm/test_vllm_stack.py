@@ -189,7 +189,7 @@ async def test_max_tokens_past_the_context_is_a_bad_request(
     sdk: AsyncOpenAI, vllm_server: Any
 ) -> None:
     """Under the edge's own limit, past vLLM's context: vLLM's 400, as OpenAI's 400
-    ``invalid_request_error`` with vLLM's message (which names the context length)."""
+    ``context_length_exceeded`` naming vLLM's context length."""
     with pytest.raises(openai.BadRequestError) as info:
         await sdk.chat.completions.create(
             model=MODEL,
@@ -199,6 +199,7 @@ async def test_max_tokens_past_the_context_is_a_bad_request(
     assert info.value.status_code == 400
     body: Any = info.value.body
     assert body["type"] == "invalid_request_error"
+    assert (body["code"], body["param"]) == ("context_length_exceeded", "messages")
     assert str(vllm_server.max_model_len) in info.value.message
 
 

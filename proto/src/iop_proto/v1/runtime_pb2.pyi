@@ -27,6 +27,7 @@ class ErrorCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ERROR_CODE_CANCELLED: _ClassVar[ErrorCode]
     ERROR_CODE_DEADLINE_EXCEEDED: _ClassVar[ErrorCode]
     ERROR_CODE_INTERNAL: _ClassVar[ErrorCode]
+    ERROR_CODE_CONTEXT_LENGTH_EXCEEDED: _ClassVar[ErrorCode]
 
 class PeerRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -71,6 +72,7 @@ ERROR_CODE_PROVIDER_TIMEOUT: ErrorCode
 ERROR_CODE_CANCELLED: ErrorCode
 ERROR_CODE_DEADLINE_EXCEEDED: ErrorCode
 ERROR_CODE_INTERNAL: ErrorCode
+ERROR_CODE_CONTEXT_LENGTH_EXCEEDED: ErrorCode
 PEER_ROLE_UNSPECIFIED: PeerRole
 PEER_ROLE_NODE: PeerRole
 PEER_ROLE_WORKER: PeerRole
@@ -359,16 +361,20 @@ class RunComplete(_message.Message):
     def __init__(self, finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., result_json: _Optional[bytes] = ..., provider_us: _Optional[int] = ..., start: _Optional[_Union[RunStart, _Mapping]] = ...) -> None: ...
 
 class RunError(_message.Message):
-    __slots__ = ("code", "message", "provider_status", "provider_us")
+    __slots__ = ("code", "message", "provider_status", "provider_us", "context_window", "prompt_tokens")
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     PROVIDER_STATUS_FIELD_NUMBER: _ClassVar[int]
     PROVIDER_US_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     code: ErrorCode
     message: str
     provider_status: int
     provider_us: int
-    def __init__(self, code: _Optional[_Union[ErrorCode, str]] = ..., message: _Optional[str] = ..., provider_status: _Optional[int] = ..., provider_us: _Optional[int] = ...) -> None: ...
+    context_window: int
+    prompt_tokens: int
+    def __init__(self, code: _Optional[_Union[ErrorCode, str]] = ..., message: _Optional[str] = ..., provider_status: _Optional[int] = ..., provider_us: _Optional[int] = ..., context_window: _Optional[int] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class RunAccepted(_message.Message):
     __slots__ = ()
@@ -411,7 +417,7 @@ class EdgeHello(_message.Message):
     def __init__(self, edge_id: _Optional[str] = ..., version: _Optional[str] = ..., known_config_version: _Optional[int] = ...) -> None: ...
 
 class ModelConfig(_message.Message):
-    __slots__ = ("id", "display_name", "providers", "max_output_tokens", "retries")
+    __slots__ = ("id", "display_name", "providers", "max_output_tokens", "retries", "context_window")
     class ProvidersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -424,12 +430,14 @@ class ModelConfig(_message.Message):
     PROVIDERS_FIELD_NUMBER: _ClassVar[int]
     MAX_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RETRIES_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_WINDOW_FIELD_NUMBER: _ClassVar[int]
     id: str
     display_name: str
     providers: _containers.ScalarMap[str, str]
     max_output_tokens: int
     retries: int
-    def __init__(self, id: _Optional[str] = ..., display_name: _Optional[str] = ..., providers: _Optional[_Mapping[str, str]] = ..., max_output_tokens: _Optional[int] = ..., retries: _Optional[int] = ...) -> None: ...
+    context_window: int
+    def __init__(self, id: _Optional[str] = ..., display_name: _Optional[str] = ..., providers: _Optional[_Mapping[str, str]] = ..., max_output_tokens: _Optional[int] = ..., retries: _Optional[int] = ..., context_window: _Optional[int] = ...) -> None: ...
 
 class ApiKeyPolicy(_message.Message):
     __slots__ = ("key_id", "name", "key_hash", "models", "max_concurrent", "operator")

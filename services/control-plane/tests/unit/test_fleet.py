@@ -561,6 +561,35 @@ def test_a_bad_output_cap_is_refused_naming_the_model(cap: object) -> None:
         parse_fleet(data, "fleet.yaml")
 
 
+def test_a_models_context_window_is_optional_and_reaches_the_edge() -> None:
+    data = fleet()
+    data["models"][1]["context_window"] = 8192
+    data["models"][1]["max_output_tokens"] = 2048
+    models = models_to_proto(parse_fleet(data, "fleet.yaml").spec)
+    assert [(m.context_window, m.max_output_tokens) for m in models] == [(0, 32768), (8192, 2048)]
+
+
+@pytest.mark.parametrize(
+    ("window", "cap", "message"),
+    [
+        (0, 1024, r"models\[small\]\.context_window"),
+        (2**32, 1024, r"models\[small\]\.context_window"),
+        ("8192", 1024, r"models\[small\]\.context_window"),
+        (2048, 2048, r"models\[small\]\.max_output_tokens: must be below context_window \(2048\)"),
+        (2048, None, r"it is 32768 by default"),  # the default cap does not fit either
+    ],
+)
+def test_a_bad_context_window_or_a_cap_that_leaves_no_room_is_refused(
+    window: object, cap: int | None, message: str
+) -> None:
+    data = fleet()
+    data["models"][1]["context_window"] = window
+    if cap is not None:
+        data["models"][1]["max_output_tokens"] = cap
+    with pytest.raises(FleetConfigError, match=message):
+        parse_fleet(data, "fleet.yaml")
+
+
 def test_a_models_retries_default_to_two_and_zero_reaches_the_edge_as_a_value() -> None:
     data = fleet()
     data["models"][1]["retries"] = 0  # failover off for this model

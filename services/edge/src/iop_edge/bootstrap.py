@@ -97,7 +97,9 @@ async def build(
         metrics,
         settings.max_frame_size,
         deadline_grace_s=settings.deadline_grace_s,
-        guards=RunGuards(settings.run_ack_timeout_s, settings.stall_timeout_s),
+        guards=RunGuards(
+            settings.run_ack_timeout_s, settings.stall_timeout_s, settings.first_token_timeout_s
+        ),
     )
     body_limit = max_body_bytes(settings.max_frame_size)  # what a node link can carry
     catalog = PoolCatalog(fleet_holder, providers, dispatcher)

@@ -35,6 +35,44 @@ class UnsupportedOperation(InvalidRequest):
     code = "unsupported_operation"
 
 
+class ContextLengthExceeded(InvalidRequest):
+    """The prompt (with the output asked) is past the model's context, as its provider
+    said: OpenAI's ``context_length_exceeded`` (agents compact the conversation on it)
+    and, on the Messages API, Anthropic's "prompt is too long" (``anthropic_message``).
+    The numbers are the provider's; 0 when it did not say them."""
+
+    code = "context_length_exceeded"
+
+    def __init__(self, said: str, *, context_window: int = 0, prompt_tokens: int = 0) -> None:
+        window, prompt = context_window, prompt_tokens
+        if window and prompt > window:
+            message = (
+                f"This model's maximum context length is {window} tokens. However, your "
+                f"messages resulted in {prompt} tokens. Please reduce the length of the messages."
+            )
+            self.anthropic_message = f"prompt is too long: {prompt} tokens > {window} maximum"
+        elif window and prompt:  # the prompt fits, not with the output asked
+            message = (
+                f"This model's maximum context length is {window} tokens. However, your "
+                f"messages resulted in {prompt} tokens, which with the output asked do not "
+                "fit. Please reduce the length of the messages or of the output."
+            )
+            self.anthropic_message = (
+                f"input length and `max_tokens` exceed context limit: {prompt} + max_tokens "
+                f"> {window}, decrease input length or `max_tokens` and try again"
+            )
+        else:
+            limit = f" is {window} tokens" if window else " was exceeded"
+            message = (
+                f"This model's maximum context length{limit}. However, your messages do not "
+                f"fit ({said}). Please reduce the length of the messages."
+            )
+            self.anthropic_message = f"prompt is too long: {said}"
+        super().__init__(message, param="messages")
+        self.context_window = window
+        self.prompt_tokens = prompt
+
+
 class RequestTooLarge(EdgeError, ValueError):
     """The body is over the HTTP limit, or its run would not fit in one frame to the node."""
 
@@ -131,6 +169,10 @@ def from_failure(failure: Failed) -> EdgeError:
             return ModelNotFound(message, param="model")
         case ErrorCode.INVALID_REQUEST:
             return InvalidRequest(message)
+        case ErrorCode.CONTEXT_LENGTH_EXCEEDED:
+            return ContextLengthExceeded(
+                message, context_window=failure.context_window, prompt_tokens=failure.prompt_tokens
+            )
         case ErrorCode.NOT_FOUND:
             return ModelNotFound(message)
         case ErrorCode.QUEUE_FULL:

@@ -133,9 +133,21 @@ class EdgeSettings(DrainingSettings):
         default=30.0,
         ge=0,
         description=(
-            "a streamed run whose node sends nothing for this long (from its acknowledgement,"
-            " then from each event) fails (provider_timeout); non-streamed runs are bound by"
-            " their request timeout only; 0 = off"
+            "a streamed run whose node sends nothing for this long after its first delta"
+            " (between events) fails (provider_timeout); before the first delta"
+            " first_token_timeout_s holds; non-streamed runs are bound by their request"
+            " timeout only; 0 = off"
+        ),
+    )
+    first_token_timeout_s: float = Field(
+        default=300.0,
+        ge=0,
+        description=(
+            "a streamed run with no delta this long after it was sent fails"
+            " (provider_timeout): the node's queue, a busy engine slot and the prompt's"
+            " prefill (minutes for a long prompt on a CPU) come before the first token, and"
+            " the stall bound would cut them off; the request deadline bounds it too;"
+            " 0 = only the deadline"
         ),
     )
     max_frame_size: int = Field(

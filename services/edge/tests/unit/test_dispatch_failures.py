@@ -349,8 +349,8 @@ async def test_a_run_that_fits_the_frame_exactly_is_sent() -> None:
 @pytest.mark.parametrize(
     ("operation", "field", "value", "code"),
     [
-        (Operation.CHAT_COMPLETIONS, "max_tokens", 2**31, "invalid_value"),
-        (Operation.CHAT_COMPLETIONS, "max_completion_tokens", 101, "invalid_value"),
+        (Operation.CHAT_COMPLETIONS, "max_tokens", 2**31, "integer_above_max_value"),
+        (Operation.CHAT_COMPLETIONS, "max_completion_tokens", 2**64, "integer_above_max_value"),
         (Operation.COMPLETIONS, "max_tokens", 0, "integer_below_min_value"),
         (Operation.CHAT_COMPLETIONS, "max_tokens", -5, "integer_below_min_value"),
         (Operation.CHAT_COMPLETIONS, "max_tokens", "10", "invalid_type"),
@@ -358,7 +358,7 @@ async def test_a_run_that_fits_the_frame_exactly_is_sent() -> None:
         (Operation.COMPLETIONS, "max_tokens", True, "invalid_type"),
     ],
 )
-async def test_output_lengths_past_the_models_cap_or_not_positive_integers_are_refused(
+async def test_output_lengths_not_positive_integers_below_2_to_the_31_are_refused(
     operation: Operation, field: str, value: object, code: str
 ) -> None:
     dispatcher = new_dispatcher()  # the model's cap: 100
@@ -381,6 +381,18 @@ async def test_output_lengths_within_the_cap_and_null_are_served() -> None:
     )
     complete(await dispatcher.open_run(embeddings))  # no output length to cap
     assert len(link.sent) == 4
+
+
+async def test_output_lengths_past_the_models_cap_are_lowered_to_it() -> None:
+    # What a batch line (which has no HTTP pipeline in front) gets: the same rule.
+    dispatcher = new_dispatcher()  # the model's cap: 100
+    link = Link()
+    connect(dispatcher, link)
+    asked = spec(max_tokens=101, max_completion_tokens=2**31 - 1)
+    complete(await dispatcher.open_run(asked))
+    sent = json_codec.loads(link.sent[0].body_json)
+    assert (sent["max_tokens"], sent["max_completion_tokens"]) == (100, 100)
+    assert asked.body["max_tokens"] == 101  # the client's body is never changed in place
 
 
 @pytest.mark.parametrize(

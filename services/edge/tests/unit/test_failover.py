@@ -146,6 +146,8 @@ async def read_all(run: FailoverRun) -> list[RunEvent]:
         # the provider does not offer the operation: another of the model may
         (Failed(ErrorCode.INVALID_REQUEST, "no embeddings", provider_status=501), True),
         (Failed(ErrorCode.NOT_FOUND, "no such model"), False),
+        # the model's other providers serve the same context: the client must shorten it
+        (Failed(ErrorCode.CONTEXT_LENGTH_EXCEEDED, "too long", 400, 0, 256, 431), False),
         (Failed(ErrorCode.CANCELLED, "client gone"), False),
         (Failed(ErrorCode.DEADLINE_EXCEEDED, "too late"), False),
         (Failed(ErrorCode.QUEUE_FULL, "node queue full"), False),

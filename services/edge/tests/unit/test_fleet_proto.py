@@ -31,3 +31,14 @@ def test_a_models_retries_are_taken_zero_included_and_default_when_unset() -> No
     models = fleet_from_proto(config).models
     assert [models[m].retries for m in ("three", "off")] == [3, 0]
     assert models["older-control-plane"].retries == DEFAULT_RETRIES == 2
+
+
+def test_a_models_context_window_is_taken_and_zero_when_unset() -> None:
+    config = pb.FleetConfig(
+        models=[
+            pb.ModelConfig(id="known", providers={"p": "s"}, context_window=8192),
+            pb.ModelConfig(id="older-control-plane", providers={"p": "s"}),
+        ],
+    )
+    models = fleet_from_proto(config).models
+    assert [models[m].context_window for m in ("known", "older-control-plane")] == [8192, 0]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -436,8 +437,31 @@ async def test_models_list_and_retrieve_ids_with_colon_and_slash(edge: Edge) -> 
             await client.models.retrieve("no/such:model")
     assert [m.id for m in listed.data] == [CHAT, EMBED, OTHER]
     assert (one.id, one.owned_by, one.created) == (OTHER, "iop", 0)
-    assert one.model_extra == {"display_name": "Qwen 2.5 7B"}
+    assert one.model_extra == {
+        "display_name": "Qwen 2.5 7B",
+        "max_output_tokens": 32768,  # the default cap; no context window in its fleet entry
+        "max_output_length": 32768,
+    }
     assert missing.value.code == "model_not_found"
+
+
+async def test_models_tell_their_context_window_and_output_cap(edge: Edge) -> None:
+    entry = edge.catalog.entries[0]
+    edge.catalog.entries[0] = dataclasses.replace(
+        entry, context_window=8192, max_output_tokens=2048
+    )
+    async with edge.sdk() as client:
+        listed = await client.models.list()
+        one = await client.models.retrieve(CHAT)
+    limits = {
+        "context_window": 8192,  # Codex's model metadata name
+        "context_length": 8192,  # opencode's (and OpenRouter's) name
+        "max_output_tokens": 2048,
+        "max_output_length": 2048,  # opencode's name
+    }
+    assert (
+        listed.data[0].model_extra == one.model_extra == {"display_name": "Llama 3.1 8B", **limits}
+    )
 
 
 # ---------------------------------------------------------------- errors, as the SDK sees them
@@ -604,6 +628,65 @@ async def test_a_run_error_before_any_delta_is_a_real_http_error(edge: Edge, str
     (record,) = await edge.runlog.wait_for(1)
     assert (record.outcome, record.status, record.run_id) == ("failed", 504, "run-1")
     assert edge.service.runs[0].cancel_reasons == []  # the run had ended
+
+
+def context_overflow(window: int = 256, prompt: int = 431) -> pb.RunEvent:
+    """What a node sends for llama.cpp's ``exceed_context_size_error``."""
+    said = f"HTTP 400: request ({prompt} tokens) exceeds the available context size"
+    error = pb.RunError(
+        code=pb.ERROR_CODE_CONTEXT_LENGTH_EXCEEDED,
+        message=said,
+        provider_status=400,
+        context_window=window,
+        prompt_tokens=prompt,
+    )
+    return pb.RunEvent(error=error)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_prompt_past_the_context_is_openais_context_length_exceeded(
+    edge: Edge, http: aiohttp.ClientSession, stream: bool
+) -> None:
+    edge.service.plan = lambda spec: FakeRun([start(), context_overflow()])
+    async with http.post(f"{edge.url}/v1/chat/completions", json=chat_body(stream=stream)) as resp:
+        assert resp.status == 400
+        assert await resp.json() == {
+            "error": {
+                "message": "This model's maximum context length is 256 tokens. However, your "
+                "messages resulted in 431 tokens. Please reduce the length of the messages.",
+                "type": "invalid_request_error",
+                "param": "messages",
+                "code": "context_length_exceeded",
+            }
+        }
+    async with edge.sdk() as client:  # the SDK's own reading of it
+        with pytest.raises(openai.BadRequestError) as caught:
+            await client.completions.create(model=CHAT, prompt="x" * 2000, stream=stream)
+    assert (caught.value.code, caught.value.param) == ("context_length_exceeded", "messages")
+    records = await edge.runlog.wait_for(2)
+    assert {(r.status, r.error_code) for r in records} == {(400, "context_length_exceeded")}
+
+
+async def test_a_prompt_past_the_context_is_anthropics_prompt_too_long(edge: Edge) -> None:
+    edge.service.plan = lambda spec: FakeRun([start(), context_overflow(200, 90)])
+    hello = [{"role": "user", "content": "hi"}]
+    async with anthropic_sdk(edge) as client:
+        with pytest.raises(anthropic.BadRequestError) as caught:
+            await client.messages.create(model=CHAT, max_tokens=8, messages=hello)
+        assert caught.value.body == {
+            "type": "error",
+            "error": {
+                "type": "invalid_request_error",
+                "message": "input length and `max_tokens` exceed context limit: 90 + max_tokens"
+                " > 200, decrease input length or `max_tokens` and try again",
+            },
+        }
+        edge.service.plan = lambda spec: FakeRun([start(), context_overflow(200, 900)])
+        with pytest.raises(anthropic.BadRequestError) as caught:
+            async with client.messages.stream(model=CHAT, max_tokens=8, messages=hello) as s:
+                await s.get_final_message()
+        error: Any = caught.value.body
+        assert error["error"]["message"] == "prompt is too long: 900 tokens > 200 maximum"
 
 
 async def test_a_run_error_mid_stream_is_an_sse_error_event(
@@ -1221,6 +1304,88 @@ async def test_any_origin_with_a_star() -> None:
 # ---------------------------------------------------------------- Anthropic's Messages API
 
 
+# ---------------------------------------------------------------- output lengths past the cap
+
+
+OPENCODE_TITLE_REQUEST: dict[str, Any] = {
+    # opencode 1.18's first request of a session (captured, text shortened): it asks
+    # 32000 whatever the model, and a refusal failed every session.
+    "model": CHAT,
+    "max_tokens": 32000,
+    "messages": [
+        {"role": "system", "content": "You are a title generator. You output ONLY a thread title."},
+        {"role": "user", "content": "Generate a title for this conversation:\n"},
+        {"role": "user", "content": "list the files here"},
+    ],
+    "stream": True,
+    "stream_options": {"include_usage": True},
+}
+
+
+def capped(edge: Edge, cap: int) -> None:
+    edge.catalog.entries[0] = dataclasses.replace(edge.catalog.entries[0], max_output_tokens=cap)
+
+
+async def test_opencodes_request_past_the_cap_runs_clamped_and_says_so(
+    edge: Edge, http: aiohttp.ClientSession
+) -> None:
+    capped(edge, 4096)
+    async with http.post(f"{edge.url}/v1/chat/completions", json=OPENCODE_TITLE_REQUEST) as resp:
+        assert resp.status == 200
+        assert resp.headers["x-iop-max-tokens-clamped"] == "32000->4096"
+        chunks = [json.loads(d) for d in sse_data(await resp.text())[:-1]]
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    assert text == "Hello"
+    [spec] = edge.service.specs
+    assert spec.body["max_tokens"] == 4096
+    assert OPENCODE_TITLE_REQUEST["max_tokens"] == 32000  # the client's body is its own
+
+
+async def test_every_api_clamps_by_the_one_rule_with_the_one_header(edge: Edge) -> None:
+    capped(edge, 64)
+    hello = [{"role": "user", "content": "hi"}]
+    async with edge.sdk() as client:
+        chat = await client.chat.completions.with_raw_response.create(
+            model=CHAT, messages=hello, max_completion_tokens=2**31 - 1
+        )
+        text = await client.completions.with_raw_response.create(
+            model=CHAT, prompt="hi", max_tokens=65
+        )
+        within = await client.chat.completions.with_raw_response.create(
+            model=CHAT, messages=hello, max_tokens=64
+        )
+    async with anthropic_sdk(edge) as anthropic_client:
+        message = await anthropic_client.messages.with_raw_response.create(
+            model=CHAT, max_tokens=16000, messages=hello
+        )
+    assert chat.headers["x-iop-max-tokens-clamped"] == "2147483647->64"
+    assert text.headers["x-iop-max-tokens-clamped"] == "65->64"
+    assert message.headers["x-iop-max-tokens-clamped"] == "16000->64"
+    assert "x-iop-max-tokens-clamped" not in within.headers
+    specs = edge.service.specs
+    assert [s.body.get("max_tokens", s.body.get("max_completion_tokens")) for s in specs] == [
+        64,
+        64,
+        64,
+        64,
+    ]
+
+
+@pytest.mark.parametrize("value", [2**31, 0, -1, "32000", 1.5, True])
+async def test_output_lengths_that_are_not_integers_below_2_to_the_31_stay_a_400(
+    edge: Edge, http: aiohttp.ClientSession, value: object
+) -> None:
+    for path, body in (
+        ("/v1/chat/completions", chat_body(max_tokens=value)),
+        ("/v1/completions", {"model": CHAT, "prompt": "hi", "max_tokens": value}),
+    ):
+        async with http.post(f"{edge.url}{path}", json=body) as resp:
+            error = (await resp.json())["error"]
+            assert (resp.status, error["param"]) == (400, "max_tokens"), error
+            assert "x-iop-max-tokens-clamped" not in resp.headers
+    assert edge.service.specs == []
+
+
 def anthropic_sdk(edge: Edge, **auth: Any) -> anthropic.AsyncAnthropic:
     auth = auth or {"api_key": "sk-any"}
     return anthropic.AsyncAnthropic(base_url=edge.url, max_retries=0, **auth)
@@ -1245,7 +1410,7 @@ async def test_messages_run_as_chat_and_answer_as_messages(edge: Edge) -> None:
         {"role": "user", "content": "hi"},
     ]
     assert plain.body["max_tokens"] == 5
-    assert streamed.body["max_tokens"] == 32768  # held to the model's max_output_tokens
+    assert streamed.body["max_tokens"] == 32768  # lowered to the model's max_output_tokens
     assert (streamed.stream, streamed.body["stream_options"]) == (True, {"include_usage": True})
     assert message.id == "msg_run-1"
     assert message.model == CHAT  # the public id, never the served name

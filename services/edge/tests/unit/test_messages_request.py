@@ -27,20 +27,19 @@ def body(**fields: Any) -> dict[str, Any]:
 
 
 def test_a_plain_request_becomes_a_chat_body() -> None:
-    assert chat_body(body(), max_tokens_cap=None) == {
+    assert chat_body(body()) == {
         "model": "m",
         "messages": [{"role": "user", "content": "hi"}],
         "max_tokens": 10,
     }
 
 
-def test_max_tokens_is_required_and_held_to_the_models_cap() -> None:
-    assert chat_body(body(max_tokens=100_000), max_tokens_cap=64)["max_tokens"] == 64
-    assert chat_body(body(max_tokens=8), max_tokens_cap=64)["max_tokens"] == 8
+def test_max_tokens_is_required_and_passed_for_the_pipeline_to_clamp() -> None:
+    assert chat_body(body(max_tokens=100_000))["max_tokens"] == 100_000
     for wrong in (None, 0, -1, "10", 1.5, True):
         fields = body(max_tokens=wrong)
         with pytest.raises(InvalidRequest) as info:
-            chat_body(fields, max_tokens_cap=64)
+            chat_body(fields)
         assert info.value.param == "max_tokens"
 
 
@@ -50,10 +49,10 @@ def test_system_as_a_string_or_text_blocks_comes_first() -> None:
         {"type": "text", "text": "Be brief."},
     ]
     for system, text in (("Be kind.", "Be kind."), (blocks, "You are IOP.\n\nBe brief.")):
-        messages = chat_body(body(system=system), max_tokens_cap=None)["messages"]
+        messages = chat_body(body(system=system))["messages"]
         assert messages[0] == {"role": "system", "content": text}
     with pytest.raises(InvalidRequest):
-        chat_body(body(system=[{"type": "image"}]), max_tokens_cap=None)
+        chat_body(body(system=[{"type": "image"}]))
 
 
 def test_text_and_image_blocks_become_content_parts() -> None:
@@ -62,9 +61,7 @@ def test_text_and_image_blocks_become_content_parts() -> None:
         {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "QUJD"}},
         {"type": "image", "source": {"type": "url", "url": "https://x/y.png"}},
     ]
-    [message] = chat_body(
-        body(messages=[{"role": "user", "content": content}]), max_tokens_cap=None
-    )["messages"]
+    [message] = chat_body(body(messages=[{"role": "user", "content": content}]))["messages"]
     assert message == {
         "role": "user",
         "content": [
@@ -109,7 +106,7 @@ def test_tool_use_and_tool_result_blocks_become_chat_tool_turns() -> None:
             ],
         },
     ]
-    messages = chat_body(body(messages=turns), max_tokens_cap=None)["messages"]
+    messages = chat_body(body(messages=turns))["messages"]
     assert messages[1] == {
         "role": "assistant",
         "content": "Checking.",  # the thinking block is not sent back to a chat model
@@ -139,9 +136,7 @@ def test_an_image_in_a_tool_result_follows_as_a_user_part() -> None:
         "source": {"type": "base64", "media_type": "image/jpeg", "data": "eA=="},
     }
     result = {"type": "tool_result", "tool_use_id": "t", "content": [image]}
-    messages = chat_body(
-        body(messages=[{"role": "user", "content": [result]}]), max_tokens_cap=None
-    )["messages"]
+    messages = chat_body(body(messages=[{"role": "user", "content": [result]}]))["messages"]
     assert messages == [
         {"role": "tool", "tool_call_id": "t", "content": ""},
         {
@@ -152,7 +147,7 @@ def test_an_image_in_a_tool_result_follows_as_a_user_part() -> None:
 
 
 def test_tools_become_function_tools() -> None:
-    chat = chat_body(body(tools=[WEATHER]), max_tokens_cap=None)
+    chat = chat_body(body(tools=[WEATHER]))
     assert chat["tools"] == [
         {
             "type": "function",
@@ -182,7 +177,7 @@ def test_tools_become_function_tools() -> None:
     ],
 )
 def test_tool_choice(choice: dict[str, Any], expected: dict[str, Any]) -> None:
-    chat = chat_body(body(tools=[WEATHER], tool_choice=choice), max_tokens_cap=None)
+    chat = chat_body(body(tools=[WEATHER], tool_choice=choice))
     assert {k: chat[k] for k in expected} == expected
 
 
@@ -194,7 +189,7 @@ def test_server_tools_and_unknown_tool_choices_are_refused() -> None:
         {"tools": [{"name": "x"}]},
     ):
         with pytest.raises(InvalidRequest):
-            chat_body(body(**fields), max_tokens_cap=None)
+            chat_body(body(**fields))
 
 
 def test_sampling_stops_and_vendor_hooks_pass() -> None:
@@ -208,7 +203,6 @@ def test_sampling_stops_and_vendor_hooks_pass() -> None:
             iop_mock={"fail": "timeout"},
             service_tier="auto",
         ),
-        max_tokens_cap=None,
     )
     assert chat["stop"] == ["\n\nHuman:"]
     assert (chat["temperature"], chat["top_p"], chat["top_k"]) == (0.5, 0.9, 40)
@@ -216,14 +210,14 @@ def test_sampling_stops_and_vendor_hooks_pass() -> None:
     assert "metadata" not in chat
     assert "service_tier" not in chat
     with pytest.raises(InvalidRequest):
-        chat_body(body(temperature="hot"), max_tokens_cap=None)
+        chat_body(body(temperature="hot"))
 
 
 def test_a_stream_asks_the_provider_for_its_usage() -> None:
-    chat = chat_body(body(stream=True), max_tokens_cap=None)
+    chat = chat_body(body(stream=True))
     assert chat["stream"] is True
     assert chat["stream_options"] == {"include_usage": True}
-    assert "stream" not in chat_body(body(stream=False), max_tokens_cap=None)
+    assert "stream" not in chat_body(body(stream=False))
 
 
 @pytest.mark.parametrize(
@@ -239,14 +233,13 @@ def test_a_stream_asks_the_provider_for_its_usage() -> None:
     ],
 )
 def test_thinking_becomes_the_reasoning_effort(fields: dict[str, Any], effort: str | None) -> None:
-    assert chat_body(body(**fields), max_tokens_cap=None).get("reasoning_effort") == effort
+    assert chat_body(body(**fields)).get("reasoning_effort") == effort
 
 
 def test_an_output_format_becomes_a_json_schema_response_format() -> None:
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     chat = chat_body(
         body(output_config={"format": {"type": "json_schema", "schema": schema}}),
-        max_tokens_cap=None,
     )
     assert chat["response_format"] == {
         "type": "json_schema",
@@ -264,12 +257,11 @@ def test_bad_shapes_name_the_field() -> None:
     ]
     for fields, param in cases:
         with pytest.raises(InvalidRequest) as info:
-            chat_body(body(**fields), max_tokens_cap=None)
+            chat_body(body(**fields))
         assert info.value.param == param, fields
     with pytest.raises(InvalidRequest):
         chat_body(
             body(messages=[{"role": "user", "content": [{"type": "document", "source": {}}]}]),
-            max_tokens_cap=None,
         )
 
 
@@ -285,5 +277,5 @@ def test_an_assistant_turn_of_thinking_alone_is_an_empty_text_turn() -> None:
         "role": "assistant",
         "content": [{"type": "thinking", "thinking": "t", "signature": ""}],
     }
-    messages = chat_body(body(messages=[turn]), max_tokens_cap=None)["messages"]
+    messages = chat_body(body(messages=[turn]))["messages"]
     assert messages == [{"role": "assistant", "content": ""}]

@@ -184,3 +184,30 @@ async def test_the_run_is_a_chat_completion_and_the_answer_a_response(edge: Edge
     assert response.usage is not None
     assert response.usage.total_tokens == 3
     assert edge.runlog.records[0].run_id == "run1"
+
+
+async def test_max_output_tokens_past_the_cap_is_clamped_and_a_bad_one_named(edge: Edge) -> None:
+    edge.service.events = [Started("p1"), Delta(text="hi"), Completed("stop", Usage(2, 1, 3))]
+    raw = await edge.sdk.responses.with_raw_response.create(
+        model=MODEL, input="hi", max_output_tokens=99_999
+    )
+    assert raw.headers["x-iop-max-tokens-clamped"] == "99999->32768"  # the default cap
+    (spec,) = edge.service.specs
+    assert spec.body["max_tokens"] == 32768
+    with pytest.raises(openai.BadRequestError) as info:
+        await edge.sdk.responses.create(model=MODEL, input="hi", max_output_tokens=2**31)
+    assert info.value.param == "max_output_tokens"  # as the client called it
+    assert "'max_output_tokens'" in info.value.message
+
+
+async def test_a_prompt_past_the_context_names_the_input(edge: Edge) -> None:
+    edge.service.events = [
+        Failed(ErrorCode.CONTEXT_LENGTH_EXCEEDED, "HTTP 400: too long", 400, 0, 4096, 5000)
+    ]
+    with pytest.raises(openai.BadRequestError) as info:
+        await edge.sdk.responses.create(model=MODEL, input="x", stream=True)
+    assert (info.value.code, info.value.param) == ("context_length_exceeded", "input")
+    assert info.value.message.endswith(
+        "This model's maximum context length is 4096 tokens. However, your input resulted "
+        "in 5000 tokens. Please reduce the length of the input."
+    )

@@ -11,11 +11,19 @@ from __future__ import annotations
 
 import asyncio
 
-import pytest
 from prometheus_client import CollectorRegistry
 
 from iop_edge.adapters.run_wire import provider_reports, run_event
-from iop_edge.domain.events import ACCEPTED, Completed, Delta, ErrorCode, Failed, RunEvent, RunOrder
+from iop_edge.domain.events import (
+    ACCEPTED,
+    Completed,
+    Delta,
+    ErrorCode,
+    Failed,
+    RunEvent,
+    RunOrder,
+    Started,
+)
 from iop_edge.domain.fleet import Fleet, ModelEntry, Operation, ProviderEntry
 from iop_edge.domain.pool import AVAILABLE, UNAVAILABLE
 from iop_edge.metrics import EdgeMetrics
@@ -137,18 +145,67 @@ async def test_a_node_that_does_not_acknowledge_runs_is_not_timed() -> None:
     assert await last_event(run) == Completed("stop")
 
 
-@pytest.mark.parametrize("first", ["accepted", "delta"])
-async def test_a_stream_that_goes_quiet_fails_with_a_timeout(first: str) -> None:
+async def test_a_stream_that_goes_quiet_after_its_first_token_fails_with_a_timeout() -> None:
     dispatcher = wired(RunGuards(ack_timeout_s=10, stall_timeout_s=SHORT * 2))
     node = Node("node-a")
     connect(dispatcher, node, "a")
     run = (await dispatcher.open_run(spec(stream=True))).attempt
-    run.deliver(ACCEPTED if first == "accepted" else Delta("hi"))
+    run.deliver(ACCEPTED)
+    run.deliver(Started("a"))
+    run.deliver(Delta("hi"))
     ended = await last_event(run)
     assert isinstance(ended, Failed)
     assert ended.code is ErrorCode.PROVIDER_TIMEOUT
     assert ended.message == f"no output for {SHORT * 2:g} s"
     assert health(dispatcher, "a") == AVAILABLE  # a slow provider, not a lost node
+
+
+async def test_the_first_token_has_its_own_bound_apart_from_the_stall() -> None:
+    # A long prompt's prefill behind a busy slot: silent for longer than the stall bound,
+    # within the first-token bound, then tokens; only from there does the stall bound hold.
+    dispatcher = wired(RunGuards(stall_timeout_s=SHORT, first_token_timeout_s=SHORT * 8))
+    node = Node("node-a")
+    connect(dispatcher, node, "a")
+    run = (await dispatcher.open_run(spec(stream=True))).attempt
+    run.deliver(ACCEPTED)
+    run.deliver(Started("a"))
+    await asyncio.sleep(SHORT * 3)
+    assert not run.finished
+    run.deliver(Delta("hi"))
+    ended = await last_event(run)
+    assert isinstance(ended, Failed)
+    assert ended.message == f"no output for {SHORT:g} s"
+
+
+async def test_a_stream_without_a_first_token_fails_at_the_first_token_bound() -> None:
+    dispatcher = wired(RunGuards(stall_timeout_s=SHORT, first_token_timeout_s=SHORT * 3))
+    node_a, node_b = Node("node-a"), Node("node-b")
+    connect(dispatcher, node_a, "a")
+    connect(dispatcher, node_b, "b")
+    opened = await dispatcher.open_run(spec(stream=True))
+    run = opened.attempt
+    loop = asyncio.get_running_loop()
+    sent_at = loop.time()
+    run.deliver(ACCEPTED)
+    ended = await last_event(run)
+    assert isinstance(ended, Failed)
+    assert ended.code is ErrorCode.PROVIDER_TIMEOUT  # retryable: another provider may be free
+    assert ended.message == f"no first token within {SHORT * 3:g} s"
+    assert loop.time() - sent_at >= SHORT * 3
+    assert run.run_id in node_a.cancelled
+    assert health(dispatcher, "a") == AVAILABLE
+
+
+async def test_the_first_token_bound_off_leaves_the_wait_to_the_deadline() -> None:
+    dispatcher = wired(RunGuards(stall_timeout_s=SHORT))
+    node = Node("node-a")
+    connect(dispatcher, node, "a")
+    run = (await dispatcher.open_run(spec(stream=True))).attempt
+    run.deliver(ACCEPTED)
+    await asyncio.sleep(SHORT * 3)
+    assert not run.finished
+    run.deliver(Completed("stop"))
+    assert await last_event(run) == Completed("stop")
 
 
 async def test_each_event_moves_the_stall_deadline() -> None:

@@ -17,6 +17,8 @@ class RunFailure(NodeError):
     """A run ended without a result; ``code`` is its ``run.event`` error code."""
 
     code: int = pb.ERROR_CODE_INTERNAL
+    context_window: int = 0  # ContextLengthExceeded's, 0 for every other failure
+    prompt_tokens: int = 0
 
     def __init__(self, message: str, *, provider_status: int = 0) -> None:
         super().__init__(message)
@@ -28,6 +30,26 @@ class InvalidRequest(RunFailure, ValueError):
     """The run request cannot be executed as given (bad body, unknown provider, wrong target)."""
 
     code = pb.ERROR_CODE_INVALID_REQUEST
+
+
+class ContextLengthExceeded(InvalidRequest):
+    """The prompt (with the output asked) is past the model's context: the client must
+    shorten it, and another provider of the model would say the same. The numbers are
+    the provider's (0 when it did not say them)."""
+
+    code = pb.ERROR_CODE_CONTEXT_LENGTH_EXCEEDED
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        provider_status: int = 0,
+        context_window: int = 0,
+        prompt_tokens: int = 0,
+    ) -> None:
+        super().__init__(message, provider_status=provider_status)
+        self.context_window = context_window
+        self.prompt_tokens = prompt_tokens
 
 
 class UnknownProvider(InvalidRequest):

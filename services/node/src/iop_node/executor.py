@@ -129,7 +129,7 @@ class RunExecutor:
                 self._mark_unavailable(runtime, failure.message)
             waited = _us_since(sink.provider_began) if sink.provider_began else 0
             await self._fail_quietly(
-                channel, failure.code, failure.message, failure.provider_status, waited
+                channel, failure.code, failure.message, failure.provider_status, waited, failure
             )
         except asyncio.CancelledError as cancel:
             # The canceller's reason (``NodeCore.cancel``), or a plain "cancelled".
@@ -166,10 +166,18 @@ class RunExecutor:
         message: str,
         provider_status: int,
         provider_us: int = 0,
+        failure: RunFailure | None = None,
     ) -> None:
         """The edge may be gone already: a failed error report changes nothing."""
         with contextlib.suppress(RunCancelled, ConnectionError, OSError):
-            await channel.failed(code, message, provider_status, provider_us)
+            await channel.failed(
+                code,
+                message,
+                provider_status,
+                provider_us,
+                context_window=failure.context_window if failure else 0,
+                prompt_tokens=failure.prompt_tokens if failure else 0,
+            )
 
     def _mark_unavailable(self, runtime: ProviderRuntime, detail: str) -> None:
         if runtime.health.mark_unavailable(detail):

@@ -50,7 +50,14 @@ class RunChannel(EventSink, Protocol):
     async def completed(self, completion: Completion) -> None: ...
 
     async def failed(
-        self, code: int, message: str, provider_status: int, provider_us: int = 0
+        self,
+        code: int,
+        message: str,
+        provider_status: int,
+        provider_us: int = 0,
+        *,
+        context_window: int = 0,
+        prompt_tokens: int = 0,
     ) -> None: ...
 
 

@@ -28,9 +28,10 @@ from iop_node.adapters import openai_compat
 from iop_node.adapters.openai_compat import OpenAICompatAdapter
 from iop_node.domain.provider import ProviderConfig
 from iop_node.domain.runs import ExecutionSpec, Operation
-from iop_node.errors import InvalidRequest, ProviderTimeout
+from iop_node.errors import ContextLengthExceeded, InvalidRequest, ProviderTimeout
 from iop_node.ports import AdapterContext
 from iop_node.testing import RecordingSink
+from iop_proto.v1 import runtime_pb2 as pb
 
 pytestmark = pytest.mark.slow
 
@@ -302,3 +303,25 @@ async def test_an_operation_the_server_does_not_offer_is_the_clients_error(
         await adapter.execute(spec(body, operation=Operation.EMBEDDINGS), RecordingSink())
     assert info.value.provider_status == 501
     assert f"'{MODEL}' does not offer embeddings" in info.value.message
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_prompt_past_the_context_is_context_length_exceeded_with_its_numbers(
+    adapter: OpenAICompatAdapter, llamacpp: str, stream: bool
+) -> None:
+    async with aiohttp.ClientSession() as http, http.get(f"{llamacpp}/props") as response:
+        n_ctx = (await response.json())["default_generation_settings"]["n_ctx"]  # a slot's
+    long = [{"role": "user", "content": "hello " * (n_ctx + 100)}]
+    with pytest.raises(ContextLengthExceeded) as info:
+        await adapter.execute(
+            spec({"messages": long, "max_tokens": 4}, stream=stream), RecordingSink()
+        )
+    failure = info.value
+    assert failure.code == pb.ERROR_CODE_CONTEXT_LENGTH_EXCEEDED
+    assert (failure.provider_status, failure.context_window) == (400, n_ctx)
+    assert failure.prompt_tokens > n_ctx
+    assert "exceeds the available context size" in failure.message
+    # Any other refusal stays an invalid request: only the overflow is told apart.
+    with pytest.raises(InvalidRequest) as other:
+        await adapter.execute(spec({"messages": "not a list"}), RecordingSink())
+    assert not isinstance(other.value, ContextLengthExceeded)

@@ -12,11 +12,12 @@ from iop_node.domain.admission import AdmissionGate
 from iop_node.domain.health import Health, ProbeResult
 from iop_node.domain.provider import ProviderConfig
 from iop_node.domain.runs import Completion, Delta, ExecutionSpec, Operation, Usage
-from iop_node.errors import ProviderUnavailable, RunCancelled, RunFailure
+from iop_node.errors import ContextLengthExceeded, ProviderUnavailable, RunCancelled, RunFailure
 from iop_node.executor import RunExecutor
 from iop_node.metrics import NodeMetrics
 from iop_node.ports import EventSink, LifecycleFlags, RunRecord
 from iop_node.runtime import ProviderRuntime
+from iop_proto.v1 import runtime_pb2 as pb
 
 CONFIG = ProviderConfig(id="p1", type="fake", models=("m",), capacity=1, max_queue=0)
 
@@ -41,6 +42,7 @@ class History:
 @dataclass
 class Channel:
     events: list[tuple[object, ...]] = field(default_factory=list)
+    context: tuple[int, int] = (0, 0)  # a failure's context window and prompt tokens
 
     async def started(self, provider_id: str, target: str, queue_wait_ms: int) -> None:
         self.events.append(("started", provider_id, target, queue_wait_ms))
@@ -52,9 +54,17 @@ class Channel:
         self.events.append(("completed", completion.finish_reason))
 
     async def failed(
-        self, code: int, message: str, provider_status: int, provider_us: int = 0
+        self,
+        code: int,
+        message: str,
+        provider_status: int,
+        provider_us: int = 0,
+        *,
+        context_window: int = 0,
+        prompt_tokens: int = 0,
     ) -> None:
         self.events.append(("failed", code, message))
+        self.context = (context_window, prompt_tokens)
 
 
 @dataclass
@@ -181,6 +191,22 @@ async def test_an_unreachable_provider_fails_the_run_and_is_published_unavailabl
     assert s.value("iop_node_provider_health", state="unknown") == 0
     assert s.value("iop_node_runs_total", outcome="failed", code="provider_unavailable") == 1
     assert s.value("iop_node_tokens_total", kind="prompt") is None
+
+
+async def test_a_context_overflow_reaches_the_edge_with_its_numbers_and_keeps_health() -> None:
+    failure = ContextLengthExceeded(
+        "HTTP 400: too long", provider_status=400, context_window=512, prompt_tokens=900
+    )
+    s = setup(Adapter(failure=failure))
+    channel = Channel()
+    await s.executor.execute_run(s.runtime, spec(), channel)
+
+    code = pb.ERROR_CODE_CONTEXT_LENGTH_EXCEEDED
+    assert channel.events[-1] == ("failed", code, "HTTP 400: too long")
+    assert channel.context == (512, 900)
+    (final,) = s.history.completed
+    assert (final.outcome, final.error_code) == ("failed", "context_length_exceeded")
+    assert s.runtime.health.state is Health.UNKNOWN  # the client's fault, not the provider's
 
 
 async def test_a_run_refused_by_a_full_queue_never_started() -> None:

@@ -49,7 +49,8 @@ def node_config_to_proto(node: NodeSpec) -> pb.NodeConfig:
 
 def models_to_proto(spec: FleetSpec, without: Set[str] = frozenset()) -> list[pb.ModelConfig]:
     """The model catalog for the edge: public id, display name, provider id -> served name,
-    output cap, failovers; ``without``: providers left out (those of retired nodes)."""
+    output cap, failovers, context window; ``without``: providers left out (those of
+    retired nodes)."""
     return [
         pb.ModelConfig(
             id=m.id,
@@ -57,6 +58,7 @@ def models_to_proto(spec: FleetSpec, without: Set[str] = frozenset()) -> list[pb
             providers={p: served for p, served in m.providers.items() if p not in without},
             max_output_tokens=m.max_output_tokens,
             retries=m.retries,
+            context_window=m.context_window or 0,
         )
         for m in spec.models
     ]
@@ -88,6 +90,7 @@ def fleet_view(spec: FleetSpec) -> dict[str, Any]:
                 "id": model.id,
                 "display_name": model.display_name,
                 "max_output_tokens": model.max_output_tokens,
+                "context_window": model.context_window,
                 "retries": model.retries,
                 "providers": routes,
             }

@@ -231,6 +231,26 @@ class ModelSpec(_Frozen):
     max_output_tokens: int = Field(default=DEFAULT_MAX_OUTPUT_TOKENS, ge=1, le=_UINT32_MAX)
     # failovers of a run that fails before its first byte (the edge's docs/ARCHITECTURE.md#failover)
     retries: int = Field(default=DEFAULT_RETRIES, ge=0, le=MAX_RETRIES)
+    # the model's context in tokens, as its engines run it: /v1/models tells clients
+    context_window: int | None = Field(default=None, ge=1, le=_UINT32_MAX)
+
+    @model_validator(mode="after")
+    def _output_fits_the_context(self) -> ModelSpec:
+        # An output cap as large as the context leaves no room for a prompt: vLLM refuses
+        # every request then (prompt + max_tokens past max_model_len), the default cap too.
+        window = self.context_window
+        if window is not None and self.max_output_tokens >= window:
+            _raise_problems(
+                [
+                    (
+                        "max_output_tokens",
+                        f"must be below context_window ({window}) to leave room for the "
+                        f"prompt; it is {self.max_output_tokens}"
+                        + ("" if "max_output_tokens" in self.model_fields_set else " by default"),
+                    )
+                ]
+            )
+        return self
 
     @model_validator(mode="before")
     @classmethod

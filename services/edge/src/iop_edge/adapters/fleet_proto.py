@@ -53,6 +53,7 @@ def fleet_from_proto(config: pb.FleetConfig) -> Fleet:
             max_output_tokens=m.max_output_tokens or DEFAULT_MAX_OUTPUT_TOKENS,
             # unset: a control-plane from before the field (0 is a value: no failover)
             retries=m.retries if m.HasField("retries") else DEFAULT_RETRIES,
+            context_window=m.context_window,
         )
         for m in config.models
     }

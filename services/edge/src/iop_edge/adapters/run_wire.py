@@ -45,6 +45,7 @@ _CODES = {
     pb.ERROR_CODE_PROVIDER_TIMEOUT: ErrorCode.PROVIDER_TIMEOUT,
     pb.ERROR_CODE_DEADLINE_EXCEEDED: ErrorCode.DEADLINE_EXCEEDED,
     pb.ERROR_CODE_CANCELLED: ErrorCode.CANCELLED,
+    pb.ERROR_CODE_CONTEXT_LENGTH_EXCEEDED: ErrorCode.CONTEXT_LENGTH_EXCEEDED,
 }
 
 
@@ -96,6 +97,8 @@ def failed(error: pb.RunError) -> Failed:
         error.message or pb.ErrorCode.Name(error.code),
         error.provider_status,
         error.provider_us,
+        error.context_window,
+        error.prompt_tokens,
     )
 
 

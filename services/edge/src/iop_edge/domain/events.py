@@ -29,6 +29,7 @@ class ErrorCode(StrEnum):
     DEADLINE_EXCEEDED = "deadline_exceeded"
     CANCELLED = "cancelled"
     INTERNAL = "internal"
+    CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # the prompt is past the context
 
 
 NOT_IMPLEMENTED = 501
@@ -106,6 +107,8 @@ class Failed:
     message: str = ""
     provider_status: int = 0
     provider_us: int = 0  # the node's wait on the provider before it failed
+    context_window: int = 0  # with CONTEXT_LENGTH_EXCEEDED: the provider's numbers (0: unsaid)
+    prompt_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,7 +147,8 @@ def retryable(failed: Failed) -> bool:
     ``provider_status`` 501: llama.cpp without ``--embeddings``): that is the provider's
     limitation, not the client's fault, and another provider of the model may offer it
     (the dispatcher stops choosing this one for it; with nobody left, the 400 stands).
-    No when the request is the problem (invalid, a 4xx, not found) or the client or the
+    No when the request is the problem (invalid, a 4xx, not found, a prompt past the
+    model's context: the model's other providers serve the same context) or the client or the
     edge ended it (cancelled, deadline exceeded, queue full or timed out): another
     provider would say the same, or nobody is waiting for the answer.
     """

@@ -47,6 +47,7 @@ class ModelEntry:
     providers: Mapping[str, str]  # provider id -> served name, in the fleet file's order
     max_output_tokens: int = DEFAULT_MAX_OUTPUT_TOKENS  # the most max_tokens a request may ask
     retries: int = DEFAULT_RETRIES  # failovers per run before the first byte; 0 = none
+    context_window: int = 0  # the model's context in tokens (fleet file); 0 = not said
 
 
 @dataclass(frozen=True, slots=True)

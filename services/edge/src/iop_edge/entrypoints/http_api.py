@@ -118,7 +118,7 @@ def create_api_app(
     slots = key_slots if key_slots is not None else KeySlots()
     inference = InferenceRoutes(service, catalog, keys, runlog, metrics, slots)
     inference.register(app)
-    register_messages(app, inference, catalog)
+    register_messages(app, inference)
     if responses is not None:
         ResponsesRoutes(responses, keys).register(app, inference.route)
     ReadRoutes(catalog, keys, runlog, openapi).register(app)
@@ -282,14 +282,21 @@ class ReadRoutes:
 
 
 def model_object(entry: ModelEntry) -> dict[str, Any]:
-    """OpenAI's model object, with IOP's display name."""
-    return {
+    """OpenAI's model object, with IOP's display name and the model's limits under the
+    names clients read (docs/ARCHITECTURE.md#model-limits): the output cap always, the
+    context window when the fleet file gives it."""
+    model: dict[str, Any] = {
         "id": entry.id,
         "object": "model",
         "created": 0,
         "owned_by": "iop",
         "display_name": entry.display_name,
+        "max_output_tokens": entry.max_output_tokens,
+        "max_output_length": entry.max_output_tokens,
     }
+    if entry.context_window:
+        model["context_window"] = model["context_length"] = entry.context_window
+    return model
 
 
 def _visible(key: ApiKeyEntry | None, model_id: str) -> bool:

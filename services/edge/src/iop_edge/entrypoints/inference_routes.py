@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections.abc import Awaitable
 from typing import Final
@@ -40,6 +41,7 @@ from iop_edge.errors import (
 )
 from iop_edge.formats.errors import internal_error
 from iop_edge.ports import Catalog, KeyRing, RunEvents, RunLog, RunService
+from iop_edge.service.limits import CLAMP_HEADER, clamp_output_tokens
 from iop_edge.service.run_reader import Collector, follow
 from iop_proto.service.logging import log_unexpected
 
@@ -88,6 +90,7 @@ class InferenceRoutes:
             response = dialect.error_response(exc)
             response.headers["X-Request-Id"] = trace.request_id
             response.headers[OVERHEAD_HEADER] = trace.overhead()
+            response.headers.update(trace.headers)
             return response
         except asyncio.CancelledError:
             trace.client_gone()
@@ -113,9 +116,15 @@ class InferenceRoutes:
             raise ModelNotAllowed(
                 f"This API key is not allowed to use the model '{spec.model}'.", param="model"
             )
-        if self._catalog.model(spec.model) is None:
+        entry = self._catalog.model(spec.model)
+        if entry is None:
             raise ModelNotFound(f"The model '{spec.model}' does not exist.", param="model")
         trace.model = spec.model
+        chat, clamp = clamp_output_tokens(spec.operation, spec.body, entry.max_output_tokens)
+        if clamp is not None:
+            spec = dataclasses.replace(spec, body=chat)
+            asked = dataclasses.replace(asked, spec=spec)
+            trace.headers[CLAMP_HEADER] = clamp.header
         in_flight = self._metrics.model(spec.model).in_flight
         with self._slots.hold(key) as flight, in_flight.track_inprogress():
             opened_at = time.monotonic()
@@ -155,6 +164,7 @@ class InferenceRoutes:
                 "Cache-Control": "no-cache",
                 "X-Accel-Buffering": "no",  # proxies must not hold tokens back either
                 "X-Request-Id": events.run_id,
+                **trace.headers,
             }
         )
         writer = dialect.stream_writer(asked, events.run_id, trace.created)
@@ -204,6 +214,7 @@ class InferenceRoutes:
                 headers={
                     "X-Request-Id": events.run_id,
                     OVERHEAD_HEADER: trace.overhead(end.provider_us),
+                    **trace.headers,
                 },
             )
         trace.run_ended = True

@@ -33,7 +33,7 @@ from iop_edge.formats.anthropic import (
     render_message,
 )
 from iop_edge.formats.anthropic_request import chat_body, estimate_tokens, prompt_body
-from iop_edge.ports import Catalog, RunSpec
+from iop_edge.ports import RunSpec
 from iop_proto import json_codec
 
 if TYPE_CHECKING:
@@ -68,13 +68,8 @@ class MessagesDialect:
 
     operation: Final = CHAT
 
-    def __init__(self, catalog: Catalog) -> None:
-        self._catalog = catalog
-
     def read(self, body: dict[str, Any]) -> DialectRequest:
-        model = body.get("model")
-        entry = self._catalog.model(model) if isinstance(model, str) else None
-        chat = chat_body(body, max_tokens_cap=entry.max_output_tokens if entry else None)
+        chat = chat_body(body)
         stream = bool(chat.get("stream"))
         spec = RunSpec(
             model=chat["model"], operation=CHAT, body=chat, stream=stream, include_usage=stream
@@ -158,7 +153,7 @@ def _prompt_tokens(end: Completed, deltas: Sequence[Delta]) -> int:
     return next((d.usage.prompt_tokens for d in deltas if d.usage and d.usage.prompt_tokens), 0)
 
 
-def register_messages(app: web.Application, routes: InferenceRoutes, catalog: Catalog) -> None:
+def register_messages(app: web.Application, routes: InferenceRoutes) -> None:
     """``/v1/messages`` and ``/v1/messages/count_tokens`` over the shared pipeline."""
-    app.router.add_post(MESSAGES_PATH, routes.route(MessagesDialect(catalog)))
+    app.router.add_post(MESSAGES_PATH, routes.route(MessagesDialect()))
     app.router.add_post(COUNT_TOKENS_PATH, routes.route(CountTokensDialect()))

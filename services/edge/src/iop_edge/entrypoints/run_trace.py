@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from iop_edge.domain.events import Completed, Started
 from iop_edge.domain.fleet import Operation
@@ -50,6 +50,7 @@ class RunTrace:
     completion_tokens: int = 0
     provider_s: float = 0.0  # the node's wait on the provider, as its last event said
     overhead_s: float | None = None  # what x-iop-overhead-ms said, once it was sent
+    headers: dict[str, str] = field(default_factory=dict)  # what every answer adds (a clamp)
 
     @classmethod
     def begin(cls, operation: Operation) -> RunTrace:

@@ -24,7 +24,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any, Final
 
 from iop_edge.domain.events import Completed, Delta, ToolCallDelta, Usage
-from iop_edge.errors import EdgeError, ProviderFailed
+from iop_edge.errors import ContextLengthExceeded, EdgeError, ProviderFailed
 from iop_proto import json_codec
 
 STOP_REASONS: Final = {
@@ -67,7 +67,8 @@ def error_body(exc: EdgeError) -> dict[str, Any]:
     """Anthropic's error object, for a response body and for a mid-stream ``error`` event."""
     status = error_status(exc)
     kind = ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
-    return {"type": "error", "error": {"type": kind, "message": exc.message}}
+    message = exc.anthropic_message if isinstance(exc, ContextLengthExceeded) else exc.message
+    return {"type": "error", "error": {"type": kind, "message": message}}
 
 
 def usage_body(usage: Usage | None) -> dict[str, int]:

@@ -47,12 +47,12 @@ TOOL_CHOICES: Final = {"auto": "auto", "any": "required", "none": "none"}
 ERROR_PREFIX: Final = "Error: "
 
 
-def chat_body(body: Mapping[str, Any], *, max_tokens_cap: int | None) -> dict[str, Any]:
+def chat_body(body: Mapping[str, Any]) -> dict[str, Any]:
     """The chat-completions body of a ``POST /v1/messages`` body.
 
-    ``max_tokens_cap``: the model's ``max_output_tokens``; a larger ``max_tokens`` is
-    lowered to it (Anthropic clients size it for Claude, not for the pool's model),
-    ``None`` when the model is unknown (the pipeline then answers 404).
+    A ``max_tokens`` above the model's ``max_output_tokens`` is lowered to it by the
+    pipeline, as on every API (``service.limits.clamp_output_tokens``): Anthropic
+    clients size it for Claude, not for the pool's model.
     """
     max_tokens = body.get("max_tokens")
     if type(max_tokens) is not int:
@@ -60,7 +60,7 @@ def chat_body(body: Mapping[str, Any], *, max_tokens_cap: int | None) -> dict[st
     if max_tokens < 1:
         raise InvalidRequest("max_tokens: must be greater than or equal to 1.", param="max_tokens")
     chat = prompt_body(body)
-    chat["max_tokens"] = max_tokens if max_tokens_cap is None else min(max_tokens, max_tokens_cap)
+    chat["max_tokens"] = max_tokens
     stop = body.get("stop_sequences")
     if stop is not None:
         if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):

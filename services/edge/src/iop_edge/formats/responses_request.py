@@ -4,7 +4,7 @@ Every node adapter takes the chat-completions shape, so a Responses request
 runs as a chat completion: ``instructions`` and the input items (with those of
 a ``previous_response_id`` chain in front) become ``messages``, function tools
 become chat tools, ``max_output_tokens`` becomes ``max_tokens`` (held to the
-model's cap by the dispatcher like chat's own), ``text.format`` becomes
+model's cap by the pipeline like chat's own), ``text.format`` becomes
 ``response_format``, ``reasoning.effort`` becomes ``reasoning_effort``. What
 only the Responses object carries (``store``, ``include``, ``metadata``,
 ``truncation``) stays here, to be echoed in the answer. Pure: no I/O, so every
@@ -103,7 +103,7 @@ def read_request(body: Mapping[str, Any]) -> ResponsesRequest:
         tools=tools,
         tool_choice=_tool_choice(body.get("tool_choice"), tools),
         parallel_tool_calls=_optional(body, "parallel_tool_calls", bool) is not False,
-        max_output_tokens=body.get("max_output_tokens"),  # the dispatcher checks it (limits)
+        max_output_tokens=body.get("max_output_tokens"),  # checked and clamped as chat's (limits)
         temperature=_number(body, "temperature"),
         top_p=_number(body, "top_p"),
         text=_text(body.get("text")),

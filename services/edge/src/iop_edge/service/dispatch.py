@@ -41,7 +41,7 @@ from iop_edge.errors import (
 from iop_edge.metrics import EdgeMetrics
 from iop_edge.ports import FleetView, RunSpec
 from iop_edge.service.failover import FailoverRun
-from iop_edge.service.limits import RunBody, check_output_tokens, check_run_frame
+from iop_edge.service.limits import RunBody, check_run_frame, clamp_output_tokens
 from iop_edge.service.registry import ProviderRegistry
 from iop_edge.service.runs import UNGUARDED, EdgeRun, NodeLink, RunGuards
 from iop_proto.errors import FrameTooLarge
@@ -67,7 +67,10 @@ class Dispatcher:
     ) -> None:
         self._fleet = fleet
         self._guards = guards
-        self._stall_only = RunGuards(stall_timeout_s=guards.stall_timeout_s)
+        self._stall_only = RunGuards(
+            stall_timeout_s=guards.stall_timeout_s,
+            first_token_timeout_s=guards.first_token_timeout_s,
+        )
         self._registry = registry
         self._deadline_grace_s = deadline_grace_s
         self._stopping: str | None = None  # set by stop_admitting: new runs are refused
@@ -122,7 +125,8 @@ class Dispatcher:
     async def open_run(self, spec: RunSpec) -> FailoverRun:
         """Check the request, take a slot (maybe after a wait in the model's queue), send.
 
-        What can be judged without a slot is judged first: the output cap, and the
+        What can be judged without a slot is judged first: the output cap (a larger
+        output length is lowered to it), and the
         run's frame, serialised once and measured. From the slot taken to the node
         having the run, any failure at all (an error, a cancellation) gives the slot
         back, leaves no run behind and tells a node that may have the run to drop it.
@@ -134,8 +138,10 @@ class Dispatcher:
         model = self._fleet.current.models.get(spec.model)
         if model is None:
             raise ModelNotFound(f"The model '{spec.model}' does not exist", param="model")
-        check_output_tokens(spec.operation, spec.body, model.max_output_tokens)
-        body = RunBody.encode(spec.body)
+        # The HTTP pipeline has clamped already (and said so in a header); a batch line
+        # is clamped here, by the same rule.
+        chat, _ = clamp_output_tokens(spec.operation, spec.body, model.max_output_tokens)
+        body = RunBody.encode(chat)
         check_run_frame(body, model, self._max_frame_size)
         first = await self._open_attempt(model, spec, body, self._lacking(spec), None)
         return FailoverRun(self, spec, body, first, model.retries)

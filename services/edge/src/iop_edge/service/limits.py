@@ -15,9 +15,16 @@ Nesting. JSON from clients is read with ``MAX_JSON_DEPTH`` levels at most (the
 shared codec's ``MAX_DEPTH``): deeper is a 400 naming the limit, at parse time,
 instead of a body that reads but cannot be written again.
 
-Output. ``max_tokens`` / ``max_completion_tokens`` must be a positive integer no
-larger than the model's ``max_output_tokens`` (fleet file; ``DEFAULT_MAX_OUTPUT_TOKENS``
-when unset): a client cannot hold a slot for hours by asking for 2**31 tokens.
+Output. An output-length field (``max_tokens`` / ``max_completion_tokens`` of a chat
+body, ``max_tokens`` of a completion; Responses' ``max_output_tokens`` and Messages'
+``max_tokens`` arrive here as the chat body's ``max_tokens``) must be a positive integer
+below 2**31; one above the model's ``max_output_tokens`` (fleet file;
+``DEFAULT_MAX_OUTPUT_TOKENS`` when unset) is lowered to it (``clamp_output_tokens``), and
+the answer says so in ``CLAMP_HEADER`` (``32000->4096``). Agents size the field for the
+largest model they know (opencode asks 32000, Claude Code 32000 or more), not for the
+pool's: refusing would fail every request, while the cap still keeps a client from
+holding a slot for hours. Anything else (a string, a bool, zero, 2**31) is a 400
+naming the field, as OpenAI answers.
 """
 
 from __future__ import annotations
@@ -45,6 +52,10 @@ OUTPUT_TOKEN_FIELDS: Final[Mapping[Operation, tuple[str, ...]]] = {
     Operation.COMPLETIONS: ("max_tokens",),
     Operation.EMBEDDINGS: (),
 }
+CLAMP_HEADER: Final = "x-iop-max-tokens-clamped"
+"""The response header of a request whose output length was lowered to the model's cap."""
+MAX_OUTPUT_TOKENS_ASKED: Final = 2**31 - 1
+"""The largest output length a request may ask (then lowered to the cap): OpenAI's bound."""
 _MODEL_KEY: Final = b'{"model":'
 
 
@@ -96,9 +107,29 @@ def check_run_frame(body: RunBody, model: ModelEntry, max_frame_size: int) -> No
         )
 
 
-def check_output_tokens(operation: Operation, body: Mapping[str, Any], cap: int) -> None:
-    """``InvalidRequest`` (naming the field, as OpenAI does) unless each output-length
-    field is absent, null, or an integer from 1 to the model's ``cap``."""
+@dataclass(frozen=True, slots=True)
+class OutputClamp:
+    """An output length lowered to the model's cap: what was asked, what runs."""
+
+    asked: int
+    cap: int
+
+    @property
+    def header(self) -> str:
+        """The value of ``CLAMP_HEADER``: ``asked->cap``."""
+        return f"{self.asked}->{self.cap}"
+
+
+def clamp_output_tokens(
+    operation: Operation, body: dict[str, Any], cap: int
+) -> tuple[dict[str, Any], OutputClamp | None]:
+    """``body`` with each output-length field held to the model's ``cap``, and what was
+    lowered (the largest asked; ``None`` when nothing was, and ``body`` itself comes back).
+
+    ``InvalidRequest`` naming the field (as OpenAI does) unless each such field is
+    absent, null, or an integer from 1 to 2**31 - 1.
+    """
+    clamp: OutputClamp | None = None
     for field in OUTPUT_TOKEN_FIELDS[operation]:
         value = body.get(field)
         if value is None:
@@ -116,13 +147,20 @@ def check_output_tokens(operation: Operation, body: Mapping[str, Any], cap: int)
                 param=field,
                 code="integer_below_min_value",
             )
-        if value > cap:
+        if value > MAX_OUTPUT_TOKENS_ASKED:
             raise InvalidRequest(
-                f"{field} is too large: {_shown(value)}. This model supports at most {cap} "
-                f"completion tokens, whereas you provided {_shown(value)}.",
+                f"Invalid '{field}': integer above maximum value. Expected a value <= "
+                f"{MAX_OUTPUT_TOKENS_ASKED}, but got {_shown(value)} instead.",
                 param=field,
-                code="invalid_value",
+                code="integer_above_max_value",
             )
+        if value > cap:
+            if clamp is None:
+                body = dict(body)  # the client's body is never changed in place
+            body[field] = cap
+            if clamp is None or value > clamp.asked:
+                clamp = OutputClamp(value, cap)
+    return body, clamp
 
 
 def _kind(value: object) -> str:

@@ -9,9 +9,14 @@ The guards, on one timer per run, re-armed by itself (never per event):
   took the run within ``ack_timeout_s``, else the run fails
   ``provider_unavailable`` and ``unacknowledged`` tells the dispatcher the node
   itself is in doubt (frozen, cut off, its loop stuck);
-- the stall: a streamed run whose node sends nothing for ``stall_timeout_s``
-  fails ``provider_timeout`` (each event only notes the loop time);
-- the deadline: the node enforces it, this catches a node that does not.
+- the first token: a streamed run with no delta ``first_token_timeout_s`` after it
+  was sent fails ``provider_timeout``. Until its first delta a run waits in the
+  node's queue, for a busy engine slot and for the prompt's prefill, which for a long
+  prompt on a CPU takes minutes: the stall bound would cut it off;
+- the stall: from its first delta on, a streamed run whose node sends nothing for
+  ``stall_timeout_s`` fails ``provider_timeout`` (each event only notes the loop time);
+- the deadline: the node enforces it, this catches a node that does not. It bounds
+  the first token too (whichever passes first).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from iop_edge.domain.events import (
     TERMINAL,
     Accepted,
     Completed,
+    Delta,
     ErrorCode,
     Failed,
     RunEvent,
@@ -37,12 +43,14 @@ from iop_edge.ports import AttemptRecord
 
 @dataclass(frozen=True, slots=True)
 class RunGuards:
-    """How long the edge waits for a node's acknowledgement and, in a stream, between
-    its events, before it fails the run itself (0: not guarded; the settings'
-    ``run_ack_timeout_s`` and ``stall_timeout_s``)."""
+    """How long the edge waits for a node's acknowledgement and, in a stream, for the
+    first delta and then between events, before it fails the run itself (0: not
+    guarded; the settings' ``run_ack_timeout_s``, ``stall_timeout_s`` and
+    ``first_token_timeout_s``)."""
 
     ack_timeout_s: float = 0.0
     stall_timeout_s: float = 0.0
+    first_token_timeout_s: float = 0.0
 
 
 UNGUARDED = RunGuards()
@@ -109,7 +117,9 @@ class EdgeRun:
         self._acked = guards.ack_timeout_s <= 0  # nothing to wait for
         self._ack_by = now + guards.ack_timeout_s
         self._stall_s = guards.stall_timeout_s if request.stream else 0.0
-        self._last_event = now  # the stall clock: the send, then each event
+        self._last_event = now  # the stall clock: each event (judged from the first delta)
+        self._first_token_s = guards.first_token_timeout_s if request.stream else 0.0
+        self._awaiting_first = request.stream  # no delta yet: the first-token bound holds
         self._timer = loop.call_at(self._next_check(), self._check)
 
     @property
@@ -142,6 +152,8 @@ class EdgeRun:
             self._last_event = self._loop.time()
         if isinstance(event, Accepted):
             return
+        if self._awaiting_first and type(event) is Delta:
+            self._awaiting_first = False
         self._push(event)
         if isinstance(event, TERMINAL):
             self._finish(event)
@@ -196,7 +208,10 @@ class EdgeRun:
         at = self._expires_at
         if not self._acked and self._ack_by < at:
             at = self._ack_by
-        if self._stall_s and self._last_event + self._stall_s < at:
+        if self._awaiting_first:
+            if self._first_token_s and self._opened_at + self._first_token_s < at:
+                at = self._opened_at + self._first_token_s
+        elif self._stall_s and self._last_event + self._stall_s < at:
             at = self._last_event + self._stall_s
         return at
 
@@ -216,6 +231,12 @@ class EdgeRun:
                     f" {self._ack_timeout_s:g} s",
                 )
             )
+        elif self._awaiting_first:
+            if self._first_token_s and now - self._opened_at >= self._first_token_s:
+                message = f"no first token within {self._first_token_s:g} s"
+                self._expire(Failed(ErrorCode.PROVIDER_TIMEOUT, message))
+            else:
+                self._timer = self._loop.call_at(self._next_check(), self._check)
         elif self._stall_s and now - self._last_event >= self._stall_s:
             self._expire(Failed(ErrorCode.PROVIDER_TIMEOUT, f"no output for {self._stall_s:g} s"))
         else:

@@ -25,6 +25,7 @@ from typing import Any
 
 import aiohttp
 
+from iop_node.adapters.context_overflow import context_overflow
 from iop_node.adapters.ollama_request import chat_payload, embed_payload, generate_payload
 from iop_node.domain.health import ProbeResult
 from iop_node.domain.provider import ProviderConfig
@@ -238,6 +239,9 @@ async def _status_failure(response: aiohttp.ClientResponse, path: str) -> RunFai
     except (ValueError, KeyError):
         message = text.strip()[:ERROR_TEXT_LIMIT] or (response.reason or "")
     detail = f"ollama {path} answered {response.status}: {message}"
+    overflow = context_overflow(None, detail, response.status)
+    if overflow is not None:
+        return overflow
     if response.status == 404:
         return InvalidRequest(detail, provider_status=404)
     return ProviderFailed(detail, provider_status=response.status)
@@ -252,7 +256,8 @@ def _parse(raw: bytes) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise ProviderFailed(f"ollama sent {type(value).__name__} where an object was expected")
     if "error" in value:
-        raise ProviderFailed(f"ollama: {value['error']}")
+        message = f"ollama: {value['error']}"
+        raise context_overflow(None, message, 0) or ProviderFailed(message)
     return value
 
 

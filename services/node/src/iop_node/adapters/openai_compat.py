@@ -21,6 +21,7 @@ from typing import Any, Final
 
 import aiohttp
 
+from iop_node.adapters.context_overflow import context_overflow
 from iop_node.adapters.sse import iter_sse_data
 from iop_node.domain.health import ProbeResult
 from iop_node.domain.provider import ProviderConfig
@@ -387,7 +388,11 @@ async def _http_failure(response: aiohttp.ClientResponse, spec: ExecutionSpec) -
         size += len(chunk)
         if size >= ERROR_BODY_LIMIT:
             break
-    message = f"HTTP {response.status}: {_error_message(b''.join(chunks))}"
+    body = b"".join(chunks)
+    message = f"HTTP {response.status}: {_error_message(body)}"
+    overflow = context_overflow(_error_object(body), message, response.status)
+    if overflow is not None:
+        return overflow
     if response.status == NOT_IMPLEMENTED:
         return InvalidRequest(
             f"The model '{spec.model}' does not offer {spec.operation.value} on this provider"
@@ -399,7 +404,7 @@ async def _http_failure(response: aiohttp.ClientResponse, spec: ExecutionSpec) -
     return ProviderFailed(message, provider_status=response.status)
 
 
-def _error_from_object(error: Any) -> ProviderFailed:
+def _error_from_object(error: Any) -> RunFailure:
     """An ``{"error": ...}`` the provider sent with a 200 (mid-stream, usually)."""
     status = 0
     if isinstance(error, dict):
@@ -409,7 +414,19 @@ def _error_from_object(error: Any) -> ProviderFailed:
             status = code
     else:
         message = str(error)
-    return ProviderFailed(f"provider error: {message}", provider_status=status)
+    message = f"provider error: {message}"
+    return context_overflow(error, message, status) or ProviderFailed(
+        message, provider_status=status
+    )
+
+
+def _error_object(body: bytes) -> Any:
+    """The ``error`` member of an error body (an object or a string), or None."""
+    try:
+        document = json.loads(body)
+    except ValueError:
+        return None
+    return document.get("error") if isinstance(document, dict) else None
 
 
 def _error_message(body: bytes) -> str:

@@ -119,13 +119,22 @@ class ConnectionChannel:
         await self._send(event)
 
     async def failed(
-        self, code: int, message: str, provider_status: int, provider_us: int = 0
+        self,
+        code: int,
+        message: str,
+        provider_status: int,
+        provider_us: int = 0,
+        *,
+        context_window: int = 0,
+        prompt_tokens: int = 0,
     ) -> None:
         error = pb.RunError(
             code=code,  # type: ignore[arg-type]
             message=message,
             provider_status=provider_status,
             provider_us=provider_us,
+            context_window=context_window,
+            prompt_tokens=prompt_tokens,
         )
         await self._send(pb.RunEvent(error=error))
 
