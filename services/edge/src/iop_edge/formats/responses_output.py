@@ -54,6 +54,10 @@ class OutputShape:
     def is_custom(self, called: str) -> bool:
         return self.tools.ref(called).kind == "custom"
 
+    def sealed(self, text: str) -> str | None:
+        """The ``encrypted_content`` of reasoning ``text`` (None: not asked for)."""
+        return None if self.seal is None else self.seal(text)
+
 
 @dataclass(slots=True)
 class Call:
@@ -142,8 +146,9 @@ class Turn:
         status = "incomplete" if self.incomplete_reason else "completed"
         items: list[dict[str, Any]] = []
         if self.reasoning:
+            text = "".join(self.reasoning)
             items.append(
-                reasoning_item(reasoning_id(run_id), "".join(self.reasoning), "completed", shape)
+                reasoning_item(reasoning_id(run_id), text, "completed", shape.sealed(text))
             )
         if self.text or not self.calls:
             items.append(message_item(message_id(run_id), "".join(self.text), status))
@@ -173,13 +178,12 @@ def message_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
 
 
 def reasoning_item(
-    item_id: str, text: str | None, status: str, shape: OutputShape
+    item_id: str, text: str | None, status: str, sealed: str | None = None
 ) -> dict[str, Any]:
     """A reasoning item; ``text`` None: just opened. The reasoning is in the clear in
-    ``content``, and sealed in ``encrypted_content`` once done when the client asked
-    (no summary: the pool has no summariser, so ``summary`` stays empty)."""
+    ``content``, and ``sealed`` (``OutputShape.sealed``) in ``encrypted_content`` when
+    the client asked (no summary: the pool has no summariser, so ``summary`` is empty)."""
     content = [] if text is None else [{"type": "reasoning_text", "text": text}]
-    sealed = shape.seal(text) if shape.seal is not None and text is not None else None
     return {
         "id": item_id,
         "type": "reasoning",

@@ -64,6 +64,7 @@ class _Item:
     item_id: str
     call_index: int = 0
     custom: bool = False  # a custom tool's call (CALL items)
+    sealed: str | None = None  # the encrypted_content of a reasoning item, once sealed
     parts: list[str] = field(default_factory=list)
     call: Call = field(default_factory=Call)
     text_tail: bytes = b""  # the text-delta template after the sequence number (messages)
@@ -213,7 +214,7 @@ class ResponseEventStream:
         else:
             item_id = reasoning_id(run_id)
             item = _Item(kind, index, f"{item_id}_{index}" if again else item_id)
-            added = reasoning_item(item.item_id, None, "in_progress", self._shape)
+            added = reasoning_item(item.item_id, None, "in_progress")
             part = {"type": "reasoning_text", "text": ""}
         self._items.append(item)
         self._open = item
@@ -326,7 +327,9 @@ class ResponseEventStream:
         if item.kind == MESSAGE:
             return message_item(item.item_id, text, status)
         if item.kind == REASONING:
-            return reasoning_item(item.item_id, text, status, self._shape)
+            if item.sealed is None:
+                item.sealed = self._shape.sealed(text)
+            return reasoning_item(item.item_id, text, status, item.sealed)
         return call_item(item.item_id, item.call, status, self._shape)
 
     def _output(self, status: str) -> list[dict[str, Any]]:
