@@ -184,14 +184,10 @@ def reasoning_item(
     ``content``, and ``sealed`` (``OutputShape.sealed``) in ``encrypted_content`` when
     the client asked (no summary: the pool has no summariser, so ``summary`` is empty)."""
     content = [] if text is None else [{"type": "reasoning_text", "text": text}]
-    return {
-        "id": item_id,
-        "type": "reasoning",
-        "status": status,
-        "summary": [],
-        "content": content,
-        "encrypted_content": sealed,
-    }
+    item = {"id": item_id, "type": "reasoning", "status": status, "summary": [], "content": content}
+    if sealed is not None:  # the specification types it a string: absent, never null
+        item["encrypted_content"] = sealed
+    return item
 
 
 def call_item(item_id: str, call: Call, status: str, shape: OutputShape) -> dict[str, Any]:
@@ -256,7 +252,7 @@ def response_object(
     return {
         "id": response_id(run_id),
         "object": "response",
-        "created_at": created,
+        "created_at": int(created),  # the specification types it an integer
         "completed_at": completed_at,
         "status": status,
         "error": error,
