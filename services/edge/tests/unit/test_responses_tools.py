@@ -9,12 +9,15 @@ from typing import Any
 
 import pytest
 
+from iop_edge.bootstrap import reasoning_seal
 from iop_edge.domain.events import Completed, Delta, ToolCallDelta, Usage
 from iop_edge.errors import InvalidRequest
 from iop_edge.formats.reasoning_seal import ReasoningSeal, parse_key
 from iop_edge.formats.responses_output import OutputShape, Turn
 from iop_edge.formats.responses_request import chat_body, read_request
 from iop_edge.formats.responses_stream import ResponseEventStream
+from iop_edge.settings import EdgeSettings
+from iop_proto.tls import TlsSettings
 
 CODEX_REQUEST = Path(__file__).parents[1] / "data" / "codex-0.171-request.json"
 AGENTS = {
@@ -291,3 +294,18 @@ def test_streamed_reasoning_is_sealed_when_done() -> None:
     assert (
         seen[-1]["response"]["output"][0]["encrypted_content"] == done["item"]["encrypted_content"]
     )
+
+
+def test_the_edge_s_seal_comes_from_its_key_file(tmp_path: Path) -> None:
+    key = bytes(range(32))
+    path = tmp_path / "reasoning.key"
+    path.write_text(key.hex() + "\n")
+    tls = TlsSettings(enabled=False)
+    one = reasoning_seal(EdgeSettings(tls=tls, reasoning_key_file=path))
+    other = reasoning_seal(EdgeSettings(tls=tls, reasoning_key_file=path))
+    assert other.open(one.seal("shared by the fleet")) == "shared by the fleet"
+    alone = reasoning_seal(EdgeSettings(tls=tls))
+    assert alone.open(one.seal("x")) is None
+    path.write_text("not a key")
+    with pytest.raises(ValueError, match="reasoning_key_file"):
+        reasoning_seal(EdgeSettings(tls=tls, reasoning_key_file=path))
