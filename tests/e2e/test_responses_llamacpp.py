@@ -192,7 +192,28 @@ async def check_codex_shaped_stream(api: str) -> None:
                         "properties": {"command": {"type": "string"}},
                         "required": ["command"],
                     },
-                }
+                },
+                {
+                    "type": "namespace",
+                    "name": "multi_agent_v1",
+                    "description": "Sub-agents.",
+                    "tools": [
+                        {
+                            "type": "function",
+                            "name": "spawn_agent",
+                            "parameters": {
+                                "type": "object",
+                                "properties": {"message": {"type": "string"}},
+                            },
+                        }
+                    ],
+                },
+                {
+                    "type": "custom",
+                    "name": "apply_patch",
+                    "format": {"type": "grammar", "syntax": "regex", "definition": "[a-z]+"},
+                },
+                {"type": "web_search", "external_web_access": False},
             ],
             "tool_choice": "auto",
             "parallel_tool_calls": False,
@@ -200,11 +221,21 @@ async def check_codex_shaped_stream(api: str) -> None:
             "store": False,
             "stream": True,
             "include": ["reasoning.encrypted_content"],
+            "prompt_cache_key": "session",
+            "client_metadata": {"x-codex-installation-id": "test"},
             "max_output_tokens": 16,
         },
     )
     contract.check_events(events)
     assert events[-1]["type"] in {"response.completed", "response.incomplete"}
+    final = events[-1]["response"]
+    assert [tool["type"] for tool in final["tools"]] == ["function", "namespace", "custom"]
+    for item in final["output"]:  # whatever SmolLM2 chose, named as the client defined it
+        if item["type"] == "function_call":
+            assert item["name"] in {"shell", "spawn_agent"}
+            assert ("namespace" in item) == (item["name"] == "spawn_agent")
+        elif item["type"] == "custom_tool_call":
+            assert item["name"] == "apply_patch"
 
 
 @pytest.mark.timeout(240)
