@@ -309,3 +309,32 @@ def test_the_edge_s_seal_comes_from_its_key_file(tmp_path: Path) -> None:
     path.write_text("not a key")
     with pytest.raises(ValueError, match="reasoning_key_file"):
         reasoning_seal(EdgeSettings(tls=tls, reasoning_key_file=path))
+
+
+def test_the_reasoning_of_a_stored_chain_goes_back_in_the_clear_a_client_s_does_not() -> None:
+    reasoning = {
+        "type": "reasoning",
+        "id": "rs_1",
+        "summary": [],
+        "content": [{"type": "reasoning_text", "text": "stored thought"}],
+    }
+    answer = {"type": "message", "role": "assistant", "content": "a"}
+    history = [{"type": "message", "role": "user", "content": "q"}, reasoning, answer]
+    follow = read_request(request(previous_response_id="resp_1", input="and?"))
+    messages = chat_body(follow, history)["messages"]
+    assert messages[1] == {
+        "role": "assistant",
+        "content": "a",
+        "reasoning_content": "stored thought",
+    }
+    sent = read_request(request(input=history))  # the same items from the client: not trusted
+    assert "reasoning_content" not in chat_body(sent, ())["messages"][1]
+
+
+def test_tool_choice_may_name_a_namespaced_function_alone_when_it_is_unique() -> None:
+    chosen = {"type": "function", "name": "spawn_agent"}
+    chat = chat_body(read_request(request(tools=[AGENTS], tool_choice=chosen)), ())
+    assert chat["tool_choice"] == {
+        "type": "function",
+        "function": {"name": "multi_agent_v1__spawn_agent"},
+    }

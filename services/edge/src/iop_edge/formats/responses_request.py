@@ -205,14 +205,19 @@ def chat_body(
     """The chat-completions body that runs ``request`` after ``history`` (the items of
     its ``previous_response_id`` chain, oldest first). A reasoning item this edge sealed
     goes back as the ``reasoning_content`` of the assistant turn that follows it (the
-    field llama.cpp, vLLM and the node's adapters read); any other is not shown."""
+    field llama.cpp, vLLM and the node's adapters read), as does one of ``history`` (the
+    edge's own store) in the clear; any other is not shown."""
     messages: list[dict[str, Any]] = []
     if request.instructions:
         messages.append({"role": "system", "content": request.instructions})
     reasoning: str | None = None
-    for item in (*history, *request.items):
+    kept = len(history)
+    for index, item in enumerate((*history, *request.items)):
         if item.get("type") == "reasoning":
-            reasoning = _opened(item, open_reasoning) or reasoning
+            text = _opened(item, open_reasoning)
+            if text is None and index < kept:
+                text = _text_of(item.get("content") or ())
+            reasoning = text or reasoning
             continue
         if not _append_message(messages, item):
             continue

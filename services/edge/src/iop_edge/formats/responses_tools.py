@@ -149,6 +149,9 @@ def read_tool_choice(value: Any, tools: Tools) -> tuple[Any, Any]:
         if not isinstance(name, str) or not (namespace is None or isinstance(namespace, str)):
             raise InvalidRequest("'tool_choice.name' must be a string.", param="tool_choice")
         called = flat_name(name, namespace)
+        if called not in tools.refs and namespace is None:  # a namespaced one, named alone
+            inner = [flat for flat, ref in tools.refs.items() if ref.name == name]
+            called = inner[0] if len(inner) == 1 else called
         ref = tools.refs.get(called)
         if ref is None or ref.kind != kind:
             raise InvalidRequest(
