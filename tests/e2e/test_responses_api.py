@@ -2,15 +2,20 @@
 driven by the clients that speak it: the official ``openai`` SDK, the OpenAI Agents SDK,
 LangChain's ``ChatOpenAI(use_responses_api=True)``, and a request shaped as Codex CLI
 sends it. Every Response object and streamed event the stack returns is held to the
-fields OpenAI's OpenAPI document requires (``REQUIRED``, ``EVENT_REQUIRED``).
+fields OpenAI's OpenAPI document requires (``REQUIRED``, ``EVENT_REQUIRED``) and to the
+Open Responses specification's contract (``responses_contract``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import re
+import sys
 from collections.abc import AsyncIterator
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import aiohttp
@@ -25,6 +30,23 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 Stack = Any  # the `stack` fixture of conftest.py (a conftest cannot be imported)
 MODEL = "mock-small"
+CODEX_REQUEST = Path(__file__).parents[2] / "services/edge/tests/data/codex-0.171-request.json"
+
+
+def _load_contract() -> ModuleType:
+    """The specification's contract, shared with the llama.cpp test (test modules are not
+    a package)."""
+    path = Path(__file__).with_name("responses_contract.py")
+    spec = importlib.util.spec_from_file_location("iop_e2e_responses_contract", path)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+spec_contract = _load_contract()
 
 # The required fields of OpenAI's openapi.json (github.com/openai/openai-openapi), by schema.
 REQUIRED: dict[str, set[str]] = {
@@ -36,6 +58,7 @@ REQUIRED: dict[str, set[str]] = {
     "message": {"id", "type", "role", "status", "content"},
     "output_text": {"type", "text", "annotations", "logprobs"},
     "function_call": {"type", "call_id", "name", "arguments"},
+    "custom_tool_call": {"type", "call_id", "name", "input"},
     "reasoning": {"id", "type", "summary"},
     "ResponseUsage": {
         "input_tokens", "input_tokens_details", "output_tokens", "output_tokens_details",
@@ -53,6 +76,8 @@ EVENT_REQUIRED: dict[str, set[str]] = {
     "response.content_part.done": {"content_index", "item_id", "output_index", "part"},
     "response.function_call_arguments.delta": {"delta", "item_id", "output_index"},
     "response.function_call_arguments.done": {"arguments", "item_id", "name", "output_index"},
+    "response.custom_tool_call_input.delta": {"delta", "item_id", "output_index"},
+    "response.custom_tool_call_input.done": {"input", "item_id", "output_index"},
     "response.reasoning_text.delta": {"content_index", "delta", "item_id", "output_index"},
     "response.reasoning_text.done": {"content_index", "item_id", "output_index", "text"},
     "response.output_item.done": {"item", "output_index"},
@@ -64,8 +89,12 @@ EVENT_REQUIRED: dict[str, set[str]] = {
 """Every event also requires ``type`` and ``sequence_number``."""
 
 
-def check_response(response: dict[str, Any]) -> None:
-    """``response`` (a Response object as JSON) has every field OpenAI's reference requires."""
+def check_response(response: dict[str, Any], *, wire: bool = True) -> None:
+    """``response`` (a Response object as JSON) has every field OpenAI's reference
+    requires, and, as it came over the wire (not an SDK's dump, which retypes integers
+    and fills in what was absent), what the Open Responses specification requires."""
+    if wire:
+        spec_contract.check_response(response)
     assert REQUIRED["Response"] <= response.keys(), REQUIRED["Response"] - response.keys()
     assert response["object"] == "response"
     assert re.fullmatch(r"resp_\S+", response["id"])
@@ -91,6 +120,7 @@ def check_item(item: dict[str, Any]) -> None:
 def check_events(events: list[dict[str, Any]]) -> None:
     """The events of one stream: each with its required fields, numbered in order, and in
     OpenAI's order (created, in_progress, items each opened and closed, one terminal)."""
+    spec_contract.check_events(events)
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
     for event in events:
         assert EVENT_REQUIRED[event["type"]] <= event.keys(), event
@@ -164,7 +194,7 @@ async def test_create_with_string_input(
     stack: Stack, sdk: AsyncOpenAI, keys: dict[str, str]
 ) -> None:
     response = await sdk.responses.create(model=MODEL, input="tell me something")
-    check_response(response.model_dump())
+    check_response(response.model_dump(), wire=False)
     assert response.status == "completed"
     assert response.output_text
     assert response.model == MODEL
@@ -195,7 +225,7 @@ async def test_create_with_list_input_and_instructions(sdk: AsyncOpenAI) -> None
         max_output_tokens=4,
         metadata={"ticket": "17"},
     )
-    check_response(response.model_dump())
+    check_response(response.model_dump(), wire=False)
     assert response.instructions == "answer briefly"
     assert response.metadata == {"ticket": "17"}
     assert response.status == "incomplete"  # the mock stops at max_output_tokens
@@ -228,7 +258,7 @@ async def test_stream_events_in_order_and_text_assembled(sdk: AsyncOpenAI) -> No
         "response.completed",
     ]
     assert final.output_text == "".join(deltas) != ""
-    check_response(final.model_dump())
+    check_response(final.model_dump(), wire=False)
 
 
 async def test_raw_stream_meets_the_event_contract(stack: Stack, keys: dict[str, str]) -> None:
@@ -257,7 +287,7 @@ async def test_tool_round_trip_with_previous_response_id(sdk: AsyncOpenAI) -> No
         }
     ]
     first = await sdk.responses.create(model=MODEL, input="weather in Paris?", tools=tools)
-    check_response(first.model_dump())
+    check_response(first.model_dump(), wire=False)
     calls = [item for item in first.output if item.type == "function_call"]
     assert len(calls) == 1
     call = calls[0]
@@ -269,7 +299,7 @@ async def test_tool_round_trip_with_previous_response_id(sdk: AsyncOpenAI) -> No
         input=[{"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}],
         tools=tools,
     )
-    check_response(second.model_dump())
+    check_response(second.model_dump(), wire=False)
     assert second.previous_response_id == first.id
     assert second.output_text  # after a tool result the mock answers in text
     assert [item.type for item in second.output] == ["message"]
@@ -300,7 +330,7 @@ async def test_structured_output_with_text_format(sdk: AsyncOpenAI) -> None:
         degrees: int
 
     parsed = await sdk.responses.parse(model=MODEL, input="weather?", text_format=Weather)
-    check_response(parsed.model_dump())
+    check_response(parsed.model_dump(), wire=False)
     assert isinstance(parsed.output_parsed, Weather)  # the mock answers with a valid instance
     assert parsed.text.format is not None
     assert parsed.text.format.type == "json_schema"
@@ -373,8 +403,14 @@ async def test_another_key_cannot_read_a_response(
 
 async def test_what_is_not_supported_is_a_400_in_openai_s_shape(sdk: AsyncOpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as info:
-        await sdk.responses.create(model=MODEL, input="x", tools=[{"type": "web_search"}])
-    assert info.value.param == "tools[0].type"  # type: ignore[attr-defined]
+        await sdk.responses.create(
+            model=MODEL,
+            input="x",
+            tools=[{"type": "web_search"}],
+            tool_choice={"type": "web_search"},  # type: ignore[typeddict-item]
+        )
+    assert info.value.param == "tool_choice"  # type: ignore[attr-defined]
+    assert "web_search" in str(info.value)
     with pytest.raises(openai.BadRequestError) as info:
         await sdk.responses.create(model=MODEL, input="x", max_output_tokens=10**9)
     assert info.value.param == "max_output_tokens"  # type: ignore[attr-defined]
@@ -431,6 +467,133 @@ async def test_a_request_shaped_as_codex_sends_it(stack: Stack, keys: dict[str, 
     events = await sse(stack, keys["a"], body)
     check_events(events)
     assert events[-1]["response"]["output"][-1]["type"] == "message"
+
+
+async def post(
+    stack: Stack, key: str, body: dict[str, Any]
+) -> tuple[dict[str, str], dict[str, Any] | list[dict[str, Any]]]:
+    """The answer's headers and its body: the Response, or a stream's events."""
+    headers = {"Authorization": f"Bearer {key}"}
+    async with aiohttp.ClientSession() as http:
+        async with http.post(f"{stack.api_url}/responses", json=body, headers=headers) as reply:
+            assert reply.status == 200, await reply.text()
+            raw = (await reply.read()).decode()
+            answer_headers = {k.lower(): v for k, v in reply.headers.items()}
+    if not body.get("stream"):
+        return answer_headers, json.loads(raw)
+    events = [json.loads(frame.split("data: ", 1)[1]) for frame in raw.split("\n\n") if frame]
+    return answer_headers, events
+
+
+async def test_codex_0171_s_captured_request_succeeds_streamed_and_not(
+    stack: Stack, keys: dict[str, str]
+) -> None:
+    """The request Codex CLI 0.171 sent to this stack and got a 400 for (texts trimmed,
+    every tool kept: function, namespace and web_search), now answered; then its next
+    turn, with the items it got back and the tool's output."""
+    body = json.loads(CODEX_REQUEST.read_text())
+    body["model"] = MODEL
+    headers, events = await post(stack, keys["a"], body)
+    assert headers["x-iop-dropped-tools"] == "web_search"
+    assert isinstance(events, list)
+    check_events(events)
+    final = events[-1]["response"]
+    assert final["status"] == "completed"
+    assert final["prompt_cache_key"] == body["prompt_cache_key"]
+    assert {tool["type"] for tool in final["tools"]} == {"function", "namespace"}
+    call = final["output"][-1]
+    assert (call["type"], call["name"]) == ("function_call", "exec_command")
+    body["input"] = [
+        *body["input"],
+        *final["output"],
+        {"type": "function_call_output", "call_id": call["call_id"], "output": "README.md"},
+    ]
+    headers, events = await post(stack, keys["a"], body)
+    assert isinstance(events, list)
+    check_events(events)
+    assert events[-1]["response"]["output"][-1]["type"] == "message"
+    headers, response = await post(stack, keys["a"], {**body, "stream": False})
+    assert isinstance(response, dict)
+    assert headers["x-iop-dropped-tools"] == "web_search"
+    check_response(response)
+
+
+async def test_a_namespaced_function_and_a_custom_tool_round_trip(
+    stack: Stack, keys: dict[str, str]
+) -> None:
+    codex = json.loads(CODEX_REQUEST.read_text())
+    agents = next(tool for tool in codex["tools"] if tool["type"] == "namespace")
+    patch = {
+        "type": "custom",
+        "name": "apply_patch",
+        "description": "Edit files with a patch.",
+        "format": {"type": "grammar", "syntax": "lark", "definition": 'start: "*** Begin Patch"'},
+    }
+    body: dict[str, Any] = {
+        "model": MODEL,
+        "input": "spawn one",
+        "tools": [agents, patch],
+        "tool_choice": {"type": "function", "name": "spawn_agent", "namespace": agents["name"]},
+        "store": False,
+        "stream": True,
+    }
+    _, events = await post(stack, keys["a"], body)
+    assert isinstance(events, list)
+    check_events(events)
+    call = events[-1]["response"]["output"][-1]
+    assert (call["name"], call["namespace"]) == ("spawn_agent", "multi_agent_v1")
+    body["tool_choice"] = {"type": "custom", "name": "apply_patch"}
+    _, events = await post(stack, keys["a"], body)
+    assert isinstance(events, list)
+    check_events(events)
+    custom = events[-1]["response"]["output"][-1]
+    assert custom["type"] == "custom_tool_call"
+    assert custom["id"].startswith("ctc_")
+    assert isinstance(custom["input"], str)
+    kinds = [event["type"] for event in events]
+    assert "response.custom_tool_call_input.done" in kinds
+    body["input"] = [
+        {"type": "message", "role": "user", "content": "spawn one"},
+        custom,
+        {"type": "custom_tool_call_output", "call_id": custom["call_id"], "output": "applied"},
+    ]
+    body["tool_choice"] = "auto"
+    body["stream"] = False
+    _, response = await post(stack, keys["a"], body)
+    assert isinstance(response, dict)
+    check_response(response)
+    assert response["output"][-1]["type"] == "message"  # after a tool result, text
+
+
+async def test_every_echoed_field_is_the_request_s(sdk: AsyncOpenAI, stack: Stack) -> None:
+    body = {
+        "model": MODEL,
+        "input": "x",
+        "prompt_cache_key": "session-1",
+        "safety_identifier": "user-hash",
+        "metadata": {"k": "v"},
+        "presence_penalty": 0.5,
+        "frequency_penalty": 0.25,
+        "max_tool_calls": 3,
+        "top_logprobs": 0,
+        "service_tier": "auto",
+        "client_metadata": {"x-codex-turn-metadata": "{}"},  # Codex's own, accepted
+        "parallel_tool_calls": True,
+    }
+    _, response = await post(stack, str(sdk.api_key), body)
+    assert isinstance(response, dict)
+    check_response(response)
+    for name in (
+        "prompt_cache_key",
+        "safety_identifier",
+        "metadata",
+        "presence_penalty",
+        "frequency_penalty",
+        "max_tool_calls",
+    ):
+        assert response[name] == body[name], name
+    assert response["service_tier"] == "default"  # the tier that served it
+    assert response["completed_at"] >= response["created_at"]
 
 
 async def test_the_openai_agents_sdk_runs_an_agent_with_a_tool(

@@ -23,6 +23,7 @@ from iop_edge.entrypoints.api_auth import KeySlots, access_mode
 from iop_edge.entrypoints.api_metrics import ApiMetrics
 from iop_edge.entrypoints.http_api import create_api_app, load_openapi
 from iop_edge.entrypoints.stop_gate import StopGate
+from iop_edge.formats.reasoning_seal import ReasoningSeal, parse_key
 from iop_edge.metrics import EdgeMetrics
 from iop_edge.service.batches import BatchService
 from iop_edge.service.catalog import FleetKeyRing, PoolCatalog
@@ -204,6 +205,7 @@ async def build(
             min_body_rate=settings.http.min_body_rate,
             stop_gate=gate,
             responses=response_store,
+            reasoning_seal=reasoning_seal(settings),
         )
         add_console_routes(app)  # the read-only operator page (before setup locks the routes)
         # handler_cancellation: a client that disconnects cancels its handler, which
@@ -232,3 +234,18 @@ async def build(
         log_access_mode()  # from now on logged again whenever keys come or go
         admin.set_readiness(lambda: None if catalog.any_available() else "no provider is available")
         yield edge
+
+
+def reasoning_seal(settings: EdgeSettings) -> ReasoningSeal:
+    """The edges' seal of Responses reasoning: the key file's, or a key of this process."""
+    path = settings.reasoning_key_file
+    if path is None:
+        logger.info(
+            "reasoning_key_file unset: reasoning sealed into encrypted_content opens on this"
+            " edge only, until it restarts"
+        )
+        return ReasoningSeal.generate()
+    try:
+        return ReasoningSeal(parse_key(path.read_text()))
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"reasoning_key_file ({path}): {exc}") from None

@@ -104,6 +104,15 @@ class EdgeSettings(DrainingSettings):
         default=Path("var/edge/responses.db"),
         description="Responses API answers kept (store: true) per API key, owner-only",
     )
+    reasoning_key_file: Path | None = Field(
+        default=None,
+        description=(
+            "key that seals the reasoning a Responses client keeps (encrypted_content):"
+            " 64 hex digits (openssl rand -hex 32) or base64 of 32 bytes; give every edge of"
+            " the fleet the same file so any opens what another sealed. Unset: a random key"
+            " per process, so sealed reasoning opens only on this edge until it restarts"
+        ),
+    )
     batch_db: Path = Field(
         default=Path("var/edge/batches.db"),
         description="Batch API files, batches, line results (file contents in <name>.files/)",

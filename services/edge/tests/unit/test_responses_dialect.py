@@ -20,6 +20,7 @@ from iop_edge.entrypoints.http_api import load_openapi, openai_error_boundary
 from iop_edge.entrypoints.responses_dialect import ResponsesDialect
 from iop_edge.entrypoints.responses_routes import ResponsesRoutes
 from iop_edge.errors import InvalidRequest, NotFound
+from iop_edge.formats.reasoning_seal import ReasoningSeal
 from iop_edge.ports import StoredResponse
 from iop_proto import json_codec
 from iop_proto.testing import loopback_app
@@ -68,7 +69,7 @@ async def answered(
 
 async def test_an_answer_is_kept_for_its_key_and_continues_a_chain() -> None:
     store = MemoryStore()
-    dialect = ResponsesDialect(store)
+    dialect = ResponsesDialect(store, ReasoningSeal.generate())
     first = await answered(dialect, {"model": "m", "input": "one"}, "r1")
     assert first["id"] == "resp_r1"
     assert first["output"][0]["id"] == "msg_r1"
@@ -97,7 +98,9 @@ async def test_an_answer_is_kept_for_its_key_and_continues_a_chain() -> None:
 async def test_store_false_keeps_nothing() -> None:
     store = MemoryStore()
     answer = await answered(
-        ResponsesDialect(store), {"model": "m", "input": "x", "store": False}, "r"
+        ResponsesDialect(store, ReasoningSeal.generate()),
+        {"model": "m", "input": "x", "store": False},
+        "r",
     )
     assert answer["store"] is False
     assert store.rows == {}
@@ -105,7 +108,7 @@ async def test_store_false_keeps_nothing() -> None:
 
 async def test_a_streamed_answer_is_kept_when_it_ends() -> None:
     store = MemoryStore()
-    dialect = ResponsesDialect(store)
+    dialect = ResponsesDialect(store, ReasoningSeal.generate())
     asked = await dialect.resolve(dialect.read({"model": "m", "input": "x", "stream": True}), None)
     assert asked.spec.stream
     assert asked.spec.include_usage
@@ -121,7 +124,7 @@ async def test_a_streamed_answer_is_kept_when_it_ends() -> None:
 
 
 def test_errors_about_the_chat_body_name_the_responses_field() -> None:
-    dialect = ResponsesDialect(MemoryStore())
+    dialect = ResponsesDialect(MemoryStore(), ReasoningSeal.generate())
     error = InvalidRequest("max_tokens is too large: 99.", param="max_tokens", code="invalid_value")
     body = json.loads(dialect.error_response(error).text or "")
     assert body["error"]["param"] == "max_output_tokens"
@@ -138,7 +141,7 @@ async def serve(store: MemoryStore) -> AsyncIterator[str]:
         return not_served
 
     app = web.Application(middlewares=[openai_error_boundary])
-    ResponsesRoutes(store, Keys()).register(app, route)
+    ResponsesRoutes(store, Keys(), ReasoningSeal.generate()).register(app, route)
     async with loopback_app(app) as port:
         yield f"http://127.0.0.1:{port}/v1/responses"
 

@@ -7,17 +7,29 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+import aiohttp
 import openai
 import pytest
 from openai import AsyncOpenAI
 from prometheus_client import CollectorRegistry
 
-from iop_edge.domain.events import Completed, Delta, ErrorCode, Failed, RunEvent, Started, Usage
+from iop_edge.domain.events import (
+    Completed,
+    Delta,
+    ErrorCode,
+    Failed,
+    RunEvent,
+    Started,
+    ToolCallDelta,
+    Usage,
+)
 from iop_edge.domain.fleet import ApiKeyEntry, ModelEntry
 from iop_edge.entrypoints.api_metrics import ApiMetrics
 from iop_edge.entrypoints.http_api import create_api_app, load_openapi
+from iop_edge.formats.responses_tools import DROPPED_HEADER
 from iop_edge.ports import AttemptRecord, EdgeRunRecord, RunSpec, StoredResponse
 from iop_proto import json_codec
 from iop_proto.testing import loopback_app
@@ -141,17 +153,23 @@ async def test_a_failure_after_the_first_byte_ends_the_stream_with_response_fail
         Failed(ErrorCode.PROVIDER_ERROR, "the provider fell over"),
     ]
     stream = await edge.sdk.responses.create(model=MODEL, input="x", stream=True)
-    events: list[Any] = [event async for event in stream]
-    kinds = [event.type for event in events]
-    assert kinds[-2:] == ["error", "response.failed"]
-    assert "response.output_text.delta" in kinds
-    error, failed = events[-2:]
-    assert error.message == "the provider fell over"
-    assert failed.response.status == "failed"
-    assert failed.response.error.code == "server_error"
-    assert failed.response.output[0].content[0].text == "half an ans"
-    kept = json_codec.loads(edge.store.rows[failed.response.id].response_json)
+    events: list[Any] = []
+
+    async def read() -> None:
+        async for event in stream:
+            events.append(event)
+
+    # The error event carries its ``error`` object (the Open Responses specification's
+    # ErrorStreamingEvent, and what OpenAI sends), on which the SDK raises.
+    with pytest.raises(openai.APIError, match="the provider fell over"):
+        await read()
+    assert "response.output_text.delta" in [event.type for event in events]
+    (kept_row,) = edge.store.rows.values()
+    kept = json_codec.loads(kept_row.response_json)
     assert kept["status"] == "failed"  # kept, as OpenAI keeps failed responses
+    assert kept["error"]["code"] == "server_error"
+    assert kept["output"][0]["content"][0]["text"] == "half an ans"
+    assert kept["completed_at"] is None
     (record,) = edge.runlog.records
     assert (record.outcome, record.status) == ("failed", 200)
 
@@ -211,3 +229,100 @@ async def test_a_prompt_past_the_context_names_the_input(edge: Edge) -> None:
         "This model's maximum context length is 4096 tokens. However, your input resulted "
         "in 5000 tokens. Please reduce the length of the input."
     )
+
+
+CODEX_REQUEST = Path(__file__).parents[1] / "data" / "codex-0.171-request.json"
+
+
+async def post(edge: Edge, body: dict[str, Any]) -> tuple[dict[str, str], bytes]:
+    async with aiohttp.ClientSession() as http:
+        async with http.post(f"{edge.sdk.base_url}responses", json=body) as reply:
+            assert reply.status == 200, await reply.text()
+            return dict(reply.headers), await reply.read()
+
+
+def final_response(raw: bytes) -> dict[str, Any]:
+    frames = [frame for frame in raw.split(b"\n\n") if frame]
+    last = json_codec.loads(frames[-1].split(b"\ndata: ", 1)[1])
+    assert last["type"] == "response.completed"
+    response: dict[str, Any] = last["response"]
+    return response
+
+
+async def test_codex_s_request_is_answered_and_its_next_turn_carries_the_reasoning_back(
+    edge: Edge,
+) -> None:
+    """Codex 0.171's first request as captured (its texts trimmed): namespace, function and
+    web_search tools, store false, encrypted reasoning asked for."""
+    body = json_codec.loads(CODEX_REQUEST.read_bytes())
+    body["model"] = MODEL
+    edge.service.events = [
+        Started("p1"),
+        Delta(reasoning_text="I should spawn one.", role="assistant"),
+        Delta(
+            tool_calls=(
+                ToolCallDelta(
+                    0,
+                    "call_7",
+                    function_name="multi_agent_v1__spawn_agent",
+                    function_arguments='{"message": "list"}',
+                ),
+            )
+        ),
+        Completed("tool_calls", Usage(5, 3, 8)),
+    ]
+    headers, raw = await post(edge, body)
+    assert headers[DROPPED_HEADER] == "web_search"
+    offered = [tool["function"]["name"] for tool in edge.service.specs[0].body["tools"]]
+    assert "multi_agent_v1__spawn_agent" in offered
+    assert "web_search" not in offered
+    response = final_response(raw)
+    assert response["prompt_cache_key"] == body["prompt_cache_key"]
+    assert response["store"] is False
+    assert isinstance(response["completed_at"], int)
+    reasoning, call = response["output"]
+    assert reasoning["type"] == "reasoning"
+    assert reasoning["encrypted_content"].startswith("iop1.")
+    assert (call["name"], call["namespace"]) == ("spawn_agent", "multi_agent_v1")
+    assert edge.store.rows == {}  # store: false
+    # The next turn, as Codex sends it: its items back (the reasoning only sealed), with
+    # the tool's output.
+    sent_back = {k: v for k, v in reasoning.items() if k not in ("content", "status")}
+    body["input"] = [
+        *body["input"],
+        sent_back,
+        call,
+        {"type": "function_call_output", "call_id": "call_7", "output": "spawned"},
+    ]
+    edge.service.events = [
+        Started("p1"),
+        Delta(text="done", role="assistant"),
+        Completed("stop", Usage(9, 1, 10)),
+    ]
+    headers, raw = await post(edge, body)
+    assert final_response(raw)["output"][0]["content"][0]["text"] == "done"
+    messages = edge.service.specs[1].body["messages"]
+    assistant, tool = messages[-2:]
+    assert assistant["reasoning_content"] == "I should spawn one."
+    assert assistant["tool_calls"][0]["function"]["name"] == "multi_agent_v1__spawn_agent"
+    assert tool == {"role": "tool", "tool_call_id": "call_7", "content": "spawned"}
+
+
+async def test_a_non_streamed_answer_names_the_dropped_tools_too(edge: Edge) -> None:
+    edge.service.events = [
+        Started("p1"),
+        Delta(text="hi", role="assistant"),
+        Completed("stop", Usage(1, 1, 2)),
+    ]
+    body = {
+        "model": MODEL,
+        "input": "x",
+        "tools": [{"type": "file_search", "vector_store_ids": ["v"]}, {"type": "mcp"}],
+    }
+    headers, raw = await post(edge, body)
+    assert headers[DROPPED_HEADER] == "file_search,mcp"
+    response = json_codec.loads(raw)
+    assert response["tools"] == []
+    assert response["service_tier"] == "default"
+    headers, _ = await post(edge, {"model": MODEL, "input": "x"})
+    assert DROPPED_HEADER not in headers

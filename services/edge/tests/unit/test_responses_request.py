@@ -9,7 +9,7 @@ import pytest
 
 from iop_edge.domain.events import Completed, Delta, ToolCallDelta, Usage
 from iop_edge.errors import InvalidRequest
-from iop_edge.formats.responses_output import Turn
+from iop_edge.formats.responses_output import OutputShape, Turn
 from iop_edge.formats.responses_request import chat_body, read_request
 from iop_proto import json_codec
 
@@ -179,7 +179,15 @@ def test_the_response_echoes_the_request() -> None:
             {"input": [{"role": "user", "content": [{"type": "input_file"}]}]},
             "input[0].content[0].type",
         ),
-        ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),
+        ({"input": "x", "tools": [{"type": "teleport"}]}, "tools[0].type"),
+        (
+            {
+                "input": "x",
+                "tools": [{"type": "web_search"}],
+                "tool_choice": {"type": "web_search"},
+            },
+            "tool_choice",
+        ),
         ({"input": "x", "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
         ({"input": "x", "text": {"format": {"type": "json_schema"}}}, "text.format"),
         ({"input": "x", "background": True}, "background"),
@@ -223,7 +231,7 @@ def test_a_chat_result_becomes_reasoning_message_and_function_call_items() -> No
     }
     end = Completed("tool_calls", Usage(4, 2, 6), json_codec.dumps(result))
     turn = Turn.of_run(end, ())
-    output = turn.output("r")
+    output = turn.output("r", OutputShape())
     assert [(i["type"], i["id"]) for i in output] == [
         ("reasoning", "rs_r"),
         ("message", "msg_r"),
@@ -249,7 +257,7 @@ def test_deltas_without_a_result_are_put_together() -> None:
         Delta(tool_calls=(ToolCallDelta(0, function_arguments="}"),)),
     )
     turn = Turn.of_run(Completed("length"), deltas)
-    output = turn.output("r")
+    output = turn.output("r", OutputShape())
     assert output[0]["content"][0]["text"] == "a b"
     assert output[0]["status"] == "incomplete"
     assert output[1]["arguments"] == "{}"

@@ -11,10 +11,16 @@ from hypothesis import strategies as st
 
 from iop_edge.domain.events import Completed, Delta, ToolCallDelta, Usage
 from iop_edge.errors import ProviderFailed
+from iop_edge.formats.responses_output import OutputShape
 from iop_edge.formats.responses_request import read_request
 from iop_edge.formats.responses_stream import ResponseEventStream
 
 ECHO = read_request({"model": "m", "input": "hi", "stream": True}).echo
+NOW = 1_700_000_000.5
+
+
+def clock() -> float:
+    return NOW
 
 
 def events(raw: bytes) -> list[dict[str, Any]]:
@@ -33,7 +39,7 @@ def events(raw: bytes) -> list[dict[str, Any]]:
 
 
 def run(deltas: list[Delta], end: Completed) -> tuple[list[dict[str, Any]], ResponseEventStream]:
-    stream = ResponseEventStream(ECHO, "r1", 7)
+    stream = ResponseEventStream(ECHO, "r1", 7, OutputShape(), clock)
     raw = stream.opening() + b"".join(stream.delta(d) for d in deltas) + stream.closing(end)
     got = events(raw)
     assert [e["sequence_number"] for e in got] == list(range(len(got)))
@@ -78,8 +84,8 @@ def test_a_text_answer_streams_in_openai_order() -> None:
 
 @given(st.text(min_size=1))
 def test_the_token_fast_path_writes_what_the_general_path_would(text: str) -> None:
-    fast = ResponseEventStream(ECHO, "r", 1)
-    slow = ResponseEventStream(ECHO, "r", 1)
+    fast = ResponseEventStream(ECHO, "r", 1, OutputShape(), clock)
+    slow = ResponseEventStream(ECHO, "r", 1, OutputShape(), clock)
     fast.delta(Delta(text="a"))
     slow.delta(Delta(text="a"))
     quick = events(fast.delta(Delta(text=text)))
@@ -147,7 +153,7 @@ def test_a_run_that_said_nothing_still_answers_with_an_empty_message() -> None:
 
 
 def test_a_failure_after_the_first_byte_ends_with_error_and_response_failed() -> None:
-    stream = ResponseEventStream(ECHO, "r1", 7)
+    stream = ResponseEventStream(ECHO, "r1", 7, OutputShape(), clock)
     stream.opening()
     stream.delta(Delta(text="par"))
     got = events(stream.failure(ProviderFailed("boom")))

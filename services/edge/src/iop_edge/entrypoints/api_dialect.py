@@ -28,10 +28,12 @@ from iop_edge.ports import RunSpec
 @dataclass(frozen=True, slots=True)
 class DialectRequest:
     """A request read by its dialect: the run to dispatch, and what the dialect keeps
-    of the request for its answer (``context``: the dialect's own, opaque here)."""
+    of the request for its answer (``context``: the dialect's own, opaque here);
+    ``headers``: what the answer carries besides (as ``x-iop-dropped-tools``)."""
 
     spec: RunSpec
     context: Any = None
+    headers: tuple[tuple[str, str], ...] = ()
 
 
 class StreamWriter(Protocol):

@@ -35,6 +35,7 @@ from iop_edge.entrypoints.responses_routes import ResponsesRoutes
 from iop_edge.entrypoints.stop_gate import StopGate
 from iop_edge.errors import EdgeError, InvalidRequest, ModelNotFound
 from iop_edge.formats.errors import internal_error
+from iop_edge.formats.reasoning_seal import ReasoningSeal
 from iop_edge.ports import Catalog, KeyRing, ResponseStore, RunLog, RunService
 from iop_edge.service.batches import BatchService
 from iop_edge.service.limits import DEFAULT_MAX_BODY_BYTES
@@ -77,6 +78,7 @@ def create_api_app(
     stop_gate: StopGate | None = None,
     cors_origins: Sequence[str] = (),
     responses: ResponseStore | None = None,
+    reasoning_seal: ReasoningSeal | None = None,
 ) -> web.Application:
     """The API application; serve it with ``web.AppRunner(app, handler_cancellation=True)``.
 
@@ -101,6 +103,8 @@ def create_api_app(
     by default, and then no CORS code runs.
     ``responses``: when given, the Responses API (``/v1/responses``) is served, its
     answers stored there.
+    ``reasoning_seal``: seals the reasoning a Responses client keeps as
+    ``encrypted_content`` (default: a new random key, opened by this app only).
     """
     middlewares = [
         openai_error_boundary,
@@ -120,7 +124,8 @@ def create_api_app(
     inference.register(app)
     register_messages(app, inference)
     if responses is not None:
-        ResponsesRoutes(responses, keys).register(app, inference.route)
+        seal = reasoning_seal if reasoning_seal is not None else ReasoningSeal.generate()
+        ResponsesRoutes(responses, keys, seal).register(app, inference.route)
     ReadRoutes(catalog, keys, runlog, openapi).register(app)
     if batches is not None:
         BatchRoutes(batches, keys).register(app)

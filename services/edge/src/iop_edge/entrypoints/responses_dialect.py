@@ -7,6 +7,11 @@ the answer is kept per API key (``ResponseStore``) when the run ends, with the
 whole conversation it answered, so ``previous_response_id`` continues it and
 ``GET /v1/responses/{id}`` reads it back. Keeping is queueing in memory: the
 request never waits for the disk.
+
+Hosted tools the request names are dropped (``responses_tools``): the answer says which
+in its ``x-iop-dropped-tools`` header, and the edge logs it. Reasoning is sealed into
+``encrypted_content`` with the edges' ``ReasoningSeal`` when the client asks, and opened
+again when such an item comes back.
 """
 
 from __future__ import annotations
@@ -14,11 +19,13 @@ from __future__ import annotations
 import asyncio
 import copy
 import dataclasses
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
 from aiohttp import web
+from loguru import logger
 
 from iop_edge.domain.events import Completed, Delta
 from iop_edge.domain.fleet import ApiKeyEntry, Operation
@@ -26,9 +33,11 @@ from iop_edge.entrypoints.api_dialect import DialectRequest
 from iop_edge.entrypoints.inference_request import OFFLOAD_BYTES
 from iop_edge.entrypoints.openai_errors import error_response
 from iop_edge.errors import EdgeError, NotFound
-from iop_edge.formats.responses_output import Turn, response_id, response_object
+from iop_edge.formats.reasoning_seal import ReasoningSeal
+from iop_edge.formats.responses_output import OutputShape, Turn, response_id, response_object
 from iop_edge.formats.responses_request import ResponsesRequest, chat_body, read_request
 from iop_edge.formats.responses_stream import ResponseEventStream
+from iop_edge.formats.responses_tools import DROPPED_HEADER
 from iop_edge.ports import ResponseStore, RunSpec, StoredResponse
 from iop_proto import json_codec
 from iop_proto.service.logging import log_unexpected
@@ -45,6 +54,8 @@ _ID_PREFIXES: Final = {
     "message": "msg",
     "function_call": "fc",
     "function_call_output": "fco",
+    "custom_tool_call": "ctc",
+    "custom_tool_call_output": "ctco",
     "reasoning": "rs",
 }
 
@@ -63,13 +74,16 @@ class ResponsesDialect:
 
     operation = Operation.CHAT_COMPLETIONS  # what every provider runs, and the run log says
 
-    def __init__(self, store: ResponseStore) -> None:
+    def __init__(self, store: ResponseStore, seal: ReasoningSeal) -> None:
         self._store = store
+        self._seal = seal
 
     def read(self, body: dict[str, Any]) -> DialectRequest:
         request = read_request(body)
         # With a previous response the body is made once its conversation is read (resolve).
-        chat = chat_body(request, ()) if request.previous_response_id is None else {}
+        chat = (
+            chat_body(request, (), self._seal.open) if request.previous_response_id is None else {}
+        )
         spec = RunSpec(
             model=request.model,
             operation=self.operation,
@@ -77,7 +91,16 @@ class ResponsesDialect:
             stream=request.stream,
             include_usage=request.stream,
         )
-        return DialectRequest(spec, ResponseDraft(request))
+        dropped = request.tools.dropped
+        headers: tuple[tuple[str, str], ...] = ()
+        if dropped:
+            logger.info(
+                "responses: hosted tools {} dropped from what model {} is offered",
+                ",".join(dropped),
+                request.model,
+            )
+            headers = ((DROPPED_HEADER, ",".join(dropped)),)
+        return DialectRequest(spec, ResponseDraft(request), headers)
 
     async def resolve(self, asked: DialectRequest, key: ApiKeyEntry | None) -> DialectRequest:
         draft: ResponseDraft = asked.context
@@ -96,12 +119,13 @@ class ResponsesDialect:
         else:
             history = _conversation(previous)
         draft.history = history
-        body = chat_body(draft.request, history)
+        body = chat_body(draft.request, history, self._seal.open)
         return DialectRequest(dataclasses.replace(asked.spec, body=body), draft)
 
     def stream_writer(self, request: DialectRequest, run_id: str, created: int) -> ResponsesStream:
         draft: ResponseDraft = request.context
-        events = ResponseEventStream(draft.request.echo, run_id, created)
+        shape = self._shape(draft.request)
+        events = ResponseEventStream(draft.request.echo, run_id, created, shape, time.time)
         return ResponsesStream(events, self._keeper(draft, run_id, created))
 
     async def answer(
@@ -120,9 +144,10 @@ class ResponsesDialect:
             run_id,
             created,
             status="incomplete" if reason else "completed",
-            output=turn.output(run_id),
+            output=turn.output(run_id, self._shape(draft.request)),
             usage=turn.usage_object(),
             incomplete_reason=reason,
+            completed_at=None if reason else int(time.time()),
         )
         keep = self._keeper(draft, run_id, created)
         if keep is not None:
@@ -137,6 +162,9 @@ class ResponsesDialect:
             renamed.param = name
             exc = renamed
         return error_response(exc)
+
+    def _shape(self, request: ResponsesRequest) -> OutputShape:
+        return OutputShape(request.tools, self._seal.seal if request.sealed_reasoning else None)
 
     def _keeper(
         self, draft: ResponseDraft, run_id: str, created: int

@@ -18,6 +18,7 @@ from iop_edge.entrypoints.api_auth import authenticate
 from iop_edge.entrypoints.api_dialect import Dialect
 from iop_edge.entrypoints.responses_dialect import ResponsesDialect
 from iop_edge.errors import InvalidRequest, NotFound
+from iop_edge.formats.reasoning_seal import ReasoningSeal
 from iop_edge.ports import KeyRing, ResponseStore, StoredResponse
 from iop_proto import json_codec
 
@@ -29,14 +30,15 @@ _ORDERS: Final = ("asc", "desc")
 class ResponsesRoutes:
     """``POST /v1/responses``, and ``GET``/``DELETE /v1/responses/{id}``, ``.../input_items``."""
 
-    def __init__(self, store: ResponseStore, keys: KeyRing) -> None:
+    def __init__(self, store: ResponseStore, keys: KeyRing, seal: ReasoningSeal) -> None:
         self._store = store
         self._keys = keys
+        self._seal = seal
 
     def register(self, app: web.Application, route: Callable[[Dialect], Handler]) -> None:
         """``route``: the run pipeline's handler for a dialect (``InferenceRoutes.route``)."""
         router = app.router
-        router.add_post("/v1/responses", route(ResponsesDialect(self._store)))
+        router.add_post("/v1/responses", route(ResponsesDialect(self._store, self._seal)))
         router.add_get("/v1/responses/{response_id}", self.retrieve)
         router.add_delete("/v1/responses/{response_id}", self.delete)
         router.add_get("/v1/responses/{response_id}/input_items", self.input_items)

@@ -4,18 +4,22 @@ A run is a chat completion (see ``responses_request``); its answer, whether the
 provider's whole chat result or the deltas of a stream, is gathered into one
 ``Turn`` (reasoning, text, tool calls) and written as Responses output items:
 a ``reasoning`` item, a ``message`` with one ``output_text`` part, and one
-``function_call`` per tool call, in that order. Ids derive from the run's id
-(``resp_<run>``, ``msg_<run>``, ``rs_<run>``, ``fc_<run>_<n>``), so the id a
-client quotes is the one in the run log.
+``function_call`` (or ``custom_tool_call``, for a custom tool) per tool call, in that
+order; ``OutputShape`` says how, for one request (the names its tools stand for, whether
+reasoning is sealed into ``encrypted_content``). Ids derive from the run's id
+(``resp_<run>``, ``msg_<run>``, ``rs_<run>``, ``fc_<run>_<n>``, ``ctc_<run>_<n>``), so
+the id a client quotes is the one in the run log.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Final
 
 from iop_edge.domain.events import Completed, Delta, Usage
 from iop_edge.errors import EdgeError, ProviderFailed
+from iop_edge.formats.responses_tools import Tools, custom_input
 from iop_proto import json_codec
 
 INCOMPLETE_REASONS: Final = {"length": "max_output_tokens", "content_filter": "content_filter"}
@@ -34,8 +38,25 @@ def reasoning_id(run_id: str) -> str:
     return f"rs_{run_id}"
 
 
-def call_item_id(run_id: str, index: int) -> str:
-    return f"fc_{run_id}_{index}"
+def call_item_id(run_id: str, index: int, custom: bool = False) -> str:
+    return f"{'ctc' if custom else 'fc'}_{run_id}_{index}"
+
+
+@dataclass(frozen=True, slots=True)
+class OutputShape:
+    """How one request's output items are written: what the names of the engine's calls
+    stand for, and the sealer of reasoning text when the client asked for
+    ``reasoning.encrypted_content`` (None: reasoning is returned in the clear only)."""
+
+    tools: Tools = field(default_factory=Tools)
+    seal: Callable[[str], str] | None = None
+
+    def is_custom(self, called: str) -> bool:
+        return self.tools.ref(called).kind == "custom"
+
+    def sealed(self, text: str) -> str | None:
+        """The ``encrypted_content`` of reasoning ``text`` (None: not asked for)."""
+        return None if self.seal is None else self.seal(text)
 
 
 @dataclass(slots=True)
@@ -120,16 +141,20 @@ class Turn:
     def incomplete_reason(self) -> str | None:
         return INCOMPLETE_REASONS.get(self.finish_reason)
 
-    def output(self, run_id: str) -> list[dict[str, Any]]:
+    def output(self, run_id: str, shape: OutputShape) -> list[dict[str, Any]]:
         """The Responses output items of this turn, in order."""
         status = "incomplete" if self.incomplete_reason else "completed"
         items: list[dict[str, Any]] = []
         if self.reasoning:
-            items.append(reasoning_item(reasoning_id(run_id), "".join(self.reasoning), "completed"))
+            text = "".join(self.reasoning)
+            items.append(
+                reasoning_item(reasoning_id(run_id), text, "completed", shape.sealed(text))
+            )
         if self.text or not self.calls:
             items.append(message_item(message_id(run_id), "".join(self.text), status))
         for index, call in sorted(self.calls.items()):
-            items.append(call_item(call_item_id(run_id, index), call, "completed"))
+            item_id = call_item_id(run_id, index, shape.is_custom(call.name))
+            items.append(call_item(item_id, call, "completed", shape))
         return items
 
     def usage_object(self) -> dict[str, Any]:
@@ -152,27 +177,43 @@ def message_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
     }
 
 
-def reasoning_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
+def reasoning_item(
+    item_id: str, text: str | None, status: str, sealed: str | None = None
+) -> dict[str, Any]:
+    """A reasoning item; ``text`` None: just opened. The reasoning is in the clear in
+    ``content``, and ``sealed`` (``OutputShape.sealed``) in ``encrypted_content`` when
+    the client asked (no summary: the pool has no summariser, so ``summary`` is empty)."""
     content = [] if text is None else [{"type": "reasoning_text", "text": text}]
-    return {
-        "id": item_id,
-        "type": "reasoning",
-        "status": status,
-        "summary": [],
-        "content": content,
-        "encrypted_content": None,  # a provider's reasoning is returned in the clear
-    }
+    item = {"id": item_id, "type": "reasoning", "status": status, "summary": [], "content": content}
+    if sealed is not None:  # the specification types it a string: absent, never null
+        item["encrypted_content"] = sealed
+    return item
 
 
-def call_item(item_id: str, call: Call, status: str) -> dict[str, Any]:
-    return {
+def call_item(item_id: str, call: Call, status: str, shape: OutputShape) -> dict[str, Any]:
+    """A ``function_call`` item (the inner name and the ``namespace`` for a namespaced
+    function), or a ``custom_tool_call`` with the free-form ``input`` for a custom tool."""
+    ref = shape.tools.ref(call.name)
+    if ref.kind == "custom":
+        return {
+            "id": item_id,
+            "type": "custom_tool_call",
+            "status": status,
+            "call_id": call.call_id or item_id,
+            "name": ref.name,
+            "input": custom_input(call.arguments),
+        }
+    item = {
         "id": item_id,
         "type": "function_call",
         "status": status,
         "arguments": call.arguments,
         "call_id": call.call_id or item_id,
-        "name": call.name,
+        "name": ref.name,
     }
+    if ref.namespace is not None:
+        item["namespace"] = ref.namespace
+    return item
 
 
 def usage_object(usage: Usage, details: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -204,12 +245,15 @@ def response_object(
     usage: dict[str, Any] | None = None,
     incomplete_reason: str | None = None,
     error: dict[str, Any] | None = None,
+    completed_at: int | None = None,
 ) -> dict[str, Any]:
-    """The Response object: the request's settings (``echo``) and what the run made."""
+    """The Response object: the request's settings (``echo``) and what the run made
+    (``completed_at``: when it completed, None until then and for any other end)."""
     return {
         "id": response_id(run_id),
         "object": "response",
-        "created_at": created,
+        "created_at": int(created),  # the specification types it an integer
+        "completed_at": completed_at,
         "status": status,
         "error": error,
         "incomplete_details": None if incomplete_reason is None else {"reason": incomplete_reason},

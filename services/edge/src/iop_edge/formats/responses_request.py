@@ -13,15 +13,22 @@ rule is tested on its own.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
 from iop_edge.errors import InvalidRequest
+from iop_edge.formats.responses_tools import (
+    Tools,
+    custom_arguments,
+    flat_name,
+    read_tool_choice,
+    read_tools,
+    restricted,
+)
 
 ROLES: Final = frozenset({"user", "system", "developer", "assistant"})
 TEXT_PARTS: Final = frozenset({"input_text", "output_text", "text", "summary_text", "refusal"})
-TOOL_CHOICES: Final = frozenset({"auto", "none", "required"})
 REFUSED_FIELDS: Final = {
     "background": "Background responses are not supported by this server.",
     "conversation": "Conversations are not supported by this server; use previous_response_id.",
@@ -29,6 +36,35 @@ REFUSED_FIELDS: Final = {
 }
 """Fields whose meaning this server cannot honour: refused (400) rather than ignored."""
 MAX_METADATA_PAIRS: Final = 16
+SKIPPED_ITEMS: Final = frozenset(
+    {
+        "compaction",
+        "compaction_summary",
+        "web_search_call",
+        "file_search_call",
+        "code_interpreter_call",
+        "image_generation_call",
+        "computer_call",
+        "computer_call_output",
+        "local_shell_call",
+        "local_shell_call_output",
+        "shell_call",
+        "shell_call_output",
+        "apply_patch_call",
+        "apply_patch_call_output",
+        "mcp_call",
+        "mcp_list_tools",
+        "mcp_approval_request",
+        "mcp_approval_response",
+        "tool_search_call",
+        "tool_search_output",
+    }
+)
+"""Input items accepted and not shown to the model: what only OpenAI's service can read
+(a compaction's ciphertext) or the calls of hosted tools this pool drops."""
+ENCRYPTED_REASONING: Final = "reasoning.encrypted_content"
+SERVICE_TIER: Final = "default"
+"""The one tier this pool serves; the Response says so whatever was asked."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,25 +77,40 @@ class ResponsesRequest:
     items: list[dict[str, Any]]
     instructions: str | None = None
     previous_response_id: str | None = None
-    tools: list[dict[str, Any]] = field(default_factory=list)
+    tools: Tools = field(default_factory=Tools)
     tool_choice: Any = "auto"
+    chat_tool_choice: Any = "auto"
     parallel_tool_calls: bool = True
     max_output_tokens: int | None = None
+    max_tool_calls: int | None = None
     temperature: float | None = None
     top_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    top_logprobs: int | None = None
     text: dict[str, Any] = field(default_factory=lambda: {"format": {"type": "text"}})
     reasoning: dict[str, Any] = field(default_factory=dict)
     metadata: dict[str, str] = field(default_factory=dict)
     include: list[str] = field(default_factory=list)
     truncation: str = "disabled"
     user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+
+    @property
+    def sealed_reasoning(self) -> bool:
+        """Whether the client asked for its reasoning items' ``encrypted_content``."""
+        return ENCRYPTED_REASONING in self.include
 
     @property
     def echo(self) -> dict[str, Any]:
-        """The request's settings as the Response object repeats them."""
+        """The request's settings as the Response object repeats them (every field the
+        Open Responses specification requires of it, 2026-04-24)."""
         return {
             "instructions": self.instructions,
             "max_output_tokens": self.max_output_tokens,
+            "max_tool_calls": self.max_tool_calls,
             "metadata": self.metadata,
             "model": self.model,
             "parallel_tool_calls": self.parallel_tool_calls,
@@ -72,11 +123,18 @@ class ResponsesRequest:
             "temperature": 1.0 if self.temperature is None else self.temperature,
             "text": self.text,
             "tool_choice": self.tool_choice,
-            "tools": self.tools,
+            "tools": self.tools.echo,
             "top_p": 1.0 if self.top_p is None else self.top_p,
+            "presence_penalty": self.presence_penalty or 0.0,
+            "frequency_penalty": self.frequency_penalty or 0.0,
+            "top_logprobs": self.top_logprobs or 0,
             "truncation": self.truncation,
             "user": self.user,
             "background": False,
+            "service_tier": SERVICE_TIER,
+            "safety_identifier": self.safety_identifier,
+            "prompt_cache_key": self.prompt_cache_key,
+            "prompt_cache_retention": self.prompt_cache_retention,
         }
 
 
@@ -92,7 +150,8 @@ def read_request(body: Mapping[str, Any]) -> ResponsesRequest:
     items = read_input(body.get("input"))
     if not items and previous is None:
         raise InvalidRequest("'input' is required: a string or an array of items.", param="input")
-    tools = [_tool(tool, i) for i, tool in enumerate(_optional(body, "tools", list) or [])]
+    tools = read_tools(body.get("tools"))
+    tool_choice, chat_tool_choice = read_tool_choice(body.get("tool_choice"), tools)
     return ResponsesRequest(
         model=model,
         stream=bool(_optional(body, "stream", bool)),
@@ -101,17 +160,25 @@ def read_request(body: Mapping[str, Any]) -> ResponsesRequest:
         instructions=_optional(body, "instructions", str),
         previous_response_id=previous,
         tools=tools,
-        tool_choice=_tool_choice(body.get("tool_choice"), tools),
+        tool_choice=tool_choice,
+        chat_tool_choice=chat_tool_choice,
         parallel_tool_calls=_optional(body, "parallel_tool_calls", bool) is not False,
         max_output_tokens=body.get("max_output_tokens"),  # checked and clamped as chat's (limits)
+        max_tool_calls=_count(body, "max_tool_calls"),
         temperature=_number(body, "temperature"),
         top_p=_number(body, "top_p"),
+        presence_penalty=_number(body, "presence_penalty"),
+        frequency_penalty=_number(body, "frequency_penalty"),
+        top_logprobs=_count(body, "top_logprobs"),
         text=_text(body.get("text")),
         reasoning=_optional(body, "reasoning", dict) or {},
         metadata=_metadata(body.get("metadata")),
         include=_strings(body, "include"),
         truncation=_optional(body, "truncation", str) or "disabled",
         user=_optional(body, "user", str),
+        safety_identifier=_optional(body, "safety_identifier", str),
+        prompt_cache_key=_optional(body, "prompt_cache_key", str),
+        prompt_cache_retention=_optional(body, "prompt_cache_retention", str),
     )
 
 
@@ -126,30 +193,57 @@ def read_input(value: Any) -> list[dict[str, Any]]:
     return [_item(item, f"input[{i}]") for i, item in enumerate(value)]
 
 
-def chat_body(request: ResponsesRequest, history: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+OpenReasoning = Callable[[str], "str | None"]
+"""Opens a reasoning item's ``encrypted_content`` (None: not one this edge can open)."""
+
+
+def chat_body(
+    request: ResponsesRequest,
+    history: Sequence[Mapping[str, Any]],
+    open_reasoning: OpenReasoning | None = None,
+) -> dict[str, Any]:
     """The chat-completions body that runs ``request`` after ``history`` (the items of
-    its ``previous_response_id`` chain, oldest first)."""
+    its ``previous_response_id`` chain, oldest first). A reasoning item this edge sealed
+    goes back as the ``reasoning_content`` of the assistant turn that follows it (the
+    field llama.cpp, vLLM and the node's adapters read), as does one of ``history`` (the
+    edge's own store) in the clear; any other is not shown."""
     messages: list[dict[str, Any]] = []
     if request.instructions:
         messages.append({"role": "system", "content": request.instructions})
-    for item in (*history, *request.items):
-        _append_message(messages, item)
+    reasoning: str | None = None
+    kept = len(history)
+    for index, item in enumerate((*history, *request.items)):
+        if item.get("type") == "reasoning":
+            text = _opened(item, open_reasoning)
+            if text is None and index < kept:
+                text = _text_of(item.get("content") or ())
+            reasoning = text or reasoning
+            continue
+        if not _append_message(messages, item):
+            continue
+        last = messages[-1]
+        if reasoning and last["role"] == "assistant" and "reasoning_content" not in last:
+            last["reasoning_content"] = reasoning
+        reasoning = None
     if not messages:
         raise InvalidRequest("The request has no input to answer.", param="input")
     chat: dict[str, Any] = {"model": request.model, "messages": messages}
     if request.stream:
         chat["stream"] = True
         chat["stream_options"] = {"include_usage": True}
-    if request.tools:
-        chat["tools"] = [_chat_tool(tool) for tool in request.tools]
-        chat["tool_choice"] = _chat_tool_choice(request.tool_choice)
+    tools, choice = restricted(request.tools.chat, request.chat_tool_choice)
+    if request.max_tool_calls == 0:
+        choice = "none"
+    if tools:
+        chat["tools"] = tools
+        chat["tool_choice"] = choice
         chat["parallel_tool_calls"] = request.parallel_tool_calls
     if request.max_output_tokens is not None:
         chat["max_tokens"] = request.max_output_tokens
-    if request.temperature is not None:
-        chat["temperature"] = request.temperature
-    if request.top_p is not None:
-        chat["top_p"] = request.top_p
+    for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty"):
+        value = getattr(request, name)
+        if value is not None:
+            chat[name] = value
     response_format = _response_format(request.text.get("format"))
     if response_format is not None:
         chat["response_format"] = response_format
@@ -159,6 +253,13 @@ def chat_body(request: ResponsesRequest, history: Sequence[Mapping[str, Any]]) -
     if request.user:
         chat["user"] = request.user
     return chat
+
+
+def _opened(item: Mapping[str, Any], open_reasoning: OpenReasoning | None) -> str | None:
+    sealed = item.get("encrypted_content")
+    if open_reasoning is None or not isinstance(sealed, str) or not sealed:
+        return None
+    return open_reasoning(sealed)
 
 
 # -- input items -----------------------------------------------------------------------
@@ -186,12 +287,17 @@ def _item(item: Any, where: str) -> dict[str, Any]:
             for j, part in enumerate(content):
                 _part(part, f"{where}.content[{j}]")
         return {**item, "type": "message"}
-    if kind == "function_call":
-        for name in ("call_id", "name", "arguments"):
+    if kind in ("function_call", "custom_tool_call"):
+        fields = ("call_id", "name", "arguments" if kind == "function_call" else "input")
+        for name in fields:
             if not isinstance(item.get(name), str):
                 raise InvalidRequest(f"'{where}.{name}' must be a string.", param=f"{where}.{name}")
+        if item.get("namespace") is not None and not isinstance(item["namespace"], str):
+            raise InvalidRequest(
+                f"'{where}.namespace' must be a string.", param=f"{where}.namespace"
+            )
         return dict(item)
-    if kind == "function_call_output":
+    if kind in ("function_call_output", "custom_tool_call_output"):
         if not isinstance(item.get("call_id"), str):
             raise InvalidRequest(f"'{where}.call_id' must be a string.", param=f"{where}.call_id")
         if not isinstance(item.get("output"), str | list):
@@ -199,11 +305,12 @@ def _item(item: Any, where: str) -> dict[str, Any]:
                 f"'{where}.output' must be a string or an array of parts.", param=f"{where}.output"
             )
         return dict(item)
-    if kind == "reasoning":
-        return dict(item)  # kept in the conversation; a provider is not shown another's
+    if kind == "reasoning" or kind in SKIPPED_ITEMS:
+        return dict(item)  # kept in the conversation; what the model is shown: chat_body
     raise InvalidRequest(
         f"Input items of type '{kind}' are not supported by this server (supported: message, "
-        "function_call, function_call_output, reasoning).",
+        "function_call, function_call_output, custom_tool_call, custom_tool_call_output, "
+        "reasoning, and compaction and hosted tools' items, which are skipped).",
         param=f"{where}.type",
     )
 
@@ -230,7 +337,9 @@ def _part(part: Any, where: str) -> None:
     )
 
 
-def _append_message(messages: list[dict[str, Any]], item: Mapping[str, Any]) -> None:
+def _append_message(messages: list[dict[str, Any]], item: Mapping[str, Any]) -> bool:
+    """Appends (or extends) the chat message ``item`` makes; False for an item the model
+    is not shown (a compaction, a hosted tool's call)."""
     kind = item.get("type", "message")
     if kind == "message":
         role = "system" if item["role"] == "developer" else item["role"]
@@ -238,22 +347,28 @@ def _append_message(messages: list[dict[str, Any]], item: Mapping[str, Any]) -> 
         if role == "assistant" and not isinstance(content, str):
             content = _text_of(item["content"])
         messages.append({"role": role, "content": content})
-    elif kind == "function_call":
+    elif kind in ("function_call", "custom_tool_call"):
+        if kind == "function_call":
+            name, arguments = flat_name(item["name"], item.get("namespace")), item["arguments"]
+        else:
+            name, arguments = item["name"], custom_arguments(item["input"])
         call = {
             "id": item["call_id"],
             "type": "function",
-            "function": {"name": item["name"], "arguments": item["arguments"]},
+            "function": {"name": name, "arguments": arguments},
         }
         last = messages[-1] if messages else None
         if last is not None and last["role"] == "assistant":
             last.setdefault("tool_calls", []).append(call)  # one turn: its text, then its calls
         else:
             messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
-    elif kind == "function_call_output":
+    elif kind in ("function_call_output", "custom_tool_call_output"):
         output = item["output"]
         text = output if isinstance(output, str) else _text_of(output)
         messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": text})
-    # reasoning items: the provider's own thoughts are not replayed to it
+    else:
+        return False
+    return True
 
 
 def _chat_content(content: str | list[dict[str, Any]]) -> str | list[dict[str, Any]]:
@@ -283,69 +398,7 @@ def _part_text(part: Mapping[str, Any]) -> str:
     return text if isinstance(text, str) else ""
 
 
-# -- tools and formats -------------------------------------------------------------------
-
-
-def _tool(tool: Any, index: int) -> dict[str, Any]:
-    where = f"tools[{index}]"
-    if not isinstance(tool, dict):
-        raise InvalidRequest(f"'{where}' must be an object.", param=where)
-    kind = tool.get("type")
-    if kind != "function":
-        raise InvalidRequest(
-            f"Tools of type '{kind}' are not supported by this server: only function tools "
-            "are (the models run on this fleet's own providers).",
-            param=f"{where}.type",
-        )
-    name = tool.get("name")
-    if not isinstance(name, str) or not name:
-        raise InvalidRequest(f"'{where}.name' is required.", param=f"{where}.name")
-    parameters = tool.get("parameters")
-    if parameters is not None and not isinstance(parameters, dict):
-        raise InvalidRequest(
-            f"'{where}.parameters' must be an object.", param=f"{where}.parameters"
-        )
-    return {
-        "type": "function",
-        "name": name,
-        "description": tool.get("description"),
-        "parameters": parameters,
-        "strict": tool.get("strict") if isinstance(tool.get("strict"), bool) else True,
-    }
-
-
-def _chat_tool(tool: Mapping[str, Any]) -> dict[str, Any]:
-    function: dict[str, Any] = {"name": tool["name"]}
-    if tool.get("description"):
-        function["description"] = tool["description"]
-    function["parameters"] = tool.get("parameters") or {"type": "object", "properties": {}}
-    function["strict"] = tool["strict"]
-    return {"type": "function", "function": function}
-
-
-def _tool_choice(value: Any, tools: Sequence[Mapping[str, Any]]) -> Any:
-    if value is None:
-        return "auto"
-    if isinstance(value, str) and value in TOOL_CHOICES:
-        return value
-    if isinstance(value, dict) and value.get("type") == "function":
-        name = value.get("name")
-        if not any(tool["name"] == name for tool in tools):
-            raise InvalidRequest(
-                f"'tool_choice' names the function {name!r}, which is not in 'tools'.",
-                param="tool_choice",
-            )
-        return {"type": "function", "name": name}
-    raise InvalidRequest(
-        '\'tool_choice\' must be none, auto, required or {"type": "function", "name": ...}.',
-        param="tool_choice",
-    )
-
-
-def _chat_tool_choice(choice: Any) -> Any:
-    if isinstance(choice, dict):
-        return {"type": "function", "function": {"name": choice["name"]}}
-    return choice
+# -- formats -------------------------------------------------------------------------
 
 
 def _text(value: Any) -> dict[str, Any]:
@@ -397,6 +450,15 @@ def _number(body: Mapping[str, Any], name: str) -> float | None:
         return None
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise InvalidRequest(f"'{name}' must be a number.", param=name)
+    return value
+
+
+def _count(body: Mapping[str, Any], name: str) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidRequest(f"'{name}' must be a non-negative integer.", param=name)
     return value
 
 

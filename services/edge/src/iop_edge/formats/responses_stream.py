@@ -10,6 +10,11 @@ events before the next item opens; ``response.completed`` (or
 first byte ends it with ``error`` and ``response.failed``. Every event carries
 ``sequence_number`` and goes out with its ``event:`` line, as OpenAI sends them.
 
+A custom tool's call is a ``custom_tool_call`` item: the engine writes its input as the
+JSON arguments of a function (``responses_tools``), so the input is sent whole when the
+call is done (``response.custom_tool_call_input.delta``, then ``.done``), not as
+fragments of that JSON.
+
 The per-token path (a text delta of the open message) is a byte template with
 only the sequence number and the JSON-escaped text written in; everything
 else goes through a dict and the C encoder. No I/O here.
@@ -18,6 +23,7 @@ else goes through a dict and the C encoder. No I/O here.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -25,6 +31,7 @@ from iop_edge.domain.events import Completed, Delta, ToolCallDelta
 from iop_edge.errors import EdgeError
 from iop_edge.formats.responses_output import (
     Call,
+    OutputShape,
     Turn,
     call_item,
     call_item_id,
@@ -56,6 +63,8 @@ class _Item:
     output_index: int
     item_id: str
     call_index: int = 0
+    custom: bool = False  # a custom tool's call (CALL items)
+    sealed: str | None = None  # the encrypted_content of a reasoning item, once sealed
     parts: list[str] = field(default_factory=list)
     call: Call = field(default_factory=Call)
     text_tail: bytes = b""  # the text-delta template after the sequence number (messages)
@@ -64,12 +73,33 @@ class _Item:
 class ResponseEventStream:
     """Encodes one run's stream; ``final`` is the whole Response once the stream ended."""
 
-    __slots__ = ("_created", "_echo", "_items", "_open", "_run_id", "_seq", "final", "turn")
+    __slots__ = (
+        "_created",
+        "_echo",
+        "_items",
+        "_now",
+        "_open",
+        "_run_id",
+        "_seq",
+        "_shape",
+        "final",
+        "turn",
+    )
 
-    def __init__(self, echo: dict[str, Any], run_id: str, created: int) -> None:
+    def __init__(
+        self,
+        echo: dict[str, Any],
+        run_id: str,
+        created: int,
+        shape: OutputShape,
+        now: Callable[[], float],
+    ) -> None:
+        """``now``: the clock (Unix seconds) that dates ``completed_at``."""
         self._echo = echo
         self._run_id = run_id
         self._created = created
+        self._shape = shape
+        self._now = now
         self._seq = 0
         self._items: list[_Item] = []
         self._open: _Item | None = None
@@ -136,7 +166,13 @@ class ResponseEventStream:
             self._item(out, MESSAGE)  # a run that said nothing still answers with a message
         self._close(out, "incomplete" if reason else "completed")
         status = "incomplete" if reason else "completed"
-        self.final = self._response(status, self._output(status), turn.usage_object(), reason)
+        self.final = self._response(
+            status,
+            self._output(status),
+            turn.usage_object(),
+            reason,
+            completed_at=None if reason else int(self._now()),
+        )
         out.append(self._event(f"response.{status}", response=self.final))
         return b"".join(out)
 
@@ -147,7 +183,10 @@ class ResponseEventStream:
         self.final = self._response(
             "failed", self._output("incomplete"), None, error=response_error(error)
         )
-        out.append(self._event("error", code=error.code, message=error.message, param=error.param))
+        # OpenAI sends the error's fields at the top; the Open Responses specification (its
+        # ErrorStreamingEvent) wants them in ``error``: both are there.
+        payload = {"code": error.code, "message": error.message, "param": error.param}
+        out.append(self._event("error", **payload, error={"type": error.type, **payload}))
         out.append(self._event("response.failed", response=self.final))
         return b"".join(out)
 
@@ -197,7 +236,7 @@ class ResponseEventStream:
             self._item_for_call(out, part)
             return
         _merge(item.call, part)
-        if part.function_arguments:
+        if part.function_arguments and not item.custom:
             out.append(
                 self._event(
                     "response.function_call_arguments.delta",
@@ -210,17 +249,19 @@ class ResponseEventStream:
         """A new function_call item; its name and call id are in the added event, and the
         arguments of its first fragment follow as a delta."""
         self._close(out, "completed")
-        item = _Item(CALL, len(self._items), call_item_id(self._run_id, part.index), part.index)
+        custom = self._shape.is_custom(part.function_name)
+        item_id = call_item_id(self._run_id, part.index, custom)
+        item = _Item(CALL, len(self._items), item_id, part.index, custom)
         _merge(item.call, part)
         arguments, item.call.arguments = item.call.arguments, ""
         self._items.append(item)
         self._open = item
-        added = call_item(item.item_id, item.call, "in_progress")
+        added = call_item(item.item_id, item.call, "in_progress", self._shape)
         out.append(
             self._event("response.output_item.added", output_index=item.output_index, item=added)
         )
-        if arguments:
-            item.call.arguments = arguments
+        item.call.arguments = arguments
+        if arguments and not custom:
             out.append(
                 self._event("response.function_call_arguments.delta", **_at(item), delta=arguments)
             )
@@ -257,12 +298,19 @@ class ResponseEventStream:
                     part={"type": "reasoning_text", "text": text},
                 )
             )
+        elif item.custom:
+            text = call_item(item.item_id, item.call, status, self._shape)["input"]
+            if text:
+                out.append(
+                    self._event("response.custom_tool_call_input.delta", **_at(item), delta=text)
+                )
+            out.append(self._event("response.custom_tool_call_input.done", **_at(item), input=text))
         else:
             out.append(
                 self._event(
                     "response.function_call_arguments.done",
                     **_at(item),
-                    name=item.call.name,
+                    name=self._shape.tools.ref(item.call.name).name,
                     arguments=item.call.arguments,
                 )
             )
@@ -279,8 +327,10 @@ class ResponseEventStream:
         if item.kind == MESSAGE:
             return message_item(item.item_id, text, status)
         if item.kind == REASONING:
-            return reasoning_item(item.item_id, text, status)
-        return call_item(item.item_id, item.call, status)
+            if item.sealed is None:
+                item.sealed = self._shape.sealed(text)
+            return reasoning_item(item.item_id, text, status, item.sealed)
+        return call_item(item.item_id, item.call, status, self._shape)
 
     def _output(self, status: str) -> list[dict[str, Any]]:
         """Every item, closed by now: the last with ``status``, those closed early (another
@@ -300,6 +350,7 @@ class ResponseEventStream:
         usage: dict[str, Any] | None = None,
         incomplete: str | None = None,
         error: dict[str, Any] | None = None,
+        completed_at: int | None = None,
     ) -> dict[str, Any]:
         return response_object(
             self._echo,
@@ -310,6 +361,7 @@ class ResponseEventStream:
             usage=usage,
             incomplete_reason=incomplete,
             error=error,
+            completed_at=completed_at,
         )
 
     def _event(self, kind: str, **fields: Any) -> bytes:
