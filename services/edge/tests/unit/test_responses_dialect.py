@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, cast
 
 import aiohttp
 import pytest
@@ -134,11 +134,12 @@ async def serve(store: MemoryStore) -> AsyncIterator[str]:
     async def not_served(request: web.Request) -> web.StreamResponse:
         raise AssertionError("POST /v1/responses is the run pipeline's (not tested here)")
 
-    def route(dialect: Dialect) -> Any:
-        return not_served
+    class Pipeline:  # InferenceRoutes' face, for routes that never reach it here
+        def route(self, dialect: Dialect) -> Any:
+            return not_served
 
     app = web.Application(middlewares=[openai_error_boundary])
-    ResponsesRoutes(store, Keys()).register(app, route)
+    ResponsesRoutes(store, Keys(), 1 << 20).register(app, cast(Any, Pipeline()))
     async with loopback_app(app) as port:
         yield f"http://127.0.0.1:{port}/v1/responses"
 

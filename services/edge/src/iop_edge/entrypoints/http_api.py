@@ -120,7 +120,7 @@ def create_api_app(
     inference.register(app)
     register_messages(app, inference, catalog)
     if responses is not None:
-        ResponsesRoutes(responses, keys).register(app, inference.route)
+        ResponsesRoutes(responses, keys, max_body_bytes).register(app, inference)
     ReadRoutes(catalog, keys, runlog, openapi).register(app)
     if batches is not None:
         BatchRoutes(batches, keys).register(app)

@@ -16,7 +16,7 @@ import copy
 import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 from aiohttp import web
 
@@ -49,6 +49,19 @@ _ID_PREFIXES: Final = {
 }
 
 
+class Recall(Protocol):
+    """A WebSocket connection's own recent responses (``responses_websocket``): what
+    ``previous_response_id`` continues first, kept even with ``store: false``."""
+
+    def conversation(self, response_id: str) -> list[dict[str, Any]] | None:
+        """The items a follow-up of ``response_id`` continues (input, then output)."""
+        ...
+
+    def remember(self, response: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
+        """Keep ``response`` (a Response object) with the ``conversation`` it answered."""
+        ...
+
+
 @dataclass(slots=True)
 class ResponseDraft:
     """What the dialect keeps of one request until its answer is written."""
@@ -63,8 +76,9 @@ class ResponsesDialect:
 
     operation = Operation.CHAT_COMPLETIONS  # what every provider runs, and the run log says
 
-    def __init__(self, store: ResponseStore) -> None:
+    def __init__(self, store: ResponseStore, recall: Recall | None = None) -> None:
         self._store = store
+        self._recall = recall
 
     def read(self, body: dict[str, Any]) -> DialectRequest:
         request = read_request(body)
@@ -85,11 +99,17 @@ class ResponsesDialect:
         previous_id = draft.request.previous_response_id
         if previous_id is None:
             return asked
+        recalled = self._recall.conversation(previous_id) if self._recall is not None else None
+        if recalled is not None:
+            draft.history = recalled
+            body = chat_body(draft.request, recalled)
+            return DialectRequest(dataclasses.replace(asked.spec, body=body), draft)
         previous = await self._store.get(previous_id, draft.key_id)
         if previous is None:
             raise NotFound(
                 f"Previous response with id '{previous_id}' not found.",
                 param="previous_response_id",
+                code="previous_response_not_found",  # OpenAI's, which clients key on
             )
         if len(previous.input_json) > OFFLOAD_BYTES:  # a long conversation: off the loop
             history = await asyncio.to_thread(_conversation, previous)
@@ -141,13 +161,20 @@ class ResponsesDialect:
     def _keeper(
         self, draft: ResponseDraft, run_id: str, created: int
     ) -> Callable[[dict[str, Any]], None] | None:
-        """What stores the answer, or None with ``store: false``."""
+        """What stores the answer, or None with ``store: false`` (and no ``Recall``)."""
+        recall = self._recall
         if not draft.request.store:
-            return None
+            if recall is None:
+                return None
+            return lambda response: recall.remember(
+                response, [*draft.history, *with_ids(draft.request.items, run_id)]
+            )
         store = self._store
 
         def keep(response: dict[str, Any]) -> None:
             conversation = [*draft.history, *with_ids(draft.request.items, run_id)]
+            if recall is not None:
+                recall.remember(response, conversation)
             record = StoredResponse(
                 response_id=response_id(run_id),
                 key_id=draft.key_id,

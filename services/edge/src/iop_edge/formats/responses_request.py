@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from iop_edge.errors import InvalidRequest
+from iop_edge.formats.responses_compaction import COMPACTION_TYPES, compaction_context
 
 ROLES: Final = frozenset({"user", "system", "developer", "assistant"})
 TEXT_PARTS: Final = frozenset({"input_text", "output_text", "text", "summary_text", "refusal"})
@@ -201,11 +202,23 @@ def _item(item: Any, where: str) -> dict[str, Any]:
         return dict(item)
     if kind == "reasoning":
         return dict(item)  # kept in the conversation; a provider is not shown another's
+    if kind in COMPACTION_TYPES:
+        return _compaction(item, where)
     raise InvalidRequest(
         f"Input items of type '{kind}' are not supported by this server (supported: message, "
-        "function_call, function_call_output, reasoning).",
+        "function_call, function_call_output, reasoning, compaction).",
         param=f"{where}.type",
     )
+
+
+def _compaction(item: dict[str, Any], where: str) -> dict[str, Any]:
+    """A ``compaction`` item (``/v1/responses/compact``'s): its summary becomes context
+    (``compaction_context``); one from elsewhere is kept in the conversation, unread."""
+    if not isinstance(item.get("encrypted_content"), str):
+        raise InvalidRequest(
+            f"'{where}.encrypted_content' must be a string.", param=f"{where}.encrypted_content"
+        )
+    return dict(item)
 
 
 def _part(part: Any, where: str) -> None:
@@ -253,6 +266,10 @@ def _append_message(messages: list[dict[str, Any]], item: Mapping[str, Any]) -> 
         output = item["output"]
         text = output if isinstance(output, str) else _text_of(output)
         messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": text})
+    elif kind in COMPACTION_TYPES:
+        summary = compaction_context(item)
+        if summary is not None:
+            messages.append(summary)
     # reasoning items: the provider's own thoughts are not replayed to it
 
 
