@@ -377,3 +377,52 @@ async def test_compact_continues_a_stored_response_and_accepts_foreign_items(
         ) as reply:
             assert reply.status == 400
             assert (await reply.json())["error"]["param"] == "stream"
+
+
+async def test_a_compaction_trigger_turn_answers_one_compaction_item(
+    stack: Stack, key: str, socket: aiohttp.ClientWebSocketResponse
+) -> None:
+    """Codex's remote compaction v2: the conversation then ``compaction_trigger``, in a
+    normal response (here on a socket, over SSE, and not streamed)."""
+    body: dict[str, Any] = {
+        "model": MODEL,
+        "input": [*CONVERSATION, {"type": "compaction_trigger"}],
+        "tools": [{"type": "web_search"}],
+        "store": False,
+        "max_output_tokens": 5,
+    }
+    kinds = [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    on_socket = await create(socket, **body)
+    over_sse = await contract.sse(stack, key, {**body, "stream": True})
+    for events in (on_socket, over_sse):
+        assert [e["type"] for e in events] == kinds
+        assert [e["sequence_number"] for e in events] == list(range(5))
+        final = events[-1]["response"]
+        assert contract.REQUIRED["Response"] <= final.keys()
+        (item,) = final["output"]
+        assert events[3]["item"] == item
+        assert item["type"] == "compaction"
+        assert item["id"] == final["id"].replace("resp_", "cmp_")
+        assert final["usage"]["output_tokens"] == 5  # the summary
+    headers = {"Authorization": f"Bearer {key}"}
+    async with aiohttp.ClientSession() as http:
+        async with http.post(f"{stack.api_url}/responses", json=body, headers=headers) as reply:
+            whole = await reply.json()
+            assert reply.status == 200, whole
+    assert whole["object"] == "response"
+    assert [item["type"] for item in whole["output"]] == ["compaction"]
+    # The next turn sends the compaction back: its summary reaches the model.
+    follow = await create(
+        socket,
+        model=MODEL,
+        input=[whole["output"][0], {"role": "user", "content": "next"}],
+        store=False,
+        max_output_tokens=1,
+    )
+    assert follow[-1]["response"]["usage"]["input_tokens"] == 6 + 5 + 1

@@ -15,7 +15,7 @@ from aiohttp import web
 
 from iop_edge.entrypoints.api_auth import authenticate
 from iop_edge.entrypoints.inference_routes import InferenceRoutes
-from iop_edge.entrypoints.responses_compact import CompactDialect
+from iop_edge.entrypoints.responses_compact import CompactDialect, ResponsesOrCompaction
 from iop_edge.entrypoints.responses_dialect import ResponsesDialect
 from iop_edge.entrypoints.responses_websocket import ResponsesWebSocket
 from iop_edge.errors import InvalidRequest, NotFound
@@ -39,11 +39,12 @@ class ResponsesRoutes:
     def register(self, app: web.Application, inference: InferenceRoutes) -> None:
         """``inference``: the run pipeline every response runs through."""
         router = app.router
-        router.add_post("/v1/responses", inference.route(ResponsesDialect(self._store)))
+        responses = ResponsesDialect(self._store)
+        router.add_post("/v1/responses", inference.route(ResponsesOrCompaction(responses)))
         socket = ResponsesWebSocket(inference, self._store, self._keys, self._max_body_bytes)
         router.add_get("/v1/responses", socket.serve)
         app.on_shutdown.append(socket.close_all)
-        router.add_post("/v1/responses/compact", inference.route(CompactDialect(self._store)))
+        router.add_post("/v1/responses/compact", inference.route(CompactDialect(responses)))
         router.add_get("/v1/responses/{response_id}", self.retrieve)
         router.add_delete("/v1/responses/{response_id}", self.delete)
         router.add_get("/v1/responses/{response_id}/input_items", self.input_items)

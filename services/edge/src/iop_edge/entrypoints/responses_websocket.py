@@ -36,6 +36,7 @@ from iop_edge.domain.events import Usage
 from iop_edge.domain.fleet import ApiKeyEntry
 from iop_edge.entrypoints.api_auth import authenticate
 from iop_edge.entrypoints.inference_routes import InferenceRoutes
+from iop_edge.entrypoints.responses_compact import ResponsesOrCompaction
 from iop_edge.entrypoints.responses_dialect import ResponseDraft, ResponsesDialect, with_ids
 from iop_edge.errors import AuthenticationFailed, EdgeError, InvalidRequest
 from iop_edge.formats.errors import internal_error
@@ -172,7 +173,8 @@ class _Connection:
         self._ws = ws
         self._key = key
         self._recent = RecentResponses()
-        self._dialect = ResponsesDialect(owner._store, self._recent)
+        self._responses = ResponsesDialect(owner._store, self._recent)
+        self._dialect = ResponsesOrCompaction(self._responses)
         self._running: asyncio.Task[None] | None = None
 
     async def serve(self) -> None:
@@ -249,7 +251,7 @@ class _Connection:
     async def _warm_up(self, body: dict[str, Any]) -> None:
         """``generate: false``: a completed response without output; its input is what
         a follow-up of it continues."""
-        asked = await self._dialect.resolve(self._dialect.read(body), self._key)
+        asked = await self._responses.resolve(self._responses.read(body), self._key)
         draft: ResponseDraft = asked.context
         run_id = secrets.token_hex(16)
         created = int(time.time())
