@@ -183,6 +183,8 @@ def test_every_responses_route_is_in_the_openapi_document() -> None:
     documented = load_openapi()["paths"]
     expected = {
         ("/v1/responses", "post"),
+        ("/v1/responses", "get"),  # its WebSocket mode
+        ("/v1/responses/compact", "post"),
         ("/v1/responses/{response_id}", "get"),
         ("/v1/responses/{response_id}", "delete"),
         ("/v1/responses/{response_id}/input_items", "get"),
