@@ -194,6 +194,9 @@ async def test_bad_client_events_get_error_events_and_the_socket_goes_on(
     (error,) = await events_until_done(socket)
     assert (error["type"], error["status"]) == ("error", 400)
     assert error["error"]["type"] == "invalid_request_error"
+    await socket.send_str('{"type": "response.create", "model": "mock-small", "top_p": NaN}')
+    (error,) = await events_until_done(socket)  # not JSON, as over HTTP
+    assert error["status"] == 400
     await socket.send_json({"type": "session.update"})
     (error,) = await events_until_done(socket)
     assert error["param"] == "type"

@@ -27,7 +27,7 @@ import contextlib
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import MutableMapping
+from collections.abc import Awaitable, MutableMapping
 from typing import Any, Final
 
 from aiohttp import WSCloseCode, WSMsgType, web
@@ -35,6 +35,7 @@ from aiohttp import WSCloseCode, WSMsgType, web
 from iop_edge.domain.events import Usage
 from iop_edge.domain.fleet import ApiKeyEntry
 from iop_edge.entrypoints.api_auth import authenticate
+from iop_edge.entrypoints.inference_request import parse_json_object
 from iop_edge.entrypoints.inference_routes import InferenceRoutes
 from iop_edge.entrypoints.responses_compact import ResponsesOrCompaction
 from iop_edge.entrypoints.responses_dialect import ResponseDraft, ResponsesDialect, with_ids
@@ -196,22 +197,20 @@ class _Connection:
                     break
         finally:
             running = self._running
-            if running is not None and not running.done():
-                running.cancel()  # the client left: the pipeline cancels the run
             if running is not None:
-                with contextlib.suppress(asyncio.CancelledError):
-                    await running
+                running.cancel()  # the client left: the pipeline cancels the run
+                await asyncio.gather(running, return_exceptions=True)
 
     def _busy(self) -> bool:
         return self._running is not None and not self._running.done()
 
     async def _event(self, text: str) -> None:
         try:
-            event = json_codec.loads(text)
-        except ValueError:
-            await self._error(InvalidRequest("A client event must be a JSON object."))
+            event = await parse_json_object(text)  # a body's limits: depth, NaN, off the loop
+        except InvalidRequest as exc:
+            await self._error(exc)
             return
-        kind = event.get("type") if isinstance(event, dict) else None
+        kind = event.get("type")
         if kind in IGNORED_EVENTS:
             return
         if kind != "response.create":
@@ -265,7 +264,7 @@ class _Connection:
         await self._ws.send_frame(json_codec.dumps(completed), WSMsgType.TEXT)
         self._recent.remember(final, [*draft.history, *with_ids(draft.request.items, run_id)])
 
-    async def _guarded(self, work: Any) -> None:
+    async def _guarded(self, work: Awaitable[None]) -> None:
         """The per-response boundary: an error before the first event becomes an
         ``error`` event; the socket goes on."""
         try:
