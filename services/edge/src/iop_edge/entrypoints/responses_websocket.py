@@ -147,7 +147,8 @@ class ResponsesWebSocket:
         await ws.prepare(request)
         self._sockets.add(ws)
         try:
-            await _Connection(self, request, ws, key).serve()
+            connection = _Connection(self._inference, self._store, self._keys, request, ws, key)
+            await connection.serve(self._idle_timeout_s)
         finally:
             self._sockets.discard(ws)
         return ws
@@ -164,26 +165,29 @@ class _Connection:
 
     def __init__(
         self,
-        owner: ResponsesWebSocket,
+        inference: InferenceRoutes,
+        store: ResponseStore,
+        keys: KeyRing,
         request: web.Request,
         ws: web.WebSocketResponse,
         key: ApiKeyEntry | None,
     ) -> None:
-        self._owner = owner
+        self._inference = inference
+        self._keys = keys
         self._request = request
         self._ws = ws
         self._key = key
         self._recent = RecentResponses()
-        self._responses = ResponsesDialect(owner._store, self._recent)
+        self._responses = ResponsesDialect(store, self._recent)
         self._dialect = ResponsesOrCompaction(self._responses)
         self._running: asyncio.Task[None] | None = None
 
-    async def serve(self) -> None:
+    async def serve(self, idle_timeout_s: float) -> None:
         ws = self._ws
         try:
             while not ws.closed:
                 try:
-                    message = await ws.receive(timeout=self._owner._idle_timeout_s)
+                    message = await ws.receive(timeout=idle_timeout_s)
                 except TimeoutError:
                     if self._busy():
                         continue
@@ -222,7 +226,7 @@ class _Connection:
             )
             return
         try:
-            self._key = authenticate(self._request, self._owner._keys)
+            self._key = authenticate(self._request, self._keys)
         except AuthenticationFailed as exc:  # revoked since the upgrade
             await self._error(exc)
             await self._ws.close(code=WSCloseCode.POLICY_VIOLATION, message=b"key revoked")
@@ -243,7 +247,7 @@ class _Connection:
             self._running = asyncio.create_task(self._guarded(self._respond(body)))
 
     async def _respond(self, body: dict[str, Any]) -> None:
-        await self._owner._inference.serve_stream(
+        await self._inference.serve_stream(
             self._request, self._dialect, body, self._key, SocketOut(self._ws)
         )
 
