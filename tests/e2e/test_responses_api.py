@@ -412,7 +412,7 @@ async def test_what_is_not_supported_is_a_400_in_openai_s_shape(sdk: AsyncOpenAI
     assert info.value.param == "tool_choice"  # type: ignore[attr-defined]
     assert "web_search" in str(info.value)
     with pytest.raises(openai.BadRequestError) as info:
-        await sdk.responses.create(model=MODEL, input="x", max_output_tokens=10**9)
+        await sdk.responses.create(model=MODEL, input="x", max_output_tokens=2**31)
     assert info.value.param == "max_output_tokens"  # type: ignore[attr-defined]
     assert "max_output_tokens" in str(info.value)
     with pytest.raises(openai.NotFoundError) as info:

@@ -1173,6 +1173,7 @@ async def test_health_readiness_and_openapi(edge: Edge, http: aiohttp.ClientSess
         "/v1/messages",
         "/v1/messages/count_tokens",
         "/v1/responses",
+        "/v1/responses/compact",
         "/v1/responses/{response_id}",
         "/v1/responses/{response_id}/input_items",
     }

@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, cast
 
 import aiohttp
 import pytest
@@ -137,11 +137,14 @@ async def serve(store: MemoryStore) -> AsyncIterator[str]:
     async def not_served(request: web.Request) -> web.StreamResponse:
         raise AssertionError("POST /v1/responses is the run pipeline's (not tested here)")
 
-    def route(dialect: Dialect) -> Any:
-        return not_served
+    class Pipeline:  # InferenceRoutes' face, for routes that never reach it here
+        def route(self, dialect: Dialect) -> Any:
+            return not_served
 
     app = web.Application(middlewares=[openai_error_boundary])
-    ResponsesRoutes(store, Keys(), ReasoningSeal.generate()).register(app, route)
+    ResponsesRoutes(store, Keys(), ReasoningSeal.generate(), 1 << 20).register(
+        app, cast(Any, Pipeline())
+    )
     async with loopback_app(app) as port:
         yield f"http://127.0.0.1:{port}/v1/responses"
 
@@ -185,6 +188,8 @@ def test_every_responses_route_is_in_the_openapi_document() -> None:
     documented = load_openapi()["paths"]
     expected = {
         ("/v1/responses", "post"),
+        ("/v1/responses", "get"),  # its WebSocket mode
+        ("/v1/responses/compact", "post"),
         ("/v1/responses/{response_id}", "get"),
         ("/v1/responses/{response_id}", "delete"),
         ("/v1/responses/{response_id}/input_items", "get"),

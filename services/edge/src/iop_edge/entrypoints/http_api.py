@@ -125,7 +125,7 @@ def create_api_app(
     register_messages(app, inference)
     if responses is not None:
         seal = reasoning_seal if reasoning_seal is not None else ReasoningSeal.generate()
-        ResponsesRoutes(responses, keys, seal).register(app, inference.route)
+        ResponsesRoutes(responses, keys, seal, max_body_bytes).register(app, inference)
     ReadRoutes(catalog, keys, runlog, openapi).register(app)
     if batches is not None:
         BatchRoutes(batches, keys).register(app)

@@ -44,6 +44,11 @@ async def read_json_body(request: web.BaseRequest) -> dict[str, Any]:
         raise RequestTooLarge(f"The request body is too large ({exc.text}).") from None
     if not raw:
         raise InvalidRequest("The request body is empty; expected a JSON object.")
+    return await parse_json_object(raw)
+
+
+async def parse_json_object(raw: bytes | str) -> dict[str, Any]:
+    """``raw`` (a body, or a WebSocket message) as a JSON object, with a body's checks."""
     try:
         if len(raw) > OFFLOAD_BYTES:
             body = await asyncio.to_thread(_parse, raw)
@@ -116,6 +121,6 @@ def _optional_bool(container: dict[str, Any], field: str, param: str) -> bool:
     return value
 
 
-def _parse(raw: bytes) -> Any:
+def _parse(raw: bytes | str) -> Any:
     # NaN and Infinity are not JSON: refused here rather than by a provider later.
     return json_codec.loads(raw, allow_nan=False, max_depth=MAX_JSON_DEPTH)

@@ -19,14 +19,14 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-from collections.abc import Awaitable
-from typing import Final
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any, Final, Protocol, TypeVar
 
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
 from iop_edge.domain.events import Completed, Delta, Failed, Started
-from iop_edge.domain.fleet import Operation
+from iop_edge.domain.fleet import ApiKeyEntry, Operation
 from iop_edge.entrypoints.api_auth import InFlight, KeySlots, authenticate
 from iop_edge.entrypoints.api_dialect import Dialect, DialectRequest, StreamWriter
 from iop_edge.entrypoints.api_metrics import ApiMetrics
@@ -46,6 +46,36 @@ from iop_edge.service.run_reader import Collector, follow
 from iop_proto.service.logging import log_unexpected
 
 CLIENT_DISCONNECTED: Final = "client disconnected"
+
+
+class StreamOut(Protocol):
+    """Where a streamed run's bytes go: an HTTP ``web.StreamResponse`` (SSE), or another
+    carrier of the same events (the Responses API's WebSocket mode)."""
+
+    @property
+    def prepared(self) -> bool: ...
+
+    @property
+    def headers(self) -> MutableMapping[str, str]: ...
+
+    async def prepare(self, request: web.BaseRequest) -> Any: ...
+
+    async def write(self, data: bytes) -> None: ...
+
+    async def write_eof(self, data: bytes = b"") -> None: ...
+
+
+Out = TypeVar("Out", bound=StreamOut)
+
+
+def _sse_response() -> web.StreamResponse:
+    return web.StreamResponse(
+        headers={
+            "Content-Type": "text/event-stream",
+            "Cache-Control": "no-cache",
+            "X-Accel-Buffering": "no",  # proxies must not hold tokens back either
+        }
+    )
 
 
 class InferenceRoutes:
@@ -101,6 +131,35 @@ class InferenceRoutes:
         finally:
             await self._account(trace)
 
+    async def serve_stream(
+        self,
+        request: web.Request,
+        dialect: Dialect,
+        body: dict[str, Any],
+        key: ApiKeyEntry | None,
+        out: StreamOut,
+    ) -> None:
+        """One streamed run for a caller already authenticated (``key``), its events
+        written to ``out``: the pipeline of ``route`` but for the transport. An error
+        before the first byte is raised (an ``EdgeError``) for the caller to answer in
+        its own framing; the run is accounted for on every path, as ``route``'s are."""
+        trace = RunTrace.begin(dialect.operation)
+        if key is not None:
+            trace.key_id = key.key_id
+        try:
+            await self._run(request, dialect, trace, key, body, lambda: out)
+        except EdgeError as exc:
+            trace.failed(exc, status=exc.status)
+            raise
+        except asyncio.CancelledError:
+            trace.client_gone()
+            raise
+        except Exception:
+            trace.crashed()
+            raise
+        finally:
+            await self._account(trace)
+
     async def _handle(
         self, request: web.Request, dialect: Dialect, trace: RunTrace
     ) -> web.StreamResponse:
@@ -108,6 +167,18 @@ class InferenceRoutes:
         if key is not None:
             trace.key_id = key.key_id
         body = await read_json_body(request)
+        return await self._run(request, dialect, trace, key, body, _sse_response)
+
+    async def _run(
+        self,
+        request: web.Request,
+        dialect: Dialect,
+        trace: RunTrace,
+        key: ApiKeyEntry | None,
+        body: dict[str, Any],
+        out: Callable[[], Out],
+    ) -> Out | web.Response:
+        """``out``: where a stream goes (``_sse_response``: an SSE answer of its own)."""
         asked = await dialect.resolve(dialect.read(body), key)
         spec = asked.spec
         trace.stream = spec.stream
@@ -135,7 +206,7 @@ class InferenceRoutes:
             trace.dispatched(events, time.monotonic() - opened_at)
             try:
                 if spec.stream:
-                    return await self._stream(request, dialect, asked, events, trace, flight)
+                    return await self._stream(request, dialect, asked, events, trace, flight, out())
                 return await self._collect(dialect, asked, events, trace, flight)
             except BaseException as exc:
                 if not trace.run_ended:
@@ -155,19 +226,14 @@ class InferenceRoutes:
         events: RunEvents,
         trace: RunTrace,
         flight: InFlight,
-    ) -> web.StreamResponse:
+        response: Out,
+    ) -> Out:
         """Relay the run as SSE; the status line waits for the first delta, so a run
         that fails before producing anything still gets a real HTTP error."""
-        response = web.StreamResponse(
-            headers={
-                "Content-Type": "text/event-stream",
-                "Cache-Control": "no-cache",
-                "X-Accel-Buffering": "no",  # proxies must not hold tokens back either
-                "X-Request-Id": events.run_id,
-                **trace.headers,
-            }
-        )
-        response.headers.extend(asked.headers)
+        response.headers["X-Request-Id"] = events.run_id
+        response.headers.update(trace.headers)
+        for name, value in asked.headers:  # one of each: a mapping holds them all
+            response.headers[name] = value
         writer = dialect.stream_writer(asked, events.run_id, trace.created)
         try:
             error = await _relay(request, response, writer, events, trace, flight)
@@ -240,7 +306,7 @@ class InferenceRoutes:
 
 async def _relay(
     request: web.Request,
-    response: web.StreamResponse,
+    response: StreamOut,
     writer: StreamWriter,
     events: RunEvents,
     trace: RunTrace,
@@ -284,7 +350,7 @@ class _SseSink:
     def __init__(
         self,
         request: web.Request,
-        response: web.StreamResponse,
+        response: StreamOut,
         writer: StreamWriter,
         events: RunEvents,
         trace: RunTrace,
@@ -332,9 +398,7 @@ class _SseSink:
             await write
 
 
-async def _end_with_error(
-    response: web.StreamResponse, writer: StreamWriter, error: EdgeError
-) -> None:
+async def _end_with_error(response: StreamOut, writer: StreamWriter, error: EdgeError) -> None:
     """An error after the first byte: the dialect's error events (OpenAI: an SSE error
     event, then ``[DONE]``)."""
     await response.write(writer.failure(error))

@@ -22,7 +22,7 @@ import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 from aiohttp import web
 from loguru import logger
@@ -60,6 +60,19 @@ _ID_PREFIXES: Final = {
 }
 
 
+class Recall(Protocol):
+    """A WebSocket connection's own recent responses (``responses_websocket``): what
+    ``previous_response_id`` continues first, kept even with ``store: false``."""
+
+    def conversation(self, response_id: str) -> list[dict[str, Any]] | None:
+        """The items a follow-up of ``response_id`` continues (input, then output)."""
+        ...
+
+    def remember(self, response: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
+        """Keep ``response`` (a Response object) with the ``conversation`` it answered."""
+        ...
+
+
 @dataclass(slots=True)
 class ResponseDraft:
     """What the dialect keeps of one request until its answer is written."""
@@ -74,9 +87,17 @@ class ResponsesDialect:
 
     operation = Operation.CHAT_COMPLETIONS  # what every provider runs, and the run log says
 
-    def __init__(self, store: ResponseStore, seal: ReasoningSeal) -> None:
+    def __init__(
+        self, store: ResponseStore, seal: ReasoningSeal, recall: Recall | None = None
+    ) -> None:
         self._store = store
         self._seal = seal
+        self._recall = recall
+
+    @property
+    def recall(self) -> Recall | None:
+        """Where responses not stored are kept for continuation (a WebSocket's own)."""
+        return self._recall
 
     def read(self, body: dict[str, Any]) -> DialectRequest:
         request = read_request(body)
@@ -108,11 +129,17 @@ class ResponsesDialect:
         previous_id = draft.request.previous_response_id
         if previous_id is None:
             return asked
+        recalled = self._recall.conversation(previous_id) if self._recall is not None else None
+        if recalled is not None:
+            draft.history = recalled
+            body = chat_body(draft.request, recalled)
+            return DialectRequest(dataclasses.replace(asked.spec, body=body), draft)
         previous = await self._store.get(previous_id, draft.key_id)
         if previous is None:
             raise NotFound(
                 f"Previous response with id '{previous_id}' not found.",
                 param="previous_response_id",
+                code="previous_response_not_found",  # OpenAI's, which clients key on
             )
         if len(previous.input_json) > OFFLOAD_BYTES:  # a long conversation: off the loop
             history = await asyncio.to_thread(_conversation, previous)
@@ -124,7 +151,7 @@ class ResponsesDialect:
 
     def stream_writer(self, request: DialectRequest, run_id: str, created: int) -> ResponsesStream:
         draft: ResponseDraft = request.context
-        shape = self._shape(draft.request)
+        shape = self.shape(draft.request)
         events = ResponseEventStream(draft.request.echo, run_id, created, shape, time.time)
         return ResponsesStream(events, self._keeper(draft, run_id, created))
 
@@ -144,7 +171,7 @@ class ResponsesDialect:
             run_id,
             created,
             status="incomplete" if reason else "completed",
-            output=turn.output(run_id, self._shape(draft.request)),
+            output=turn.output(run_id, self.shape(draft.request)),
             usage=turn.usage_object(),
             incomplete_reason=reason,
             completed_at=None if reason else int(time.time()),
@@ -163,19 +190,27 @@ class ResponsesDialect:
             exc = renamed
         return error_response(exc)
 
-    def _shape(self, request: ResponsesRequest) -> OutputShape:
+    def shape(self, request: ResponsesRequest) -> OutputShape:
+        """How this request's output items are made (its tools; sealed reasoning or not)."""
         return OutputShape(request.tools, self._seal.seal if request.sealed_reasoning else None)
 
     def _keeper(
         self, draft: ResponseDraft, run_id: str, created: int
     ) -> Callable[[dict[str, Any]], None] | None:
-        """What stores the answer, or None with ``store: false``."""
+        """What stores the answer, or None with ``store: false`` (and no ``Recall``)."""
+        recall = self._recall
         if not draft.request.store:
-            return None
+            if recall is None:
+                return None
+            return lambda response: recall.remember(
+                response, [*draft.history, *with_ids(draft.request.items, run_id)]
+            )
         store = self._store
 
         def keep(response: dict[str, Any]) -> None:
             conversation = [*draft.history, *with_ids(draft.request.items, run_id)]
+            if recall is not None:
+                recall.remember(response, conversation)
             record = StoredResponse(
                 response_id=response_id(run_id),
                 key_id=draft.key_id,

@@ -1,5 +1,6 @@
-"""``/v1/responses``: creating a response (the run pipeline, ``ResponsesDialect``) and
-reading, listing the input of, and deleting a stored one.
+"""``/v1/responses``: creating a response (the run pipeline, ``ResponsesDialect``), over
+HTTP or a WebSocket (``responses_websocket``), compacting a conversation
+(``responses_compact``), and reading, listing the input of, and deleting a stored one.
 
 Every stored response belongs to the API key that made it: another key's id is
 answered as not found, like files and batches. Errors leave through the app's
@@ -8,15 +9,15 @@ error boundary as OpenAI error objects.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, Final
 
 from aiohttp import web
-from aiohttp.typedefs import Handler
 
 from iop_edge.entrypoints.api_auth import authenticate
-from iop_edge.entrypoints.api_dialect import Dialect
+from iop_edge.entrypoints.inference_routes import InferenceRoutes
+from iop_edge.entrypoints.responses_compact import CompactDialect, ResponsesOrCompaction
 from iop_edge.entrypoints.responses_dialect import ResponsesDialect
+from iop_edge.entrypoints.responses_websocket import ResponsesWebSocket
 from iop_edge.errors import InvalidRequest, NotFound
 from iop_edge.formats.reasoning_seal import ReasoningSeal
 from iop_edge.ports import KeyRing, ResponseStore, StoredResponse
@@ -28,17 +29,28 @@ _ORDERS: Final = ("asc", "desc")
 
 
 class ResponsesRoutes:
-    """``POST /v1/responses``, and ``GET``/``DELETE /v1/responses/{id}``, ``.../input_items``."""
+    """``POST /v1/responses`` (and ``GET``, its WebSocket mode), ``POST /v1/responses/compact``,
+    and ``GET``/``DELETE /v1/responses/{id}``, ``.../input_items``."""
 
-    def __init__(self, store: ResponseStore, keys: KeyRing, seal: ReasoningSeal) -> None:
+    def __init__(
+        self, store: ResponseStore, keys: KeyRing, seal: ReasoningSeal, max_body_bytes: int
+    ) -> None:
         self._store = store
         self._keys = keys
         self._seal = seal
+        self._max_body_bytes = max_body_bytes  # a WebSocket message's limit too
 
-    def register(self, app: web.Application, route: Callable[[Dialect], Handler]) -> None:
-        """``route``: the run pipeline's handler for a dialect (``InferenceRoutes.route``)."""
+    def register(self, app: web.Application, inference: InferenceRoutes) -> None:
+        """``inference``: the run pipeline every response runs through."""
         router = app.router
-        router.add_post("/v1/responses", route(ResponsesDialect(self._store, self._seal)))
+        responses = ResponsesDialect(self._store, self._seal)
+        router.add_post("/v1/responses", inference.route(ResponsesOrCompaction(responses)))
+        socket = ResponsesWebSocket(
+            inference, self._store, self._seal, self._keys, self._max_body_bytes
+        )
+        router.add_get("/v1/responses", socket.serve)
+        app.on_shutdown.append(socket.close_all)
+        router.add_post("/v1/responses/compact", inference.route(CompactDialect(responses)))
         router.add_get("/v1/responses/{response_id}", self.retrieve)
         router.add_delete("/v1/responses/{response_id}", self.delete)
         router.add_get("/v1/responses/{response_id}/input_items", self.input_items)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from iop_edge.errors import InvalidRequest
+from iop_edge.formats.responses_compaction import COMPACTION_TYPES, compaction_context
 from iop_edge.formats.responses_tools import (
     Tools,
     custom_arguments,
@@ -305,6 +306,8 @@ def _item(item: Any, where: str) -> dict[str, Any]:
                 f"'{where}.output' must be a string or an array of parts.", param=f"{where}.output"
             )
         return dict(item)
+    if kind in COMPACTION_TYPES:
+        return _compaction(item, where)
     if kind == "reasoning" or kind in SKIPPED_ITEMS:
         return dict(item)  # kept in the conversation; what the model is shown: chat_body
     raise InvalidRequest(
@@ -313,6 +316,16 @@ def _item(item: Any, where: str) -> dict[str, Any]:
         "reasoning, and compaction and hosted tools' items, which are skipped).",
         param=f"{where}.type",
     )
+
+
+def _compaction(item: dict[str, Any], where: str) -> dict[str, Any]:
+    """A ``compaction`` item (``/v1/responses/compact``'s): its summary becomes context
+    (``compaction_context``); one from elsewhere is kept in the conversation, unread."""
+    if not isinstance(item.get("encrypted_content"), str):
+        raise InvalidRequest(
+            f"'{where}.encrypted_content' must be a string.", param=f"{where}.encrypted_content"
+        )
+    return dict(item)
 
 
 def _part(part: Any, where: str) -> None:
@@ -366,6 +379,11 @@ def _append_message(messages: list[dict[str, Any]], item: Mapping[str, Any]) -> 
         output = item["output"]
         text = output if isinstance(output, str) else _text_of(output)
         messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": text})
+    elif kind in COMPACTION_TYPES:
+        summary = compaction_context(item)
+        if summary is None:
+            return False  # another server's compaction: nothing this pool can read
+        messages.append(summary)
     else:
         return False
     return True
