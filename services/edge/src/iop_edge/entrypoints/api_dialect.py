@@ -27,11 +27,13 @@ from iop_edge.ports import RunSpec
 
 @dataclass(frozen=True, slots=True)
 class DialectRequest:
-    """A request read by its dialect: the run to dispatch, and what the dialect keeps
-    of the request for its answer (``context``: the dialect's own, opaque here)."""
+    """A request read by its dialect: the run to dispatch, what the dialect keeps of
+    the request for its answer (``context``: the dialect's own, opaque here), and
+    headers its answer carries, streamed or not (``headers``: name, value pairs)."""
 
     spec: RunSpec
     context: Any = None
+    headers: tuple[tuple[str, str], ...] = ()
 
 
 class StreamWriter(Protocol):

@@ -157,6 +157,7 @@ class InferenceRoutes:
                 "X-Request-Id": events.run_id,
             }
         )
+        response.headers.extend(asked.headers)
         writer = dialect.stream_writer(asked, events.run_id, trace.created)
         try:
             error = await _relay(request, response, writer, events, trace, flight)
@@ -198,7 +199,7 @@ class InferenceRoutes:
             trace.completed(end)
             body = await dialect.answer(asked, end, collector.deltas, trace.run_id, trace.created)
             trace.status = 200
-            return web.Response(
+            response = web.Response(
                 body=body,
                 content_type="application/json",
                 headers={
@@ -206,6 +207,8 @@ class InferenceRoutes:
                     OVERHEAD_HEADER: trace.overhead(end.provider_us),
                 },
             )
+            response.headers.extend(asked.headers)
+            return response
         trace.run_ended = True
         if end is None:
             raise ProviderFailed("the run ended without a result")
