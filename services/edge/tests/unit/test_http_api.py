@@ -185,6 +185,7 @@ class FakeService:
 class FakeCatalog:
     entries: list[ModelEntry]
     available: bool = True
+    counts_tokens: bool = False  # a provider with a tokenizer serves the models
     asked_for: list[ApiKeyEntry | None] = field(default_factory=list)  # the views' keys
 
     def models(self) -> list[ModelEntry]:
@@ -203,6 +204,9 @@ class FakeCatalog:
 
     def any_available(self) -> bool:
         return self.available
+
+    def offers(self, model_id: str, operation: Operation) -> bool:
+        return operation is not Operation.COUNT_TOKENS or self.counts_tokens
 
 
 @dataclass
@@ -1266,13 +1270,40 @@ async def test_messages_run_as_chat_and_answer_as_messages(edge: Edge) -> None:
 
 
 async def test_count_tokens_runs_one_token_and_reads_the_prompt_usage(edge: Edge) -> None:
+    """No provider of the model has a tokenizer to ask: a run of one token."""
     async with anthropic_sdk(edge) as client:
         counted = await client.messages.count_tokens(
             model=CHAT, messages=[{"role": "user", "content": "hi"}]
         )
     assert counted.input_tokens == 5
     [spec] = edge.service.specs
-    assert (spec.stream, spec.body["max_tokens"]) == (False, 1)
+    assert (spec.operation, spec.stream, spec.body["max_tokens"]) == (
+        Operation.CHAT_COMPLETIONS,
+        False,
+        1,
+    )
+    [record] = await edge.runlog.wait_for(1)
+    assert record.operation == "count_tokens"
+
+
+async def test_count_tokens_asks_the_tokenizer_where_a_provider_has_one(edge: Edge) -> None:
+    edge.catalog.counts_tokens = True
+    edge.service.plan = lambda spec: FakeRun(
+        [start(), complete(usage=usage(prompt=42, completion=0))]
+    )
+    async with anthropic_sdk(edge) as client:
+        counted = await client.messages.count_tokens(
+            model=CHAT,
+            system="sys",
+            messages=[{"role": "user", "content": "hi"}],
+            tools=[{"name": "t", "input_schema": {"type": "object"}}],
+        )
+    assert counted.input_tokens == 42
+    [spec] = edge.service.specs
+    assert (spec.operation, spec.stream) == (Operation.COUNT_TOKENS, False)
+    assert "max_tokens" not in spec.body
+    assert [m["role"] for m in spec.body["messages"]] == ["system", "user"]
+    assert spec.body["tools"][0]["function"]["name"] == "t"
 
 
 async def test_messages_keys_by_x_api_key_or_bearer_with_anthropic_errors() -> None:

@@ -14,10 +14,13 @@ for an answer no run was opened for (``mark_request_id``). A request whose serve
 tools were left out (``dropped_tools``) is answered with ``x-iop-dropped-tools``
 naming their types, and logged.
 
-``count_tokens`` asks the model itself: the request runs once with ``max_tokens``
-1, and the answer is the prompt tokens the provider counted (its own tokenizer
-and chat template, which no count at the edge could match). A provider that
-reports no usage gets an estimate (``estimate_tokens``: about four bytes a token).
+``count_tokens`` asks the model's own tokenizer and chat template, which no count
+at the edge could match: where a usable provider of the model has one (llama.cpp,
+vLLM, the mock: ``Operation.COUNT_TOKENS``), the run goes to it without taking a
+slot or waiting in the queue, and the node asks the engine beside its generations.
+Elsewhere the request runs once with ``max_tokens`` 1 and the answer is the prompt
+tokens the provider counted. A provider that reports no usage gets an estimate
+(``estimate_tokens``: about four bytes a token).
 """
 
 from __future__ import annotations
@@ -158,13 +161,19 @@ class MessagesDialect:
 class CountTokensDialect:
     """Implements ``Dialect`` for ``POST /v1/messages/count_tokens``: never streamed."""
 
-    operation: Final = CHAT
+    operation: Final = Operation.COUNT_TOKENS  # what the run log says, however it was counted
+
+    def __init__(self, catalog: Catalog) -> None:
+        self._catalog = catalog
 
     def read(self, body: dict[str, Any]) -> DialectRequest:
         chat = prompt_body(body)
-        chat["max_tokens"] = 1
+        operation = Operation.COUNT_TOKENS
+        if not self._catalog.offers(chat["model"], operation):
+            chat["max_tokens"] = 1  # no tokenizer to ask: a run that generates one token
+            operation = CHAT
         spec = RunSpec(
-            model=chat["model"], operation=CHAT, body=chat, stream=False, include_usage=False
+            model=chat["model"], operation=operation, body=chat, stream=False, include_usage=False
         )
         return DialectRequest(spec, context=chat)
 
@@ -209,7 +218,7 @@ def register_messages(app: web.Application, routes: InferenceRoutes, catalog: Ca
     """``/v1/messages`` and ``/v1/messages/count_tokens`` over the shared pipeline, and
     ``request-id`` on every Anthropic answer."""
     app.router.add_post(MESSAGES_PATH, routes.route(MessagesDialect(catalog)))
-    app.router.add_post(COUNT_TOKENS_PATH, routes.route(CountTokensDialect()))
+    app.router.add_post(COUNT_TOKENS_PATH, routes.route(CountTokensDialect(catalog)))
     app.router.add_get("/", root)  # and HEAD: Claude Code's first request, a reachability probe
     app.on_response_prepare.append(mark_request_id)
 

@@ -44,6 +44,7 @@ OUTPUT_TOKEN_FIELDS: Final[Mapping[Operation, tuple[str, ...]]] = {
     Operation.CHAT_COMPLETIONS: ("max_tokens", "max_completion_tokens"),
     Operation.COMPLETIONS: ("max_tokens",),
     Operation.EMBEDDINGS: (),
+    Operation.COUNT_TOKENS: (),
 }
 _MODEL_KEY: Final = b'{"model":'
 
