@@ -10,7 +10,8 @@ the generation slots (the executor runs it outside the capacity gate):
   ``POST /tokenize`` counts that text as the completion does (special tokens added
   and parsed). Tested to equal a chat completion's ``prompt_tokens``.
 - vLLM: ``POST /tokenize`` with the messages (and tools) applies the chat template
-  itself and answers ``count``.
+  itself and answers ``count`` (not run against a real vLLM here: no GPU in the tests
+  that cover this module).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ LLAMACPP: Final = "llamacpp"
 VLLM: Final = "vllm"
 STYLES: Final = (LLAMACPP, VLLM)
 VLLM_FIELDS: Final = ("model", "messages", "tools", "chat_template", "chat_template_kwargs")
-"""What of a chat body vLLM's ``/tokenize`` takes (it refuses unknown fields)."""
+"""What of a chat body vLLM's ``/tokenize`` reads (it warns about any other field)."""
 CLIENT_FAULTS: Final = frozenset({400, 422})
 NOT_FOUND: Final = 404
 NOT_IMPLEMENTED: Final = 501
