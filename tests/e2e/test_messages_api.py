@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import json
 import re
 import sys
 from collections.abc import AsyncIterator
@@ -612,3 +613,46 @@ async def test_a_request_shaped_as_claude_code_sends_it_streams_to_message_stop(
     stop = next(data for name, data in events if name == "message_delta")
     assert stop["delta"]["stop_reason"] == "max_tokens"  # the mock answers the tool result in text
     assert stop["usage"]["output_tokens"] == 64  # 32000, held to mock-small's max_output_tokens
+
+
+CLAUDE_CODE = Path(__file__).with_name("data") / "claude_code_2.1.197_messages.json"
+
+
+async def test_claude_codes_captured_request_streams_to_message_stop(
+    stack: Any, keys: Keys
+) -> None:
+    """The request Claude Code 2.1.197 sent (texts trimmed, shapes kept): its billing
+    header block, a system message inside ``messages``, thinking ``adaptive``,
+    ``output_config.effort``, ``context_management``, ``cache_control`` and its tools,
+    with its headers; plus a server tool, which is left out and named."""
+    captured = json.loads(CLAUDE_CODE.read_text("utf-8"))
+    body = captured["body"]
+    body["tools"].append({"type": "web_search_20250305", "name": "web_search", "max_uses": 8})
+    headers = {**captured["headers"], "x-api-key": keys.full}
+    url = base_url(stack) + "/v1/messages?beta=true"
+    async with aiohttp.ClientSession() as http:
+        async with http.head(base_url(stack) + "/") as probe:
+            assert probe.status == 200
+        async with http.post(url, json=body, headers=headers) as response:
+            assert response.status == 200, await response.text()
+            assert response.headers["request-id"].startswith("req_")
+            assert response.headers["x-iop-dropped-tools"] == "web_search_20250305"
+            events = contract.parse_sse(await response.text())
+        async with http.post(
+            url.replace("messages", "messages/count_tokens"),
+            json={k: v for k, v in body.items() if k not in ("max_tokens", "stream")},
+            headers=headers,
+        ) as response:
+            assert response.status == 200, await response.text()
+            counted = await response.json()
+    contract.check_stream(events)
+    stop = next(data for name, data in events if name == "message_delta")
+    assert stop["delta"]["stop_reason"] == "tool_use"  # the mock calls the first tool offered
+    assert stop["usage"]["input_tokens"] > 0
+    [called] = [
+        data["content_block"]["name"]
+        for name, data in events
+        if name == "content_block_start" and data["content_block"]["type"] == "tool_use"
+    ]
+    assert called == body["tools"][0]["name"]
+    assert counted["input_tokens"] > 0

@@ -54,6 +54,7 @@ class Operation(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     OPERATION_CHAT_COMPLETIONS: _ClassVar[Operation]
     OPERATION_COMPLETIONS: _ClassVar[Operation]
     OPERATION_EMBEDDINGS: _ClassVar[Operation]
+    OPERATION_COUNT_TOKENS: _ClassVar[Operation]
 ERROR_CODE_UNSPECIFIED: ErrorCode
 ERROR_CODE_BAD_FRAME: ErrorCode
 ERROR_CODE_FRAME_TOO_LARGE: ErrorCode
@@ -87,6 +88,7 @@ OPERATION_UNSPECIFIED: Operation
 OPERATION_CHAT_COMPLETIONS: Operation
 OPERATION_COMPLETIONS: Operation
 OPERATION_EMBEDDINGS: Operation
+OPERATION_COUNT_TOKENS: Operation
 
 class Envelope(_message.Message):
     __slots__ = ("message_id", "correlation_id", "sent_at_unix_ms", "register_request", "register_response", "heartbeat", "provider_snapshot", "run_request", "run_event", "cancel_request", "error", "edge_hello", "fleet_config", "authorize_node_request", "authorize_node_response", "node_status_report", "lease_request", "lease_grant", "lease_renew", "lease_release", "batch_line_request", "batch_line_result")

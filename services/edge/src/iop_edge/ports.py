@@ -196,6 +196,11 @@ class Catalog(Protocol):
         """At least one provider can take work (``/readyz``)."""
         ...
 
+    def offers(self, model_id: str, operation: Operation) -> bool:
+        """A usable provider of the model offers ``operation`` (``count_tokens``: whether
+        a tokenizer can answer, or a one-token run must)."""
+        ...
+
 
 class KeyRing(Protocol):
     """API keys from the control-plane's policy (hashes only)."""

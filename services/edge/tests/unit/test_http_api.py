@@ -13,6 +13,7 @@ import dataclasses
 import json
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -185,6 +186,7 @@ class FakeService:
 class FakeCatalog:
     entries: list[ModelEntry]
     available: bool = True
+    counts_tokens: bool = False  # a provider with a tokenizer serves the models
     asked_for: list[ApiKeyEntry | None] = field(default_factory=list)  # the views' keys
 
     def models(self) -> list[ModelEntry]:
@@ -203,6 +205,9 @@ class FakeCatalog:
 
     def any_available(self) -> bool:
         return self.available
+
+    def offers(self, model_id: str, operation: Operation) -> bool:
+        return operation is not Operation.COUNT_TOKENS or self.counts_tokens
 
 
 @dataclass
@@ -1431,13 +1436,40 @@ async def test_messages_run_as_chat_and_answer_as_messages(edge: Edge) -> None:
 
 
 async def test_count_tokens_runs_one_token_and_reads_the_prompt_usage(edge: Edge) -> None:
+    """No provider of the model has a tokenizer to ask: a run of one token."""
     async with anthropic_sdk(edge) as client:
         counted = await client.messages.count_tokens(
             model=CHAT, messages=[{"role": "user", "content": "hi"}]
         )
     assert counted.input_tokens == 5
     [spec] = edge.service.specs
-    assert (spec.stream, spec.body["max_tokens"]) == (False, 1)
+    assert (spec.operation, spec.stream, spec.body["max_tokens"]) == (
+        Operation.CHAT_COMPLETIONS,
+        False,
+        1,
+    )
+    [record] = await edge.runlog.wait_for(1)
+    assert record.operation == "count_tokens"
+
+
+async def test_count_tokens_asks_the_tokenizer_where_a_provider_has_one(edge: Edge) -> None:
+    edge.catalog.counts_tokens = True
+    edge.service.plan = lambda spec: FakeRun(
+        [start(), complete(usage=usage(prompt=42, completion=0))]
+    )
+    async with anthropic_sdk(edge) as client:
+        counted = await client.messages.count_tokens(
+            model=CHAT,
+            system="sys",
+            messages=[{"role": "user", "content": "hi"}],
+            tools=[{"name": "t", "input_schema": {"type": "object"}}],
+        )
+    assert counted.input_tokens == 42
+    [spec] = edge.service.specs
+    assert (spec.operation, spec.stream) == (Operation.COUNT_TOKENS, False)
+    assert "max_tokens" not in spec.body
+    assert [m["role"] for m in spec.body["messages"]] == ["system", "user"]
+    assert spec.body["tools"][0]["function"]["name"] == "t"
 
 
 async def test_messages_keys_by_x_api_key_or_bearer_with_anthropic_errors() -> None:
@@ -1561,3 +1593,111 @@ async def test_a_draining_edge_answers_messages_with_anthropics_529() -> None:
         async with http.post(f"{edge.url}/v1/chat/completions", json={}) as response:
             assert response.status == 503  # OpenAI's routes keep OpenAI's status
             assert (await response.json())["error"]["code"] == "shutting_down"
+
+
+# ---------------------------------------------------------------- what Anthropic's clients need
+
+CLAUDE_CODE = (
+    Path(__file__).resolve().parents[4] / "tests/e2e/data/claude_code_2.1.197_messages.json"
+)
+
+
+async def test_claude_codes_request_runs_with_its_headers_and_gets_a_request_id(
+    edge: Edge, http: aiohttp.ClientSession
+) -> None:
+    captured = json.loads(CLAUDE_CODE.read_text("utf-8"))
+    sent = {**captured["body"], "model": CHAT}
+    headers = {**captured["headers"], "x-api-key": "sk-any"}
+    async with http.post(f"{edge.url}/v1/messages?beta=true", json=sent, headers=headers) as r:
+        assert r.status == 200, await r.text()
+        assert r.headers["request-id"] == "req_run-1"
+        assert "x-iop-dropped-tools" not in r.headers
+        text = await r.text()
+    assert text.startswith("event: message_start")
+    assert text.rstrip().endswith('data: {"type":"message_stop"}')
+    [spec] = edge.service.specs
+    assert [m["role"] for m in spec.body["messages"]] == ["system", "user"]
+    assert spec.body["reasoning_effort"] == "high"
+    assert not {"metadata", "context_management", "thinking", "output_config"} & set(spec.body)
+
+
+async def test_server_tools_are_dropped_and_named_in_a_header(
+    edge: Edge, http: aiohttp.ClientSession
+) -> None:
+    tools = [
+        {"type": "web_search_20250305", "name": "web_search"},
+        {"name": "get_weather", "input_schema": {"type": "object"}},
+        {"type": "code_execution_20250825", "name": "code_execution"},
+        {"type": "bash_20250124", "name": "bash"},
+    ]
+    body = {
+        "model": CHAT,
+        "max_tokens": 3,
+        "tools": tools,
+        "messages": [{"role": "user", "content": "hi"}],
+    }
+    for stream in (False, True):
+        async with http.post(f"{edge.url}/v1/messages", json={**body, "stream": stream}) as r:
+            assert r.status == 200
+            assert r.headers["x-iop-dropped-tools"] == "web_search_20250305,code_execution_20250825"
+    for spec in edge.service.specs:
+        assert [t["function"]["name"] for t in spec.body["tools"]] == ["get_weather", "bash"]
+
+
+async def test_every_anthropic_answer_carries_a_request_id(
+    edge: Edge, http: aiohttp.ClientSession
+) -> None:
+    hello = {"model": CHAT, "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]}
+    async with http.post(f"{edge.url}/v1/messages", json=hello) as r:
+        assert (r.status, r.headers["request-id"]) == (200, "req_run-1")
+    async with http.post(f"{edge.url}/v1/messages", json={**hello, "max_tokens": 0}) as r:
+        assert r.status == 400
+        assert r.headers["request-id"] == "req_" + r.headers["X-Request-Id"]
+    async with http.post(f"{edge.url}/v1/messages/nope", json={}) as r:
+        assert r.status == 404  # raised before any handler: a fresh id
+        assert r.headers["request-id"].startswith("req_")
+    async with http.post(f"{edge.url}/v1/chat/completions", json=chat_body()) as r:
+        assert r.status == 200
+        assert "request-id" not in r.headers  # OpenAI's answers are left as they are
+    async with serve({"sk-a": key("a", CHAT)}) as keyed:
+        async with http.post(f"{keyed.url}/v1/messages", json=hello) as r:
+            assert r.status == 401
+            assert r.headers["request-id"].startswith("req_")
+
+
+async def test_head_and_get_of_the_root_answer_200(edge: Edge, http: aiohttp.ClientSession) -> None:
+    """Claude Code's first request is ``HEAD /``."""
+    async with http.head(f"{edge.url}/") as r:
+        assert r.status == 200
+    async with http.get(f"{edge.url}/") as r:
+        assert (r.status, await r.json()) == (200, {"status": "ok"})
+
+
+async def test_models_in_anthropics_shape_for_an_anthropic_client(
+    edge: Edge, http: aiohttp.ClientSession
+) -> None:
+    async with anthropic_sdk(edge) as client:
+        page = await client.models.list()
+        one = await client.models.retrieve(OTHER)
+        with pytest.raises(anthropic.NotFoundError) as missing:
+            await client.models.retrieve("nope")
+    assert [(m.id, m.display_name, m.type) for m in page.data] == [
+        (CHAT, "Llama 3.1 8B", "model"),
+        (EMBED, "Embed v1", "model"),
+        (OTHER, "Qwen 2.5 7B", "model"),
+    ]
+    assert (page.has_more, page.first_id, page.last_id) == (False, CHAT, OTHER)
+    assert (one.id, one.created_at.year) == (OTHER, 1970)
+    assert missing.value.body == {
+        "type": "error",
+        "error": {"type": "not_found_error", "message": "The model 'nope' does not exist."},
+    }
+    assert missing.value.response.headers["request-id"].startswith("req_")
+    async with http.get(f"{edge.url}/v1/models") as r:
+        openai_shape = await r.json()
+    assert openai_shape["object"] == "list"  # without anthropic-version: OpenAI's shape
+    assert "request-id" not in r.headers
+    async with serve({"sk-a": key("a", CHAT)}) as keyed:
+        async with anthropic_sdk(keyed, api_key="sk-a") as client:
+            page = await client.models.list()
+    assert [m.id for m in page.data] == [CHAT]  # a key sees the models it may use

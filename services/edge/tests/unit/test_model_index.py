@@ -7,7 +7,7 @@ import random
 import pytest
 
 from iop_edge.domain.events import Completed, ErrorCode, Failed
-from iop_edge.domain.fleet import Operation
+from iop_edge.domain.fleet import PUBLIC_OPERATIONS, Operation
 from iop_edge.domain.outliers import OutlierPolicy
 from iop_edge.domain.pool import (
     AVAILABLE,
@@ -240,10 +240,13 @@ def test_a_request_for_an_operation_goes_only_to_the_members_that_offer_it() -> 
     chat_only, everything = slot("chat-only"), slot("everything", in_flight=3)
     chat_only.offer(frozenset({Operation.CHAT_COMPLETIONS, Operation.COMPLETIONS}))
     index = ModelIndex("m", [chat_only, everything])
-    assert index.lacking == {Operation.EMBEDDINGS: {"chat-only"}}
+    assert index.lacking == {
+        Operation.EMBEDDINGS: {"chat-only"},
+        Operation.COUNT_TOKENS: {"chat-only", "everything"},  # no tokenizer type declared
+    }
     assert Operation.CHAT_COMPLETIONS not in index.lacking  # the common case: no filter
     assert index.select(index.lacking[Operation.EMBEDDINGS]) is everything  # though 3/4
-    assert index.operations == list(Operation)
+    assert index.operations == list(PUBLIC_OPERATIONS)
     assert everything.refuse(Operation.EMBEDDINGS)  # it answered 501
     assert not everything.refuse(Operation.EMBEDDINGS)  # once is news, not twice
     assert not index.offers(Operation.EMBEDDINGS)

@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry
 from iop_edge.adapters.fleet_proto import fleet_from_proto
 from iop_edge.adapters.run_wire import provider_reports
 from iop_edge.domain.events import Completed, ErrorCode, Failed, Retrying, RunEvent, RunOrder
-from iop_edge.domain.fleet import Fleet, ModelEntry, Operation, ProviderEntry
+from iop_edge.domain.fleet import PUBLIC_OPERATIONS, Fleet, ModelEntry, Operation, ProviderEntry
 from iop_edge.errors import UnsupportedOperation, from_failure
 from iop_edge.metrics import EdgeMetrics
 from iop_edge.ports import RunSpec
@@ -206,7 +206,42 @@ def test_the_fleet_s_operations_reach_the_domain_with_the_type_s_default() -> No
         ],
     )
     providers = fleet_from_proto(config).providers
-    assert providers["llama"].operations == {Operation.CHAT_COMPLETIONS}
+    # count_tokens: the edge's own, for the types with a tokenizer (llama.cpp, vLLM, mock)
+    assert providers["llama"].operations == {Operation.CHAT_COMPLETIONS, Operation.COUNT_TOKENS}
     assert providers["old-cli"].operations == CHAT
-    assert providers["old-api"].operations == frozenset(Operation)
-    assert providers["new"].operations == {Operation.EMBEDDINGS}  # a newer name: skipped
+    assert providers["old-api"].operations == frozenset(PUBLIC_OPERATIONS)
+    assert providers["new"].operations == {  # a newer name: skipped
+        Operation.EMBEDDINGS,
+        Operation.COUNT_TOKENS,
+    }
+
+
+def count_spec() -> RunSpec:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    return RunSpec(MODEL, Operation.COUNT_TOKENS, body, stream=False, include_usage=False)
+
+
+async def test_count_tokens_takes_no_slot_and_waits_in_no_queue() -> None:
+    """Every slot of the model is taken and a request waits: a count still goes at once
+    (to the least loaded provider with a tokenizer), and ends without freeing a slot."""
+    tokenizing = frozenset({*CHAT, Operation.COUNT_TOKENS})
+    pool = Pool(provider("a", tokenizing), provider("b", CHAT))
+    busy = [await pool.dispatcher.open_run(spec(Operation.CHAT_COMPLETIONS)) for _ in range(4)]
+    waiting = asyncio.create_task(pool.dispatcher.open_run(spec(Operation.CHAT_COMPLETIONS)))
+    await asyncio.sleep(0)
+    assert pool.dispatcher.queued(MODEL) == 1
+    counted = await pool.dispatcher.open_run(count_spec())
+    assert counted.provider_id == "a"  # "b" has no tokenizer
+    assert pool.nodes["a"].sent[-1].operation is Operation.COUNT_TOKENS
+    slots = {s.provider_id: s for s in pool.dispatcher.pool.slots()}
+    assert (slots["a"].own_in_flight, slots["b"].own_in_flight) == (2, 2)
+    pool.deliver("a", Completed(finish_reason="", usage=None))
+    assert (await read_all(counted))[-1] == Completed(finish_reason="", usage=None)
+    assert (slots["a"].own_in_flight, slots["b"].own_in_flight) == (2, 2)  # nothing freed
+    assert pool.dispatcher.queued(MODEL) == 1  # so the waiter still waits
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    for run in busy:
+        await run.cancel("done")
+    assert pool.model_operations() == ["chat_completions", "completions"]  # public ones only

@@ -12,13 +12,16 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from typing import Final
 
 from loguru import logger
 
+from iop_node.domain.admission import Ungated
 from iop_node.domain.health import Health
-from iop_node.domain.runs import Completion, Delta, ExecutionSpec
+from iop_node.domain.runs import Completion, Delta, ExecutionSpec, Operation
 from iop_node.errors import (
+    InvalidRequest,
     ProviderTimeout,
     ProviderUnavailable,
     QueueFull,
@@ -27,11 +30,13 @@ from iop_node.errors import (
     RunFailure,
 )
 from iop_node.metrics import NodeMetrics
-from iop_node.ports import RunChannel, RunHistory, RunRecord
+from iop_node.ports import Adapter, EventSink, RunChannel, RunHistory, RunRecord, TokenCounter
 from iop_node.runtime import ProviderRuntime
 from iop_proto.v1 import runtime_pb2 as pb
 
 ChangeCallback = Callable[[], None]
+NOT_IMPLEMENTED: Final = 501
+"""The provider status of an operation a provider does not offer (the edge's word for it)."""
 
 
 def _code_name(code: int) -> str:
@@ -63,6 +68,19 @@ class _FirstTokenSink:
         await self._channel.delta(delta)
 
 
+def _call(adapter: Adapter, spec: ExecutionSpec, sink: EventSink) -> Awaitable[Completion]:
+    """The adapter's call for the run's operation: ``count_tokens`` goes to its tokenizer."""
+    if spec.operation is not Operation.COUNT_TOKENS:
+        return adapter.execute(spec, sink)
+    if isinstance(adapter, TokenCounter):
+        return adapter.count_tokens(spec)
+    # 501: the edge stops choosing this provider for the operation (and fails over)
+    raise InvalidRequest(
+        f"provider {spec.provider_id} ({adapter.name}) has no tokenizer to count tokens with",
+        provider_status=NOT_IMPLEMENTED,
+    )
+
+
 class RunExecutor:
     """Runs requests on providers; owns nothing but references to shared services."""
 
@@ -86,7 +104,11 @@ class RunExecutor:
         adapter = runtime.adapter  # a config change must not swap it mid-run
         queue_timeout_s = min(runtime.config.queue_timeout_ms / 1000, spec.deadline - loop.time())
         try:
-            admission = runtime.gate.admit(max(queue_timeout_s, 0.0))
+            admission = (
+                Ungated()
+                if spec.operation is Operation.COUNT_TOKENS
+                else runtime.gate.admit(max(queue_timeout_s, 0.0))
+            )
             self._on_change()  # queued may have grown
             async with admission:
                 slot_taken_at = loop.time()
@@ -103,7 +125,7 @@ class RunExecutor:
                 sink.provider_began = time.perf_counter()
                 try:
                     async with asyncio.timeout_at(spec.deadline):
-                        completion = await adapter.execute(spec, sink)
+                        completion = await _call(adapter, spec, sink)
                     if not completion.provider_us:
                         completion = dataclasses.replace(
                             completion, provider_us=_us_since(sink.provider_began)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import aiohttp
 
@@ -82,6 +82,18 @@ class Adapter(Protocol):
     async def execute(self, spec: ExecutionSpec, sink: EventSink) -> Completion: ...
 
     async def aclose(self) -> None: ...
+
+
+@runtime_checkable
+class TokenCounter(Protocol):
+    """An adapter whose provider counts a prompt's tokens without generating (the
+    ``count_tokens`` operation): its chat template and tokenizer, no generation slot."""
+
+    async def count_tokens(self, spec: ExecutionSpec) -> Completion:
+        """``usage.prompt_tokens``: the tokens of ``spec.body`` (a chat body) as the
+        provider's chat completion would count them; ``InvalidRequest`` with
+        ``provider_status`` 501 where this provider has no tokenizer to ask."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)

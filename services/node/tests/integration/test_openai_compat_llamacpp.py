@@ -24,7 +24,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from iop_node.adapters import openai_compat
+from iop_node.adapters import openai_compat, tokenizer
 from iop_node.adapters.openai_compat import OpenAICompatAdapter
 from iop_node.domain.provider import ProviderConfig
 from iop_node.domain.runs import ExecutionSpec, Operation
@@ -325,3 +325,116 @@ async def test_a_prompt_past_the_context_is_context_length_exceeded_with_its_num
     with pytest.raises(InvalidRequest) as other:
         await adapter.execute(spec({"messages": "not a list"}), RecordingSink())
     assert not isinstance(other.value, ContextLengthExceeded)
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {
+            "messages": [
+                {"role": "system", "content": "You are a friendly assistant."},
+                {"role": "user", "content": "Say hello."},
+            ]
+        },
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "Weather in Paris?"},
+                        {"type": "text", "text": "<system>\nBe brief.\n</system>"},
+                    ],
+                },
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {
+                            "id": "c1",
+                            "type": "function",
+                            "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'},
+                        }
+                    ],
+                },
+                {"role": "tool", "tool_call_id": "c1", "content": "Sunny."},
+            ],
+            "tools": [WEATHER_TOOL],
+            "tool_choice": "auto",
+            "reasoning_effort": "high",
+        },
+    ],
+)
+async def test_count_tokens_is_the_prompt_a_chat_completion_counts(
+    adapter: OpenAICompatAdapter, body: dict[str, Any]
+) -> None:
+    """llama.cpp's template and tokenizer, asked without generating: the same count as
+    the prompt_tokens of a chat completion of the same body."""
+    counted = await adapter.count_tokens(spec(body, operation=Operation.COUNT_TOKENS))
+    ran = await adapter.execute(spec({**body, "max_tokens": 1}), RecordingSink())
+    assert counted.usage is not None
+    assert ran.usage is not None
+    assert counted.usage.prompt_tokens == ran.usage.prompt_tokens > 10
+    assert counted.usage.completion_tokens == 0
+    assert counted.provider_us > 0
+
+
+async def wait_busy(http: aiohttp.ClientSession, base: str, count: int, within: float) -> None:
+    """Until llama.cpp reports ``count`` slots processing; fails past ``within``."""
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    while sum(slot["is_processing"] for slot in await slots(http, base)) < count:
+        assert loop.time() - started < within, "the slots did not start"
+        await asyncio.sleep(0.05)
+
+
+async def test_count_tokens_takes_no_generation_slot(llamacpp: str) -> None:
+    """Both of llama.cpp's slots busy generating: a count still answers at once."""
+    async with aiohttp.ClientSession() as http:
+        config = ProviderConfig(
+            id="local-llamacpp", type="llamacpp", settings={"endpoint": llamacpp}
+        )
+        adapter = openai_compat.factory("llamacpp")(config, AdapterContext(http, {}))
+        assert isinstance(adapter, OpenAICompatAdapter)
+        busy = [
+            asyncio.create_task(adapter.execute(spec(chat(400), stream=True), RecordingSink()))
+            for _ in range(2)
+        ]
+        try:
+            await wait_busy(http, llamacpp, 2, within=30)
+            count_spec = spec(chat(1), operation=Operation.COUNT_TOKENS)
+            async with asyncio.timeout(5):
+                counted = await adapter.count_tokens(count_spec)
+            assert counted.usage is not None
+            assert counted.usage.prompt_tokens > 0
+            assert sum(s["is_processing"] for s in await slots(http, llamacpp)) == 2
+        finally:
+            for task in busy:
+                task.cancel()
+            await asyncio.gather(*busy, return_exceptions=True)
+        await wait_all_idle(llamacpp, within=10)
+
+
+async def test_a_server_without_a_tokenizer_endpoint_does_not_offer_count_tokens(
+    llamacpp: str,
+) -> None:
+    """SGLang's flavor has no tokenizer style; a llama.cpp-style call to a path the server
+    lacks is a 404: both are the provider not offering the operation (501)."""
+    async with aiohttp.ClientSession() as http:
+        config = ProviderConfig(id="p", type="sglang", settings={"endpoint": llamacpp})
+        sglang = openai_compat.factory("sglang")(config, AdapterContext(http, {}))
+        assert isinstance(sglang, OpenAICompatAdapter)
+        with pytest.raises(InvalidRequest) as info:
+            await sglang.count_tokens(spec(chat(1), operation=Operation.COUNT_TOKENS))
+        assert info.value.provider_status == 501
+        with pytest.raises(InvalidRequest) as missing:
+            await tokenizer.prompt_tokens(tokenizer.LLAMACPP, http, llamacpp + "/nope", {}, chat(1))
+        assert missing.value.provider_status == 501

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from dataclasses import dataclass, field
 
 import pytest
@@ -43,6 +44,7 @@ class History:
 class Channel:
     events: list[tuple[object, ...]] = field(default_factory=list)
     context: tuple[int, int] = (0, 0)  # a failure's context window and prompt tokens
+    provider_statuses: list[int] = field(default_factory=list)
 
     async def started(self, provider_id: str, target: str, queue_wait_ms: int) -> None:
         self.events.append(("started", provider_id, target, queue_wait_ms))
@@ -65,6 +67,7 @@ class Channel:
     ) -> None:
         self.events.append(("failed", code, message))
         self.context = (context_window, prompt_tokens)
+        self.provider_statuses.append(provider_status)
 
 
 @dataclass
@@ -273,3 +276,47 @@ async def test_a_lost_edge_is_one_record_whether_the_run_was_sending_or_waiting(
     }
     for s in (sending, waiting):
         assert s.value("iop_node_runs_total", outcome="cancelled", code="cancelled") == 1
+
+
+@dataclass
+class CountingAdapter(Adapter):
+    """An adapter whose provider has a tokenizer (``TokenCounter``)."""
+
+    counted: int = 7
+
+    async def count_tokens(self, spec: ExecutionSpec) -> Completion:
+        return Completion(usage=Usage(self.counted, 0, self.counted))
+
+
+def count_spec(run_id: str) -> ExecutionSpec:
+    return dataclasses.replace(spec(run_id, stream=False), operation=Operation.COUNT_TOKENS)
+
+
+async def test_count_tokens_runs_outside_the_capacity_gate() -> None:
+    """The one slot is busy and there is no queue: a generation would be refused, a
+    count is answered by the tokenizer beside it."""
+    gate = asyncio.Event()
+    s = setup(CountingAdapter(gate=gate))
+    first = asyncio.create_task(s.executor.execute_run(s.runtime, spec("r1"), Channel()))
+    await s.history.a_run_started.wait()
+    channel = Channel()
+    await s.executor.execute_run(s.runtime, count_spec("r2"), channel)
+    assert channel.events == [("started", "p1", "m", 0), ("completed", "")]
+    assert s.runtime.gate.in_flight == 1  # r1's slot, never r2's
+    gate.set()
+    await first
+    counted = next(r for r in s.history.completed if r.run_id == "r2")
+    assert (counted.outcome, counted.operation, counted.prompt_tokens) == (
+        "completed",
+        "count_tokens",
+        7,
+    )
+
+
+async def test_count_tokens_on_an_adapter_without_a_tokenizer_is_not_offered() -> None:
+    s = setup(Adapter())
+    channel = Channel()
+    await s.executor.execute_run(s.runtime, count_spec("r1"), channel)
+    assert channel.provider_statuses == [501]  # the edge stops choosing it for count_tokens
+    (final,) = s.history.completed
+    assert (final.outcome, final.error_code) == ("failed", "invalid_request")

@@ -447,3 +447,19 @@ async def test_probe_lists_the_configured_models(context: AdapterContext) -> Non
     assert adapter.name == "mock"
     assert adapter.capabilities() == LifecycleFlags(list_models=True)
     await adapter.aclose()
+
+
+async def test_count_tokens_is_the_prompt_a_chat_run_reports(context: AdapterContext) -> None:
+    adapter = mock(context)
+    body = {
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "text", "text": "one two three"}]},
+        ],
+        "max_tokens": 2,
+    }
+    counted = await adapter.count_tokens(spec(body, operation=Operation.COUNT_TOKENS))
+    ran = await adapter.execute(spec(body, stream=False), RecordingSink())
+    assert counted.usage == Usage(5, 0, 5)
+    assert ran.usage is not None
+    assert ran.usage.prompt_tokens == 5

@@ -634,3 +634,51 @@ async def test_probe_of_a_down_server_is_not_ok(http: aiohttp.ClientSession) -> 
         result = await make_adapter(http, f"http://127.0.0.1:{port}").probe()
     assert not result.ok
     assert result.detail
+
+
+# --- count_tokens ----------------------------------------------------------------------
+
+
+async def test_vllm_counts_with_tokenize_and_the_messages(
+    provider: FakeProvider, http: aiohttp.ClientSession
+) -> None:
+    """vLLM's ``/tokenize`` applies the chat template to the messages and tools itself."""
+
+    async def counted(request: web.Request) -> web.StreamResponse:
+        return web.json_response({"count": 17, "max_model_len": 4096, "tokens": [1] * 17})
+
+    provider.reply = counted
+    adapter = make_adapter(http, provider.url)
+    tool = {"type": "function", "function": {"name": "t", "parameters": {"type": "object"}}}
+    body = {
+        "messages": [{"role": "user", "content": "hi"}],
+        "tools": [tool],
+        "tool_choice": "auto",
+        "reasoning_effort": "high",
+    }
+    completion = await adapter.count_tokens(make_spec(body, operation=Operation.COUNT_TOKENS))
+    assert completion.usage == Usage(17, 0, 17)
+    [received] = provider.requests
+    assert received.path == "/tokenize"
+    assert received.body == {
+        "model": "served/model",
+        "messages": body["messages"],
+        "tools": [tool],
+        "add_generation_prompt": True,
+    }
+
+
+@pytest.mark.parametrize(("status", "expected"), [(404, 501), (501, 501), (400, 400)])
+async def test_a_tokenize_error_keeps_its_meaning(
+    provider: FakeProvider, http: aiohttp.ClientSession, status: int, expected: int
+) -> None:
+    """No such endpoint (an older engine): the operation is not offered there (501)."""
+
+    async def refused(request: web.Request) -> web.StreamResponse:
+        return web.json_response({"error": "no"}, status=status)
+
+    provider.reply = refused
+    adapter = make_adapter(http, provider.url)
+    with pytest.raises(InvalidRequest) as info:
+        await adapter.count_tokens(make_spec({"messages": []}, operation=Operation.COUNT_TOKENS))
+    assert info.value.provider_status == expected

@@ -5,12 +5,13 @@ from __future__ import annotations
 from iop_edge.domain.fleet import (
     DEFAULT_MAX_OUTPUT_TOKENS,
     DEFAULT_RETRIES,
+    PUBLIC_OPERATIONS,
     ApiKeyEntry,
     Fleet,
     ModelEntry,
     Operation,
     ProviderEntry,
-    default_operations,
+    offered_operations,
 )
 from iop_proto.v1 import runtime_pb2 as pb
 
@@ -20,7 +21,7 @@ _CATEGORY = {
     pb.PROVIDER_CATEGORY_LOCAL_INFERENCE: "local_inference",
 }
 
-_OPERATIONS = frozenset(Operation)  # a newer control-plane's unknown names are skipped
+_OPERATIONS = frozenset(PUBLIC_OPERATIONS)  # a newer control-plane's unknown names are skipped
 
 
 def fleet_from_proto(config: pb.FleetConfig) -> Fleet:
@@ -36,8 +37,9 @@ def fleet_from_proto(config: pb.FleetConfig) -> Fleet:
             queue_timeout_ms=p.queue_timeout_ms,
             request_timeout_ms=p.request_timeout_ms,
             # none listed: a control-plane from before the field, the type's default
-            operations=frozenset(Operation(o) for o in p.operations if o in _OPERATIONS)
-            or default_operations(p.type),
+            operations=offered_operations(
+                p.type, (Operation(o) for o in p.operations if o in _OPERATIONS)
+            ),
         )
         for node in config.nodes
         for p in node.providers

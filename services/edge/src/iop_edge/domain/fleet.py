@@ -6,7 +6,7 @@ request never sees half of an update.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Final
@@ -23,9 +23,21 @@ class Operation(StrEnum):
     CHAT_COMPLETIONS = "chat_completions"
     COMPLETIONS = "completions"
     EMBEDDINGS = "embeddings"
+    COUNT_TOKENS = "count_tokens"
+    """A chat body's prompt tokens from the provider's tokenizer, nothing generated
+    (Anthropic's ``count_tokens``): the edge's own, never in the fleet file."""
 
 
-ALL_OPERATIONS: Final = frozenset(Operation)
+PUBLIC_OPERATIONS: Final = (
+    Operation.CHAT_COMPLETIONS,
+    Operation.COMPLETIONS,
+    Operation.EMBEDDINGS,
+)
+"""What the fleet file lists and the catalog shows, in this order."""
+ALL_OPERATIONS: Final = frozenset(PUBLIC_OPERATIONS)
+TOKENIZER_TYPES: Final = frozenset({"llamacpp", "vllm", "mock"})
+"""Provider types whose node adapter counts tokens with the engine's tokenizer
+(``count_tokens``): llama.cpp's and vLLM's ``/tokenize``, the mock's estimate."""
 TYPE_OPERATIONS: Final[Mapping[str, frozenset[Operation]]] = {
     "cli": frozenset({Operation.CHAT_COMPLETIONS, Operation.COMPLETIONS}),
 }
@@ -35,6 +47,15 @@ named here: all of them; a ``cli`` program takes a prompt and has no embeddings)
 
 def default_operations(provider_type: str) -> frozenset[Operation]:
     return TYPE_OPERATIONS.get(provider_type, ALL_OPERATIONS)
+
+
+def offered_operations(provider_type: str, listed: Iterable[Operation]) -> frozenset[Operation]:
+    """What a provider offers: the fleet file's list (none: its type's default), and
+    ``count_tokens`` where its type has a tokenizer to ask."""
+    operations = frozenset(listed) or default_operations(provider_type)
+    if provider_type in TOKENIZER_TYPES:
+        return operations | {Operation.COUNT_TOKENS}
+    return operations
 
 
 @dataclass(frozen=True, slots=True)

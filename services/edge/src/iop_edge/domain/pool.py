@@ -34,7 +34,7 @@ from collections.abc import Container, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from iop_edge.domain.events import Completed, Failed
-from iop_edge.domain.fleet import ALL_OPERATIONS, Operation
+from iop_edge.domain.fleet import ALL_OPERATIONS, PUBLIC_OPERATIONS, Operation
 from iop_edge.domain.outliers import OutlierPolicy, OutlierState, Phase
 
 AVAILABLE = "available"
@@ -285,8 +285,8 @@ class ModelIndex:
 
     @property
     def operations(self) -> list[Operation]:
-        """What some member offers, in ``Operation``'s order (the catalog's)."""
-        return [operation for operation in Operation if self.offers(operation)]
+        """What some member offers, in the catalog's order (public operations only)."""
+        return [operation for operation in PUBLIC_OPERATIONS if self.offers(operation)]
 
     @property
     def usable_count(self) -> int:
@@ -329,6 +329,17 @@ class ModelIndex:
         for entry in aside:
             heapq.heappush(heap, entry)
         return found
+
+    def least_loaded(self, exclude: Container[str] = ()) -> ProviderSlot | None:
+        """The usable member outside ``exclude`` with the lowest load ratio, free slot or
+        not (the first listed on ties): for work that takes no slot (``count_tokens``)."""
+        best: ProviderSlot | None = None
+        best_key = (0.0, 0)
+        for position, slot in enumerate(self.members):
+            load = None if slot.provider_id in exclude else standing(slot)
+            if load is not None and (best is None or (load, position) < best_key):
+                best, best_key = slot, (load, position)
+        return best
 
     def any_usable_except(self, exclude: Container[str]) -> bool:
         """A member outside ``exclude`` is a candidate (free slot or not)."""

@@ -27,9 +27,9 @@ from iop_edge.ports import RunSpec
 
 @dataclass(frozen=True, slots=True)
 class DialectRequest:
-    """A request read by its dialect: the run to dispatch, and what the dialect keeps
-    of the request for its answer (``context``: the dialect's own, opaque here);
-    ``headers``: what the answer carries besides (as ``x-iop-dropped-tools``)."""
+    """A request read by its dialect: the run to dispatch, what the dialect keeps of
+    the request for its answer (``context``: the dialect's own, opaque here), and
+    headers its answer carries, streamed or not (``headers``: name, value pairs)."""
 
     spec: RunSpec
     context: Any = None

@@ -26,7 +26,7 @@ from iop_edge.entrypoints.batch_routes import BatchRoutes
 from iop_edge.entrypoints.cors import CorsPolicy
 from iop_edge.entrypoints.inference_routes import InferenceRoutes
 from iop_edge.entrypoints.messages_dialect import (
-    is_messages_path,
+    is_anthropic_request,
     messages_error_response,
     register_messages,
 )
@@ -34,6 +34,7 @@ from iop_edge.entrypoints.openai_errors import error_response, from_http_excepti
 from iop_edge.entrypoints.responses_routes import ResponsesRoutes
 from iop_edge.entrypoints.stop_gate import StopGate
 from iop_edge.errors import EdgeError, InvalidRequest, ModelNotFound
+from iop_edge.formats import anthropic
 from iop_edge.formats.errors import internal_error
 from iop_edge.formats.reasoning_seal import ReasoningSeal
 from iop_edge.ports import Catalog, KeyRing, ResponseStore, RunLog, RunService
@@ -122,7 +123,7 @@ def create_api_app(
     slots = key_slots if key_slots is not None else KeySlots()
     inference = InferenceRoutes(service, catalog, keys, runlog, metrics, slots)
     inference.register(app)
-    register_messages(app, inference)
+    register_messages(app, inference, catalog)
     if responses is not None:
         seal = reasoning_seal if reasoning_seal is not None else ReasoningSeal.generate()
         ResponsesRoutes(responses, keys, seal, max_body_bytes).register(app, inference)
@@ -135,7 +136,7 @@ def create_api_app(
 @web.middleware
 async def openai_error_boundary(request: web.Request, handler: Handler) -> web.StreamResponse:
     """The outermost boundary: every error leaves as an OpenAI error object (an
-    Anthropic one on the Messages API's paths: ``is_messages_path``).
+    Anthropic one on the Messages API's paths: ``is_anthropic_request``).
 
     ``EdgeError``s and aiohttp's own 4xx (unknown route, wrong method) are
     expected, and so is input aiohttp cannot parse while a handler reads it (a
@@ -144,7 +145,7 @@ async def openai_error_boundary(request: web.Request, handler: Handler) -> web.S
     traceback (bounded: ``log_unexpected``), answered 500. ``CancelledError`` is
     not an ``Exception`` and passes through.
     """
-    respond = messages_error_response if is_messages_path(request.path) else error_response
+    respond = messages_error_response if is_anthropic_request(request) else error_response
     try:
         return await handler(request)
     except EdgeError as exc:
@@ -244,6 +245,8 @@ class ReadRoutes:
 
     async def list_models(self, request: web.Request) -> web.Response:
         key = authenticate(request, self._keys)
+        if is_anthropic_request(request):
+            return web.json_response(anthropic_model_list(self._catalog.models(), key))
         data = [model_object(m) for m in self._catalog.models() if _visible(key, m.id)]
         return web.json_response({"object": "list", "data": data})
 
@@ -254,6 +257,8 @@ class ReadRoutes:
         if entry is None:
             # A model outside the key's list is as absent as one that does not exist.
             raise ModelNotFound(f"The model '{model_id}' does not exist.", param="model")
+        if is_anthropic_request(request):
+            return web.json_response(anthropic.model_info(entry.id, entry.display_name))
         return web.json_response(model_object(entry))
 
     async def catalog_providers(self, request: web.Request) -> web.Response:
@@ -302,6 +307,12 @@ def model_object(entry: ModelEntry) -> dict[str, Any]:
     if entry.context_window:
         model["context_window"] = model["context_length"] = entry.context_window
     return model
+
+
+def anthropic_model_list(models: Sequence[ModelEntry], key: ApiKeyEntry | None) -> dict[str, Any]:
+    """The models in Anthropic's shape, for a client that sent ``anthropic-version``."""
+    infos = [anthropic.model_info(m.id, m.display_name) for m in models if _visible(key, m.id)]
+    return anthropic.model_list(infos)
 
 
 def _visible(key: ApiKeyEntry | None, model_id: str) -> bool:

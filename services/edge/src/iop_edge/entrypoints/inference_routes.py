@@ -284,7 +284,8 @@ class InferenceRoutes:
                     **trace.headers,
                 },
             )
-            response.headers.extend(asked.headers)
+            for name, value in asked.headers:
+                response.headers[name] = value
             return response
         trace.run_ended = True
         if end is None:

@@ -8,18 +8,29 @@ provider. Its answer and stream are written back as Anthropic's
 ``is_messages_path`` for those the middlewares raise before it (authentication,
 the loopback rule, unknown routes, the stop gate).
 
-``count_tokens`` asks the model itself: the request runs once with ``max_tokens``
-1, and the answer is the prompt tokens the provider counted (its own tokenizer
-and chat template, which no count at the edge could match). A provider that
-reports no usage gets an estimate (``estimate_tokens``: about four bytes a token).
+Every answer on these paths (and ``/v1/models`` asked with ``anthropic-version``)
+carries ``request-id``, as Anthropic's do: ``req_`` and the run's id, or a fresh id
+for an answer no run was opened for (``mark_request_id``). A request whose server
+tools were left out (``dropped_tools``) is answered with ``x-iop-dropped-tools``
+naming their types, and logged.
+
+``count_tokens`` asks the model's own tokenizer and chat template, which no count
+at the edge could match: where a usable provider of the model has one (llama.cpp,
+vLLM, the mock: ``Operation.COUNT_TOKENS``), the run goes to it without taking a
+slot or waiting in the queue, and the node asks the engine beside its generations.
+Elsewhere the request runs once with ``max_tokens`` 1 and the answer is the prompt
+tokens the provider counted. A provider that reports no usage gets an estimate
+(``estimate_tokens``: about four bytes a token).
 """
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Final
 
 from aiohttp import web
+from loguru import logger
 
 from iop_edge.domain.events import Completed, Delta
 from iop_edge.domain.fleet import ApiKeyEntry, Operation
@@ -32,8 +43,13 @@ from iop_edge.formats.anthropic import (
     error_status,
     render_message,
 )
-from iop_edge.formats.anthropic_request import chat_body, estimate_tokens, prompt_body
-from iop_edge.ports import RunSpec
+from iop_edge.formats.anthropic_request import (
+    chat_body,
+    dropped_tools,
+    estimate_tokens,
+    prompt_body,
+)
+from iop_edge.ports import Catalog, RunSpec
 from iop_proto import json_codec
 
 if TYPE_CHECKING:
@@ -41,12 +57,37 @@ if TYPE_CHECKING:
 
 MESSAGES_PATH: Final = "/v1/messages"
 COUNT_TOKENS_PATH: Final = "/v1/messages/count_tokens"
+MODELS_PATH: Final = "/v1/models"
 CHAT: Final = Operation.CHAT_COMPLETIONS
+ANTHROPIC_VERSION: Final = "anthropic-version"
+"""The header every Anthropic client sends, which OpenAI's do not."""
+REQUEST_ID: Final = "request-id"
+DROPPED_TOOLS: Final = "x-iop-dropped-tools"
+"""The answer's header naming the hosted (server) tools left out, shared with the Responses API."""
 
 
 def is_messages_path(path: str) -> bool:
     """A path of the Messages API, whose errors are Anthropic's whatever raised them."""
     return path == MESSAGES_PATH or path.startswith(MESSAGES_PATH + "/")
+
+
+def is_anthropic_request(request: web.BaseRequest) -> bool:
+    """A request answered in Anthropic's shapes: the Messages API, and the models
+    asked for by an Anthropic client (Claude Code lists them to check its model)."""
+    if is_messages_path(request.path):
+        return True
+    path = request.path
+    models = path == MODELS_PATH or path.startswith(MODELS_PATH + "/")
+    return models and ANTHROPIC_VERSION in request.headers
+
+
+async def mark_request_id(request: web.BaseRequest, response: web.StreamResponse) -> None:
+    """``request-id`` on every Anthropic answer (the SDKs show it in errors and logs):
+    the run's id where one was opened, else a new one."""
+    if not is_anthropic_request(request) or REQUEST_ID in response.headers:
+        return
+    run_id = response.headers.get("X-Request-Id") or uuid.uuid4().hex
+    response.headers[REQUEST_ID] = "req_" + run_id
 
 
 def messages_error_response(exc: EdgeError) -> web.Response:
@@ -74,7 +115,16 @@ class MessagesDialect:
         spec = RunSpec(
             model=chat["model"], operation=CHAT, body=chat, stream=stream, include_usage=stream
         )
-        return DialectRequest(spec, context=tuple(chat.get("stop", ())))
+        dropped = dropped_tools(body)
+        if not dropped:
+            return DialectRequest(spec, context=tuple(chat.get("stop", ())))
+        logger.info(
+            "messages for {}: server tools left out of what the model is offered: {}",
+            spec.model,
+            ", ".join(dropped),
+        )
+        headers = ((DROPPED_TOOLS, ",".join(dropped)),)
+        return DialectRequest(spec, context=tuple(chat.get("stop", ())), headers=headers)
 
     async def resolve(self, asked: DialectRequest, key: ApiKeyEntry | None) -> DialectRequest:
         return asked  # nothing stored to read: a Messages request carries its conversation
@@ -106,13 +156,19 @@ class MessagesDialect:
 class CountTokensDialect:
     """Implements ``Dialect`` for ``POST /v1/messages/count_tokens``: never streamed."""
 
-    operation: Final = CHAT
+    operation: Final = Operation.COUNT_TOKENS  # what the run log says, however it was counted
+
+    def __init__(self, catalog: Catalog) -> None:
+        self._catalog = catalog
 
     def read(self, body: dict[str, Any]) -> DialectRequest:
         chat = prompt_body(body)
-        chat["max_tokens"] = 1
+        operation = Operation.COUNT_TOKENS
+        if not self._catalog.offers(chat["model"], operation):
+            chat["max_tokens"] = 1  # no tokenizer to ask: a run that generates one token
+            operation = CHAT
         spec = RunSpec(
-            model=chat["model"], operation=CHAT, body=chat, stream=False, include_usage=False
+            model=chat["model"], operation=operation, body=chat, stream=False, include_usage=False
         )
         return DialectRequest(spec, context=chat)
 
@@ -153,7 +209,15 @@ def _prompt_tokens(end: Completed, deltas: Sequence[Delta]) -> int:
     return next((d.usage.prompt_tokens for d in deltas if d.usage and d.usage.prompt_tokens), 0)
 
 
-def register_messages(app: web.Application, routes: InferenceRoutes) -> None:
-    """``/v1/messages`` and ``/v1/messages/count_tokens`` over the shared pipeline."""
+def register_messages(app: web.Application, routes: InferenceRoutes, catalog: Catalog) -> None:
+    """``/v1/messages`` and ``/v1/messages/count_tokens`` over the shared pipeline, and
+    ``request-id`` on every Anthropic answer."""
     app.router.add_post(MESSAGES_PATH, routes.route(MessagesDialect()))
-    app.router.add_post(COUNT_TOKENS_PATH, routes.route(CountTokensDialect()))
+    app.router.add_post(COUNT_TOKENS_PATH, routes.route(CountTokensDialect(catalog)))
+    app.router.add_get("/", root)  # and HEAD: Claude Code's first request, a reachability probe
+    app.on_response_prepare.append(mark_request_id)
+
+
+async def root(request: web.Request) -> web.Response:
+    """``GET``/``HEAD /``: the server is up (a 404 here reads as a wrong base URL)."""
+    return web.json_response({"status": "ok"})

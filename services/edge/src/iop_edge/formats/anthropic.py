@@ -48,6 +48,7 @@ OVERLOADED: Final = 529
 """No provider can take the run (none available, the queue timed out, the edge stops):
 Anthropic's "overloaded" status, which its clients retry after a pause, instead of 503."""
 
+EPOCH: Final = "1970-01-01T00:00:00Z"
 _ENCODER: Final = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
 _PING: Final = b'event: ping\ndata: {"type":"ping"}\n\n'
 _STOP: Final = b'event: message_stop\ndata: {"type":"message_stop"}\n\n'
@@ -69,6 +70,26 @@ def error_body(exc: EdgeError) -> dict[str, Any]:
     kind = ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
     message = exc.anthropic_message if isinstance(exc, ContextLengthExceeded) else exc.message
     return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def model_info(model_id: str, display_name: str) -> dict[str, Any]:
+    """Anthropic's ModelInfo (``GET /v1/models/{id}``); IOP keeps no creation time."""
+    return {
+        "type": "model",
+        "id": model_id,
+        "display_name": display_name or model_id,
+        "created_at": EPOCH,
+    }
+
+
+def model_list(models: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Anthropic's page of models: the whole catalog in one page."""
+    return {
+        "data": list(models),
+        "has_more": False,
+        "first_id": models[0]["id"] if models else None,
+        "last_id": models[-1]["id"] if models else None,
+    }
 
 
 def usage_body(usage: Usage | None) -> dict[str, int]:

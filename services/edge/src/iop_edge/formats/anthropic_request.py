@@ -4,7 +4,16 @@ Pure: a body in, a chat body out, or ``InvalidRequest`` naming the field (as
 Anthropic's ``invalid_request_error`` does). What the translation does, field
 by field (docs/ARCHITECTURE.md#messages-api):
 
-- ``system`` (a string or text blocks) becomes the first, ``system`` message.
+- ``system`` (a string or text blocks) becomes the first, ``system`` message, less
+  Claude Code's ``x-anthropic-billing-header`` block (``BILLING_HEADER``): it changes
+  on every request and would end every engine's prefix cache at its first tokens.
+- ``system`` messages inside ``messages`` (Anthropic's mid-conversation system beta):
+  those before any turn join the leading system message; a later one becomes text
+  between ``<system>`` tags in the user turn beside it (appended to the user turn it
+  follows, else put before the next one, else a user turn of its own). Chat templates
+  (llama.cpp's Jinja ones, vLLM's, Ollama's) often refuse a system message past the
+  first position or move it to the front, and moving it would change the prompt's
+  prefix, so the engine's cache, each time one is added.
 - ``messages``: text blocks become text parts; ``image`` blocks (base64 or URL
   sources) become ``image_url`` parts, base64 as ``data:`` URLs; an assistant's
   ``tool_use`` blocks become its ``tool_calls`` (``input`` written as the
@@ -12,9 +21,13 @@ by field (docs/ARCHITECTURE.md#messages-api):
   first (chat wants them right after the assistant turn that called), an
   ``is_error`` result prefixed ``Error:`` (chat has no such flag). ``thinking``
   blocks sent back are dropped: chat models take no reasoning as input.
-- ``tools`` become function tools (``input_schema`` is the parameters schema);
-  Anthropic's server tools (web search, code execution ...) are refused: only
-  the client runs tools here. ``tool_choice`` ``auto``/``any``/``tool``/``none``
+- ``tools`` become function tools (``input_schema`` is the parameters schema).
+  Anthropic's client tools that carry no schema (``bash_*``, ``text_editor_*``: the
+  client runs them) are offered with the input schema Anthropic documents for them.
+  Every other typed tool (web search and fetch, code execution, computer use, tool
+  search, MCP ...) is run by Anthropic's servers, which are not here: it is left out
+  of what the model is offered, and ``dropped_tools`` names it (the answer's
+  ``x-iop-dropped-tools`` header). ``tool_choice`` ``auto``/``any``/``tool``/``none``
   become ``auto``/``required``/the named function/``none``, and
   ``disable_parallel_tool_use`` becomes ``parallel_tool_calls: false``.
 - ``max_tokens`` is required; ``stop_sequences`` become ``stop``; ``temperature``,
@@ -23,8 +36,8 @@ by field (docs/ARCHITECTURE.md#messages-api):
   become ``reasoning_effort``, the chat API's reasoning control; a JSON
   ``output_config.format`` becomes a ``json_schema`` ``response_format``.
 - ``metadata`` and the Claude-only fields (``service_tier``, ``container``,
-  ``cache_control`` on blocks ...) are accepted and not forwarded: no provider
-  here has a use for them.
+  ``context_management``, ``cache_control`` on blocks ...) are accepted and not
+  forwarded: no provider here has a use for them, and some refuse unknown fields.
 """
 
 from __future__ import annotations
@@ -43,6 +56,49 @@ EFFORT_BUDGETS: Final = ((4096, "low"), (16384, "medium"))
 "think" / "think hard" / "ultrathink" budgets (4000, 10000, 31999) land on the three."""
 EFFORTS: Final = {"low": "low", "medium": "medium", "high": "high", "xhigh": "high", "max": "high"}
 CUSTOM_TOOL_TYPES: Final = (None, "custom")
+BILLING_HEADER: Final = "x-anthropic-billing-header:"
+"""The first system block Claude Code sends (``cc_version=...; cc_entrypoint=...;
+cch=...;``): billing data for Anthropic, a hash that differs on every request."""
+SYSTEM_NOTE: Final = "<system>\n{}\n</system>"
+"""How a system message past the first turn reads inside a user turn."""
+SKIPPED_ASSISTANT_BLOCKS: Final = frozenset(
+    {"thinking", "redacted_thinking", "server_tool_use", "mcp_tool_use"}
+)
+"""Assistant blocks dropped from the history: reasoning (chat models take none as input)
+and calls of server tools, which ran at Anthropic (their ``*_tool_result`` too)."""
+BASH_SCHEMA: Final = {
+    "type": "object",
+    "properties": {
+        "command": {"type": "string", "description": "The bash command to run."},
+        "restart": {"type": "boolean", "description": "Restart the bash session."},
+    },
+}
+EDITOR_SCHEMA: Final = {
+    "type": "object",
+    "properties": {
+        "command": {
+            "type": "string",
+            "enum": ["view", "create", "str_replace", "insert", "undo_edit"],
+        },
+        "path": {"type": "string", "description": "Absolute path of the file or directory."},
+        "file_text": {"type": "string", "description": "create: the file's content."},
+        "old_str": {"type": "string", "description": "str_replace: the exact text to replace."},
+        "new_str": {"type": "string", "description": "str_replace, insert: the new text."},
+        "insert_line": {"type": "integer", "description": "insert: the line to insert after."},
+        "view_range": {
+            "type": "array",
+            "items": {"type": "integer"},
+            "description": "view: the first and last line to show.",
+        },
+    },
+    "required": ["command", "path"],
+}
+SCHEMALESS_CLIENT_TOOLS: Final = (
+    ("bash_", BASH_SCHEMA, "Run a command in a persistent bash shell."),
+    ("text_editor_", EDITOR_SCHEMA, "View, create and edit files."),
+)
+"""Anthropic's client tools (run by the client, which sends no schema: Claude knows
+them), by type prefix: offered as function tools with the input Anthropic documents."""
 TOOL_CHOICES: Final = {"auto": "auto", "any": "required", "none": "none"}
 ERROR_PREFIX: Final = "Error: "
 
@@ -95,11 +151,7 @@ def prompt_body(body: Mapping[str, Any]) -> dict[str, Any]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise InvalidRequest("messages: must be a non-empty array.", param="messages")
-    chat: dict[str, Any] = {"model": model}
-    converted = _system(body.get("system"))
-    for position, message in enumerate(messages):
-        converted.extend(_message(message, f"messages.{position}"))
-    chat["messages"] = converted
+    chat: dict[str, Any] = {"model": model, "messages": _conversation(body, messages)}
     tools = _tools(body.get("tools"))
     if tools:
         chat["tools"] = tools
@@ -120,15 +172,68 @@ def stream_asked(body: Mapping[str, Any]) -> bool:
     return bool(stream)
 
 
-def _system(system: Any) -> list[dict[str, Any]]:
+def _conversation(body: Mapping[str, Any], messages: list[Any]) -> list[dict[str, Any]]:
+    """The chat messages: the system texts first, then the turns, each system message
+    past the first turn as a note in a user turn (see the module's docstring)."""
+    system = _system_texts(body.get("system"), "system", "system")
+    turns: list[dict[str, Any]] = []
+    pending: list[str] = []  # notes waiting for the next user turn
+    for position, message in enumerate(messages):
+        where = f"messages.{position}"
+        if isinstance(message, dict) and message.get("role") == "system":
+            if message.get("content") is None:
+                raise InvalidRequest(f"{where}.content: Field required.", param=where)
+            texts = _system_texts(message["content"], f"{where}.content", where)
+            if not turns:
+                system.extend(texts)
+            elif turns[-1]["role"] == "user":
+                _add_notes(turns[-1], texts, at_end=True)
+            else:
+                pending.extend(texts)
+            continue
+        for turn in _message(message, where):
+            if pending and turn["role"] == "user":
+                _add_notes(turn, pending, at_end=False)
+                pending = []
+            elif pending and turn["role"] == "assistant":
+                turns.append(_note_turn(pending))
+                pending = []
+            turns.append(turn)
+    if pending:
+        turns.append(_note_turn(pending))
+    if not turns:
+        raise InvalidRequest("messages: must hold a user or assistant message.", param="messages")
+    head = [{"role": "system", "content": "\n\n".join(system)}] if system else []
+    return head + turns
+
+
+def _system_texts(system: Any, where: str, param: str) -> list[str]:
+    """The texts of a ``system`` field or message, without Claude Code's billing header."""
     if system is None or system == "":
         return []
     if isinstance(system, str):
-        return [{"role": "system", "content": system}]
+        if system.startswith(BILLING_HEADER):
+            system = system.partition("\n")[2].lstrip("\n")
+        return [system] if system else []
     if isinstance(system, list):
-        texts = [_text_of(block, f"system.{i}") for i, block in enumerate(system)]
-        return [{"role": "system", "content": "\n\n".join(texts)}] if texts else []
-    raise InvalidRequest("system: must be a string or an array of text blocks.", param="system")
+        texts = [_text_of(block, f"{where}.{i}") for i, block in enumerate(system)]
+        return [text for text in texts if not text.startswith(BILLING_HEADER)]
+    raise InvalidRequest(f"{where}: must be a string or an array of text blocks.", param=param)
+
+
+def _add_notes(turn: dict[str, Any], texts: list[str], *, at_end: bool) -> None:
+    """System texts into a user turn, as text parts before or after its own."""
+    content = turn["content"]
+    parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
+    notes = [{"type": "text", "text": SYSTEM_NOTE.format(text)} for text in texts]
+    turn["content"] = parts + notes if at_end else notes + parts
+
+
+def _note_turn(texts: list[str]) -> dict[str, Any]:
+    return {
+        "role": "user",
+        "content": [{"type": "text", "text": SYSTEM_NOTE.format(t)} for t in texts],
+    }
 
 
 def _text_of(block: Any, where: str) -> str:
@@ -166,7 +271,7 @@ def _assistant(blocks: list[Any], where: str) -> dict[str, Any]:
             texts.append(_text_of(block, at))
         elif kind == "tool_use":
             calls.append(_tool_call(block, at))
-        elif kind in ("thinking", "redacted_thinking"):
+        elif kind in SKIPPED_ASSISTANT_BLOCKS or _server_tool_result(kind):
             continue
         else:
             raise InvalidRequest(f"{at}: an assistant block of type {kind!r} is not supported.")
@@ -204,11 +309,19 @@ def _user(blocks: list[Any], where: str) -> list[dict[str, Any]]:
             parts.extend(images)  # chat's tool messages take text only: images follow
         elif kind == "document" and _text_source(block):
             parts.append({"type": "text", "text": block["source"]["data"]})
+        elif _server_tool_result(kind):
+            continue
         else:
             raise InvalidRequest(f"{at}: a user block of type {kind!r} is not supported.")
     if parts:
         results.append({"role": "user", "content": parts})
     return results
+
+
+def _server_tool_result(kind: Any) -> bool:
+    """A server tool's result block (``web_search_tool_result``, ``mcp_tool_result`` ...):
+    a client tool's result is ``tool_result`` itself."""
+    return isinstance(kind, str) and kind.endswith("_tool_result")
 
 
 def _text_source(block: dict[str, Any]) -> bool:
@@ -256,31 +369,62 @@ def _tool_result(block: dict[str, Any], where: str) -> tuple[dict[str, Any], lis
 
 
 def _tools(tools: Any) -> list[dict[str, Any]]:
-    if tools is None:
-        return []
-    if not isinstance(tools, list):
-        raise InvalidRequest("tools: must be an array.", param="tools")
     converted = []
-    for i, tool in enumerate(tools):
-        where = f"tools.{i}"
-        if not isinstance(tool, dict):
-            raise InvalidRequest(f"{where}: must be an object.", param=where)
-        if tool.get("type") not in CUSTOM_TOOL_TYPES:
-            raise InvalidRequest(
-                f"{where}: the tool type {tool.get('type')!r} is one of Anthropic's server "
-                "tools; this server offers custom tools (name, input_schema) only.",
-                param=where,
-            )
-        name, schema = tool.get("name"), tool.get("input_schema")
+    for where, tool in _tool_list(tools):
+        kind = tool.get("type")
+        name = tool.get("name")
         if not isinstance(name, str) or not name:
-            raise InvalidRequest(f"{where}.name: Field required.", param=where)
+            if kind in CUSTOM_TOOL_TYPES or _client_tool(kind):
+                raise InvalidRequest(f"{where}.name: Field required.", param=where)
+            continue
+        client = _client_tool(kind)
+        if client is not None:
+            documented, description = client
+            function = {"name": name, "description": description, "parameters": documented}
+            converted.append({"type": "function", "function": function})
+            continue
+        if kind not in CUSTOM_TOOL_TYPES:
+            continue  # a server tool: dropped_tools names it
+        schema = tool.get("input_schema")
         if not isinstance(schema, dict):
             raise InvalidRequest(f"{where}.input_schema: Field required (an object).", param=where)
-        function: dict[str, Any] = {"name": name, "parameters": schema}
+        function = {"name": name, "parameters": schema}
         if isinstance(tool.get("description"), str):
             function["description"] = tool["description"]
         converted.append({"type": "function", "function": function})
     return converted
+
+
+def dropped_tools(body: Mapping[str, Any]) -> tuple[str, ...]:
+    """The types of the request's server tools, which the model is not offered: each
+    once, in the order the request lists them."""
+    dropped: dict[str, None] = {}
+    for _, tool in _tool_list(body.get("tools")):
+        kind = tool.get("type")
+        if kind not in CUSTOM_TOOL_TYPES and _client_tool(kind) is None:
+            dropped[str(kind)] = None
+    return tuple(dropped)
+
+
+def _tool_list(tools: Any) -> list[tuple[str, dict[str, Any]]]:
+    if tools is None:
+        return []
+    if not isinstance(tools, list):
+        raise InvalidRequest("tools: must be an array.", param="tools")
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict):
+            raise InvalidRequest(f"tools.{i}: must be an object.", param=f"tools.{i}")
+    return [(f"tools.{i}", tool) for i, tool in enumerate(tools)]
+
+
+def _client_tool(kind: Any) -> tuple[dict[str, Any], str] | None:
+    """The schema and description of an Anthropic client tool type, ``None`` for others."""
+    if not isinstance(kind, str):
+        return None
+    for prefix, schema, description in SCHEMALESS_CLIENT_TOOLS:
+        if kind.startswith(prefix):
+            return schema, description
+    return None
 
 
 def _tool_choice(choice: Any, names: set[str]) -> dict[str, Any]:
@@ -296,7 +440,9 @@ def _tool_choice(choice: Any, names: set[str]) -> dict[str, Any]:
         name = choice.get("name")
         if name not in names:
             raise InvalidRequest(
-                f"tool_choice.name: no tool is named {name!r}.", param="tool_choice"
+                f"tool_choice.name: no tool offered to the model is named {name!r} "
+                "(server tools are not offered here).",
+                param="tool_choice",
             )
         out["tool_choice"] = {"type": "function", "function": {"name": name}}
     else:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 from typing import Any, TypeGuard
 
-from iop_edge.domain.fleet import ApiKeyEntry, ModelEntry, Operation
+from iop_edge.domain.fleet import PUBLIC_OPERATIONS, ApiKeyEntry, ModelEntry, Operation
 from iop_edge.domain.outliers import Phase
 from iop_edge.domain.pool import LIFECYCLE_FLAGS, UNAVAILABLE
 from iop_edge.ports import FleetView, OutlierView, ProviderView, QueueView
@@ -103,6 +103,13 @@ class PoolCatalog:
     def any_available(self) -> bool:
         return any(slot.usable for slot in self._providers.slots())
 
+    def offers(self, model_id: str, operation: Operation) -> bool:
+        model = self._fleet.current.models.get(model_id)
+        if model is None:
+            return False
+        slots = (self._providers.slot(p) for p in model.providers)
+        return any(s is not None and s.usable and operation in s.operations for s in slots)
+
 
 def _unavailable(model: ModelEntry) -> str:
     if not model.providers:
@@ -111,7 +118,7 @@ def _unavailable(model: ModelEntry) -> str:
 
 
 def _in_order(operations: frozenset[Operation]) -> list[str]:
-    return [operation.value for operation in Operation if operation in operations]
+    return [operation.value for operation in PUBLIC_OPERATIONS if operation in operations]
 
 
 def _outlier_fields(outlier: OutlierView) -> dict[str, Any]:

@@ -25,7 +25,7 @@ from iop_edge.domain.events import (
     RunEvent,
     RunOrder,
 )
-from iop_edge.domain.fleet import Fleet, ModelEntry
+from iop_edge.domain.fleet import Fleet, ModelEntry, Operation
 from iop_edge.domain.pool import ModelIndex, ProviderSlot
 from iop_edge.domain.queue import ModelQueue
 from iop_edge.errors import (
@@ -198,7 +198,11 @@ class Dispatcher:
     ) -> EdgeRun:
         loop = asyncio.get_running_loop()
         started = loop.time()
-        slot = await self._acquire(model, spec.batch, exclude, deadline)
+        slotless = spec.operation is Operation.COUNT_TOKENS
+        if slotless:
+            slot = self._least_loaded(model, exclude)
+        else:
+            slot = await self._acquire(model, spec.batch, exclude, deadline)
         run: EdgeRun | None = None
         try:
             run = self._start(model, slot, spec, body, deadline, loop)
@@ -208,7 +212,8 @@ class Dispatcher:
             # The one way back: the run ends here (its slot released exactly once), or,
             # with no run made yet, the slot itself goes back.
             if run is None:
-                self._release(slot)
+                if not slotless:
+                    self._release(slot)
             else:
                 reason = f"not dispatched: {type(exc).__name__}"
                 if isinstance(exc, ConnectionError):
@@ -222,6 +227,16 @@ class Dispatcher:
                 raise
             raise refusal from exc
         return run
+
+    def _least_loaded(self, model: ModelEntry, exclude: frozenset[str]) -> ProviderSlot:
+        """A provider for work that takes no slot and waits in no queue (``count_tokens``:
+        the node asks the engine's tokenizer beside its generations): the least loaded
+        usable one, free slot or not."""
+        index = self._registry.index(model.id)
+        slot = None if index is None else index.least_loaded(exclude)
+        if slot is None:
+            raise NoProviderAvailable(f"No provider of '{model.id}' is available right now")
+        return slot
 
     async def _acquire(
         self,
@@ -335,7 +350,7 @@ class Dispatcher:
         if run.unacknowledged:  # the node, not the provider, is in doubt
             self._registry.node_unresponsive(run.node_id, f"run {run.run_id} unacknowledged")
         slot = self._registry.slot(run.provider_id)
-        if slot is not None:
+        if slot is not None and run.request.operation is not Operation.COUNT_TOKENS:
             self._release(slot)
         self._check_idle()
 

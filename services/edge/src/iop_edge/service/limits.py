@@ -51,6 +51,7 @@ OUTPUT_TOKEN_FIELDS: Final[Mapping[Operation, tuple[str, ...]]] = {
     Operation.CHAT_COMPLETIONS: ("max_tokens", "max_completion_tokens"),
     Operation.COMPLETIONS: ("max_tokens",),
     Operation.EMBEDDINGS: (),
+    Operation.COUNT_TOKENS: (),
 }
 CLAMP_HEADER: Final = "x-iop-max-tokens-clamped"
 """The response header of a request whose output length was lowered to the model's cap."""

@@ -119,6 +119,11 @@ class MockAdapter:
     async def aclose(self) -> None:
         """Nothing to release; present because every adapter is closed the same way."""
 
+    async def count_tokens(self, spec: ExecutionSpec) -> Completion:
+        """What a chat run of the same body reports as its prompt: the messages' words."""
+        words = _prompt_words(spec.body, Operation.CHAT_COMPLETIONS)
+        return Completion(usage=Usage.of(words, 0))
+
     async def execute(self, spec: ExecutionSpec, sink: EventSink) -> Completion:
         drill = FailureDrill.from_body(spec.body)
         scope = asyncio.timeout_at(spec.deadline)
@@ -129,6 +134,7 @@ class MockAdapter:
                 if spec.operation is Operation.EMBEDDINGS:
                     await self._maybe_fail(drill, produced=0, planned=0)
                     return _embeddings(spec)
+
                 return await self._generate(spec, sink, drill)
         except TimeoutError as exc:
             if scope.expired():

@@ -21,6 +21,7 @@ from typing import Any, Final
 
 import aiohttp
 
+from iop_node.adapters import tokenizer
 from iop_node.adapters.context_overflow import context_overflow
 from iop_node.adapters.sse import iter_sse_data
 from iop_node.domain.health import ProbeResult
@@ -64,12 +65,14 @@ class Flavor:
     lifecycle: LifecycleFlags = field(default_factory=lambda: LifecycleFlags(list_models=True))
     stream_usage: bool = True
     """Whether the server honours ``stream_options.include_usage`` (all known ones do)."""
+    tokenizer: str = ""
+    """How the server counts a prompt's tokens (``tokenizer.STYLES``); empty: it cannot."""
 
 
 FLAVORS: Final[Mapping[str, Flavor]] = {
-    "vllm": Flavor("vllm"),
+    "vllm": Flavor("vllm", tokenizer=tokenizer.VLLM),
     "sglang": Flavor("sglang"),
-    "llamacpp": Flavor("llamacpp"),
+    "llamacpp": Flavor("llamacpp", tokenizer=tokenizer.LLAMACPP),
     "openai_api": Flavor("openai_api"),
     "lemonade": Flavor(
         "lemonade",
@@ -187,6 +190,22 @@ class OpenAICompatAdapter:
             if timeout.expired():
                 raise ProviderTimeout(f"{self.name} run passed its deadline") from None
             raise
+
+    async def count_tokens(self, spec: ExecutionSpec) -> Completion:
+        """``TokenCounter``: the prompt tokens from the server's own tokenizer."""
+        if not self._flavor.tokenizer:
+            raise InvalidRequest(
+                f"{self.name} servers have no tokenizer endpoint to count tokens with",
+                provider_status=NOT_IMPLEMENTED,
+            )
+        if self._key_problem:
+            raise ProviderUnavailable(self._key_problem)
+        began = time.perf_counter()
+        counted = await tokenizer.prompt_tokens(
+            self._flavor.tokenizer, self._http, self._base, self._post_headers, spec.body
+        )
+        provider_us = int((time.perf_counter() - began) * 1_000_000)
+        return Completion(usage=Usage(counted, 0, counted), provider_us=provider_us)
 
     async def _execute(self, spec: ExecutionSpec, sink: EventSink) -> Completion:
         url = self._base + _PATHS[spec.operation]

@@ -116,3 +116,21 @@ class Admission:
         tb: TracebackType | None,
     ) -> None:
         self._gate.release()
+
+
+class Ungated:
+    """No slot: what a run the gate does not count holds (``count_tokens``, which the
+    engine answers from its tokenizer beside the generations, without one of their slots)."""
+
+    queue_wait_s = 0.0
+
+    async def __aenter__(self) -> Ungated:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        return None

@@ -18,6 +18,9 @@ class Operation(StrEnum):
     CHAT_COMPLETIONS = "chat_completions"
     COMPLETIONS = "completions"
     EMBEDDINGS = "embeddings"
+    COUNT_TOKENS = "count_tokens"
+    """A chat body's prompt tokens under the model's template and tokenizer, nothing
+    generated: run outside the capacity gate (``executor``)."""
 
 
 @record
