@@ -78,7 +78,12 @@ FLEET: dict[str, object] = {
 WEATHER = {
     "name": "get_weather",
     "description": "The weather in a city.",
-    "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}},
+    # city required: the mock fills in the required properties (real tools list theirs)
+    "input_schema": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}},
+        "required": ["city"],
+    },
 }
 
 

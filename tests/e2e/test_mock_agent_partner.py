@@ -101,7 +101,7 @@ async def test_chat_a_tool_round_trip_ends_with_stop(sdk: AsyncOpenAI, stream: b
         finish = answer.choices[0].finish_reason
     assert finish == "tool_calls"
     assert name == "bash"  # the tool the prompt names
-    assert json.loads(arguments) == {"command": "echo iop-mock", "description": "mock"}
+    assert json.loads(arguments) == {"command": "echo iop-mock"}
     jsonschema.validate(json.loads(arguments), OPENCODE_BASH)
     messages += [
         {
@@ -141,8 +141,8 @@ async def test_chat_fill_asks_for_the_old_length_cut(sdk: AsyncOpenAI) -> None:
 async def test_messages_a_tool_round_trip_ends_with_end_turn(
     claude: AsyncAnthropic, stream: bool
 ) -> None:
-    """As Claude Code: max_tokens 32,000, its Bash and Read tools, a system message after
-    the prompt, the tool result sent back with a text block beside it."""
+    """As Claude Code: max_tokens 32,000 (streamed), its Bash and Read tools, reminders
+    before the prompt, the tool result sent back with a text block beside it."""
     tools: Any = [
         {"name": "Bash", "description": "Run a command.", "input_schema": BASH},
         {"name": "Read", "description": "Read a file.", "input_schema": READ},
@@ -156,9 +156,9 @@ async def test_messages_a_tool_round_trip_ends_with_end_turn(
     }
 
     async def create(messages: list[Any]) -> Any:
-        if not stream:
+        if not stream:  # the SDK wants a stream for 32,000: a large budget all the same
             return await claude.messages.create(
-                model=MODEL, max_tokens=32_000, tools=tools, messages=messages
+                model=MODEL, max_tokens=8_192, tools=tools, messages=messages
             )
         async with claude.messages.stream(
             model=MODEL, max_tokens=32_000, tools=tools, messages=messages
