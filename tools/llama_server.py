@@ -80,6 +80,9 @@ def server_params(xllamacpp: ModuleType, args: argparse.Namespace, model: Path) 
     params.n_parallel = args.parallel
     # Jinja chat templates: the model's own template renders the request (as
     # llama-server's --jinja), which is what accepts a request with ``tools``.
+    # SmolLM2's template has no tool syntax, so the model answers in text; a template
+    # that showed the tools would add their JSON to every prompt (Codex's: ~5k tokens)
+    # and push an agent's first request past the 8,192-token context.
     params.use_jinja = True
     # llama.cpp keeps idle slots' prompt states in RAM for reuse, up to 8 GiB by
     # default; one slot of SmolLM2 at 8,192 tokens is about 180 MiB, so a few fit.
