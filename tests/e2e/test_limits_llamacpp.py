@@ -1,4 +1,4 @@
-"""The limits agents live with, on the real llama.cpp model (SmolLM2-135M, 2048-token
+"""The limits agents live with, on the real llama.cpp model (SmolLM2-135M, 8,192-token
 context), through ``make run``'s stack (``test_local_stack``'s ``local_stack``):
 
 - opencode's request asks ``max_tokens: 32000`` of every model: it runs, lowered to the
@@ -39,7 +39,7 @@ def _load(name: str) -> ModuleType:
 local = _load("test_local_stack")
 certs = local.certs  # the fixture, under this module's name
 LLAMA = local.LLAMA_MODEL
-WINDOW = 2048  # configs/fleet.yaml: smollm2's context_window, make run's llama.cpp --ctx
+WINDOW = 8192  # configs/fleet.yaml: smollm2's context_window, make run's llama.cpp --ctx
 CAP = 1024  # and its max_output_tokens
 
 # opencode 1.18's first request of a session, as captured (its system prompt shortened).

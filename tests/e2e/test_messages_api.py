@@ -79,7 +79,12 @@ FLEET: dict[str, object] = {
 WEATHER = {
     "name": "get_weather",
     "description": "The weather in a city.",
-    "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}},
+    # city required: the mock fills in the required properties (real tools list theirs)
+    "input_schema": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}},
+        "required": ["city"],
+    },
 }
 
 
@@ -163,7 +168,10 @@ async def test_create_answers_a_message_with_stop_reason_and_usage(client: Async
 
 async def test_max_tokens_is_held_to_the_models_cap(client: AsyncAnthropic) -> None:
     message = await client.messages.create(
-        model="mock-small", max_tokens=20_000, messages=[{"role": "user", "content": "long"}]
+        model="mock-small",
+        max_tokens=20_000,
+        messages=[{"role": "user", "content": "long"}],
+        extra_body={"iop_mock": {"fill": True}},  # the mock's answer fills max_tokens
     )
     assert message.usage.output_tokens == 64  # the fleet's max_output_tokens
     assert message.stop_reason == "max_tokens"
@@ -611,8 +619,9 @@ async def test_a_request_shaped_as_claude_code_sends_it_streams_to_message_stop(
         events = contract.parse_sse(await response.text())
     contract.check_stream(events)
     stop = next(data for name, data in events if name == "message_delta")
-    assert stop["delta"]["stop_reason"] == "max_tokens"  # the mock answers the tool result in text
-    assert stop["usage"]["output_tokens"] == 64  # 32000, held to mock-small's max_output_tokens
+    # the mock answers the tool result in text, short, ending the turn (32000 held to 64)
+    assert stop["delta"]["stop_reason"] == "end_turn"
+    assert stop["usage"]["output_tokens"] == 32
 
 
 CLAUDE_CODE = Path(__file__).with_name("data") / "claude_code_2.1.197_messages.json"

@@ -239,6 +239,7 @@ async def test_client_disconnect_mid_stream_frees_the_slot_on_edge_and_node(stac
                 "messages": [{"role": "user", "content": "long"}],
                 "max_tokens": 30_000,
                 "stream": True,
+                "iop_mock": {"fill": True},  # 30,000 tokens, not the mock's short answer
             },
         )
         assert response.status == 200

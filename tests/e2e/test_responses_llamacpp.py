@@ -100,9 +100,9 @@ async def check_stream(sdk: AsyncOpenAI) -> None:
 
 async def check_tool_round_trip(sdk: AsyncOpenAI) -> None:
     """Tools offered with tool_choice required, then the tool's output in the next request,
-    chained by previous_response_id. ``make run``'s llama.cpp (xllamacpp without jinja
-    templates) ignores tools and answers in text, as it does on chat completions: the
-    round trip is checked with whatever it answered."""
+    chained by previous_response_id. ``make run``'s llama.cpp (Jinja templates on, but
+    SmolLM2's own template has no tool syntax) ignores tools and answers in text, as it
+    does on chat completions: the round trip is checked with whatever it answered."""
     tools: Any = [
         {
             "type": "function",

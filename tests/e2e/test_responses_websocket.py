@@ -94,7 +94,7 @@ async def test_a_response_streams_the_sse_events_as_text_frames(
     over_http = await contract.sse(stack, key, body)
     assert [e["type"] for e in events] == [e["type"] for e in over_http]
     final = events[-1]["response"]
-    assert final["status"] == "incomplete"  # the mock fills max_output_tokens
+    assert final["status"] == "incomplete"  # the mock's answer is cut at max_output_tokens
     assert final["usage"]["output_tokens"] == 6
     text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
     assert final["output"][0]["content"][0]["text"] == text != ""
@@ -224,8 +224,8 @@ async def test_a_second_create_while_one_runs_is_refused(
     events = await events_until_done(socket)
     errors = [e for e in events if e["type"] == "error"]
     assert [e["code"] for e in errors] == ["conversation_already_has_active_response"]
-    assert events[-1]["type"] == "response.incomplete"  # the first one ran on, untouched
-    assert events[-1]["response"]["usage"]["output_tokens"] == 200
+    assert events[-1]["type"] == "response.completed"  # the first one ran on, untouched
+    assert events[-1]["response"]["usage"]["output_tokens"] == 32  # the mock's whole answer
 
 
 async def test_closing_the_socket_mid_response_frees_the_slot(stack: Stack, key: str) -> None:

@@ -117,9 +117,10 @@ def request_body(index: int, kind: str) -> dict[str, Any]:
         "messages": [{"role": "user", "content": f"storm client {index}"}],
         "max_tokens": LONG_TOKENS,
         "stream": kind != "non_streaming",
+        "iop_mock": {"fill": True},  # LONG_TOKENS tokens, not the mock's short answer
     }
     if kind == "before_first_token":
-        body["iop_mock"] = {"delay_ms": SLOW_FIRST_TOKEN_MS}
+        body["iop_mock"]["delay_ms"] = SLOW_FIRST_TOKEN_MS
     return body
 
 

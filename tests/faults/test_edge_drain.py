@@ -72,7 +72,12 @@ async def test_sigterm_lets_the_streams_in_flight_finish(
 ) -> None:
     await stack.stop("edge")  # the shared fixture's defaults: come back with a known timeout
     await restart_edge(stack, faults, shutdown_timeout_s=SHUTDOWN_TIMEOUT_S)
-    body = {"model": "pool", "messages": [{"role": "user", "content": "go"}], "max_tokens": 40}
+    body = {
+        "model": "pool",
+        "messages": [{"role": "user", "content": "go"}],
+        "max_tokens": 40,
+        "iop_mock": {"fill": True},  # 40 tokens, not the mock's short answer
+    }
     loop = asyncio.get_running_loop()
     async with (
         aiohttp.ClientSession() as http,
@@ -116,7 +121,12 @@ async def test_a_run_that_outlasts_the_timeout_gets_an_error_event(
     stack: Any, faults: Any, report: Callable[[str], None]
 ) -> None:
     await restart_edge(stack, faults, shutdown_timeout_s=3, shutdown_reserve_s=1)
-    long = {"model": "pool", "messages": [{"role": "user", "content": "go"}], "max_tokens": 400}
+    long = {
+        "model": "pool",
+        "messages": [{"role": "user", "content": "go"}],
+        "max_tokens": 400,
+        "iop_mock": {"fill": True},  # 400 tokens, not the mock's short answer
+    }
     loop = asyncio.get_running_loop()
     async with aiohttp.ClientSession() as http:
         stream = asyncio.create_task(faults.stream_chat(http, stack.api_url, long, 30))

@@ -171,7 +171,8 @@ async def test_an_edge_crash_ends_every_nodes_runs_alike(
     waiting for its provider (cancelled by the link): the one crash is one outcome on both."""
     since_ms = int(time.time() * 1000)
     loop = asyncio.get_running_loop()
-    streaming = {"max_tokens": 3000}  # 200 tokens/s: sending every 5 ms for 15 s
+    # 200 tokens/s: sending every 5 ms for 15 s (fill: max_tokens tokens, not a short answer)
+    streaming = {"max_tokens": 3000, "iop_mock": {"fill": True}}
     waiting = {"max_tokens": 1, "iop_mock": {"delay_ms": 15_000}}
 
     async def in_flight(expected: dict[str, int]) -> None:

@@ -41,7 +41,12 @@ async def test_sigterm_lets_the_runs_in_flight_finish(
     stack: Any, faults: Any, report: Callable[[str], None]
 ) -> None:
     catalog, eventually, stream_chat = faults.catalog, faults.eventually, faults.stream_chat
-    body = {"model": "pool", "messages": [{"role": "user", "content": "go"}], "max_tokens": 40}
+    body = {
+        "model": "pool",
+        "messages": [{"role": "user", "content": "go"}],
+        "max_tokens": 40,
+        "iop_mock": {"fill": True},  # 40 tokens, not the mock's short answer
+    }
 
     async with aiohttp.ClientSession() as http:
 

@@ -168,8 +168,9 @@ async def steady_upload(stack: Any) -> tuple[int, float]:
 async def long_stream(stack: Any, faults: Any) -> Any:
     """A well-behaved stream that lasts longer than the read timeout (600 tokens: 3 s)."""
     body = {"model": "mock-small", "messages": [{"role": "user", "content": "go"}]}
+    long = {**body, "max_tokens": 600, "iop_mock": {"fill": True}}
     async with aiohttp.ClientSession() as http:
-        return await faults.stream_chat(http, stack.api_url, {**body, "max_tokens": 600}, 20)
+        return await faults.stream_chat(http, stack.api_url, long, 20)
 
 
 async def test_slow_http_clients_are_cut_within_the_read_timeout(

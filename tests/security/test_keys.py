@@ -313,6 +313,7 @@ async def stream_until_end(client: AsyncOpenAI, model: str, tokens: int, seen: E
             messages=[{"role": "user", "content": "go on"}],
             max_tokens=tokens,
             stream=True,
+            extra_body={"iop_mock": {"fill": True}},  # ``tokens`` words, not a short answer
         )
         async for chunk in stream:
             seen.run_id = chunk.id.removeprefix("chatcmpl-")

@@ -107,7 +107,10 @@ async def serves_at_full_capacity(stack: Stack, sdk: AsyncOpenAI) -> int:
 
     async def one(index: int) -> str:
         stream = await sdk.chat.completions.create(
-            **chat_body(f"stream {index}"), max_tokens=60, stream=True
+            **chat_body(f"stream {index}"),
+            max_tokens=60,
+            stream=True,
+            extra_body={"iop_mock": {"fill": True}},  # 60 tokens, ending with length
         )
         finish = ""
         async for chunk in stream:

@@ -132,6 +132,7 @@ async def test_a_node_cannot_write_into_another_nodes_run(
         max_tokens=TOKENS,
         stream=True,
         stream_options={"include_usage": True},
+        extra_body={"iop_mock": {"fill": True}},  # TOKENS tokens, not a short answer
     ) as response:
         run_id = response.headers["x-request-id"]
         await conn.send(forged_event(kind, run_id), correlation_id=run_id)

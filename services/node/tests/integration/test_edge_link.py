@@ -23,6 +23,7 @@ from iop_proto.tls import TlsSettings, server_context
 from iop_proto.v1 import runtime_pb2 as pb
 
 TOKEN = "iopnt_test-token"
+FILL = {"fill": True}  # the mock answers max_tokens tokens: a run that lasts
 
 
 def mock_provider(
@@ -272,7 +273,9 @@ async def test_cancel_frees_the_slot(pki: Pki, tmp_path: Path) -> None:
     async with loopback_server(edge.handle, server_context(pki.edge)) as port:
         async with running_node(pki, port, tmp_path):
             session = await asyncio.wait_for(edge.sessions.get(), 10)
-            await session.run("slow", {"messages": [], "max_tokens": 1000}, stream=True)
+            await session.run(
+                "slow", {"messages": [], "max_tokens": 1000, "iop_mock": FILL}, stream=True
+            )
             first = await asyncio.wait_for(session.inbox.get(), 10)
             assert first.run_event.WhichOneof("kind") == "accepted"
             await session.wait_for_snapshot(lambda p: p.in_flight == 1)
@@ -295,7 +298,9 @@ async def test_reconnects_after_the_edge_drops_and_cancels_the_lost_runs(
     async with loopback_server(edge.handle, server_context(pki.edge)) as port:
         async with running_node(pki, port, tmp_path):
             first = await asyncio.wait_for(edge.sessions.get(), 10)
-            await first.run("lost", {"messages": [], "max_tokens": 1000}, stream=True)
+            await first.run(
+                "lost", {"messages": [], "max_tokens": 1000, "iop_mock": FILL}, stream=True
+            )
             await first.wait_for_snapshot(lambda p: p.in_flight == 1)
             await first.conn.close()  # the edge drops the node
 

@@ -92,14 +92,51 @@ async def test_streams_one_delta_per_token_deterministically(context: AdapterCon
 
 
 @pytest.mark.parametrize("key", ["max_tokens", "max_completion_tokens"])
-async def test_max_tokens_sets_the_length_and_finishes_with_length(
+async def test_a_large_max_tokens_still_gets_the_short_answer_ending_with_stop(
+    context: AdapterContext, key: str
+) -> None:
+    """Agents ask 32,000 and continue on ``length``: the turn must end."""
+    sink = RecordingSink()
+    completion = await mock(context).execute(spec({**CHAT, key: 32_000}), sink)
+    assert sink.text == expected_text(32)
+    assert completion.finish_reason == "stop"
+    assert completion.usage == Usage.of(CHAT_WORDS, 32)
+
+
+@pytest.mark.parametrize("key", ["max_tokens", "max_completion_tokens"])
+async def test_a_smaller_max_tokens_cuts_the_answer_with_length(
     context: AdapterContext, key: str
 ) -> None:
     sink = RecordingSink()
-    completion = await mock(context).execute(spec({**CHAT, key: 40}), sink)
+    completion = await mock(context).execute(spec({**CHAT, key: 5}), sink)
+    assert sink.text == expected_text(5)
+    assert completion.finish_reason == "length"
+    assert completion.usage == Usage.of(CHAT_WORDS, 5)
+
+
+async def test_max_tokens_equal_to_the_answer_ends_with_stop(context: AdapterContext) -> None:
+    completion = await mock(context).execute(spec({**CHAT, "max_tokens": 32}), RecordingSink())
+    assert completion.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("key", ["max_tokens", "max_completion_tokens"])
+async def test_fill_makes_max_tokens_the_length_and_finishes_with_length(
+    context: AdapterContext, key: str
+) -> None:
+    sink = RecordingSink()
+    body = {**CHAT, key: 40, "iop_mock": {"fill": True}}
+    completion = await mock(context).execute(spec(body), sink)
     assert sink.text == expected_text(40)
     assert completion.finish_reason == "length"
     assert completion.usage == Usage.of(CHAT_WORDS, 40)
+
+
+async def test_fill_without_max_tokens_is_the_default_answer(context: AdapterContext) -> None:
+    sink = RecordingSink()
+    body = {**CHAT, "iop_mock": {"fill": True}}
+    completion = await mock(context, default_tokens=3).execute(spec(body), sink)
+    assert sink.text == expected_text(3)
+    assert completion.finish_reason == "stop"
 
 
 async def test_default_length_comes_from_settings(context: AdapterContext) -> None:
@@ -264,6 +301,83 @@ async def test_offered_tools_are_called_unless_a_tool_result_ends_the_conversati
     completion = await mock(context, default_tokens=2).execute(spec(answered), sink)
     assert completion.finish_reason == "stop"
     assert sink.text == "the quick "
+
+
+async def called_tool(context: AdapterContext, body: dict[str, Any]) -> str | None:
+    """The name of the tool the mock calls for ``body`` (None: it answered in text)."""
+    completion = await mock(context, default_tokens=2).execute(spec(body), RecordingSink())
+    if completion.finish_reason != "tool_calls":
+        assert completion.finish_reason == "stop"
+        return None
+    streamed = RecordingSink()
+    await mock(context).execute(spec(body), streamed)
+    name = streamed.deltas[0].tool_calls[0].function_name
+    plain = await mock(context).execute(spec(body, stream=False), RecordingSink())
+    assert plain.result is not None
+    assert plain.result["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == name
+    return name
+
+
+def said(*messages: Any) -> dict[str, Any]:
+    return {"tools": TOOLS, "messages": list(messages)}
+
+
+USER = {"role": "user", "content": "hi"}
+CALL = {
+    "role": "assistant",
+    "content": None,
+    "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}
+    ],
+}
+RESULT = {"role": "tool", "tool_call_id": "c1", "content": "noon"}
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        (said(USER), "get_weather"),
+        (said({"role": "user", "content": "what is get_time now?"}), "get_time"),
+        # the exact case first, then any case; a word, not a part of one
+        (said({"role": "user", "content": "use GET_TIME"}), "get_time"),
+        (said({"role": "user", "content": "use get_timer"}), "get_weather"),
+        (said({"role": "user", "content": "get_time or get_weather?"}), "get_time"),
+        # of several text parts, the last that names a tool (Claude Code's reminders
+        # come first, the prompt last)
+        (
+            said(
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "<reminder>get_time</reminder>"},
+                        {"type": "text", "text": "call get_weather please"},
+                    ],
+                }
+            ),
+            "get_weather",
+        ),
+        # Claude Code's system message after the user's is not the user's turn ending
+        (said(USER, {"role": "system", "content": "get_time is there"}), "get_weather"),
+        (
+            said(USER, CALL, RESULT, {"role": "assistant", "content": "noon"}, USER),
+            "get_weather",
+        ),
+        (said(USER, CALL, RESULT), None),
+        # a Messages tool result with text beside it: a tool then a user message
+        (said(USER, CALL, RESULT, {"role": "user", "content": "<reminder/>"}), None),
+        (said(USER, CALL, RESULT, {"role": "system", "content": "note"}), None),
+        (said(USER, {"role": "assistant", "content": "prefill"}), None),
+        ({**said(USER, CALL, RESULT), "tool_choice": "required"}, "get_weather"),
+        (
+            {**said(USER, CALL, RESULT), "tool_choice": {"type": "function", "name": "get_time"}},
+            "get_time",
+        ),
+    ],
+)
+async def test_which_tool_is_called_and_when(
+    context: AdapterContext, body: dict[str, Any], expected: str | None
+) -> None:
+    assert await called_tool(context, body) == expected
 
 
 async def test_tool_choice_none_answers_with_text(context: AdapterContext) -> None:

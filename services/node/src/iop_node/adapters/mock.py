@@ -5,16 +5,40 @@ queues, SSE) can be exercised and failure paths rehearsed on demand. The output
 depends only on the request, so tests can assert exact text; the pace is set by
 ``tokens_per_second`` so streaming and capacity behave like a slow real model.
 
-It is a partner for client libraries too: offered ``tools`` (and ``tool_choice``
-not ``none``), it calls one (the named one, or the first) with arguments valid
-for that tool's JSON schema, and once the conversation ends with a tool result
-it answers in text (unless a tool is forced); asked for a ``json_schema``
-``response_format`` it answers with a valid instance (``mock_schema``), for
-``json_object`` with a JSON object.
+It is a partner for coding agents and client libraries, answering as a real model
+ends a turn:
 
-Failure drills ride in the request body, which the edge passes through untouched::
+- **Text.** A short answer, ``default_tokens`` words (32 unless set: the sentence
+  of :data:`WORDS`, twice), ending with ``finish_reason: stop`` (Messages:
+  ``end_turn``; Responses: ``completed``). A ``max_tokens`` (or
+  ``max_completion_tokens``) below that cuts it, ending with ``length``, as a real
+  model's limit does. Asked with ``"iop_mock": {"fill": true}``, the answer fills
+  ``max_tokens`` instead and ends with ``length``: the mock's old habit, for tests
+  of long answers, pacing and truncation.
+- **Tool calls.** Offered ``tools`` (``tool_choice`` ``auto`` or absent) while the
+  turn it answers is the user's (the last message other than ``system``/``developer``
+  is a ``user`` message, and no ``tool`` result came since the last assistant
+  message), it calls one tool, ending with ``tool_calls``: the tool whose name the
+  user's last message contains (a whole word, the exact case before any case; of
+  several, the first named in the last text part that names one), else the first
+  tool. ``tool_choice`` ``required`` calls one whatever the conversation, a named
+  ``tool_choice`` that tool. The arguments satisfy the tool's whole JSON schema and
+  are values an agent can run harmlessly (``mock_schema``: a ``command``/``cmd`` is
+  ``echo iop-mock``, a path ``.``, a ``pattern``/``query`` ``iop-mock``, booleans
+  false, only required properties).
+- **After a tool result** (a ``tool`` message since the last assistant message), the
+  text answer above, ending with ``stop``: the agent's turn is over.
+- **Structured output.** Asked for a ``json_schema`` ``response_format`` it answers
+  with a valid instance (``mock_schema``), for ``json_object`` with a JSON object.
 
-    "iop_mock": {"fail": "provider_error" | "unavailable" | "timeout",
+The same holds streamed and not, and for the Responses and Messages APIs, which the
+edge turns into chat completions before the mock sees them.
+
+Request hooks ride in the body, which the edge passes through untouched (chat,
+completions, Messages)::
+
+    "iop_mock": {"fill": true,
+                 "fail": "provider_error" | "unavailable" | "timeout",
                  "after_tokens": N, "status": 500, "delay_ms": N}
 """
 
@@ -25,11 +49,12 @@ import base64
 import hashlib
 import json
 import math
+import re
 import struct
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 from iop_node.adapters.mock_schema import instance
 from iop_node.domain.health import ProbeResult
@@ -61,12 +86,14 @@ FAIL_MODES = ("provider_error", "unavailable", "timeout")
 
 @dataclass(frozen=True, slots=True)
 class FailureDrill:
-    """The parsed ``iop_mock`` hook of one request."""
+    """The parsed ``iop_mock`` hook of one request: the failure drill, and ``fill``
+    (answer with ``max_tokens`` tokens, ending with ``length``)."""
 
     fail: str = ""
     after_tokens: int = 0
     status: int = 500
     delay_ms: float = 0.0
+    fill: bool = False
 
     @classmethod
     def from_body(cls, body: Mapping[str, Any]) -> FailureDrill:
@@ -78,11 +105,15 @@ class FailureDrill:
         fail = raw.get("fail", "")
         if fail and fail not in FAIL_MODES:
             raise InvalidRequest(f"iop_mock.fail must be one of {', '.join(FAIL_MODES)}")
+        fill = raw.get("fill", False)
+        if not isinstance(fill, bool):
+            raise InvalidRequest("iop_mock.fill must be true or false")
         return cls(
             fail=fail or "",
             after_tokens=_count(raw.get("after_tokens", 0), "iop_mock.after_tokens"),
             status=_count(raw.get("status", 500), "iop_mock.status"),
             delay_ms=float(_number(raw.get("delay_ms", 0), "iop_mock.delay_ms")),
+            fill=fill,
         )
 
 
@@ -90,10 +121,10 @@ class MockAdapter:
     """A fake provider whose answers are a pure function of the request.
 
     Settings: ``tokens_per_second`` (default 50; 0 = unpaced) and
-    ``default_tokens`` (default 32), the answer length when the request sets no
-    ``max_tokens``. Usage counts words: prompt tokens are the whitespace-separated
-    words of the messages (or prompt, or embedding input), completion tokens the
-    tokens produced.
+    ``default_tokens`` (default 32), the length of a text answer (a smaller
+    ``max_tokens`` cuts it; ``iop_mock.fill`` makes it ``max_tokens``). Usage counts
+    words: prompt tokens are the whitespace-separated words of the messages (or
+    prompt, or embedding input), completion tokens the tokens produced.
     """
 
     def __init__(self, config: ProviderConfig, context: AdapterContext) -> None:
@@ -155,8 +186,9 @@ class MockAdapter:
             return await self._answer_structured(spec, sink, drill, structured, prompt_tokens)
 
         limit = _max_tokens(body)
-        planned = self._default_tokens if limit is None else limit
-        finish_reason = "stop" if limit is None else "length"
+        cut = limit is not None and (drill.fill or limit < self._default_tokens)
+        planned = limit if cut and limit is not None else self._default_tokens
+        finish_reason = "length" if cut else "stop"
         loop = asyncio.get_running_loop()
         start = loop.time()
         pieces: list[str] = []
@@ -357,7 +389,7 @@ def _vector(key: str, dimensions: int) -> list[float]:
 def _tool_call(body: Mapping[str, Any]) -> tuple[str, str] | None:
     """The function the mock calls and its arguments (JSON valid for the function's
     ``parameters``), or ``None`` to answer in text: no tools, ``tool_choice`` ``none``,
-    or (``auto``, the default) a conversation whose last message is a tool result."""
+    or (``auto``, the default) a turn that is not the user's (see the module's rules)."""
     tools = body.get("tools")
     choice = body.get("tool_choice")
     if not tools or choice == "none":
@@ -372,9 +404,9 @@ def _tool_call(body: Mapping[str, Any]) -> tuple[str, str] | None:
             raise InvalidRequest(f"tool_choice names an unknown function {name!r}")
         index = names.index(name)
     elif choice in (None, "auto", "required"):
-        if choice != "required" and _answers_a_tool_result(body):
+        if choice != "required" and not _users_turn(body.get("messages")):
             return None
-        index = 0
+        index = _named_tool(body.get("messages"), names)
     else:
         raise InvalidRequest("tool_choice must be none, auto, required or a named function")
     if not names[index]:
@@ -383,12 +415,53 @@ def _tool_call(body: Mapping[str, Any]) -> tuple[str, str] | None:
     return names[index], json.dumps(arguments, separators=(",", ":"))
 
 
-def _answers_a_tool_result(body: Mapping[str, Any]) -> bool:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
+INSTRUCTIONS: Final = frozenset({"system", "developer"})
+
+
+def _users_turn(messages: Any) -> bool:
+    """Whether the model answers the user: the last message but instructions (Claude
+    Code puts a ``system`` one after the user's) is the user's, and no tool result came
+    since the last assistant message (a Messages tool result with text beside it
+    becomes a ``tool`` then a ``user`` message)."""
+    if not isinstance(messages, list):
         return False
-    last = messages[-1]
-    return isinstance(last, Mapping) and last.get("role") == "tool"
+    roles = [m.get("role") for m in messages if isinstance(m, Mapping)]
+    turn = [r for r in roles if r not in INSTRUCTIONS]
+    if not turn or turn[-1] != "user":
+        return False
+    since = turn[len(turn) - turn[::-1].index("assistant") :] if "assistant" in turn else turn
+    return "tool" not in since
+
+
+def _named_tool(messages: Any, names: list[str]) -> int:
+    """The index of the tool that the user's last message names, else 0 (module rules)."""
+    texts = list(_user_texts(messages))
+    for text in reversed(texts):
+        for exact in (True, False):
+            found = [
+                (match.start(), index)
+                for index, name in enumerate(names)
+                if name and (match := _word(name, exact).search(text))
+            ]
+            if found:
+                return min(found)[1]
+    return 0
+
+
+def _word(name: str, exact: bool) -> re.Pattern[str]:
+    return re.compile(rf"(?<![\w-]){re.escape(name)}(?![\w-])", 0 if exact else re.IGNORECASE)
+
+
+def _user_texts(messages: Any) -> Iterator[str]:
+    """The text parts of the last ``user`` message, in order."""
+    users = [m for m in messages or () if isinstance(m, Mapping) and m.get("role") == "user"]
+    content = users[-1].get("content") if users else None
+    if isinstance(content, str):
+        yield content
+    elif isinstance(content, list):
+        for part in content:
+            if isinstance(part, Mapping) and isinstance(part.get("text"), str):
+                yield part["text"]
 
 
 def _structured_answer(body: Mapping[str, Any]) -> str | None:
