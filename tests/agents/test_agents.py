@@ -52,7 +52,7 @@ local = _load(REPO / "tests" / "e2e" / "test_local_stack.py", "iop_agents_local_
 
 MOCK = "mock-small"
 LLAMA = local.LLAMA_MODEL
-TURN_TIMEOUT_S = 240.0
+TURN_TIMEOUT_S = 480.0  # a turn on the real model: a long prompt's prefill on one CPU thread
 REQUIRED = os.environ.get("TEST_AGENTS_REQUIRED") == "1"
 RECORD = os.environ.get("AGENTS_RECORD") == "1"
 # Agents whose own first request is larger than SmolLM2's 8,192 tokens of context.
@@ -79,6 +79,10 @@ def _describe(turn: Any, posts: list[Any]) -> str:
     lines = [f"rc={turn.returncode} after {turn.seconds:.1f}s", turn.output[-3000:]]
     for post in posts:
         lines.append(f"{post.method} {post.path} -> {post.status}: {post.answer[:600]!r}")
+        for sent in post.socket_messages:
+            lines.append(f"  socket <- {sent[:300]}")
+        for reply in post.socket_replies:
+            lines.append(f"  socket -> {reply[:300]}")
     return "\n".join(lines)
 
 
@@ -107,6 +111,30 @@ def _carries_tool_result(api: str, body: dict[str, Any]) -> bool:
             for block in message["content"]
         )
     return any(message.get("role") == "tool" for message in body["messages"])
+
+
+def _called_tools(api: str, body: dict[str, Any]) -> set[str]:
+    """The names of the tool calls in the conversation the agent sent back."""
+    if api == "responses":
+        return {
+            item.get("name", "")
+            for item in body.get("input") or []
+            if isinstance(item, dict) and item.get("type") == "function_call"
+        }
+    if api == "messages":
+        return {
+            block.get("name", "")
+            for message in body["messages"]
+            if message.get("role") == "assistant" and isinstance(message.get("content"), list)
+            for block in message["content"]
+            if isinstance(block, dict) and block.get("type") == "tool_use"
+        }
+    return {
+        call["function"]["name"]
+        for message in body["messages"]
+        if message.get("role") == "assistant"
+        for call in message.get("tool_calls") or ()
+    }
 
 
 def _bodies(posts: list[Any]) -> list[dict[str, Any]]:
@@ -151,6 +179,8 @@ async def test_a_turn_with_a_tool_round_trip_on_the_mock(
     assert any(_carries_tool_result(agent.api, body) for body in bodies), (
         "the agent never sent a tool result back:\n" + described
     )
+    # The mock called the tool the prompt named, and the agent ran that one.
+    assert any(agent.tool in _called_tools(agent.api, body) for body in bodies), described
 
 
 @pytest.mark.parametrize("agent", agents.AGENTS, ids=lambda a: a.name)

@@ -40,7 +40,7 @@ local = _load("test_local_stack")
 certs = local.certs  # the fixture, under this module's name
 LLAMA = local.LLAMA_MODEL
 WINDOW = 8192  # configs/fleet.yaml: smollm2's context_window, make run's llama.cpp --ctx
-CAP = 1024  # and its max_output_tokens
+CAP = 512  # and its max_output_tokens
 
 # opencode 1.18's first request of a session, as captured (its system prompt shortened).
 OPENCODE_HEADERS = {

@@ -1377,6 +1377,27 @@ async def test_every_api_clamps_by_the_one_rule_with_the_one_header(edge: Edge) 
     ]
 
 
+async def test_a_request_asking_no_length_gets_the_cap_of_a_model_with_a_context_window(
+    edge: Edge,
+) -> None:
+    """An engine left to its own default (llama.cpp's: until the context is full) would
+    run far past the cap the fleet set; a model without a context window is left alone."""
+    hello = [{"role": "user", "content": "hi"}]
+    async with edge.sdk() as client:
+        await client.chat.completions.create(model=CHAT, messages=hello)
+        edge.catalog.entries[0] = dataclasses.replace(
+            edge.catalog.entries[0], max_output_tokens=256, context_window=8192
+        )
+        raw = await client.chat.completions.with_raw_response.create(model=CHAT, messages=hello)
+        await client.completions.create(model=CHAT, prompt="hi")
+        await client.chat.completions.create(model=CHAT, messages=hello, max_tokens=5)
+    unasked, capped_chat, capped_text, asked = edge.service.specs
+    assert "max_tokens" not in unasked.body
+    assert capped_chat.body["max_tokens"] == capped_text.body["max_tokens"] == 256
+    assert "x-iop-max-tokens-clamped" not in raw.headers  # nothing the client asked changed
+    assert asked.body["max_tokens"] == 5
+
+
 @pytest.mark.parametrize("value", [2**31, 0, -1, "32000", 1.5, True])
 async def test_output_lengths_that_are_not_integers_below_2_to_the_31_stay_a_400(
     edge: Edge, http: aiohttp.ClientSession, value: object

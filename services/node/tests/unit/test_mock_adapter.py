@@ -356,6 +356,21 @@ RESULT = {"role": "tool", "tool_call_id": "c1", "content": "noon"}
             ),
             "get_weather",
         ),
+        # an agent harness's notes name tools too, after the user's words: not the user's
+        # asking (the edge's note for Claude Code's system message inside messages)
+        (
+            said(
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "call get_weather please"},
+                        {"type": "text", "text": "<system>\nget_time is a tool\n</system>"},
+                        {"type": "text", "text": " <system-reminder>get_time</system-reminder>"},
+                    ],
+                }
+            ),
+            "get_weather",
+        ),
         # Claude Code's system message after the user's is not the user's turn ending
         (said(USER, {"role": "system", "content": "get_time is there"}), "get_weather"),
         (

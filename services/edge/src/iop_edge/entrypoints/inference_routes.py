@@ -191,10 +191,16 @@ class InferenceRoutes:
         if entry is None:
             raise ModelNotFound(f"The model '{spec.model}' does not exist.", param="model")
         trace.model = spec.model
-        chat, clamp = clamp_output_tokens(spec.operation, spec.body, entry.max_output_tokens)
-        if clamp is not None:
+        chat, clamp = clamp_output_tokens(
+            spec.operation,
+            spec.body,
+            entry.max_output_tokens,
+            cap_when_unasked=entry.context_window > 0,
+        )
+        if chat is not spec.body:
             spec = dataclasses.replace(spec, body=chat)
             asked = dataclasses.replace(asked, spec=spec)
+        if clamp is not None:
             trace.headers[CLAMP_HEADER] = clamp.header
         in_flight = self._metrics.model(spec.model).in_flight
         with self._slots.hold(key) as flight, in_flight.track_inprogress():

@@ -122,16 +122,23 @@ class OutputClamp:
 
 
 def clamp_output_tokens(
-    operation: Operation, body: dict[str, Any], cap: int
+    operation: Operation, body: dict[str, Any], cap: int, *, cap_when_unasked: bool = False
 ) -> tuple[dict[str, Any], OutputClamp | None]:
     """``body`` with each output-length field held to the model's ``cap``, and what was
     lowered (the largest asked; ``None`` when nothing was, and ``body`` itself comes back).
+    ``cap_when_unasked``: a body that asks no length is given ``max_tokens`` = ``cap``
+    (the fleet described the model's limits: an engine left to its own default, such as
+    llama.cpp's, generates until its context is full; said in no header, since nothing
+    the client asked was changed).
 
     ``InvalidRequest`` naming the field (as OpenAI does) unless each such field is
     absent, null, or an integer from 1 to 2**31 - 1.
     """
+    fields = OUTPUT_TOKEN_FIELDS[operation]
+    if cap_when_unasked and fields and all(body.get(field) is None for field in fields):
+        return {**body, fields[0]: cap}, None
     clamp: OutputClamp | None = None
-    for field in OUTPUT_TOKEN_FIELDS[operation]:
+    for field in fields:
         value = body.get(field)
         if value is None:
             continue

@@ -20,8 +20,9 @@ ends a turn:
   is a ``user`` message, and no ``tool`` result came since the last assistant
   message), it calls one tool, ending with ``tool_calls``: the tool whose name the
   user's last message contains (a whole word, the exact case before any case; of
-  several, the first named in the last text part that names one), else the first
-  tool. ``tool_choice`` ``required`` calls one whatever the conversation, a named
+  several, the first named in the last text part that names one; parts that are an
+  agent harness's notes, ``<system>`` or ``<system-reminder>`` blocks, are not the
+  user's words and never count), else the first tool. ``tool_choice`` ``required`` calls one whatever the conversation, a named
   ``tool_choice`` that tool. The arguments satisfy the tool's whole JSON schema and
   are values an agent can run harmlessly (``mock_schema``: a ``command``/``cmd`` is
   ``echo iop-mock``, a path ``.``, a ``pattern``/``query`` ``iop-mock``, booleans
@@ -452,8 +453,14 @@ def _word(name: str, exact: bool) -> re.Pattern[str]:
     return re.compile(rf"(?<![\w-]){re.escape(name)}(?![\w-])", 0 if exact else re.IGNORECASE)
 
 
+HARNESS_NOTES: Final = ("<system>", "<system-reminder>")
+"""How the text parts an agent adds beside its user's words start: Claude Code's reminders
+(which list its tools and agents by name) and the edge's notes for system messages inside
+``messages``. Naming a tool there is the harness's doing, not the user's asking."""
+
+
 def _user_texts(messages: Any) -> Iterator[str]:
-    """The text parts of the last ``user`` message, in order."""
+    """The user's own text parts of the last ``user`` message, in order."""
     users = [m for m in messages or () if isinstance(m, Mapping) and m.get("role") == "user"]
     content = users[-1].get("content") if users else None
     if isinstance(content, str):
@@ -461,7 +468,8 @@ def _user_texts(messages: Any) -> Iterator[str]:
     elif isinstance(content, list):
         for part in content:
             if isinstance(part, Mapping) and isinstance(part.get("text"), str):
-                yield part["text"]
+                if not part["text"].lstrip().startswith(HARNESS_NOTES):
+                    yield part["text"]
 
 
 def _structured_answer(body: Mapping[str, Any]) -> str | None:
