@@ -22,9 +22,10 @@ ends a turn:
   user's last message contains (a whole word, the exact case before any case; of
   several, the first named in the last text part that names one; parts that are an
   agent harness's notes, ``<system>`` or ``<system-reminder>`` blocks, are not the
-  user's words and never count), else the first tool. ``tool_choice`` ``required`` calls one whatever the conversation, a named
-  ``tool_choice`` that tool. The arguments satisfy the tool's whole JSON schema and
-  are values an agent can run harmlessly (``mock_schema``: a ``command``/``cmd`` is
+  user's words and never count), else the first tool. ``tool_choice`` ``required``
+  calls one whatever the conversation, a named ``tool_choice`` that tool. The
+  arguments satisfy the tool's whole JSON schema and are values an agent can run
+  harmlessly (``mock_schema``: a ``command``/``cmd`` is
   ``echo iop-mock``, a path ``.``, a ``pattern``/``query`` ``iop-mock``, booleans
   false, only required properties).
 - **After a tool result** (a ``tool`` message since the last assistant message), the
@@ -467,9 +468,9 @@ def _user_texts(messages: Any) -> Iterator[str]:
         yield content
     elif isinstance(content, list):
         for part in content:
-            if isinstance(part, Mapping) and isinstance(part.get("text"), str):
-                if not part["text"].lstrip().startswith(HARNESS_NOTES):
-                    yield part["text"]
+            text = part.get("text") if isinstance(part, Mapping) else None
+            if isinstance(text, str) and not text.lstrip().startswith(HARNESS_NOTES):
+                yield text
 
 
 def _structured_answer(body: Mapping[str, Any]) -> str | None:
