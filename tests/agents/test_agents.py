@@ -5,10 +5,10 @@ Each agent runs one non-interactive turn through a recording relay (``recorder.p
 the test holds both what the agent did (its exit code) and what it sent (every request):
 - on ``mock-small``, a turn with a tool round trip: the mock calls the tool named in the
   prompt, the agent runs it and sends the result back, the mock answers, the agent exits 0;
-- on ``smollm2:135m`` (the real llama.cpp, 8,192 tokens of context), a plain turn where the
-  agent's own first request fits; where it cannot (Claude Code's is about 19,000 tokens),
-  ``context_length_exceeded`` in its API's shape at once, and the agent stops with that
-  message instead of retrying or compacting in a loop.
+- on ``smollm2:135m`` (the real llama.cpp, 8,192 tokens of context), a plain turn: every
+  request served, exit 0; Claude Code alone may stop with its own "output token maximum"
+  message after a bounded number of resumptions, since the 135M model rarely ends a turn
+  within its cap under Claude Code's long prompt.
 
 ``AGENTS_RECORD=1`` writes the requests each agent sent into ``requests/<agent>.json``:
 the fixtures the contract tests (``tests/e2e/test_agent_requests.py``) replay in plain
@@ -55,8 +55,8 @@ LLAMA = local.LLAMA_MODEL
 TURN_TIMEOUT_S = 480.0  # a turn on the real model: a long prompt's prefill on one CPU thread
 REQUIRED = os.environ.get("TEST_AGENTS_REQUIRED") == "1"
 RECORD = os.environ.get("AGENTS_RECORD") == "1"
-# Agents whose own first request is larger than SmolLM2's 8,192 tokens of context.
-TOO_LONG_FOR_LLAMA = {"claude"}
+# Agents that answer a stop_reason max_tokens by resuming the answer, then give up.
+RESUMES_ON_MAX_TOKENS = {"claude"}
 
 
 def _require(agent: Any) -> None:
@@ -179,8 +179,16 @@ async def test_a_turn_with_a_tool_round_trip_on_the_mock(
     assert any(_carries_tool_result(agent.api, body) for body in bodies), (
         "the agent never sent a tool result back:\n" + described
     )
-    # The mock called the tool the prompt named, and the agent ran that one.
-    assert any(agent.tool in _called_tools(agent.api, body) for body in bodies), described
+    # The mock called the tool the prompt named, and the agent ran that one. Over the
+    # WebSocket, Codex sends only the new items (the call is in the socket's replies).
+    called = set().union(*(_called_tools(agent.api, body) for body in bodies))
+    called |= {
+        event["item"]["name"]
+        for post in posts
+        for event in map(json.loads, post.socket_replies)
+        if event["type"] == "response.output_item.done" and event["item"]["type"] == "function_call"
+    }
+    assert agent.tool in called, described
 
 
 @pytest.mark.parametrize("agent", agents.AGENTS, ids=lambda a: a.name)
@@ -190,21 +198,14 @@ async def test_a_plain_turn_on_the_real_model(agent: Any, origin: str, tmp_path:
     _record(agent, LLAMA, posts)
     described = _describe(turn, posts)
     assert posts, described
-    if agent.name not in TOO_LONG_FOR_LLAMA:
+    assert all(post.status in {101, 200} for post in posts), described
+    if turn.returncode == 0 or agent.name not in RESUMES_ON_MAX_TOKENS:
         assert turn.returncode == 0, described
-        assert all(post.status in {101, 200} for post in posts), described
         return
-    # Its first request cannot fit 8,192 tokens: told so at once, in its API's shape, and
-    # it stops with the message instead of compacting or retrying in a loop.
-    first = posts[0]
-    assert first.status == 400, described
-    error = json.loads(first.answer)
-    if agent.api == "messages":
-        assert error["type"] == "error", described
-        assert error["error"]["type"] == "invalid_request_error", described
-        assert error["error"]["message"].startswith("prompt is too long"), described
-    else:
-        assert error["error"]["code"] == "context_length_exceeded", described
-    assert len(posts) <= 3, described
-    assert turn.returncode != 0, described
-    assert "too long" in turn.output or "context" in turn.output, described
+    # SmolLM2-135M rarely ends a turn within its 512-token cap under Claude Code's long
+    # prompt: each answer ends max_tokens (the 32,000 asked, lowered and said so), Claude
+    # Code resumes a bounded number of times, then stops with its own message. Bounded,
+    # every request served: the model's limit, not the API's.
+    assert len(posts) <= 4, described
+    assert "output token maximum" in turn.output, described
+    assert all(b'"stop_reason":"max_tokens"' in post.answer for post in posts), described
