@@ -39,7 +39,13 @@ CASES = _recorded()
 
 
 def _headers(request: dict[str, Any]) -> dict[str, str]:
-    return {k: v for k, v in request["headers"].items() if k.lower() not in DROP}
+    """The agent's headers but the connection's own (a WebSocket handshake is this
+    client's, its compression offer included)."""
+    return {
+        k: v
+        for k, v in request["headers"].items()
+        if k.lower() not in DROP and not k.lower().startswith("sec-websocket-")
+    }
 
 
 async def _replay_http(origin: str, request: dict[str, Any]) -> None:
@@ -69,12 +75,18 @@ async def _replay_socket(origin: str, request: dict[str, Any]) -> None:
     url = origin.replace("http", "ws", 1) + request["path"]
     async with aiohttp.ClientSession() as http:
         async with http.ws_connect(url, headers=_headers(request)) as socket:
+            last_id: str | None = None
             for message in request["socket_messages"]:
+                if "previous_response_id" in message:
+                    # Codex continues the socket's last response: this replay's, whose id
+                    # is new (the recorded one existed only on the recorded connection).
+                    message = {**message, "previous_response_id": last_id}
                 await socket.send_str(json.dumps(message))
                 while True:
                     event = json.loads(await socket.receive_str(timeout=30))
                     assert event["type"] not in {"error", "response.failed"}, event
                     if event["type"] in {"response.completed", "response.incomplete"}:
+                        last_id = event["response"]["id"]
                         break
 
 

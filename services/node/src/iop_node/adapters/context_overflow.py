@@ -10,7 +10,8 @@ it on another provider. Recognised:
   "n_prompt_tokens": M, "n_ctx": N, ...}}`` (``n_ctx``: the slot's context);
 - vLLM: HTTP 400, "This model's maximum context length is N tokens. However, you
   requested T tokens (M in the messages, C in the completion)..." or "...your request
-  has M input tokens...";
+  has M input tokens..."; vLLM 0.32 checks the output asked first: "max_tokens=T cannot
+  be greater than max_model_len=N. Please request fewer output tokens." (no prompt count);
 - SGLang: "The input (M tokens) is longer than the model's context length (N tokens).";
 - OpenAI itself (and servers that copy it): ``code: "context_length_exceeded"``;
 - Ollama, with ``truncate`` off: "the input length exceeds the context length" (no numbers;
@@ -31,6 +32,7 @@ _PROMPT: Final = re.compile(r"(\d+) in the messages|has (\d+) input tokens|in (\
 _SGLANG: Final = re.compile(
     r"input \((\d+) tokens\) is longer than the model's context length \((\d+) tokens\)"
 )
+_OUTPUT_PAST_WINDOW: Final = re.compile(r"cannot be greater than max_model_len=(\d+)")
 _NUMBERLESS: Final = ("input length exceeds the context length", "exceeds the context window")
 
 
@@ -71,6 +73,10 @@ def _from_text(message: str, provider_status: int) -> ContextLengthExceeded | No
             provider_status=provider_status,
             context_window=int(window_match.group(1)),
             prompt_tokens=prompt,
+        )
+    if (output_match := _OUTPUT_PAST_WINDOW.search(message)) is not None:
+        return ContextLengthExceeded(
+            message, provider_status=provider_status, context_window=int(output_match.group(1))
         )
     lowered = message.lower()
     if any(phrase in lowered for phrase in _NUMBERLESS):
