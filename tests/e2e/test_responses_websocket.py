@@ -408,6 +408,8 @@ async def test_a_compaction_trigger_turn_answers_one_compaction_item(
         assert [e["sequence_number"] for e in events] == list(range(5))
         final = events[-1]["response"]
         assert contract.REQUIRED["Response"] <= final.keys()
+        assert isinstance(final["completed_at"], int)  # completed: the spec wants it set
+        assert events[-1]["sequence_number"] == 4
         (item,) = final["output"]
         assert events[3]["item"] == item
         assert item["type"] == "compaction"

@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import base64
 import binascii
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
 from iop_edge.domain.events import Completed, Delta
 from iop_edge.errors import EdgeError
 from iop_edge.formats.responses_output import Turn, response_error, response_object
-from iop_proto import json_codec
+from iop_edge.formats.responses_stream import error_event_fields, sse_event
 
 COMPACTION_PREFIX: Final = "iop-compaction-v1:"
 SUMMARY_HEADER: Final = "Summary of the conversation so far:"
@@ -96,9 +97,9 @@ class CompactionEvents:
 
     def failure(self, error: EdgeError) -> bytes:
         final = self._response("failed", [], error=response_error(error))
-        return self._event(
-            "error", code=error.code, message=error.message, param=error.param
-        ) + self._event("response.failed", response=final)
+        return self._event("error", **error_event_fields(error)) + self._event(
+            "response.failed", response=final
+        )
 
     def _response(
         self,
@@ -115,14 +116,13 @@ class CompactionEvents:
             output=output,
             usage=usage,
             error=error,
+            completed_at=int(time.time()) if status == "completed" else None,
         )
 
     def _event(self, kind: str, **fields: Any) -> bytes:
-        # The framing of responses_stream's events: an event line, then its data.
         seq = self._seq
         self._seq = seq + 1
-        payload = {"type": kind, "sequence_number": seq, **fields}
-        return b"event: " + kind.encode() + b"\ndata: " + json_codec.dumps(payload) + b"\n\n"
+        return sse_event(kind, seq, fields)
 
 
 def summary_body(

@@ -183,10 +183,7 @@ class ResponseEventStream:
         self.final = self._response(
             "failed", self._output("incomplete"), None, error=response_error(error)
         )
-        # OpenAI sends the error's fields at the top; the Open Responses specification (its
-        # ErrorStreamingEvent) wants them in ``error``: both are there.
-        payload = {"code": error.code, "message": error.message, "param": error.param}
-        out.append(self._event("error", **payload, error={"type": error.type, **payload}))
+        out.append(self._event("error", **error_event_fields(error)))
         out.append(self._event("response.failed", response=self.final))
         return b"".join(out)
 
@@ -367,8 +364,7 @@ class ResponseEventStream:
     def _event(self, kind: str, **fields: Any) -> bytes:
         seq = self._seq
         self._seq = seq + 1
-        payload = {"type": kind, "sequence_number": seq, **fields}
-        return b"event: " + kind.encode() + b"\ndata: " + json_codec.dumps(payload) + b"\n\n"
+        return sse_event(kind, seq, fields)
 
 
 def _at(item: _Item) -> dict[str, Any]:
@@ -379,3 +375,16 @@ def _merge(call: Call, part: ToolCallDelta) -> None:
     call.call_id = call.call_id or part.id
     call.name += part.function_name
     call.arguments += part.function_arguments
+
+
+def sse_event(kind: str, sequence_number: int, fields: dict[str, Any]) -> bytes:
+    """One Responses stream event as SSE: an event line, then its data."""
+    payload = {"type": kind, "sequence_number": sequence_number, **fields}
+    return b"event: " + kind.encode() + b"\ndata: " + json_codec.dumps(payload) + b"\n\n"
+
+
+def error_event_fields(error: EdgeError) -> dict[str, Any]:
+    """An ``error`` event's fields. OpenAI sends the error's fields at the top; the Open
+    Responses specification (its ErrorStreamingEvent) wants them in ``error``: both."""
+    payload = {"code": error.code, "message": error.message, "param": error.param}
+    return {**payload, "error": {"type": error.type, **payload}}
