@@ -421,6 +421,7 @@ async def test_a_compaction_trigger_turn_answers_one_compaction_item(
             whole = await reply.json()
             assert reply.status == 200, whole
     assert whole["object"] == "response"
+    assert isinstance(whole["completed_at"], int)  # completed: the spec wants it set
     assert [item["type"] for item in whole["output"]] == ["compaction"]
     # The next turn sends the compaction back: its summary reaches the model.
     follow = await create(

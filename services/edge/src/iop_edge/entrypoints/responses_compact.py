@@ -22,6 +22,7 @@ such a request here and every other to ``ResponsesDialect``.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Final
@@ -130,6 +131,7 @@ class CompactDialect:
                 status="completed",
                 output=[item],
                 usage=turn.usage_object(),
+                completed_at=int(time.time()),
             )
             return json_codec.dumps(response)
         conversation = [*draft.history, *with_ids(draft.request.items, run_id)]
