@@ -27,9 +27,9 @@ from iop_edge.domain.events import (
     Usage,
 )
 from iop_edge.domain.fleet import ApiKeyEntry, ModelEntry
+from iop_edge.entrypoints.api_dialect import DROPPED_TOOLS_HEADER
 from iop_edge.entrypoints.api_metrics import ApiMetrics
 from iop_edge.entrypoints.http_api import create_api_app, load_openapi
-from iop_edge.formats.responses_tools import DROPPED_HEADER
 from iop_edge.ports import AttemptRecord, EdgeRunRecord, RunSpec, StoredResponse
 from iop_proto import json_codec
 from iop_proto.testing import loopback_app
@@ -272,7 +272,7 @@ async def test_codex_s_request_is_answered_and_its_next_turn_carries_the_reasoni
         Completed("tool_calls", Usage(5, 3, 8)),
     ]
     headers, raw = await post(edge, body)
-    assert headers[DROPPED_HEADER] == "web_search"
+    assert headers[DROPPED_TOOLS_HEADER] == "web_search"
     offered = [tool["function"]["name"] for tool in edge.service.specs[0].body["tools"]]
     assert "multi_agent_v1__spawn_agent" in offered
     assert "web_search" not in offered
@@ -320,9 +320,9 @@ async def test_a_non_streamed_answer_names_the_dropped_tools_too(edge: Edge) -> 
         "tools": [{"type": "file_search", "vector_store_ids": ["v"]}, {"type": "mcp"}],
     }
     headers, raw = await post(edge, body)
-    assert headers[DROPPED_HEADER] == "file_search,mcp"
+    assert headers[DROPPED_TOOLS_HEADER] == "file_search,mcp"
     response = json_codec.loads(raw)
     assert response["tools"] == []
     assert response["service_tier"] == "default"
     headers, _ = await post(edge, {"model": MODEL, "input": "x"})
-    assert DROPPED_HEADER not in headers
+    assert DROPPED_TOOLS_HEADER not in headers

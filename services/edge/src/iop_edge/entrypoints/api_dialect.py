@@ -15,9 +15,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 from aiohttp import web
+from loguru import logger
 
 from iop_edge.domain.events import Completed, Delta
 from iop_edge.domain.fleet import ApiKeyEntry, Operation
@@ -34,6 +35,24 @@ class DialectRequest:
     spec: RunSpec
     context: Any = None
     headers: tuple[tuple[str, str], ...] = ()
+
+
+DROPPED_TOOLS_HEADER: Final = "x-iop-dropped-tools"
+"""The answer's header naming the hosted tools (Responses) or server tools (Messages) that
+the pool cannot run and left out of what the model is offered: one policy, one header."""
+
+
+def dropped_tools_headers(
+    api: str, model: str, dropped: Sequence[str]
+) -> tuple[tuple[str, str], ...]:
+    """The answer's headers for the tools left out (none when none were), logged once."""
+    if not dropped:
+        return ()
+    named = ",".join(dropped)
+    logger.info(
+        "{} for {}: tools the pool cannot run left out of what it is offered: {}", api, model, named
+    )
+    return ((DROPPED_TOOLS_HEADER, named),)
 
 
 class StreamWriter(Protocol):

@@ -30,11 +30,10 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Final
 
 from aiohttp import web
-from loguru import logger
 
 from iop_edge.domain.events import Completed, Delta
 from iop_edge.domain.fleet import ApiKeyEntry, Operation
-from iop_edge.entrypoints.api_dialect import DialectRequest
+from iop_edge.entrypoints.api_dialect import DialectRequest, dropped_tools_headers
 from iop_edge.entrypoints.openai_errors import MethodNotAllowed
 from iop_edge.errors import EdgeError, QueueFull
 from iop_edge.formats.anthropic import (
@@ -62,8 +61,6 @@ CHAT: Final = Operation.CHAT_COMPLETIONS
 ANTHROPIC_VERSION: Final = "anthropic-version"
 """The header every Anthropic client sends, which OpenAI's do not."""
 REQUEST_ID: Final = "request-id"
-DROPPED_TOOLS: Final = "x-iop-dropped-tools"
-"""The answer's header naming the hosted (server) tools left out, shared with the Responses API."""
 
 
 def is_messages_path(path: str) -> bool:
@@ -115,15 +112,7 @@ class MessagesDialect:
         spec = RunSpec(
             model=chat["model"], operation=CHAT, body=chat, stream=stream, include_usage=stream
         )
-        dropped = dropped_tools(body)
-        if not dropped:
-            return DialectRequest(spec, context=tuple(chat.get("stop", ())))
-        logger.info(
-            "messages for {}: server tools left out of what the model is offered: {}",
-            spec.model,
-            ", ".join(dropped),
-        )
-        headers = ((DROPPED_TOOLS, ",".join(dropped)),)
+        headers = dropped_tools_headers("messages", spec.model, dropped_tools(body))
         return DialectRequest(spec, context=tuple(chat.get("stop", ())), headers=headers)
 
     async def resolve(self, asked: DialectRequest, key: ApiKeyEntry | None) -> DialectRequest:

@@ -25,11 +25,10 @@ from dataclasses import dataclass, field
 from typing import Any, Final, Protocol
 
 from aiohttp import web
-from loguru import logger
 
 from iop_edge.domain.events import Completed, Delta
 from iop_edge.domain.fleet import ApiKeyEntry, Operation
-from iop_edge.entrypoints.api_dialect import DialectRequest
+from iop_edge.entrypoints.api_dialect import DialectRequest, dropped_tools_headers
 from iop_edge.entrypoints.inference_request import OFFLOAD_BYTES
 from iop_edge.entrypoints.openai_errors import error_response
 from iop_edge.errors import EdgeError, NotFound
@@ -37,7 +36,6 @@ from iop_edge.formats.reasoning_seal import ReasoningSeal
 from iop_edge.formats.responses_output import OutputShape, Turn, response_id, response_object
 from iop_edge.formats.responses_request import ResponsesRequest, chat_body, read_request
 from iop_edge.formats.responses_stream import ResponseEventStream
-from iop_edge.formats.responses_tools import DROPPED_HEADER
 from iop_edge.ports import ResponseStore, RunSpec, StoredResponse
 from iop_proto import json_codec
 from iop_proto.service.logging import log_unexpected
@@ -112,15 +110,7 @@ class ResponsesDialect:
             stream=request.stream,
             include_usage=request.stream,
         )
-        dropped = request.tools.dropped
-        headers: tuple[tuple[str, str], ...] = ()
-        if dropped:
-            logger.info(
-                "responses: hosted tools {} dropped from what model {} is offered",
-                ",".join(dropped),
-                request.model,
-            )
-            headers = ((DROPPED_HEADER, ",".join(dropped)),)
+        headers = dropped_tools_headers("responses", request.model, request.tools.dropped)
         return DialectRequest(spec, ResponseDraft(request), headers)
 
     async def resolve(self, asked: DialectRequest, key: ApiKeyEntry | None) -> DialectRequest:

@@ -51,7 +51,6 @@ HOSTED: Final = frozenset(
     }
 )
 """Tool types that a hosted service runs (dated variants, ``web_search_2025_08_26``, too)."""
-DROPPED_HEADER: Final = "x-iop-dropped-tools"
 TOOL_CHOICES: Final = frozenset({"auto", "none", "required"})
 CUSTOM_INPUT: Final = "input"
 """The one parameter a custom tool is offered with."""
