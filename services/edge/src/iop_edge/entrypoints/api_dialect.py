@@ -30,7 +30,8 @@ from iop_edge.ports import RunSpec
 class DialectRequest:
     """A request read by its dialect: the run to dispatch, what the dialect keeps of
     the request for its answer (``context``: the dialect's own, opaque here), and
-    headers its answer carries, streamed or not (``headers``: name, value pairs)."""
+    headers its answer carries, streamed or not, error or not (``headers``: name, value
+    pairs; the pipeline adds them to the run trace's, with the clamp's)."""
 
     spec: RunSpec
     context: Any = None

@@ -180,6 +180,7 @@ class InferenceRoutes:
     ) -> Out | web.Response:
         """``out``: where a stream goes (``_sse_response``: an SSE answer of its own)."""
         asked = await dialect.resolve(dialect.read(body), key)
+        trace.headers.update(asked.headers)  # the dialect's, on every answer from here on
         spec = asked.spec
         trace.stream = spec.stream
         if key is not None and not key.allows(spec.model):
@@ -238,8 +239,6 @@ class InferenceRoutes:
         that fails before producing anything still gets a real HTTP error."""
         response.headers["X-Request-Id"] = events.run_id
         response.headers.update(trace.headers)
-        for name, value in asked.headers:  # one of each: a mapping holds them all
-            response.headers[name] = value
         writer = dialect.stream_writer(asked, events.run_id, trace.created)
         try:
             error = await _relay(request, response, writer, events, trace, flight)
@@ -281,7 +280,7 @@ class InferenceRoutes:
             trace.completed(end)
             body = await dialect.answer(asked, end, collector.deltas, trace.run_id, trace.created)
             trace.status = 200
-            response = web.Response(
+            return web.Response(
                 body=body,
                 content_type="application/json",
                 headers={
@@ -290,9 +289,6 @@ class InferenceRoutes:
                     **trace.headers,
                 },
             )
-            for name, value in asked.headers:
-                response.headers[name] = value
-            return response
         trace.run_ended = True
         if end is None:
             raise ProviderFailed("the run ended without a result")

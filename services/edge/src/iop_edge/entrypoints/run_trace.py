@@ -50,7 +50,7 @@ class RunTrace:
     completion_tokens: int = 0
     provider_s: float = 0.0  # the node's wait on the provider, as its last event said
     overhead_s: float | None = None  # what x-iop-overhead-ms said, once it was sent
-    headers: dict[str, str] = field(default_factory=dict)  # what every answer adds (a clamp)
+    headers: dict[str, str] = field(default_factory=dict)  # every answer adds (clamp, dialect's)
 
     @classmethod
     def begin(cls, operation: Operation) -> RunTrace:
