@@ -92,11 +92,6 @@ class ResponsesDialect:
         self._seal = seal
         self._recall = recall
 
-    @property
-    def recall(self) -> Recall | None:
-        """Where responses not stored are kept for continuation (a WebSocket's own)."""
-        return self._recall
-
     def read(self, body: dict[str, Any]) -> DialectRequest:
         request = read_request(body)
         # With a previous response the body is made once its conversation is read (resolve).

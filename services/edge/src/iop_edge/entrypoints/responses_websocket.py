@@ -150,8 +150,11 @@ class ResponsesWebSocket:
         await ws.prepare(request)
         self._sockets.add(ws)
         try:
-            responses = ResponsesDialect(self._store, self._seal, RecentResponses())
-            connection = _Connection(self._inference, responses, self._keys, request, ws, key)
+            recent = RecentResponses()
+            responses = ResponsesDialect(self._store, self._seal, recent)
+            connection = _Connection(
+                self._inference, responses, recent, self._keys, request, ws, key
+            )
             await connection.serve(self._idle_timeout_s)
         finally:
             self._sockets.discard(ws)
@@ -171,6 +174,7 @@ class _Connection:
         self,
         inference: InferenceRoutes,
         responses: ResponsesDialect,
+        recent: RecentResponses,
         keys: KeyRing,
         request: web.Request,
         ws: web.WebSocketResponse,
@@ -181,9 +185,8 @@ class _Connection:
         self._request = request
         self._ws = ws
         self._key = key
-        self._responses = responses  # with this connection's own RecentResponses
-        assert isinstance(responses.recall, RecentResponses)
-        self._recent = responses.recall
+        self._responses = responses  # recalls from ``recent``: this connection's own
+        self._recent = recent
         self._dialect = ResponsesOrCompaction(self._responses)
         self._running: asyncio.Task[None] | None = None
 
