@@ -201,7 +201,7 @@ class LifecycleCapabilities(_message.Message):
     def __init__(self, list_models: _Optional[bool] = ..., load_model: _Optional[bool] = ..., unload_model: _Optional[bool] = ..., pull_model: _Optional[bool] = ..., delete_model: _Optional[bool] = ...) -> None: ...
 
 class ProviderState(_message.Message):
-    __slots__ = ("provider_id", "type", "category", "health", "capacity", "in_flight", "queued", "max_queue", "models", "capabilities", "last_probe_unix_ms", "detail")
+    __slots__ = ("provider_id", "type", "category", "health", "capacity", "in_flight", "queued", "max_queue", "models", "capabilities", "last_probe_unix_ms", "detail", "cache")
     PROVIDER_ID_FIELD_NUMBER: _ClassVar[int]
     TYPE_FIELD_NUMBER: _ClassVar[int]
     CATEGORY_FIELD_NUMBER: _ClassVar[int]
@@ -214,6 +214,7 @@ class ProviderState(_message.Message):
     CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
     LAST_PROBE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
+    CACHE_FIELD_NUMBER: _ClassVar[int]
     provider_id: str
     type: str
     category: ProviderCategory
@@ -226,7 +227,28 @@ class ProviderState(_message.Message):
     capabilities: LifecycleCapabilities
     last_probe_unix_ms: int
     detail: str
-    def __init__(self, provider_id: _Optional[str] = ..., type: _Optional[str] = ..., category: _Optional[_Union[ProviderCategory, str]] = ..., health: _Optional[_Union[Health, str]] = ..., capacity: _Optional[int] = ..., in_flight: _Optional[int] = ..., queued: _Optional[int] = ..., max_queue: _Optional[int] = ..., models: _Optional[_Iterable[str]] = ..., capabilities: _Optional[_Union[LifecycleCapabilities, _Mapping]] = ..., last_probe_unix_ms: _Optional[int] = ..., detail: _Optional[str] = ...) -> None: ...
+    cache: CacheState
+    def __init__(self, provider_id: _Optional[str] = ..., type: _Optional[str] = ..., category: _Optional[_Union[ProviderCategory, str]] = ..., health: _Optional[_Union[Health, str]] = ..., capacity: _Optional[int] = ..., in_flight: _Optional[int] = ..., queued: _Optional[int] = ..., max_queue: _Optional[int] = ..., models: _Optional[_Iterable[str]] = ..., capabilities: _Optional[_Union[LifecycleCapabilities, _Mapping]] = ..., last_probe_unix_ms: _Optional[int] = ..., detail: _Optional[str] = ..., cache: _Optional[_Union[CacheState, _Mapping]] = ...) -> None: ...
+
+class CachedPrefix(_message.Message):
+    __slots__ = ("tail", "blocks")
+    TAIL_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    tail: int
+    blocks: int
+    def __init__(self, tail: _Optional[int] = ..., blocks: _Optional[int] = ...) -> None: ...
+
+class CacheState(_message.Message):
+    __slots__ = ("prefixes", "prompt_tokens", "cached_tokens", "prefill_ms_per_token")
+    PREFIXES_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_MS_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    prefixes: _containers.RepeatedCompositeFieldContainer[CachedPrefix]
+    prompt_tokens: int
+    cached_tokens: int
+    prefill_ms_per_token: float
+    def __init__(self, prefixes: _Optional[_Iterable[_Union[CachedPrefix, _Mapping]]] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., prefill_ms_per_token: _Optional[float] = ...) -> None: ...
 
 class ProviderSnapshot(_message.Message):
     __slots__ = ("node_id", "providers")
@@ -293,14 +315,16 @@ class RunRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., model: _Optional[str] = ..., provider_id: _Optional[str] = ..., adapter: _Optional[str] = ..., target: _Optional[str] = ..., operation: _Optional[_Union[Operation, str]] = ..., body_json: _Optional[bytes] = ..., stream: _Optional[bool] = ..., deadline_unix_ms: _Optional[int] = ..., include_usage: _Optional[bool] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "total_tokens")
+    __slots__ = ("prompt_tokens", "completion_tokens", "total_tokens", "cached_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., total_tokens: _Optional[int] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., total_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class ToolCallDelta(_message.Message):
     __slots__ = ("index", "id", "type", "function_name", "function_arguments")

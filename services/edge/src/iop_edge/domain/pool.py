@@ -33,6 +33,7 @@ import heapq
 from collections.abc import Container, Iterable, Sequence
 from dataclasses import dataclass, field
 
+from iop_edge.domain.cache_report import CacheReport
 from iop_edge.domain.events import Completed, Failed
 from iop_edge.domain.fleet import ALL_OPERATIONS, PUBLIC_OPERATIONS, Operation
 from iop_edge.domain.outliers import OutlierPolicy, OutlierState, Phase
@@ -110,6 +111,8 @@ class ProviderSlot:
     declared: frozenset[Operation] = ALL_OPERATIONS
     refused: frozenset[Operation] = frozenset()
     operations: frozenset[Operation] = ALL_OPERATIONS
+    # What its engine's prompt cache holds, by the node's last snapshot.
+    cache: CacheReport = field(default_factory=CacheReport)
     # The indexes this slot is in, with its position in each, and what they last saw.
     _indexes: list[tuple[ModelIndex, int]] = field(default_factory=list, init=False, repr=False)
     _version: int = field(default=0, init=False, repr=False)

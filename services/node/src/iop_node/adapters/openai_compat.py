@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import time
 from collections.abc import Mapping
@@ -272,6 +273,7 @@ async def _read_stream(
     text_mode = spec.operation is Operation.COMPLETIONS
     finish_reasons: dict[int, str] = {}
     usage: Usage | None = None
+    timings: Any = None
     # aclosing: a run that stops early (cancelled, sink gone) finalises the reader now,
     # not whenever the garbage collector finds it.
     async with contextlib.aclosing(iter_sse_data(response)) as events:
@@ -286,6 +288,8 @@ async def _read_stream(
                 raise _error_from_object(chunk["error"])
             if chunk.get("usage"):
                 usage = _usage(chunk["usage"]) or usage
+            if chunk.get("timings"):  # llama.cpp: the last chunk(s) carry its timings
+                timings = chunk["timings"]
             for choice in chunk.get("choices") or ():
                 delta = _choice_delta(choice, text_mode)
                 if delta is None:
@@ -294,7 +298,7 @@ async def _read_stream(
                     finish_reasons[delta.choice_index] = delta.finish_reason
                 await sink.delta(delta)
     finish = finish_reasons.get(0) or next(iter(finish_reasons.values()), "")
-    return Completion(finish_reason=finish, usage=usage, result=None)
+    return Completion(finish_reason=finish, usage=_with_timings(usage, timings), result=None)
 
 
 def _choice_delta(choice: Any, text_mode: bool) -> Delta | None:
@@ -370,7 +374,7 @@ def _read_result(body: bytes, operation: Operation, provider_us: int = 0) -> Com
             finish = _str(choices[0].get("finish_reason"))
     return Completion(
         finish_reason=finish,
-        usage=_usage(result.get("usage")),
+        usage=_with_timings(_usage(result.get("usage")), result.get("timings")),
         result=result,
         result_json=body,  # forwarded as it came: the edge's codec reads what json reads
         provider_us=provider_us,
@@ -383,7 +387,27 @@ def _usage(value: Any) -> Usage | None:
     prompt = _int(value.get("prompt_tokens"))
     completion = _int(value.get("completion_tokens"))
     total = _int(value.get("total_tokens")) or prompt + completion
-    return Usage(prompt, completion, total)
+    details = value.get("prompt_tokens_details")
+    cached = _int(details.get("cached_tokens")) if isinstance(details, dict) else 0
+    return Usage(prompt, completion, total, cached_tokens=min(cached, prompt))
+
+
+def _with_timings(usage: Usage | None, timings: Any) -> Usage | None:
+    """``usage`` with what llama.cpp's ``timings`` add: the prompt tokens it took from its
+    cache (``cache_n``; the answer's ``prompt_tokens_details`` says the same in newer
+    builds, older ones only here) and the time it spent on the rest (``prompt_ms`` for
+    ``prompt_n`` tokens), which the node's cache account turns into a prefill rate."""
+    if usage is None or not isinstance(timings, dict):
+        return usage
+    cached = max(usage.cached_tokens, _int(timings.get("cache_n")))
+    evaluated = _int(timings.get("prompt_n"))
+    prompt_ms = timings.get("prompt_ms")
+    rate = None
+    if evaluated > 0 and isinstance(prompt_ms, (int, float)) and prompt_ms >= 0:
+        rate = float(prompt_ms) / evaluated
+    return dataclasses.replace(
+        usage, cached_tokens=min(cached, usage.prompt_tokens), prefill_ms_per_token=rate
+    )
 
 
 def _model_ids(document: Any) -> tuple[str, ...]:

@@ -50,6 +50,12 @@ class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    cached_tokens: int = 0
+    """Of ``prompt_tokens``, those the engine took from its prompt cache (0: none, or an
+    engine that does not say)."""
+    prefill_ms_per_token: float | None = None
+    """The engine's own prefill time per evaluated prompt token (llama.cpp's timings),
+    for the node's cache account; not sent to the edge."""
 
     @classmethod
     def of(cls, prompt: int, completion: int) -> Usage:

@@ -46,6 +46,7 @@ def usage(value: Usage) -> dict[str, int]:
         "prompt_tokens": value.prompt_tokens,
         "completion_tokens": value.completion_tokens,
         "total_tokens": value.total_tokens,
+        "cached_tokens": value.cached_tokens,
     }
 
 

@@ -1,0 +1,115 @@
+"""Prompt prefixes as chains of block hashes, the same on the edge and the node.
+
+An engine's prompt cache (llama.cpp's slots and host prompt cache, vLLM's and SGLang's
+prefix caching) saves the prefill of the longest prefix of a prompt it has seen. The edge
+guesses where a prefix lives from what it sent where, and the node reports what its
+engine served; both must name a prefix the same way, so the rule lives here, beside the
+wire contract, and both import it.
+
+A prompt's **text** is what the engine's chat template renders, in order, without the
+template: the tools (canonical JSON: one tool list renders one way), then each message's
+role and content, text parts joined. It is cut into blocks of ``BLOCK_CHARS``
+characters; block ``i``'s hash covers block ``i`` and the hash of block ``i - 1``, so a
+hash names the whole prefix up to the end of its block (as vLLM's block hashes do over
+token ids). The last, partial block has no hash: a prefix is matched in whole blocks,
+which keeps one edit near the end from changing more than one hash. The body is the one
+the run carries (the edge's ``RunOrder.body_json``, the node's ``ExecutionSpec.body``):
+the dialects have already dropped the per-request noise agents put in their prompts
+(Claude Code's billing header), so two turns of one conversation share their prefix.
+
+Characters, not tokens: neither side has the engine's tokenizer at hand, and a block of
+256 characters is 50-80 tokens of English or code, fine enough to tell a shared system
+prompt from a shared conversation.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Mapping
+from typing import Any, Final
+
+BLOCK_CHARS: Final = 256
+"""Characters per block: about 60 tokens, a fraction of one agent turn."""
+
+MAX_BLOCKS: Final = 2048
+"""Blocks hashed at most (512 KiB of text): longer prompts are matched on this much of
+their start, which already tells their engine apart; the bound keeps hashing cheap."""
+
+_SEPARATOR: Final = "\x1e"  # between messages; a record separator no chat text carries
+
+
+def prompt_text(body: Mapping[str, Any]) -> str:
+    """The text of a chat-completions or completions body that an engine's prompt starts
+    with, in order; ``""`` for a body with nothing to cache (embeddings)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and all(isinstance(p, str) for p in prompt):
+        return _SEPARATOR.join(prompt)
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return ""
+    parts: list[str] = []
+    tools = body.get("tools")
+    if tools:
+        parts.append("tools:" + json.dumps(tools, sort_keys=True, ensure_ascii=False, default=str))
+    for message in messages:
+        if isinstance(message, Mapping):
+            parts.append(f"{message.get('role', '')}:{_content_text(message)}")
+    return _SEPARATOR.join(parts)
+
+
+def _content_text(message: Mapping[str, Any]) -> str:
+    content = message.get("content")
+    if isinstance(content, str):
+        text = content
+    elif isinstance(content, list):
+        text = "".join(_part_text(part) for part in content)
+    else:
+        text = ""
+    calls = message.get("tool_calls")
+    if calls:  # an assistant turn that called tools renders the calls
+        text += json.dumps(calls, sort_keys=True, ensure_ascii=False, default=str)
+    return text
+
+
+def _part_text(part: object) -> str:
+    if isinstance(part, str):
+        return part
+    if isinstance(part, Mapping):
+        text = part.get("text")
+        if isinstance(text, str):
+            return text
+        # An image or file part: its kind and reference, so the hash moves with it.
+        return json.dumps(part, sort_keys=True, ensure_ascii=False, default=str)[:BLOCK_CHARS]
+    return ""
+
+
+def block_hashes(text: str, *, max_blocks: int = MAX_BLOCKS) -> list[int]:
+    """The chained hashes of ``text``'s whole blocks (at most ``max_blocks``): element
+    ``i`` names the prefix ``text[: (i + 1) * BLOCK_CHARS]``."""
+    hashes: list[int] = []
+    previous = b""
+    whole = min(len(text) // BLOCK_CHARS, max_blocks)
+    for start in range(0, whole * BLOCK_CHARS, BLOCK_CHARS):
+        block = text[start : start + BLOCK_CHARS].encode("utf-8", "surrogatepass")
+        previous = hashlib.blake2b(previous + block, digest_size=8).digest()
+        hashes.append(int.from_bytes(previous, "big"))
+    return hashes
+
+
+def body_blocks(body: Mapping[str, Any]) -> list[int]:
+    """``block_hashes(prompt_text(body))``: a run body's prefix chain."""
+    return block_hashes(prompt_text(body))
+
+
+def longest_match(chain: Iterable[int], held: Mapping[int, int]) -> int:
+    """How many leading blocks of ``chain`` a holder of the prefixes ``held`` (a prefix's
+    last hash -> its length in blocks) has: the longest held prefix that ``chain`` starts
+    with, 0 for none."""
+    best = 0
+    for length, block in enumerate(chain, start=1):
+        if held.get(block) == length:
+            best = length
+    return best
