@@ -101,6 +101,7 @@ async def build(
         guards=RunGuards(
             settings.run_ack_timeout_s, settings.stall_timeout_s, settings.first_token_timeout_s
         ),
+        affinity=settings.affinity.policy,
     )
     body_limit = max_body_bytes(settings.max_frame_size)  # what a node link can carry
     catalog = PoolCatalog(fleet_holder, providers, dispatcher)

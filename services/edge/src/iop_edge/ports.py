@@ -27,6 +27,12 @@ class RunSpec:
     stream: bool
     include_usage: bool
     batch: bool = False  # batch lines yield to interactive requests (worker issue)
+    # Cache affinity (docs/ARCHITECTURE.md#cache-affinity): the session the request names
+    # (domain.session_key, scoped to its API key ``scope``), and whether its run's response
+    # id names the session's next turn (Responses: ``previous_response_id``).
+    session: str | None = None
+    scope: str = ""
+    chained: bool = False
 
 
 class RunEvents(Protocol):

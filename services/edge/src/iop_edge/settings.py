@@ -6,6 +6,7 @@ from pathlib import Path
 
 from pydantic import Field, model_validator
 
+from iop_edge.domain.affinity import AffinityPolicy
 from iop_edge.domain.outliers import OutlierPolicy
 from iop_proto.framing import DEFAULT_MAX_FRAME_SIZE
 from iop_proto.service import DrainingSettings
@@ -88,6 +89,68 @@ class ControlPlaneAddress(FrozenModel):
     )
 
 
+class AffinitySettings(FrozenModel):
+    """Cache affinity: the weights of the selection rule's first steps
+    (docs/ARCHITECTURE.md#cache-affinity)."""
+
+    enabled: bool = Field(
+        default=True,
+        description="prefer the provider holding a request's session or prompt prefix",
+    )
+    load_factor: float = Field(
+        default=1.25,
+        ge=1.0,
+        description=(
+            "bounded load: a provider is preferred for its cache only while it stays within"
+            " this many times its share of the pool's load (runs and waiters)"
+        ),
+    )
+    min_match_blocks: int = Field(
+        default=2,
+        ge=1,
+        description="blocks of 256 characters a cached prefix must match to steer a request",
+    )
+    max_wait_s: float = Field(
+        default=5.0,
+        ge=0,
+        description=(
+            "the longest a request waits for a busy provider holding its cache, instead of"
+            " a free slot elsewhere; it waits at most the re-prefill it saves; 0: never"
+        ),
+    )
+    default_prefill_ms_per_token: float = Field(
+        default=1.0,
+        gt=0,
+        description="prefill time per token assumed for an engine whose node reports none",
+    )
+    max_sessions: int = Field(
+        default=100_000, ge=0, description="sessions remembered (least recently used go)"
+    )
+    session_ttl_s: float = Field(default=3600.0, gt=0, description="a session forgotten after")
+    max_prefix_blocks: int = Field(
+        default=65_536,
+        ge=0,
+        description="prefix blocks remembered of what was sent where (~150 bytes each)",
+    )
+    prefix_ttl_s: float = Field(
+        default=900.0, gt=0, description="a prefix sent this long ago no longer matches"
+    )
+
+    @property
+    def policy(self) -> AffinityPolicy:
+        return AffinityPolicy(
+            enabled=self.enabled,
+            load_factor=self.load_factor,
+            min_match_blocks=self.min_match_blocks,
+            max_wait_s=self.max_wait_s,
+            default_prefill_ms_per_token=self.default_prefill_ms_per_token,
+            max_sessions=self.max_sessions,
+            session_ttl_s=self.session_ttl_s,
+            max_prefix_blocks=self.max_prefix_blocks,
+            prefix_ttl_s=self.prefix_ttl_s,
+        )
+
+
 class EdgeSettings(DrainingSettings):
     """The edge's settings file; `IOP_*` environment variables override any key."""
 
@@ -95,6 +158,7 @@ class EdgeSettings(DrainingSettings):
     http: HttpSettings = HttpSettings()
     node_listener: NodeListenerSettings = NodeListenerSettings()
     control_plane: ControlPlaneAddress = ControlPlaneAddress()
+    affinity: AffinitySettings = AffinitySettings()
     config_cache: Path = Field(
         default=Path("var/edge/fleet-config.pb"),
         description="the last good fleet config, served while the control-plane is away",

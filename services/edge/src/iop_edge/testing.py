@@ -6,6 +6,7 @@ bootstrap's, and tests that drive the pool directly must not drift from it.
 
 from __future__ import annotations
 
+from iop_edge.domain.affinity import AffinityPolicy
 from iop_edge.domain.outliers import OutlierPolicy
 from iop_edge.metrics import EdgeMetrics
 from iop_edge.service.dispatch import Dispatcher
@@ -27,10 +28,17 @@ class WiredDispatcher(Dispatcher):
         max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
         outliers: OutlierPolicy | None = None,
         guards: RunGuards = UNGUARDED,
+        affinity: AffinityPolicy | None = None,
     ) -> None:
         self.fleet = FleetHolder()
         self.pool = ProviderRegistry(self.fleet, metrics, outliers or OutlierPolicy())
         grace_s = float(EdgeSettings.model_fields["deadline_grace_s"].default)
         super().__init__(
-            self.fleet, self.pool, metrics, max_frame_size, deadline_grace_s=grace_s, guards=guards
+            self.fleet,
+            self.pool,
+            metrics,
+            max_frame_size,
+            deadline_grace_s=grace_s,
+            guards=guards,
+            affinity=affinity,
         )

@@ -27,6 +27,7 @@ from aiohttp.typedefs import Handler
 
 from iop_edge.domain.events import Completed, Delta, Failed, Started
 from iop_edge.domain.fleet import ApiKeyEntry, Operation
+from iop_edge.domain.session_key import session_key
 from iop_edge.entrypoints.api_auth import InFlight, KeySlots, authenticate
 from iop_edge.entrypoints.api_dialect import Dialect, DialectRequest, StreamWriter
 from iop_edge.entrypoints.api_metrics import ApiMetrics
@@ -181,6 +182,12 @@ class InferenceRoutes:
         """``out``: where a stream goes (``_sse_response``: an SSE answer of its own)."""
         asked = await dialect.resolve(dialect.read(body), key)
         trace.headers.update(asked.headers)  # the dialect's, on every answer from here on
+        scope = key.key_id if key is not None else ""
+        session = session_key(request.headers, body, scope)
+        if session is not None or scope:
+            asked = dataclasses.replace(
+                asked, spec=dataclasses.replace(asked.spec, session=session, scope=scope)
+            )
         spec = asked.spec
         trace.stream = spec.stream
         if key is not None and not key.allows(spec.model):

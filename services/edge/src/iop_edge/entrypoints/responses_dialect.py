@@ -104,6 +104,7 @@ class ResponsesDialect:
             body=chat,
             stream=request.stream,
             include_usage=request.stream,
+            chained=True,  # its response id may name the next turn's previous response
         )
         headers = dropped_tools_headers("responses", request.model, request.tools.dropped)
         return DialectRequest(spec, ResponseDraft(request), headers)

@@ -15,8 +15,10 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from collections.abc import Iterable
+from collections import deque
+from collections.abc import Iterable, Sequence
 
+from iop_edge.domain.affinity import AffinityPolicy, CacheAffinity, Preference
 from iop_edge.domain.events import (
     NOT_IMPLEMENTED,
     Accepted,
@@ -28,6 +30,7 @@ from iop_edge.domain.events import (
 from iop_edge.domain.fleet import Fleet, ModelEntry, Operation
 from iop_edge.domain.pool import ModelIndex, ProviderSlot
 from iop_edge.domain.queue import ModelQueue
+from iop_edge.domain.session_key import successor_key
 from iop_edge.errors import (
     EdgeError,
     ModelNotFound,
@@ -46,8 +49,10 @@ from iop_edge.service.registry import ProviderRegistry
 from iop_edge.service.runs import UNGUARDED, EdgeRun, NodeLink, RunGuards
 from iop_proto.errors import FrameTooLarge
 from iop_proto.framing import DEFAULT_MAX_FRAME_SIZE
+from iop_proto.prefix import body_blocks
 
 _NOBODY: frozenset[str] = frozenset()
+_CACHED_OPERATIONS = frozenset({Operation.CHAT_COMPLETIONS, Operation.COMPLETIONS})
 
 
 class Dispatcher:
@@ -64,8 +69,13 @@ class Dispatcher:
         *,
         deadline_grace_s: float,
         guards: RunGuards = UNGUARDED,
+        affinity: AffinityPolicy | None = None,
     ) -> None:
         self._fleet = fleet
+        self._affinity = CacheAffinity(affinity or AffinityPolicy())
+        # Requests waiting for one provider in particular, the one holding their cache
+        # (docs/ARCHITECTURE.md#cache-affinity): served before the model's queue.
+        self._pinned: dict[str, deque[asyncio.Future[ProviderSlot | None]]] = {}
         self._guards = guards
         self._stall_only = RunGuards(
             stall_timeout_s=guards.stall_timeout_s,
@@ -94,9 +104,11 @@ class Dispatcher:
             if model_id not in fleet.models:
                 self._fail_waiters(self._queues.pop(model_id), "the model was removed")
                 self._metrics.forget_model(model_id)
+        self._serve_pinned()
         self._serve_queues(fleet.models)
 
     def slots_changed(self, model_ids: Iterable[str]) -> None:
+        self._serve_pinned()
         self._serve_queues(model_ids)
 
     def link_lost(self, link: NodeLink, reason: str) -> None:
@@ -199,13 +211,22 @@ class Dispatcher:
         loop = asyncio.get_running_loop()
         started = loop.time()
         slotless = spec.operation is Operation.COUNT_TOKENS
+        chain = self._chain(spec)
         if slotless:
             slot = self._least_loaded(model, exclude)
         else:
-            slot = await self._acquire(model, spec.batch, exclude, deadline)
+            slot = await self._acquire(model, spec, chain, exclude, deadline)
         run: EdgeRun | None = None
         try:
             run = self._start(model, slot, spec, body, deadline, loop)
+            if not slotless:
+                # The first attempt's id is the response's (Responses): its successor's key.
+                also = (
+                    successor_key(run.run_id, spec.scope)
+                    if spec.chained and deadline is None
+                    else None
+                )
+                self._affinity.placed(model.id, slot, spec.session, chain, started, also)
             run.edge_queue_wait_s = loop.time() - started
             await run.send()
         except BaseException as exc:
@@ -238,18 +259,46 @@ class Dispatcher:
             raise NoProviderAvailable(f"No provider of '{model.id}' is available right now")
         return slot
 
+    def _chain(self, spec: RunSpec) -> Sequence[int]:
+        """The request's prompt prefix as block hashes (``iop_proto.prefix``), when there
+        is a choice for it to steer: a model with one provider hashes nothing."""
+        if not self._affinity.policy.enabled or spec.operation not in _CACHED_OPERATIONS:
+            return ()
+        index = self._registry.index(spec.model)
+        if index is None or len(index.members) < 2:
+            return ()
+        return body_blocks(spec.body)
+
     async def _acquire(
         self,
         model: ModelEntry,
-        batch: bool,
+        spec: RunSpec,
+        chain: Sequence[int],
         exclude: frozenset[str] = _NOBODY,
         deadline: float | None = None,
     ) -> ProviderSlot:
+        batch = spec.batch
         queue = self._queues[model.id]
         index = self._registry.index(model.id)
         assert index is not None  # the registry indexes every model of the fleet
         # FIFO: nobody overtakes a waiter of its own class (and batch waits behind all).
         overtakes = len(queue) > 0 if batch else queue.interactive > 0
+        if not overtakes and (spec.session is not None or chain):
+            loop = asyncio.get_running_loop()
+            preference = self._affinity.prefer(
+                model.id, index.members, spec.session, chain, loop.time(), exclude
+            )
+            if preference is not None:
+                if preference.slot.has_free_slot:
+                    preference.slot.take()
+                    self._metrics.publish_slot(preference.slot)
+                    return preference.slot
+                # Batch lines never wait aside: they would go before interactive waiters.
+                if not batch and preference.wait_s > 0:
+                    waited = await self._wait_for(preference, deadline)
+                    if waited is not None:
+                        return waited
+                overtakes = queue.interactive > 0  # others may have queued meanwhile
         slot = None if overtakes else index.select(exclude)
         if slot is not None:
             slot.take()
@@ -291,6 +340,64 @@ class Dispatcher:
             if self._queues.get(model.id) is queue:  # else the model was removed meanwhile
                 self._metrics.publish_queued(model.id, len(queue))
             self._check_idle()
+
+    async def _wait_for(
+        self, preference: Preference, deadline: float | None
+    ) -> ProviderSlot | None:
+        """Wait up to ``preference.wait_s`` (and the retry's ``deadline``) for a slot of
+        the provider holding the request's cache; ``None``: none came in time, or the
+        provider stopped being a candidate, and the request takes what the seed's rule
+        gives it. The wait counts in the provider's load for the bounded-load rule."""
+        loop = asyncio.get_running_loop()
+        timeout_s = preference.wait_s
+        if deadline is not None:
+            timeout_s = min(timeout_s, deadline - loop.time())
+        if timeout_s <= 0:
+            return None
+        provider_id = preference.slot.provider_id
+        waiter: asyncio.Future[ProviderSlot | None] = loop.create_future()
+        line = self._pinned.setdefault(provider_id, deque())
+        line.append(waiter)
+        self._affinity.waiting(provider_id, 1)
+        try:
+            async with asyncio.timeout(timeout_s):
+                return await waiter
+        except TimeoutError:
+            # Handed the slot just as the time ran out: it is ours, take it.
+            if waiter.done() and not waiter.cancelled():
+                return waiter.result()
+            return None
+        except BaseException:
+            if waiter.done() and not waiter.cancelled() and (slot := waiter.result()) is not None:
+                self._release(slot)  # handed a slot as we gave up: pass it on
+            raise
+        finally:
+            waiter.cancel()  # a no-op once done; else nobody hands it a slot any more
+            self._affinity.waiting(provider_id, -1)
+            if waiter in line:
+                line.remove(waiter)
+            if not line and self._pinned.get(provider_id) is line:
+                del self._pinned[provider_id]
+            self._check_idle()
+
+    def _serve_pinned(self, only: ProviderSlot | None = None) -> None:
+        """Hand free slots to the requests waiting for their provider in particular;
+        wake those whose provider stopped being a candidate (they go the seed's way)."""
+        for provider_id, line in list(self._pinned.items()):
+            if only is not None and provider_id != only.provider_id:
+                continue
+            slot = only or self._registry.slot(provider_id)
+            usable = slot is not None and slot.usable
+            while line and (not usable or (slot is not None and slot.has_free_slot)):
+                waiter = line.popleft()
+                if waiter.done():
+                    continue
+                if slot is None or not usable:
+                    waiter.set_result(None)
+                    continue
+                slot.take()
+                self._metrics.publish_slot(slot)
+                waiter.set_result(slot)
 
     def _start(
         self,
@@ -357,6 +464,8 @@ class Dispatcher:
     def _release(self, slot: ProviderSlot) -> None:
         slot.release()
         self._metrics.publish_slot(slot)
+        if self._pinned:
+            self._serve_pinned(slot)
         self._serve_queues(slot.model_ids())
 
     def _serve_queues(self, model_ids: Iterable[str]) -> None:
@@ -410,6 +519,7 @@ class Dispatcher:
         return (
             not self._runs
             and not any(self._queues.values())
+            and not self._pinned
             and not any(slot.own_in_flight for slot in self._registry.slots())
         )
 
@@ -431,6 +541,10 @@ class Dispatcher:
         for queue in self._queues.values():  # first: a slot a run frees must go to nobody
             while (waiter := queue.pop_waiting()) is not None:
                 waiter.set_exception(ShuttingDown(reason))
+        for line in self._pinned.values():
+            for pinned in line:
+                if not pinned.done():
+                    pinned.set_exception(ShuttingDown(reason))
         for run in list(self._runs.values()):
             await run.cancel(reason)
 
