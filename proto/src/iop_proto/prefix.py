@@ -10,9 +10,9 @@ A prompt's **text** is what the engine's chat template renders, in order, withou
 template: the tools (canonical JSON: one tool list renders one way), then each message's
 role and content, text parts joined. Its UTF-8 bytes are cut into blocks of
 ``BLOCK_CHARS`` bytes; block ``i``'s hash is the hash of every byte up to the end of
-block ``i``, so a hash names the whole prefix (as vLLM's block hashes do over token ids). The last, partial block has no hash: a prefix is matched in whole blocks,
-which keeps one edit near the end from changing more than one hash. The body is the one
-the run carries (the edge's ``RunOrder.body_json``, the node's ``ExecutionSpec.body``):
+block ``i``, so a hash names the whole prefix (as vLLM's block hashes do over token ids).
+The last, partial block has no hash: a prefix is matched in whole blocks. The body is the
+one the run carries (the edge's ``RunOrder.body_json``, the node's ``ExecutionSpec.body``):
 the dialects have already dropped the per-request noise agents put in their prompts
 (Claude Code's billing header), so two turns of one conversation share their prefix.
 
