@@ -53,9 +53,11 @@ class EdgeMetrics:
     config_version: Gauge
     control_plane_connected: Gauge
     retries: Counter  # by model and the provider that failed (docs/ARCHITECTURE.md#failover)
+    affinity: Counter  # by model and decision (docs/ARCHITECTURE.md#cache-affinity)
     _providers: dict[str, _ProviderSeries] = field(default_factory=dict, init=False)
     _queues: dict[str, _QueueSeries] = field(default_factory=dict, init=False)
     _retried: set[tuple[str, str]] = field(default_factory=set, init=False)  # retries' labels
+    _affine: set[tuple[str, str]] = field(default_factory=set, init=False)  # affinity's labels
 
     @classmethod
     def create(cls, registry: CollectorRegistry) -> EdgeMetrics:
@@ -123,12 +125,25 @@ class EdgeMetrics:
                 ["model", "provider"],
                 registry=registry,
             ),
+            affinity=Counter(
+                "iop_edge_affinity_decisions",
+                "Requests steered by cache affinity, by model and decision: session or prefix"
+                " (sent to the provider holding it), waited (got it after a wait), wait_expired"
+                " (the wait ran out: the seed's rule chose)",
+                ["model", "decision"],
+                registry=registry,
+            ),
         )
 
     def count_retry(self, model_id: str, failed_provider_id: str) -> None:
         """A run of ``model_id`` failed on ``failed_provider_id`` and is tried elsewhere."""
         self._retried.add((model_id, failed_provider_id))
         self.retries.labels(model_id, failed_provider_id).inc()
+
+    def count_affinity(self, model_id: str, decision: str) -> None:
+        """Cache affinity decided a request of ``model_id`` (``decision``: see above)."""
+        self._affine.add((model_id, decision))
+        self.affinity.labels(model_id, decision).inc()
 
     def publish_slot(self, slot: ProviderSlot) -> None:
         series = self._providers.get(slot.provider_id)
@@ -180,6 +195,9 @@ class EdgeMetrics:
         if self._queues.pop(model_id, None) is not None:
             self.queued.remove(model_id)
         self._forget_retries(lambda labels: labels[0] == model_id)
+        for labels in [labels for labels in self._affine if labels[0] == model_id]:
+            self._affine.discard(labels)
+            self.affinity.remove(*labels)
 
     def _forget_retries(self, gone: Callable[[tuple[str, str]], bool]) -> None:
         for labels in [labels for labels in self._retried if gone(labels)]:

@@ -60,9 +60,13 @@ def fleet(
 
 
 def wired(
-    policy: AffinityPolicy | None = None, capacity: int = 1, pids: tuple[str, ...] = ("a", "b", "c")
+    policy: AffinityPolicy | None = None,
+    capacity: int = 1,
+    pids: tuple[str, ...] = ("a", "b", "c"),
+    registry: CollectorRegistry | None = None,
 ) -> WiredDispatcher:
-    dispatcher = WiredDispatcher(EdgeMetrics.create(CollectorRegistry()), affinity=policy)
+    metrics = EdgeMetrics.create(registry or CollectorRegistry())
+    dispatcher = WiredDispatcher(metrics, affinity=policy)
     dispatcher.pool.apply_fleet(fleet(capacity, pids=pids))
     for pid in pids:
         connect(dispatcher, pid)
@@ -110,7 +114,9 @@ async def test_without_a_session_the_prefix_steers_the_next_turn() -> None:
 
 
 async def test_a_busy_provider_holding_the_cache_is_waited_for_not_a_free_one() -> None:
-    dispatcher = wired(AffinityPolicy(max_wait_s=5.0, default_prefill_ms_per_token=50.0))
+    registry = CollectorRegistry()
+    policy = AffinityPolicy(max_wait_s=5.0, default_prefill_ms_per_token=50.0)
+    dispatcher = wired(policy, registry=registry)
     first = await dispatcher.open_run(turn("s1", "one"))
     home = first.provider_id
     await dispatcher.open_run(turn("s2", "two"))  # one busy besides: within the bound
@@ -120,6 +126,8 @@ async def test_a_busy_provider_holding_the_cache_is_waited_for_not_a_free_one() 
     complete(first)
     second = await asyncio.wait_for(waiting, 1)
     assert second.provider_id == home
+    decisions = {"model": "m", "decision": "waited"}
+    assert registry.get_sample_value("iop_edge_affinity_decisions_total", decisions) == 1
 
 
 async def test_a_busy_provider_is_not_waited_for_past_its_bounded_share() -> None:

@@ -292,10 +292,13 @@ class Dispatcher:
                 if preference.slot.has_free_slot:
                     preference.slot.take()
                     self._metrics.publish_slot(preference.slot)
+                    self._metrics.count_affinity(model.id, preference.reason)
                     return preference.slot
                 # Batch lines never wait aside: they would go before interactive waiters.
                 if not batch and preference.wait_s > 0:
                     waited = await self._wait_for(preference, deadline)
+                    decision = "wait_expired" if waited is None else "waited"
+                    self._metrics.count_affinity(model.id, decision)
                     if waited is not None:
                         return waited
                 overtakes = queue.interactive > 0  # others may have queued meanwhile
