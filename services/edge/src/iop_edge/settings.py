@@ -130,7 +130,7 @@ class AffinitySettings(FrozenModel):
     max_prefix_blocks: int = Field(
         default=65_536,
         ge=0,
-        description="prefix blocks remembered of what was sent where (~150 bytes each)",
+        description="prefix blocks remembered of what was sent where (~300 bytes each)",
     )
     prefix_ttl_s: float = Field(
         default=900.0, gt=0, description="a prefix sent this long ago no longer matches"

@@ -39,6 +39,7 @@ the seed's rule gives it.
 from __future__ import annotations
 
 import math
+import sys
 from collections import OrderedDict
 from collections.abc import Container, Sequence
 from dataclasses import dataclass
@@ -236,4 +237,5 @@ class CacheAffinity:
 
 
 def _holder(model_id: str, slot: ProviderSlot) -> str:
-    return f"{model_id}\x00{slot.provider_id}"
+    # Interned: the index keeps one copy per holder, not one per block it was sent.
+    return sys.intern(f"{model_id}\x00{slot.provider_id}")
