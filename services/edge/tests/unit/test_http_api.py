@@ -765,7 +765,12 @@ async def test_sse_framing_chunk_by_chunk(edge: Edge, http: aiohttp.ClientSessio
     assert [c["usage"] for c in chunks[:3]] == [None, None, None]
     assert chunks[2]["choices"][0]["finish_reason"] == "stop"
     assert chunks[3]["choices"] == []
-    assert chunks[3]["usage"] == {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}
+    assert chunks[3]["usage"] == {
+        "prompt_tokens": 5,
+        "completion_tokens": 2,
+        "total_tokens": 7,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
     assert len(chunks) == 4  # the finish came in a delta: no extra closing chunk
 
 
