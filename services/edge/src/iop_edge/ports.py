@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from iop_edge.domain.cache_report import CacheReport
 from iop_edge.domain.events import RunEvent
 from iop_edge.domain.fleet import ApiKeyEntry, Fleet, ModelEntry, Operation
 from iop_edge.domain.leases import LeaseGrant, LineReply
@@ -136,6 +137,8 @@ class SlotView(Protocol):
     def operations(self) -> frozenset[Operation]: ...
     @property
     def refused(self) -> frozenset[Operation]: ...
+    @property
+    def cache(self) -> CacheReport: ...
 
 
 class ProviderView(Protocol):
@@ -253,6 +256,7 @@ class EdgeRunRecord:
     completion_tokens: int = 0
     key_id: str = ""  # the API key that asked; "" while the API is open (no keys)
     attempts: tuple[AttemptRecord, ...] = ()  # every attempt, oldest first; () = not dispatched
+    cached_tokens: int = 0  # of prompt_tokens, served from the engine's prompt cache
 
 
 class RunLog(Protocol):

@@ -48,18 +48,25 @@ def run(run_id: str, received_ms: int = T0, key_id: str = "key_1") -> EdgeRunRec
             AttemptRecord("a1-" + run_id, "ollama-0", "node-b", "failed", "provider_unavailable"),
             AttemptRecord(run_id, "ollama-1", "node-a", "failed", "provider_error", T0 + 5, 890),
         ),
+        cached_tokens=9,
     )
+
+
+_ATTEMPTS = [f.name for f in dataclasses.fields(EdgeRunRecord)].index("attempts")
 
 
 def as_row(record: EdgeRunRecord) -> tuple[Any, ...]:
     """A record as its row: the bool as 0/1, the attempts as JSON text."""
-    plain = dataclasses.replace(record, stream=1, attempts=())
-    values = tuple(getattr(plain, f.name) for f in dataclasses.fields(EdgeRunRecord))
-    return (*values[:-1], json.dumps([dataclasses.asdict(a) for a in record.attempts]))
+    plain = dataclasses.replace(record, stream=1)
+    values = [getattr(plain, f.name) for f in dataclasses.fields(EdgeRunRecord)]
+    values[_ATTEMPTS] = json.dumps([dataclasses.asdict(a) for a in record.attempts])
+    return tuple(values)
 
 
 def parsed(row: tuple[Any, ...]) -> tuple[Any, ...]:
-    return (*row[:-1], json.dumps(json.loads(row[-1])))
+    values = list(row)
+    values[_ATTEMPTS] = json.dumps(json.loads(values[_ATTEMPTS]))
+    return tuple(values)
 
 
 def rows(path: Path) -> list[tuple[Any, ...]]:
@@ -301,7 +308,7 @@ async def test_a_version_1_file_is_migrated_and_keeps_its_runs(db_path: Path) ->
     db_path.parent.mkdir(parents=True)
     raw = sqlite3.connect(db_path)
     raw.execute(V1_TABLE)
-    old = as_row(run("old"))[:-2]
+    old = as_row(run("old"))[: _ATTEMPTS - 1]
     raw.execute(f"INSERT INTO runs VALUES ({', '.join('?' * len(old))})", old)
     raw.execute("PRAGMA user_version = 1")
     raw.commit()
@@ -311,14 +318,14 @@ async def test_a_version_1_file_is_migrated_and_keeps_its_runs(db_path: Path) ->
     try:
         await migrated.record(run("new", T0 + 1, "key_a"))
         await migrated.flush()
-        old_run = dataclasses.replace(run("old"), key_id="", attempts=())
+        old_run = dataclasses.replace(run("old"), key_id="", attempts=(), cached_tokens=0)
         assert await migrated.recent(10) == [run("new", T0 + 1, "key_a"), old_run]
         assert [r.run_id for r in await migrated.recent(10, key_id="key_a")] == ["new"]
     finally:
         await migrated.aclose()
     raw = sqlite3.connect(db_path)
     try:
-        assert raw.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 3
+        assert raw.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 4
     finally:
         raw.close()
 
@@ -329,7 +336,7 @@ async def test_a_version_2_file_gains_the_attempts_column(db_path: Path) -> None
     raw = sqlite3.connect(db_path)
     raw.execute(V1_TABLE)
     raw.execute("ALTER TABLE runs ADD COLUMN key_id TEXT NOT NULL DEFAULT ''")
-    old = as_row(run("old"))[:-1]
+    old = as_row(run("old"))[:_ATTEMPTS]
     raw.execute(f"INSERT INTO runs VALUES ({', '.join('?' * len(old))})", old)
     raw.execute("PRAGMA user_version = 2")
     raw.commit()
@@ -339,7 +346,36 @@ async def test_a_version_2_file_gains_the_attempts_column(db_path: Path) -> None
     try:
         await migrated.record(run("new", T0 + 1))
         await migrated.flush()
-        old_run = dataclasses.replace(run("old"), attempts=())
+        old_run = dataclasses.replace(run("old"), attempts=(), cached_tokens=0)
         assert await migrated.recent(10) == [run("new", T0 + 1), old_run]
     finally:
         await migrated.aclose()
+
+
+async def test_a_version_3_file_gains_the_cached_tokens_column(db_path: Path) -> None:
+    """Runs recorded before the engines' cache was counted say 0; new ones keep theirs."""
+    db_path.parent.mkdir(parents=True)
+    raw = sqlite3.connect(db_path)
+    raw.execute(V1_TABLE)
+    raw.execute("ALTER TABLE runs ADD COLUMN key_id TEXT NOT NULL DEFAULT ''")
+    raw.execute("ALTER TABLE runs ADD COLUMN attempts TEXT NOT NULL DEFAULT '[]'")
+    old = as_row(run("old"))[: _ATTEMPTS + 1]
+    raw.execute(f"INSERT INTO runs VALUES ({', '.join('?' * len(old))})", old)
+    raw.execute("PRAGMA user_version = 3")
+    raw.commit()
+    raw.close()
+
+    migrated = await SqliteRunLog.open(db_path)
+    try:
+        await migrated.record(run("new", T0 + 1))
+        await migrated.flush()
+        old_run = dataclasses.replace(run("old"), cached_tokens=0)
+        assert await migrated.recent(10) == [run("new", T0 + 1), old_run]
+        assert (await migrated.recent(1))[0].cached_tokens == 9
+    finally:
+        await migrated.aclose()
+    raw = sqlite3.connect(db_path)
+    try:
+        assert raw.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+    finally:
+        raw.close()

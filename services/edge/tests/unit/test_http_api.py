@@ -53,8 +53,8 @@ WAIT = 5.0  # upper bound on waiting for an explicit signal (never a sleep)
 # ---------------------------------------------------------------- fakes of the ports
 
 
-def usage(prompt: int = 5, completion: int = 2) -> pb.Usage:
-    return pb.Usage(prompt_tokens=prompt, completion_tokens=completion)
+def usage(prompt: int = 5, completion: int = 2, cached: int = 0) -> pb.Usage:
+    return pb.Usage(prompt_tokens=prompt, completion_tokens=completion, cached_tokens=cached)
 
 
 def start() -> pb.RunEvent:
@@ -765,7 +765,12 @@ async def test_sse_framing_chunk_by_chunk(edge: Edge, http: aiohttp.ClientSessio
     assert [c["usage"] for c in chunks[:3]] == [None, None, None]
     assert chunks[2]["choices"][0]["finish_reason"] == "stop"
     assert chunks[3]["choices"] == []
-    assert chunks[3]["usage"] == {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}
+    assert chunks[3]["usage"] == {
+        "prompt_tokens": 5,
+        "completion_tokens": 2,
+        "total_tokens": 7,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
     assert len(chunks) == 4  # the finish came in a delta: no extra closing chunk
 
 
@@ -878,6 +883,30 @@ async def test_one_record_per_request(edge: Edge, http: aiohttp.ClientSession) -
     assert edge.metric("iop_edge_requests_total", model="", status="404") == 1
     assert edge.metric("iop_edge_requests_in_flight", model=CHAT) == 0
     assert edge.metric("iop_edge_queue_wait_seconds_count", model=CHAT) == 2
+
+
+async def test_cached_tokens_reach_the_sdk_the_record_and_the_metrics(edge: Edge) -> None:
+    edge.service.plan = lambda spec: FakeRun(
+        [start(), delta("Hi", role="assistant"), complete(usage=usage(40, 2, cached=32))]
+    )
+    async with edge.sdk() as client:
+        stream = await client.chat.completions.create(
+            model=CHAT,
+            messages=[{"role": "user", "content": "hi"}],
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        chunks = [chunk async for chunk in stream]
+    last = chunks[-1].usage
+    assert last is not None
+    assert last.prompt_tokens_details is not None
+    assert (last.prompt_tokens, last.prompt_tokens_details.cached_tokens) == (40, 32)
+    (record,) = await edge.runlog.wait_for(1)
+    assert (record.prompt_tokens, record.cached_tokens) == (40, 32)
+    tokens = "iop_edge_tokens_total"
+    assert edge.metric(tokens, model=CHAT, provider="p1", kind="prompt") == 40
+    assert edge.metric(tokens, model=CHAT, provider="p1", kind="completion") == 2
+    assert edge.metric(tokens, model=CHAT, provider="p1", kind="cached") == 32
 
 
 async def test_a_folded_completion_is_answered_and_recorded_as_three_events_are(

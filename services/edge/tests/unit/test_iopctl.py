@@ -70,6 +70,7 @@ def record(run_id: str, received_ms: int, **fields: Any) -> Row:
         "duration_ms": 1500,
         "prompt_tokens": 5,
         "completion_tokens": 7,
+        "cached_tokens": 4,
         **fields,
     }
 
@@ -106,7 +107,13 @@ ATTEMPTS: Final = [  # run-1 failed over: node-b-mock refused it, node-a-mock an
 def canned_data() -> Canned:
     return Canned(
         providers=[
-            provider("node-a-mock", "node-a", in_flight=1, load_ratio=0.5),
+            provider(
+                "node-a-mock",
+                "node-a",
+                in_flight=1,
+                load_ratio=0.5,
+                cache={"hit_rate": 0.4567, "prompt_tokens": 1000, "cached_tokens": 457},
+            ),
             provider(
                 "node-b-mock",
                 "node-b",
@@ -226,12 +233,14 @@ async def test_providers_table(edge: Canned) -> None:
     assert (status, err) == (0, "")
     header, first, second = out.splitlines()
     assert cells(header) == [
-        "PROVIDER", "NODE", "TYPE", "HEALTH", "IN_FLIGHT/CAP", "LOAD", "QUEUED", "MODELS",
+        "PROVIDER", "NODE", "TYPE", "HEALTH", "IN_FLIGHT/CAP", "LOAD", "QUEUED", "CACHE_HIT",
+        "MODELS",
     ]  # fmt: skip
     assert cells(first) == ["node-a-mock", "node-a", "mock", "available", "1/2", "50%", "0",
-                            "mock-small"]  # fmt: skip
+                            "46%", "mock-small"]  # fmt: skip
+    # nothing reported yet (or an edge from before the cache was reported): "-"
     assert cells(second) == ["node-b-mock", "node-b", "mock", "unavailable", "0/2", "0%", "3",
-                             "mock-small,solo"]  # fmt: skip
+                             "-", "mock-small,solo"]  # fmt: skip
     # Aligned columns: every row's NODE starts where the header's does.
     assert {line.index("node-") for line in (first, second)} == {0}
     assert {line.index(" node-", 1) for line in (first, second)} == {header.index(" NODE")}
@@ -263,13 +272,14 @@ async def test_runs_table_reads_oldest_first_and_passes_the_limit(edge: Canned) 
     assert edge.run_limits == [5]
     header, older, newer = out.splitlines()
     assert cells(header) == [
-        "RECEIVED", "RUN", "MODEL", "PROVIDER", "WAIT", "TTFT", "DURATION", "TOKENS", "OUTCOME",
+        "RECEIVED", "RUN", "MODEL", "PROVIDER", "WAIT", "TTFT", "DURATION", "TOKENS", "CACHED",
+        "OUTCOME",
     ]  # fmt: skip
     assert cells(older)[1:] == ["run-1", "mock-small", "node-a-mock", "3ms", "-", "2.50s", "5/7",
-                                "completed", "200", "after", "node-b-mock",
+                                "4", "completed", "200", "after", "node-b-mock",
                                 "provider_unavailable"]  # fmt: skip
     assert cells(newer)[1:] == ["run-2", "mock-small", "node-a-mock", "3ms", "120ms", "1.50s",
-                                "5/7", "failed", "503", "x_err"]  # fmt: skip
+                                "5/7", "4", "failed", "503", "x_err"]  # fmt: skip
 
 
 @pytest.mark.parametrize(

@@ -84,7 +84,12 @@ def test_a_text_stream_in_anthropics_order() -> None:
     assert seen[6][1] == {
         "type": "message_delta",
         "delta": {"stop_reason": "max_tokens", "stop_sequence": None},
-        "usage": {"input_tokens": 7, "output_tokens": 2},
+        "usage": {
+            "input_tokens": 7,
+            "output_tokens": 2,
+            "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": 0,
+        },
     }
 
 
@@ -137,7 +142,12 @@ def test_an_empty_run_still_opens_and_closes_the_message() -> None:
     seen = stream_of([], Completed(finish_reason="stop"))
     assert [name for name, _ in seen] == ["message_start", "ping", "message_delta", "message_stop"]
     assert seen[2][1]["delta"]["stop_reason"] == "end_turn"
-    assert seen[2][1]["usage"] == {"input_tokens": 0, "output_tokens": 0}
+    assert seen[2][1]["usage"] == {
+        "input_tokens": 0,
+        "output_tokens": 0,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": 0,
+    }
 
 
 def test_other_choices_are_ignored_and_usage_from_a_delta_counts() -> None:
@@ -147,7 +157,12 @@ def test_other_choices_are_ignored_and_usage_from_a_delta_counts() -> None:
     )
     texts = [e["delta"]["text"] for n, e in seen if n == "content_block_delta"]
     assert texts == ["a"]
-    assert seen[-2][1]["usage"] == {"input_tokens": 4, "output_tokens": 1}
+    assert seen[-2][1]["usage"] == {
+        "input_tokens": 4,
+        "output_tokens": 1,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": 0,
+    }
 
 
 def test_a_failure_mid_stream_is_an_error_event() -> None:

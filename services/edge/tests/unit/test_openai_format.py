@@ -68,7 +68,12 @@ def test_usage_chunk_falls_back_to_a_delta_usage() -> None:
     stream.delta(Delta(text="x", usage=Usage(prompt_tokens=2, completion_tokens=1)))
     chunk = event(stream.usage_chunk(Completed()))
     assert chunk["choices"] == []
-    assert chunk["usage"] == {"prompt_tokens": 2, "completion_tokens": 1, "total_tokens": 3}
+    assert chunk["usage"] == {
+        "prompt_tokens": 2,
+        "completion_tokens": 1,
+        "total_tokens": 3,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
 
 
 def test_a_stream_without_deltas_still_closes_with_a_finish_chunk() -> None:
@@ -141,7 +146,12 @@ def test_with_include_usage_every_chunk_but_the_usage_one_says_null(operation: O
     assert closing == b""  # choice 0 said why it ended
     last = event(stream.usage_chunk(Completed(usage=Usage(1, 3, 4))))
     assert [chunk["usage"] for chunk in chunks] == [None, None, None]
-    assert last["usage"] == {"prompt_tokens": 1, "completion_tokens": 3, "total_tokens": 4}
+    assert last["usage"] == {
+        "prompt_tokens": 1,
+        "completion_tokens": 3,
+        "total_tokens": 4,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
 
 
 def test_without_include_usage_chunks_have_no_usage_field() -> None:
@@ -211,7 +221,12 @@ def test_a_completion_built_from_deltas() -> None:
     assert result["choices"] == [
         {"index": 0, "text": "Hello", "logprobs": None, "finish_reason": "length"}
     ]
-    assert result["usage"] == {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+    assert result["usage"] == {
+        "prompt_tokens": 0,
+        "completion_tokens": 0,
+        "total_tokens": 0,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
 
 
 def test_a_chat_completion_built_from_deltas_has_a_null_refusal() -> None:

@@ -231,6 +231,7 @@ class RunExecutor:
             finished_ms=_unix_ms(),
             prompt_tokens=usage.prompt_tokens if usage else 0,
             completion_tokens=usage.completion_tokens if usage else 0,
+            cached_tokens=usage.cached_tokens if usage else 0,
         )
         # complete_run only queues the record (the store writes in batches off the
         # request path), so awaiting it here, even while cancelling, costs nothing.
@@ -238,9 +239,10 @@ class RunExecutor:
         metrics, provider_id = self._metrics, spec.provider_id
         metrics.child(metrics.runs, provider_id, outcome, code or "ok").inc()
         if usage:
-            prompt_tokens, completion_tokens = metrics.tokens_of(provider_id)
+            prompt_tokens, completion_tokens, cached_tokens = metrics.tokens_of(provider_id)
             prompt_tokens.inc(usage.prompt_tokens)
             completion_tokens.inc(usage.completion_tokens)
+            cached_tokens.inc(usage.cached_tokens)
         runtime.publish_load(metrics)  # the health, if this run changed it, is published
 
 
@@ -256,6 +258,7 @@ def _record(
     finished_ms: int = 0,
     prompt_tokens: int = 0,
     completion_tokens: int = 0,
+    cached_tokens: int = 0,
 ) -> RunRecord:
     """The history record of ``spec`` at one point of its life (built whole: it is frozen)."""
     return RunRecord(
@@ -274,4 +277,5 @@ def _record(
         finished_ms=finished_ms,
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
+        cached_tokens=cached_tokens,
     )

@@ -79,7 +79,8 @@ class NodeMetrics:
             ),
             tokens=Counter(
                 "iop_node_tokens",
-                "Tokens reported by providers",
+                "Tokens reported by providers (kind: prompt, completion, and cached: the"
+                " prompt tokens served from the engine's prompt cache)",
                 ["provider", "kind"],
                 registry=registry,
             ),
@@ -115,14 +116,16 @@ class NodeMetrics:
             )
         return found
 
-    def tokens_of(self, provider_id: str) -> tuple[CounterChild, CounterChild]:
-        """The provider's prompt and completion token counters (counted together)."""
+    def tokens_of(self, provider_id: str) -> tuple[CounterChild, CounterChild, CounterChild]:
+        """The provider's prompt, completion and cached token counters (counted together;
+        ``cached``: the prompt tokens its engine served from its prompt cache)."""
         key = (provider_id, "tokens")
-        found: tuple[CounterChild, CounterChild] | None = self._children.get(key)
+        found: tuple[CounterChild, CounterChild, CounterChild] | None = self._children.get(key)
         if found is None:
             found = self._children[key] = (
                 self.tokens.labels(provider_id, "prompt"),
                 self.tokens.labels(provider_id, "completion"),
+                self.tokens.labels(provider_id, "cached"),
             )
         return found
 

@@ -128,6 +128,7 @@ class RunRecord:
     finished_ms: int = 0
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0  # of prompt_tokens, served from the engine's prompt cache
 
 
 class RunHistory(Protocol):

@@ -51,6 +51,7 @@ def completed(run_id: str, received_ms: int = T0) -> RunRecord:
         finished_ms=received_ms + 900,
         prompt_tokens=12,
         completion_tokens=34,
+        cached_tokens=9,
     )
 
 
@@ -325,3 +326,38 @@ async def test_a_schema_from_a_newer_node_is_refused(db_path: Path) -> None:
 
     with pytest.raises(HistoryError, match="newer than this node understands"):
         await SqliteRunHistory.open(db_path)
+
+
+V1_TABLE = """CREATE TABLE runs (
+    run_id TEXT PRIMARY KEY, model TEXT NOT NULL, provider_id TEXT NOT NULL,
+    target TEXT NOT NULL, operation TEXT NOT NULL, stream INTEGER NOT NULL,
+    outcome TEXT NOT NULL, error_code TEXT NOT NULL, error_message TEXT NOT NULL,
+    received_ms INTEGER NOT NULL, started_ms INTEGER NOT NULL,
+    first_token_ms INTEGER NOT NULL, finished_ms INTEGER NOT NULL,
+    prompt_tokens INTEGER NOT NULL, completion_tokens INTEGER NOT NULL)"""
+
+
+async def test_a_version_1_file_gains_the_cached_tokens_column(db_path: Path) -> None:
+    """Runs recorded before the engines' cache was counted say 0; new ones keep theirs."""
+    db_path.parent.mkdir(parents=True)
+    raw = sqlite3.connect(db_path)
+    raw.execute(V1_TABLE)
+    old = replace(completed("old"), cached_tokens=0)
+    values = [getattr(old, name) for name in RunRecord.__dataclass_fields__][:-1]
+    raw.execute(f"INSERT INTO runs VALUES ({', '.join('?' * len(values))})", values)
+    raw.execute("PRAGMA user_version = 1")
+    raw.commit()
+    raw.close()
+
+    migrated = await SqliteRunHistory.open(db_path)
+    try:
+        await migrated.complete_run(completed("new", T0 + 1))
+        await migrated.flush()
+        assert await migrated.recent(10) == [completed("new", T0 + 1), old]
+    finally:
+        await migrated.aclose()
+    raw = sqlite3.connect(db_path)
+    try:
+        assert raw.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 2
+    finally:
+        raw.close()

@@ -139,7 +139,8 @@ def spec(run_id: str = "r1", *, stream: bool = True) -> ExecutionSpec:
 
 
 async def test_a_completed_run_its_events_history_and_metrics() -> None:
-    adapter = Adapter(texts=("a", "b"), completion=Completion("stop", Usage(3, 2, 5)))
+    usage = Usage(3, 2, 5, cached_tokens=1)
+    adapter = Adapter(texts=("a", "b"), completion=Completion("stop", usage))
     s = setup(adapter)
     channel = Channel()
     await s.executor.execute_run(s.runtime, spec(), channel)
@@ -168,11 +169,12 @@ async def test_a_completed_run_its_events_history_and_metrics() -> None:
     assert (final.error_code, final.error_message) == ("", "")
     assert (final.received_ms, final.started_ms) == (started.received_ms, started.started_ms)
     assert started.started_ms <= final.first_token_ms <= final.finished_ms
-    assert (final.prompt_tokens, final.completion_tokens) == (3, 2)
+    assert (final.prompt_tokens, final.completion_tokens, final.cached_tokens) == (3, 2, 1)
 
     assert s.value("iop_node_runs_total", outcome="completed", code="ok") == 1
     assert s.value("iop_node_tokens_total", kind="prompt") == 3
     assert s.value("iop_node_tokens_total", kind="completion") == 2
+    assert s.value("iop_node_tokens_total", kind="cached") == 1
     assert s.value("iop_node_queue_wait_seconds_count") == 1
     assert s.value("iop_node_service_seconds_count") == 1
     assert s.value("iop_node_provider_in_flight") == 0

@@ -162,7 +162,9 @@ def line_result(reply: LineReply) -> pb.BatchLineResult:
 
 
 def _usage(usage: pb.Usage) -> Usage:
-    return Usage(usage.prompt_tokens, usage.completion_tokens, usage.total_tokens)
+    return Usage(
+        usage.prompt_tokens, usage.completion_tokens, usage.total_tokens, usage.cached_tokens
+    )
 
 
 def _tool_call(call: pb.ToolCallDelta) -> ToolCallDelta:

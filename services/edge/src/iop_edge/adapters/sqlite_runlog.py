@@ -24,7 +24,7 @@ from iop_edge.ports import AttemptRecord, EdgeRunRecord
 from iop_proto import json_codec
 from iop_proto.sqlite import BatchedWriter, WriterTuning, open_database, statement_migrations
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 """Kept in ``PRAGMA user_version``; bump it with a migration when the table changes."""
 
 # The record's fields, in order, are the table's columns (the round-trip test holds
@@ -52,7 +52,8 @@ _SCHEMA = (
         prompt_tokens     INTEGER NOT NULL,
         completion_tokens INTEGER NOT NULL,
         key_id            TEXT NOT NULL DEFAULT '',
-        attempts          TEXT NOT NULL DEFAULT '[]'
+        attempts          TEXT NOT NULL DEFAULT '[]',
+        cached_tokens     INTEGER NOT NULL DEFAULT 0
     )""",
     # "recent" walks this backwards; run_id breaks ties in the same millisecond.
     "CREATE INDEX IF NOT EXISTS runs_received ON runs (received_ms, run_id)",
@@ -67,6 +68,9 @@ _MIGRATIONS = {
     # 2 -> 3: every attempt of a run, as JSON (docs/ARCHITECTURE.md#failover); runs
     # recorded before list none
     2: ("ALTER TABLE runs ADD COLUMN attempts TEXT NOT NULL DEFAULT '[]'",),
+    # 3 -> 4: the prompt tokens the engine served from its cache; runs recorded before
+    # say 0 (unknown then)
+    3: ("ALTER TABLE runs ADD COLUMN cached_tokens INTEGER NOT NULL DEFAULT 0",),
 }
 
 

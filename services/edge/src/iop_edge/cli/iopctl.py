@@ -94,14 +94,16 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
 
 
 PROVIDER_HEADERS: Final = (
-    "PROVIDER", "NODE", "TYPE", "HEALTH", "IN_FLIGHT/CAP", "LOAD", "QUEUED", "MODELS",
+    "PROVIDER", "NODE", "TYPE", "HEALTH", "IN_FLIGHT/CAP", "LOAD", "QUEUED", "CACHE_HIT",
+    "MODELS",
 )  # fmt: skip
 MODEL_HEADERS: Final = ("ID", "NAME", "AVAILABLE/PROVIDERS", "QUEUED")
 RUN_HEADERS: Final = (
-    "RECEIVED", "RUN", "MODEL", "PROVIDER", "WAIT", "TTFT", "DURATION", "TOKENS", "OUTCOME",
+    "RECEIVED", "RUN", "MODEL", "PROVIDER", "WAIT", "TTFT", "DURATION", "TOKENS", "CACHED",
+    "OUTCOME",
 )  # fmt: skip
 # Tailed rows cannot be re-aligned once printed: fixed widths that fit the usual values.
-RUN_WIDTHS: Final = (8, 32, 16, 16, 8, 8, 8, 9, 0)
+RUN_WIDTHS: Final = (8, 32, 16, 16, 8, 8, 8, 9, 6, 0)
 
 
 def provider_row(p: Row) -> list[object]:
@@ -113,8 +115,16 @@ def provider_row(p: Row) -> list[object]:
         f"{p['in_flight']}/{p['capacity']}",
         f"{round(p['load_ratio'] * 100)}%",
         p["queued"],
+        _hit_rate(p),
         ",".join(p.get("serves") or p.get("models") or []) or "-",
     ]
+
+
+def _hit_rate(p: Row) -> str:
+    """The share of the provider's prompt tokens its engine served from its cache; "-"
+    before any was reported (or from an edge that does not say)."""
+    rate = (p.get("cache") or {}).get("hit_rate")
+    return "-" if rate is None else f"{round(rate * 100)}%"
 
 
 def _health(p: Row) -> str:
@@ -149,6 +159,7 @@ def run_row(r: Row) -> list[object]:
         _ms(r["ttft_ms"]),
         _ms(r["duration_ms"]),
         f"{r['prompt_tokens']}/{r['completion_tokens']}",
+        r.get("cached_tokens", "-"),  # of the prompt tokens; an older edge does not say
         outcome,
     ]
 

@@ -41,6 +41,9 @@ class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    cached_tokens: int = 0
+    """Of ``prompt_tokens``, those the engine served from its prompt cache (0: none, or
+    an engine that does not say). Each API shows it in its own words (``formats``)."""
 
 
 @dataclass(frozen=True, slots=True)

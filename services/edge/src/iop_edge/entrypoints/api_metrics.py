@@ -48,6 +48,18 @@ class ModelSeries:
         return series
 
 
+TOKEN_KINDS: Final = ("prompt", "completion", "cached")
+
+
+@dataclass(frozen=True, slots=True)
+class TokenSeries:
+    """One model's token counters on one provider, in ``TOKEN_KINDS``' order."""
+
+    prompt: CounterChild
+    completion: CounterChild
+    cached: CounterChild
+
+
 @dataclass(frozen=True, slots=True)
 class ApiMetrics:
     """Per-model request metrics of ``/v1/chat/completions``, ``/completions``, ``/embeddings``."""
@@ -58,8 +70,10 @@ class ApiMetrics:
     duration: Histogram  # request received -> last byte (or the error)
     in_flight: Gauge  # requests past validation, not yet answered
     overhead: Histogram  # x-iop-overhead-ms, by operation and stream (see RunTrace.overhead)
+    tokens: Counter  # by model, provider and kind: prompt, completion, cached (of prompt)
     _models: dict[str, ModelSeries] = field(default_factory=dict)
     _overheads: dict[tuple[str, bool], HistogramChild] = field(default_factory=dict)
+    _tokens: dict[tuple[str, str], TokenSeries] = field(default_factory=dict)
 
     def overhead_of(self, operation: str, stream: bool) -> HistogramChild:
         """The overhead series of one operation, streamed or not (a bounded label set)."""
@@ -67,6 +81,16 @@ class ApiMetrics:
         if series is None:
             series = self._overheads[operation, stream] = self.overhead.labels(
                 operation, "true" if stream else "false"
+            )
+        return series
+
+    def tokens_of(self, model: str, provider_id: str) -> TokenSeries:
+        """The token counters of ``model`` served by ``provider_id`` (a provider of the
+        fleet: the label set stays bounded), looked up once."""
+        series = self._tokens.get((model, provider_id))
+        if series is None:
+            series = self._tokens[model, provider_id] = TokenSeries(
+                *(self.tokens.labels(model, provider_id, kind) for kind in TOKEN_KINDS)
             )
         return series
 
@@ -127,6 +151,13 @@ class ApiMetrics:
                 ' to the response\'s end, or for streams (stream="true") to its first byte',
                 ["operation", "stream"],
                 buckets=_OVERHEAD_BUCKETS,
+                registry=registry,
+            ),
+            tokens=Counter(
+                "iop_edge_tokens",
+                "Tokens of completed runs, by model, provider and kind: prompt, completion,"
+                " and cached (the prompt tokens the engine served from its prompt cache)",
+                ["model", "provider", "kind"],
                 registry=registry,
             ),
         )

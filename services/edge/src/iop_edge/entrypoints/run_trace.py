@@ -48,6 +48,7 @@ class RunTrace:
     error_code: str = ""
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0
     provider_s: float = 0.0  # the node's wait on the provider, as its last event said
     overhead_s: float | None = None  # what x-iop-overhead-ms said, once it was sent
     headers: dict[str, str] = field(default_factory=dict)  # every answer adds (clamp, dialect's)
@@ -110,6 +111,7 @@ class RunTrace:
         if complete.usage is not None:
             self.prompt_tokens = complete.usage.prompt_tokens
             self.completion_tokens = complete.usage.completion_tokens
+            self.cached_tokens = complete.usage.cached_tokens
 
     def failed(self, exc: EdgeError, *, status: int) -> None:
         """The request ended in ``exc``; ``status`` is what the client got (200 mid-stream)."""
@@ -156,7 +158,13 @@ class RunTrace:
             completion_tokens=self.completion_tokens,
             key_id=self.key_id,
             attempts=attempts,
+            cached_tokens=self.cached_tokens,
         )
+
+    def _served_by(self) -> str:
+        """The provider that answered (the last attempt's, after a failover)."""
+        attempts = self.run.attempt_records() if self.run is not None else ()
+        return attempts[-1].provider_id if attempts else self.provider_id
 
     @property
     def queue_wait_ms(self) -> int:
@@ -172,6 +180,12 @@ class RunTrace:
             series.ttft.observe(self.first_delta_at - self.received_at)
         if self.overhead_s is not None:
             metrics.overhead_of(self.operation.value, self.stream).observe(self.overhead_s)
+        served_by = self._served_by()
+        if self.outcome == "completed" and served_by:
+            tokens = metrics.tokens_of(self.model, served_by)
+            tokens.prompt.inc(self.prompt_tokens)
+            tokens.completion.inc(self.completion_tokens)
+            tokens.cached.inc(self.cached_tokens)
 
 
 def _ms(seconds: float) -> int:

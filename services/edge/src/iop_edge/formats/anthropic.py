@@ -93,12 +93,16 @@ def model_list(models: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 
 def usage_body(usage: Usage | None) -> dict[str, int]:
+    """Anthropic's usage: ``input_tokens`` are the prompt tokens NOT read from the cache
+    (``cache_read_input_tokens``), as Anthropic counts them; the engines cache on their
+    own, so nothing is ever written to a cache on request (``cache_creation_input_tokens``)."""
     usage = usage or Usage()
+    cached = min(usage.cached_tokens, usage.prompt_tokens)
     return {
-        "input_tokens": usage.prompt_tokens,
+        "input_tokens": usage.prompt_tokens - cached,
         "output_tokens": usage.completion_tokens,
         "cache_creation_input_tokens": 0,
-        "cache_read_input_tokens": 0,
+        "cache_read_input_tokens": cached,
     }
 
 
@@ -190,7 +194,7 @@ def _from_chat_result(
     stop_sequence = matched if isinstance(matched, str) and matched in stop_sequences else None
     blocks = _blocks(str(reasoning), str(content or ""), calls, message_id)
     finish = str(choice.get("finish_reason") or end.finish_reason)
-    usage = _usage(result.get("usage")) or end.usage
+    usage = _usage(result.get("usage"), end.usage)
     return _message(message_id, model, blocks, finish, stop_sequence, usage)
 
 
@@ -233,13 +237,21 @@ def _message(
     }
 
 
-def _usage(value: Any) -> Usage | None:
+def _usage(value: Any, node: Usage | None) -> Usage | None:
+    """A chat result's usage (``node``'s, the node's count of the run, when it has none);
+    its cached tokens the larger of the two counts (the node also reads llama.cpp's
+    ``timings``, where older builds alone report the cache)."""
     if not isinstance(value, dict):
-        return None
+        return node
     prompt, completion = value.get("prompt_tokens"), value.get("completion_tokens")
     if not isinstance(prompt, int) or not isinstance(completion, int):
-        return None
-    return Usage(prompt, completion, prompt + completion)
+        return node
+    details = value.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    own = cached if isinstance(cached, int) else 0
+    return Usage(
+        prompt, completion, prompt + completion, max(own, node.cached_tokens if node else 0)
+    )
 
 
 def signature(thinking: str) -> str:
@@ -316,10 +328,7 @@ class MessageStream:
         tail = {
             "type": "message_delta",
             "delta": {"stop_reason": reason, "stop_sequence": None},
-            "usage": {
-                "input_tokens": usage.prompt_tokens if usage else 0,
-                "output_tokens": usage.completion_tokens if usage else 0,
-            },
+            "usage": usage_body(usage),  # message_start's were zeros: known only now
         }
         return self._stop() + sse("message_delta", tail) + _STOP
 

@@ -56,12 +56,15 @@ def sse_event(payload: dict[str, Any]) -> bytes:
     return b"data: " + json_bytes(payload) + _EVENT_END
 
 
-def usage_object(usage: Usage) -> dict[str, int]:
+def usage_object(usage: Usage) -> dict[str, Any]:
+    """OpenAI's usage; ``prompt_tokens_details.cached_tokens`` always, 0 when the engine
+    said nothing of its cache (as OpenAI's own answers carry it)."""
     prompt, completion = usage.prompt_tokens, usage.completion_tokens
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": usage.total_tokens or prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
     }
 
 
@@ -245,6 +248,7 @@ def render_result(
         result["model"] = model
         if operation is not Operation.EMBEDDINGS:
             _complete_choices(operation, result, run_id)
+            _complete_usage(result, complete.usage)
         return json_bytes(result)
     if operation is Operation.EMBEDDINGS:
         raise ProviderFailed("the provider returned no embeddings")
@@ -266,6 +270,24 @@ def _complete_choices(operation: Operation, result: dict[str, Any], run_id: str)
         message = choice.get("message") if chat else None
         if isinstance(message, dict):
             message.setdefault("refusal", None)
+
+
+def _complete_usage(result: dict[str, Any], usage: Usage | None) -> None:
+    """``usage.prompt_tokens_details.cached_tokens`` in a provider's chat or text result:
+    the larger of its own and the node's count (the node also reads llama.cpp's
+    ``timings.cache_n``, which older builds report the cache in, and nowhere else), 0 when
+    neither says; a result without usage gets the node's whole."""
+    body = result.get("usage")
+    if not isinstance(body, dict):
+        if usage is not None:
+            result["usage"] = usage_object(usage)
+        return
+    details = body.get("prompt_tokens_details")
+    if not isinstance(details, dict):
+        details = body["prompt_tokens_details"] = {}
+    own = details.get("cached_tokens")
+    own = own if isinstance(own, int) and not isinstance(own, bool) else 0
+    details["cached_tokens"] = max(own, usage.cached_tokens if usage is not None else 0)
 
 
 def _result_from_deltas(

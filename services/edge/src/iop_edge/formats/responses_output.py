@@ -217,7 +217,11 @@ def call_item(item_id: str, call: Call, status: str, shape: OutputShape) -> dict
 
 
 def usage_object(usage: Usage, details: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Responses usage; the details a chat result carried (cached, reasoning tokens) kept."""
+    """Responses usage; the details a chat result carried (cached, reasoning tokens) kept.
+
+    ``cached_tokens``: the larger of the result's count and the run's (the node's: it also
+    reads llama.cpp's ``timings``, and a streamed run has no result), 0 when neither says.
+    """
     details = details or {}
     prompt = details.get("prompt_tokens_details")
     completion = details.get("completion_tokens_details")
@@ -226,7 +230,7 @@ def usage_object(usage: Usage, details: dict[str, Any] | None = None) -> dict[st
     return {
         "input_tokens": usage.prompt_tokens,
         "input_tokens_details": {
-            "cached_tokens": cached if isinstance(cached, int) else 0,
+            "cached_tokens": max(cached if isinstance(cached, int) else 0, usage.cached_tokens),
             "cache_write_tokens": 0,  # no provider of the fleet reports it
         },
         "output_tokens": usage.completion_tokens,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 from typing import Any, TypeGuard
 
+from iop_edge.domain.cache_report import CacheReport
 from iop_edge.domain.fleet import PUBLIC_OPERATIONS, ApiKeyEntry, ModelEntry, Operation
 from iop_edge.domain.outliers import Phase
 from iop_edge.domain.pool import LIFECYCLE_FLAGS, UNAVAILABLE
@@ -71,6 +72,7 @@ class PoolCatalog:
                     "refused_operations": _in_order(slot.refused),
                     "detail": slot.detail,
                     **_outlier_fields(slot.outlier),
+                    "cache": _cache_fields(slot.cache),
                 }
             )
         return views
@@ -130,6 +132,18 @@ def _outlier_fields(outlier: OutlierView) -> dict[str, Any]:
         "ejected": ejected,
         "ejected_until_ms": round(outlier.until * 1000) if ejected else None,
         "consecutive_failures": outlier.consecutive_failures,
+    }
+
+
+def _cache_fields(cache: CacheReport) -> dict[str, Any]:
+    """How much of the provider's prompts its engine served from its prompt cache, by its
+    node's last snapshot (docs/ARCHITECTURE.md#cache-affinity); ``hit_rate`` null before
+    it reported any prompt."""
+    rate = cache.hit_rate
+    return {
+        "hit_rate": None if rate is None else round(rate, 4),
+        "prompt_tokens": cache.prompt_tokens,
+        "cached_tokens": cache.cached_tokens,
     }
 
 

@@ -27,9 +27,9 @@ from loguru import logger
 
 from iop_node.errors import NodeError
 from iop_node.ports import RunRecord
-from iop_proto.sqlite import BatchedWriter, WriterTuning, open_database
+from iop_proto.sqlite import BatchedWriter, WriterTuning, open_database, statement_migrations
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 """Kept in ``PRAGMA user_version``; bump it with a migration when the table changes."""
 
 RUNNING = "running"
@@ -58,7 +58,8 @@ _SCHEMA = (
         first_token_ms    INTEGER NOT NULL,
         finished_ms       INTEGER NOT NULL,
         prompt_tokens     INTEGER NOT NULL,
-        completion_tokens INTEGER NOT NULL
+        completion_tokens INTEGER NOT NULL,
+        cached_tokens     INTEGER NOT NULL DEFAULT 0
     )""",
     # "recent" walks this backwards; run_id breaks ties in the same millisecond.
     "CREATE INDEX IF NOT EXISTS runs_received ON runs (received_ms, run_id)",
@@ -66,6 +67,12 @@ _SCHEMA = (
     "CREATE INDEX IF NOT EXISTS runs_running ON runs (run_id) WHERE outcome = 'running'",
 )
 """Statement by statement, not ``executescript``: that would commit the open transaction."""
+
+_MIGRATIONS = {
+    # 1 -> 2: the prompt tokens the engine served from its cache; runs recorded before
+    # say 0 (unknown then)
+    1: ("ALTER TABLE runs ADD COLUMN cached_tokens INTEGER NOT NULL DEFAULT 0",),
+}
 
 # A finished row is never turned back into a running one: a late or repeated
 # start must not undo the completion that is already on disk.
@@ -132,6 +139,7 @@ class SqliteRunHistory(BatchedWriter[RunRecord]):
             schema_version=SCHEMA_VERSION,
             synchronous="NORMAL",
             error=HistoryError,
+            migrate=statement_migrations(_MIGRATIONS, SCHEMA_VERSION),
         )
         history = cls(db, path, tuning)
         try:

@@ -160,11 +160,24 @@
     return flags.length ? flags : el("span", { class: "muted" }, "—");
   }
 
+  // The share of the provider's prompt tokens its engine served from its prompt cache
+  // (the node's last snapshot); a dash before any was reported.
+  function cacheHits(cache) {
+    if (!cache || cache.hit_rate === null || cache.hit_rate === undefined) {
+      return el("span", { class: "muted" }, "—");
+    }
+    return el(
+      "span",
+      { title: `${cache.cached_tokens} of ${cache.prompt_tokens} prompt tokens from the cache` },
+      `${Math.round(cache.hit_rate * 100)}%`,
+    );
+  }
+
   // ------------------------------------------------------------------ rendering
 
   const PROVIDER_COLUMNS = [
     "Provider", "Node", "Health", "Capacity", "In flight", "Load", "Queued",
-    "Served models", "Lifecycle",
+    "Cache hits", "Served models", "Lifecycle",
   ];
 
   function providerTable(providers, modelsById, emptyText) {
@@ -184,6 +197,7 @@
         el("td", { class: "num", "data-testid": "in-flight" }, p.in_flight),
         el("td", {}, loadBar(p.load_ratio)),
         el("td", { class: "num", "data-testid": "queued" }, p.queued),
+        el("td", { class: "num", "data-testid": "cache-hit-rate" }, cacheHits(p.cache)),
         el("td", { "data-testid": "served-models" }, servedModels(p, modelsById)),
         el("td", { "data-testid": "lifecycle" }, lifecycleTags(p)),
       ),
@@ -310,7 +324,12 @@
         el("td", { class: "num" }, ms(r.queue_wait_ms, false)),
         el("td", { class: "num" }, ms(r.ttft_ms, true)),
         el("td", { class: "num" }, ms(r.duration_ms, true)),
-        el("td", { class: "num" }, `${r.prompt_tokens} → ${r.completion_tokens}`),
+        el(
+          "td",
+          { class: "num", "data-testid": "run-tokens" },
+          `${r.prompt_tokens} → ${r.completion_tokens}`,
+          r.cached_tokens ? el("span", { class: "muted small" }, ` (${r.cached_tokens} cached)`) : null,
+        ),
         el(
           "td",
           {},
