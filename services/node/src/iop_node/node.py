@@ -37,14 +37,11 @@ class ProbeSettings:
     fall: int = 2
 
 
-def _engine_restarted(
-    health: Health, changed: bool, models_before: tuple[str, ...], models_changed: bool
-) -> bool:
-    """Whether a probe shows the engine's prompt cache gone: the provider went down (it
-    comes back, if at all, with an empty cache), or it lists other models than before (it
-    was restarted with them, or loaded them in place of the old)."""
-    went_down = changed and health is Health.UNAVAILABLE
-    return went_down or (models_changed and bool(models_before))
+def _cache_lost(result: ProbeResult, models_before: tuple[str, ...]) -> bool:
+    """Whether a probe shows the engine's prompt cache gone: it did not answer (an engine
+    restarted between two probes fails one, which the health's hysteresis lets pass), or
+    it lists other models than before (restarted with them, or loaded them instead)."""
+    return not result.ok or (bool(models_before) and result.models != models_before)
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,10 +209,9 @@ class NodeCore:
         self._last_probe_ms[provider_id] = int(time.time() * 1000)
         models_before = runtime.health.models
         changed = runtime.health.observe(result)
-        models_changed = runtime.health.models != models_before
-        if _engine_restarted(runtime.health.state, changed, models_before, models_changed):
+        if _cache_lost(result, models_before):
             runtime.cache.forget()
-        if not changed and models_changed:
+        if not changed and runtime.health.models != models_before:
             self._changed()  # the upstream lists other names: the edge's catalog follows
         if changed:
             logger.info(

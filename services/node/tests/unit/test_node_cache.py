@@ -114,6 +114,21 @@ async def test_a_provider_seen_down_forgets_its_cache(node: tuple[NodeCore, Engi
     assert core.providers["p1"].cache.view().prompt_tokens == 40
 
 
+async def test_one_failed_probe_forgets_though_health_waits_for_more(
+    node: tuple[NodeCore, Engine],
+) -> None:
+    """An engine restarted between two probes fails one: its cache is gone, while the
+    health's hysteresis (``fall``) rightly keeps it in the pool."""
+    core, engine = node
+    core.providers["p1"].health.fall = 2
+    await core.probe_once("p1")
+    core.providers["p1"].cache.served([1, 2])
+    engine.up = False
+    assert not await core.probe_once("p1")
+    assert core.providers["p1"].health.state is Health.AVAILABLE
+    assert held(core) == ()
+
+
 async def test_a_provider_with_other_models_forgets_its_cache(
     node: tuple[NodeCore, Engine],
 ) -> None:
