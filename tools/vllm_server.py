@@ -104,6 +104,10 @@ def vllm_argv(python: Path, args: argparse.Namespace, port: int) -> list[str]:
         *("--max-model-len", str(args.max_model_len)),
         *("--max-num-seqs", str(args.max_num_seqs)),
         "--enforce-eager",  # torch.compile costs 70-100 s more at start and is no faster here
+        # usage.prompt_tokens_details.cached_tokens: the prompt tokens its prefix cache
+        # served, which the node reports to the edge (docs/ARCHITECTURE.md#cache-affinity);
+        # vLLM 0.32 counts them with prefix caching on (its default) but says so only with this.
+        "--enable-prompt-tokens-details",
         "--disable-uvicorn-access-log",
     ]
 

@@ -56,6 +56,7 @@ async def build(
             history,
             metrics,
             ProbeSettings(**settings.probes.model_dump()),
+            settings.cache_prefixes,
         )
         stack.push_async_callback(core.aclose)
 

@@ -32,9 +32,12 @@ from iop_node.errors import (
 from iop_node.metrics import NodeMetrics
 from iop_node.ports import Adapter, EventSink, RunChannel, RunHistory, RunRecord, TokenCounter
 from iop_node.runtime import ProviderRuntime
+from iop_proto.prefix import body_blocks
 from iop_proto.v1 import runtime_pb2 as pb
 
 ChangeCallback = Callable[[], None]
+PROMPTED: Final = frozenset({Operation.CHAT_COMPLETIONS, Operation.COMPLETIONS})
+"""The operations whose prompt an engine caches (``ProviderRuntime.cache``)."""
 NOT_IMPLEMENTED: Final = 501
 """The provider status of an operation a provider does not offer (the edge's word for it)."""
 
@@ -134,6 +137,11 @@ class RunExecutor:
                     raise ProviderTimeout(
                         f"provider {spec.provider_id} did not finish before the deadline"
                     ) from None
+                # Before the slot is let go: every snapshot that shows the run ended shows
+                # its prompt cached too, so the edge routes the conversation's next turn
+                # here from the first snapshot it gets after the answer.
+                if spec.operation in PROMPTED:
+                    _account(runtime, spec, completion)
             outcome = "completed"
             await channel.completed(completion)
         except RunFailure as failure:
@@ -202,6 +210,7 @@ class RunExecutor:
             )
 
     def _mark_unavailable(self, runtime: ProviderRuntime, detail: str) -> None:
+        runtime.cache.forget()  # the engine is not there: nor is its cache
         if runtime.health.mark_unavailable(detail):
             logger.warning("provider {} unavailable: {}", runtime.config.id, detail)
             runtime.publish(self._metrics)
@@ -244,6 +253,22 @@ class RunExecutor:
             completion_tokens.inc(usage.completion_tokens)
             cached_tokens.inc(usage.cached_tokens)
         runtime.publish_load(metrics)  # the health, if this run changed it, is published
+
+
+def _account(runtime: ProviderRuntime, spec: ExecutionSpec, completion: Completion) -> None:
+    """Note a served prompt in the provider's cache account. Hashed here, on the event
+    loop: the hashing is linear in the prompt and bounded (``iop_proto.prefix.MAX_BLOCKS``),
+    a small fraction of what the engine spent reading the same prompt."""
+    usage = completion.usage
+    if usage is None:
+        runtime.cache.served(body_blocks(spec.body))
+        return
+    runtime.cache.served(
+        body_blocks(spec.body),
+        prompt_tokens=usage.prompt_tokens,
+        cached_tokens=usage.cached_tokens,
+        prefill_ms_per_token=usage.prefill_ms_per_token,
+    )
 
 
 def _record(

@@ -12,11 +12,12 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from loguru import logger
 
 from iop_node.domain.admission import AdmissionGate
+from iop_node.domain.cache_account import DEFAULT_CACHE_PREFIXES, CacheAccount, CacheView
 from iop_node.domain.health import Health, HealthTracker, ProbeResult
 from iop_node.domain.provider import ProviderConfig
 from iop_node.errors import ConfigError, RunFailure
@@ -36,6 +37,13 @@ class ProbeSettings:
     fall: int = 2
 
 
+def _cache_lost(result: ProbeResult, models_before: tuple[str, ...]) -> bool:
+    """Whether a probe shows the engine's prompt cache gone: it did not answer (an engine
+    restarted between two probes fails one, which the health's hysteresis lets pass), or
+    it lists other models than before (restarted with them, or loaded them instead)."""
+    return not result.ok or (bool(models_before) and result.models != models_before)
+
+
 @dataclass(frozen=True, slots=True)
 class ProviderStatus:
     """What the edge is told about one provider (converted to ``pb.ProviderState``)."""
@@ -48,6 +56,7 @@ class ProviderStatus:
     capabilities: LifecycleFlags
     last_probe_unix_ms: int
     detail: str
+    cache: CacheView = field(default_factory=CacheView)
 
 
 class NodeCore:
@@ -61,12 +70,14 @@ class NodeCore:
         history: RunHistory,
         metrics: NodeMetrics,
         probes: ProbeSettings,
+        cache_prefixes: int = DEFAULT_CACHE_PREFIXES,
     ) -> None:
         self.node_id = node_id
         self._factories = factories
         self._context = context
         self._metrics = metrics
         self._probes = probes
+        self._cache_prefixes = cache_prefixes
         self.providers: dict[str, ProviderRuntime] = {}
         self._probe_tasks: dict[str, asyncio.Task[None]] = {}
         self._last_probe_ms: dict[str, int] = {}
@@ -114,6 +125,7 @@ class NodeCore:
             adapter=factory(config, self._context),
             gate=AdmissionGate(config.id, config.capacity, config.max_queue),
             health=HealthTracker(self._probes.rise, self._probes.fall),
+            cache=CacheAccount(self._cache_prefixes),
         )
         runtime.publish(self._metrics)
         logger.info(
@@ -139,6 +151,7 @@ class NodeCore:
             old_adapter, runtime.adapter = runtime.adapter, factory(config, self._context)
             if upstream_changed:
                 runtime.health = HealthTracker(self._probes.rise, self._probes.fall)
+                runtime.cache.forget()  # another engine: what the old one held is not here
             else:
                 runtime.health.models = ()
             self._close_when_idle(runtime, old_adapter)
@@ -196,6 +209,8 @@ class NodeCore:
         self._last_probe_ms[provider_id] = int(time.time() * 1000)
         models_before = runtime.health.models
         changed = runtime.health.observe(result)
+        if _cache_lost(result, models_before):
+            runtime.cache.forget()
         if not changed and runtime.health.models != models_before:
             self._changed()  # the upstream lists other names: the edge's catalog follows
         if changed:
@@ -295,6 +310,7 @@ class NodeCore:
                 capabilities=rt.adapter.capabilities(),
                 last_probe_unix_ms=self._last_probe_ms.get(pid, 0),
                 detail=rt.health.detail,
+                cache=rt.cache.view(),
             )
             for pid, rt in self.providers.items()
         ]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from iop_node.domain.admission import AdmissionGate
+from iop_node.domain.cache_account import DEFAULT_CACHE_PREFIXES, CacheAccount
 from iop_node.domain.health import Health, HealthTracker
 from iop_node.domain.provider import ProviderConfig
 from iop_node.metrics import NodeMetrics
@@ -18,7 +19,8 @@ class ProviderRuntime:
     """Everything the node knows about one provider; the gate outlives config changes.
 
     ``adapter`` may be replaced by a config update; runs already executing keep
-    the adapter they started with (the executor holds its own reference).
+    the adapter they started with (the executor holds its own reference). ``cache``
+    is what its engine's prompt cache holds, as the node saw it serve.
     """
 
     config: ProviderConfig
@@ -26,6 +28,7 @@ class ProviderRuntime:
     gate: AdmissionGate
     health: HealthTracker = field(default_factory=HealthTracker)
     retired: bool = False
+    cache: CacheAccount = field(default_factory=lambda: CacheAccount(DEFAULT_CACHE_PREFIXES))
 
     def publish(self, metrics: NodeMetrics) -> None:
         """Copy the live counters and the health into the metrics (on every change of them)."""

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from pydantic import Field, SecretStr, model_validator
 
+from iop_node.domain.cache_account import DEFAULT_CACHE_PREFIXES
 from iop_proto.errors import SettingsError
 from iop_proto.framing import DEFAULT_MAX_FRAME_SIZE
 from iop_proto.service import DrainingSettings
@@ -55,6 +56,13 @@ class NodeSettings(DrainingSettings):
         default=10.0, gt=0, description="a snapshot is also sent on every change"
     )
     max_frame_size: int = Field(default=DEFAULT_MAX_FRAME_SIZE, ge=1024)
+    cache_prefixes: int = Field(
+        default=DEFAULT_CACHE_PREFIXES,
+        ge=0,
+        le=1024,
+        description="prompts a provider's snapshot names as cached, most recent first "
+        "(docs/ARCHITECTURE.md#what-the-node-reports); 0 names none",
+    )
 
     @model_validator(mode="after")
     def _one_token_source(self) -> NodeSettings:

@@ -18,6 +18,7 @@ from iop_node.executor import RunExecutor
 from iop_node.metrics import NodeMetrics
 from iop_node.ports import EventSink, LifecycleFlags, RunRecord
 from iop_node.runtime import ProviderRuntime
+from iop_proto.prefix import body_blocks
 from iop_proto.v1 import runtime_pb2 as pb
 
 CONFIG = ProviderConfig(id="p1", type="fake", models=("m",), capacity=1, max_queue=0)
@@ -322,3 +323,63 @@ async def test_count_tokens_on_an_adapter_without_a_tokenizer_is_not_offered() -
     assert channel.provider_statuses == [501]  # the edge stops choosing it for count_tokens
     (final,) = s.history.completed
     assert (final.outcome, final.error_code) == ("failed", "invalid_request")
+
+
+LONG_PROMPT = {"model": "m", "messages": [{"role": "user", "content": "a long question " * 64}]}
+
+
+def prompt_spec(run_id: str, operation: Operation = Operation.CHAT_COMPLETIONS) -> ExecutionSpec:
+    return dataclasses.replace(spec(run_id), operation=operation, body=LONG_PROMPT)
+
+
+async def test_a_served_prompt_is_in_the_account_before_its_slot_is_free() -> None:
+    """Every change the edge hears of after the slot is let go (its snapshot) already
+    names the prompt: the conversation's next turn is routed here from the first one."""
+    usage = Usage(300, 2, 302, cached_tokens=280, prefill_ms_per_token=1.5)
+    adapter = Adapter(completion=Completion("stop", usage))
+    s = setup(adapter)
+    seen: list[tuple[int, tuple[tuple[int, int], ...]]] = []
+    executor = RunExecutor(
+        s.history,
+        s.metrics,
+        lambda: seen.append((s.runtime.gate.in_flight, s.runtime.cache.view().prefixes)),
+    )
+    await executor.execute_run(s.runtime, prompt_spec("r1"), Channel())
+
+    chain = body_blocks(LONG_PROMPT)
+    assert len(chain) == 4
+    held = ((chain[-1], 4),)
+    assert seen == [(0, ()), (1, ()), (0, held)]  # queued, slot taken, ended
+    view = s.runtime.cache.view()
+    assert (view.prompt_tokens, view.cached_tokens) == (300, 280)
+    assert view.prefill_ms_per_token == pytest.approx(1.5)
+
+
+async def test_completions_are_accounted_and_embeddings_are_not() -> None:
+    completions = {"model": "m", "prompt": "p" * 600}
+    s = setup(Adapter(completion=Completion("stop", Usage(150, 1, 151))))
+    embed = dataclasses.replace(prompt_spec("r1"), operation=Operation.EMBEDDINGS)
+    await s.executor.execute_run(s.runtime, embed, Channel())
+    assert s.runtime.cache.view().prefixes == ()
+    assert s.runtime.cache.view().prompt_tokens == 0
+    text = dataclasses.replace(spec("r2"), operation=Operation.COMPLETIONS, body=completions)
+    await s.executor.execute_run(s.runtime, text, Channel())
+    assert s.runtime.cache.view().prefixes == ((body_blocks(completions)[-1], 2),)
+
+
+async def test_a_failed_run_is_not_accounted() -> None:
+    failure = ContextLengthExceeded("too long", context_window=8, prompt_tokens=9)
+    s = setup(Adapter(failure=failure))
+    await s.executor.execute_run(s.runtime, prompt_spec("r1"), Channel())
+    assert s.runtime.cache.view().prefixes == ()
+
+
+async def test_an_unreachable_provider_forgets_what_its_engine_held() -> None:
+    adapter = Adapter(completion=Completion("stop", Usage(300, 2, 302)))
+    s = setup(adapter)
+    await s.executor.execute_run(s.runtime, prompt_spec("r1"), Channel())
+    assert s.runtime.cache.view().prefixes
+    adapter.failure = ProviderUnavailable("connection refused")
+    await s.executor.execute_run(s.runtime, prompt_spec("r2"), Channel())
+    assert s.runtime.cache.view().prefixes == ()
+    assert s.runtime.cache.view().prompt_tokens == 300  # the totals count what was served

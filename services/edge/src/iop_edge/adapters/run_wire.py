@@ -1,15 +1,17 @@
 """Conversions between the edge's plain values and the protobuf contract (the one place).
 
 Run events in (``run_event``), run orders out (``run_request``), snapshots in
-(``provider_reports``), batch answers out (``lease_grant``, ``line_result``). The
-run event conversion runs for every token: one ``WhichOneof``, plain field reads,
-one slotted dataclass; the delta's text is the string the message gave, not copied.
+(``provider_reports``, ``cache_report``), batch answers out (``lease_grant``,
+``line_result``). The run event conversion runs for every token: one ``WhichOneof``,
+plain field reads, one slotted dataclass; the delta's text is the string the message
+gave, not copied.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
+from iop_edge.domain.cache_report import CacheReport
 from iop_edge.domain.events import (
     ACCEPTED,
     Accepted,
@@ -134,9 +136,24 @@ def provider_reports(states: Iterable[pb.ProviderState]) -> list[ProviderReport]
                 "pull_model": state.capabilities.pull_model,
                 "delete_model": state.capabilities.delete_model,
             },
+            cache_report(state.cache) if state.HasField("cache") else None,
         )
         for state in states
     ]
+
+
+def cache_report(cache: pb.CacheState) -> CacheReport:
+    """A provider's ``CacheState``: its prefixes keyed by their last block hash (the
+    newest first, so a hash the node names twice keeps its newest length)."""
+    held: dict[int, int] = {}
+    for prefix in cache.prefixes:
+        held.setdefault(prefix.tail, prefix.blocks)
+    return CacheReport(
+        held=held,
+        prompt_tokens=cache.prompt_tokens,
+        cached_tokens=cache.cached_tokens,
+        prefill_ms_per_token=cache.prefill_ms_per_token or None,
+    )
 
 
 def lease_grant(grant: LeaseGrant) -> pb.LeaseGrant:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
+from iop_edge.domain.cache_report import CacheReport
 from iop_edge.domain.fleet import Operation
 
 
@@ -192,3 +193,5 @@ class ProviderReport:
     models: tuple[str, ...] = ()
     detail: str = ""
     lifecycle: dict[str, bool] | None = None
+    cache: CacheReport | None = None
+    """What its engine's prompt cache holds; ``None`` from a node that does not say."""

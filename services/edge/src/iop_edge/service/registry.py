@@ -150,6 +150,9 @@ class ProviderRegistry:
             slot.models = state.models
             slot.detail = state.detail
             slot.lifecycle = dict(state.lifecycle or {})
+            if state.cache is not None:
+                # Plain data for selection to read: it changes no load, so no index moves.
+                slot.cache = state.cache
             self._metrics.publish_slot(slot)
             changed.update(slot.model_ids())
         if self._listener is not None:

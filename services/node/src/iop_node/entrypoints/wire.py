@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from iop_node.domain.cache_account import CacheView
 from iop_node.domain.health import Health
 from iop_node.domain.provider import ProviderConfig
 from iop_node.domain.runs import Completion, Delta, Usage
@@ -121,4 +122,15 @@ def provider_state(status: ProviderStatus) -> pb.ProviderState:
         ),
         last_probe_unix_ms=status.last_probe_unix_ms,
         detail=status.detail,
+        cache=cache_state(status.cache),
+    )
+
+
+def cache_state(view: CacheView) -> pb.CacheState:
+    """A provider's cache account as its snapshot carries it (0: a rate unknown)."""
+    return pb.CacheState(
+        prefixes=[pb.CachedPrefix(tail=tail, blocks=blocks) for tail, blocks in view.prefixes],
+        prompt_tokens=view.prompt_tokens,
+        cached_tokens=view.cached_tokens,
+        prefill_ms_per_token=view.prefill_ms_per_token or 0.0,
     )
