@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import sqlite3
 import sys
 import time
@@ -35,6 +36,7 @@ from typing import Any, Final
 from .agent_load import Route, Turn, Workload, attribute, run_load, same_engine_share
 from .client import percentile
 from .engines import EngineSet, EngineSettings, delta, engine_of, start_engines
+from .procs import Gateway
 from .results import Row, ScenarioResult, ratio
 from .routers import SGLANG_ROUTER, SMG, VLLM_ROUTER, RouterKind, start_router
 from .stack import ProviderSpec, start_iop
@@ -76,8 +78,10 @@ async def run(root: Path, settings: Settings, wanted: Sequence[str] = TARGETS) -
     missing = missing_targets(wanted)
     measured: dict[str, dict[str, dict[str, Any]]] = {load: {} for load in settings.loads}
     restarts: list[float] = []
-    for load in settings.loads:
-        for name in (t for t in TARGETS if t not in missing):
+    for i, load in enumerate(settings.loads):
+        names = [t for t in TARGETS if t not in missing]
+        # each load in another order: the machine's load drifts, no target always goes first
+        for name in names if i % 2 == 0 else names[::-1]:
             print(f"   agents: {load} via {name}", file=sys.stderr, flush=True)
             try:
                 measured[load][name] = await _measure(
@@ -108,12 +112,18 @@ async def _measure(
     shared = "agent" if name == "smg" else None
     async with start_engines(root / "engines", settings.engines, shared) as engines:
         restarts.append(engines.start_s)
-        async with _target(root, name, engines) as (route, identify):
+        async with _target(root, name, engines) as (route, identify, gateway):
+            load_average = os.getloadavg()
             before = await engines.counters()
+            cpu_before = gateway.cpu() if gateway else 0.0
             turns, wall = await run_load(route, settings.load, shared_prefix)
+            cpu = gateway.cpu() - cpu_before if gateway else 0.0
             after = await engines.counters()
             await identify(turns)
-    return summarise(turns, wall, delta(after, before))
+    summary = summarise(turns, wall, delta(after, before))
+    summary["gateway_cpu_s"] = cpu
+    summary["load_average_at_start"] = load_average
+    return summary
 
 
 Identify = Any  # async (turns) -> None: fills each Turn.engine
@@ -122,13 +132,16 @@ Identify = Any  # async (turns) -> None: fills each Turn.engine
 @contextlib.asynccontextmanager
 async def _target(
     root: Path, name: str, engines: EngineSet
-) -> AsyncIterator[tuple[Route, Identify]]:
+) -> AsyncIterator[tuple[Route, Identify, Gateway | None]]:
+    """How to reach ``name``, how to tell which engine served each turn, and the
+    gateway's processes (``None`` for the oracle, which has none)."""
+
     async def by_model(turns: list[Turn]) -> None:
         attribute(turns, lambda t: engine_of(t.model))
 
     if name == "oracle":
         urls = tuple(f"{url}/v1" for url in engines.urls)
-        yield Route(urls, "agent", session_header=True), by_model
+        yield Route(urls, "agent", session_header=True), by_model, None
     elif name in ROUTED:
         kind, policy = ROUTED[name]
         extra = ("--routing-key-headers", "x-session-id") if kind is SMG else ()
@@ -144,9 +157,11 @@ async def _target(
                 async def by_worker(turns: list[Turn]) -> None:
                     attribute(turns, lambda t: index.get(t.worker.rstrip("/")))
 
-                yield Route((router.base_url,), "agent", session_header=True), by_worker
+                route = Route((router.base_url,), "agent", session_header=True)
+                yield route, by_worker, router.gateway()
             else:
-                yield Route((router.base_url,), "agent", session_header=True), by_model
+                route = Route((router.base_url,), "agent", session_header=True)
+                yield route, by_model, router.gateway()
     else:
         providers = [
             ProviderSpec(f"{PROVIDER_PREFIX}{e.index}", "llamacpp", "local_inference",
@@ -160,7 +175,8 @@ async def _target(
                 providers_of = await _run_providers(root / "iop" / "edge-runs.db", turns)
                 attribute(turns, lambda t: _provider_engine(providers_of.get(t.answer_id)))
 
-            yield Route((iop.api_url,), MODEL, session_header=name == "iop"), by_run_log
+            route = Route((iop.api_url,), MODEL, session_header=name == "iop")
+            yield route, by_run_log, iop.gateway()
 
 
 async def _run_providers(database: Path, turns: list[Turn]) -> dict[str, str]:
@@ -202,6 +218,8 @@ def summarise(turns: list[Turn], wall: float, counters: list[dict[str, float]]) 
         "prompt_tokens_cached": cached,
         "cached_share": ratio(cached, evaluated + cached),
         "same_engine_share": same_engine_share(turns),
+        # the engines' own prefill speed: the machine's share of the cores at the time
+        "engine_prompt_tokens_per_s": ratio(evaluated, sum(c["prompt_seconds"] for c in counters)),
         "per_engine": counters,
         "turns": [t.__dict__ for t in turns],
     }
@@ -211,6 +229,7 @@ COLUMNS: Final = (
     ("TTFT p50 ms", "ttft_p50_ms"), ("TTFT p95 ms", "ttft_p95_ms"), ("wall s", "wall_s"),
     ("prompt evaluated", "prompt_tokens_evaluated"), ("cached", "prompt_tokens_cached"),
     ("cached share", "cached_share"), ("same engine", "same_engine_share"),
+    ("engine tok/s", "engine_prompt_tokens_per_s"), ("gateway CPU s", "gateway_cpu_s"),
 )  # fmt: skip
 RATIOS: Final = ("ttft_p50_ms", "wall_s", "prompt_tokens_evaluated")
 
