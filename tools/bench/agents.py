@@ -28,7 +28,7 @@ import sqlite3
 import sys
 import time
 import traceback
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
@@ -126,7 +126,7 @@ async def _measure(
     return summary
 
 
-Identify = Any  # async (turns) -> None: fills each Turn.engine
+Identify = Callable[[list[Turn]], Awaitable[None]]  # fills each Turn.engine
 
 
 @contextlib.asynccontextmanager

@@ -1,6 +1,6 @@
 """Run the IOP benchmarks (overhead, sweep, streaming, floor, scale, real models, agents).
 
-    tools/bench/run.py --quick  --out var/bench/results.json   # make bench (< 5 min)
+    tools/bench/run.py --quick  --out var/bench/results.json   # make bench (~4 min + agents)
     tools/bench/run.py --full   --out ...                      # make bench-full
     tools/bench/run.py --tiny   --out ...                      # CI smoke: seconds, no LiteLLM
 
@@ -111,7 +111,7 @@ PROFILES = {
         realmodel.Settings(rounds=12, tokens=64),
         vllm_pool.Settings(rounds=6, tokens=64, pool_seconds=20.0, pool_streams=5),
         agents.Settings(
-            Workload(sessions=8, turns=4, concurrency=4, system_tokens=300, user_tokens=60,
+            Workload(sessions=6, turns=4, concurrency=4, system_tokens=300, user_tokens=60,
                      max_tokens=24),
             loads=("agent",),
         ),
@@ -455,7 +455,7 @@ def cli() -> int:
     mode = parser.add_mutually_exclusive_group()
     for name, help_text in (
         ("tiny", "a handful of requests per scenario (the CI smoke run)"),
-        ("quick", "the default: under 5 minutes on 2 cores"),
+        ("quick", "the default: about 4 minutes on 2 cores, plus the agents scenario"),
         ("full", "more requests and longer rounds"),
     ):
         mode.add_argument(
