@@ -37,7 +37,7 @@ from .agent_load import Route, Turn, Workload, attribute, run_load, same_engine_
 from .client import percentile
 from .engines import EngineSet, EngineSettings, delta, engine_of, start_engines
 from .procs import Gateway
-from .results import Row, ScenarioResult, ratio
+from .results import Row, ScenarioResult, fmt, ratio
 from .routers import SGLANG_ROUTER, SMG, VLLM_ROUTER, RouterKind, start_router
 from .stack import ProviderSpec, start_iop
 
@@ -236,8 +236,6 @@ RATIOS: Final = ("ttft_p50_ms", "wall_s", "prompt_tokens_evaluated")
 
 def table(measured: dict[str, dict[str, dict[str, Any]]], missing: dict[str, str]) -> str:
     """Targets as rows, per load; the last columns divide by the oracle's figure."""
-    from .results import fmt
-
     heads = ("load", "target", *(c for c, _ in COLUMNS), *(f"{k} / oracle" for k in RATIOS))
     body: list[tuple[str, ...]] = []
     for load, targets in measured.items():
