@@ -26,7 +26,7 @@ help:
 	@echo "make lock    regenerate the images' requirements.lock files (hashes; UPGRADE=1 moves pins)"
 	@echo "make test-containers  the container tests for real: own Docker engine, every image, compose"
 	@echo "make install create .venv with the five packages editable and the dev tools"
-	@echo "make bench   quick benchmarks (~4 min on 2 cores, plus ~5-8 for the agents scenario): table + var/bench/results-<time>.json"
+	@echo "make bench   quick benchmarks (~4 min on 2 cores, plus ~4 for the agents scenario): table + var/bench/results-<time>.json"
 	@echo "make bench-full  the long benchmark run (same scenarios, more requests)"
 	@echo "make bench-peers install LiteLLM, vllm-router, sglang-router and smg (pinned) into tools/bench/.peers/"
 	@echo "make soak    10 min at 20 req/s with random node restarts: lost requests, RSS slopes (not in CI; SOAK_ARGS=--duration 60)"
