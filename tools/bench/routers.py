@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
@@ -72,6 +72,9 @@ SGLANG_ROUTER: Final = RouterKind(
     "sglang_router", "sglang-router", "0.3.2", ("sglang-router", "launch"), log_level="warn"
 )
 ROUTERS: Final = (VLLM_ROUTER, SGLANG_ROUTER)
+# smg (Shepherd Model Gateway, sglang-router's successor) runs in the agents scenario only:
+# its generic HTTP mode in front of llama.cpp engines.
+SMG: Final = RouterKind("smg", "smg", "1.13.0", ("smg", "launch"), log_level="warn")
 
 
 @dataclass(frozen=True)
@@ -100,9 +103,17 @@ async def _wait_routing(url: str, model: str, timeout_s: float) -> None:
 
 @contextlib.asynccontextmanager
 async def start_router(
-    kind: RouterKind, root: Path, backend_url: str, model: str
+    kind: RouterKind,
+    root: Path,
+    backend_url: str | Sequence[str],
+    model: str,
+    *,
+    policy: str = "round_robin",
+    extra: Sequence[str] = (),
 ) -> AsyncIterator[Router]:
-    """``kind`` routing to the fake backend at ``backend_url``, ready to serve ``model``."""
+    """``kind`` routing to the worker(s) at ``backend_url`` with ``policy``, ready to serve
+    ``model``; ``extra``: more of its command-line arguments."""
+    workers = [backend_url] if isinstance(backend_url, str) else list(backend_url)
     await asyncio.to_thread(root.mkdir, parents=True, exist_ok=True)
     async with contextlib.AsyncExitStack() as stack:
         # Neither can bind port 0 and report it: two ports, again if one was taken.
@@ -113,15 +124,16 @@ async def start_router(
                 str(kind.binary),
                 *kind.command[1:],
                 *("--host", "127.0.0.1", "--port", str(port)),
-                *("--worker-urls", backend_url, "--policy", "round_robin"),
+                *("--worker-urls", *workers, "--policy", policy),
                 *("--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port)),
                 *("--log-level", kind.log_level),
+                *extra,
             ]
             attempt = contextlib.AsyncExitStack()
             url = f"http://127.0.0.1:{port}"
             try:
                 child = await attempt.enter_async_context(
-                    spawn(argv, ready=None, log=root / f"{kind.name}.log")
+                    spawn(argv, ready=None, log=root / f"{kind.name}-{policy}.log")
                 )
                 await _wait_routing(url, model, READY_TIMEOUT_S)
             except BaseException as exc:

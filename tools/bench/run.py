@@ -1,6 +1,6 @@
-"""Run the IOP benchmarks (overhead, sweep, streaming, floor, scale, real models): table + JSON.
+"""Run the IOP benchmarks (overhead, sweep, streaming, floor, scale, real models, agents).
 
-    tools/bench/run.py --quick  --out var/bench/results.json   # make bench (< 5 min)
+    tools/bench/run.py --quick  --out var/bench/results.json   # make bench (~4 min + agents)
     tools/bench/run.py --full   --out ...                      # make bench-full
     tools/bench/run.py --tiny   --out ...                      # CI smoke: seconds, no LiteLLM
 
@@ -32,7 +32,8 @@ from typing import Any
 # Run as a script (``tools/bench/run.py``): tools/ holds the ``bench`` package.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench import floor, overhead, realmodel, scale, streaming, sweep, vllm_pool
+from bench import agents, floor, overhead, realmodel, scale, streaming, sweep, vllm_pool
+from bench.agent_load import Workload
 from bench.backends import (
     SMOLLM2,
     SMOLLM2_VLLM,
@@ -46,10 +47,10 @@ from bench.client import Target
 from bench.peers import SKIPPED, litellm_available, litellm_version, start_litellm
 from bench.procs import Gateway
 from bench.results import PEERS, Row, ScenarioResult, render
-from bench.routers import ROUTERS, start_router
+from bench.routers import ROUTERS, SMG, start_router
 from bench.stack import ProviderSpec, start_iop
 
-SCENARIOS = ("overhead", "sweep", "streaming", "floor", "scale", "realmodel", "vllm")
+SCENARIOS = ("overhead", "sweep", "streaming", "floor", "scale", "realmodel", "vllm", "agents")
 GATEWAY_SCENARIOS = ("overhead", "sweep", "streaming", "realmodel", "vllm")
 PEER_SCENARIOS = ("overhead", "sweep", "streaming")  # the ones with a column per peer
 FAKE_MODEL = "fake"
@@ -67,6 +68,7 @@ class Profile:
     scale: scale.Settings
     realmodel: realmodel.Settings
     vllm: vllm_pool.Settings | None  # None: not run in this mode (vLLM takes a minute to start)
+    agents: agents.Settings | None  # None: not run in this mode (minutes of real prefill)
     litellm: bool  # start LiteLLM when it is installed
     routers: bool  # start vllm-router and sglang-router when installed
     run_timeout_s: float
@@ -88,6 +90,7 @@ PROFILES = {
         ),
         realmodel.Settings(rounds=1, tokens=4),
         None,
+        None,
         litellm=False,
         routers=True,  # they start in well under a second: the smoke run covers them
         run_timeout_s=80,
@@ -107,9 +110,14 @@ PROFILES = {
         ),
         realmodel.Settings(rounds=12, tokens=64),
         vllm_pool.Settings(rounds=6, tokens=64, pool_seconds=20.0, pool_streams=5),
+        agents.Settings(
+            Workload(sessions=6, turns=4, concurrency=4, system_tokens=300, user_tokens=60,
+                     max_tokens=24),
+            loads=("agent",),
+        ),
         litellm=True,
         routers=True,
-        run_timeout_s=720,
+        run_timeout_s=1500,
     ),
     "full": Profile(
         "full",
@@ -126,9 +134,13 @@ PROFILES = {
         ),
         realmodel.Settings(rounds=20, tokens=128),
         vllm_pool.Settings(rounds=12, tokens=128, pool_seconds=60.0, pool_streams=5),
+        agents.Settings(
+            Workload(sessions=12, turns=6, concurrency=4, system_tokens=300, user_tokens=60,
+                     max_tokens=24),
+        ),
         litellm=True,
         routers=True,
-        run_timeout_s=1800,
+        run_timeout_s=3600,
     ),
 }  # fmt: skip
 
@@ -351,9 +363,15 @@ async def _peers(
     return missing
 
 
-async def main(profile: Profile, only: tuple[str, ...] = SCENARIOS) -> Report:
+async def main(
+    profile: Profile,
+    only: tuple[str, ...] = SCENARIOS,
+    agents_targets: tuple[str, ...] = agents.TARGETS,
+) -> Report:
     """Every scenario (or those in ``only``), each bounded; failures are held, never raised."""
     report = Report(profile, only)
+    report.meta["smg_version"] = SMG.installed_version()
+    report.meta["agents_targets"] = list(agents_targets)
     with tempfile.TemporaryDirectory(prefix="iop-bench-") as scratch:
         root = Path(scratch)
         try:
@@ -371,6 +389,7 @@ async def main(profile: Profile, only: tuple[str, ...] = SCENARIOS) -> Report:
                 # gateways stopped, so the machine is quiet for them.
                 await report.scenario("floor", lambda: floor.run(root / "floor", profile.floor))
                 await report.scenario("scale", lambda: scale.run(root / "scale", profile.scale))
+                await _agents(report, root / "agents", agents_targets)
         except TimeoutError:
             for name in SCENARIOS:
                 report.results.setdefault(
@@ -382,6 +401,17 @@ async def main(profile: Profile, only: tuple[str, ...] = SCENARIOS) -> Report:
     return report
 
 
+async def _agents(report: Report, root: Path, targets: tuple[str, ...]) -> None:
+    """Last: three engines and a gateway at a time, started and stopped per target."""
+    settings = report.profile.agents
+    if settings is None:
+        report.skip("agents", f"not run in --{report.profile.name} (minutes of real prefill)")
+    elif (missing := llamacpp_missing()) is not None:
+        report.skip("agents", missing)
+    else:
+        await report.scenario("agents", lambda: agents.run(root, settings, targets))
+
+
 def write(report: Report, out: Path) -> None:
     """The JSON document, then the table and what did not run, on stdout."""
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -389,6 +419,10 @@ def write(report: Report, out: Path) -> None:
     print()
     print(render(report.rows))
     print()
+    for name in SCENARIOS:  # a scenario with more columns than the shared table has
+        table = report.results[name].data.get("table")
+        if isinstance(table, str):
+            print(f"{name}:\n{table}\n")
     for name in SCENARIOS:
         result = report.results[name]
         if result.status != "ok":
@@ -405,12 +439,23 @@ def _run(coro: Coroutine[Any, Any, Report]) -> Report:
     return uvloop.run(coro)
 
 
+def _agents_targets(text: str) -> tuple[str, ...]:
+    names = tuple(name.strip() for name in text.split(",") if name.strip())
+    unknown = sorted(set(names) - set(agents.TARGETS))
+    if unknown or not names:
+        known = ", ".join(agents.TARGETS)
+        raise argparse.ArgumentTypeError(
+            f"unknown target(s) {', '.join(unknown) or '(none)'}; known: {known}"
+        )
+    return names
+
+
 def cli() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     mode = parser.add_mutually_exclusive_group()
     for name, help_text in (
         ("tiny", "a handful of requests per scenario (the CI smoke run)"),
-        ("quick", "the default: under 5 minutes on 2 cores"),
+        ("quick", "the default: about 4 minutes on 2 cores, plus the agents scenario"),
         ("full", "more requests and longer rounds"),
     ):
         mode.add_argument(
@@ -423,11 +468,18 @@ def cli() -> int:
         choices=SCENARIOS,
         help="run this scenario (repeatable; default: all), e.g. while working on one figure",
     )
+    parser.add_argument(
+        "--agents-targets",
+        type=_agents_targets,
+        default=agents.TARGETS,
+        help="the agents scenario's targets, comma-separated (default: all of "
+        f"{','.join(agents.TARGETS)})",
+    )
     args = parser.parse_args()
     profile = PROFILES[args.mode or "quick"]
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     out = args.out or Path("var/bench") / f"results-{stamp}.json"
-    report = _run(main(profile, tuple(args.only or SCENARIOS)))
+    report = _run(main(profile, tuple(args.only or SCENARIOS), args.agents_targets))
     write(report, out)
     return 1 if report.failed else 0
 
