@@ -14,7 +14,7 @@ from iop_edge.domain.affinity import AffinityPolicy
 from iop_edge.domain.events import Completed, RunOrder
 from iop_edge.domain.fleet import Fleet, ModelEntry, Operation, ProviderEntry
 from iop_edge.domain.session_key import successor_key
-from iop_edge.errors import QueueTimeout
+from iop_edge.errors import QueueTimeout, ShuttingDown
 from iop_edge.metrics import EdgeMetrics
 from iop_edge.ports import RunSpec
 from iop_edge.service.failover import FailoverRun
@@ -151,6 +151,21 @@ async def test_the_wait_is_bounded_then_the_seed_s_rule_decides_and_the_session_
     assert third.provider_id == second.provider_id  # it moved once, and stays
 
 
+async def test_with_no_free_slot_elsewhere_the_wait_goes_on_up_to_its_bound() -> None:
+    # wait_s: 8 blocks * 64 tokens * 0.1 ms = 51 ms; max_wait_s 5 s.
+    policy = AffinityPolicy(max_wait_s=5.0, default_prefill_ms_per_token=0.1)
+    dispatcher = wired(policy, pids=("a", "b"))
+    first = await dispatcher.open_run(turn("s1", "one"))
+    await dispatcher.open_run(turn("s2", "two"))  # the other provider: busy too
+    waiting = asyncio.create_task(dispatcher.open_run(turn("s1", "one", "two")))
+    await asyncio.sleep(0.3)  # several times wait_s: renewed, still waiting for its cache
+    assert not waiting.done()
+    assert first.provider_id in dispatcher._pinned
+    complete(first)
+    second = await asyncio.wait_for(waiting, 1)
+    assert second.provider_id == first.provider_id
+
+
 async def test_a_waiter_whose_provider_goes_away_goes_elsewhere_at_once() -> None:
     dispatcher = wired(
         AffinityPolicy(max_wait_s=30.0, default_prefill_ms_per_token=1000.0), pids=("a", "b")
@@ -181,6 +196,20 @@ async def test_a_waiter_cancelled_while_waiting_leaves_nothing_behind() -> None:
     complete(first)
     assert dispatcher.idle
     assert all(slot.own_in_flight == 0 for slot in dispatcher.pool.slots())
+
+
+async def test_a_stopping_edge_ends_a_waiter_with_its_refusal() -> None:
+    dispatcher = wired(
+        AffinityPolicy(max_wait_s=30.0, default_prefill_ms_per_token=1000.0), pids=("a", "b")
+    )
+    await dispatcher.open_run(turn("s1", "one"))
+    waiting = asyncio.create_task(dispatcher.open_run(turn("s1", "one", "two")))
+    await asyncio.sleep(0.05)
+    assert dispatcher._pinned
+    await dispatcher.fail_all("edge stopping")
+    with pytest.raises(ShuttingDown):
+        await asyncio.wait_for(waiting, 1)
+    assert not dispatcher._pinned
 
 
 async def test_a_full_pool_queues_as_before_and_keeps_fifo() -> None:

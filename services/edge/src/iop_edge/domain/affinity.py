@@ -28,12 +28,13 @@ provider up to that bound and spills to the rest; a session that spills is remem
 where it lands and stays there (it moves once).
 
 **The wait**: a preferred provider with no free slot may be waited for, instead of
-taking a free slot elsewhere, for at most as long as the re-prefill the wait saves would
-take there: the matched tokens times the provider's prefill time per token (its node's
-report; ``default_prefill_ms_per_token`` when it says nothing), and never more than
-``max_wait_s``. Waiting up to the cost of the alternative is the ski-rental rule: never
-worse than twice the better choice made in hindsight. Then the request takes whatever
-the seed's rule gives it.
+taking a free slot elsewhere, for as long as the re-prefill the wait saves would take
+there (``wait_s``): the matched tokens times the provider's prefill time per token (its
+node's report; ``default_prefill_ms_per_token`` when it says nothing). Waiting up to the
+cost of the alternative is the ski-rental rule: never worse than twice the better choice
+made in hindsight. While no other provider has a free slot there is no alternative to
+pay for (the request would queue), so the dispatcher renews the wait then, up to
+``max_wait_s`` in all; then the request takes whatever the seed's rule gives it.
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ class Preference:
     slot: ProviderSlot
     reason: str  # SESSION or PREFIX
     matched_blocks: int
-    wait_s: float
+    wait_s: float  # how long it may wait while a slot is free elsewhere
 
 
 class SessionTable:
@@ -229,7 +230,8 @@ class CacheAffinity:
         return Preference(slot, reason, matched, self._wait_s(slot, matched))
 
     def _wait_s(self, slot: ProviderSlot, matched_blocks: int) -> float:
-        """How long a request may wait for ``slot``: the re-prefill it saves, bounded."""
+        """How long a request may wait for ``slot`` while another has a free slot: the
+        re-prefill it saves, bounded."""
         policy = self.policy
         per_token_ms = slot.cache.prefill_ms_per_token or policy.default_prefill_ms_per_token
         tokens = matched_blocks * BLOCK_CHARS / policy.chars_per_token

@@ -296,7 +296,7 @@ class Dispatcher:
                     return preference.slot
                 # Batch lines never wait aside: they would go before interactive waiters.
                 if not batch and preference.wait_s > 0:
-                    waited = await self._wait_for(preference, deadline)
+                    waited = await self._wait_for(preference, index, exclude, deadline)
                     decision = "wait_expired" if waited is None else "waited"
                     self._metrics.count_affinity(model.id, decision)
                     if waited is not None:
@@ -345,33 +345,44 @@ class Dispatcher:
             self._check_idle()
 
     async def _wait_for(
-        self, preference: Preference, deadline: float | None
+        self,
+        preference: Preference,
+        index: ModelIndex,
+        exclude: frozenset[str],
+        deadline: float | None,
     ) -> ProviderSlot | None:
-        """Wait up to ``preference.wait_s`` (and the retry's ``deadline``) for a slot of
-        the provider holding the request's cache; ``None``: none came in time, or the
-        provider stopped being a candidate, and the request takes what the seed's rule
-        gives it. The wait counts in the provider's load for the bounded-load rule."""
+        """Wait for a slot of the provider holding the request's cache; ``None``: the wait
+        is over, or the provider stopped being a candidate, and the request takes what the
+        seed's rule gives it. The wait counts in the provider's load for the bounded-load
+        rule.
+
+        The wait is ``preference.wait_s`` (the re-prefill it saves) at a time, renewed
+        while no other provider has a free slot when it runs out (the request would only
+        queue for one: waiting for its cache costs nothing more), and never past
+        ``max_wait_s`` in all, nor the retry's ``deadline``."""
         loop = asyncio.get_running_loop()
-        timeout_s = preference.wait_s
+        limit = loop.time() + self._affinity.policy.max_wait_s
         if deadline is not None:
-            timeout_s = min(timeout_s, deadline - loop.time())
-        if timeout_s <= 0:
-            return None
+            limit = min(limit, deadline)
         provider_id = preference.slot.provider_id
+        others = exclude | {provider_id}
         waiter: asyncio.Future[ProviderSlot | None] = loop.create_future()
         line = self._pinned.setdefault(provider_id, deque())
         line.append(waiter)
         self._affinity.waiting(provider_id, 1)
         try:
-            async with asyncio.timeout(timeout_s):
-                return await waiter
-        except TimeoutError:
-            # Handed the slot just as the time ran out: it is ours, take it.
-            if waiter.done() and not waiter.cancelled():
-                return waiter.result()
+            while (chunk_s := min(preference.wait_s, limit - loop.time())) > 0:
+                # asyncio.wait, not a timeout around the await: that would cancel the
+                # waiter with the first chunk, and it must outlive it.
+                await asyncio.wait((waiter,), timeout=chunk_s)
+                if waiter.done():
+                    return waiter.result()
+                if index.select(others) is not None:
+                    return None  # a free slot elsewhere: the re-prefill's worth is spent
             return None
         except BaseException:
-            if waiter.done() and not waiter.cancelled() and (slot := waiter.result()) is not None:
+            handed = waiter.done() and not waiter.cancelled() and waiter.exception() is None
+            if handed and (slot := waiter.result()) is not None:
                 self._release(slot)  # handed a slot as we gave up: pass it on
             raise
         finally:
