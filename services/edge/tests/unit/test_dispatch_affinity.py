@@ -14,7 +14,7 @@ from iop_edge.domain.affinity import AffinityPolicy
 from iop_edge.domain.events import Completed, RunOrder
 from iop_edge.domain.fleet import Fleet, ModelEntry, Operation, ProviderEntry
 from iop_edge.domain.session_key import successor_key
-from iop_edge.errors import QueueTimeout, ShuttingDown
+from iop_edge.errors import NoProviderAvailable, QueueTimeout, ShuttingDown
 from iop_edge.metrics import EdgeMetrics
 from iop_edge.ports import RunSpec
 from iop_edge.service.failover import FailoverRun
@@ -210,6 +210,20 @@ async def test_a_stopping_edge_ends_a_waiter_with_its_refusal() -> None:
     with pytest.raises(ShuttingDown):
         await asyncio.wait_for(waiting, 1)
     assert not dispatcher._pinned
+
+
+async def test_a_waiter_whose_model_leaves_the_fleet_is_refused() -> None:
+    dispatcher = wired(
+        AffinityPolicy(max_wait_s=30.0, default_prefill_ms_per_token=1000.0), pids=("a", "b")
+    )
+    await dispatcher.open_run(turn("s1", "one"))
+    waiting = asyncio.create_task(dispatcher.open_run(turn("s1", "one", "two")))
+    await asyncio.sleep(0.05)
+    assert dispatcher._pinned
+    gone = fleet(pids=("a", "b"))
+    dispatcher.pool.apply_fleet(Fleet(version=2, models={}, providers=gone.providers))
+    with pytest.raises(NoProviderAvailable):
+        await asyncio.wait_for(waiting, 1)
 
 
 async def test_a_full_pool_queues_as_before_and_keeps_fifo() -> None:

@@ -75,7 +75,8 @@ class Dispatcher:
         self._affinity = CacheAffinity(affinity or AffinityPolicy())
         # Requests waiting for one provider in particular, the one holding their cache
         # (docs/ARCHITECTURE.md#cache-affinity): served before the model's queue.
-        self._pinned: dict[str, deque[asyncio.Future[ProviderSlot | None]]] = {}
+        # Each line: (model id, waiter), oldest first.
+        self._pinned: dict[str, deque[tuple[str, asyncio.Future[ProviderSlot | None]]]] = {}
         self._guards = guards
         self._stall_only = RunGuards(
             stall_timeout_s=guards.stall_timeout_s,
@@ -296,11 +297,13 @@ class Dispatcher:
                     return preference.slot
                 # Batch lines never wait aside: they would go before interactive waiters.
                 if not batch and preference.wait_s > 0:
-                    waited = await self._wait_for(preference, index, exclude, deadline)
+                    waited = await self._wait_for(model.id, preference, index, exclude, deadline)
                     decision = "wait_expired" if waited is None else "waited"
                     self._metrics.count_affinity(model.id, decision)
                     if waited is not None:
                         return waited
+                    if self._queues.get(model.id) is not queue:  # removed while it waited
+                        raise NoProviderAvailable("the model was removed")
                 overtakes = queue.interactive > 0  # others may have queued meanwhile
         slot = None if overtakes else index.select(exclude)
         if slot is not None:
@@ -346,6 +349,7 @@ class Dispatcher:
 
     async def _wait_for(
         self,
+        model_id: str,
         preference: Preference,
         index: ModelIndex,
         exclude: frozenset[str],
@@ -368,7 +372,8 @@ class Dispatcher:
         others = exclude | {provider_id}
         waiter: asyncio.Future[ProviderSlot | None] = loop.create_future()
         line = self._pinned.setdefault(provider_id, deque())
-        line.append(waiter)
+        entry = (model_id, waiter)
+        line.append(entry)
         self._affinity.waiting(provider_id, 1)
         try:
             while (chunk_s := min(preference.wait_s, limit - loop.time())) > 0:
@@ -388,26 +393,30 @@ class Dispatcher:
         finally:
             waiter.cancel()  # a no-op once done; else nobody hands it a slot any more
             self._affinity.waiting(provider_id, -1)
-            if waiter in line:
-                line.remove(waiter)
+            if entry in line:
+                line.remove(entry)
             if not line and self._pinned.get(provider_id) is line:
                 del self._pinned[provider_id]
             self._check_idle()
 
     def _serve_pinned(self, only: ProviderSlot | None = None) -> None:
         """Hand free slots to the requests waiting for their provider in particular;
-        wake those whose provider stopped being a candidate (they go the seed's way)."""
+        wake those whose provider stopped being a candidate, or left their model (they go
+        the seed's way, or learn that the model is gone)."""
+        models = self._fleet.current.models
         for provider_id, line in list(self._pinned.items()):
             if only is not None and provider_id != only.provider_id:
                 continue
             slot = only or self._registry.slot(provider_id)
             usable = slot is not None and slot.usable
-            while line and (not usable or (slot is not None and slot.has_free_slot)):
-                waiter = line.popleft()
-                if waiter.done():
-                    continue
-                if slot is None or not usable:
+            for model_id, waiter in [e for e in line if not e[1].done()]:
+                model = models.get(model_id)
+                if not usable or model is None or provider_id not in model.providers:
+                    line.remove((model_id, waiter))
                     waiter.set_result(None)
+            while line and slot is not None and usable and slot.has_free_slot:
+                _, waiter = line.popleft()
+                if waiter.done():
                     continue
                 slot.take()
                 self._metrics.publish_slot(slot)
@@ -556,7 +565,7 @@ class Dispatcher:
             while (waiter := queue.pop_waiting()) is not None:
                 waiter.set_exception(ShuttingDown(reason))
         for line in self._pinned.values():
-            for pinned in line:
+            for _, pinned in line:
                 if not pinned.done():
                     pinned.set_exception(ShuttingDown(reason))
         for run in list(self._runs.values()):
