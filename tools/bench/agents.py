@@ -6,6 +6,8 @@ target, so nobody inherits a warm cache), one target after the other:
 - ``iop``: a real IOP stack, one node with three ``llamacpp`` providers of capacity 1
   behind one public model; the session's id in ``x-session-id``;
 - ``iop_prefix``: the same without the session header (the prompt alone);
+- ``iop_lowest_load``: the same with cache affinity off (``affinity.enabled: false``):
+  the seed's rule alone, lowest ``in_flight / capacity``, the baseline of the same run;
 - ``smg``, ``vllm_router``, ``sglang_router``: their ``cache_aware`` policy over the
   three engines (smg 1.13.0 in its generic HTTP mode); ``vllm_router_rr``: vllm-router's
   ``round_robin``, a reference with no cache awareness;
@@ -45,7 +47,8 @@ SCENARIO: Final = "agents"
 MODEL: Final = "agents"  # IOP's public model over the three engines
 PROVIDER_PREFIX: Final = "agent-p"
 TARGETS: Final = (
-    "iop", "iop_prefix", "smg", "vllm_router", "sglang_router", "vllm_router_rr", "oracle",
+    "iop", "iop_prefix", "iop_lowest_load", "smg", "vllm_router", "sglang_router",
+    "vllm_router_rr", "oracle",
 )  # fmt: skip
 ROUTED: Final[dict[str, tuple[RouterKind, str]]] = {
     "smg": (SMG, "cache_aware"),
@@ -169,13 +172,14 @@ async def _target(
             for e in engines.engines
         ]  # fmt: skip
         pools = {MODEL: {p.id: p.models[0] for p in providers}}
-        async with start_iop(root / "iop", providers, pools=pools) as iop:
+        affinity_off = {"affinity": {"enabled": False}} if name == "iop_lowest_load" else None
+        async with start_iop(root / "iop", providers, pools=pools, edge_extra=affinity_off) as iop:
 
             async def by_run_log(turns: list[Turn]) -> None:
                 providers_of = await _run_providers(root / "iop" / "edge-runs.db", turns)
                 attribute(turns, lambda t: _provider_engine(providers_of.get(t.answer_id)))
 
-            route = Route((iop.api_url,), MODEL, session_header=name == "iop")
+            route = Route((iop.api_url,), MODEL, session_header=name != "iop_prefix")
             yield route, by_run_log, iop.gateway()
 
 

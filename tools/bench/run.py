@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import datetime
 import json
 import os
@@ -367,6 +368,7 @@ async def main(
     profile: Profile,
     only: tuple[str, ...] = SCENARIOS,
     agents_targets: tuple[str, ...] = agents.TARGETS,
+    agents_loads: tuple[str, ...] | None = None,
 ) -> Report:
     """Every scenario (or those in ``only``), each bounded; failures are held, never raised."""
     report = Report(profile, only)
@@ -389,7 +391,7 @@ async def main(
                 # gateways stopped, so the machine is quiet for them.
                 await report.scenario("floor", lambda: floor.run(root / "floor", profile.floor))
                 await report.scenario("scale", lambda: scale.run(root / "scale", profile.scale))
-                await _agents(report, root / "agents", agents_targets)
+                await _agents(report, root / "agents", agents_targets, agents_loads)
         except TimeoutError:
             for name in SCENARIOS:
                 report.results.setdefault(
@@ -401,9 +403,14 @@ async def main(
     return report
 
 
-async def _agents(report: Report, root: Path, targets: tuple[str, ...]) -> None:
-    """Last: three engines and a gateway at a time, started and stopped per target."""
+async def _agents(
+    report: Report, root: Path, targets: tuple[str, ...], loads: tuple[str, ...] | None
+) -> None:
+    """Last: three engines and a gateway at a time, started and stopped per target;
+    ``loads``: the workloads to run (default: the profile's)."""
     settings = report.profile.agents
+    if settings is not None and loads is not None:
+        settings = dataclasses.replace(settings, loads=loads)
     if settings is None:
         report.skip("agents", f"not run in --{report.profile.name} (minutes of real prefill)")
     elif (missing := llamacpp_missing()) is not None:
@@ -450,6 +457,13 @@ def _agents_targets(text: str) -> tuple[str, ...]:
     return names
 
 
+def _agents_loads(text: str) -> tuple[str, ...]:
+    names = tuple(name.strip() for name in text.split(",") if name.strip())
+    if not names or set(names) - set(agents.LOADS):
+        raise argparse.ArgumentTypeError(f"known workloads: {', '.join(agents.LOADS)}")
+    return names
+
+
 def cli() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     mode = parser.add_mutually_exclusive_group()
@@ -475,11 +489,20 @@ def cli() -> int:
         help="the agents scenario's targets, comma-separated (default: all of "
         f"{','.join(agents.TARGETS)})",
     )
+    parser.add_argument(
+        "--agents-loads",
+        type=_agents_loads,
+        default=None,
+        help=f"the agents scenario's workloads, comma-separated, of {','.join(agents.LOADS)}"
+        " (default: the profile's)",
+    )
     args = parser.parse_args()
     profile = PROFILES[args.mode or "quick"]
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     out = args.out or Path("var/bench") / f"results-{stamp}.json"
-    report = _run(main(profile, tuple(args.only or SCENARIOS), args.agents_targets))
+    report = _run(
+        main(profile, tuple(args.only or SCENARIOS), args.agents_targets, args.agents_loads)
+    )
     write(report, out)
     return 1 if report.failed else 0
 

@@ -159,12 +159,17 @@ def _write_fleet(root: Path, fleet: dict[str, Any]) -> Path:
 
 @contextlib.asynccontextmanager
 async def start_core(
-    root: Path, fleet: dict[str, Any], node_ids: Sequence[str], *, python: str | None = None
+    root: Path,
+    fleet: dict[str, Any],
+    node_ids: Sequence[str],
+    *,
+    python: str | None = None,
+    edge_extra: Mapping[str, Any] | None = None,
 ) -> AsyncIterator[Core]:
     """Start the control-plane and the edge for ``fleet``; tokens for ``node_ids`` exist.
 
     ``python``: the interpreter the services run on (their console scripts are run with
-    it); by default this venv's own.
+    it); by default this venv's own. ``edge_extra``: more of the edge's settings.
     """
     wrapper = _wrapper(python)
     fleet_file = _write_fleet(root, fleet)
@@ -197,6 +202,7 @@ async def start_core(
                 "config_cache": str(root / "edge-cache.pb"),
                 "history_db": str(root / "edge-runs.db"),
                 "responses_db": str(root / "edge-responses.db"),
+                **(edge_extra or {}),
             },
         )
         edge = await exits.enter_async_context(
@@ -254,15 +260,17 @@ async def start_iop(
     probe_interval_s: float = 2.0,
     pools: Mapping[str, Mapping[str, str]] | None = None,
     python: str | None = None,
+    edge_extra: Mapping[str, Any] | None = None,
 ) -> AsyncIterator[IopStack]:
     """Control-plane, edge and the bench node serving ``providers``, all ready.
 
     ``probe_interval_s``: how often the node probes its providers (``hops.py`` sets it
     past its whole measurement, so that no probe lands in a traced window).
-    ``python``: the services' interpreter (``ab.py`` compares two), as in ``start_core``.
+    ``python``: the services' interpreter (``ab.py`` compares two), as in ``start_core``;
+    ``edge_extra``: more of the edge's settings.
     """
     fleet = fleet_for({NODE_ID: providers}, pools)
-    async with start_core(root, fleet, [NODE_ID], python=python) as core:
+    async with start_core(root, fleet, [NODE_ID], python=python, edge_extra=edge_extra) as core:
         settings = core.settings_file(
             NODE_ID,
             "node",
