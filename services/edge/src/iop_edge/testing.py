@@ -7,6 +7,7 @@ bootstrap's, and tests that drive the pool directly must not drift from it.
 from __future__ import annotations
 
 from iop_edge.domain.affinity import AffinityPolicy
+from iop_edge.domain.events import RunOrder
 from iop_edge.domain.outliers import OutlierPolicy
 from iop_edge.metrics import EdgeMetrics
 from iop_edge.service.dispatch import Dispatcher
@@ -42,3 +43,19 @@ class WiredDispatcher(Dispatcher):
             guards=guards,
             affinity=affinity,
         )
+
+
+class RecordingNodeLink:
+    """A ``NodeLink`` that keeps the runs sent to it and does nothing else: the tests end
+    the runs themselves (``FailoverRun.attempt.deliver``)."""
+
+    def __init__(self, node_id: str) -> None:
+        self.node_id = node_id
+        self.acknowledges_runs = False
+        self.sent: list[RunOrder] = []
+
+    async def send_run(self, request: RunOrder) -> None:
+        self.sent.append(request)
+
+    async def send_cancel(self, run_id: str, reason: str) -> None:
+        """Nothing to do: the tests end runs themselves."""

@@ -11,31 +11,18 @@ from prometheus_client import CollectorRegistry
 
 from iop_edge.adapters.run_wire import provider_reports
 from iop_edge.domain.affinity import AffinityPolicy
-from iop_edge.domain.events import Completed, RunOrder
+from iop_edge.domain.events import Completed
 from iop_edge.domain.fleet import Fleet, ModelEntry, Operation, ProviderEntry
 from iop_edge.domain.session_key import successor_key
 from iop_edge.errors import NoProviderAvailable, QueueTimeout, ShuttingDown
 from iop_edge.metrics import EdgeMetrics
 from iop_edge.ports import RunSpec
 from iop_edge.service.failover import FailoverRun
-from iop_edge.testing import WiredDispatcher
+from iop_edge.testing import RecordingNodeLink, WiredDispatcher
 from iop_proto.prefix import BLOCK_CHARS
 from iop_proto.v1 import runtime_pb2 as pb
 
 SYSTEM = "You are a careful coding agent. " * (4 * BLOCK_CHARS // 32)
-
-
-class FakeNode:
-    def __init__(self, node_id: str) -> None:
-        self.node_id = node_id
-        self.acknowledges_runs = False
-        self.sent: list[RunOrder] = []
-
-    async def send_run(self, request: RunOrder) -> None:
-        self.sent.append(request)
-
-    async def send_cancel(self, run_id: str, reason: str) -> None:
-        """Nothing to do: the tests end runs themselves."""
 
 
 def fleet(
@@ -73,8 +60,10 @@ def wired(
     return dispatcher
 
 
-def connect(dispatcher: WiredDispatcher, pid: str, health: int = pb.HEALTH_AVAILABLE) -> FakeNode:
-    node = FakeNode(f"n-{pid}")
+def connect(
+    dispatcher: WiredDispatcher, pid: str, health: int = pb.HEALTH_AVAILABLE
+) -> RecordingNodeLink:
+    node = RecordingNodeLink(f"n-{pid}")
     state = pb.ProviderState(provider_id=pid, health=health)
     dispatcher.pool.node_connected(node, provider_reports([state]))
     return node
@@ -91,6 +80,21 @@ def turn(session: str | None, *history: str, chained: bool = False) -> RunSpec:
 
 def complete(run: FailoverRun) -> None:
     run.attempt.deliver(Completed(finish_reason="stop"))
+
+
+async def waiting_aside() -> tuple[WiredDispatcher, FailoverRun, asyncio.Task[FailoverRun]]:
+    """Two providers; a session's first turn on one, its second waiting for that one (the
+    other is free, but the wait's bound is long): the dispatcher, the first run, the
+    waiting request."""
+    dispatcher = wired(
+        AffinityPolicy(max_wait_s=30.0, default_prefill_ms_per_token=1000.0), pids=("a", "b")
+    )
+    first = await dispatcher.open_run(turn("s1", "one"))
+    waiting = asyncio.create_task(dispatcher.open_run(turn("s1", "one", "two")))
+    await asyncio.sleep(0.05)
+    assert not waiting.done()
+    assert first.provider_id in dispatcher._pinned
+    return dispatcher, first, waiting
 
 
 async def test_a_session_returns_to_its_provider_with_a_free_slot_elsewhere() -> None:
@@ -167,13 +171,7 @@ async def test_with_no_free_slot_elsewhere_the_wait_goes_on_up_to_its_bound() ->
 
 
 async def test_a_waiter_whose_provider_goes_away_goes_elsewhere_at_once() -> None:
-    dispatcher = wired(
-        AffinityPolicy(max_wait_s=30.0, default_prefill_ms_per_token=1000.0), pids=("a", "b")
-    )
-    first = await dispatcher.open_run(turn("s1", "one"))
-    waiting = asyncio.create_task(dispatcher.open_run(turn("s1", "one", "two")))
-    await asyncio.sleep(0.05)
-    assert not waiting.done()
+    dispatcher, first, waiting = await waiting_aside()
     node = dispatcher.pool.link(f"n-{first.provider_id}")
     assert node is not None
     dispatcher.pool.node_disconnected(node, "test")  # failover: its node is gone
@@ -182,14 +180,7 @@ async def test_a_waiter_whose_provider_goes_away_goes_elsewhere_at_once() -> Non
 
 
 async def test_a_waiter_cancelled_while_waiting_leaves_nothing_behind() -> None:
-    dispatcher = wired(
-        AffinityPolicy(max_wait_s=30.0, default_prefill_ms_per_token=1000.0), pids=("a", "b")
-    )
-    first = await dispatcher.open_run(turn("s1", "one"))
-    waiting = asyncio.create_task(dispatcher.open_run(turn("s1", "one", "two")))
-    await asyncio.sleep(0.05)
-    assert not waiting.done()
-    assert dispatcher._pinned
+    dispatcher, first, waiting = await waiting_aside()
     waiting.cancel()
     with pytest.raises(asyncio.CancelledError):
         await waiting
@@ -199,13 +190,7 @@ async def test_a_waiter_cancelled_while_waiting_leaves_nothing_behind() -> None:
 
 
 async def test_a_stopping_edge_ends_a_waiter_with_its_refusal() -> None:
-    dispatcher = wired(
-        AffinityPolicy(max_wait_s=30.0, default_prefill_ms_per_token=1000.0), pids=("a", "b")
-    )
-    await dispatcher.open_run(turn("s1", "one"))
-    waiting = asyncio.create_task(dispatcher.open_run(turn("s1", "one", "two")))
-    await asyncio.sleep(0.05)
-    assert dispatcher._pinned
+    dispatcher, _, waiting = await waiting_aside()
     await dispatcher.fail_all("edge stopping")
     with pytest.raises(ShuttingDown):
         await asyncio.wait_for(waiting, 1)
@@ -213,13 +198,7 @@ async def test_a_stopping_edge_ends_a_waiter_with_its_refusal() -> None:
 
 
 async def test_a_waiter_whose_model_leaves_the_fleet_is_refused() -> None:
-    dispatcher = wired(
-        AffinityPolicy(max_wait_s=30.0, default_prefill_ms_per_token=1000.0), pids=("a", "b")
-    )
-    await dispatcher.open_run(turn("s1", "one"))
-    waiting = asyncio.create_task(dispatcher.open_run(turn("s1", "one", "two")))
-    await asyncio.sleep(0.05)
-    assert dispatcher._pinned
+    dispatcher, _, waiting = await waiting_aside()
     gone = fleet(pids=("a", "b"))
     dispatcher.pool.apply_fleet(Fleet(version=2, models={}, providers=gone.providers))
     with pytest.raises(NoProviderAvailable):

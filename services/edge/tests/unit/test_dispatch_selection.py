@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry
 
 from iop_edge.adapters.run_wire import failed as failed_event
 from iop_edge.adapters.run_wire import provider_reports
-from iop_edge.domain.events import Completed, ErrorCode, Failed, RunOrder
+from iop_edge.domain.events import Completed, ErrorCode, Failed
 from iop_edge.domain.fleet import Fleet, ModelEntry, Operation, ProviderEntry
 from iop_edge.domain.outliers import OutlierPolicy, Phase
 from iop_edge.domain.pool import ProviderSlot, select
@@ -18,21 +18,9 @@ from iop_edge.errors import NoProviderAvailable
 from iop_edge.metrics import EdgeMetrics
 from iop_edge.ports import RunSpec
 from iop_edge.service.failover import FailoverRun
+from iop_edge.testing import RecordingNodeLink
 from iop_edge.testing import WiredDispatcher as Dispatch
 from iop_proto.v1 import runtime_pb2 as pb
-
-
-class FakeNode:
-    def __init__(self, node_id: str) -> None:
-        self.node_id = node_id
-        self.acknowledges_runs = False
-        self.sent: list[RunOrder] = []
-
-    async def send_run(self, request: RunOrder) -> None:
-        self.sent.append(request)
-
-    async def send_cancel(self, run_id: str, reason: str) -> None:
-        """Nothing to do: the tests end runs themselves."""
 
 
 def provider(pid: str, node: str, capacity: int) -> ProviderEntry:
@@ -91,7 +79,7 @@ async def test_every_dispatch_chooses_what_the_scan_chooses(seed: int) -> None:
     policy = OutlierPolicy(consecutive_failures=2, cooldown_s=0.0)
     dispatcher = Dispatch(EdgeMetrics.create(CollectorRegistry()), outliers=policy)
     dispatcher.pool.apply_fleet(random_fleet(rng, 1))
-    nodes = {n: FakeNode(n) for n in ("n0", "n1", "n2")}
+    nodes = {n: RecordingNodeLink(n) for n in ("n0", "n1", "n2")}
     runs: list[FailoverRun] = []
     ejections: set[str] = set()
     health = (pb.HEALTH_AVAILABLE, pb.HEALTH_AVAILABLE, pb.HEALTH_UNAVAILABLE, pb.HEALTH_UNKNOWN)
@@ -148,7 +136,7 @@ async def test_every_dispatch_chooses_what_the_scan_chooses(seed: int) -> None:
 async def test_a_freed_shared_slot_goes_to_the_first_model_of_the_fleet_with_waiters() -> None:
     dispatcher = Dispatch(EdgeMetrics.create(CollectorRegistry()))
     dispatcher.pool.apply_fleet(make_fleet(1, [provider("p", "n", 1)], {"a": ["p"], "b": ["p"]}))
-    node = FakeNode("n")
+    node = RecordingNodeLink("n")
     dispatcher.pool.node_connected(
         node, provider_reports([pb.ProviderState(provider_id="p", health=pb.HEALTH_AVAILABLE)])
     )
@@ -168,7 +156,7 @@ async def test_a_provider_moved_to_another_node_follows_that_node() -> None:
     registry = CollectorRegistry()
     dispatcher = Dispatch(EdgeMetrics.create(registry))
     dispatcher.pool.apply_fleet(make_fleet(1, [provider("p", "old", 2)], {"m": ["p"]}))
-    old = FakeNode("old")
+    old = RecordingNodeLink("old")
     dispatcher.pool.node_connected(
         old, provider_reports([pb.ProviderState(provider_id="p", health=pb.HEALTH_AVAILABLE)])
     )
@@ -180,7 +168,7 @@ async def test_a_provider_moved_to_another_node_follows_that_node() -> None:
     assert not dispatcher.pool.slot("p").connected  # "new" has not registered
     with pytest.raises(NoProviderAvailable):
         await dispatcher.open_run(spec("m"))
-    new = FakeNode("new")
+    new = RecordingNodeLink("new")
     dispatcher.pool.node_connected(
         new, provider_reports([pb.ProviderState(provider_id="p", health=pb.HEALTH_AVAILABLE)])
     )
@@ -197,7 +185,7 @@ async def test_metrics_follow_the_pool_and_leave_with_the_fleet() -> None:
     dispatcher = Dispatch(EdgeMetrics.create(registry))
     providers = [provider("a", "n", 1), provider("b", "n", 1)]
     dispatcher.pool.apply_fleet(make_fleet(1, providers, {"m": ["a"], "x": ["b"]}))
-    node = FakeNode("n")
+    node = RecordingNodeLink("n")
     dispatcher.pool.node_connected(
         node,
         provider_reports(
