@@ -42,6 +42,23 @@ def chat_result(usage: dict[str, Any] | None, operation: Operation) -> bytes:
     return json.dumps(result).encode()
 
 
+def result_end(
+    engine_says: dict[str, int] | None,
+    node_says: int,
+    operation: Operation = Operation.CHAT_COMPLETIONS,
+) -> Completed:
+    """A run that ended with the engine's result: its usage with ``engine_says`` as
+    ``prompt_tokens_details`` (``None``: left out), the node's own count ``node_says``."""
+    usage: dict[str, Any] = {"prompt_tokens": 100, "completion_tokens": 5, "total_tokens": 105}
+    if engine_says is not None:
+        usage["prompt_tokens_details"] = engine_says
+    return Completed(
+        finish_reason="stop",
+        usage=Usage(100, 5, 105, node_says),
+        result_json=chat_result(usage, operation),
+    )
+
+
 def sse_json(raw: bytes) -> list[dict[str, Any]]:
     return [
         json.loads(line[len(b"data: ") :])
@@ -86,14 +103,7 @@ def test_openai_s_streamed_usage_chunk_names_the_cached_tokens(operation: Operat
 def test_openai_s_forwarded_result_carries_the_larger_count(
     operation: Operation, engine_says: dict[str, int] | None, node_says: int, shown: int
 ) -> None:
-    usage: dict[str, Any] = {"prompt_tokens": 100, "completion_tokens": 5, "total_tokens": 105}
-    if engine_says is not None:
-        usage["prompt_tokens_details"] = engine_says
-    end = Completed(
-        finish_reason="stop",
-        usage=Usage(100, 5, 105, node_says),
-        result_json=chat_result(usage, operation),
-    )
+    end = result_end(engine_says, node_says, operation)
     result = json.loads(render_result(operation, end, [], run_id="r", model="m", created=5))
     assert result["usage"]["prompt_tokens_details"] == {
         **(engine_says or {}),
@@ -168,14 +178,7 @@ def test_anthropic_s_stream_tells_the_cache_in_message_delta() -> None:
 def test_anthropic_s_message_from_a_chat_result_tells_the_cache(
     engine_says: dict[str, int] | None, node_says: int, read: int
 ) -> None:
-    usage: dict[str, Any] = {"prompt_tokens": 100, "completion_tokens": 5}
-    if engine_says is not None:
-        usage["prompt_tokens_details"] = engine_says
-    end = Completed(
-        finish_reason="stop",
-        usage=Usage(100, 5, 105, node_says),
-        result_json=chat_result(usage, Operation.CHAT_COMPLETIONS),
-    )
+    end = result_end(engine_says, node_says)
     message = render_message(end, [], message_id="msg_r", model="m")
     assert message["usage"]["cache_read_input_tokens"] == read
     assert message["usage"]["input_tokens"] == 100 - read
@@ -211,14 +214,7 @@ def test_responses_stream_tells_the_cache_in_the_completed_response() -> None:
 def test_responses_answer_tells_the_larger_count(
     engine_says: dict[str, int] | None, node_says: int, shown: int
 ) -> None:
-    usage: dict[str, Any] = {"prompt_tokens": 100, "completion_tokens": 5}
-    if engine_says is not None:
-        usage["prompt_tokens_details"] = engine_says
-    end = Completed(
-        finish_reason="stop",
-        usage=Usage(100, 5, 105, node_says),
-        result_json=chat_result(usage, Operation.CHAT_COMPLETIONS),
-    )
+    end = result_end(engine_says, node_says)
     turn = Turn.of_run(end, [])
     assert turn.usage_object()["input_tokens_details"]["cached_tokens"] == shown
 

@@ -19,7 +19,7 @@ from loguru import logger
 
 from iop_node.domain.admission import Ungated
 from iop_node.domain.health import Health
-from iop_node.domain.runs import Completion, Delta, ExecutionSpec, Operation
+from iop_node.domain.runs import Completion, Delta, ExecutionSpec, Operation, Usage
 from iop_node.errors import (
     InvalidRequest,
     ProviderTimeout,
@@ -259,10 +259,7 @@ def _account(runtime: ProviderRuntime, spec: ExecutionSpec, completion: Completi
     """Note a served prompt in the provider's cache account. Hashed here, on the event
     loop: the hashing is linear in the prompt and bounded (``iop_proto.prefix.MAX_BLOCKS``),
     a small fraction of what the engine spent reading the same prompt."""
-    usage = completion.usage
-    if usage is None:
-        runtime.cache.served(body_blocks(spec.body))
-        return
+    usage = completion.usage or Usage()  # no usage: the prompt is kept, nothing counted
     runtime.cache.served(
         body_blocks(spec.body),
         prompt_tokens=usage.prompt_tokens,

@@ -162,9 +162,9 @@ class RunTrace:
         )
 
     def _served_by(self) -> str:
-        """The provider that answered (the last attempt's, after a failover)."""
-        attempts = self.run.attempt_records() if self.run is not None else ()
-        return attempts[-1].provider_id if attempts else self.provider_id
+        """The provider that answered (the last attempt's, after a failover): the run
+        names it without building its attempts' records, which ``record`` does once."""
+        return self.run.provider_id if self.run is not None else self.provider_id
 
     @property
     def queue_wait_ms(self) -> int:
@@ -180,8 +180,7 @@ class RunTrace:
             series.ttft.observe(self.first_delta_at - self.received_at)
         if self.overhead_s is not None:
             metrics.overhead_of(self.operation.value, self.stream).observe(self.overhead_s)
-        served_by = self._served_by()
-        if self.outcome == "completed" and served_by:
+        if self.outcome == "completed" and (served_by := self._served_by()):
             tokens = metrics.tokens_of(self.model, served_by)
             tokens.prompt.inc(self.prompt_tokens)
             tokens.completion.inc(self.completion_tokens)

@@ -25,6 +25,7 @@ from typing import Any, Final
 
 from iop_edge.domain.events import Completed, Delta, ToolCallDelta, Usage
 from iop_edge.errors import ContextLengthExceeded, EdgeError, ProviderFailed
+from iop_edge.formats.openai import cached_tokens_of
 from iop_proto import json_codec
 
 STOP_REASONS: Final = {
@@ -246,9 +247,7 @@ def _usage(value: Any, node: Usage | None) -> Usage | None:
     prompt, completion = value.get("prompt_tokens"), value.get("completion_tokens")
     if not isinstance(prompt, int) or not isinstance(completion, int):
         return node
-    details = value.get("prompt_tokens_details")
-    cached = details.get("cached_tokens") if isinstance(details, dict) else None
-    own = cached if isinstance(cached, int) else 0
+    own = cached_tokens_of(value)
     return Usage(
         prompt, completion, prompt + completion, max(own, node.cached_tokens if node else 0)
     )

@@ -16,7 +16,7 @@ deltas, and a provider's whole result has its ``model`` replaced.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any, Final
 
 from iop_edge.domain.events import Completed, Delta, ToolCallDelta, Usage
@@ -272,6 +272,14 @@ def _complete_choices(operation: Operation, result: dict[str, Any], run_id: str)
             message.setdefault("refusal", None)
 
 
+def cached_tokens_of(usage: Mapping[str, Any]) -> int:
+    """The prompt tokens an engine's OpenAI-shaped ``usage`` says it served from its cache
+    (``prompt_tokens_details.cached_tokens``); 0 when it says nothing (or not a number)."""
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return cached if type(cached) is int else 0  # JSON's integers exactly: not a bool
+
+
 def _complete_usage(result: dict[str, Any], usage: Usage | None) -> None:
     """``usage.prompt_tokens_details.cached_tokens`` in a provider's chat or text result:
     the larger of its own and the node's count (the node also reads llama.cpp's
@@ -282,11 +290,10 @@ def _complete_usage(result: dict[str, Any], usage: Usage | None) -> None:
         if usage is not None:
             result["usage"] = usage_object(usage)
         return
+    own = cached_tokens_of(body)
     details = body.get("prompt_tokens_details")
     if not isinstance(details, dict):
         details = body["prompt_tokens_details"] = {}
-    own = details.get("cached_tokens")
-    own = own if isinstance(own, int) and not isinstance(own, bool) else 0
     details["cached_tokens"] = max(own, usage.cached_tokens if usage is not None else 0)
 
 

@@ -19,6 +19,7 @@ from typing import Any, Final
 
 from iop_edge.domain.events import Completed, Delta, Usage
 from iop_edge.errors import EdgeError, ProviderFailed
+from iop_edge.formats.openai import cached_tokens_of
 from iop_edge.formats.responses_tools import Tools, custom_input
 from iop_proto import json_codec
 
@@ -223,14 +224,12 @@ def usage_object(usage: Usage, details: dict[str, Any] | None = None) -> dict[st
     reads llama.cpp's ``timings``, and a streamed run has no result), 0 when neither says.
     """
     details = details or {}
-    prompt = details.get("prompt_tokens_details")
     completion = details.get("completion_tokens_details")
-    cached = prompt.get("cached_tokens") if isinstance(prompt, dict) else None
     thought = completion.get("reasoning_tokens") if isinstance(completion, dict) else None
     return {
         "input_tokens": usage.prompt_tokens,
         "input_tokens_details": {
-            "cached_tokens": max(cached if isinstance(cached, int) else 0, usage.cached_tokens),
+            "cached_tokens": max(cached_tokens_of(details), usage.cached_tokens),
             "cache_write_tokens": 0,  # no provider of the fleet reports it
         },
         "output_tokens": usage.completion_tokens,
