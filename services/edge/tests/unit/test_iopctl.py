@@ -27,7 +27,9 @@ from aiohttp import web
 from iop_edge.cli.iopctl import CLEAR_SCREEN, run
 from iop_proto.testing import refused_port
 
-WAIT = 5.0  # upper bound on waiting for an explicit signal (never a sleep)
+# Upper bound on waiting for an explicit signal (never a sleep); generous because a loaded
+# machine may take seconds to start a Python process and import aiohttp.
+WAIT = 30.0
 KEY = "sk-iop-test"
 
 Row = dict[str, Any]
@@ -442,6 +444,11 @@ async def test_watch_keeps_going_while_the_edge_is_away() -> None:
 # ---------------------------------------------------------------- Ctrl-C, for real
 
 
+def _sigint_as_at_a_terminal() -> None:
+    """In the child before exec: SIGINT's default disposition, whatever this process's is."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize(
     ("argv", "ready"),
     [(["runs", "--tail"], b"run-2"), (["watch"], b"node-b-mock")],
@@ -457,6 +464,9 @@ async def test_ctrl_c_ends_a_live_command_with_status_0(
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
         env={**os.environ, "IOP_API_KEY": ""},
+        # What Ctrl-C does is the terminal's default: a shell that started this run with SIGINT
+        # ignored (a background job, nohup, some CI runners) would hand that on to the child.
+        preexec_fn=_sigint_as_at_a_terminal,
     )
     assert process.stdout is not None
     try:
