@@ -29,10 +29,12 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import sys
 import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -222,7 +224,7 @@ class Findings:
 
 
 def run_schemathesis(origin: str) -> Findings:
-    """The whole run, blocking (schemathesis speaks ``requests``): call it in a thread."""
+    """The whole run, blocking (schemathesis speaks ``requests``): the child process's work."""
     schema = schemathesis.openapi.from_url(f"{origin}/openapi.json", timeout=10)
     findings = Findings()
     with requests.Session() as session:
@@ -289,11 +291,43 @@ def with_model(case: schemathesis.Case, model: str) -> schemathesis.Case:
     return case
 
 
+async def findings_of_a_child_process(origin: str, out: Path) -> Findings:
+    """``run_schemathesis`` in a Python process of its own, its findings read back as JSON.
+
+    Not in a thread of the test's: hypothesis and schemathesis build and compile syntax
+    trees, and CPython 3.11 keeps the AST constructor's recursion depth per interpreter,
+    not per thread (python/cpython#106905), so on a loaded machine a generation in one
+    thread beside pytest's work in another could end in ``SystemError: AST constructor
+    recursion depth mismatch``, raised out of the hypothesis plugin as an INTERNALERROR
+    that stopped the whole session. In a child, whatever goes wrong fails this test only,
+    with the child's output as the reason.
+    """
+    child = await asyncio.create_subprocess_exec(
+        sys.executable,
+        __file__,
+        origin,
+        str(out),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    output, _ = await child.communicate()
+    assert child.returncode == 0, f"the schemathesis run failed:\n{output.decode()[-4000:]}"
+    saved = json.loads(await asyncio.to_thread(out.read_text))
+    return Findings(
+        statuses=Counter(saved["statuses"]),
+        cases=Counter(saved["cases"]),
+        problems=saved["problems"],
+        without_negative_cases=saved["without_negative_cases"],
+        streams=saved["streams"],
+        streams_cut_short=saved["streams_cut_short"],
+    )
+
+
 async def test_generated_requests_get_no_500_and_only_openai_errors(
-    stack: Any, report: Callable[[str], None]
+    stack: Any, report: Callable[[str], None], tmp_path: Path
 ) -> None:
     origin = stack.api_url.removesuffix("/v1")
-    findings = await asyncio.to_thread(run_schemathesis, origin)
+    findings = await findings_of_a_child_process(origin, tmp_path / "findings.json")
     report(
         f"{sum(findings.cases.values())} generated requests {dict(findings.cases)}, "
         f"statuses {dict(findings.statuses)}, {len(findings.problems)} problems; "
@@ -375,3 +409,13 @@ async def test_malformed_bodies_and_wrong_content_types_get_400_error_objects(
             assert response.status == status, (method, path, response.status)
             assert openai_error_problem(status, payload) is None, (method, path)
     report(f"{sum(statuses.values())} malformed requests: statuses {dict(statuses)}")
+
+
+if __name__ == "__main__":
+    # ``python test_http_bad_input.py ORIGIN OUT``: the run of ``findings_of_a_child_process``
+    found = run_schemathesis(sys.argv[1])
+    saved = {
+        name: dict(value) if isinstance(value, Counter) else value
+        for name, value in vars(found).items()
+    }
+    Path(sys.argv[2]).write_text(json.dumps(saved))
