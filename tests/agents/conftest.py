@@ -1,8 +1,8 @@
 """The coding agents' suite (``make test-agents``): ``make run``'s own stack, once for the
 session, which every agent and client library is pointed at.
 
-Plain ``make test`` runs these where ``make agents`` has installed the agents and skips
-them, naming ``make agents``, where it has not; ``make test-agents`` sets
+``make test`` leaves them out (pyproject.toml's testpaths); a plain ``pytest tests/agents``
+runs them where ``make agents`` has installed the agents and skips them, naming ``make agents``, where it has not; ``make test-agents`` sets
 ``TEST_AGENTS_REQUIRED=1``, which turns that absence into a failure.
 """
 

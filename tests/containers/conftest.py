@@ -2,8 +2,9 @@
 
 `make test-containers` (tools/containers/run.py) provides all of it: a Docker engine of its
 own, Compose v2, a docker CLI that builds with BuildKit, every image built; it sets
-TEST_CONTAINERS_REQUIRED=1, which turns each skip below into a failure. A plain `make test`
-on a machine where no engine answers skips them all, saying why. The vLLM test also needs a
+TEST_CONTAINERS_REQUIRED=1, which turns each skip below into a failure. `make test` leaves
+them out (pyproject.toml's testpaths); `pytest tests/containers` on a machine where no
+engine answers skips them all, saying why. The vLLM test also needs a
 GPU and keeps its skip even there.
 """
 

@@ -1,6 +1,7 @@
 """``make test-multihost``: docs/deploy-bare-metal.md run on three network-namespace hosts.
 
-Not part of plain ``make test``: it needs root and takes a minute or two, so without
+Not part of ``make test`` (pyproject.toml's testpaths): it needs root and takes a minute
+or two, so in ``pytest tests/multihost`` without
 ``TEST_MULTIHOST=1`` (or ``TEST_MULTIHOST_REQUIRED=1``, which ``make test-multihost``
 sets) every test that needs the hosts skips at once, saying how to run it (the checks of
 the guide's text run everywhere). Where namespaces cannot be made (not root, no

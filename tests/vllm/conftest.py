@@ -2,8 +2,8 @@
 
 ``make vllm`` installs vLLM into ``.venv-vllm/`` and converts the model into
 ``var/vllm/smollm2-135m-instruct``; ``tools/vllm_server.py`` starts it on loopback with
-the 2-core settings and says ``ready:`` once ``/health`` answers. Without that venv a
-plain ``make test`` skips these tests, naming ``make vllm``; ``make test-vllm`` sets
+the 2-core settings and says ``ready:`` once ``/health`` answers. ``make test`` leaves
+them out (pyproject.toml's testpaths); without that venv ``pytest tests/vllm`` skips them, naming ``make vllm``; ``make test-vllm`` sets
 ``TEST_VLLM_REQUIRED=1``, which makes the same absence a failure, so the suite it runs
 never passes by skipping.
 
