@@ -191,10 +191,16 @@ PORT_KEYS = {"edges": "listen", "http": "http", "nodes": "node_listener"}
 
 @contextlib.asynccontextmanager
 async def start_stack(
-    root: Path, fleet: dict[str, object], edge_settings: dict[str, object] | None = None
+    root: Path,
+    fleet: dict[str, object],
+    edge_settings: dict[str, object] | None = None,
+    *,
+    drills: bool = True,
 ) -> AsyncIterator[Stack]:
     """The stack for ``fleet``; ``edge_settings``: top-level keys of the edge's settings
-    to set (a section replaces the stack's, e.g. ``node_listener``)."""
+    to set (a section replaces the stack's, e.g. ``node_listener``). ``drills``: the
+    test fleet honours the mock's failure drills (``iop_mock``) from every caller, as a
+    real one does not (the edge's ``mock_drills``, off by default); False: the default."""
     ca = trustme.CA()
     for name, role in ROLES.items():
         write_identity(ca, root / "pki", name, role)
@@ -230,6 +236,7 @@ async def start_stack(
                 "responses_db": str(root / "edge-responses.db"),
                 "batch_db": str(root / "edge-batches.db"),
                 "batch_lease_ttl_s": 3,
+                **({"mock_drills": True} if drills else {}),
                 **(edge_settings or {}),
             },
         )

@@ -146,6 +146,7 @@ async def build(
             registry,
             lease_ttl_s=settings.batch_lease_ttl_s,
             max_body_bytes=body_limit,
+            mock_drills=settings.mock_drills,
         )
         await batches.refresh_metrics()
 
@@ -207,6 +208,7 @@ async def build(
             stop_gate=gate,
             responses=response_store,
             reasoning_seal=reasoning_seal(settings),
+            mock_drills=settings.mock_drills,
         )
         add_console_routes(app)  # the read-only operator page (before setup locks the routes)
         # handler_cancellation: a client that disconnects cancels its handler, which

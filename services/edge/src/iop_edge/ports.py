@@ -34,6 +34,9 @@ class RunSpec:
     session: str | None = None
     scope: str = ""
     chained: bool = False
+    # The body asks the mock provider for a failure drill (``iop_mock``, domain/drills.py),
+    # allowed for this caller: its run's failure is never counted against the provider.
+    drill: bool = False
 
 
 class RunEvents(Protocol):

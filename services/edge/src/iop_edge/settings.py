@@ -258,6 +258,24 @@ class EdgeSettings(DrainingSettings):
     outlier_max_cooldown_s: float = Field(
         default=300.0, gt=0, description="the longest an ejection lasts"
     )
+    outlier_max_ejection_percent: float = Field(
+        default=10.0,
+        ge=0,
+        le=100,
+        description=(
+            "the most of a model's providers ejected at once, in percent (Envoy's"
+            " max_ejection_percent); the first ejection of a model is always allowed, so at"
+            " the default a model of up to 19 providers has one ejected at most"
+        ),
+    )
+    mock_drills: bool = Field(
+        default=False,
+        description=(
+            "honour the mock provider's failure drills (iop_mock fail, status, after_tokens,"
+            " delay_ms) from every caller; off: from operator keys only, any other request"
+            " asking one is refused (400). A test fleet's switch, off in a real one"
+        ),
+    )
 
     @model_validator(mode="after")
     def _cooldowns_fit(self) -> EdgeSettings:
@@ -275,4 +293,5 @@ class EdgeSettings(DrainingSettings):
             self.outlier_consecutive_failures,
             self.outlier_cooldown_s,
             self.outlier_max_cooldown_s,
+            self.outlier_max_ejection_percent,
         )

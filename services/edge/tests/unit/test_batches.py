@@ -651,6 +651,37 @@ async def test_a_line_whose_key_may_not_use_its_model_fails_without_running(h: H
     assert error["response"]["body"]["error"]["code"] == "model_not_allowed"
 
 
+def drilled(custom_id: str) -> dict[str, Any]:
+    line = request(custom_id)
+    line["body"]["iop_mock"] = {"fail": "provider_error"}
+    return line
+
+
+async def test_a_plain_key_s_drill_line_fails_without_running_an_operator_s_runs(
+    h: Harness,
+) -> None:
+    """The mock's failure drills (domain/drills.py): a plain key's line asking one fails
+    alone (400 naming iop_mock), as the same request over HTTP would; an operator's runs,
+    marked as a drill (its failure never counts against the provider)."""
+    plain = ApiKeyEntry("k1", "k1", "hash", frozenset(), 0)
+    operator = ApiKeyEntry("k2", "k2", "hash2", frozenset(), 0, operator=True)
+    batch = await h.batch([request("a"), drilled("b")], key=plain)
+    assert batch["request_counts"] == {"total": 2, "completed": 0, "failed": 1}
+    grant = await h.service.lease("w1")
+    results = await run_all(h, grant)
+    assert [r.status_code for r in results] == [200, 400]
+    assert [s.drill for s in h.runs.specs] == [False]
+    await h.service.release(grant.lease_id, finished=True)
+    done = await h.service.get_batch(batch["id"])
+    (error,) = await h.results(done["error_file_id"])
+    assert error["response"]["body"]["error"]["param"] == "iop_mock"
+
+    await h.batch([drilled("c")], key=operator)
+    grant = await h.service.lease("w1")
+    await run_all(h, grant)
+    assert [s.drill for s in h.runs.specs] == [False, True]
+
+
 async def test_a_line_over_the_body_limit_fails_alone_and_the_batch_completes(
     h: Harness,
 ) -> None:

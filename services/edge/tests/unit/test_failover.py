@@ -20,8 +20,8 @@ from iop_edge.domain.events import (
     Retrying,
     RunEvent,
     RunOrder,
-    retryable,
 )
+from iop_edge.domain.faults import retryable
 from iop_edge.domain.fleet import Fleet, ModelEntry, Operation, ProviderEntry
 from iop_edge.metrics import EdgeMetrics
 from iop_edge.ports import RunSpec

@@ -1,12 +1,14 @@
 """Outlier ejection: what counts against a provider, the closed / ejected / half-open
-states, and the slot's place in selection through them (domain/outliers.py)."""
+states, the cap on a model's providers ejected at once, and the slot's place in selection
+through them (domain/outliers.py)."""
 
 from __future__ import annotations
 
 import pytest
 
 from iop_edge.domain.events import Completed, ErrorCode, Failed
-from iop_edge.domain.outliers import OutlierPolicy, OutlierState, Phase, counts_against_provider
+from iop_edge.domain.faults import counts_against_provider
+from iop_edge.domain.outliers import OutlierPolicy, OutlierState, Phase, may_eject
 from iop_edge.domain.pool import AVAILABLE, ModelIndex, ProviderSlot, select
 
 POLICY = OutlierPolicy(consecutive_failures=3, cooldown_s=10.0, max_cooldown_s=25.0)
@@ -157,3 +159,82 @@ def test_runs_from_before_the_ejection_hold_back_the_trial() -> None:
     busy.release()
     busy.release()
     assert index.select() is busy
+
+
+def test_a_drill_s_failures_never_eject() -> None:
+    state = OutlierState()
+    for _ in range(10):
+        assert not state.record(FIVE_HUNDRED, 0.0, POLICY, drill=True)
+    assert (state.phase, state.consecutive_failures) == (Phase.CLOSED, 0)
+
+
+# ------------------------------------------------------------ max_ejection_percent
+
+
+@pytest.mark.parametrize(
+    ("ejected", "members", "percent", "allowed"),
+    [
+        (0, 1, 10, True),  # the first is always allowed: a sole provider still ejects
+        (0, 2, 0, True),
+        (1, 2, 10, False),
+        (1, 2, 100, True),
+        (1, 4, 50, True),  # 2 of 4: 50 %
+        (2, 4, 50, False),  # 3 of 4 would be 75 %
+        (1, 20, 10, True),  # 2 of 20
+        (2, 20, 10, False),
+        (1, 19, 10, False),  # 2 of 19 is past 10 %
+    ],
+)
+def test_the_cap_on_a_model_s_providers_ejected_at_once(
+    ejected: int, members: int, percent: float, allowed: bool
+) -> None:
+    assert may_eject(ejected, members, percent) is allowed
+
+
+def fail_all(slots: list[ProviderSlot], times: int, policy: OutlierPolicy) -> None:
+    for _ in range(times):
+        for each in slots:
+            each.record_outcome(FIVE_HUNDRED, 0.0, policy)
+
+
+def ejected(slots: list[ProviderSlot]) -> list[str]:
+    return [s.provider_id for s in slots if s.outlier.phase is Phase.EJECTED]
+
+
+def test_every_provider_failing_leaves_the_capped_share_in_selection() -> None:
+    policy = OutlierPolicy(3, 10.0, 25.0, max_ejection_percent=50)
+    slots = [slot(f"p{i}") for i in range(4)]
+    index = ModelIndex("m", slots)
+    fail_all(slots, 10, policy)
+    assert ejected(slots) == ["p0", "p1"]  # the first two to reach the threshold
+    assert index.usable_count == 2
+    assert [s.outlier.consecutive_failures for s in slots[2:]] == [10, 10]  # still counting
+    # p0's cooldown ends: on trial it is in selection, so one more may go
+    assert slots[0].end_ejection()
+    assert slots[2].record_outcome(FIVE_HUNDRED, 1.0, policy)  # its next failure ejects it
+    assert ejected(slots) == ["p1", "p2"]
+    # p0 fails its trial: the cap holds it in selection, still on trial
+    assert not slots[0].record_outcome(FIVE_HUNDRED, 2.0, policy)
+    assert slots[0].outlier.phase is Phase.HALF_OPEN
+    assert index.usable_count == 2
+
+
+def test_at_the_default_a_pool_of_two_keeps_one() -> None:
+    policy = OutlierPolicy(3, 10.0, 25.0)  # 10 %: the first ejection only
+    pair = [slot("a"), slot("b")]
+    index = ModelIndex("m", pair)
+    fail_all(pair, 5, policy)
+    assert ejected(pair) == ["a"]
+    assert index.select() is pair[1]  # its requests still reach a provider: 502s, not 503s
+
+
+def test_the_cap_holds_in_every_model_a_provider_serves() -> None:
+    policy = OutlierPolicy(1, 10.0, 25.0, max_ejection_percent=50)
+    shared, other, alone = slot("shared"), slot("other"), slot("alone")
+    ModelIndex("pair", [shared, other])
+    ModelIndex("trio", [shared, alone, slot("spare")])
+    assert other.record_outcome(FIVE_HUNDRED, 0.0, policy)
+    assert not shared.ejection_allowed(50)  # "pair" would have none left
+    assert not shared.record_outcome(FIVE_HUNDRED, 0.0, policy)
+    assert shared.outlier.phase is Phase.CLOSED
+    assert alone.record_outcome(FIVE_HUNDRED, 0.0, policy)  # "trio": 1 of 3, allowed

@@ -10,9 +10,10 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final
 
+from iop_edge.domain.drills import asks_drill
 from iop_edge.domain.fleet import ApiKeyEntry, Operation
 from iop_proto import json_codec
 
@@ -102,6 +103,7 @@ class InputCheck:
     errors: list[dict[str, Any]]  # OpenAI's ``errors.data`` entries; empty = valid
     models: Mapping[str, list[int]]  # request indices by ``body.model`` (when a string)
     oversize: list[int]  # request indices whose body is over the body limit
+    drills: list[int] = field(default_factory=list)  # request indices asking a mock drill
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,6 +241,7 @@ def check_input(lines: Iterable[bytes], endpoint: str, max_body_bytes: int) -> I
     seen: set[str] = set()
     models: dict[str, list[int]] = {}
     oversize: list[int] = []
+    drills: list[int] = []
     total = 0
     for number, raw in enumerate(lines, start=1):
         if not raw.strip():
@@ -257,6 +260,8 @@ def check_input(lines: Iterable[bytes], endpoint: str, max_body_bytes: int) -> I
             models.setdefault(model, []).append(total)
         if len(raw) > max_body_bytes and _utf8_size(_stored_body(body)) > max_body_bytes:
             oversize.append(total)
+        if asks_drill(body):
+            drills.append(total)
         total += 1
     if not total and not errors:
         errors.append(_error("empty_file", "The input file contains no requests.", None))
@@ -276,7 +281,7 @@ def check_input(lines: Iterable[bytes], endpoint: str, max_body_bytes: int) -> I
         errors.append(
             _error("too_many_errors", f"{more_errors} more errors were not listed.", None)
         )
-    return InputCheck(total, errors, models, oversize)
+    return InputCheck(total, errors, models, oversize, drills)
 
 
 def input_lines(lines: Iterable[bytes], endpoint: str) -> Iterator[InputLine]:

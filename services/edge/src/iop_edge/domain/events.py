@@ -139,32 +139,6 @@ TERMINAL = (Completed, Failed)
 """The events that end a run (``isinstance(event, TERMINAL)``)."""
 
 
-def retryable(failed: Failed) -> bool:
-    """Would another provider of the model likely succeed where this one failed? The one
-    rule of failover (docs/ARCHITECTURE.md#failover).
-
-    Yes when the provider (or its node) is the problem: unreachable or refusing, the node
-    lost or not acknowledging the run (``PROVIDER_UNAVAILABLE``), a stalled stream or a
-    provider that never answered (``PROVIDER_TIMEOUT``), a 5xx or a transport failure
-    without any HTTP status (``PROVIDER_ERROR`` with ``provider_status`` 0 or >= 500).
-    Yes, too, for a provider that does not offer the operation (``INVALID_REQUEST`` with
-    ``provider_status`` 501: llama.cpp without ``--embeddings``): that is the provider's
-    limitation, not the client's fault, and another provider of the model may offer it
-    (the dispatcher stops choosing this one for it; with nobody left, the 400 stands).
-    No when the request is the problem (invalid, a 4xx, not found, a prompt past the
-    model's context: the model's other providers serve the same context) or the client or the
-    edge ended it (cancelled, deadline exceeded, queue full or timed out): another
-    provider would say the same, or nobody is waiting for the answer.
-    """
-    code = failed.code
-    if code is ErrorCode.PROVIDER_UNAVAILABLE or code is ErrorCode.PROVIDER_TIMEOUT:
-        return True
-    if code is ErrorCode.PROVIDER_ERROR:
-        status = failed.provider_status
-        return status == 0 or status >= 500
-    return code is ErrorCode.INVALID_REQUEST and failed.provider_status == NOT_IMPLEMENTED
-
-
 @dataclass(frozen=True, slots=True)
 class RunOrder:
     """A run as the dispatcher sends it to a node: the target already chosen and the
@@ -180,6 +154,9 @@ class RunOrder:
     stream: bool
     deadline_unix_ms: int
     include_usage: bool
+    # The request asked the mock provider to fail (``iop_mock``, domain/drills.py): what
+    # the run ends with is never counted against the provider. The node is not told.
+    drill: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,7 +8,9 @@ detection (consecutive 5xx, ejection time growing with each ejection up to a cap
 sgl-router's circuit breaker (closed, open, half-open with a trial) do:
 
 - ``CLOSED``: in selection; ``consecutive_failures`` counts provider failures in a
-  row, a completed run sets it back to 0. At the policy's threshold: ``EJECTED``.
+  row (``faults.counts_against_provider``: never what the request caused), a completed
+  run sets it back to 0. At the policy's threshold: ``EJECTED``, if the cap on the share
+  of a model's providers ejected at once allows (``may_eject``).
 - ``EJECTED``: out of selection until ``until`` (the k-th ejection in a row lasts
   ``k * cooldown_s``, at most ``max_cooldown_s``); outcomes of runs still in flight
   from before change nothing. The service layer's timer ends the cooldown.
@@ -24,25 +26,27 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Protocol
 
-from iop_edge.domain.events import Completed, ErrorCode, Failed
-
-_PROVIDER_FAULTS = frozenset(
-    {ErrorCode.PROVIDER_UNAVAILABLE, ErrorCode.PROVIDER_TIMEOUT, ErrorCode.PROVIDER_ERROR}
-)
+from iop_edge.domain.events import Completed, Failed
+from iop_edge.domain.faults import counts_against_provider
 
 
-def counts_against_provider(failed: Failed) -> bool:
-    """The one definition of a failure that is the provider's: unreachable or refusing
-    (``provider_unavailable``), too slow for its operator's ``request_timeout_ms``
-    (``provider_timeout``), or an error of its own: a 5xx, or no HTTP status at all (a
-    broken or malformed answer). Not the client's doing (a cancellation, a 4xx, the
-    deadline it set), nor a queue's (``queue_full``, ``queue_timeout``)."""
-    if failed.code not in _PROVIDER_FAULTS:
-        return False
-    if failed.code is ErrorCode.PROVIDER_ERROR:
-        return failed.provider_status == 0 or failed.provider_status >= 500
-    return True
+def may_eject(ejected: int, members: int, max_percent: float) -> bool:
+    """Envoy's ``max_ejection_percent``, with its ``always_eject_one_host``: one more
+    ejection leaves at most ``max_percent`` % of a model's ``members`` ejected, or none
+    is ejected yet. The first is always allowed, so a model of one or two providers
+    keeps outlier ejection at the default 10 %; past it the cap keeps a share of the
+    model in selection, however many of its providers fail at once (then a failure is
+    more likely the requests' or a shared dependency's than each provider's)."""
+    return ejected == 0 or 100 * (ejected + 1) <= max_percent * members
+
+
+class EjectionRoom(Protocol):
+    """Whether the cap lets this provider be ejected now (``ProviderSlot``: the cap
+    holds for each model it serves)."""
+
+    def ejection_allowed(self, max_percent: float) -> bool: ...
 
 
 class Phase(StrEnum):
@@ -60,6 +64,7 @@ class OutlierPolicy:
     consecutive_failures: int = 5  # provider failures in a row that eject; 0: never
     cooldown_s: float = 30.0  # the first ejection's length
     max_cooldown_s: float = 300.0  # the cap on ejections growing in a row
+    max_ejection_percent: float = 10.0  # of a model's providers ejected at once (``may_eject``)
 
     @property
     def enabled(self) -> bool:
@@ -79,9 +84,20 @@ class OutlierState:
     ejections: int = 0  # ejections in a row, with no successful trial between
     until: float = 0.0  # while ``EJECTED``: when the cooldown ends; else 0
 
-    def record(self, outcome: Completed | Failed | None, now: float, policy: OutlierPolicy) -> bool:
-        """Count a run's end (``None``: it ended without one, e.g. never sent); tells
-        whether the phase changed (the slot's place in selection with it)."""
+    def record(
+        self,
+        outcome: Completed | Failed | None,
+        now: float,
+        policy: OutlierPolicy,
+        *,
+        drill: bool = False,
+        room: EjectionRoom | None = None,
+    ) -> bool:
+        """Count a run's end (``None``: it ended without one, e.g. never sent; ``drill``:
+        its request asked the mock to fail, so a failure is not the provider's); tells
+        whether the phase changed (the slot's place in selection with it). An ejection
+        that ``room`` refuses (``max_ejection_percent``) leaves the provider where it is,
+        its count growing: the next failure asks again."""
         if not policy.enabled or self.phase is Phase.EJECTED:
             return False
         if isinstance(outcome, Completed):
@@ -90,10 +106,12 @@ class OutlierState:
                 self.phase, self.ejections = Phase.CLOSED, 0
                 return True
             return False
-        if not isinstance(outcome, Failed) or not counts_against_provider(outcome):
+        if not isinstance(outcome, Failed) or not counts_against_provider(outcome, drill=drill):
             return False
         failures = self.consecutive_failures = self.consecutive_failures + 1
-        if self.phase is Phase.HALF_OPEN or failures >= policy.consecutive_failures:
+        if self.phase is not Phase.HALF_OPEN and failures < policy.consecutive_failures:
+            return False
+        if room is None or room.ejection_allowed(policy.max_ejection_percent):
             self.ejections += 1
             self.phase = Phase.EJECTED
             self.until = now + policy.cooldown(self.ejections)

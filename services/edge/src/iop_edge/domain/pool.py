@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from iop_edge.domain.cache_report import CacheReport
 from iop_edge.domain.events import Completed, Failed
 from iop_edge.domain.fleet import ALL_OPERATIONS, PUBLIC_OPERATIONS, Operation
-from iop_edge.domain.outliers import OutlierPolicy, OutlierState, Phase
+from iop_edge.domain.outliers import OutlierPolicy, OutlierState, Phase, may_eject
 
 AVAILABLE = "available"
 UNAVAILABLE = "unavailable"
@@ -175,15 +175,29 @@ class ProviderSlot:
             self._reindex()
 
     def record_outcome(
-        self, outcome: Completed | Failed | None, now: float, policy: OutlierPolicy
+        self,
+        outcome: Completed | Failed | None,
+        now: float,
+        policy: OutlierPolicy,
+        *,
+        drill: bool = False,
     ) -> bool:
         """A run on this provider ended with ``outcome``: count it for outlier ejection
-        (``now`` in the clock ``outlier.until`` is read in); tells whether the provider
-        was ejected or closed its circuit by it."""
-        changed = self.outlier.record(outcome, now, policy)
+        (``now`` in the clock ``outlier.until`` is read in; ``drill``: the request asked
+        for its failure); tells whether the provider was ejected or closed its circuit
+        by it."""
+        changed = self.outlier.record(outcome, now, policy, drill=drill, room=self)
         if changed:
             self._reindex()
         return changed
+
+    def ejection_allowed(self, max_percent: float) -> bool:
+        """``max_ejection_percent`` lets this provider be ejected: in each model it serves
+        (``outliers.may_eject``; a provider of no model has nobody to leave short)."""
+        for index, _ in self._indexes:
+            if not may_eject(index.ejected_count(), len(index.members), max_percent):
+                return False
+        return True
 
     def end_ejection(self) -> bool:
         """The cooldown is over: the provider is on trial (False: it was not ejected)."""
@@ -294,6 +308,11 @@ class ModelIndex:
     @property
     def usable_count(self) -> int:
         return self._usable_count
+
+    def ejected_count(self) -> int:
+        """Members out of selection for outlier ejection now (asked only when one more
+        would be: a scan, not a count kept on every run's end)."""
+        return sum(1 for slot in self.members if slot.outlier.phase is _EJECTED)
 
     @property
     def any_usable(self) -> bool:

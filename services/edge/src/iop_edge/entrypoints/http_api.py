@@ -80,6 +80,7 @@ def create_api_app(
     cors_origins: Sequence[str] = (),
     responses: ResponseStore | None = None,
     reasoning_seal: ReasoningSeal | None = None,
+    mock_drills: bool = False,
 ) -> web.Application:
     """The API application; serve it with ``web.AppRunner(app, handler_cancellation=True)``.
 
@@ -106,6 +107,7 @@ def create_api_app(
     answers stored there.
     ``reasoning_seal``: seals the reasoning a Responses client keeps as
     ``encrypted_content`` (default: a new random key, opened by this app only).
+    ``mock_drills``: the mock's failure drills from every caller, not operator keys only.
     """
     middlewares = [
         openai_error_boundary,
@@ -121,7 +123,9 @@ def create_api_app(
     if cors is not None:
         cors.mark_responses(app)
     slots = key_slots if key_slots is not None else KeySlots()
-    inference = InferenceRoutes(service, catalog, keys, runlog, metrics, slots)
+    inference = InferenceRoutes(
+        service, catalog, keys, runlog, metrics, slots, mock_drills=mock_drills
+    )
     inference.register(app)
     register_messages(app, inference, catalog)
     if responses is not None:

@@ -25,6 +25,8 @@ from typing import Any, Final, Protocol, TypeVar
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
+from iop_edge.domain import drills
+from iop_edge.domain.drills import asks_drill, may_drill
 from iop_edge.domain.events import Completed, Delta, Failed, Started
 from iop_edge.domain.fleet import ApiKeyEntry, Operation
 from iop_edge.domain.session_key import session_key
@@ -36,6 +38,7 @@ from iop_edge.entrypoints.openai_dialect import OpenAIDialect
 from iop_edge.entrypoints.run_trace import OVERHEAD_HEADER, RunTrace
 from iop_edge.errors import (
     EdgeError,
+    InvalidRequest,
     ModelNotAllowed,
     ModelNotFound,
     ProviderFailed,
@@ -90,13 +93,18 @@ class InferenceRoutes:
         runlog: RunLog,
         metrics: ApiMetrics,
         slots: KeySlots,
+        *,
+        mock_drills: bool = False,
     ) -> None:
+        """``mock_drills``: honour the mock's failure drills from every caller, not only
+        operator keys (domain/drills.py)."""
         self._service = service
         self._catalog = catalog
         self._keys = keys
         self._runlog = runlog
         self._metrics = metrics
         self._slots = slots
+        self._mock_drills = mock_drills
 
     def register(self, app: web.Application) -> None:
         app.router.add_post("/v1/chat/completions", self.route(OpenAIDialect(CHAT)))
@@ -199,6 +207,11 @@ class InferenceRoutes:
         if entry is None:
             raise ModelNotFound(f"The model '{spec.model}' does not exist.", param="model")
         trace.model = spec.model
+        if asks_drill(spec.body):
+            if not may_drill(key, self._mock_drills):
+                raise InvalidRequest(drills.REFUSAL, param=drills.HOOK)
+            spec = dataclasses.replace(spec, drill=True)
+            asked = dataclasses.replace(asked, spec=spec)
         chat, clamp = clamp_output_tokens(
             spec.operation,
             spec.body,

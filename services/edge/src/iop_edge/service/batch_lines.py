@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from iop_edge.domain.batches import DONE, ENDPOINTS, LINE_FAILED, LineRecord, LineResult
+from iop_edge.domain.drills import asks_drill
 from iop_edge.domain.events import Completed
 from iop_edge.errors import (
     EdgeError,
@@ -139,6 +140,7 @@ class LineRunner:
             stream=False,
             include_usage=False,
             batch=True,
+            drill=asks_drill(body),  # refused at the batch's creation unless allowed then
         )
 
     async def _collect(self, spec: RunSpec, events: RunEvents) -> str:

@@ -23,6 +23,7 @@ from loguru import logger
 from prometheus_client import CollectorRegistry
 
 from iop_edge.batch_ports import BatchStore
+from iop_edge.domain import drills
 from iop_edge.domain.batches import (
     COMPLETION_WINDOWS,
     ENDPOINTS,
@@ -41,6 +42,7 @@ from iop_edge.domain.batches import (
     owner_of,
     scope_of,
 )
+from iop_edge.domain.drills import may_drill
 from iop_edge.domain.fleet import ApiKeyEntry
 from iop_edge.domain.leases import LeaseGrant, LineReply
 from iop_edge.errors import InvalidRequest, ModelNotAllowed, NotFound, RequestTooLarge
@@ -77,10 +79,14 @@ class BatchService:
         max_file_bytes: int = MAX_FILE_BYTES,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         retry_delay_s: float = RETRY_DELAY_S,
+        mock_drills: bool = False,
     ) -> None:
-        """``max_body_bytes``: a line's body over it fails alone (413), as it would over HTTP."""
+        """``max_body_bytes``: a line's body over it fails alone (413), as it would over HTTP.
+        ``mock_drills``: lines of every key may ask the mock for a failure drill, not only
+        an operator key's (domain/drills.py); another key's such line fails alone (400)."""
         self.max_file_bytes = max_file_bytes
         self._max_body_bytes = max_body_bytes
+        self._mock_drills = mock_drills
         self._store = store
         self._metrics = BatchMetrics.create(metrics_registry)
         self._clock = clock
@@ -219,7 +225,7 @@ class BatchService:
             )
             # The second reading runs on the store's thread, inside its transaction.
             lines = () if check.errors else input_lines(physical_lines(content), endpoint)
-            refused = _refused(check, key, self._max_body_bytes)
+            refused = _refused(check, key, self._max_body_bytes, may_drill(key, self._mock_drills))
             await self._store.insert_batch(batch, lines, refused)
         finally:
             await asyncio.to_thread(content.close)
@@ -328,12 +334,14 @@ def _page(data: list[dict[str, Any]], limit: int) -> dict[str, Any]:
 
 
 def _refused(
-    check: InputCheck, key: ApiKeyEntry | None, max_body_bytes: int
+    check: InputCheck, key: ApiKeyEntry | None, max_body_bytes: int, drills_allowed: bool
 ) -> dict[int, LineResult]:
-    """The lines failed in advance: a model ``key`` may not use, a body over the limit."""
+    """The lines failed in advance: a model ``key`` may not use, a body over the limit, a
+    mock drill ``key`` may not ask for."""
     if check.errors:
         return {}
-    refused = {index: _too_large(max_body_bytes) for index in check.oversize}
+    refused = {} if drills_allowed else {index: _drill_refused() for index in check.drills}
+    refused.update((index, _too_large(max_body_bytes)) for index in check.oversize)
     if key is not None:
         for model, indices in check.models.items():
             if not key.allows(model):
@@ -345,6 +353,12 @@ def _refusal(model: str) -> LineResult:
     error = ModelNotAllowed(
         f"This API key is not allowed to use the model '{model}'.", param="model"
     )
+    body = dumps(error_payload(error))
+    return LineResult(LINE_FAILED, error.status, None, body, "", new_id("batch_req_"))
+
+
+def _drill_refused() -> LineResult:
+    error = InvalidRequest(drills.REFUSAL, param=drills.HOOK)
     body = dumps(error_payload(error))
     return LineResult(LINE_FAILED, error.status, None, body, "", new_id("batch_req_"))
 

@@ -456,6 +456,7 @@ class Dispatcher:
             stream=spec.stream,
             deadline_unix_ms=now_ms + int(timeout_s * 1000),
             include_usage=spec.include_usage,
+            drill=spec.drill,
         )
         run = EdgeRun(
             run_id,
@@ -476,7 +477,8 @@ class Dispatcher:
 
     def _run_finished(self, run: EdgeRun) -> None:
         self._runs.pop(run.run_id, None)
-        self._registry.record_outcome(run.provider_id, run.outcome)  # before the slot is offered
+        # before the slot is offered
+        self._registry.record_outcome(run.provider_id, run.outcome, drill=run.request.drill)
         if run.unacknowledged:  # the node, not the provider, is in doubt
             self._registry.node_unresponsive(run.node_id, f"run {run.run_id} unacknowledged")
         slot = self._registry.slot(run.provider_id)

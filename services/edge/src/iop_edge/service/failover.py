@@ -1,6 +1,6 @@
 """Failover before the first byte (docs/ARCHITECTURE.md#failover): one request, its attempts.
 
-A run that fails with a retryable error (``events.retryable``) before anything was
+A run that fails with a retryable error (``faults.retryable``) before anything was
 written to its client runs again on another provider of its model, never on one that
 already failed for it, up to the model's ``retries`` and within the first attempt's
 deadline. "Before anything was written" is, for a streamed run, until its first delta
@@ -23,7 +23,8 @@ import asyncio
 from collections.abc import Awaitable
 from typing import Protocol
 
-from iop_edge.domain.events import Delta, ErrorCode, Failed, Retrying, RunEvent, retryable
+from iop_edge.domain.events import Delta, ErrorCode, Failed, Retrying, RunEvent
+from iop_edge.domain.faults import retryable
 from iop_edge.errors import EdgeError
 from iop_edge.ports import AttemptRecord, RunSpec
 from iop_edge.service.limits import RunBody

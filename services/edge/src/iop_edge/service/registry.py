@@ -23,6 +23,7 @@ from typing import Protocol
 from loguru import logger
 
 from iop_edge.domain.events import Completed, Failed, ProviderReport
+from iop_edge.domain.faults import counts_against_provider
 from iop_edge.domain.fleet import Fleet, Operation
 from iop_edge.domain.outliers import OutlierPolicy, Phase
 from iop_edge.domain.pool import AVAILABLE, UNAVAILABLE, ModelIndex, ProviderSlot, index_models
@@ -179,16 +180,33 @@ class ProviderRegistry:
                 operation.value,
             )
 
-    def record_outcome(self, provider_id: str, outcome: Completed | Failed | None) -> None:
+    def record_outcome(
+        self, provider_id: str, outcome: Completed | Failed | None, *, drill: bool = False
+    ) -> None:
         """A run on the provider ended (``outcome``: its terminal event, ``None`` if it
-        never had one): count it for outlier ejection, and time the cooldown of an
-        ejection it causes. A run lost with its node's link is not counted: the link's
-        state takes the provider out already, and the provider may be fine."""
+        never had one; ``drill``: its request asked for its failure): count it for outlier
+        ejection, and time the cooldown of an ejection it causes. A run lost with its
+        node's link is not counted: the link's state takes the provider out already, and
+        the provider may be fine."""
         slot = self._slots.get(provider_id)
         if slot is None or not slot.connected:
             return
         now = self._clock()
-        if not slot.record_outcome(outcome, now, self._outliers):
+        if not slot.record_outcome(outcome, now, self._outliers, drill=drill):
+            failures = slot.outlier.consecutive_failures
+            if (
+                failures == self._outliers.consecutive_failures > 0
+                and slot.outlier.phase is not Phase.EJECTED
+                and isinstance(outcome, Failed)
+                and counts_against_provider(outcome, drill=drill)
+            ):  # this failure reached the threshold, and the cap refused (once a streak)
+                logger.warning(
+                    "provider {} failed {} runs in a row but stays in selection: ejecting it"
+                    " would take its model past max_ejection_percent ({:g}%)",
+                    provider_id,
+                    failures,
+                    self._outliers.max_ejection_percent,
+                )
             return
         state = slot.outlier
         self._metrics.publish_outlier(slot)

@@ -42,6 +42,10 @@ completions, Messages)::
     "iop_mock": {"fill": true,
                  "fail": "provider_error" | "unavailable" | "timeout",
                  "after_tokens": N, "status": 500, "delay_ms": N}
+
+All but ``fill`` are drills, which the edge lets through only from operator keys or with
+its ``mock_drills`` setting (the node cannot see keys), and never counts against the
+provider (the edge's ``domain/drills.py``).
 """
 
 from __future__ import annotations
