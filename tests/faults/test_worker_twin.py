@@ -17,12 +17,13 @@ import signal
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import aiohttp
 import pytest
 import pytest_asyncio
 import yaml
 from openai import AsyncOpenAI
 
-from iop_proto.testing import running_service
+from iop_proto.testing import RunningService, running_service
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -76,6 +77,16 @@ async def completed_once(sdk: AsyncOpenAI, batch_id: str, prefix: str, lines: in
     assert ids == sorted(f"{prefix}-{i}" for i in range(lines))  # each exactly once
 
 
+async def registered(worker: RunningService) -> None:
+    """Until the worker says it is registered (its ``/readyz``)."""
+    async with aiohttp.ClientSession() as http, asyncio.timeout(20):
+        while True:
+            async with http.get(f"{worker.admin_url}/readyz") as response:
+                if response.status == 200:
+                    return
+            await asyncio.sleep(0.05)  # another process's state
+
+
 async def test_a_twin_worker_leaves_the_first_ones_lease_alone(
     stack: Stack, sdk: AsyncOpenAI, report: Callable[[str], None]
 ) -> None:
@@ -91,9 +102,7 @@ async def test_a_twin_worker_leaves_the_first_ones_lease_alone(
     loop = asyncio.get_running_loop()
     async with running_service("iop-worker", twin_settings) as twin:
         started = loop.time()
-        await asyncio.wait_for(
-            edge.wait_for_line("worker worker: a second connection registered from"), 15
-        )
+        await registered(twin)
         second = await submit(sdk, "second", SECOND_LINES, 50)  # for whoever is free: the twin
         await completed_once(sdk, first, "first", FIRST_LINES)
         first_done = loop.time() - started
@@ -110,3 +119,6 @@ async def test_a_twin_worker_leaves_the_first_ones_lease_alone(
     assert not lost, f"the first worker lost its lease to the twin: {lost}"
     assert len(leases) == 1, leases  # never freed and leased again
     assert not any(first in line for line in twin.log)
+    line = await asyncio.wait_for(edge.wait_for_line("a second connection registered"), 5)
+    assert "WARNING" in line, line
+    assert "worker worker" in line, line

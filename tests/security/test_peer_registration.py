@@ -179,15 +179,15 @@ async def test_a_second_worker_connection_takes_nothing_from_the_first(
 
     second, answer = await connect(stack, "worker", pb.PEER_ROLE_WORKER)
     assert answer.register_response.accepted, answer  # the certificate is the worker's
-    await asyncio.wait_for(
-        edge.wait_for_line("worker worker: a second connection registered from"), 5
-    )
     sent = await second.send(pb.LeaseRequest(worker_id="worker"))
     grant = await asyncio.wait_for(second.receive(), 5)
     assert grant.correlation_id == sent.message_id
     assert grant.WhichOneof("body") == "lease_grant", grant
     assert grant.lease_grant.batch_id == "", "the second connection was handed the first's batch"
     assert lease_of(stack, batch_id) == lease_id  # still the first connection's lease
+    await asyncio.wait_for(
+        edge.wait_for_line("worker worker: a second connection registered from"), 5
+    )
 
     # The first connection keeps renewing its lease while the second one lives.
     renewed = await renewals(stack)

@@ -4,8 +4,9 @@ One ``run(edge)`` lives as long as one registered connection. Recovery leans on
 the edge's lease: whenever this worker cannot vouch for every line of a batch
 (connection lost, lease lost, a line without a result, shutdown), it simply
 does not release it, and the edge hands the batch out again from its first
-unfinished line once the lease expires. Only a batch whose every line was
-answered is released, as finished.
+unfinished line once the lease expires (at once when the connection it was
+granted on ends). Only a batch whose every line was answered is released, as
+finished.
 """
 
 from __future__ import annotations

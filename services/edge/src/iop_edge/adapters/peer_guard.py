@@ -184,7 +184,7 @@ class PeerGuard:
             "worker",
             "foreign_lease",
             f"tried to {action} a lease held by worker {holder}",  # never its id: a handle
-            f"lease {lease_id} is not this worker's",
+            "this lease is another worker's",  # the close is logged: no id in it
         )
 
     # ------------------------------------------------------------ refusals
