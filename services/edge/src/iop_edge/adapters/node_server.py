@@ -7,8 +7,10 @@ routable while its connection lives; when the connection drops or goes silent
 unavailable at once and its runs end with an error.
 
 A refused peer is told only ``REFUSED``; why goes to the edge's log (and its
-counter). A retired node is told that it is retired: its certificate proved which node
-it is, and its operator, reading its log, is who must act. What a registered peer sends
+counter). A registration of neither role (``PEER_ROLE_NODE``, ``PEER_ROLE_WORKER``) is
+refused before any credential is read, and told so: that is the protocol, no secret.
+A retired node is told that it is retired: its certificate proved which node it is,
+and its operator, reading its log, is who must act. What a registered peer sends
 about runs, providers and leases is checked by ``PeerGuard`` (one rule for every message
 type).
 """

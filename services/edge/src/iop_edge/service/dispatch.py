@@ -317,10 +317,10 @@ class Dispatcher:
         if deadline is not None:  # a retry: within what is left of the request's time
             timeout_s = min(timeout_s, deadline - loop.time())
         # Each class has its own room: batch lines never take an interactive place.
-        if (queue.batch if batch else queue.interactive) >= max_queue:
-            raise QueueFull(f"The queue of '{model.id}' is full ({max_queue} waiting); retry later")
         if self._stopping is not None:  # back from a wait aside after the drain began
             raise ShuttingDown(self._stopping)
+        if (queue.batch if batch else queue.interactive) >= max_queue:
+            raise QueueFull(f"The queue of '{model.id}' is full ({max_queue} waiting); retry later")
         waiter: asyncio.Future[ProviderSlot] = loop.create_future()
         queue.push(waiter, batch=batch)
         if exclude:
