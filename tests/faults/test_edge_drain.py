@@ -145,3 +145,66 @@ async def test_a_run_that_outlasts_the_timeout_gets_an_error_event(
     assert (outcome.kind, outcome.status) == ("error", 200)  # an SSE error event, mid-stream
     assert exit_code == 0
     await restart_edge(stack, faults)  # the stack's own settings again, for whoever follows
+
+
+async def test_a_draining_edge_answers_its_queued_requests_at_once_and_starts_none(
+    stack: Any, faults: Any, report: Callable[[str], None]
+) -> None:
+    """Queued requests get their retryable 503 when the drain begins (started later, they
+    would only be cut at its end); the runs in flight finish."""
+    await stack.stop("edge")
+    await restart_edge(stack, faults, shutdown_timeout_s=12)
+    in_flight = {
+        "model": "pool",
+        "messages": [{"role": "user", "content": "go"}],
+        "max_tokens": 80,
+        "iop_mock": {"fill": True},  # 80 tokens at 20/s: four seconds per stream
+    }
+    queued_body = {**in_flight, "stream": True}
+    loop = asyncio.get_running_loop()
+    answered: list[tuple[int, str, str | None, float]] = []
+
+    async def queued_request(http: aiohttp.ClientSession) -> None:
+        async with http.post(f"{stack.api_url}/chat/completions", json=queued_body) as response:
+            payload = await response.json() if response.status != 200 else {}
+            code = payload.get("error", {}).get("code", "")
+            retry_after = response.headers.get("Retry-After")
+            answered.append((response.status, code, retry_after, loop.time()))
+            await response.read()
+
+    async with aiohttp.ClientSession() as http:
+        streams = [
+            asyncio.create_task(faults.stream_chat(http, stack.api_url, in_flight, 30))
+            for _ in range(4)
+        ]
+
+        async def all_busy() -> bool:
+            rows = await faults.catalog(stack.api_url, "providers")
+            return bool(sum(r["in_flight"] for r in rows) == 4)
+
+        await faults.eventually(all_busy)
+        waiting = [asyncio.create_task(queued_request(http)) for _ in range(3)]
+
+        async def all_queued() -> bool:
+            rows = await faults.catalog(stack.api_url, "models")
+            return bool(sum(r["queued"] for r in rows) == 3)
+
+        await faults.eventually(all_queued)
+        stack.services["edge"].process.send_signal(signal.SIGTERM)
+        sigterm = loop.time()
+        await asyncio.gather(*waiting)  # a hang fails the test by its timeout
+        outcomes = await asyncio.gather(*streams)
+        in_flight_done = loop.time()
+        exit_code = await asyncio.wait_for(stack.stop("edge"), 15)
+    report(
+        f"queued requests answered {[f'{s} {c}' for s, c, _, _ in answered]} within "
+        f"{max(t for *_, t in answered) - sigterm:.2f}s of SIGTERM; the runs in flight "
+        f"{dict(Counter(o.kind for o in outcomes))}, {in_flight_done - sigterm:.2f}s after it"
+    )
+    assert [(status, code, retry) for status, code, retry, _ in answered] == [
+        (503, "shutting_down", "1")
+    ] * 3, "a queued request was started by the draining edge"
+    assert max(t for *_, t in answered) < in_flight_done  # before the runs in flight ended
+    assert Counter(o.kind for o in outcomes) == {"completed": 4}
+    assert exit_code == 0
+    await restart_edge(stack, faults)  # the stack's own settings again, for whoever follows

@@ -139,7 +139,9 @@ async def test_a_registered_connection_takes_100k_odd_but_valid_frames(stack: St
     assert token is not None
     reader, writer = await open_client(stack.node_port, client_context(stack.tls("node-fuzz")))
     async with Connection(reader, writer, sender_id="node-fuzz", heartbeat_interval=0) as conn:
-        await conn.send(pb.RegisterRequest(peer_id="node-fuzz", token=token.group(0)))
+        await conn.send(
+            pb.RegisterRequest(peer_id="node-fuzz", token=token.group(0), role=pb.PEER_ROLE_NODE)
+        )
         answer = await asyncio.wait_for(conn.receive(), 10)
         assert answer.register_response.accepted, answer
         rng = random.Random(3)

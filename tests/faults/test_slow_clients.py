@@ -216,7 +216,9 @@ async def frame_port_client(stack: Any, kind: str, token: str) -> Cut:
     """Handshake as node-fuzz and misbehave until the edge closes the connection."""
     reader, writer = await open_client(stack.node_port, client_context(stack.tls("node-fuzz")))
     conn = Connection(reader, writer, sender_id="node-fuzz", heartbeat_interval=0)
-    register = encode_frame(conn.envelope(pb.RegisterRequest(peer_id="node-fuzz", token=token)))
+    register = encode_frame(
+        conn.envelope(pb.RegisterRequest(peer_id="node-fuzz", token=token, role=pb.PEER_ROLE_NODE))
+    )
     sender: asyncio.Task[None] | None = None
     started = time.monotonic()
     try:
@@ -225,7 +227,9 @@ async def frame_port_client(stack: Any, kind: str, token: str) -> Cut:
             writer.write(register[: HEADER.size])
             sender = asyncio.create_task(trickle(writer, register[HEADER.size :]))
         elif kind == "registered_half_frame":
-            await conn.send(pb.RegisterRequest(peer_id="node-fuzz", token=token))
+            await conn.send(
+                pb.RegisterRequest(peer_id="node-fuzz", token=token, role=pb.PEER_ROLE_NODE)
+            )
             answer = await asyncio.wait_for(conn.receive(), 10)
             assert answer.register_response.accepted, answer
             writer.write(HEADER.pack(1000))  # announces 1000 bytes, then trickles them

@@ -15,6 +15,7 @@ class EdgeError(Exception):
     status: int = 500
     type: str = "server_error"
     code: str | None = None
+    retry_after_s: int | None = None  # sent as ``Retry-After``: the client may retry then
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
@@ -129,9 +130,11 @@ class NoProviderAvailable(EdgeError):
 
 class ShuttingDown(NoProviderAvailable):
     """The edge is stopping: nothing new is taken (a batch line stays pending, as for any
-    other fleet without room), and what still waits when the drain ends gets this."""
+    other fleet without room), and what waits for a slot when the drain begins gets this,
+    with ``Retry-After``: another edge, or this one restarted, will take it."""
 
     code = "shutting_down"
+    retry_after_s = 1
 
 
 class QueueTimeout(EdgeError, TimeoutError):

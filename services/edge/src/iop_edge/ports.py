@@ -7,7 +7,7 @@ with small fakes of these protocols.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -308,7 +308,12 @@ class BatchLeases(Protocol):
     """What workers do with batches over IOP (implemented by ``BatchService``)."""
 
     async def worker_registered(self, worker_id: str) -> None:
-        """The worker (re)connected: leases it held before are free again."""
+        """The worker (re)connected, with no other connection live: leases it held
+        before are free again."""
+        ...
+
+    async def connection_ended(self, worker_id: str, lease_ids: Iterable[str]) -> None:
+        """A worker's connection ended: the leases granted on it (still its own) are free."""
         ...
 
     async def lease(self, worker_id: str) -> LeaseGrant:

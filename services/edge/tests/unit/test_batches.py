@@ -1054,6 +1054,21 @@ async def test_a_finalize_cut_short_is_finished_by_the_next_lease(
         assert [line["custom_id"] for line in await after.results(done["output_file_id"])] == ["a"]
 
 
+async def test_a_connection_that_ends_frees_only_the_leases_granted_on_it(h: Harness) -> None:
+    """A worker abandons a lease with its connection: the batch is leased again at once
+    (not at the TTL); a lease taken over by another worker meanwhile stays that one's."""
+    batch = await h.batch(three())
+    first = await h.service.lease("w1")
+    assert first.batch_id == batch["id"]
+    await h.service.connection_ended("w2", [first.lease_id])  # not w2's: left alone
+    assert (await h.service.lease("w2")).batch_id == ""
+    await h.service.connection_ended("w1", [first.lease_id])
+    again = await h.service.lease("w2")
+    assert (again.batch_id, again.next_line) == (batch["id"], 0)
+    await h.service.connection_ended("w1", [first.lease_id])  # w2 holds it now
+    assert await h.service.lease_holder(again.lease_id) == "w2"
+
+
 async def test_a_reconnecting_worker_frees_the_leases_it_held(h: Harness) -> None:
     """After an edge restart a worker registers again: its batch must not wait for the TTL."""
     batch = await h.batch(three())

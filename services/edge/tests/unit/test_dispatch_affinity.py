@@ -197,6 +197,18 @@ async def test_a_stopping_edge_ends_a_waiter_with_its_refusal() -> None:
     assert not dispatcher._pinned
 
 
+async def test_a_draining_edge_ends_a_waiter_at_once_and_lets_the_run_in_flight_finish() -> None:
+    dispatcher, first, waiting = await waiting_aside()
+    dispatcher.stop_admitting("edge stopping")
+    with pytest.raises(ShuttingDown):
+        await asyncio.wait_for(waiting, 1)  # not handed the slot the first turn frees
+    assert not dispatcher._pinned
+    assert not dispatcher.idle
+    complete(first)
+    assert dispatcher.idle
+    assert dispatcher.runs_in_flight() == 0
+
+
 async def test_a_waiter_whose_model_leaves_the_fleet_is_refused() -> None:
     dispatcher, _, waiting = await waiting_aside()
     gone = fleet(pids=("a", "b"))

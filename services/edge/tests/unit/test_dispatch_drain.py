@@ -68,7 +68,7 @@ def dispatcher() -> Dispatch:
     return d
 
 
-async def test_draining_refuses_new_runs_and_waits_for_those_in_flight(
+async def test_draining_refuses_new_and_queued_runs_and_waits_for_those_in_flight(
     dispatcher: Dispatch,
 ) -> None:
     available(dispatcher)
@@ -79,13 +79,15 @@ async def test_draining_refuses_new_runs_and_waits_for_those_in_flight(
     dispatcher.stop_admitting("edge is stopping")
     with pytest.raises(ShuttingDown):
         await dispatcher.open_run(spec())
+    with pytest.raises(ShuttingDown):
+        await queued  # at once, not started later only to be cut at the drain's end
     idle = asyncio.create_task(dispatcher.wait_idle())
-    complete(running)  # the slot goes to the queued request, admitted before the stop
-    second = await queued
-    assert not idle.done()
-    complete(second)
+    await asyncio.sleep(0)
+    assert not idle.done()  # the run in flight goes on
+    complete(running)
     await asyncio.wait_for(idle, 1)
     assert dispatcher.idle
+    assert dispatcher.runs_in_flight() == 0
 
 
 async def test_what_outlasts_the_drain_ends_with_an_error(dispatcher: Dispatch) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Set
+from collections.abc import Iterable, Set
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -40,9 +40,10 @@ class FakeNode:
 
 
 class FakeWorker:
-    def __init__(self, worker_id: str) -> None:
+    def __init__(self, worker_id: str, leases: Iterable[str] = ()) -> None:
         self.worker_id = worker_id
         self.conn: Connection = FakeConn()  # type: ignore[assignment]
+        self.leases = frozenset(leases)
 
 
 class Leases:
@@ -127,7 +128,7 @@ def test_a_snapshot_speaks_only_of_the_senders_providers(
 async def test_a_worker_acts_only_on_its_own_leases(
     dispatcher: Dispatch, rules: PeerGuard, registry: CollectorRegistry
 ) -> None:
-    await rules.lease(FakeWorker("worker"), "lease_1", "renew")
+    await rules.lease(FakeWorker("worker", ["lease_1"]), "lease_1", "renew")
     await rules.lease(FakeWorker("worker-evil"), "lease_expired_and_taken", "renew")
     rules.lease_request(FakeWorker("worker-evil"), pb.LeaseRequest(worker_id="worker-evil"))
     with pytest.raises(NotYours):
@@ -136,6 +137,18 @@ async def test_a_worker_acts_only_on_its_own_leases(
         rules.lease_request(FakeWorker("worker-evil"), pb.LeaseRequest(worker_id="worker"))
     assert refused(registry, "worker", "foreign_lease") == 1
     assert refused(registry, "worker", "foreign_worker") == 1
+
+
+async def test_a_second_connection_of_a_worker_has_no_business_with_the_firsts_leases(
+    rules: PeerGuard, registry: CollectorRegistry
+) -> None:
+    first, second = FakeWorker("worker", ["lease_1"]), FakeWorker("worker")
+    await rules.lease(first, "lease_1", "renew")
+    for action in ("renew", "release", "run line 3 under"):
+        with pytest.raises(NotYours):
+            await rules.lease(second, "lease_1", action)
+    assert refused(registry, "worker", "foreign_session") == 3
+    assert refused(registry, "worker", "foreign_lease") == 0
 
 
 async def test_a_replaced_connections_runs_end_with_it(dispatcher: Dispatch) -> None:

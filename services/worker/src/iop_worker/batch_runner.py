@@ -4,8 +4,9 @@ One ``run(edge)`` lives as long as one registered connection. Recovery leans on
 the edge's lease: whenever this worker cannot vouch for every line of a batch
 (connection lost, lease lost, a line without a result, shutdown), it simply
 does not release it, and the edge hands the batch out again from its first
-unfinished line once the lease expires. Only a batch whose every line was
-answered is released, as finished.
+unfinished line once the lease expires (at once when the connection it was
+granted on ends). Only a batch whose every line was answered is released, as
+finished.
 """
 
 from __future__ import annotations
@@ -82,10 +83,10 @@ class BatchRunner:
 
     async def _run_batch(self, edge: EdgePort, lease: Lease) -> None:
         progress = BatchProgress(lease)
+        # Never the lease id at INFO: it is the handle this connection acts on the batch with.
         logger.info(
-            "leased batch {} (lease {}, {}): lines {}..{}",
+            "leased batch {} ({}): lines {}..{}",
             lease.batch_id,
-            lease.lease_id,
             lease.endpoint,
             lease.next_line,
             lease.total_lines - 1,
@@ -165,7 +166,9 @@ class BatchRunner:
                 return
             except (TimeoutError, EdgeRefused) as exc:
                 # Not a verdict on the lease: try again; a real loss shows on the next one.
-                logger.warning("renewing lease {} failed: {}", lease.lease_id, exc or "timeout")
+                logger.warning(
+                    "renewing the lease of batch {} failed: {}", lease.batch_id, exc or "timeout"
+                )
                 continue
             self._metrics.lease_renewals.inc()
 
@@ -173,8 +176,7 @@ class BatchRunner:
         if progress.lose_lease(f"lease lost ({reason})"):
             self._metrics.leases_lost.inc()
             logger.warning(
-                "lease {} of batch {} lost: {}; no new lines of it",
-                progress.lease.lease_id,
+                "the lease of batch {} lost: {}; no new lines of it",
                 progress.lease.batch_id,
                 reason,
             )
@@ -187,9 +189,9 @@ class BatchRunner:
         left_s = lease.expires_at_unix_ms / 1000 - time.time()
         if left_s < self._renew_interval_s:
             logger.warning(
-                "lease {} expires in {:.1f}s, before its first renewal ({}s): "
+                "the lease of batch {} expires in {:.1f}s, before its first renewal ({}s): "
                 "lower lease_renew_interval_s",
-                lease.lease_id,
+                lease.batch_id,
                 left_s,
                 self._renew_interval_s,
             )

@@ -7,8 +7,10 @@ routable while its connection lives; when the connection drops or goes silent
 unavailable at once and its runs end with an error.
 
 A refused peer is told only ``REFUSED``; why goes to the edge's log (and its
-counter). A retired node is told that it is retired: its certificate proved which node
-it is, and its operator, reading its log, is who must act. What a registered peer sends
+counter). A registration of neither role (``PEER_ROLE_NODE``, ``PEER_ROLE_WORKER``) is
+refused before any credential is read, and told so: that is the protocol, no secret.
+A retired node is told that it is retired: its certificate proved which node it is,
+and its operator, reading its log, is who must act. What a registered peer sends
 about runs, providers and leases is checked by ``PeerGuard`` (one rule for every message
 type).
 """
@@ -129,7 +131,7 @@ class NodeServer:
         self._batches = batches
         self._register_timeout_s = register_timeout_s
         self._handshake_timeout_s = handshake_timeout_s
-        self.workers: dict[str, WorkerSession] = {}
+        self.workers: dict[str, set[WorkerSession]] = {}  # live connections by worker id
         self._server: StreamServer | None = None
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -241,6 +243,9 @@ class NodeServer:
         if request.role == pb.PEER_ROLE_WORKER:
             await self._serve_worker(conn, first)
             return None
+        if request.role != pb.PEER_ROLE_NODE:
+            await self._refuse_role(conn, first)
+            return None
         identity = conn.peer.name if conn.peer else request.peer_id  # plaintext: no identity
         role = conn.peer.role if conn.peer else "node"
         refusal, code = None, ""
@@ -305,6 +310,22 @@ class NodeServer:
         )
         return node
 
+    async def _refuse_role(self, conn: Connection, first: pb.Envelope) -> None:
+        """A role that is neither a node's nor a worker's (unset, or a number this edge
+        does not know): refused before any credential is looked at, so the peer may be
+        told why (it learns nothing about tokens or certificates), and only this
+        connection is closed."""
+        request = first.register_request
+        identity = conn.peer.name if conn.peer else request.peer_id
+        role = pb.PeerRole.Name(request.role) if request.role in _ROLES else str(request.role)
+        told = f"unknown peer role {role}: a peer registers as PEER_ROLE_NODE or PEER_ROLE_WORKER"
+        self._metrics.registrations.labels("refused").inc()
+        self._refuse(UNKNOWN_ROLE, "unknown_role", _who(request, identity), told)
+        await conn.send(
+            pb.RegisterResponse(accepted=False, reason=told), correlation_id=first.message_id
+        )
+        await conn.close()
+
     def _nodes(self) -> list[NodeConnection]:
         """The registered connections (the registry's links are this server's)."""
         return [link for link in self._registry.links() if isinstance(link, NodeConnection)]
@@ -352,16 +373,35 @@ class NodeServer:
             correlation_id=first.message_id,
         )
         conn.start_heartbeats()
-        await self._batches.worker_registered(request.peer_id)
-        session = WorkerSession(request.peer_id, conn, self._batches, self._guard)
-        self.workers[request.peer_id] = session
-        logger.info("worker {} registered", request.peer_id)
+        worker_id = request.peer_id
+        live = self.workers.setdefault(worker_id, set())
+        if live:
+            # The same certificate twice: a worker dialling back before its old link is
+            # known dead, or someone holding its key. Either way the live connection keeps
+            # its leases (freed when it ends) and this one gets only new ones.
+            logger.warning(
+                "worker {}: a second connection registered from {} while {} of it live; "
+                "each keeps only the leases granted on it",
+                worker_id,
+                conn.peer_address,
+                len(live),
+            )
+        else:
+            await self._batches.worker_registered(worker_id)
+        session = WorkerSession(worker_id, conn, self._batches, self._guard)
+        live.add(session)
+        logger.info("worker {} registered", worker_id)
         try:
             await session.serve()
         finally:
-            if self.workers.get(request.peer_id) is session:
-                del self.workers[request.peer_id]
-            logger.info("worker {} disconnected", request.peer_id)
+            live.discard(session)
+            if not live and self.workers.get(worker_id) is live:
+                del self.workers[worker_id]
+            logger.info("worker {} disconnected", worker_id)
+            task = asyncio.current_task()
+            # Not when the edge stops (the task is cancelled): the next start frees them.
+            if session.leases and not (task and task.cancelling()):
+                await self._batches.connection_ended(worker_id, list(session.leases))
 
     async def _follow(self, node: NodeConnection) -> None:
         registry, dispatcher, guard = self._registry, self._dispatcher, self._guard
@@ -381,6 +421,9 @@ class NodeServer:
                 logger.warning("node {} reported: {}", node.node_id, envelope.error.message)
             else:
                 raise UnexpectedMessage(f"an edge does not accept {kind} from a node")
+
+
+_ROLES = frozenset(pb.PeerRole.values())
 
 
 def _who(request: pb.RegisterRequest, identity: str) -> str:

@@ -9,8 +9,9 @@ keeps, checked here and nowhere else:
 - provider states only for the sender's own providers (a snapshot's
   ``node_id``, when set, must be the sender's);
 - lease renewals, releases and line runs only on leases the sender holds (the
-  batch store keeps each lease's worker id), and lease requests only in its
-  own name.
+  batch store keeps each lease's worker id, the connection the ids it was granted:
+  a second connection of the same worker owns nothing of the first's), and lease
+  requests only in its own name.
 
 Anything else is a forgery, or a bug no less dangerous: ``NotYours`` is raised,
 the connection's handler closes that connection with a ``PERMISSION_DENIED``
@@ -76,6 +77,11 @@ class WorkerPeer(Protocol):
 
     worker_id: str
     conn: Connection
+
+    @property
+    def leases(self) -> Set[str]:
+        """The lease ids granted on this connection (and not released on it since)."""
+        ...
 
 
 class PeerGuard:
@@ -154,20 +160,31 @@ class PeerGuard:
             )
 
     async def lease(self, worker: WorkerPeer, lease_id: str, action: str) -> None:
-        """Pass an operation on the worker's own lease, or on a lease no batch holds now
-        (expired and taken over, or released: answered ``lease_lost`` as before);
-        refuse one on another worker's lease."""
+        """Pass an operation on a lease granted on this connection, or on a lease no batch
+        holds now (expired and taken over, or released: answered ``lease_lost`` as
+        before); refuse one on another worker's lease, and one on a lease of another
+        connection of the same worker: a worker's leases never outlive the connection
+        they were granted on (it abandons them with it), so a second session with the
+        same certificate has no business with the first one's."""
         if self._leases is None:
             return
         holder = await self._leases.lease_holder(lease_id)
-        if holder is None or holder == worker.worker_id:
+        if holder is None or (holder == worker.worker_id and lease_id in worker.leases):
             return
+        if holder == worker.worker_id:
+            raise self._not_yours(
+                worker.conn,
+                "worker",
+                "foreign_session",
+                f"tried to {action} a lease of another connection of worker {holder}",
+                "this lease was granted on another connection",
+            )
         raise self._not_yours(
             worker.conn,
             "worker",
             "foreign_lease",
-            f"tried to {action} lease {lease_id}, held by worker {holder}",
-            f"lease {lease_id} is not this worker's",
+            f"tried to {action} a lease held by worker {holder}",  # never its id: a handle
+            "this lease is another worker's",  # the close is logged: no id in it
         )
 
     # ------------------------------------------------------------ refusals

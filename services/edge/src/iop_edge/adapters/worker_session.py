@@ -2,8 +2,9 @@
 
 Lines run concurrently (the worker bounds how many); the receive loop never
 waits for a provider. When the worker's connection drops, its lines in flight
-are cancelled and its lease is left to expire, so another worker resumes from
-the first unfinished line. A worker acts only on leases it holds: ``PeerGuard``
+are cancelled and the leases granted on it are freed (``NodeServer``), so a
+worker (this one, dialling back, or another) resumes from the first unfinished
+line. A worker acts only on leases granted on this connection: ``PeerGuard``
 checks every lease operation before it is answered.
 """
 
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Set
 
 from loguru import logger
 
@@ -35,6 +36,13 @@ class WorkerSession:
         self._batches = batches
         self._guard = guard
         self._lines: set[asyncio.Task[None]] = set()
+        # The leases granted on this connection: its own, and no other connection's,
+        # even one of the same worker (``PeerGuard.lease``).
+        self._leases: set[str] = set()
+
+    @property
+    def leases(self) -> Set[str]:
+        return self._leases
 
     async def serve(self) -> None:
         try:
@@ -60,6 +68,7 @@ class WorkerSession:
             release = envelope.lease_release
             await guard.lease(self, release.lease_id, "release")
             await self._batches.release(release.lease_id, release.finished)
+            self._leases.discard(release.lease_id)
         elif kind == "batch_line_request":
             line = envelope.batch_line_request
             await guard.lease(self, line.lease_id, f"run line {line.line_number} under")
@@ -80,6 +89,8 @@ class WorkerSession:
         try:
             body = await answer
             if isinstance(body, LeaseGrant):
+                if body.lease_id:  # before the worker can learn it: its next use is ours
+                    self._leases.add(body.lease_id)
                 body = lease_grant(body)
             elif isinstance(body, LineReply):
                 body = line_result(body)

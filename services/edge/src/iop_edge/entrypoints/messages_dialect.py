@@ -35,7 +35,7 @@ from iop_edge.domain.events import Completed, Delta
 from iop_edge.domain.fleet import ApiKeyEntry, Operation
 from iop_edge.entrypoints.api_dialect import DialectRequest, dropped_tools_headers
 from iop_edge.entrypoints.openai_errors import MethodNotAllowed
-from iop_edge.errors import EdgeError, QueueFull
+from iop_edge.errors import EdgeError
 from iop_edge.formats.anthropic import (
     MessageStream,
     error_body,
@@ -94,7 +94,7 @@ def messages_error_response(exc: EdgeError) -> web.Response:
         body=json_codec.dumps(error_body(exc)),
         content_type="application/json",
     )
-    if isinstance(exc, QueueFull):
+    if exc.retry_after_s is not None:
         response.headers["Retry-After"] = str(exc.retry_after_s)
     elif isinstance(exc, MethodNotAllowed) and exc.allowed:
         response.headers["Allow"] = exc.allowed

@@ -12,7 +12,7 @@ import json
 
 from aiohttp import web
 
-from iop_edge.errors import EdgeError, QueueFull, RequestTooLarge
+from iop_edge.errors import EdgeError, RequestTooLarge
 from iop_edge.formats.errors import error_payload
 
 
@@ -33,10 +33,10 @@ class MethodNotAllowed(EdgeError):
 
 
 def error_response(exc: EdgeError) -> web.Response:
-    """The HTTP response for ``exc``: its status, the error object, ``Retry-After`` on 429."""
+    """The HTTP response for ``exc``: its status, the error object, ``Retry-After``, if any."""
     body = json.dumps(error_payload(exc), ensure_ascii=False, separators=(",", ":"))
     response = web.Response(status=exc.status, text=body, content_type="application/json")
-    if isinstance(exc, QueueFull):
+    if exc.retry_after_s is not None:
         response.headers["Retry-After"] = str(exc.retry_after_s)
     elif isinstance(exc, MethodNotAllowed) and exc.allowed:
         response.headers["Allow"] = exc.allowed

@@ -69,16 +69,35 @@ class BatchWork:
         return int(self._clock())
 
     async def worker_registered(self, worker_id: str) -> None:
-        """A worker (re)connected: the leases it held died with its old connection.
+        """A worker (re)connected while no other connection of it is live: the leases it
+        held died with its old connection (or with the edge, before a restart).
 
         Without this an edge restart would stall each running batch until its lease
         expired; freeing them lets the batch be leased again at once (finished lines
-        are stored, so nothing runs twice).
+        are stored, so nothing runs twice). The node server does not call this while
+        another connection of the worker lives: that one's leases stay its own.
         """
         async with self._lock:
             freed = await self._store.free_leases_of(worker_id)
         if freed:
             logger.info("worker {} reconnected: {} leases it held are free again", worker_id, freed)
+
+    async def connection_ended(self, worker_id: str, lease_ids: Iterable[str]) -> None:
+        """A worker's connection ended (its lines in flight stopped with it): the leases
+        granted on it are free at once, not at their expiry. The worker abandons a lease
+        with its connection (it never renews one on another), so nobody would use it
+        again; one released, expired and taken over meanwhile is left alone."""
+        freed = 0
+        async with self._lock:
+            for lease_id in lease_ids:
+                batch = await self._store.batch_by_lease(lease_id)
+                if batch is not None and batch.lease_owner == worker_id:
+                    await self._store.free_lease(batch.id)
+                    freed += 1
+        if freed:
+            logger.info(
+                "worker {}: a connection ended; {} batches it held are free", worker_id, freed
+            )
 
     async def lease(self, worker_id: str) -> LeaseGrant:
         """The oldest batch with work and no live lease; an empty grant when there is none.
@@ -97,7 +116,10 @@ class BatchWork:
                 expires_at = now + self._ttl_s
                 await self._store.set_lease(batch.id, lease_id, worker_id, expires_at, int(now))
                 grant = await self._grant(batch, lease_id, expires_at)
-                logger.info("batch {}: leased to {} ({})", batch.id, worker_id, lease_id)
+                # The lease id at DEBUG only: it is the handle a worker's connection acts
+                # on its batch with (``PeerGuard`` also checks who holds it).
+                logger.info("batch {}: leased to {}", batch.id, worker_id)
+                logger.debug("batch {}: lease {}", batch.id, lease_id)
         await self._finalize(due)
         await self.refresh_metrics()
         return grant
@@ -262,7 +284,7 @@ class BatchWork:
         """A lease still on the batch but not live: its worker went quiet."""
         if batch.lease_id is not None and not self._lease_live(batch):
             self._metrics.lease_expiries.inc()
-            logger.warning("batch {}: lease {} expired", batch.id, batch.lease_id)
+            logger.warning("batch {}: the lease of worker {} expired", batch.id, batch.lease_owner)
 
     # ------------------------------------------------------------------ the end of a batch
 

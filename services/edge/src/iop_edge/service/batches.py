@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any, Final
 
 from loguru import logger
@@ -297,6 +297,9 @@ class BatchService:
 
     async def worker_registered(self, worker_id: str) -> None:
         await self._work.worker_registered(worker_id)
+
+    async def connection_ended(self, worker_id: str, lease_ids: Iterable[str]) -> None:
+        await self._work.connection_ended(worker_id, lease_ids)
 
     async def lease(self, worker_id: str) -> LeaseGrant:
         """The oldest batch with work and no live lease; an empty grant when there is none."""

@@ -317,6 +317,8 @@ class Dispatcher:
         if deadline is not None:  # a retry: within what is left of the request's time
             timeout_s = min(timeout_s, deadline - loop.time())
         # Each class has its own room: batch lines never take an interactive place.
+        if self._stopping is not None:  # back from a wait aside after the drain began
+            raise ShuttingDown(self._stopping)
         if (queue.batch if batch else queue.interactive) >= max_queue:
             raise QueueFull(f"The queue of '{model.id}' is full ({max_queue} waiting); retry later")
         waiter: asyncio.Future[ProviderSlot] = loop.create_future()
@@ -534,8 +536,17 @@ class Dispatcher:
             waiter.set_exception(NoProviderAvailable(reason))
 
     def stop_admitting(self, reason: str) -> None:
-        """The edge is draining: runs and waiters already here go on, new ones are refused."""
+        """The edge is draining: runs in flight go on, nothing new starts. A request still
+        waiting for a slot (in its model's queue, or aside for its cache's provider) gets
+        its retryable 503 now: started later it would only be cut at the drain's end."""
         self._stopping = reason
+        for queue in self._queues.values():
+            while (waiter := queue.pop_waiting()) is not None:
+                waiter.set_exception(ShuttingDown(reason))
+        for line in self._pinned.values():
+            for _, pinned in line:
+                if not pinned.done():
+                    pinned.set_exception(ShuttingDown(reason))
 
     @property
     def idle(self) -> bool:
@@ -561,15 +572,8 @@ class Dispatcher:
     async def fail_all(self, reason: str) -> None:
         """The edge is stopping: end every run (its stream gets an error event) and every
         waiter (a 503), also one handed a slot whose run has not started yet."""
-        self.stop_admitting(reason)
+        self.stop_admitting(reason)  # first: waiters end, a slot a run frees goes to nobody
         self._failing = reason
-        for queue in self._queues.values():  # first: a slot a run frees must go to nobody
-            while (waiter := queue.pop_waiting()) is not None:
-                waiter.set_exception(ShuttingDown(reason))
-        for line in self._pinned.values():
-            for _, pinned in line:
-                if not pinned.done():
-                    pinned.set_exception(ShuttingDown(reason))
         for run in list(self._runs.values()):
             await run.cancel(reason)
 
