@@ -350,6 +350,11 @@ class BatchedWriter(Generic[R]):
             for key, entry in batch.items()
             if key not in self._pending or not self._supersedes(self._pending[key][1], entry[1])
         }
+        for key, (seq, _) in batch.items():
+            if key not in kept and seq in self._waiters:
+                # Replaced while it was being written: what waited for it waits for the newer.
+                newer = self._pending[key][0]
+                self._waiters.setdefault(newer, []).extend(self._waiters.pop(seq))
         for key in kept:
             self._pending.pop(key, None)
         self._pending = {**kept, **self._pending}
