@@ -64,8 +64,11 @@ async def test_a_kept_turn_is_committed_when_keep_returns(tmp_path: Path) -> Non
     reopened = await SqliteResponseStore.open(path)
     try:
         assert await reopened.get("resp_1", "key_a") == turn("resp_1")
+        assert reopened.usage("key_a") == turn("resp_1").size
         assert await reopened.delete("resp_1", "key_a")
         assert await reopened.get("resp_1", "key_a") is None
+        assert rows_on_disk(path) == []  # nothing continued it: its bytes are free at once
+        assert reopened.usage("key_a") == 0
         assert not await reopened.delete("resp_1", "key_a")
     finally:
         await reopened.aclose()
@@ -94,9 +97,10 @@ async def test_a_conversation_is_its_chain_of_turns_each_stored_once(tmp_path: P
         assert [t.response_id for t in chain] == ["resp_1", "resp_2", "resp_3"]
         clock.now += PURGE_GRACE_S + 1
         assert await store.sweep() == 0  # resp_3 still continues from it
-        assert await store.delete("resp_3", "key_a")
+        assert await store.delete("resp_3", "key_a")  # nothing continues it: gone at once
+        assert rows_on_disk(tmp_path / "r.db") == ["resp_1", "resp_2"]
         clock.now += PURGE_GRACE_S + 1
-        assert await store.sweep() == 2  # the tip, then the deleted middle it held
+        assert await store.sweep() == 1  # then the deleted middle it held
         assert await store.get("resp_1", "key_a") == first
         assert store.usage("key_a") == first.size
     finally:

@@ -68,6 +68,10 @@ SELECT {", ".join(f"r.{c}" for c in COLUMNS)} FROM chain
 JOIN responses r ON r.response_id = chain.id ORDER BY chain.n"""
 """A turn (?1) and up to ?2 turns before it, the latest first."""
 
+REMOVE_UNCONTINUED: Final = """DELETE FROM responses WHERE response_id = ?1 AND deleted_at > 0
+AND NOT EXISTS (SELECT 1 FROM responses c WHERE c.previous_id = ?1)"""
+"""A deleted turn's row, unless a later turn continues from it."""
+
 USAGE: Final = "SELECT key_id, SUM(bytes) FROM responses GROUP BY key_id"
 
 _ENDED: Final = (

@@ -19,7 +19,10 @@ default) and a deleted one at once: neither is found any more (404). The rows
 themselves go in a sweep every ``sweep_interval_s``, ``PURGE_GRACE_S`` after
 their end, once no turn that is still found continues from them: deleting or
 outliving a turn in the middle of a conversation leaves the later turns working,
-and their key is charged for the earlier turns' bytes until those go too.
+and their key is charged for the earlier turns' bytes until those go too. A
+deleted turn nothing continues from goes at once (its bytes with it); a request
+continuing it that was already running when it was deleted is stored, but its
+own conversation cannot be read back any more (a 404 to continue it).
 Each key's bytes are counted (``admit``) against ``quota_bytes``.
 """
 
@@ -39,6 +42,7 @@ from iop_edge.adapters.response_rows import (
     CHAIN,
     DEAD_UNREFERENCED,
     INSERT,
+    REMOVE_UNCONTINUED,
     SCHEMA,
     SCHEMA_VERSION,
     SELECT,
@@ -57,7 +61,6 @@ as its previous response just before (and whose turn is not stored yet) still fi
 every turn of its conversation when it is stored."""
 _PURGE_CHUNK: Final = 500
 DAY_S: Final = 86_400
-
 
 
 class ResponseStoreError(Exception):
@@ -201,9 +204,18 @@ class SqliteResponseStore(BatchedWriter[StoredResponse]):
         found = await self.get(response_id, key_id)
         if found is None:
             return False
-        # The row stays, without being found, while a later turn continues from it.
+        # Committed as deleted first (a newer change than any still in memory), then the
+        # row goes at once unless a later turn continues from it: then it stays, not
+        # found, until the sweep finds nothing continuing from it.
         tombstone = dataclasses.replace(found, deleted_at=max(1, int(self._clock())))
         await self.persist(tombstone)
+        if not any(r.previous_id == response_id for r in self.unwritten()):
+            async with self._write_lock, transaction(self._db):
+                cursor = await self._db.execute(REMOVE_UNCONTINUED, (response_id,))
+                removed = cursor.rowcount > 0
+            if removed:
+                self._uncharge(found.key_id, found.size)
+                self.purged += 1
         return True
 
     # -- the sweep -----------------------------------------------------------------
@@ -230,11 +242,7 @@ class SqliteResponseStore(BatchedWriter[StoredResponse]):
                     "DELETE FROM responses WHERE response_id = ?", [(i,) for i, _, _ in chunk]
                 )
             for _, key_id, size in chunk:
-                left = self._usage.get(key_id, 0) - size
-                if left > 0:
-                    self._usage[key_id] = left
-                else:
-                    self._usage.pop(key_id, None)
+                self._uncharge(key_id, size)
         self.purged += len(victims)
         if victims:
             logger.info("response store {}: {} ended turns removed", self.path, len(victims))
@@ -249,6 +257,13 @@ class SqliteResponseStore(BatchedWriter[StoredResponse]):
                 logger.exception("response store {}: sweep failed; the next tries again", self.path)
 
     # -- internals -----------------------------------------------------------------
+
+    def _uncharge(self, key_id: str, size: int) -> None:
+        left = self._usage.get(key_id, 0) - size
+        if left > 0:
+            self._usage[key_id] = left
+        else:
+            self._usage.pop(key_id, None)
 
     def _live(self, record: StoredResponse, key_id: str) -> bool:
         if record.deleted or record.key_id != key_id:
