@@ -11,6 +11,7 @@ import dataclasses
 from iop_edge.domain.affinity import AffinityPolicy
 from iop_edge.domain.events import RunOrder
 from iop_edge.domain.outliers import OutlierPolicy
+from iop_edge.errors import StorageQuotaExceeded
 from iop_edge.metrics import EdgeMetrics
 from iop_edge.ports import StoredResponse
 from iop_edge.service.dispatch import Dispatcher
@@ -68,12 +69,15 @@ class MemoryResponseStore:
     """A ``ResponseStore`` in a dict: the port's rules (a key's own, deletions, the chain
     of ``previous_id`` links), nothing of SQLite's."""
 
-    def __init__(self, max_depth: int = 1000) -> None:
+    def __init__(self, max_depth: int = 1000, quota_bytes: int = 0) -> None:
         self.rows: dict[str, StoredResponse] = {}
         self.max_depth = max_depth
+        self.quota_bytes = quota_bytes
 
     def admit(self, key_id: str, incoming: int) -> None:
-        pass
+        used = sum(r.size for r in self.rows.values() if r.key_id == key_id)
+        if self.quota_bytes and used + incoming > self.quota_bytes:
+            raise StorageQuotaExceeded("over quota", param="store")
 
     async def keep(self, response: StoredResponse) -> None:
         self.rows[response.response_id] = response

@@ -19,7 +19,7 @@ from iop_edge.entrypoints.api_dialect import Dialect
 from iop_edge.entrypoints.http_api import load_openapi, openai_error_boundary
 from iop_edge.entrypoints.responses_dialect import ResponsesDialect, conversation
 from iop_edge.entrypoints.responses_routes import ResponsesRoutes
-from iop_edge.errors import InvalidRequest, NotFound
+from iop_edge.errors import InvalidRequest, NotFound, StorageQuotaExceeded
 from iop_edge.formats.reasoning_seal import ReasoningSeal
 from iop_edge.ports import StoredResponse
 from iop_edge.testing import MemoryResponseStore
@@ -197,3 +197,34 @@ def test_every_responses_route_is_in_the_openapi_document() -> None:
     assert {(path, method) for path, method in expected if method in documented.get(path, {})} == (
         expected
     )
+
+
+async def test_a_conversation_past_its_turn_bound_is_refused_before_it_runs() -> None:
+    store = MemoryStore(max_depth=2)
+    dialect = ResponsesDialect(store, ReasoningSeal.generate())
+    previous = None
+    for n in range(3):  # depths 0, 1, 2
+        body = {"model": "m", "input": f"turn {n}"}
+        if previous is not None:
+            body["previous_response_id"] = previous
+        previous = (await answered(dialect, body, f"t{n}"))["id"]
+    assert store.rows["resp_t2"].depth == 2
+    body = {"model": "m", "input": "one more", "previous_response_id": "resp_t2"}
+    with pytest.raises(InvalidRequest) as info:
+        await dialect.resolve(dialect.read(body), KEY_A)
+    assert (info.value.code, info.value.param) == ("conversation_too_long", "previous_response_id")
+    store.max_depth = 1  # a bound lowered after the chain grew: refused the same way
+    with pytest.raises(InvalidRequest, match="compact it"):
+        await dialect.resolve(dialect.read(body), KEY_A)
+
+
+async def test_store_true_past_the_key_s_quota_is_refused_and_store_false_runs() -> None:
+    store = MemoryStore(quota_bytes=2000)
+    dialect = ResponsesDialect(store, ReasoningSeal.generate())
+    await answered(dialect, {"model": "m", "input": "x" * 900}, "q1")
+    with pytest.raises(StorageQuotaExceeded):
+        await dialect.resolve(dialect.read({"model": "m", "input": "x" * 1500}), KEY_A)
+    asked = await dialect.resolve(
+        dialect.read({"model": "m", "input": "x" * 1500, "store": False}), KEY_A
+    )
+    assert asked.spec.body["messages"][-1]["content"] == "x" * 1500

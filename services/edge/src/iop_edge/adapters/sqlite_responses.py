@@ -195,7 +195,8 @@ class SqliteResponseStore(BatchedWriter[StoredResponse]):
         if not links or not self._live(links[0], key_id):
             return None
         if any(link.key_id != key_id for link in links) or links[-1].previous_id is not None:
-            logger.error("response store {}: conversation of {} is broken", self.path, response_id)
+            # A turn it continues was deleted while this one was running (see above).
+            logger.warning("response store {}: {} continues a removed turn", self.path, response_id)
             return None
         links.reverse()
         return links

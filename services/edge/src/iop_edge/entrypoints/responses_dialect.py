@@ -123,23 +123,26 @@ class ResponsesDialect:
         if recalled is not None:
             draft.history = recalled
             if draft.request.store:  # linked to it if it was stored, else a first turn
-                draft.previous = await self._store.get(previous_id, draft.key_id)
+                previous = await self._store.get(previous_id, draft.key_id)
+                if previous is not None and previous.depth < self._store.max_depth:
+                    draft.previous = previous
             body = chat_body(draft.request, recalled)
             return DialectRequest(dataclasses.replace(asked.spec, body=body), draft)
         chain = await self._store.chain(previous_id, draft.key_id)
+        tip = chain[-1] if chain else await self._store.get(previous_id, draft.key_id)
+        if tip is not None and tip.depth + 1 > self._store.max_depth:
+            raise InvalidRequest(
+                f"The conversation of '{previous_id}' has {tip.depth + 1} turns, the"
+                f" most this server continues ({self._store.max_depth}); compact it"
+                " (/v1/responses/compact) or start a new one.",
+                param="previous_response_id",
+                code="conversation_too_long",
+            )
         if chain is None:
             raise NotFound(
                 f"Previous response with id '{previous_id}' not found.",
                 param="previous_response_id",
                 code="previous_response_not_found",  # OpenAI's, which clients key on
-            )
-        if chain[-1].depth + 1 > self._store.max_depth:
-            raise InvalidRequest(
-                f"The conversation of '{previous_id}' has {chain[-1].depth + 1} turns, the"
-                f" most this server continues ({self._store.max_depth}); compact it"
-                " (/v1/responses/compact) or start a new one.",
-                param="previous_response_id",
-                code="conversation_too_long",
             )
         draft.previous = chain[-1]
         if sum(link.size for link in chain) > OFFLOAD_BYTES:  # a long conversation: off the loop
