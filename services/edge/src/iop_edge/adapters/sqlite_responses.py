@@ -194,6 +194,8 @@ class SqliteResponseStore(BatchedWriter[StoredResponse]):
             links.extend(memory.get(str(row[0]), _stored(row)) for row in rows)
         if not links or not self._live(links[0], key_id):
             return None
+        if links[-1].previous_id is not None and len(links) > self.max_depth:
+            return None  # longer than a conversation may be: not read whole
         if any(link.key_id != key_id for link in links) or links[-1].previous_id is not None:
             # A turn it continues was deleted while this one was running (see above).
             logger.warning("response store {}: {} continues a removed turn", self.path, response_id)
