@@ -310,3 +310,55 @@ async def test_a_waiting_flush_fails_when_the_writer_dies(path: Path) -> None:
     finally:
         lock.close()
         await notes.aclose(timeout_s=0.5)
+
+
+async def test_persist_returns_once_its_record_is_committed(path: Path) -> None:
+    db = await open_notes(path)
+    # A long coalescing pause: persist must not wait for it.
+    notes = NoteWriter(db, path, WriterTuning(60, 50, 1000, 0.02))
+    notes.start("note-writer")
+    try:
+        notes.put(Note("queued", "before"))
+        async with asyncio.timeout(10):
+            await notes.persist(Note("n1", "kept"))
+        assert on_disk(path) == [("n1", "kept"), ("queued", "before")]  # FIFO: both committed
+        lock = sqlite3.connect(path, isolation_level=None)
+        try:
+            lock.execute("BEGIN EXCLUSIVE")  # the writer is refused and retries
+            persisted = asyncio.create_task(notes.persist(Note("n2", "first")))
+            await asyncio.sleep(0.1)  # tried, refused, put back for a retry
+            notes.put(Note("n2", "second"))  # replaces it unwritten: the waiter moves along
+            await asyncio.sleep(0.1)
+            assert not persisted.done()  # not acknowledged while it is not on disk
+        finally:
+            lock.execute("COMMIT")
+            lock.close()
+        async with asyncio.timeout(10):
+            await persisted
+        assert ("n2", "second") in on_disk(path)
+    finally:
+        await notes.aclose()
+
+
+async def test_persist_fails_when_its_record_is_dropped_or_the_writer_stops(path: Path) -> None:
+    notes = await open_writer(path, max_pending=2)
+    lock = sqlite3.connect(path, isolation_level=None)
+    try:
+        lock.execute("BEGIN EXCLUSIVE")
+        dropped = asyncio.create_task(notes.persist(Note("d0", "draft", final=False)))
+        await asyncio.sleep(0)
+        notes.put(Note("f1", "final"))
+        notes.put(Note("f2", "final"))  # over max_pending: the draft goes
+        async with asyncio.timeout(10):
+            with pytest.raises(KitError, match="dropped"):
+                await dropped
+        stopped = asyncio.create_task(notes.persist(Note("f3", "final")))
+        await asyncio.sleep(0.05)
+        assert notes._writer is not None
+        notes._writer.cancel()  # as a bug would end it
+        async with asyncio.timeout(10):
+            with pytest.raises(KitError, match="the writer has stopped"):
+                await stopped
+    finally:
+        lock.close()
+        await notes.aclose(timeout_s=0.5)

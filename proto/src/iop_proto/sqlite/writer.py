@@ -7,9 +7,13 @@ that is replaced before it was written (a run's end after its start) costs one
 row write, not two. While the database refuses writes, the writer retries with
 a growing pause, and memory stays bounded by dropping records (counted, logged).
 
-Durability is traded knowingly: records still in memory when the process is
-killed are lost. The edge's run log and the node's run history are this writer
-with their own table, row mapping and queries.
+Durability is the caller's choice, per record. ``put`` trades it knowingly:
+records still in memory when the process is killed are lost (the edge's run
+log and the node's run history, this writer with their own table, row mapping
+and queries). ``persist`` waits until its record's batch has committed, so
+whatever a caller acknowledges after it is on disk; it skips the coalescing
+pause, and records that arrive while a batch commits share the next commit
+(group commit: one fsync for all of them, not one each).
 """
 
 from __future__ import annotations
@@ -90,6 +94,8 @@ class BatchedWriter(Generic[R]):
         self._pending: dict[str, tuple[int, R]] = {}
         self._in_flight: dict[str, tuple[int, R]] = {}  # the batch being committed
         self._seq = 0
+        # persist()'s callers, by the sequence number of the record they wait for.
+        self._waiters: dict[int, list[asyncio.Future[None]]] = {}
         self._wake = asyncio.Event()  # something is pending
         self._urgent = asyncio.Event()  # a flush waits: skip the coalescing pause
         self._progress = asyncio.Event()  # set (and replaced) when flushes should look again
@@ -124,7 +130,7 @@ class BatchedWriter(Generic[R]):
         """Start the writer task (once, at the end of the subclass's ``open``)."""
         self._writer = asyncio.create_task(self._write_forever(), name=name)
         # A writer that dies of a bug wakes the flushes too: they raise, not hang.
-        self._writer.add_done_callback(lambda _: self._notify())
+        self._writer.add_done_callback(lambda _: self._writer_ended())
 
     def check_open(self) -> None:
         if self._closed:
@@ -139,9 +145,32 @@ class BatchedWriter(Generic[R]):
             record = previous[1]
         self._seq += 1
         self._pending[key] = (self._seq, record)
+        if previous is not None and previous[0] in self._waiters:
+            # What waited for the replaced record is written with the one replacing it.
+            self._waiters[self._seq] = self._waiters.pop(previous[0])
         if len(self._pending) > self._max_pending:
             self._shed()
         self._wake.set()
+
+    async def persist(self, record: R) -> None:
+        """Queue ``record`` and return once the transaction holding it has committed.
+
+        Raises ``error`` when the record was dropped (the database refused writes
+        until memory had to be bounded) or the writer stopped first. Cancelling the
+        caller does not take the record back: it is written all the same. While
+        the database refuses writes this waits for the writer's retries; bound it
+        with ``asyncio.timeout`` where that matters.
+        """
+        self.put(record)
+        seq = self._seq
+        if self._pending.get(self._key(record), (None,))[0] != seq:
+            raise self.error(f"{self.what} {self.path}: {self.noun} dropped before it was written")
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.setdefault(seq, []).append(waiter)
+        if self._writer is None or self._writer.done():
+            self._fail_waiters(list(self._waiters), "the writer has stopped")
+        self._urgent.set()  # an acknowledgement waits: no coalescing pause
+        await asyncio.shield(waiter)
 
     def unwritten(self) -> list[R]:
         """The records not yet on disk, oldest first (the batch being written included).
@@ -195,6 +224,10 @@ class BatchedWriter(Generic[R]):
 
     # -- internals ---------------------------------------------------------------
 
+    def _writer_ended(self) -> None:
+        self._fail_waiters(list(self._waiters), "the writer has stopped")
+        self._notify()
+
     def _notify(self) -> None:
         self._progress.set()
         self._progress = asyncio.Event()
@@ -218,7 +251,9 @@ class BatchedWriter(Generic[R]):
         if len(keys) < wanted:
             rest = (key for key, (_, r) in entries if not self._shed_first(r))
             keys.extend(itertools.islice(rest, wanted - len(keys)))
-        victims = [self._pending.pop(key)[1] for key in keys]
+        entries_dropped = [self._pending.pop(key) for key in keys]
+        victims = [record for _, record in entries_dropped]
+        self._fail_waiters([seq for seq, _ in entries_dropped], f"{self.noun} dropped")
         self.dropped += len(victims)
         logger.error(
             "{} {}: {} to bound memory; the database has refused writes for a while",
@@ -295,8 +330,18 @@ class BatchedWriter(Generic[R]):
         finally:
             self._in_flight = {}
         self.writes += 1
+        for seq, _ in batch.values():
+            for waiter in self._waiters.pop(seq, ()):
+                if not waiter.done():
+                    waiter.set_result(None)
         self._notify()
         return True
+
+    def _fail_waiters(self, seqs: list[int], why: str) -> None:
+        for seq in seqs:
+            for waiter in self._waiters.pop(seq, ()):
+                if not waiter.done():
+                    waiter.set_exception(self.error(f"{self.what} {self.path}: {why}"))
 
     def _restore(self, batch: dict[str, tuple[int, R]]) -> None:
         """Put a failed batch back in front, unless a newer change of the same id arrived."""
@@ -305,6 +350,11 @@ class BatchedWriter(Generic[R]):
             for key, entry in batch.items()
             if key not in self._pending or not self._supersedes(self._pending[key][1], entry[1])
         }
+        for key, (seq, _) in batch.items():
+            if key not in kept and seq in self._waiters:
+                # Replaced while it was being written: what waited for it waits for the newer.
+                newer = self._pending[key][0]
+                self._waiters.setdefault(newer, []).extend(self._waiters.pop(seq))
         for key in kept:
             self._pending.pop(key, None)
         self._pending = {**kept, **self._pending}
@@ -313,4 +363,5 @@ class BatchedWriter(Generic[R]):
         """Cancel the writer (logging it if it had failed); let any waiting flush see the end."""
         writer, self._writer = self._writer, None
         await cancel_and_wait(writer)
+        self._fail_waiters(list(self._waiters), "the writer has stopped")
         self._notify()

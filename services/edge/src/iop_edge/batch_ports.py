@@ -32,7 +32,13 @@ class FileUpload(Protocol):
 class BatchStore(Protocol):
     async def begin_upload(self, file_id: str) -> FileUpload: ...
 
-    async def get_file(self, file_id: str) -> FileRecord | None: ...
+    async def get_file(self, file_id: str) -> FileRecord | None:
+        """The file, unless it does not exist or has expired."""
+        ...
+
+    async def owned_bytes(self, owner: str | None) -> int:
+        """What ``owner``'s files take (counted against its quota)."""
+        ...
 
     async def list_files(
         self, owner: str | None, purpose: str | None, after: str | None, limit: int, newest: bool

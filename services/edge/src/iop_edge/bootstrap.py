@@ -16,7 +16,7 @@ from iop_edge.adapters.control_plane import ControlPlaneClient
 from iop_edge.adapters.fleet_proto import fleet_from_proto
 from iop_edge.adapters.node_server import NodeServer
 from iop_edge.adapters.peer_guard import PeerGuard
-from iop_edge.adapters.sqlite_responses import SqliteResponseStore
+from iop_edge.adapters.sqlite_responses import ResponseLimits, SqliteResponseStore
 from iop_edge.adapters.sqlite_runlog import SqliteRunLog
 from iop_edge.console import add_console_routes
 from iop_edge.entrypoints.api_auth import KeySlots, access_mode
@@ -135,9 +135,22 @@ async def build(
         stack.callback(providers.close)  # last out: no cooldown timer outlives the edge
         runlog = await SqliteRunLog.open(settings.history_db)
         stack.push_async_callback(runlog.aclose)
-        response_store = await SqliteResponseStore.open(settings.responses_db)
+        storage = settings.storage
+        response_store = await SqliteResponseStore.open(
+            settings.responses_db,
+            limits=ResponseLimits(
+                ttl_s=storage.responses_ttl_s,
+                quota_bytes=storage.responses_quota_bytes,
+                max_depth=storage.max_conversation_turns,
+                sweep_interval_s=storage.sweep_interval_s,
+            ),
+        )
         stack.push_async_callback(response_store.aclose)
-        batch_store = await SqliteBatchStore.open(settings.batch_db)
+        batch_store = await SqliteBatchStore.open(
+            settings.batch_db,
+            file_ttl_s=storage.files_ttl_s,
+            sweep_interval_s=storage.sweep_interval_s,
+        )
         stack.push_async_callback(batch_store.aclose)
         batches = BatchService(
             batch_store,
@@ -147,6 +160,7 @@ async def build(
             lease_ttl_s=settings.batch_lease_ttl_s,
             max_body_bytes=body_limit,
             mock_drills=settings.mock_drills,
+            file_quota_bytes=storage.files_quota_bytes,
         )
         await batches.refresh_metrics()
 

@@ -86,6 +86,21 @@ class NotFound(EdgeError, LookupError):
     status, type, code = 404, "invalid_request_error", None
 
 
+class StorageQuotaExceeded(EdgeError):
+    """The key's stored responses or files are at its quota (``storage`` settings): the
+    request is refused before it runs; deleting stored objects, or ``store: false``,
+    makes room. Not a 429: nothing frees up by waiting, so a client must not retry."""
+
+    status, type, code = 400, "invalid_request_error", "storage_quota_exceeded"
+
+
+class StorageUnavailable(EdgeError):
+    """What the answer would say is stored could not be committed: the client is told
+    so instead of being told it was kept."""
+
+    status, type, code = 503, "server_error", "storage_unavailable"
+
+
 class LeaseLost(EdgeError):
     """A worker's batch lease is no longer its own (expired and taken, released, or the
     batch is being cancelled or has ended): the worker stops working on that batch."""

@@ -277,11 +277,16 @@ class RunLog(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class StoredResponse:
-    """A Responses API answer kept for ``GET /v1/responses/{id}`` and ``previous_response_id``.
+    """One turn of a Responses API conversation, kept for ``GET /v1/responses/{id}`` and
+    ``previous_response_id``.
 
-    ``response_json`` is the Response object as the client got it; ``input_json`` the
-    whole conversation it answered (its chain's items, then its own input, each with
-    an id), so a follow-up needs one read, not one per link of the chain.
+    ``response_json`` is the Response object as the client got it; ``input_json`` this
+    turn's own input items (each with an id), not the conversation before it: that is
+    the chain of ``previous_id`` links, each turn stored once, so storage grows with
+    what clients send, not with the square of a conversation. ``depth`` counts the
+    links above it (0: it starts a conversation). ``deleted_at`` (Unix seconds, 0 while
+    it is not deleted): a deleted turn is not found any more, but its items stay as
+    long as a later turn continues from it.
     """
 
     response_id: str
@@ -289,18 +294,50 @@ class StoredResponse:
     created_at: int  # Unix seconds
     response_json: bytes
     input_json: bytes
-    deleted: bool = False
+    previous_id: str | None = None
+    depth: int = 0
+    deleted_at: int = 0
+
+    @property
+    def deleted(self) -> bool:
+        return self.deleted_at != 0
+
+    @property
+    def size(self) -> int:
+        """The bytes it takes, as counted against its key's quota."""
+        return len(self.response_json) + len(self.input_json)
 
 
 class ResponseStore(Protocol):
-    """Stored Responses (SQLite), each readable only by the key that made it."""
+    """Stored Responses (SQLite), each readable only by the key that made it, until it
+    expires or is deleted."""
 
-    def keep(self, response: StoredResponse) -> None:
-        """Queue a response (or a deletion); never suspends, never waits for the disk."""
+    @property
+    def max_depth(self) -> int:
+        """The most turns a conversation may chain; a request continuing past it is refused."""
+        ...
+
+    def admit(self, key_id: str, incoming: int) -> None:
+        """Raise ``StorageQuotaExceeded`` when storing ``incoming`` more bytes would take
+        ``key_id`` over its quota (checked before a ``store: true`` request runs)."""
+        ...
+
+    async def keep(self, response: StoredResponse) -> None:
+        """Store a turn; it is committed to disk when this returns."""
         ...
 
     async def get(self, response_id: str, key_id: str) -> StoredResponse | None:
-        """The response if it exists, is not deleted, and is ``key_id``'s."""
+        """The turn if it exists, is ``key_id``'s, and is neither deleted nor expired."""
+        ...
+
+    async def chain(self, response_id: str, key_id: str) -> list[StoredResponse] | None:
+        """The conversation up to ``response_id``: its turns, the first first, ending with
+        it; ``None`` where ``get`` finds nothing (earlier turns may be deleted or expired:
+        a conversation continued from keeps them)."""
+        ...
+
+    async def delete(self, response_id: str, key_id: str) -> bool:
+        """Delete a turn (committed when this returns); False when ``get`` finds nothing."""
         ...
 
 

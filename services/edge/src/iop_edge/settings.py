@@ -151,6 +151,47 @@ class AffinitySettings(FrozenModel):
         )
 
 
+DAY_S = 86_400
+GIB = 1024**3
+
+
+class StorageSettings(FrozenModel):
+    """What a key may keep on the edge (stored Responses, Files API files), and for how
+    long (docs/ARCHITECTURE.md#stored-responses-and-files)."""
+
+    responses_ttl_s: int = Field(
+        default=30 * DAY_S,
+        ge=0,
+        description="a stored response expires this long after it was made (404); 0 = never",
+    )
+    responses_quota_bytes: int = Field(
+        default=1 * GIB,
+        ge=0,
+        description=(
+            "bytes of stored responses per API key; a store: true request past it is refused"
+            " (400 storage_quota_exceeded) before it runs; 0 = no quota"
+        ),
+    )
+    max_conversation_turns: int = Field(
+        default=1000,
+        ge=1,
+        description="turns a previous_response_id chain may hold; past it: 400, compact it",
+    )
+    files_ttl_s: int = Field(
+        default=30 * DAY_S,
+        ge=0,
+        description="an uploaded or batch result file expires this long after it was made",
+    )
+    files_quota_bytes: int = Field(
+        default=10 * GIB,
+        ge=0,
+        description="bytes of files per API key; an upload past it is refused; 0 = no quota",
+    )
+    sweep_interval_s: float = Field(
+        default=3600.0, gt=0, description="how often expired and deleted objects are removed"
+    )
+
+
 class EdgeSettings(DrainingSettings):
     """The edge's settings file; `IOP_*` environment variables override any key."""
 
@@ -159,6 +200,7 @@ class EdgeSettings(DrainingSettings):
     node_listener: NodeListenerSettings = NodeListenerSettings()
     control_plane: ControlPlaneAddress = ControlPlaneAddress()
     affinity: AffinitySettings = AffinitySettings()
+    storage: StorageSettings = StorageSettings()
     config_cache: Path = Field(
         default=Path("var/edge/fleet-config.pb"),
         description="the last good fleet config, served while the control-plane is away",

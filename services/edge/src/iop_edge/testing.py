@@ -6,10 +6,14 @@ bootstrap's, and tests that drive the pool directly must not drift from it.
 
 from __future__ import annotations
 
+import dataclasses
+
 from iop_edge.domain.affinity import AffinityPolicy
 from iop_edge.domain.events import RunOrder
 from iop_edge.domain.outliers import OutlierPolicy
+from iop_edge.errors import StorageQuotaExceeded
 from iop_edge.metrics import EdgeMetrics
+from iop_edge.ports import StoredResponse
 from iop_edge.service.dispatch import Dispatcher
 from iop_edge.service.fleet_holder import FleetHolder
 from iop_edge.service.registry import ProviderRegistry
@@ -59,3 +63,41 @@ class RecordingNodeLink:
 
     async def send_cancel(self, run_id: str, reason: str) -> None:
         """Nothing to do: the tests end runs themselves."""
+
+
+class MemoryResponseStore:
+    """A ``ResponseStore`` in a dict: the port's rules (a key's own, deletions, the chain
+    of ``previous_id`` links), nothing of SQLite's."""
+
+    def __init__(self, max_depth: int = 1000, quota_bytes: int = 0) -> None:
+        self.rows: dict[str, StoredResponse] = {}
+        self.max_depth = max_depth
+        self.quota_bytes = quota_bytes
+
+    def admit(self, key_id: str, incoming: int) -> None:
+        used = sum(r.size for r in self.rows.values() if r.key_id == key_id)
+        if self.quota_bytes and used + incoming > self.quota_bytes:
+            raise StorageQuotaExceeded("over quota", param="store")
+
+    async def keep(self, response: StoredResponse) -> None:
+        self.rows[response.response_id] = response
+
+    async def get(self, response_id: str, key_id: str) -> StoredResponse | None:
+        row = self.rows.get(response_id)
+        if row is None or row.deleted or row.key_id != key_id:
+            return None
+        return row
+
+    async def chain(self, response_id: str, key_id: str) -> list[StoredResponse] | None:
+        if await self.get(response_id, key_id) is None:
+            return None
+        links = [self.rows[response_id]]
+        while links[-1].previous_id is not None:
+            links.append(self.rows[links[-1].previous_id])
+        return links[::-1]
+
+    async def delete(self, response_id: str, key_id: str) -> bool:
+        row = await self.get(response_id, key_id)
+        if row is not None:
+            self.rows[response_id] = dataclasses.replace(row, deleted_at=1)
+        return row is not None

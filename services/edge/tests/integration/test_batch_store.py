@@ -24,7 +24,7 @@ from iop_edge.adapters.batch_schema import SCHEMA_VERSION
 from iop_edge.adapters.batch_store import SqliteBatchStore
 from iop_edge.domain.batches import FileRecord
 from iop_edge.domain.fleet import ApiKeyEntry
-from iop_edge.errors import InvalidRequest, NotFound
+from iop_edge.errors import InvalidRequest, NotFound, StorageQuotaExceeded
 from iop_edge.service.batches import BatchService
 
 MIB = 1024 * 1024
@@ -267,3 +267,52 @@ async def test_a_version_1_store_is_migrated_with_everything_owned_by_nobody(
         assert "owner" in [row[1] for row in raw.execute("PRAGMA table_info(batches)")]
     finally:
         raw.close()
+
+
+async def test_files_expire_then_the_sweep_removes_them(tmp_path: Path) -> None:
+    now = [1000.0]
+    store = await SqliteBatchStore.open(
+        tmp_path / "batches.db", file_ttl_s=100, clock=lambda: now[0]
+    )
+    try:
+        for n, created in ((1, 950), (2, 1000)):
+            upload = await store.begin_upload(file_id(n))
+            await upload.write(b"x" * 10)
+            await upload.commit(FileRecord(file_id(n), "in.jsonl", "batch", 10, created, "key_a"))
+        now[0] = 1050  # file 1 is 100 s old: expired, gone from reads at once
+        assert await store.get_file(file_id(1)) is None
+        assert await store.open_content(file_id(1)) is None
+        listed = await store.list_files("key_a", None, None, 10, True)
+        assert [f.id for f in listed] == [file_id(2)]
+        assert await store.owned_bytes("key_a") == 20  # charged until the sweep
+        assert await store.sweep_files() == 1
+        assert not store.contents.content_path(file_id(1)).exists()
+        assert await store.owned_bytes("key_a") == 10
+        assert await store.get_file(file_id(2)) is not None
+    finally:
+        await store.aclose()
+
+
+async def test_an_upload_past_the_key_s_quota_is_refused_as_it_arrives(
+    store: SqliteBatchStore,
+) -> None:
+    batches = BatchService(store, Unused(), Unused(), CollectorRegistry(), file_quota_bytes=2500)
+
+    async def send(key: ApiKeyEntry, chunks: int) -> None:
+        async with batches.receive_file(key=key) as upload:
+            for _ in range(chunks):
+                await upload.write(b"x" * 1000)
+            await batches.create_file(upload, "in.jsonl", "batch", key=key)
+
+    await send(KEY_A, 2)
+    with pytest.raises(StorageQuotaExceeded) as caught:
+        await send(KEY_A, 1)  # 3,000 bytes would pass 2,500
+    assert (caught.value.status, caught.value.code) == (400, "storage_quota_exceeded")
+    assert await store.owned_bytes("key_a") == 2000  # the refused upload left nothing
+    await send(OPERATOR, 2)  # another owner's room
+    other = ApiKeyEntry("key_b", "b", "hash-b", frozenset(), 0)
+    await send(other, 2)
+    files = await batches.list_files(None, None, 10, key=KEY_A)
+    assert len(files["data"]) == 1
+    await batches.delete_file(files["data"][0]["id"], key=KEY_A)
+    await send(KEY_A, 2)  # deleting made room

@@ -17,29 +17,16 @@ from iop_edge.domain.events import Completed, Delta, Usage
 from iop_edge.domain.fleet import ApiKeyEntry
 from iop_edge.entrypoints.api_dialect import Dialect
 from iop_edge.entrypoints.http_api import load_openapi, openai_error_boundary
-from iop_edge.entrypoints.responses_dialect import ResponsesDialect
+from iop_edge.entrypoints.responses_dialect import ResponsesDialect, conversation
 from iop_edge.entrypoints.responses_routes import ResponsesRoutes
-from iop_edge.errors import InvalidRequest, NotFound
+from iop_edge.errors import InvalidRequest, NotFound, StorageQuotaExceeded
 from iop_edge.formats.reasoning_seal import ReasoningSeal
 from iop_edge.ports import StoredResponse
+from iop_edge.testing import MemoryResponseStore
 from iop_proto import json_codec
 from iop_proto.testing import loopback_app
 
-
-class MemoryStore:
-    """A ``ResponseStore`` in a dict."""
-
-    def __init__(self) -> None:
-        self.rows: dict[str, StoredResponse] = {}
-
-    def keep(self, response: StoredResponse) -> None:
-        self.rows[response.response_id] = response
-
-    async def get(self, response_id: str, key_id: str) -> StoredResponse | None:
-        row = self.rows.get(response_id)
-        if row is None or row.deleted or row.key_id != key_id:
-            return None
-        return row
+MemoryStore = MemoryResponseStore
 
 
 class Keys:
@@ -91,8 +78,17 @@ async def test_an_answer_is_kept_for_its_key_and_continues_a_chain() -> None:
         await dialect.resolve(dialect.read(body), KEY_B)  # another key's response
     assert info.value.param == "previous_response_id"
     await answered(dialect, body, "r2")
-    conversation = json_codec.loads(store.rows["resp_r2"].input_json)
-    assert [item["id"] for item in conversation] == ["msg_r1_0", "msg_r1", "msg_r2_0"]
+    second = store.rows["resp_r2"]  # its own input only, linked to the turn it continues
+    assert [item["id"] for item in json_codec.loads(second.input_json)] == ["msg_r2_0"]
+    assert (second.previous_id, second.depth) == ("resp_r1", 1)
+    chain = await store.chain("resp_r2", "key_a")
+    assert chain is not None
+    assert [item["id"] for item in conversation(chain)] == [
+        "msg_r1_0",
+        "msg_r1",
+        "msg_r2_0",
+        "msg_r2",
+    ]
 
 
 async def test_store_false_keeps_nothing() -> None:
@@ -117,6 +113,8 @@ async def test_a_streamed_answer_is_kept_when_it_ends() -> None:
     writer.delta(Delta(text="hi"))
     assert store.rows == {}
     writer.closing(Completed("stop", Usage(1, 1, 2)))
+    assert store.rows == {}  # kept when the last events are about to leave
+    await writer.settle()
     kept = json_codec.loads(store.rows["resp_r9"].response_json)
     assert kept["status"] == "completed"
     assert kept["output"][0]["content"][0]["text"] == "hi"
@@ -154,7 +152,9 @@ async def test_the_routes_read_list_and_delete_only_the_owner_s_responses() -> N
     items = [
         {"id": f"item_{i}", "type": "message", "role": "user", "content": []} for i in range(5)
     ]
-    store.keep(StoredResponse("resp_1", "key_a", 1, b'{"id":"resp_1"}', json_codec.dumps(items)))
+    await store.keep(
+        StoredResponse("resp_1", "key_a", 1, b'{"id":"resp_1"}', json_codec.dumps(items))
+    )
     a, b = ({"Authorization": f"Bearer {k}"} for k in ("sk-a", "sk-b"))
     async with serve(store) as url, aiohttp.ClientSession() as http:
         async with http.get(f"{url}/resp_1", headers=a) as reply:
@@ -197,3 +197,34 @@ def test_every_responses_route_is_in_the_openapi_document() -> None:
     assert {(path, method) for path, method in expected if method in documented.get(path, {})} == (
         expected
     )
+
+
+async def test_a_conversation_past_its_turn_bound_is_refused_before_it_runs() -> None:
+    store = MemoryStore(max_depth=2)
+    dialect = ResponsesDialect(store, ReasoningSeal.generate())
+    previous = None
+    for n in range(3):  # depths 0, 1, 2
+        body = {"model": "m", "input": f"turn {n}"}
+        if previous is not None:
+            body["previous_response_id"] = previous
+        previous = (await answered(dialect, body, f"t{n}"))["id"]
+    assert store.rows["resp_t2"].depth == 2
+    body = {"model": "m", "input": "one more", "previous_response_id": "resp_t2"}
+    with pytest.raises(InvalidRequest) as info:
+        await dialect.resolve(dialect.read(body), KEY_A)
+    assert (info.value.code, info.value.param) == ("conversation_too_long", "previous_response_id")
+    store.max_depth = 1  # a bound lowered after the chain grew: refused the same way
+    with pytest.raises(InvalidRequest, match="compact it"):
+        await dialect.resolve(dialect.read(body), KEY_A)
+
+
+async def test_store_true_past_the_key_s_quota_is_refused_and_store_false_runs() -> None:
+    store = MemoryStore(quota_bytes=2000)
+    dialect = ResponsesDialect(store, ReasoningSeal.generate())
+    await answered(dialect, {"model": "m", "input": "x" * 900}, "q1")
+    with pytest.raises(StorageQuotaExceeded):
+        await dialect.resolve(dialect.read({"model": "m", "input": "x" * 1500}), KEY_A)
+    asked = await dialect.resolve(
+        dialect.read({"model": "m", "input": "x" * 1500, "store": False}), KEY_A
+    )
+    assert asked.spec.body["messages"][-1]["content"] == "x" * 1500

@@ -30,7 +30,8 @@ from iop_edge.domain.fleet import ApiKeyEntry, ModelEntry
 from iop_edge.entrypoints.api_dialect import DROPPED_TOOLS_HEADER
 from iop_edge.entrypoints.api_metrics import ApiMetrics
 from iop_edge.entrypoints.http_api import create_api_app, load_openapi
-from iop_edge.ports import AttemptRecord, EdgeRunRecord, RunSpec, StoredResponse
+from iop_edge.ports import AttemptRecord, EdgeRunRecord, RunSpec
+from iop_edge.testing import MemoryResponseStore
 from iop_proto import json_codec
 from iop_proto.testing import loopback_app
 
@@ -101,15 +102,7 @@ class RunLog:
         return self.records[-limit:]
 
 
-@dataclass
-class Store:
-    rows: dict[str, StoredResponse] = field(default_factory=dict)
-
-    def keep(self, response: StoredResponse) -> None:
-        self.rows[response.response_id] = response
-
-    async def get(self, response_id: str, key_id: str) -> StoredResponse | None:
-        return self.rows.get(response_id)
+Store = MemoryResponseStore
 
 
 @dataclass

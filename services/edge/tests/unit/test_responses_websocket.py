@@ -22,7 +22,8 @@ from iop_edge.entrypoints.api_metrics import ApiMetrics
 from iop_edge.entrypoints.inference_routes import InferenceRoutes
 from iop_edge.entrypoints.responses_websocket import RecentResponses, ResponsesWebSocket
 from iop_edge.formats.reasoning_seal import ReasoningSeal
-from iop_edge.ports import AttemptRecord, EdgeRunRecord, RunSpec, StoredResponse
+from iop_edge.ports import AttemptRecord, EdgeRunRecord, RunSpec
+from iop_edge.testing import MemoryResponseStore
 from iop_proto.testing import loopback_app
 
 MODEL = "m"
@@ -94,14 +95,6 @@ class RunLog:
         return self.records[-limit:]
 
 
-class Store:
-    def keep(self, response: StoredResponse) -> None:
-        pass
-
-    async def get(self, response_id: str, key_id: str) -> StoredResponse | None:
-        return None
-
-
 @dataclass
 class Edge:
     url: str
@@ -118,7 +111,7 @@ async def serve(idle_timeout_s: float = 60.0) -> AsyncIterator[Edge]:
     metrics = ApiMetrics.create(CollectorRegistry())
     inference = InferenceRoutes(service, Catalog(), Keys(), runlog, metrics, slots)  # type: ignore[arg-type]
     sockets = ResponsesWebSocket(
-        inference, Store(), ReasoningSeal.generate(), Keys(), 1024, idle_timeout_s
+        inference, MemoryResponseStore(), ReasoningSeal.generate(), Keys(), 1024, idle_timeout_s
     )
     app = web.Application()
     app.router.add_get("/v1/responses", sockets.serve)

@@ -11,15 +11,24 @@ interleave on a shared connection.
 The file itself (mode, WAL, schema version, migrations) is ``batch_schema``'s.
 Durability: a line's result is committed (``synchronous = FULL`` under WAL)
 before ``finish_line`` returns, so a line that finished is never run again,
-even after a power loss; a file's content is fsynced before its row commits.
-One edge process owns the file and the directory.
+even after a power loss; a file's content is fsynced before its row commits,
+and every call that writes returns only once its transaction has committed, so
+what the API answers (a file uploaded, a batch created or cancelled) is on disk
+before the answer leaves. One edge process owns the file and the directory.
+
+Lifetime: a file expires ``file_ttl_s`` after it was made (OpenAI's 30 days by
+default; 0: never): from then on it reads as absent (404, left out of lists),
+and a sweep every ``sweep_interval_s`` removes its row, then its content. A
+batch keeps its own copy of its lines, so an input file that expires does not
+stop it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+import time
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -57,20 +66,39 @@ from iop_edge.domain.batches import (
     LineResult,
 )
 from iop_proto.sqlite import transaction
+from iop_proto.tasks import cancel_and_wait
 
 
 class SqliteBatchStore:
     """Make it with ``await SqliteBatchStore.open(path)``; the caller must ``aclose()`` it."""
 
-    def __init__(self, db: aiosqlite.Connection, path: Path, contents: ContentDir) -> None:
+    def __init__(
+        self,
+        db: aiosqlite.Connection,
+        path: Path,
+        contents: ContentDir,
+        file_ttl_s: int = 0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         """Use ``open``."""
         self.path = path
         self.contents = contents
+        self.file_ttl_s = file_ttl_s
+        self._clock = clock
         self._db = db
         self._lock = asyncio.Lock()
+        self._sweeper: asyncio.Task[None] | None = None
 
     @classmethod
-    async def open(cls, path: Path, *, busy_timeout_s: float = BUSY_TIMEOUT_S) -> SqliteBatchStore:
+    async def open(
+        cls,
+        path: Path,
+        *,
+        busy_timeout_s: float = BUSY_TIMEOUT_S,
+        file_ttl_s: int = 0,
+        sweep_interval_s: float = 3600.0,
+        clock: Callable[[], float] = time.time,
+    ) -> SqliteBatchStore:
         """Open (creating or migrating) the store, and remove what a crash left."""
         contents = ContentDir.beside(path)
         await asyncio.to_thread(contents.prepare, path)
@@ -84,9 +112,16 @@ class SqliteBatchStore:
         if swept:
             logger.warning("batch store {}: removed {} contents a crash left", path, swept)
         logger.info("batch store {}: opened ({} files in {})", path, len(known), contents.path)
-        return cls(db, path, contents)
+        store = cls(db, path, contents, file_ttl_s, clock)
+        if file_ttl_s:
+            store._sweeper = asyncio.create_task(
+                store._sweep_forever(sweep_interval_s), name="edge-file-sweep"
+            )
+        return store
 
     async def aclose(self) -> None:
+        sweeper, self._sweeper = self._sweeper, None
+        await cancel_and_wait(sweeper)
         async with self._lock:
             await self._db.close()
 
@@ -105,14 +140,53 @@ class SqliteBatchStore:
         return await ContentUpload.begin(self.contents, file_id, self._insert_file)
 
     async def get_file(self, file_id: str) -> FileRecord | None:
-        rows = await self._fetch(f"{FILE_SELECT} WHERE id = ?", (file_id,))
+        rows = await self._fetch(
+            f"{FILE_SELECT} WHERE id = ? AND created_at > ?", (file_id, self._expired_before())
+        )
         return FileRecord(*rows[0]) if rows else None
+
+    async def owned_bytes(self, owner: str | None) -> int:
+        """The bytes of ``owner``'s files (expired ones too, until the sweep removes them)."""
+        rows = await self._fetch(
+            "SELECT COALESCE(SUM(bytes), 0) FROM files WHERE owner IS ?", (owner,)
+        )
+        return int(rows[0][0])
+
+    async def sweep_files(self) -> int:
+        """Remove expired files: the rows (one transaction), then their contents."""
+        if not self.file_ttl_s:
+            return 0
+        async with self._write() as db:
+            cursor = await db.execute(
+                "DELETE FROM files WHERE created_at <= ? RETURNING id", (self._expired_before(),)
+            )
+            gone = [str(row[0]) for row in await cursor.fetchall()]
+        for file_id in gone:
+            await asyncio.to_thread(self.contents.remove, file_id)
+        if gone:
+            logger.info("batch store {}: {} expired files removed", self.path, len(gone))
+        return len(gone)
+
+    def _expired_before(self) -> int:
+        """Files made at or before this are expired (none when files never expire)."""
+        return int(self._clock()) - self.file_ttl_s if self.file_ttl_s else -1
+
+    async def _sweep_forever(self, interval_s: float) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                await self.sweep_files()
+            except Exception:
+                logger.exception(
+                    "batch store {}: file sweep failed; the next tries again", self.path
+                )
 
     async def list_files(
         self, owner: str | None, purpose: str | None, after: str | None, limit: int, newest: bool
     ) -> list[FileRecord]:
         """Newest (or oldest) first by insertion; ``after`` is the last id of the previous page."""
-        where, params = [], []
+        where: list[str] = ["created_at > ?"]
+        params: list[Any] = [self._expired_before()]
         if owner is not None:
             where.append("owner = ?")
             params.append(owner)

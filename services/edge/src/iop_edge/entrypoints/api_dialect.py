@@ -76,6 +76,12 @@ class StreamWriter(Protocol):
         """The events that end a stream whose run failed after its first byte."""
         ...
 
+    async def settle(self) -> None:
+        """Called after ``closing`` or ``failure``, before their bytes leave: wait until
+        what those events say is stored is committed (the Responses API's stored
+        answer); raises an ``EdgeError`` when it could not be."""
+        ...
+
 
 class Dialect(Protocol):
     """One public API's wire over the shared pipeline."""

@@ -54,7 +54,7 @@ class BatchRoutes:
             raise InvalidRequest("Upload the file as multipart/form-data.", param="file")
         fields: dict[str, str] = {}
         filename: str | None = None
-        async with self._batches.receive_file() as upload:
+        async with self._batches.receive_file(key=key) as upload:
             try:
                 reader = await request.multipart()
                 async for part in reader:

@@ -351,6 +351,7 @@ async def _relay(
             await response.prepare(request)
             pending.append(writer.opening())
         pending.append(writer.closing(end))
+        await writer.settle()  # what the last events say is stored is committed first
         await response.write(b"".join(pending))
         await response.write_eof()
         return None
@@ -424,7 +425,9 @@ class _SseSink:
 async def _end_with_error(response: StreamOut, writer: StreamWriter, error: EdgeError) -> None:
     """An error after the first byte: the dialect's error events (OpenAI: an SSE error
     event, then ``[DONE]``)."""
-    await response.write(writer.failure(error))
+    data = writer.failure(error)
+    await writer.settle()
+    await response.write(data)
     await response.write_eof()
 
 

@@ -111,3 +111,6 @@ class OpenAIStream:
 
     def failure(self, error: EdgeError) -> bytes:
         return sse_event(error_payload(error)) + DONE
+
+    async def settle(self) -> None:
+        """Nothing is stored: the last events leave at once."""

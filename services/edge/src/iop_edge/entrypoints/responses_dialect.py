@@ -3,10 +3,11 @@
 The request runs as a chat completion on any provider (``formats.responses_request``);
 the answer is a Response object (``formats.responses_output``) or its stream of
 events (``formats.responses_stream``). With ``store`` (the default, as at OpenAI)
-the answer is kept per API key (``ResponseStore``) when the run ends, with the
-whole conversation it answered, so ``previous_response_id`` continues it and
-``GET /v1/responses/{id}`` reads it back. Keeping is queueing in memory: the
-request never waits for the disk.
+the turn is kept per API key (``ResponseStore``) when the run ends: its own input
+and its answer, linked to the turn it continued, so ``previous_response_id``
+continues it (the store walks the links back) and ``GET /v1/responses/{id}`` reads
+it back. The answer (its JSON body, or the stream's last events) leaves only once
+the turn is committed: a stored answer is never lost after the client saw it.
 
 Hosted tools the request names are dropped (``responses_tools``): the answer says which
 in its ``x-iop-dropped-tools`` header, and the edge logs it. Reasoning is sealed into
@@ -20,7 +21,7 @@ import asyncio
 import copy
 import dataclasses
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Protocol
 
@@ -31,7 +32,7 @@ from iop_edge.domain.fleet import ApiKeyEntry, Operation
 from iop_edge.entrypoints.api_dialect import DialectRequest, dropped_tools_headers
 from iop_edge.entrypoints.inference_request import OFFLOAD_BYTES
 from iop_edge.entrypoints.openai_errors import error_response
-from iop_edge.errors import EdgeError, NotFound
+from iop_edge.errors import EdgeError, InvalidRequest, NotFound, StorageUnavailable
 from iop_edge.formats.reasoning_seal import ReasoningSeal
 from iop_edge.formats.responses_output import OutputShape, Turn, response_id, response_object
 from iop_edge.formats.responses_request import ResponsesRequest, chat_body, read_request
@@ -78,6 +79,7 @@ class ResponseDraft:
     request: ResponsesRequest
     key_id: str = ""
     history: list[dict[str, Any]] = field(default_factory=list)
+    previous: StoredResponse | None = None  # the stored turn it continues
 
 
 class ResponsesDialect:
@@ -112,25 +114,41 @@ class ResponsesDialect:
     async def resolve(self, asked: DialectRequest, key: ApiKeyEntry | None) -> DialectRequest:
         draft: ResponseDraft = asked.context
         draft.key_id = key.key_id if key is not None else ""
+        if draft.request.store:  # refused before it runs, not after
+            self._store.admit(draft.key_id, len(json_codec.dumps(draft.request.items)))
         previous_id = draft.request.previous_response_id
         if previous_id is None:
             return asked
         recalled = self._recall.conversation(previous_id) if self._recall is not None else None
         if recalled is not None:
             draft.history = recalled
+            if draft.request.store:  # linked to it if it was stored, else a first turn
+                previous = await self._store.get(previous_id, draft.key_id)
+                if previous is not None and previous.depth < self._store.max_depth:
+                    draft.previous = previous
             body = chat_body(draft.request, recalled)
             return DialectRequest(dataclasses.replace(asked.spec, body=body), draft)
-        previous = await self._store.get(previous_id, draft.key_id)
-        if previous is None:
+        chain = await self._store.chain(previous_id, draft.key_id)
+        tip = chain[-1] if chain else await self._store.get(previous_id, draft.key_id)
+        if tip is not None and tip.depth + 1 > self._store.max_depth:
+            raise InvalidRequest(
+                f"The conversation of '{previous_id}' has {tip.depth + 1} turns, the"
+                f" most this server continues ({self._store.max_depth}); compact it"
+                " (/v1/responses/compact) or start a new one.",
+                param="previous_response_id",
+                code="conversation_too_long",
+            )
+        if chain is None:
             raise NotFound(
                 f"Previous response with id '{previous_id}' not found.",
                 param="previous_response_id",
                 code="previous_response_not_found",  # OpenAI's, which clients key on
             )
-        if len(previous.input_json) > OFFLOAD_BYTES:  # a long conversation: off the loop
-            history = await asyncio.to_thread(_conversation, previous)
+        draft.previous = chain[-1]
+        if sum(link.size for link in chain) > OFFLOAD_BYTES:  # a long conversation: off the loop
+            history = await asyncio.to_thread(conversation, chain)
         else:
-            history = _conversation(previous)
+            history = conversation(chain)
         draft.history = history
         body = chat_body(draft.request, history, self._seal.open)
         return DialectRequest(dataclasses.replace(asked.spec, body=body), draft)
@@ -164,7 +182,7 @@ class ResponsesDialect:
         )
         keep = self._keeper(draft, run_id, created)
         if keep is not None:
-            keep(response)
+            await keep(response)
         return json_codec.dumps(response)
 
     def error_response(self, exc: EdgeError) -> web.Response:
@@ -182,43 +200,57 @@ class ResponsesDialect:
 
     def _keeper(
         self, draft: ResponseDraft, run_id: str, created: int
-    ) -> Callable[[dict[str, Any]], None] | None:
-        """What stores the answer, or None with ``store: false`` (and no ``Recall``)."""
+    ) -> Callable[[dict[str, Any]], Awaitable[None]] | None:
+        """What keeps the answer, or None with ``store: false`` (and no ``Recall``)."""
         recall = self._recall
         if not draft.request.store:
             if recall is None:
                 return None
-            return lambda response: recall.remember(
-                response, [*draft.history, *with_ids(draft.request.items, run_id)]
-            )
+
+            async def remember(response: dict[str, Any]) -> None:
+                recall.remember(response, [*draft.history, *with_ids(draft.request.items, run_id)])
+
+            return remember
         store = self._store
 
-        def keep(response: dict[str, Any]) -> None:
-            conversation = [*draft.history, *with_ids(draft.request.items, run_id)]
+        async def keep(response: dict[str, Any]) -> None:
+            items = with_ids(draft.request.items, run_id)
             if recall is not None:
-                recall.remember(response, conversation)
+                recall.remember(response, [*draft.history, *items])
+            previous = draft.previous
+            if previous is None:  # a first turn, or one continuing what was not stored
+                items = [*draft.history, *items]
             record = StoredResponse(
                 response_id=response_id(run_id),
                 key_id=draft.key_id,
                 created_at=created,
                 response_json=json_codec.dumps(response),
-                input_json=json_codec.dumps(conversation),
+                input_json=json_codec.dumps(items),
+                previous_id=None if previous is None else previous.response_id,
+                depth=0 if previous is None else previous.depth + 1,
             )
             try:
-                store.keep(record)
-            except Exception as exc:  # a store closing at shutdown must not fail the answer
+                await store.keep(record)
+            except Exception as exc:
+                # Not acknowledged as stored: the client gets an error instead.
                 log_unexpected(exc, "could not store response {}", record.response_id)
+                raise StorageUnavailable(
+                    "The response could not be stored; try again, or send store: false."
+                ) from None
 
         return keep
 
 
 class ResponsesStream:
-    """Implements ``StreamWriter``: the event stream, and the answer kept when it ends."""
+    """Implements ``StreamWriter``: the event stream, and the answer kept when it ends
+    (``settle``, before the last events leave)."""
 
     __slots__ = ("_events", "_keep", "delta")
 
     def __init__(
-        self, events: ResponseEventStream, keep: Callable[[dict[str, Any]], None] | None
+        self,
+        events: ResponseEventStream,
+        keep: Callable[[dict[str, Any]], Awaitable[None]] | None,
     ) -> None:
         self._events = events
         self._keep = keep
@@ -228,24 +260,24 @@ class ResponsesStream:
         return self._events.opening()
 
     def closing(self, end: Completed) -> bytes:
-        out = self._events.closing(end)
-        self._kept()
-        return out
+        return self._events.closing(end)
 
     def failure(self, error: EdgeError) -> bytes:
-        out = self._events.failure(error)
-        self._kept()
-        return out
+        return self._events.failure(error)
 
-    def _kept(self) -> None:
-        if self._keep is not None and self._events.final is not None:
-            self._keep(self._events.final)
+    async def settle(self) -> None:
+        keep, self._keep = self._keep, None  # once: a failure after a closing keeps nothing
+        if keep is not None and self._events.final is not None:
+            await keep(self._events.final)
 
 
-def _conversation(previous: StoredResponse) -> list[dict[str, Any]]:
-    """What a follow-up continues: the stored response's input, then its output."""
-    history: list[dict[str, Any]] = json_codec.loads(previous.input_json)
-    history.extend(json_codec.loads(previous.response_json).get("output") or ())
+def conversation(chain: Sequence[StoredResponse]) -> list[dict[str, Any]]:
+    """What a follow-up of the chain's last turn continues: each turn's input, then its
+    output, the first turn first."""
+    history: list[dict[str, Any]] = []
+    for turn in chain:
+        history.extend(json_codec.loads(turn.input_json))
+        history.extend(json_codec.loads(turn.response_json).get("output") or ())
     return history
 
 

@@ -9,14 +9,16 @@ error boundary as OpenAI error objects.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, Final
 
 from aiohttp import web
 
 from iop_edge.entrypoints.api_auth import authenticate
+from iop_edge.entrypoints.inference_request import OFFLOAD_BYTES
 from iop_edge.entrypoints.inference_routes import InferenceRoutes
 from iop_edge.entrypoints.responses_compact import CompactDialect, ResponsesOrCompaction
-from iop_edge.entrypoints.responses_dialect import ResponsesDialect
+from iop_edge.entrypoints.responses_dialect import ResponsesDialect, conversation
 from iop_edge.entrypoints.responses_websocket import ResponsesWebSocket
 from iop_edge.errors import InvalidRequest, NotFound
 from iop_edge.formats.reasoning_seal import ReasoningSeal
@@ -65,13 +67,11 @@ class ResponsesRoutes:
         return web.Response(body=stored.response_json, content_type="application/json")
 
     async def delete(self, request: web.Request) -> web.Response:
-        stored = await self._stored(request)
-        self._store.keep(
-            StoredResponse(
-                stored.response_id, stored.key_id, stored.created_at, b"{}", b"[]", deleted=True
-            )
-        )
-        return web.json_response({"id": stored.response_id, "object": "response", "deleted": True})
+        """Committed before the answer; a later turn that continues it keeps working."""
+        key_id, response_id = self._asked(request)
+        if not await self._store.delete(response_id, key_id):
+            raise _not_found(response_id)
+        return web.json_response({"id": response_id, "object": "response", "deleted": True})
 
     async def input_items(self, request: web.Request) -> web.Response:
         """The conversation the response answered, OpenAI's list page (newest first by
@@ -80,8 +80,14 @@ class ResponsesRoutes:
         order = request.query.get("order", "desc")
         if order not in _ORDERS:
             raise InvalidRequest("'order' must be asc or desc.", param="order")
-        stored = await self._stored(request)
-        items: list[dict[str, Any]] = json_codec.loads(stored.input_json)
+        key_id, response_id = self._asked(request)
+        chain = await self._store.chain(response_id, key_id)
+        if chain is None:
+            raise _not_found(response_id)
+        if sum(link.size for link in chain) > OFFLOAD_BYTES:  # a long conversation: off the loop
+            items = await asyncio.to_thread(_input_of, chain)
+        else:
+            items = _input_of(chain)
         if order == "desc":
             items.reverse()
         after = request.query.get("after")
@@ -102,12 +108,27 @@ class ResponsesRoutes:
         )
 
     async def _stored(self, request: web.Request) -> StoredResponse:
-        key = authenticate(request, self._keys)
-        response_id = request.match_info["response_id"]
-        stored = await self._store.get(response_id, key.key_id if key is not None else "")
+        key_id, response_id = self._asked(request)
+        stored = await self._store.get(response_id, key_id)
         if stored is None:
-            raise NotFound(f"Response with id '{response_id}' not found.", param="response_id")
+            raise _not_found(response_id)
         return stored
+
+    def _asked(self, request: web.Request) -> tuple[str, str]:
+        """The caller's key id ("" for the open API) and the response id it names."""
+        key = authenticate(request, self._keys)
+        return key.key_id if key is not None else "", request.match_info["response_id"]
+
+
+def _not_found(response_id: str) -> NotFound:
+    return NotFound(f"Response with id '{response_id}' not found.", param="response_id")
+
+
+def _input_of(chain: list[StoredResponse]) -> list[dict[str, Any]]:
+    """The items the last turn answered: the turns before it (input, output), its input."""
+    items = conversation(chain[:-1])
+    items.extend(json_codec.loads(chain[-1].input_json))
+    return items
 
 
 def _limit(raw: str | None) -> int:

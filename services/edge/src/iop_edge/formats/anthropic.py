@@ -334,6 +334,9 @@ class MessageStream:
     def failure(self, error: EdgeError) -> bytes:
         return sse("error", error_body(error))
 
+    async def settle(self) -> None:
+        """Nothing is stored: the last events leave at once."""
+
     def _tool_part(self, call: ToolCallDelta) -> bytes:
         out = b""
         block = self._tools.get(call.index)

@@ -101,6 +101,9 @@ class CompactionEvents:
             "response.failed", response=final
         )
 
+    async def settle(self) -> None:
+        """Nothing is stored: the last events leave at once."""
+
     def _response(
         self,
         status: str,

@@ -14,7 +14,7 @@ from typing import BinaryIO, Final
 
 from iop_edge.batch_ports import FileUpload
 from iop_edge.domain.batches import FileRecord
-from iop_edge.errors import InvalidRequest
+from iop_edge.errors import InvalidRequest, StorageQuotaExceeded
 
 CHUNK_BYTES: Final = 1024 * 1024
 
@@ -22,19 +22,32 @@ CHUNK_BYTES: Final = 1024 * 1024
 class Upload:
     """A file being received under ``file_id``; the service commits or discards it."""
 
-    def __init__(self, file_id: str, sink: FileUpload, limit: int) -> None:
+    def __init__(
+        self,
+        file_id: str,
+        sink: FileUpload,
+        limit: int,
+        room: int | None = None,
+        quota: int = 0,
+    ) -> None:
+        """``room``: what the key's quota (``quota`` bytes) has left; None: no quota."""
         self.file_id = file_id
         self.size = 0
         self._sink = sink
         self._limit = limit
+        self._room = room
+        self._quota = quota
 
     async def write(self, chunk: bytes) -> None:
-        """Store the next chunk; ``InvalidRequest`` (400) as soon as the total passes the limit."""
+        """Store the next chunk; ``InvalidRequest`` (400) as soon as the total passes the
+        limit, ``StorageQuotaExceeded`` (400) as soon as it passes the key's room."""
         self.size += len(chunk)
         if self.size > self._limit:
             raise InvalidRequest(
                 f"The file is larger than the limit of {self._limit} bytes.", param="file"
             )
+        if self._room is not None and self.size > self._room:
+            raise quota_exceeded(self._quota - self._room, self._quota)
         await self._sink.write(chunk)
 
     async def commit(self, record: FileRecord) -> None:
@@ -42,6 +55,14 @@ class Upload:
 
     async def discard(self) -> None:
         await self._sink.discard()
+
+
+def quota_exceeded(used: int, quota: int) -> StorageQuotaExceeded:
+    return StorageQuotaExceeded(
+        f"This API key's files take {used} bytes of its {quota}-byte storage quota;"
+        " this upload does not fit. Delete files to make room.",
+        param="file",
+    )
 
 
 class FileContent:

@@ -50,7 +50,7 @@ from iop_edge.formats.errors import error_payload
 from iop_edge.formats.openai import dumps
 from iop_edge.metrics import BatchMetrics
 from iop_edge.ports import Catalog, RunService
-from iop_edge.service.batch_file_io import FileContent, Upload, physical_lines
+from iop_edge.service.batch_file_io import FileContent, Upload, physical_lines, quota_exceeded
 from iop_edge.service.batch_lines import LineRunner
 from iop_edge.service.batch_work import BatchWork
 from iop_edge.service.limits import DEFAULT_MAX_BODY_BYTES
@@ -80,11 +80,15 @@ class BatchService:
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         retry_delay_s: float = RETRY_DELAY_S,
         mock_drills: bool = False,
+        file_quota_bytes: int = 0,
     ) -> None:
         """``max_body_bytes``: a line's body over it fails alone (413), as it would over HTTP.
         ``mock_drills``: lines of every key may ask the mock for a failure drill, not only
-        an operator key's (domain/drills.py); another key's such line fails alone (400)."""
+        an operator key's (domain/drills.py); another key's such line fails alone (400).
+        ``file_quota_bytes``: the most a key's files may take together (0: no quota);
+        an upload that would pass it is refused as it arrives."""
         self.max_file_bytes = max_file_bytes
+        self.file_quota_bytes = file_quota_bytes
         self._max_body_bytes = max_body_bytes
         self._mock_drills = mock_drills
         self._store = store
@@ -109,11 +113,19 @@ class BatchService:
     # and the open API (``key`` None) see everything.
 
     @contextlib.asynccontextmanager
-    async def receive_file(self) -> AsyncIterator[Upload]:
+    async def receive_file(self, *, key: ApiKeyEntry | None = None) -> AsyncIterator[Upload]:
         """A new upload, written to storage as it arrives; ``create_file`` stores it, and
-        whatever was not stored is dropped when the block ends (an error, a disconnect)."""
+        whatever was not stored is dropped when the block ends (an error, a disconnect).
+        Refused (``StorageQuotaExceeded``) once it would take ``key`` over its quota."""
+        room = None
+        if self.file_quota_bytes:
+            used = await self._store.owned_bytes(owner_of(key))
+            room = self.file_quota_bytes - used
+            if room <= 0:
+                raise quota_exceeded(used, self.file_quota_bytes)
         file_id = new_id("file-")
-        upload = Upload(file_id, await self._store.begin_upload(file_id), self.max_file_bytes)
+        sink = await self._store.begin_upload(file_id)
+        upload = Upload(file_id, sink, self.max_file_bytes, room, self.file_quota_bytes)
         try:
             yield upload
         finally:
