@@ -2,8 +2,9 @@
 session, which every agent and client library is pointed at.
 
 ``make test`` leaves them out (pyproject.toml's testpaths); a plain ``pytest tests/agents``
-runs them where ``make agents`` has installed the agents and skips them, naming ``make agents``, where it has not; ``make test-agents`` sets
-``TEST_AGENTS_REQUIRED=1``, which turns that absence into a failure.
+runs them where ``make agents`` has installed the agents and skips them, naming
+``make agents``, where it has not; ``make test-agents`` sets ``TEST_AGENTS_REQUIRED=1``,
+which turns that absence into a failure.
 """
 
 from __future__ import annotations

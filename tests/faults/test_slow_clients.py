@@ -44,6 +44,9 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 READ_TIMEOUT_S = 2.0
 REGISTER_TIMEOUT_S = 10.0  # the edge's node_listener.register_timeout_s (its default)
+# How late a cut may come on a loaded machine: the lower bounds say no cut came early; the
+# upper ones only that it was this timeout's, each far below the next timeout that could cut.
+LATE_S = 5.0
 TRICKLE_PAUSE_S = 0.25  # well under every timeout: each byte alone would keep a naive server
 
 
@@ -197,7 +200,7 @@ async def test_slow_http_clients_are_cut_within_the_read_timeout(
         f"{upload_status} after {upload_s:.1f}s"
     )
     for kind, seconds in took.items():
-        assert READ_TIMEOUT_S - 0.1 <= seconds <= READ_TIMEOUT_S + 1.5, (kind, seconds)
+        assert READ_TIMEOUT_S - 0.1 <= seconds <= READ_TIMEOUT_S + LATE_S, (kind, seconds)
     assert outcome.kind == "completed", outcome
     assert upload_status == 200
     assert upload_s > 2 * READ_TIMEOUT_S  # it did take longer than one period
@@ -279,9 +282,9 @@ async def test_slow_frame_port_peers_are_cut(
     )
     for kind in ("silent", "half_register_frame"):
         seconds = took[kind].seconds
-        assert REGISTER_TIMEOUT_S - 0.5 <= seconds <= REGISTER_TIMEOUT_S + 2, (kind, took)
+        assert REGISTER_TIMEOUT_S - 0.5 <= seconds <= REGISTER_TIMEOUT_S + LATE_S, (kind, took)
     seconds = took["registered_half_frame"].seconds
-    assert DEFAULT_FRAME_READ_TIMEOUT - 0.5 <= seconds <= DEFAULT_FRAME_READ_TIMEOUT + 2, took
+    assert DEFAULT_FRAME_READ_TIMEOUT - 0.5 <= seconds <= DEFAULT_FRAME_READ_TIMEOUT + LATE_S, took
     assert all(o.kind == "completed" for o in outcomes), outcomes
     providers = await faults.catalog(stack.api_url, "providers")
     assert all(p["connected"] for p in providers), providers

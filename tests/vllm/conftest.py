@@ -3,9 +3,9 @@
 ``make vllm`` installs vLLM into ``.venv-vllm/`` and converts the model into
 ``var/vllm/smollm2-135m-instruct``; ``tools/vllm_server.py`` starts it on loopback with
 the 2-core settings and says ``ready:`` once ``/health`` answers. ``make test`` leaves
-them out (pyproject.toml's testpaths); without that venv ``pytest tests/vllm`` skips them, naming ``make vllm``; ``make test-vllm`` sets
-``TEST_VLLM_REQUIRED=1``, which makes the same absence a failure, so the suite it runs
-never passes by skipping.
+them out (pyproject.toml's testpaths); without that venv ``pytest tests/vllm`` skips them,
+naming ``make vllm``; ``make test-vllm`` sets ``TEST_VLLM_REQUIRED=1``, which makes the
+same absence a failure, so the suite it runs never passes by skipping.
 
 vLLM takes 45-50 s to start on 2 cores (longer beside other work), so the fixture
 is session-scoped and each module's tests carry a timeout that covers it.
