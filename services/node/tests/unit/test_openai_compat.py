@@ -175,21 +175,25 @@ def sse_reply(pieces: Sequence[bytes], *, pause: float = 0.0) -> Handler:
 # --- request shape ---------------------------------------------------------------------
 
 
-async def test_non_stream_forwards_every_field_and_returns_the_body(
+async def test_non_stream_forwards_the_listed_fields_and_returns_the_body(
     provider: FakeProvider, http: aiohttp.ClientSession
 ) -> None:
-    body = {
+    kept = {
         "messages": [{"role": "user", "content": "héllo"}],
         "seed": 7,
         "logit_bias": {"50256": -100},
         "response_format": {"type": "json_object"},
-        "x_vendor_knob": [1, {"deep": None}],
+        "top_k": 20,  # vLLM's own (openai_fields.ENGINE_FIELDS)
+        "prompt_logprobs": 2,
     }
-    completion = await make_adapter(http, provider.url).execute(make_spec(body), RecordingSink())
+    # not on vLLM's list: unknown, its scheduler's priority, an output length of another engine
+    dropped = {"x_vendor_knob": [1, {"deep": None}], "priority": -100, "n_predict": 10**6}
+    spec = make_spec({**kept, **dropped})
+    completion = await make_adapter(http, provider.url).execute(spec, RecordingSink())
 
     (got,) = provider.requests
     assert got.path == "/v1/chat/completions"
-    assert got.body == {"model": "served/model", **body, "stream": False}
+    assert got.body == {"model": "served/model", **kept, "stream": False}
     assert completion.result == CHAT_RESULT  # provider fields kept
     assert completion.finish_reason == "stop"
     assert completion.usage == Usage(5, 1, 6)

@@ -25,7 +25,9 @@ from typing import Any
 
 import aiohttp
 
+from iop_node.adapters.answer_read import read_answer
 from iop_node.adapters.context_overflow import context_overflow
+from iop_node.adapters.ollama_request import OUTPUT_LENGTH_FIELDS as OUTPUT_LENGTH_FIELDS
 from iop_node.adapters.ollama_request import chat_payload, embed_payload, generate_payload
 from iop_node.domain.health import ProbeResult
 from iop_node.domain.provider import ProviderConfig
@@ -63,6 +65,7 @@ class OllamaAdapter:
             raise ConfigError(f"provider {config.id}: ollama needs an http(s) settings.endpoint")
         self._base = endpoint.rstrip("/")
         self._http = context.http
+        self._max_answer = context.max_answer_bytes
 
     @property
     def name(self) -> str:
@@ -198,7 +201,7 @@ class OllamaAdapter:
         self, method: str, path: str, payload: dict[str, Any] | None = None
     ) -> dict[str, Any]:
         async with self._open(method, path, payload) as response:
-            return await _read_object(response)
+            return await _read_object(response, self._max_answer)
 
     @contextlib.asynccontextmanager
     async def _open(
@@ -261,8 +264,8 @@ def _parse(raw: bytes) -> dict[str, Any]:
     return value
 
 
-async def _read_object(response: aiohttp.ClientResponse) -> dict[str, Any]:
-    raw = await response.read()
+async def _read_object(response: aiohttp.ClientResponse, limit: int) -> dict[str, Any]:
+    raw = await read_answer(response, limit)  # at most a frame's worth (answer_read)
     return _parse(raw) if raw.strip() else {}  # /api/delete answers 200 with no body
 
 
