@@ -32,14 +32,14 @@ own constants.
 
 Answer size. An answer returns to the edge as one frame too, and some parameters
 multiply its size far past what the output length says: log probabilities (llama.cpp's
-``n_probs`` of 100000 made a five-token answer 23 MB, every token carrying the whole
-vocabulary). ``ANSWER_SIZE_CAPS`` bounds each such field (``check_answer_size``): over
-its cap, or not a count, is a 400 naming the field and the cap, before any slot is
-taken. The caps are OpenAI's own (``top_logprobs`` at most 20; ``best_of`` is refused
-past 1, as ``n`` is); engines' fields of the same meaning take the same cap. Within
-them a non-streamed answer stays far below a frame; what still passes one (a model
-whose output cap is large, an engine answering more than asked) fails at the node,
-that run alone (docs/ARCHITECTURE.md#answers-bounded-like-requests).
+``n_probs`` of 100000 puts the whole vocabulary on every token: 65 MB for 16 tokens of
+SmolLM2). ``ANSWER_SIZE_CAPS`` bounds each such field (``check_answer_size``): over its
+cap, or not a count, is a 400 naming the field and the cap, before any slot is taken.
+The caps are OpenAI's own (``top_logprobs`` at most 20), and engines' fields of the same
+meaning take the same; ``n`` and ``best_of`` are held to 1 (not every provider returns
+several choices). A non-streamed answer may still pass a frame (thousands of tokens
+with 20 log probabilities each, an engine answering more than asked): it fails at the
+node, that run alone (docs/ARCHITECTURE.md#answers-bounded-like-requests).
 """
 
 from __future__ import annotations
@@ -82,7 +82,8 @@ ANSWER_SIZE_CAPS: Final[Mapping[str, int]] = {
     "logprobs": MAX_LOGPROBS,  # completions: an integer of the same meaning; chat: a bool
     "n_probs": MAX_LOGPROBS,  # llama.cpp's name for top_logprobs
     "prompt_logprobs": MAX_LOGPROBS,  # vLLM: alternatives per *prompt* token
-    "best_of": 1,  # candidates generated per choice (n is held to 1 as well)
+    "n": 1,  # choices (the HTTP APIs refuse n != 1 first; this holds batch lines to it)
+    "best_of": 1,  # candidates generated per choice
 }
 """Every request field that multiplies an answer's size, and its largest value."""
 
