@@ -746,3 +746,13 @@ async def test_a_streamed_event_past_the_limit_is_refused(
 
 async def _json(value: Any) -> web.Response:
     return web.json_response(value)
+
+
+async def test_a_probe_answer_past_the_limit_is_not_ok(
+    provider: FakeProvider, http: aiohttp.ClientSession
+) -> None:
+    models = {"object": "list", "data": [{"id": "m" * 100}] * 1000}  # ~100 KB
+    provider.models = lambda request: _json(models)
+    result = await make_adapter(http, provider.url, max_answer_bytes=64 * 1024).probe()
+    assert not result.ok
+    assert "answer is too large" in result.detail

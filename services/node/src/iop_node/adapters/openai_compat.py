@@ -34,6 +34,7 @@ from iop_node.domain.health import ProbeResult
 from iop_node.domain.provider import ProviderConfig
 from iop_node.domain.runs import Completion, Delta, ExecutionSpec, Operation, ToolCallDelta, Usage
 from iop_node.errors import (
+    AnswerTooLarge,
     ConfigError,
     InvalidRequest,
     ProviderFailed,
@@ -173,9 +174,11 @@ class OpenAICompatAdapter:
                     url, headers=self._headers, timeout=_PROBE_TIMEOUT, raise_for_status=False
                 ) as response:
                     status = response.status
-                    body = await response.read()
+                    body = await read_answer(response, self._max_answer)
         except TimeoutError:
             return ProbeResult(ok=False, detail=f"{url}: no answer within {PROBE_TIMEOUT_S:g} s")
+        except AnswerTooLarge as exc:
+            return ProbeResult(ok=False, detail=f"{url}: {exc.message}")
         except aiohttp.ClientError as exc:
             return ProbeResult(ok=False, detail=f"{url}: {_describe(exc)}")
         if status >= 400:
