@@ -29,6 +29,18 @@ DEFAULT_MAX_FRAME_SIZE = 16 * 1024 * 1024
 DEFAULT_FRAME_READ_TIMEOUT = 30.0
 """Seconds a frame's payload may take once its header arrived (16 MiB at ~0.5 MiB/s)."""
 COMPACT_AFTER = 1024 * 1024  # consumed bytes a FrameBuffer keeps before moving the rest
+ANSWER_HEADROOM = 64 * 1024
+"""Bytes of a frame kept free of an engine's answer: the run event around it (ids,
+usage, finish reason) with plenty to spare, as the edge keeps for a request's body."""
+
+
+def max_answer_bytes(max_frame_size: int) -> int:
+    """The most bytes of an engine's answer (a non-streamed body, one streamed event) a
+    node carries to the edge: what fits in one frame beside the run event around it."""
+    return max(max_frame_size - ANSWER_HEADROOM, max_frame_size // 2)
+
+
+DEFAULT_MAX_ANSWER_BYTES = max_answer_bytes(DEFAULT_MAX_FRAME_SIZE)
 
 
 class FrameReadTimeout(ProtocolError, TimeoutError):

@@ -370,6 +370,42 @@ async def test_output_lengths_not_positive_integers_below_2_to_the_31_are_refuse
     assert dispatcher.pool.slot("a").in_flight == 0
 
 
+@pytest.mark.parametrize(
+    ("operation", "field", "value", "code"),
+    [
+        (Operation.CHAT_COMPLETIONS, "top_logprobs", 21, "integer_above_max_value"),
+        (Operation.CHAT_COMPLETIONS, "n_probs", 100_000, "integer_above_max_value"),
+        (Operation.COMPLETIONS, "logprobs", 21, "integer_above_max_value"),
+        (Operation.COMPLETIONS, "n", 2, "integer_above_max_value"),  # a batch line's n
+        (Operation.COMPLETIONS, "best_of", 3, "integer_above_max_value"),
+        (Operation.CHAT_COMPLETIONS, "prompt_logprobs", -1, "integer_below_min_value"),
+        (Operation.CHAT_COMPLETIONS, "top_logprobs", "5", "invalid_type"),
+        (Operation.COMPLETIONS, "logprobs", 2.0, "invalid_type"),
+    ],
+)
+async def test_fields_that_multiply_an_answer_are_capped_before_a_slot(
+    operation: Operation, field: str, value: object, code: str
+) -> None:
+    dispatcher = new_dispatcher()
+    connect(dispatcher, Link())
+    body = {"model": MODEL, "prompt": "x", "messages": [], field: value}
+    with pytest.raises(InvalidRequest) as refused:
+        await dispatcher.open_run(RunSpec(MODEL, operation, body, False, False))
+    assert (refused.value.status, refused.value.param, refused.value.code) == (400, field, code)
+    assert dispatcher.pool.slot("a").in_flight == 0
+
+
+async def test_answer_size_fields_within_their_caps_are_served() -> None:
+    dispatcher = new_dispatcher()
+    link = Link()
+    connect(dispatcher, link)
+    complete(await dispatcher.open_run(spec(logprobs=True, top_logprobs=20, n_probs=20, n=1)))
+    complete(await dispatcher.open_run(spec(logprobs=False, top_logprobs=None, best_of=1)))
+    embeddings = RunSpec(MODEL, Operation.EMBEDDINGS, {"model": MODEL, "n": 10}, False, False)
+    complete(await dispatcher.open_run(embeddings))  # no answer of tokens to multiply
+    assert len(link.sent) == 3
+
+
 async def test_output_lengths_within_the_cap_and_null_are_served() -> None:
     dispatcher = new_dispatcher()
     link = Link()

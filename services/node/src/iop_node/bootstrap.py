@@ -18,6 +18,7 @@ from iop_node.metrics import NodeMetrics
 from iop_node.node import NodeCore, ProbeSettings
 from iop_node.ports import AdapterContext, AdapterFactory
 from iop_node.settings import NodeSettings
+from iop_proto.framing import max_answer_bytes
 from iop_proto.service import AdminServer
 from iop_proto.tasks import cancel_and_wait
 from iop_proto.tls import client_context
@@ -52,7 +53,11 @@ async def build(
         core = NodeCore(
             settings.service_id,
             ADAPTERS,
-            AdapterContext(http=http, environ=dict(os.environ)),
+            AdapterContext(
+                http=http,
+                environ=dict(os.environ),
+                max_answer_bytes=max_answer_bytes(settings.max_frame_size),
+            ),
             history,
             metrics,
             ProbeSettings(**settings.probes.model_dump()),

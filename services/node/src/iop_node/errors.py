@@ -52,6 +52,24 @@ class ContextLengthExceeded(InvalidRequest):
         self.prompt_tokens = prompt_tokens
 
 
+class AnswerTooLarge(InvalidRequest):
+    """The engine's answer is larger than one frame can carry to the edge.
+
+    The request asked for it (log probabilities of many tokens, a long output from a
+    model with a large output cap): another provider would answer as much, so it is the
+    request's failure (``INVALID_REQUEST``: no failover, never counted against the
+    provider), and that run's alone: the answer is refused after at most ``limit``
+    bytes read, never parsed or framed whole, and the node's link carries on."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(
+            f"The answer is too large: the provider's answer passed {limit} bytes, this "
+            "server's limit for one answer (or one streamed event). Ask for fewer output "
+            "tokens or fewer log probabilities."
+        )
+        self.limit = limit
+
+
 class UnknownProvider(InvalidRequest):
     code = pb.ERROR_CODE_NOT_FOUND
 

@@ -16,6 +16,7 @@ from iop_node.domain.health import ProbeResult
 from iop_node.domain.provider import ProviderConfig
 from iop_node.domain.record import record
 from iop_node.domain.runs import Completion, Delta, ExecutionSpec
+from iop_proto.framing import DEFAULT_MAX_ANSWER_BYTES
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,11 +99,15 @@ class TokenCounter(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class AdapterContext:
-    """What the node lends every adapter: one pooled HTTP client, and the environment
-    (where ``api_key_env`` settings are looked up; keys never travel in configs)."""
+    """What the node lends every adapter: one pooled HTTP client, the environment
+    (where ``api_key_env`` settings are looked up; keys never travel in configs), and
+    the most bytes of an engine's answer the node carries (``max_answer_bytes`` of the
+    node's ``max_frame_size``): an adapter reads no more of an answer than that
+    (``errors.AnswerTooLarge``)."""
 
     http: aiohttp.ClientSession
     environ: Mapping[str, str]
+    max_answer_bytes: int = DEFAULT_MAX_ANSWER_BYTES
 
 
 AdapterFactory = Callable[[ProviderConfig, AdapterContext], Adapter]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import sys
 import textwrap
@@ -17,6 +18,7 @@ from iop_node.adapters.cli import CliAdapter
 from iop_node.domain.provider import ProviderConfig
 from iop_node.domain.runs import Delta, ExecutionSpec, Operation, Usage
 from iop_node.errors import (
+    AnswerTooLarge,
     ConfigError,
     InvalidRequest,
     ProviderFailed,
@@ -345,3 +347,24 @@ async def test_bad_settings_are_a_config_error(
 ) -> None:
     with pytest.raises(ConfigError):
         CliAdapter(ProviderConfig(id="c1", type="cli", settings=settings), context)
+
+
+async def test_an_answer_past_the_limit_fails_and_stops_the_program(
+    context: AdapterContext, tmp_path: Path
+) -> None:
+    """Not streamed, the output goes to the edge in one frame: past the node's answer
+    limit the run fails as the request's, and the program is stopped, not read on."""
+    pid_file = tmp_path / "pid"
+    program = script(
+        tmp_path,
+        "endless.py",
+        f"""
+        open({str(pid_file)!r}, "w").write(str(os.getpid()))
+        while True:
+            sys.stdout.write("word " * 1000)
+        """,
+    )
+    small = dataclasses.replace(context, max_answer_bytes=64 * 1024)
+    with pytest.raises(AnswerTooLarge, match="passed 65536 bytes"):
+        await cli(small, [sys.executable, program]).execute(spec(CHAT, stream=False), Collect())
+    assert await gone(int(pid_file.read_text()))

@@ -153,9 +153,10 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
 
 
 @contextlib.asynccontextmanager
-async def running_node(pki: Pki, port: int, tmp_path: Path) -> AsyncIterator[None]:
+async def running_node(pki: Pki, port: int, tmp_path: Path, **more: object) -> AsyncIterator[None]:
     settings = NodeSettings.model_validate(
         {
+            **more,
             "service_id": "node-a",
             "tls": pki.node.model_dump(),
             "edge": {"host": "127.0.0.1", "port": port, "server_name": "localhost"},
@@ -327,3 +328,25 @@ async def test_unknown_provider_fails_the_run_not_the_link(edge_and_node: FakeEd
     assert events[-1].error.code == pb.ERROR_CODE_NOT_FOUND
     await session.run("ok", {"messages": [], "max_tokens": 1}, stream=True)
     assert (await session.events("ok"))[-1].WhichOneof("kind") == "complete"
+
+
+async def test_a_completion_too_large_for_a_frame_fails_its_run_not_the_link(
+    pki: Pki, tmp_path: Path
+) -> None:
+    """The mock does not bound its answer (no engine sends it one): the frame's own check
+    refuses it before a byte is written, the run fails alone with the next number, and
+    the link carries the next run (issue 29: it once failed as an internal error)."""
+    wordy = mock_provider()
+    wordy.settings_json = json.dumps({"tokens_per_second": 0, "default_tokens": 40_000}).encode()
+    edge = FakeEdge([wordy])
+    async with loopback_server(edge.handle, server_context(pki.edge)) as port:
+        async with running_node(pki, port, tmp_path, max_frame_size=128 * 1024):
+            session = await asyncio.wait_for(edge.sessions.get(), 10)
+            await session.run("wordy", {"messages": [{"role": "user", "content": "hi"}]}, False)
+            events = await session.events("wordy")
+            assert [e.sequence for e in events] == list(range(len(events)))
+            error = events[-1].error
+            assert error.code == pb.ERROR_CODE_INVALID_REQUEST
+            assert error.message.startswith("The answer is too large")
+            await session.run("short", {"messages": [], "max_tokens": 2}, stream=False)
+            assert (await session.events("short"))[-1].WhichOneof("kind") == "complete"

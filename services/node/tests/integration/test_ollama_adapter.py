@@ -29,7 +29,13 @@ from aiohttp import web
 from iop_node.adapters.ollama import OllamaAdapter
 from iop_node.domain.provider import ProviderConfig
 from iop_node.domain.runs import Completion, ExecutionSpec, Operation
-from iop_node.errors import InvalidRequest, ProviderFailed, ProviderTimeout, ProviderUnavailable
+from iop_node.errors import (
+    AnswerTooLarge,
+    InvalidRequest,
+    ProviderFailed,
+    ProviderTimeout,
+    ProviderUnavailable,
+)
 from iop_node.ports import AdapterContext
 from iop_node.testing import RecordingSink
 from iop_proto.testing import refused_port
@@ -611,3 +617,17 @@ async def test_against_the_real_ollama_image(real_ollama: str, http: aiohttp.Cli
     assert REAL_CHAT_MODEL in {m["name"] for m in await adapter.running_models()}
     await adapter.unload_model(REAL_CHAT_MODEL)
     await adapter.delete_model(REAL_EMBED_MODEL)
+
+
+async def test_answers_past_the_limit_are_refused(
+    fake: FakeOllama, http: aiohttp.ClientSession
+) -> None:
+    """A body, or one NDJSON line, past the node's answer limit fails the run as the
+    request's (one frame must carry it on to the edge), before it is read whole."""
+    config = ProviderConfig(id="ollama-1", type="ollama", settings={"endpoint": fake.url})
+    small = OllamaAdapter(config, AdapterContext(http=http, environ={}, max_answer_bytes=64))
+    for stream in (False, True):
+        with pytest.raises(AnswerTooLarge, match="passed 64 bytes"):
+            await small.execute(spec(chat(), stream=stream), RecordingSink())
+    answer = await make_adapter(http, fake.url).execute(spec(chat()), RecordingSink())
+    assert answer.result is not None  # the default limit: the same answer passes

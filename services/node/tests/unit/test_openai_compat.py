@@ -23,6 +23,7 @@ from iop_node.adapters.sse import iter_sse_data
 from iop_node.domain.provider import ProviderConfig
 from iop_node.domain.runs import Delta, ExecutionSpec, Operation, ToolCallDelta, Usage
 from iop_node.errors import (
+    AnswerTooLarge,
     ConfigError,
     InvalidRequest,
     ProviderFailed,
@@ -32,7 +33,9 @@ from iop_node.errors import (
 )
 from iop_node.ports import AdapterContext, LifecycleFlags
 from iop_node.testing import RecordingSink
+from iop_proto.framing import DEFAULT_MAX_ANSWER_BYTES
 from iop_proto.testing import refused_port
+from iop_proto.v1 import runtime_pb2 as pb
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -114,12 +117,14 @@ def make_adapter(
     *,
     provider_type: str = "vllm",
     environ: dict[str, str] | None = None,
+    max_answer_bytes: int = DEFAULT_MAX_ANSWER_BYTES,
     **settings: Any,
 ) -> OpenAICompatAdapter:
     config = ProviderConfig(
         id="p1", type=provider_type, settings={"endpoint": endpoint, **settings}
     )
-    adapter = openai_compat.factory(provider_type)(config, AdapterContext(http, environ or {}))
+    context = AdapterContext(http, environ or {}, max_answer_bytes)
+    adapter = openai_compat.factory(provider_type)(config, context)
     assert isinstance(adapter, OpenAICompatAdapter)
     return adapter
 
@@ -175,21 +180,25 @@ def sse_reply(pieces: Sequence[bytes], *, pause: float = 0.0) -> Handler:
 # --- request shape ---------------------------------------------------------------------
 
 
-async def test_non_stream_forwards_every_field_and_returns_the_body(
+async def test_non_stream_forwards_the_listed_fields_and_returns_the_body(
     provider: FakeProvider, http: aiohttp.ClientSession
 ) -> None:
-    body = {
+    kept = {
         "messages": [{"role": "user", "content": "héllo"}],
         "seed": 7,
         "logit_bias": {"50256": -100},
         "response_format": {"type": "json_object"},
-        "x_vendor_knob": [1, {"deep": None}],
+        "top_k": 20,  # vLLM's own (openai_fields.ENGINE_FIELDS)
+        "prompt_logprobs": 2,
     }
-    completion = await make_adapter(http, provider.url).execute(make_spec(body), RecordingSink())
+    # not on vLLM's list: unknown, its scheduler's priority, an output length of another engine
+    dropped = {"x_vendor_knob": [1, {"deep": None}], "priority": -100, "n_predict": 10**6}
+    spec = make_spec({**kept, **dropped})
+    completion = await make_adapter(http, provider.url).execute(spec, RecordingSink())
 
     (got,) = provider.requests
     assert got.path == "/v1/chat/completions"
-    assert got.body == {"model": "served/model", **body, "stream": False}
+    assert got.body == {"model": "served/model", **kept, "stream": False}
     assert completion.result == CHAT_RESULT  # provider fields kept
     assert completion.finish_reason == "stop"
     assert completion.usage == Usage(5, 1, 6)
@@ -682,3 +691,68 @@ async def test_a_tokenize_error_keeps_its_meaning(
     with pytest.raises(InvalidRequest) as info:
         await adapter.count_tokens(make_spec({"messages": []}, operation=Operation.COUNT_TOKENS))
     assert info.value.provider_status == expected
+
+
+# --- answers past the limit ------------------------------------------------------------
+
+
+def chunked_reply(pieces: int, size: int) -> Handler:
+    """A JSON answer without a Content-Length, written in ``pieces`` of ``size`` bytes."""
+
+    async def reply(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "application/json"})
+        response.enable_chunked_encoding()
+        await response.prepare(request)
+        await response.write(b'{"choices":[{"index":0,"message":{"content":"')
+        for _ in range(pieces):
+            await response.write(b"x" * size)
+        await response.write(b'"},"finish_reason":"stop"}]}')
+        await response.write_eof()
+        return response
+
+    return reply
+
+
+@pytest.mark.parametrize("announced", [True, False], ids=["content-length", "chunked"])
+async def test_an_answer_past_the_limit_is_refused_unread(
+    provider: FakeProvider, http: aiohttp.ClientSession, announced: bool
+) -> None:
+    limit = 64 * 1024
+    if announced:
+        big = {**CHAT_RESULT, "padding": "x" * (2 * limit)}
+        provider.reply = lambda request: _json(big)
+    else:
+        provider.reply = chunked_reply(pieces=32, size=8 * 1024)  # 256 KiB, as it comes
+    adapter = make_adapter(http, provider.url, max_answer_bytes=limit)
+    with pytest.raises(AnswerTooLarge) as caught:
+        await adapter.execute(make_spec({"messages": []}), RecordingSink())
+    assert caught.value.code == pb.ERROR_CODE_INVALID_REQUEST  # the request's failure
+    assert str(limit) in caught.value.message
+    provider.reply = None  # the same adapter, an answer within the limit
+    completion = await adapter.execute(make_spec({"messages": []}), RecordingSink())
+    assert completion.result == CHAT_RESULT
+
+
+async def test_a_streamed_event_past_the_limit_is_refused(
+    provider: FakeProvider, http: aiohttp.ClientSession
+) -> None:
+    provider.reply = sse_reply([chunk(content="a"), chunk(content="x" * 100_000)])
+    adapter = make_adapter(http, provider.url, max_answer_bytes=64 * 1024)
+    sink = RecordingSink()
+    with pytest.raises(AnswerTooLarge):
+        await adapter.execute(make_spec({"messages": []}, stream=True), sink)
+    assert [d.text for d in sink.deltas] == ["a"]  # what came before it went on
+
+
+async def _json(value: Any) -> web.Response:
+    return web.json_response(value)
+
+
+async def test_a_probe_answer_past_the_limit_is_not_ok(
+    provider: FakeProvider, http: aiohttp.ClientSession
+) -> None:
+    models = {"object": "list", "data": [{"id": "m" * 100}] * 1000}  # ~100 KB
+    provider.models = lambda request: _json(models)
+    result = await make_adapter(http, provider.url, max_answer_bytes=64 * 1024).probe()
+    assert not result.ok
+    assert "answer is too large" in result.detail

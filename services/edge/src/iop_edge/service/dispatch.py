@@ -44,7 +44,12 @@ from iop_edge.errors import (
 from iop_edge.metrics import EdgeMetrics
 from iop_edge.ports import FleetView, RunSpec
 from iop_edge.service.failover import FailoverRun
-from iop_edge.service.limits import RunBody, check_run_frame, clamp_output_tokens
+from iop_edge.service.limits import (
+    RunBody,
+    check_answer_size,
+    check_run_frame,
+    clamp_output_tokens,
+)
 from iop_edge.service.registry import ProviderRegistry
 from iop_edge.service.runs import UNGUARDED, EdgeRun, NodeLink, RunGuards
 from iop_proto.errors import FrameTooLarge
@@ -139,10 +144,11 @@ class Dispatcher:
         """Check the request, take a slot (maybe after a wait in the model's queue), send.
 
         What can be judged without a slot is judged first: the output cap (a larger
-        output length is lowered to it), and the
-        run's frame, serialised once and measured. From the slot taken to the node
-        having the run, any failure at all (an error, a cancellation) gives the slot
-        back, leaves no run behind and tells a node that may have the run to drop it.
+        output length is lowered to it), the fields that multiply the answer's size
+        (``check_answer_size``), and the run's frame, serialised once and measured.
+        From the slot taken to the node having the run, any failure at all (an error,
+        a cancellation) gives the slot back, leaves no run behind and tells a node that
+        may have the run to drop it.
         A node link that fails under the send makes an attempt that failed
         (``provider_unavailable``), which the run fails over from like any other.
         """
@@ -154,6 +160,7 @@ class Dispatcher:
         # The HTTP pipeline has clamped already (and said so in a header); a batch line
         # is clamped here, by the same rule.
         chat, _ = clamp_output_tokens(spec.operation, spec.body, model.max_output_tokens)
+        check_answer_size(spec.operation, chat)
         body = RunBody.encode(chat)
         check_run_frame(body, model, self._max_frame_size)
         first = await self._open_attempt(model, spec, body, self._lacking(spec), None)

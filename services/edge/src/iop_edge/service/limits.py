@@ -24,7 +24,22 @@ the answer says so in ``CLAMP_HEADER`` (``32000->4096``). Agents size the field 
 largest model they know (opencode asks 32000, Claude Code 32000 or more), not for the
 pool's: refusing would fail every request, while the cap still keeps a client from
 holding a slot for hours. Anything else (a string, a bool, zero, 2**31) is a 400
-naming the field, as OpenAI answers.
+naming the field, as OpenAI answers. ``OUTPUT_TOKEN_FIELDS`` is the one table of output
+lengths: every field a node's adapter reads as one (``OUTPUT_LENGTH_FIELDS`` of each
+adapter module: the mock reads ``max_completion_tokens`` on ``/v1/completions`` too) is
+capped on every route that adapter serves, and a test derives that from the adapters'
+own constants.
+
+Answer size. An answer returns to the edge as one frame too, and some parameters
+multiply its size far past what the output length says: log probabilities (llama.cpp's
+``n_probs`` of 100000 puts the whole vocabulary on every token: 65 MB for 16 tokens of
+SmolLM2). ``ANSWER_SIZE_CAPS`` bounds each such field (``check_answer_size``): over its
+cap, or not a count, is a 400 naming the field and the cap, before any slot is taken.
+The caps are OpenAI's own (``top_logprobs`` at most 20), and engines' fields of the same
+meaning take the same; ``n`` and ``best_of`` are held to 1 (not every provider returns
+several choices). A non-streamed answer may still pass a frame (thousands of tokens
+with 20 log probabilities each, an engine answering more than asked): it fails at the
+node, that run alone (docs/ARCHITECTURE.md#answers-bounded-like-requests).
 """
 
 from __future__ import annotations
@@ -49,7 +64,7 @@ MAX_JSON_DEPTH: Final = json_codec.MAX_DEPTH
 
 OUTPUT_TOKEN_FIELDS: Final[Mapping[Operation, tuple[str, ...]]] = {
     Operation.CHAT_COMPLETIONS: ("max_tokens", "max_completion_tokens"),
-    Operation.COMPLETIONS: ("max_tokens",),
+    Operation.COMPLETIONS: ("max_tokens", "max_completion_tokens"),
     Operation.EMBEDDINGS: (),
     Operation.COUNT_TOKENS: (),
 }
@@ -58,6 +73,19 @@ CLAMP_HEADER: Final = "x-iop-max-tokens-clamped"
 MAX_OUTPUT_TOKENS_ASKED: Final = 2**31 - 1
 """The largest output length a request may ask (then lowered to the cap): OpenAI's bound."""
 _MODEL_KEY: Final = b'{"model":'
+
+MAX_LOGPROBS: Final = 20
+"""OpenAI's ``top_logprobs`` maximum, and the cap of every field that asks as many
+alternatives per token (vLLM's own default ``max_logprobs`` is 20 as well)."""
+ANSWER_SIZE_CAPS: Final[Mapping[str, int]] = {
+    "top_logprobs": MAX_LOGPROBS,  # chat: alternatives per output token
+    "logprobs": MAX_LOGPROBS,  # completions: an integer of the same meaning; chat: a bool
+    "n_probs": MAX_LOGPROBS,  # llama.cpp's name for top_logprobs
+    "prompt_logprobs": MAX_LOGPROBS,  # vLLM: alternatives per *prompt* token
+    "n": 1,  # choices (the HTTP APIs refuse n != 1 first; this holds batch lines to it)
+    "best_of": 1,  # candidates generated per choice
+}
+"""Every request field that multiplies an answer's size, and its largest value."""
 
 
 def max_body_bytes(max_frame_size: int) -> int:
@@ -169,6 +197,39 @@ def clamp_output_tokens(
             if clamp is None or value > clamp.asked:
                 clamp = OutputClamp(value, cap)
     return body, clamp
+
+
+def check_answer_size(operation: Operation, body: Mapping[str, Any]) -> None:
+    """``InvalidRequest`` naming the field unless each ``ANSWER_SIZE_CAPS`` field is absent,
+    null, or a count within its cap (chat's ``logprobs`` is a boolean: the switch of
+    ``top_logprobs``, which carries the count)."""
+    if operation is Operation.EMBEDDINGS or operation is Operation.COUNT_TOKENS:
+        return
+    for field, cap in ANSWER_SIZE_CAPS.items():
+        value = body.get(field)
+        if value is None or (field == "logprobs" and type(value) is bool):
+            continue
+        if type(value) is not int:
+            raise InvalidRequest(
+                f"Invalid type for '{field}': expected an integer, but got {_kind(value)} instead.",
+                param=field,
+                code="invalid_type",
+            )
+        if value < 0:
+            raise InvalidRequest(
+                f"Invalid '{field}': integer below minimum value. Expected a value >= 0, "
+                f"but got {_shown(value)} instead.",
+                param=field,
+                code="integer_below_min_value",
+            )
+        if value > cap:
+            raise InvalidRequest(
+                f"Invalid '{field}': integer above maximum value. Expected a value <= {cap}, "
+                f"but got {_shown(value)} instead (it multiplies the answer's size; this "
+                "server's limit).",
+                param=field,
+                code="integer_above_max_value",
+            )
 
 
 def _kind(value: object) -> str:

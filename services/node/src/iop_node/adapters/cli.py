@@ -33,12 +33,13 @@ import shutil
 import signal
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Final
 
 from iop_node.domain.health import ProbeResult
 from iop_node.domain.provider import ProviderConfig
 from iop_node.domain.runs import Completion, Delta, ExecutionSpec, Operation, Usage
 from iop_node.errors import (
+    AnswerTooLarge,
     ConfigError,
     InvalidRequest,
     ProviderFailed,
@@ -48,6 +49,9 @@ from iop_node.errors import (
 from iop_node.ports import AdapterContext, EventSink, LifecycleFlags
 
 READ_CHUNK = 4096
+OUTPUT_LENGTH_FIELDS: Final[tuple[str, ...]] = ()
+"""None: a program is given only the prompt, and its output is bounded by the run's
+deadline (and, not streamed, by the answer limit)."""
 STDERR_TAIL_BYTES = 2048
 DEFAULT_KILL_GRACE_MS = 2000
 PROMPT_VIA = ("stdin", "argument")
@@ -145,7 +149,7 @@ class CliAdapter:
             if stdin is not None:
                 helpers.append(asyncio.create_task(_feed(proc, stdin)))
             helpers.append(asyncio.create_task(_keep_tail(proc, stderr_tail)))
-            output = await _stream(proc, spec, sink)
+            output = await _stream(proc, spec, sink, self._context.max_answer_bytes)
             returncode = await proc.wait()
             await asyncio.gather(*helpers)
         except BaseException:
@@ -235,20 +239,28 @@ async def _keep_tail(proc: asyncio.subprocess.Process, tail: bytearray) -> None:
         del tail[:-STDERR_TAIL_BYTES]
 
 
-async def _stream(proc: asyncio.subprocess.Process, spec: ExecutionSpec, sink: EventSink) -> str:
+async def _stream(
+    proc: asyncio.subprocess.Process, spec: ExecutionSpec, sink: EventSink, limit: int
+) -> str:
     """Reads stdout to EOF, sending each decoded chunk on as a delta when streaming.
 
     The incremental decoder holds back the first bytes of a character split
     across two reads; undecodable bytes become U+FFFD rather than failing the run.
+    A non-streamed answer goes to the edge in one frame: past ``limit`` bytes of
+    output the run fails (``AnswerTooLarge``) and the program is stopped.
     """
     assert proc.stdout is not None
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     role = "assistant" if spec.operation is Operation.CHAT_COMPLETIONS else ""
     pieces: list[str] = []
     final = False
+    size = 0
     while not final:
         chunk = await proc.stdout.read(READ_CHUNK)
         final = not chunk
+        size += len(chunk)
+        if size > limit and not spec.stream:
+            raise AnswerTooLarge(limit)
         text = decoder.decode(chunk, final=final)
         if not text:
             continue

@@ -88,6 +88,9 @@ EMBEDDING_DIMENSIONS = 8
 STRUCTURED_PIECE = 8
 """A JSON answer streams in pieces of this many characters, each counted as a token."""
 FAIL_MODES = ("provider_error", "unavailable", "timeout")
+OUTPUT_LENGTH_FIELDS: Final = ("max_completion_tokens", "max_tokens")
+"""What the mock reads as an output length, on chat and completions alike (the first
+given wins): each is capped by the edge on both routes (``service.limits``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -492,7 +495,7 @@ def _structured_answer(body: Mapping[str, Any]) -> str | None:
 
 
 def _max_tokens(body: Mapping[str, Any]) -> int | None:
-    for key in ("max_completion_tokens", "max_tokens"):
+    for key in OUTPUT_LENGTH_FIELDS:
         value = body.get(key)
         if value is not None:
             return _count(value, key)

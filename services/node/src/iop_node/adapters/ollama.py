@@ -24,13 +24,17 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
+from aiohttp.http_exceptions import LineTooLong
 
+from iop_node.adapters.answer_read import read_answer
 from iop_node.adapters.context_overflow import context_overflow
+from iop_node.adapters.ollama_request import OUTPUT_LENGTH_FIELDS as OUTPUT_LENGTH_FIELDS
 from iop_node.adapters.ollama_request import chat_payload, embed_payload, generate_payload
 from iop_node.domain.health import ProbeResult
 from iop_node.domain.provider import ProviderConfig
 from iop_node.domain.runs import Completion, Delta, ExecutionSpec, Operation, ToolCallDelta, Usage
 from iop_node.errors import (
+    AnswerTooLarge,
     ConfigError,
     InvalidRequest,
     ProviderFailed,
@@ -42,9 +46,6 @@ from iop_node.ports import AdapterContext, EventSink, LifecycleFlags
 from iop_proto import json_codec
 
 PROBE_TIMEOUT_S = 2.0
-MAX_LINE_BYTES = 16 * 1024 * 1024
-"""Longest NDJSON line accepted; aiohttp's default (128 KiB) is too small for a tool call
-with large arguments, and a server that never ends a line must still be refused."""
 ERROR_TEXT_LIMIT = 500
 
 
@@ -63,6 +64,7 @@ class OllamaAdapter:
             raise ConfigError(f"provider {config.id}: ollama needs an http(s) settings.endpoint")
         self._base = endpoint.rstrip("/")
         self._http = context.http
+        self._max_answer = context.max_answer_bytes
 
     @property
     def name(self) -> str:
@@ -172,7 +174,7 @@ class OllamaAdapter:
         final: dict[str, Any] | None = None
         async with self._open("POST", path, payload) as response:
             # Read to the end (not just to the done line) so the connection can be reused.
-            while (chunk := await _next_object(response)) is not None:
+            while (chunk := await _next_object(response, self._max_answer)) is not None:
                 text, reasoning, raw_calls = _pieces(chunk, chat)
                 tool_calls = tuple(
                     _tool_call_delta(spec.run_id, calls + i, call)
@@ -198,7 +200,7 @@ class OllamaAdapter:
         self, method: str, path: str, payload: dict[str, Any] | None = None
     ) -> dict[str, Any]:
         async with self._open(method, path, payload) as response:
-            return await _read_object(response)
+            return await _read_object(response, self._max_answer)
 
     @contextlib.asynccontextmanager
     async def _open(
@@ -261,17 +263,27 @@ def _parse(raw: bytes) -> dict[str, Any]:
     return value
 
 
-async def _read_object(response: aiohttp.ClientResponse) -> dict[str, Any]:
-    raw = await response.read()
+async def _read_object(response: aiohttp.ClientResponse, limit: int) -> dict[str, Any]:
+    raw = await read_answer(response, limit)  # at most a frame's worth (answer_read)
     return _parse(raw) if raw.strip() else {}  # /api/delete answers 200 with no body
 
 
-async def _next_object(response: aiohttp.ClientResponse) -> dict[str, Any] | None:
-    """The next NDJSON object of a stream, or None at its end (blank lines skipped)."""
-    while line := await response.content.readline(max_line_length=MAX_LINE_BYTES):
+async def _next_object(response: aiohttp.ClientResponse, limit: int) -> dict[str, Any] | None:
+    """The next NDJSON object of a stream, or None at its end (blank lines skipped); a
+    line past ``limit`` bytes is refused before it is whole (one frame carries it on)."""
+    while line := await _line(response, limit):
         if line.strip():
             return _parse(line)
     return None
+
+
+async def _line(response: aiohttp.ClientResponse, limit: int) -> bytes:
+    """One line of at most ``limit`` bytes (aiohttp's own default, 128 KiB, is too small
+    for a tool call with large arguments; a server that never ends a line is refused)."""
+    try:
+        return await response.content.readline(max_line_length=limit)
+    except LineTooLong:
+        raise AnswerTooLarge(limit) from None
 
 
 def _pieces(chunk: dict[str, Any], chat: bool) -> tuple[str, str, list[Any]]:

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Final
 
 from iop_node.domain.runs import ExecutionSpec
 from iop_node.errors import InvalidRequest
 
+OUTPUT_LENGTH_FIELDS: Final = ("max_completion_tokens", "max_tokens")
+"""What becomes ``options.num_predict`` (the first given wins): each capped by the edge."""
 PASSED_OPTIONS = ("temperature", "top_p", "seed", "presence_penalty", "frequency_penalty")
 """OpenAI sampling parameters that keep their name as Ollama ``options``."""
 
@@ -94,9 +96,7 @@ def _common(spec: ExecutionSpec) -> dict[str, Any]:
 def options(body: Mapping[str, Any]) -> dict[str, Any]:
     """Ollama ``options`` from OpenAI parameters (only those the client set)."""
     result: dict[str, Any] = {}
-    limit = body.get("max_completion_tokens")  # the newer name wins over max_tokens
-    if limit is None:
-        limit = body.get("max_tokens")
+    limit = next((body[f] for f in OUTPUT_LENGTH_FIELDS if body.get(f) is not None), None)
     if limit is not None:
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
             raise InvalidRequest("max_tokens must be a non-negative integer")

@@ -1,12 +1,14 @@
 """One adapter for every provider that speaks the OpenAI HTTP API.
 
 vLLM, SGLang, Lemonade, llama.cpp's server and OpenAI itself differ only in
-small facts (lifecycle capabilities, the probe path), so they share this code
-and differ by a ``Flavor``. The request body travels as the client wrote it
-(with ``model`` already the served name): the node forwards every parameter it
-does not interpret, and only forces what streaming needs (``stream`` and
+small facts (lifecycle capabilities, the probe path, their own request fields),
+so they share this code and differ by a ``Flavor``. The request body travels as
+the client wrote it (with ``model`` already the served name), less the fields its
+provider type is not sent (``openai_fields``: OpenAI's own and the engine's listed
+ones pass), and only what streaming needs is forced (``stream`` and
 ``stream_options.include_usage``, so usage is always counted; the edge decides
-whether the client sees it).
+whether the client sees it). An answer is read up to ``max_answer_bytes`` and
+refused past it (``answer_read``).
 """
 
 from __future__ import annotations
@@ -23,12 +25,16 @@ from typing import Any, Final
 import aiohttp
 
 from iop_node.adapters import tokenizer
+from iop_node.adapters.answer_read import read_answer
 from iop_node.adapters.context_overflow import context_overflow
+from iop_node.adapters.openai_fields import OPENAI_FIELDS, allowed, forwarded
+from iop_node.adapters.openai_fields import OUTPUT_LENGTH_FIELDS as OUTPUT_LENGTH_FIELDS
 from iop_node.adapters.sse import iter_sse_data
 from iop_node.domain.health import ProbeResult
 from iop_node.domain.provider import ProviderConfig
 from iop_node.domain.runs import Completion, Delta, ExecutionSpec, Operation, ToolCallDelta, Usage
 from iop_node.errors import (
+    AnswerTooLarge,
     ConfigError,
     InvalidRequest,
     ProviderFailed,
@@ -131,7 +137,9 @@ class OpenAICompatAdapter:
         if not isinstance(endpoint, str) or not endpoint:
             raise ConfigError(f"provider {config.id!r}: settings.endpoint is required")
         self._flavor = flavor
+        self._fields = {op: allowed(flavor.provider_type, op) for op in OPENAI_FIELDS}
         self._http = context.http
+        self._max_answer = context.max_answer_bytes
         self._base = normalise_endpoint(endpoint)
         self._headers: dict[str, str] = {}
         # Why the provider cannot be called, decided once: settings are read at start.
@@ -166,9 +174,11 @@ class OpenAICompatAdapter:
                     url, headers=self._headers, timeout=_PROBE_TIMEOUT, raise_for_status=False
                 ) as response:
                     status = response.status
-                    body = await response.read()
+                    body = await read_answer(response, self._max_answer)
         except TimeoutError:
             return ProbeResult(ok=False, detail=f"{url}: no answer within {PROBE_TIMEOUT_S:g} s")
+        except AnswerTooLarge as exc:
+            return ProbeResult(ok=False, detail=f"{url}: {exc.message}")
         except aiohttp.ClientError as exc:
             return ProbeResult(ok=False, detail=f"{url}: {_describe(exc)}")
         if status >= 400:
@@ -229,14 +239,15 @@ class OpenAICompatAdapter:
                 response.release()  # read to the end (usually): the connection can be reused
                 raise failure
             if spec.stream and response.content_type != "application/json":
-                completion = await _read_stream(response, spec, sink)
+                completion = await _read_stream(response, spec, sink, self._max_answer)
             elif spec.stream:
                 # A server that ignored ``stream`` answers with one JSON body: an error
                 # object at best, and nothing we could replay as deltas otherwise.
-                _read_result(await response.read(), spec.operation)
+                _read_result(await read_answer(response, self._max_answer), spec.operation)
                 raise ProviderFailed(f"{url}: asked for a stream, got one JSON body")
             else:
-                body = await response.read()
+                # At most a frame's worth, refused past it unparsed (``answer_read``).
+                body = await read_answer(response, self._max_answer)
                 provider_us = int((time.perf_counter() - began) * 1_000_000)
                 completion = _read_result(body, spec.operation, provider_us)
         except aiohttp.ClientError as exc:
@@ -252,8 +263,9 @@ class OpenAICompatAdapter:
 
     def _payload(self, spec: ExecutionSpec) -> dict[str, Any]:
         """The upstream body: the client's (``model`` already the served name: the edge
-        wrote it, ``run_check`` made sure), with only the streaming switches forced."""
-        payload = dict(spec.body)
+        wrote it, ``run_check`` made sure) less the fields this type is not sent, with
+        only the streaming switches forced."""
+        payload = forwarded(self._fields[spec.operation], spec.body)
         if spec.operation is Operation.EMBEDDINGS:
             if spec.stream:
                 raise InvalidRequest("embeddings cannot be streamed")
@@ -268,7 +280,7 @@ class OpenAICompatAdapter:
 
 
 async def _read_stream(
-    response: aiohttp.ClientResponse, spec: ExecutionSpec, sink: EventSink
+    response: aiohttp.ClientResponse, spec: ExecutionSpec, sink: EventSink, max_event_bytes: int
 ) -> Completion:
     text_mode = spec.operation is Operation.COMPLETIONS
     finish_reasons: dict[int, str] = {}
@@ -276,7 +288,8 @@ async def _read_stream(
     timings: Any = None
     # aclosing: a run that stops early (cancelled, sink gone) finalises the reader now,
     # not whenever the garbage collector finds it.
-    async with contextlib.aclosing(iter_sse_data(response)) as events:
+    events_of = iter_sse_data(response, max_event_bytes=max_event_bytes)
+    async with contextlib.aclosing(events_of) as events:
         async for data in events:
             try:
                 chunk = json_codec.loads(data)

@@ -20,12 +20,13 @@ from collections.abc import AsyncGenerator
 
 import aiohttp
 
-from iop_node.errors import ProviderFailed
+from iop_node.errors import AnswerTooLarge
+from iop_proto.framing import DEFAULT_MAX_ANSWER_BYTES
 
 DONE = b"[DONE]"
-MAX_EVENT_BYTES = 16 * 1024 * 1024
-"""A guard against a broken server that never ends a line: past it the stream is refused
-(the same ceiling as an IOP frame, which must carry the event on anyway)."""
+MAX_EVENT_BYTES = DEFAULT_MAX_ANSWER_BYTES
+"""Past it an event is refused (``AnswerTooLarge``) before it is whole: one frame must
+carry it on to the edge, and a server that never ends a line is held to it too."""
 
 
 async def iter_sse_data(
@@ -40,7 +41,7 @@ async def iter_sse_data(
     If the body ends without the blank line that closes its last event, that
     event is still yielded: some servers omit it, and a cut-off JSON payload
     then fails to parse in the caller instead of vanishing silently.
-    Raises ``ProviderFailed`` for an event larger than ``max_event_bytes``.
+    Raises ``AnswerTooLarge`` for an event larger than ``max_event_bytes``.
     """
     partial: list[bytes] = []  # the pieces of a line that has not ended yet
     partial_size = 0
@@ -51,7 +52,7 @@ async def iter_sse_data(
             partial.append(chunk)
             partial_size += len(chunk)
             if partial_size + data_size > max_event_bytes:
-                raise ProviderFailed(f"stream event larger than {max_event_bytes} bytes")
+                raise AnswerTooLarge(max_event_bytes)
             continue
         if partial:
             partial.append(chunk)
@@ -79,7 +80,7 @@ async def iter_sse_data(
                 data.append(value)
                 data_size += len(value) + 1
                 if data_size > max_event_bytes:
-                    raise ProviderFailed(f"stream event larger than {max_event_bytes} bytes")
+                    raise AnswerTooLarge(max_event_bytes)
             elif line == b"data":  # a field name alone means an empty value
                 data.append(b"")
             # anything else is a comment (":...") or a field OpenAI streams do not use

@@ -17,13 +17,13 @@ from loguru import logger
 
 from iop_node.domain.runs import Completion, Delta
 from iop_node.entrypoints import wire
-from iop_node.errors import RunCancelled
+from iop_node.errors import AnswerTooLarge, RunCancelled
 from iop_node.metrics import NodeMetrics
 from iop_node.node import NodeCore
 from iop_node.settings import NodeSettings
 from iop_proto.connection import Connection
 from iop_proto.dialer import Dialer, DialSettings
-from iop_proto.errors import ConnectionClosed, UnexpectedMessage
+from iop_proto.errors import ConnectionClosed, FrameTooLarge, UnexpectedMessage
 from iop_proto.v1 import runtime_pb2 as pb
 
 ACK_HOLD_S = 0.02
@@ -81,7 +81,14 @@ class ConnectionChannel:
             if self._start is not None:
                 start, self._start = self._start, None
                 await self._conn.send(self._number(start), correlation_id=self._run_id, defer=True)
-            await self._conn.send(self._number(event), correlation_id=self._run_id, defer=defer)
+            try:
+                await self._conn.send(self._number(event), correlation_id=self._run_id, defer=defer)
+            except FrameTooLarge as exc:
+                # Refused before a byte of it was written: the link is intact and the
+                # number unused (the run's error takes it). The adapters hold answers
+                # below the limit already; this keeps any that does not to its own run.
+                self._sequence -= 1
+                raise AnswerTooLarge(exc.maximum) from exc
         except (ConnectionClosed, OSError) as exc:  # closed, or reset under the write
             raise RunCancelled(EDGE_GONE) from exc
 
