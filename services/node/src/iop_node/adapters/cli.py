@@ -54,6 +54,7 @@ OUTPUT_LENGTH_FIELDS: Final[tuple[str, ...]] = ()
 deadline (and, not streamed, by the answer limit)."""
 STDERR_TAIL_BYTES = 2048
 DEFAULT_KILL_GRACE_MS = 2000
+DISCARD_TIMEOUT_S = 5.0
 PROMPT_VIA = ("stdin", "argument")
 _PLACEHOLDER = re.compile(r"\{(model|prompt)\}")
 
@@ -211,6 +212,22 @@ class CliAdapter:
         await proc.wait()
         if proc.stdin is not None:
             proc.stdin.close()
+        await _discard_output(proc)
+
+
+async def _discard_output(proc: asyncio.subprocess.Process) -> None:
+    """Reads what is left of a stopped program's stdout to its end, and drops it.
+
+    A run that stopped reading early (its answer over the limit, its client gone) leaves
+    the pipe paused with a full buffer: it would never see its end and never close. The
+    group is dead, so the end comes after at most a pipe's worth of bytes; the bound is
+    for a descendant that left the group with the pipe open.
+    """
+    assert proc.stdout is not None
+    with contextlib.suppress(TimeoutError, OSError):
+        async with asyncio.timeout(DISCARD_TIMEOUT_S):
+            while await proc.stdout.read(READ_CHUNK):
+                pass
 
 
 def _signal_group(proc: asyncio.subprocess.Process, signum: signal.Signals) -> None:
