@@ -43,7 +43,7 @@ def authenticate(request: web.BaseRequest, keys: KeyRing) -> ApiKeyEntry | None:
     The key comes as ``Authorization: Bearer <key>`` (OpenAI's clients) or as
     ``x-api-key: <key>`` (Anthropic's); either way it is the same key, with the
     same allow-list. Raises ``AuthenticationFailed`` (401) for a missing,
-    malformed or unknown key.
+    malformed (not ASCII: bytes that are not UTF-8, say) or unknown key.
     """
     if keys.open:
         return None
@@ -56,6 +56,10 @@ def authenticate(request: web.BaseRequest, keys: KeyRing) -> ApiKeyEntry | None:
             "You didn't provide an API key. Send it in the Authorization header "
             "as 'Authorization: Bearer <key>' (or as 'x-api-key: <key>')."
         )
+    if not token.isascii():
+        # Keys are ASCII; aiohttp hands other header bytes on as surrogate escapes, which
+        # cannot even be hashed: no key, whatever else it holds.
+        raise AuthenticationFailed("Incorrect API key provided: API keys are ASCII.")
     entry = keys.lookup(token)
     if entry is None:
         raise AuthenticationFailed("Incorrect API key provided.")
