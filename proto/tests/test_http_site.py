@@ -8,6 +8,7 @@ import contextlib
 from collections.abc import AsyncIterator
 
 import pytest
+import uvloop
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
@@ -48,6 +49,15 @@ async def ask(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> byt
 
 
 async def test_over_the_cap_a_connection_gets_a_503_and_a_clean_close() -> None:
+    await over_the_cap()
+
+
+def test_the_same_on_uvloop() -> None:
+    """The services run on uvloop, whose transports are not asyncio's classes."""
+    uvloop.run(over_the_cap())
+
+
+async def over_the_cap() -> None:
     async with capped(2) as site:
         held = [await asyncio.open_connection("127.0.0.1", site.port) for _ in range(2)]
         for reader, writer in held:

@@ -27,7 +27,7 @@ import asyncio
 import contextlib
 import socket
 from collections.abc import Callable
-from typing import Any, Final
+from typing import Any, Final, cast
 
 from aiohttp import web
 from loguru import logger
@@ -237,7 +237,7 @@ class _Refusal(asyncio.Protocol):
         self._timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
+        transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
         transport.write(self._answer)
         if transport.can_write_eof():
             transport.write_eof()
