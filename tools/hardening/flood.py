@@ -40,12 +40,36 @@ WARM_UP = b"GET /healthz HTTP/1.1\r\nHost: %s\r\n\r\n"
 RETRIES = 3  # a connection the server closed before it took the request: open another
 
 
-async def one(
-    host: str, port: int, request: bytes, go: asyncio.Event, ready: Counter[str], timeout_s: float
-) -> str:
+class Burst:
+    """The clients' shared state: how many have settled (opened, or failed to), and the
+    connections holding all of their request but its last byte until the burst fires."""
+
+    def __init__(self, n: int, request: bytes) -> None:
+        self.n = n
+        self.head, self.tail = request[:-1], request[-1:]
+        self.settled = 0
+        self.all_settled = asyncio.Event()
+        self.held: list[asyncio.StreamWriter] = []
+        self.fired = asyncio.Event()
+
+    def settle(self) -> None:
+        self.settled += 1
+        if self.settled == self.n:
+            self.all_settled.set()
+
+    def fire(self) -> None:
+        """The last byte of every held request, in one pass: they arrive together."""
+        for writer in self.held:
+            writer.write(self.tail)
+        self.held.clear()
+        self.fired.set()
+
+
+async def one(host: str, port: int, burst: Burst, timeout_s: float) -> str:
     """One client: a connection opened and warmed (one answered ``/healthz``: the server
-    holds it, not only the kernel's backlog), then its request sent once ``go`` is set.
-    Its status code, or what went wrong, as a short label."""
+    holds it, not only the kernel's backlog), its request written but for its last byte,
+    which ``Burst.fire`` sends with everyone else's; a client that gets in after the burst
+    sends its whole request at once. Its status code, or what went wrong, as a label."""
     settled = False
     warm = True
     try:
@@ -62,12 +86,13 @@ async def one(
                 finally:
                     if not settled:
                         settled = True
-                        ready["settled"] += 1
-                        if ready["settled"] == ready["of"]:
-                            go.set()
+                        burst.settle()
                 try:
-                    await go.wait()
-                    writer.write(request)
+                    if burst.fired.is_set():
+                        writer.write(burst.head + burst.tail)
+                    else:
+                        writer.write(burst.head)
+                        burst.held.append(writer)
                     line = await reader.readline()
                 finally:
                     writer.close()
@@ -99,28 +124,28 @@ async def _skip_answer(reader: asyncio.StreamReader) -> bytes:
 async def flood(
     url: str, key: str, model: str, n: int, timeout_s: float, ramp_s: float, prompt_chars: int
 ) -> dict[str, object]:
-    """Open ``n`` connections, then send every request at once: when all are open, or
-    ``ramp_s`` after the first attempt (a server that stops accepting at a cap leaves the
-    rest waiting in its backlog; those send as soon as they get in)."""
+    """Open ``n`` connections, then complete every request at once: when all are open, or
+    ``ramp_s`` after the first attempt (a server at its cap refuses the rest, or leaves
+    them in its backlog; those send as soon as they get in)."""
     split = urlsplit(url)
     host, port = split.hostname or "127.0.0.1", split.port or 80
-    request = request_bytes(host, model, key, prompt_chars)
-    go = asyncio.Event()
-    ready: Counter[str] = Counter(of=n)
+    burst = Burst(n, request_bytes(host, model, key, prompt_chars))
     started = time.monotonic()
-    tasks = [asyncio.create_task(one(host, port, request, go, ready, timeout_s)) for _ in range(n)]
+    tasks = [asyncio.create_task(one(host, port, burst, timeout_s)) for _ in range(n)]
     with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(go.wait(), ramp_s)
-    go.set()
-    opened = ready["settled"]
-    sent_at = time.monotonic()
+        await asyncio.wait_for(burst.all_settled.wait(), ramp_s)
+    opened = burst.settled
+    held = len(burst.held)
+    burst.fire()
+    fired_at = time.monotonic()
     outcomes = Counter(await asyncio.gather(*tasks))
     return {
         "requests": n,
-        "connected_before_the_burst": opened,
+        "settled_before_the_burst": opened,
+        "fired_together": held,
         "outcomes": dict(outcomes),
-        "ramp_seconds": sent_at - started,
-        "seconds": time.monotonic() - sent_at,
+        "ramp_seconds": fired_at - started,
+        "seconds": time.monotonic() - fired_at,
     }
 
 
