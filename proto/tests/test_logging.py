@@ -1,11 +1,18 @@
-"""Logging: an unexpected error is logged once, and a pathological one stays small."""
+"""Logging: an unexpected error is logged once, and a pathological one stays small; no secret
+leaves in a line, and the standard library's records come through loguru."""
 
 from __future__ import annotations
 
+import io
+import logging
+
 import pytest
+from aiohttp.http_exceptions import BadStatusLine
 from loguru import logger
 
 from iop_proto.service.logging import MAX_TRACEBACK_CHARS, bounded_traceback, log_unexpected
+from iop_proto.service.redaction import REDACTED, RedactingStream, redact
+from iop_proto.service.stdlib_bridge import LoguruBridge
 
 
 def _recurse(n: int) -> None:
@@ -53,3 +60,81 @@ def test_log_unexpected_writes_one_bounded_record(capsys: pytest.CaptureFixture[
     [record] = records
     assert record.startswith("serving POST /v1/x {literal}\nTraceback")
     assert len(record) < MAX_TRACEBACK_CHARS + 200
+
+
+# --- secrets and the standard library's records -------------------------------------------
+
+KEY = "sk-iop-cVywVThzUDduEVQXo0H2U4Ffiexg0zJCeEm1m_e9FkQ"
+TOKEN = "iopnt_Zq1Yd4nQ2w8Kk3mP0aVbX7rT5sU9cE6fG1hJ2iL4oN8"
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        f"key {KEY} used",
+        f"b'GET / HTTP/1.1\\nAuthorization: Bearer {KEY}\\n\\n'",
+        f"b'Authorization: Bearer\\r\\n {KEY}\\r\\n'",  # obs-folded, as a bytes repr quotes it
+        f'{{"token": "{TOKEN}"}}',
+        "Authorization: bearer eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxIn0.sig",
+        "upstream key sk-ant-api03-abcdefghijklmnop refused",
+    ],
+)
+def test_secrets_are_redacted_whatever_surrounds_them(text: str) -> None:
+    redacted = redact(text)
+    assert REDACTED in redacted
+    for secret in (KEY, TOKEN, "eyJhbGciOiJIUzI1NiJ9", "abcdefghijklmnop"):
+        assert secret[-12:] not in redacted
+
+
+@pytest.mark.parametrize("text", ["task-abcdefghijkl done", "model sk-1 (short)", "Bearer x"])
+def test_what_is_not_a_secret_is_left_alone(text: str) -> None:
+    assert redact(text) == text
+
+
+def test_the_redacting_stream_redacts_each_write() -> None:
+    out = io.StringIO()
+    RedactingStream(out).write(f"{KEY}\n")
+    assert out.getvalue() == f"sk-iop-{REDACTED}\n"
+
+
+def _record(exc: BaseException, name: str = "aiohttp.server") -> logging.LogRecord:
+    return logging.LogRecord(
+        name,
+        logging.ERROR,
+        __file__,
+        1,
+        "Error handling request from %s",
+        ("127.0.0.1",),
+        (type(exc), exc, None),
+    )
+
+
+def test_an_http_parse_error_is_one_line_without_its_bytes() -> None:
+    records: list[str] = []
+    sink = logger.add(records.append, format="{level} {message}", level="DEBUG")
+    try:
+        bad = BadStatusLine(f"GET / HTTP/1.1\nAuthorization: Bearer {KEY}\n\n")
+        LoguruBridge().emit(_record(bad))
+    finally:
+        logger.remove(sink)
+    [record] = records
+    assert record.startswith("INFO Error handling request from 127.0.0.1: malformed HTTP request")
+    assert "BadStatusLine" in record
+    assert KEY[-12:] not in record
+    assert "Traceback" not in record
+    assert record.count("\n") == 1
+
+
+def test_other_library_records_keep_their_level_and_traceback() -> None:
+    records: list[str] = []
+    sink = logger.add(records.append, format="{level} {message}", level="DEBUG")
+    try:
+        try:
+            raise RuntimeError("a bug")
+        except RuntimeError as exc:
+            LoguruBridge().emit(_record(exc, "asyncio"))
+    finally:
+        logger.remove(sink)
+    [record] = records
+    assert record.startswith("ERROR asyncio: Error handling request from 127.0.0.1")
+    assert "RuntimeError: a bug" in record

@@ -11,11 +11,18 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from typing import Final
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from iop_proto.errors import ConfigurationError
+from iop_proto.service.http_site import CappedSite
+
+IDLE_TIMEOUT_S: Final = 15.0
+"""An idle admin connection closes after this (``AdminSettings.idle_timeout_s``)."""
+MAX_CONNECTIONS: Final = 128
+"""Admin connections held at once (``AdminSettings.max_connections``)."""
 
 ReadinessCheck = Callable[[], str | None]
 """Returns ``None`` when ready, else the reason it is not."""
@@ -32,12 +39,16 @@ class AdminServer:
         host: str,
         port: int,
         readiness: ReadinessCheck | None = None,
+        idle_timeout_s: float = IDLE_TIMEOUT_S,
+        max_connections: int = MAX_CONNECTIONS,
     ) -> None:
         self.service = service
         self.registry = registry
         self.host = host
         self.port = port
         self._readiness = readiness
+        self._idle_timeout_s = idle_timeout_s
+        self._max_connections = max_connections
         self.app = web.Application()
         self.app.router.add_get("/healthz", self._healthz)
         self.app.router.add_get("/readyz", self._readyz)
@@ -77,14 +88,23 @@ class AdminServer:
         self.ports[name] = port
 
     async def start(self) -> int:
-        """Bind and serve; returns the bound port (useful when configured as 0)."""
-        self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
+        """Bind and serve; returns the bound port (useful when configured as 0).
+
+        Scrapers and probes open connections and may leave them idle: each closes
+        ``idle_timeout_s`` after its last answer (aiohttp's default is an hour, and a
+        client that opened thousands held as many descriptors), and no more than
+        ``max_connections`` are held at once (``CappedSite``).
+        """
+        self._runner = web.AppRunner(
+            self.app,
+            access_log=None,
+            handle_signals=False,
+            keepalive_timeout=self._idle_timeout_s,
+        )
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port, reuse_address=True)
+        site = CappedSite(self._runner, self.host, self.port, max_connections=self._max_connections)
         await site.start()
-        server = site._server  # aiohttp exposes the bound socket only here
-        if server is not None and server.sockets:  # type: ignore[attr-defined]
-            self.port = server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
+        self.port = site.port
         self.started.set()
         return self.port
 

@@ -4,6 +4,11 @@ Tracebacks never show variable values (loguru's ``diagnose``): they would copy r
 bodies and credentials into the log, and a deep structure many times over. An
 unexpected error on a request path is logged with ``log_unexpected``: once, its
 traceback cut to ``MAX_TRACEBACK_CHARS``, so no request can write hundreds of KB.
+
+Every line passes ``redaction`` on its way out (a key or token that slipped into a
+message or a traceback is rewritten), and the standard library's records (aiohttp's,
+asyncio's) come through loguru too (``stdlib_bridge``), so they are redacted, and
+formatted, like the rest.
 """
 
 from __future__ import annotations
@@ -14,7 +19,9 @@ from typing import Final
 
 from loguru import logger
 
+from iop_proto.service.redaction import RedactingStream
 from iop_proto.service.settings import LogSettings
+from iop_proto.service.stdlib_bridge import install_stdlib_bridge
 
 _HUMAN_FORMAT = (
     "<green>{time:HH:mm:ss.SSS}</green> <level>{level: <7}</level> "
@@ -26,9 +33,10 @@ def configure_logging(service: str, settings: LogSettings) -> None:
     """Replace loguru's default sink; called once, from a service's ``__main__``."""
     logger.remove()
     logger.configure(extra={"service": service})
+    sink = RedactingStream(sys.stderr)
     if settings.json_format:
         logger.add(
-            sys.stderr,
+            sink,
             level=settings.level,
             serialize=True,
             enqueue=False,
@@ -37,7 +45,7 @@ def configure_logging(service: str, settings: LogSettings) -> None:
         )
     else:
         logger.add(
-            sys.stderr,
+            sink,
             level=settings.level,
             format=_HUMAN_FORMAT,
             colorize=sys.stderr.isatty(),
@@ -45,6 +53,7 @@ def configure_logging(service: str, settings: LogSettings) -> None:
             backtrace=False,
             diagnose=False,
         )
+    install_stdlib_bridge()
 
 
 MAX_TRACEBACK_CHARS: Final = 8 * 1024

@@ -78,7 +78,14 @@ async def serve(
     )
     if not settings.tls.enabled:
         logger.warning("tls.enabled is false: IOP traffic is plaintext, for debugging only")
-    admin = AdminServer(name, registry, host=settings.admin.host, port=settings.admin.port)
+    admin = AdminServer(
+        name,
+        registry,
+        host=settings.admin.host,
+        port=settings.admin.port,
+        idle_timeout_s=settings.admin.idle_timeout_s,
+        max_connections=settings.admin.max_connections,
+    )
     async with contextlib.AsyncExitStack() as stack:
         service = await stack.enter_async_context(build(settings, registry, admin))
         port = await admin.start()

@@ -30,6 +30,22 @@ class AdminSettings(FrozenModel):
 
     host: str = "127.0.0.1"
     port: int = Field(default=0, ge=0, le=65535, description="0 picks a free port")
+    idle_timeout_s: float = Field(
+        default=15.0,
+        gt=0,
+        description=(
+            "a connection closes when it has not sent a whole request's headers this long after"
+            " it opened or after its previous answer (idle keep-alive and slow headers alike)"
+        ),
+    )
+    max_connections: int = Field(
+        default=128,
+        ge=1,
+        description=(
+            "connections held at once; at the cap the port stops accepting until one closes"
+            " (new ones wait in the kernel's backlog)"
+        ),
+    )
 
 
 class LogSettings(FrozenModel):

@@ -21,7 +21,11 @@ from iop_edge.adapters.sqlite_runlog import SqliteRunLog
 from iop_edge.console import add_console_routes
 from iop_edge.entrypoints.api_auth import KeySlots, access_mode
 from iop_edge.entrypoints.api_metrics import ApiMetrics
-from iop_edge.entrypoints.http_api import create_api_app, load_openapi
+from iop_edge.entrypoints.http_api import (
+    connection_limit_refusal,
+    create_api_app,
+    load_openapi,
+)
 from iop_edge.entrypoints.stop_gate import StopGate
 from iop_edge.formats.reasoning_seal import ReasoningSeal, parse_key
 from iop_edge.metrics import EdgeMetrics
@@ -34,13 +38,14 @@ from iop_edge.service.registry import ProviderRegistry
 from iop_edge.service.runs import RunGuards
 from iop_edge.settings import EdgeSettings
 from iop_proto.service import AdminServer
+from iop_proto.service.http_site import CappedSite
 from iop_proto.tasks import cancel_and_wait
 from iop_proto.tls import client_context, server_context
 from iop_proto.v1 import runtime_pb2 as pb
 
 
 async def _drain(
-    site: web.TCPSite, gate: StopGate, nodes: NodeServer, dispatcher: Dispatcher, drain_s: float
+    site: CappedSite, gate: StopGate, nodes: NodeServer, dispatcher: Dispatcher, drain_s: float
 ) -> None:
     """The graceful stop: nothing new comes in, runs in flight finish (up to ``drain_s``),
     and only what is still running then ends with an error.
@@ -239,12 +244,23 @@ async def build(
         )
         await runner.setup()
         stack.push_async_callback(runner.cleanup)
-        site = web.TCPSite(runner, settings.http.host, settings.http.port, reuse_address=True)
+        # At most http.max_connections served at once; more are answered a canned 503, and
+        # past that wait in the kernel's backlog: a flood of clients cannot hold the loop
+        # (the node links' heartbeats share it) for longer than that many requests take
+        # (iop_proto.service.http_site).
+        site = CappedSite(
+            runner,
+            http.host,
+            http.port,
+            max_connections=http.max_connections,
+            backlog=http.backlog,
+            refusal=connection_limit_refusal(http.max_connections),
+        )
         await site.start()
         # First on the way out: stop accepting, drain, fail what is left (then the rest).
         stack.push_async_callback(_drain, site, gate, nodes, dispatcher, settings.drain_s)
         edge = Edge(providers, dispatcher, nodes, control_plane)
-        edge.http_port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        edge.http_port = site.port
         logger.info("OpenAI API on http://{}:{}/v1", settings.http.host, edge.http_port)
         admin.report_port("http", edge.http_port)
         admin.report_port("nodes", nodes.port)

@@ -152,6 +152,13 @@ class ShuttingDown(NoProviderAvailable):
     retry_after_s = 1
 
 
+class TooManyConnections(EdgeError):
+    """The API holds its most client connections (``http.max_connections``): a new one is
+    answered this, canned, before any of it is parsed (``iop_proto.service.http_site``)."""
+
+    status, type, code = 503, "server_error", "too_many_connections"
+
+
 class QueueTimeout(EdgeError, TimeoutError):
     status, type, code = 503, "server_error", "queue_timeout"
 

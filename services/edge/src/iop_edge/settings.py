@@ -28,6 +28,25 @@ class HttpSettings(FrozenModel):
             " such period"
         ),
     )
+    max_connections: int = Field(
+        default=512,
+        ge=1,
+        description=(
+            "client connections served at once; over it a new one is answered a canned 503"
+            " (too_many_connections, Retry-After: 1) before any of it is parsed, so a flood"
+            " cannot starve the node links that share the edge's event loop; each streaming"
+            " or queued request holds one"
+        ),
+    )
+    backlog: int = Field(
+        default=1024,
+        ge=1,
+        description=(
+            "connections the kernel queues while the API is at max_connections with as many"
+            " refusals still closing (capped by net.core.somaxconn); beyond it clients'"
+            " connection attempts are retried by their TCP stack"
+        ),
+    )
     min_body_rate: int = Field(
         default=16 * 1024,
         ge=1,

@@ -998,6 +998,9 @@ async def test_disconnect_while_queued_leaves_the_queue(
     assert (record.outcome, record.status, record.run_id[:4]) == ("cancelled", 499, "req-")
 
 
+JSON = {"Content-Type": "application/json"}
+
+
 async def test_key_concurrency_is_limited_and_released() -> None:
     run = FakeRun([start(), delta("Hel", role="assistant")], hang=True)
     async with serve({"sk-one": key("k1", max_concurrent=1)}) as edge:
@@ -1011,8 +1014,11 @@ async def test_key_concurrency_is_limited_and_released() -> None:
                 assert second.status == 429
                 assert second.headers["Retry-After"] == "1"
                 assert (await second.json())["error"]["code"] == "concurrency_limit_exceeded"
+            # refused before its body is read: a key at its limit costs no parsing (not a 400)
+            async with http.post(url, data=b"{not json", headers=JSON) as unread:
+                assert unread.status == 429
             first.close()
-            await edge.runlog.wait_for(2)  # the first's record comes after its slot is freed
+            await edge.runlog.wait_for(3)  # the first's record comes after its slot is freed
             edge.service.plan = standard_run
             async with http.post(url, json=chat_body()) as third:
                 assert third.status == 200

@@ -43,7 +43,7 @@ def authenticate(request: web.BaseRequest, keys: KeyRing) -> ApiKeyEntry | None:
     The key comes as ``Authorization: Bearer <key>`` (OpenAI's clients) or as
     ``x-api-key: <key>`` (Anthropic's); either way it is the same key, with the
     same allow-list. Raises ``AuthenticationFailed`` (401) for a missing,
-    malformed or unknown key.
+    malformed (not ASCII: bytes that are not UTF-8, say) or unknown key.
     """
     if keys.open:
         return None
@@ -56,6 +56,10 @@ def authenticate(request: web.BaseRequest, keys: KeyRing) -> ApiKeyEntry | None:
             "You didn't provide an API key. Send it in the Authorization header "
             "as 'Authorization: Bearer <key>' (or as 'x-api-key: <key>')."
         )
+    if not token.isascii():
+        # Keys are ASCII; aiohttp hands other header bytes on as surrogate escapes, which
+        # cannot even be hashed: no key, whatever else it holds.
+        raise AuthenticationFailed("Incorrect API key provided: API keys are ASCII.")
     entry = keys.lookup(token)
     if entry is None:
         raise AuthenticationFailed("Incorrect API key provided.")
@@ -170,6 +174,19 @@ class KeySlots:
     def held(self, key_id: str) -> int:
         return len(self._held.get(key_id, ()))
 
+    def check_room(self, key: ApiKeyEntry | None) -> None:
+        """``TooManyConcurrent`` (429) now when ``key`` has no slot left.
+
+        Called before a request's body is read: a key flooding the edge is refused for the
+        cost of its headers, not of parsing what it sent. ``hold`` decides again (a slot
+        may be taken meanwhile); this only answers early what it would answer later.
+        """
+        if key is not None and 0 < key.max_concurrent <= self.held(key.key_id):
+            raise TooManyConcurrent(
+                f"Too many concurrent requests for this API key "
+                f"(limit {key.max_concurrent}); retry when one has finished."
+            )
+
     @contextlib.contextmanager
     def hold(self, key: ApiKeyEntry | None) -> Iterator[InFlight]:
         """One slot of ``key`` for the block; ``TooManyConcurrent`` (429) when none is left.
@@ -185,12 +202,8 @@ class KeySlots:
         if key.key_id in self._revoked:
             # authenticated a moment before the revocation arrived (its body was still coming)
             raise KeyRevoked(KEY_REVOKED)
+        self.check_room(key)
         flights = self._held.setdefault(key.key_id, set())
-        if key.max_concurrent > 0 and len(flights) >= key.max_concurrent:  # never empty here
-            raise TooManyConcurrent(
-                f"Too many concurrent requests for this API key "
-                f"(limit {key.max_concurrent}); retry when one has finished."
-            )
         flights.add(flight)
         try:
             yield flight

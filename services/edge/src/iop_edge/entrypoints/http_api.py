@@ -33,13 +33,14 @@ from iop_edge.entrypoints.messages_dialect import (
 from iop_edge.entrypoints.openai_errors import error_response, from_http_exception
 from iop_edge.entrypoints.responses_routes import ResponsesRoutes
 from iop_edge.entrypoints.stop_gate import StopGate
-from iop_edge.errors import EdgeError, InvalidRequest, ModelNotFound
+from iop_edge.errors import EdgeError, InvalidRequest, ModelNotFound, TooManyConnections
 from iop_edge.formats import anthropic
-from iop_edge.formats.errors import internal_error
+from iop_edge.formats.errors import error_payload, internal_error
 from iop_edge.formats.reasoning_seal import ReasoningSeal
 from iop_edge.ports import Catalog, KeyRing, ResponseStore, RunLog, RunService
 from iop_edge.service.batches import BatchService
 from iop_edge.service.limits import DEFAULT_MAX_BODY_BYTES
+from iop_proto.service.http_site import canned_response
 from iop_proto.service.logging import log_unexpected
 
 MAX_BODY_BYTES: Final = DEFAULT_MAX_BODY_BYTES
@@ -60,6 +61,16 @@ def load_openapi() -> dict[str, Any]:
     text = resources.files("iop_edge.entrypoints").joinpath("openapi.json").read_text("utf-8")
     document: dict[str, Any] = json.loads(text)
     return document
+
+
+def connection_limit_refusal(max_connections: int) -> bytes:
+    """What a client connecting over ``http.max_connections`` is answered: a whole 503 with
+    OpenAI's error object and ``Retry-After``, made once (``CappedSite``'s refusal)."""
+    error = TooManyConnections(
+        f"The API is serving as many connections as it may ({max_connections}); retry shortly."
+    )
+    body = json.dumps(error_payload(error), separators=(",", ":")).encode()
+    return canned_response(503, "Service Unavailable", body, "application/json")
 
 
 def create_api_app(

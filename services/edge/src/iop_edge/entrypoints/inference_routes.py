@@ -175,6 +175,7 @@ class InferenceRoutes:
         key = authenticate(request, self._keys)
         if key is not None:
             trace.key_id = key.key_id
+        self._slots.check_room(key)  # a key at its limit costs no body parsing
         body = await read_json_body(request)
         return await self._run(request, dialect, trace, key, body, _sse_response)
 
