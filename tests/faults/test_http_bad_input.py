@@ -48,6 +48,7 @@ from schemathesis.core.failures import FailureGroup
 from schemathesis.specs.openapi import checks as openapi_checks
 
 from iop_edge.service.limits import DEFAULT_MAX_BODY_BYTES
+from iop_edge.testing import BAD_BODIES
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -361,25 +362,6 @@ async def test_a_body_over_the_limit_gets_413(stack: Any, report: Callable[[str]
         assert status == 413, (route, status, payload[:200])
         assert openai_error_problem(status, payload) is None
         assert json.loads(payload)["error"]["code"] == "request_too_large"
-
-
-BAD_BODIES: dict[str, tuple[str, bytes]] = {
-    "truncated JSON": ("application/json", b'{"model": "mock-small", "messages": ['),
-    "not JSON at all": ("application/json", b"hello"),
-    "a JSON array": ("application/json", b'[{"model": "mock-small"}]'),
-    "a JSON string": ("application/json", b'"mock-small"'),
-    "empty body": ("application/json", b""),
-    "NaN": ("application/json", b'{"model": "mock-small", "temperature": NaN}'),
-    "invalid UTF-8": ("application/json", b'{"model": "\xff\xfe"}'),
-    "nested 100k deep": ("application/json", b"[" * 100_000 + b"]" * 100_000),
-    "form-encoded": ("application/x-www-form-urlencoded", b"model=mock-small&messages=hi"),
-    "plain text": ("text/plain", b"please answer"),
-    "multipart form": (
-        "multipart/form-data; boundary=x",
-        b'--x\r\nContent-Disposition: form-data; name="model"\r\n\r\nmock-small\r\n--x--\r\n',
-    ),
-    "XML": ("application/xml", b"<model>mock-small</model>"),
-}
 
 
 async def test_malformed_bodies_and_wrong_content_types_get_400_error_objects(

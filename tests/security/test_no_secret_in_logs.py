@@ -32,6 +32,7 @@ import pytest
 import yaml
 
 from iop_edge.service.limits import DEFAULT_MAX_BODY_BYTES
+from iop_edge.testing import BAD_BODIES
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.slow]
 
@@ -39,25 +40,8 @@ KEY_MARK = b"@KEY@"
 WINDOW = 12  # any this many characters of a secret, anywhere in a log, is a leak
 READ_TIMEOUT_S = 2  # the edge's http.read_timeout_s here: the trickled body is cut fast
 
-# The fault suite's bad bodies (tests/faults/test_http_bad_input.py: BAD_BODIES), each sent
-# with the key, to every inference route.
-BAD_BODIES: dict[str, tuple[str, bytes]] = {
-    "truncated JSON": ("application/json", b'{"model": "mock-small", "messages": ['),
-    "not JSON at all": ("application/json", b"hello"),
-    "a JSON array": ("application/json", b'[{"model": "mock-small"}]'),
-    "a JSON string": ("application/json", b'"mock-small"'),
-    "empty body": ("application/json", b""),
-    "NaN": ("application/json", b'{"model": "mock-small", "temperature": NaN}'),
-    "invalid UTF-8": ("application/json", b'{"model": "\xff\xfe"}'),
-    "nested 100k deep": ("application/json", b"[" * 100_000 + b"]" * 100_000),
-    "form-encoded": ("application/x-www-form-urlencoded", b"model=mock-small&messages=hi"),
-    "plain text": ("text/plain", b"please answer"),
-    "multipart form": (
-        "multipart/form-data; boundary=x",
-        b'--x\r\nContent-Disposition: form-data; name="model"\r\n\r\nmock-small\r\n--x--\r\n',
-    ),
-    "XML": ("application/xml", b"<model>mock-small</model>"),
-}
+# The fault suite's bad bodies (iop_edge.testing.BAD_BODIES), each sent with the key, to every
+# inference route.
 ROUTES = ("chat/completions", "completions", "embeddings", "batches", "responses")
 
 # Raw requests a parser refuses, ``@KEY@`` standing for the key. Each is sent on a

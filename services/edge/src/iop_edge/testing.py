@@ -101,3 +101,25 @@ class MemoryResponseStore:
         if row is not None:
             self.rows[response_id] = dataclasses.replace(row, deleted_at=1)
         return row is not None
+
+
+# Request bodies the edge must refuse with a 400 (malformed, or not JSON at all), by what is
+# wrong with each, with the Content-Type each is sent as: the fault suite's hostile input and
+# the log-secrets test's.
+BAD_BODIES: dict[str, tuple[str, bytes]] = {
+    "truncated JSON": ("application/json", b'{"model": "mock-small", "messages": ['),
+    "not JSON at all": ("application/json", b"hello"),
+    "a JSON array": ("application/json", b'[{"model": "mock-small"}]'),
+    "a JSON string": ("application/json", b'"mock-small"'),
+    "empty body": ("application/json", b""),
+    "NaN": ("application/json", b'{"model": "mock-small", "temperature": NaN}'),
+    "invalid UTF-8": ("application/json", b'{"model": "\xff\xfe"}'),
+    "nested 100k deep": ("application/json", b"[" * 100_000 + b"]" * 100_000),
+    "form-encoded": ("application/x-www-form-urlencoded", b"model=mock-small&messages=hi"),
+    "plain text": ("text/plain", b"please answer"),
+    "multipart form": (
+        "multipart/form-data; boundary=x",
+        b'--x\r\nContent-Disposition: form-data; name="model"\r\n\r\nmock-small\r\n--x--\r\n',
+    ),
+    "XML": ("application/xml", b"<model>mock-small</model>"),
+}
