@@ -183,6 +183,23 @@ class Stack:
         assert process.returncode == 0, err.decode()
         return out.decode()
 
+    async def issue_key(self, name: str, *options: str, within_s: float = 20) -> str:
+        """A key from the control-plane's CLI, returned once the edge serves it and, the API
+        no longer open, refuses a key nobody issued (within ``within_s``)."""
+        out = await self.control_plane_cli("key", "issue", "--name", name, *options)
+        found = re.search(r"sk-iop-\S+", out)
+        assert found is not None, out
+        secret = found.group(0)
+        ours = {"Authorization": f"Bearer {secret}"}
+        bogus = {"Authorization": "Bearer sk-iop-not-a-key"}
+        async with aiohttp.ClientSession() as http, asyncio.timeout(within_s):
+            while True:  # an open edge (no key yet) serves any key: wait for the bogus one's 401
+                async with http.get(f"{self.api_url}/models", headers=ours) as mine:
+                    async with http.get(f"{self.api_url}/models", headers=bogus) as theirs:
+                        if mine.status == 200 and theirs.status == 401:
+                            return secret
+                await asyncio.sleep(0.05)
+
 
 SCRIPTS = {"control-plane": "iop-control-plane", "edge": "iop-edge", "worker": "iop-worker"}
 PORT_KEYS = {"edges": "listen", "http": "http", "nodes": "node_listener"}

@@ -66,23 +66,6 @@ FLEET: dict[str, object] = {
 }
 
 
-async def issue_key(stack: Any, name: str, *options: str) -> str:
-    """A key from the control-plane's CLI, once the edge knows it."""
-    out = await stack.control_plane_cli("key", "issue", "--name", name, *options)
-    found = re.search(r"sk-iop-\S+", out)
-    assert found is not None, out
-    secret = found.group(0)
-    ours = {"Authorization": f"Bearer {secret}"}
-    bogus = {"Authorization": "Bearer sk-iop-not-a-key"}
-    async with aiohttp.ClientSession() as http, asyncio.timeout(20):
-        while True:  # an open edge (no key yet) serves any key: wait for the bogus one's 401
-            async with http.get(f"{stack.api_url}/models", headers=ours) as mine:
-                async with http.get(f"{stack.api_url}/models", headers=bogus) as theirs:
-                    if mine.status == 200 and theirs.status == 401:
-                        return secret
-            await asyncio.sleep(0.05)
-
-
 async def run_flood(stack: Any, key: str) -> dict[str, Any]:
     """The burst, from its own process; its JSON summary."""
     process = await asyncio.create_subprocess_exec(
@@ -129,7 +112,7 @@ async def test_a_burst_of_ten_thousand_requests_costs_no_link_and_no_run(
 ) -> None:
     edge = {"event_loop": event_loop, "heartbeat_interval_s": HEARTBEAT_INTERVAL_S}
     async with start_stack_factory(tmp_path, FLEET, edge) as stack:
-        steady = await issue_key(stack, "steady")
+        steady = await stack.issue_key("steady")
         peers = ("edge", "node-a", "node-b", "worker")
         since = {name: len(stack.services[name].log) for name in peers}
         async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {steady}"}) as http:

@@ -181,23 +181,6 @@ FLEET: dict[str, object] = {
 }
 
 
-async def issue_key(stack: Any) -> str:
-    """A key from the control-plane's CLI, once the edge serves it."""
-    out = await stack.control_plane_cli("key", "issue", "--name", "leaky")
-    found = re.search(r"sk-iop-\S+", out)
-    assert found is not None, out
-    secret = found.group(0)
-    headers = {"Authorization": f"Bearer {secret}"}
-    bogus = {"Authorization": "Bearer sk-iop-not-a-key"}
-    async with aiohttp.ClientSession() as http, asyncio.timeout(15):
-        while True:  # an open edge (no key yet) serves any key: wait for the bogus one's 401
-            async with http.get(f"{stack.api_url}/models", headers=headers) as ours:
-                async with http.get(f"{stack.api_url}/models", headers=bogus) as theirs:
-                    if ours.status == 200 and theirs.status == 401:
-                        return secret
-            await asyncio.sleep(0.05)
-
-
 async def send_everything(stack: Any, key: str) -> list[str]:
     """Every shape, with ``key``, to every HTTP port; returns each answer that is not the
     one expected, so a shape that silently stopped reaching the parser (a 200, say) fails
@@ -282,7 +265,7 @@ async def send_everything(stack: Any, key: str) -> list[str]:
 async def test_no_key_or_token_reaches_any_log(tmp_path: Path, start_stack_factory: Any) -> None:
     http = {"host": "127.0.0.1", "port": 0, "read_timeout_s": READ_TIMEOUT_S}
     async with start_stack_factory(tmp_path, FLEET, {"http": http}) as stack:
-        key = await issue_key(stack)
+        key = await stack.issue_key("leaky", within_s=15)
         wrong = await send_everything(stack, key)
         services = dict(stack.services)
         tokens = {

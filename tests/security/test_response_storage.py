@@ -80,6 +80,17 @@ async def respond(
         return str(payload["id"])
 
 
+async def chain(
+    http: aiohttp.ClientSession, stack: Stack, texts: list[str]
+) -> tuple[str | None, int]:
+    """One stored turn per text, each continuing the one before: the last turn's id and
+    the bytes sent."""
+    tip: str | None = None
+    for text in texts:
+        tip = await respond(http, stack, text, tip)
+    return tip, sum(len(text) for text in texts)
+
+
 def bound(sent: int, rows: int) -> int:
     return 2 * sent + WAL_ALLOWANCE + PER_ROW * rows
 
@@ -88,12 +99,8 @@ async def test_a_300_turn_conversation_stores_each_turn_once(
     stack: Stack, http: aiohttp.ClientSession
 ) -> None:
     before = stored_bytes(stack)
-    previous: str | None = None
-    sent = 0
-    for turn in range(TURNS):
-        text = f"turn {turn} ".ljust(TURN_TEXT, "x")
-        sent += len(text)
-        previous = await respond(http, stack, text, previous)
+    texts = [f"turn {turn} ".ljust(TURN_TEXT, "x") for turn in range(TURNS)]
+    previous, sent = await chain(http, stack, texts)
     grown = stored_bytes(stack) - before
     report(
         f"{TURNS} chained turns of {TURN_TEXT} bytes: the store grew by {grown / MiB:.2f} MiB"
@@ -113,12 +120,7 @@ async def test_branches_off_a_long_chain_store_only_what_they_add(
     stack: Stack, http: aiohttp.ClientSession
 ) -> None:
     before = stored_bytes(stack)
-    tip: str | None = None
-    sent = 0
-    for turn in range(CHAIN):
-        text = f"part {turn} ".ljust(MiB, "y")
-        sent += len(text)
-        tip = await respond(http, stack, text, tip)
+    tip, sent = await chain(http, stack, [f"part {turn} ".ljust(MiB, "y") for turn in range(CHAIN)])
     chain_bytes = stored_bytes(stack) - before
     for _ in range(BRANCHES):
         sent += len("hi")
