@@ -170,26 +170,7 @@ def clamp_output_tokens(
         value = body.get(field)
         if value is None:
             continue
-        if type(value) is not int:
-            raise InvalidRequest(
-                f"Invalid type for '{field}': expected an integer, but got {_kind(value)} instead.",
-                param=field,
-                code="invalid_type",
-            )
-        if value < 1:
-            raise InvalidRequest(
-                f"Invalid '{field}': integer below minimum value. Expected a value >= 1, "
-                f"but got {_shown(value)} instead.",
-                param=field,
-                code="integer_below_min_value",
-            )
-        if value > MAX_OUTPUT_TOKENS_ASKED:
-            raise InvalidRequest(
-                f"Invalid '{field}': integer above maximum value. Expected a value <= "
-                f"{MAX_OUTPUT_TOKENS_ASKED}, but got {_shown(value)} instead.",
-                param=field,
-                code="integer_above_max_value",
-            )
+        value = _integer_within(field, value, 1, MAX_OUTPUT_TOKENS_ASKED)
         if value > cap:
             if clamp is None:
                 body = dict(body)  # the client's body is never changed in place
@@ -209,27 +190,35 @@ def check_answer_size(operation: Operation, body: Mapping[str, Any]) -> None:
         value = body.get(field)
         if value is None or (field == "logprobs" and type(value) is bool):
             continue
-        if type(value) is not int:
-            raise InvalidRequest(
-                f"Invalid type for '{field}': expected an integer, but got {_kind(value)} instead.",
-                param=field,
-                code="invalid_type",
-            )
-        if value < 0:
-            raise InvalidRequest(
-                f"Invalid '{field}': integer below minimum value. Expected a value >= 0, "
-                f"but got {_shown(value)} instead.",
-                param=field,
-                code="integer_below_min_value",
-            )
-        if value > cap:
-            raise InvalidRequest(
-                f"Invalid '{field}': integer above maximum value. Expected a value <= {cap}, "
-                f"but got {_shown(value)} instead (it multiplies the answer's size; this "
-                "server's limit).",
-                param=field,
-                code="integer_above_max_value",
-            )
+        _integer_within(
+            field, value, 0, cap, why=" (it multiplies the answer's size; this server's limit)"
+        )
+
+
+def _integer_within(field: str, value: object, low: int, high: int, why: str = "") -> int:
+    """``value`` when it is an integer from ``low`` to ``high``, else ``InvalidRequest``
+    naming ``field`` in OpenAI's words (``why``: what the upper bound is for)."""
+    if type(value) is not int:
+        raise InvalidRequest(
+            f"Invalid type for '{field}': expected an integer, but got {_kind(value)} instead.",
+            param=field,
+            code="invalid_type",
+        )
+    if value < low:
+        raise InvalidRequest(
+            f"Invalid '{field}': integer below minimum value. Expected a value >= {low}, "
+            f"but got {_shown(value)} instead.",
+            param=field,
+            code="integer_below_min_value",
+        )
+    if value > high:
+        raise InvalidRequest(
+            f"Invalid '{field}': integer above maximum value. Expected a value <= {high}, "
+            f"but got {_shown(value)} instead{why}.",
+            param=field,
+            code="integer_above_max_value",
+        )
+    return value
 
 
 def _kind(value: object) -> str:
