@@ -179,19 +179,27 @@ class Stack:
         return path
 
     async def issue_token(self, node: str) -> str:
+        return await self._issue(r"iopnt_\S+", "token", "issue", "--node", node)
+
+    async def issue_key(self, name: str) -> str:
+        """A plain API key (no operator flag, every model) from the control-plane's CLI."""
+        return await self._issue(r"sk-iop-\S+", "key", "issue", "--name", name)
+
+    async def _issue(self, secret: str, *command: str) -> str:
+        """Runs the control-plane's CLI ``command``; the secret it prints (``secret``)."""
         process = await asyncio.create_subprocess_exec(
             str(BIN / "iop-control-plane"),
             "--config",
             str(self.root / "control-plane.yaml"),
-            *("token", "issue", "--node", node),
+            *command,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
         )
         out, err = await process.communicate()
-        token = re.search(r"iopnt_\S+", out.decode())
-        if process.returncode != 0 or token is None:
-            raise RuntimeError(f"issuing a token for {node} failed: {err.decode()}")
-        return token.group(0)
+        found = re.search(secret, out.decode())
+        if process.returncode != 0 or found is None:
+            raise RuntimeError(f"{' '.join(command)} failed: {err.decode()}")
+        return found.group(0)
 
     async def start(self) -> None:
         """Write the PKI, fleet and settings, then start each service once the previous is up."""

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import re
 import sys
 import tempfile
 import time
@@ -33,26 +32,10 @@ from typing import Any
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from soak import BIN, Stack  # the soak's stack, one copy of it
+from soak import Stack  # the soak's stack, one copy of it
 
 MODEL = "mock-small"
 DRILL = {"iop_mock": {"fail": "provider_error"}}
-
-
-async def issue_key(stack: Stack, name: str) -> str:
-    process = await asyncio.create_subprocess_exec(
-        str(BIN / "iop-control-plane"),
-        "--config",
-        str(stack.root / "control-plane.yaml"),
-        *("key", "issue", "--name", name),
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    out, err = await process.communicate()
-    key = re.search(r"sk-iop-\S+", out.decode())
-    if process.returncode != 0 or key is None:
-        raise RuntimeError(f"issuing key {name} failed: {err.decode()}")
-    return key.group(0)
 
 
 async def ask(http: aiohttp.ClientSession, stack: Stack, key: str, extra: dict[str, Any]) -> int:
@@ -78,7 +61,7 @@ async def measure(args: argparse.Namespace) -> str:
         stack = Stack(Path(root))
         try:
             await stack.start()
-            tenant, other = await issue_key(stack, "tenant"), await issue_key(stack, "other")
+            tenant, other = await stack.issue_key("tenant"), await stack.issue_key("other")
             async with aiohttp.ClientSession() as http:
                 async with asyncio.timeout(60):  # until the edge has the keys (its poll)
                     while await ask(http, stack, other, {}) != 200:  # noqa: ASYNC110
