@@ -12,10 +12,11 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from iop_edge.domain.cache_report import CacheReport
-from iop_edge.domain.events import RunEvent
+from iop_edge.domain.events import Failed, RunEvent
 from iop_edge.domain.fleet import ApiKeyEntry, Fleet, ModelEntry, Operation
 from iop_edge.domain.leases import LeaseGrant, LineReply
 from iop_edge.domain.outliers import Phase
+from iop_edge.errors import EdgeError
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,10 +41,11 @@ class RunSpec:
 
 
 class RunEvents(Protocol):
-    """One dispatched run: its events in order, ending with ``Completed`` or ``Failed``
-    (converted from the wire once, by the node listener)."""
+    """One request's run, from admission to its one outcome (``RequestRun``): its events
+    in order, ending with ``Completed`` or ``Failed`` (converted from the wire once, by
+    the node listener). Whatever ends the request ends it through the run."""
 
-    run_id: str  # the client's id (X-Request-Id): its first attempt's, whatever follows
+    run_id: str  # the client's id (X-Request-Id): its first attempt's, once dispatched
 
     # These three: the attempt in progress (or the last one).
     @property
@@ -53,6 +55,15 @@ class RunEvents(Protocol):
     @property
     def target(self) -> str: ...
 
+    async def open(self) -> None:
+        """Take a slot (maybe after a wait in the model's queue) and start the run.
+
+        Raises ``NoProviderAvailable``, ``QueueFull``, ``QueueTimeout``, ``ShuttingDown``,
+        or the error the run was ended with meanwhile (``KeyRevoked``); the run has ended
+        then, and holds nothing.
+        """
+        ...
+
     def __aiter__(self) -> AsyncIterator[RunEvent]: ...
 
     @property
@@ -60,8 +71,18 @@ class RunEvents(Protocol):
         """More events are queued already (the node sent several at once)."""
         ...
 
-    async def cancel(self, reason: str) -> None:
-        """Stop the run (client gone): the node aborts the provider call, slots free."""
+    @property
+    def ended(self) -> bool:
+        """The run has its outcome: nothing is left to cancel."""
+        ...
+
+    async def cancel(self, reason: str, error: EdgeError | None = None) -> None:
+        """End the run (client gone, key revoked): the node aborts the provider call,
+        slots free; ``error``: what the client sees instead of a cancellation."""
+        ...
+
+    def error(self, failed: Failed) -> EdgeError:
+        """What the client sees for the run's failure ``failed``."""
         ...
 
     def attempt_records(self) -> tuple[AttemptRecord, ...]:
@@ -72,10 +93,11 @@ class RunEvents(Protocol):
 class RunService(Protocol):
     """Dispatch: selection, the per-model queue, target rewrite, the node link."""
 
-    async def open_run(self, spec: RunSpec) -> RunEvents:
-        """Choose a provider (waiting in the model's queue if needed) and start the run.
+    def admit(self, spec: RunSpec) -> RunEvents:
+        """The request's run, before any wait; ``RunEvents.open`` dispatches it.
 
-        Raises ``ModelNotFound``, ``NoProviderAvailable``, ``QueueFull``, ``QueueTimeout``.
+        Raises ``ModelNotFound``, ``ShuttingDown`` and the request's own errors (too
+        large, an operation none of the model's providers offers).
         """
         ...
 

@@ -24,10 +24,11 @@ from prometheus_client import CollectorRegistry
 
 from iop_edge.adapters.batch_store import SqliteBatchStore
 from iop_edge.adapters.run_wire import run_event
-from iop_edge.domain.events import RunEvent
+from iop_edge.domain.events import Failed, RunEvent
 from iop_edge.domain.fleet import ApiKeyEntry, ModelEntry
 from iop_edge.entrypoints.api_metrics import ApiMetrics
 from iop_edge.entrypoints.http_api import create_api_app, load_openapi
+from iop_edge.errors import EdgeError, from_failure
 from iop_edge.ports import AttemptRecord, EdgeRunRecord, RunSpec
 from iop_edge.service.batches import BatchService
 from iop_proto.v1 import runtime_pb2 as pb
@@ -78,15 +79,23 @@ class FakeRun:
         complete = pb.RunComplete(result_json=json.dumps(result).encode())
         yield pb.RunEvent(run_id=self.run_id, complete=complete)
 
-    async def cancel(self, reason: str) -> None:
+    async def cancel(self, reason: str, error: EdgeError | None = None) -> None:
         pass
+
+    async def open(self) -> None:
+        """Dispatched at once: no queue."""
+
+    ended = False
+
+    def error(self, failed: Failed) -> EdgeError:
+        return from_failure(failed)
 
 
 class FakeRuns:
     def __init__(self) -> None:
         self.specs: list[RunSpec] = []
 
-    async def open_run(self, spec: RunSpec) -> FakeRun:
+    def admit(self, spec: RunSpec) -> FakeRun:
         self.specs.append(spec)
         return FakeRun(spec, f"run-{len(self.specs)}")
 

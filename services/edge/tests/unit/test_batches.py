@@ -23,10 +23,19 @@ from prometheus_client import CollectorRegistry
 from iop_edge.adapters.batch_schema import SCHEMA_VERSION, BatchStoreError
 from iop_edge.adapters.batch_store import SqliteBatchStore
 from iop_edge.adapters.run_wire import run_event
-from iop_edge.domain.events import RunEvent
+from iop_edge.domain.events import Failed, RunEvent
 from iop_edge.domain.fleet import ApiKeyEntry, ModelEntry, Operation
 from iop_edge.domain.leases import LeaseGrant, LineReply
-from iop_edge.errors import InvalidRequest, LeaseLost, NotFound, QueueTimeout, RequestTooLarge
+from iop_edge.errors import (
+    EdgeError,
+    InvalidRequest,
+    LeaseLost,
+    NotFound,
+    ProviderFailed,
+    QueueTimeout,
+    RequestTooLarge,
+    from_failure,
+)
 from iop_edge.formats.errors import error_payload
 from iop_edge.ports import RunSpec
 from iop_edge.service.batches import BatchService
@@ -62,7 +71,10 @@ class FakeClock:
 class FakeRun:
     """Events of one run; a ``gate`` holds the terminal event back until the test sets it."""
 
-    def __init__(self, spec: RunSpec, run_id: str, gate: asyncio.Event | None = None) -> None:
+    def __init__(
+        self, runs: FakeRuns, spec: RunSpec, run_id: str, gate: asyncio.Event | None = None
+    ) -> None:
+        self.runs = runs
         self.run_id = run_id
         self.provider_id, self.node_id, self.target = "p1", "n1", SERVED
         self.spec = spec
@@ -108,9 +120,38 @@ class FakeRun:
         complete = pb.RunComplete(result_json=json.dumps(result).encode())
         yield pb.RunEvent(run_id=self.run_id, complete=complete)
 
-    async def cancel(self, reason: str) -> None:
+    async def cancel(self, reason: str, error: EdgeError | None = None) -> None:
+        if self._cancelled.is_set():
+            return  # ended already: the first end wins
         self.cancel_reasons.append(reason)
         self._cancelled.set()
+
+    @property
+    def ended(self) -> bool:
+        return self._cancelled.is_set()
+
+    def error(self, failed: Failed) -> EdgeError:
+        return from_failure(failed)
+
+    async def open(self) -> None:
+        """What the service's queue does to the run: ``busy`` finds no room, ``queued``
+        waits for a ``slot`` first, and leaves the queue when it is ended meanwhile."""
+        runs, model = self.runs, self.spec.model
+        if model == "busy":
+            raise QueueTimeout("no slot in time")
+        if model == "bug":
+            raise RuntimeError("a bug in dispatch")
+        if model == "huge":
+            raise RequestTooLarge("its run would not fit in a frame")
+        if model == "queued":
+            runs.queued.set()
+            waits = [asyncio.ensure_future(w.wait()) for w in (runs.slot, self._cancelled)]
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            for w in waits:
+                w.cancel()
+            if self._cancelled.is_set():
+                raise ProviderFailed(self.cancel_reasons[0], code="cancelled")
+        runs.started.set()
 
 
 class FakeRuns:
@@ -125,21 +166,11 @@ class FakeRuns:
         self.slot = asyncio.Event()
         self.queued = asyncio.Event()
 
-    async def open_run(self, spec: RunSpec) -> FakeRun:
+    def admit(self, spec: RunSpec) -> FakeRun:
         self.specs.append(spec)
-        if spec.model == "busy":
-            raise QueueTimeout("no slot in time")
-        if spec.model == "bug":
-            raise RuntimeError("a bug in dispatch")
-        if spec.model == "huge":
-            raise RequestTooLarge("its run would not fit in a frame")
-        if spec.model == "queued":
-            self.queued.set()
-            await self.slot.wait()
         gated = spec.model in ("slow", "queued")
-        run = FakeRun(spec, f"run-{len(self.specs)}", self.gate if gated else None)
+        run = FakeRun(self, spec, f"run-{len(self.specs)}", self.gate if gated else None)
         self.runs.append(run)
-        self.started.set()
         return run
 
 
@@ -992,7 +1023,7 @@ async def test_a_cancelling_batch_of_a_revoked_key_does_not_wait_for_its_worker(
     assert h.metric("iop_edge_batch_lease_expiries_total") == 0  # its lease was live
 
 
-async def test_a_line_waiting_for_a_slot_when_its_batch_ends_stops_when_it_gets_one(
+async def test_a_line_waiting_for_a_slot_when_its_batch_ends_stops_in_the_queue(
     h: Harness,
 ) -> None:
     batch = await h.batch([request("q", model="queued")], key=KEY_A)
@@ -1003,8 +1034,8 @@ async def test_a_line_waiting_for_a_slot_when_its_batch_ends_stops_when_it_gets_
         assert await h.service.apply_keys(frozenset()) == 1
         h.runs.slot.set()
         result = await call
-    assert result.status_code == 502  # stopped as soon as it started, and not stored
-    assert h.runs.runs[-1].cancel_reasons == ["the batch ended while the line waited for a slot"]
+    assert result.status_code == 502  # its run ended where it waited, and not stored
+    assert h.runs.runs[-1].cancel_reasons == ["the batch is cancelled"]
     cancelled = await h.service.get_batch(batch["id"])
     assert cancelled["status"] == "cancelled"
     assert cancelled["request_counts"] == {"total": 1, "completed": 0, "failed": 0}

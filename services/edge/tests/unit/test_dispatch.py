@@ -15,7 +15,7 @@ from iop_edge.domain.fleet import Fleet, ModelEntry, Operation, ProviderEntry
 from iop_edge.errors import ModelNotFound, NoProviderAvailable, QueueFull, QueueTimeout
 from iop_edge.metrics import EdgeMetrics
 from iop_edge.ports import RunSpec
-from iop_edge.service.failover import FailoverRun
+from iop_edge.service.request_run import RequestRun
 from iop_edge.testing import WiredDispatcher as Dispatch
 from iop_proto.v1 import runtime_pb2 as pb
 
@@ -73,8 +73,8 @@ def available(dispatcher: Dispatch, node: FakeNode, *providers: str) -> None:
     dispatcher.pool.node_connected(node, provider_reports(states))
 
 
-def complete(run: FailoverRun) -> None:
-    run.attempt.deliver(Completed(finish_reason="stop"))
+def complete(run: RequestRun) -> None:
+    run.deliver(Completed(finish_reason="stop"))
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ from iop_edge.domain.session_key import successor_key
 from iop_edge.errors import NoProviderAvailable, QueueTimeout, ShuttingDown
 from iop_edge.metrics import EdgeMetrics
 from iop_edge.ports import RunSpec
-from iop_edge.service.failover import FailoverRun
+from iop_edge.service.request_run import RequestRun
 from iop_edge.testing import RecordingNodeLink, WiredDispatcher
 from iop_proto.prefix import BLOCK_CHARS
 from iop_proto.v1 import runtime_pb2 as pb
@@ -78,11 +78,11 @@ def turn(session: str | None, *history: str, chained: bool = False) -> RunSpec:
     )
 
 
-def complete(run: FailoverRun) -> None:
-    run.attempt.deliver(Completed(finish_reason="stop"))
+def complete(run: RequestRun) -> None:
+    run.deliver(Completed(finish_reason="stop"))
 
 
-async def waiting_aside() -> tuple[WiredDispatcher, FailoverRun, asyncio.Task[FailoverRun]]:
+async def waiting_aside() -> tuple[WiredDispatcher, RequestRun, asyncio.Task[RequestRun]]:
     """Two providers; a session's first turn on one, its second waiting for that one (the
     other is free, but the wait's bound is long): the dispatcher, the first run, the
     waiting request."""

@@ -28,8 +28,8 @@ from iop_edge.errors import (
 )
 from iop_edge.metrics import EdgeMetrics
 from iop_edge.ports import RunSpec
-from iop_edge.service.failover import FailoverRun
 from iop_edge.service.limits import RunBody
+from iop_edge.service.request_run import RequestRun
 from iop_edge.testing import WiredDispatcher as Dispatch
 from iop_proto import json_codec
 from iop_proto.errors import ConnectionClosed
@@ -118,8 +118,8 @@ def connect(dispatcher: Dispatch, link: Link) -> None:
     )
 
 
-def complete(run: FailoverRun) -> None:
-    run.attempt.deliver(Completed(finish_reason="stop"))
+def complete(run: RequestRun) -> None:
+    run.deliver(Completed(finish_reason="stop"))
 
 
 def new_dispatcher(entry: ProviderEntry | None = None) -> Dispatch:
@@ -179,7 +179,7 @@ async def _cancelled_in_send(dispatcher: Dispatch, *, twice: bool) -> BaseExcept
     return await _raised(task)
 
 
-async def _busy(dispatcher: Dispatch) -> tuple[Link, FailoverRun]:
+async def _busy(dispatcher: Dispatch) -> tuple[Link, RequestRun]:
     """node-a connected, its one slot taken by a run that is going."""
     link = Link()
     connect(dispatcher, link)

@@ -17,7 +17,7 @@ from iop_edge.domain.pool import ProviderSlot, select
 from iop_edge.errors import NoProviderAvailable
 from iop_edge.metrics import EdgeMetrics
 from iop_edge.ports import RunSpec
-from iop_edge.service.failover import FailoverRun
+from iop_edge.service.request_run import RequestRun
 from iop_edge.testing import RecordingNodeLink
 from iop_edge.testing import WiredDispatcher as Dispatch
 from iop_proto.v1 import runtime_pb2 as pb
@@ -51,8 +51,8 @@ def spec(model: str) -> RunSpec:
     return RunSpec(model, Operation.CHAT_COMPLETIONS, {"model": model}, False, False)
 
 
-def complete(run: FailoverRun) -> None:
-    run.attempt.deliver(Completed(finish_reason="stop"))
+def complete(run: RequestRun) -> None:
+    run.deliver(Completed(finish_reason="stop"))
 
 
 def candidates(dispatcher: Dispatch, model: str) -> list[ProviderSlot]:
@@ -80,7 +80,7 @@ async def test_every_dispatch_chooses_what_the_scan_chooses(seed: int) -> None:
     dispatcher = Dispatch(EdgeMetrics.create(CollectorRegistry()), outliers=policy)
     dispatcher.pool.apply_fleet(random_fleet(rng, 1))
     nodes = {n: RecordingNodeLink(n) for n in ("n0", "n1", "n2")}
-    runs: list[FailoverRun] = []
+    runs: list[RequestRun] = []
     ejections: set[str] = set()
     health = (pb.HEALTH_AVAILABLE, pb.HEALTH_AVAILABLE, pb.HEALTH_UNAVAILABLE, pb.HEALTH_UNKNOWN)
     for step in range(400):
@@ -109,7 +109,7 @@ async def test_every_dispatch_chooses_what_the_scan_chooses(seed: int) -> None:
             complete(runs.pop(rng.randrange(len(runs))))
         elif action < 0.65 and runs:  # a provider's failure: counts for ejection
             run = runs.pop(rng.randrange(len(runs)))
-            dispatcher.deliver(run.attempt.run_id, Failed(ErrorCode.PROVIDER_ERROR, "500", 500))
+            dispatcher.deliver(run.attempt_id, Failed(ErrorCode.PROVIDER_ERROR, "500", 500))
             await asyncio.sleep(0)  # a cooldown armed before may end now
         elif action < 0.8:
             if dispatcher.pool.link(node.node_id) is not None:
@@ -124,7 +124,7 @@ async def test_every_dispatch_chooses_what_the_scan_chooses(seed: int) -> None:
             dispatcher.deliver(run.run_id, failed_event(failed))
         elif action >= 0.97:
             dispatcher.pool.apply_fleet(random_fleet(rng, step + 2))
-        runs = [r for r in runs if not r.attempt.finished]
+        runs = [r for r in runs if not r.attempt_finished]
         for slot in dispatcher.pool.slots():
             assert slot.connected == (dispatcher.pool.link(slot.node_id) is not None), (seed, step)
             ejected = slot.outlier.phase is Phase.EJECTED

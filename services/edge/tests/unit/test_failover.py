@@ -27,7 +27,7 @@ from iop_edge.metrics import EdgeMetrics
 from iop_edge.ports import RunSpec
 from iop_edge.service.batch_lines import LineRunner
 from iop_edge.service.catalog import PoolCatalog
-from iop_edge.service.failover import FailoverRun
+from iop_edge.service.request_run import RequestRun
 from iop_edge.service.run_reader import Collector, follow
 from iop_edge.testing import WiredDispatcher as Dispatch
 from iop_proto.v1 import runtime_pb2 as pb
@@ -124,7 +124,7 @@ async def settle() -> None:
         await asyncio.sleep(0)
 
 
-async def read_all(run: FailoverRun) -> list[RunEvent]:
+async def read_all(run: RequestRun) -> list[RunEvent]:
     return [event async for event in run]
 
 

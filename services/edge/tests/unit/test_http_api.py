@@ -25,13 +25,20 @@ from openai import AsyncOpenAI
 from prometheus_client import CollectorRegistry
 
 from iop_edge.adapters.run_wire import run_event
-from iop_edge.domain.events import RunEvent
+from iop_edge.domain.events import Failed, RunEvent
 from iop_edge.domain.fleet import ApiKeyEntry, ModelEntry, Operation
 from iop_edge.entrypoints.api_auth import KeySlots
 from iop_edge.entrypoints.api_metrics import ApiMetrics
 from iop_edge.entrypoints.http_api import create_api_app, load_openapi
 from iop_edge.entrypoints.stop_gate import StopGate
-from iop_edge.errors import EdgeError, NoProviderAvailable, QueueFull, QueueTimeout
+from iop_edge.errors import (
+    EdgeError,
+    NoProviderAvailable,
+    ProviderFailed,
+    QueueFull,
+    QueueTimeout,
+    from_failure,
+)
 from iop_edge.ports import AttemptRecord, EdgeRunRecord, RunSpec
 from iop_proto.v1 import runtime_pb2 as pb
 
@@ -92,6 +99,30 @@ class FakeRun:
         self.cancel_reasons: list[str] = []
         self._yielded = 0
         self._ended = asyncio.Event()  # cancel(): a hanging run ends with an error event
+        self._error: EdgeError | None = None  # what cancel() said the client sees
+        self._told_end = False  # its terminal event went to the reader
+        self.service: FakeService | None = None  # who admitted it (its queue)
+
+    async def open(self) -> None:
+        """Dispatched at once, unless the service queues forever: then it waits until
+        it is ended (``cancel``) or its task is cancelled, and leaves the queue."""
+        service = self.service
+        assert service is not None
+        if service.queue_forever:
+            service.queued.set()
+            try:
+                await self._ended.wait()
+            finally:
+                service.left_queue.set()
+            raise self._error or ProviderFailed(self.cancel_reasons[0], code="cancelled")
+        service.runs.append(self)
+
+    @property
+    def ended(self) -> bool:
+        return self._told_end or self._ended.is_set()
+
+    def error(self, failed: Failed) -> EdgeError:
+        return self._error or from_failure(failed)
 
     def __aiter__(self) -> AsyncIterator[RunEvent]:
         return as_events(self._iterate())
@@ -105,6 +136,7 @@ class FakeRun:
         for sequence, event in enumerate(self._events):
             event.run_id, event.sequence = self.run_id, sequence
             self._yielded = sequence + 1
+            self._told_end = event.HasField("complete") or event.HasField("error")
             yield event
         if self._fail is not None:
             raise self._fail
@@ -113,8 +145,11 @@ class FakeRun:
             await self._ended.wait()
             yield run_error(pb.ERROR_CODE_CANCELLED, self.cancel_reasons[0])
 
-    async def cancel(self, reason: str) -> None:
+    async def cancel(self, reason: str, error: EdgeError | None = None) -> None:
+        if self._ended.is_set():
+            return  # ended already: the first end wins
         self.cancel_reasons.append(reason)
+        self._error = error
         self.cancelled.set()
         self._ended.set()
 
@@ -166,19 +201,12 @@ class FakeService:
         self.queued = asyncio.Event()
         self.left_queue = asyncio.Event()
 
-    async def open_run(self, spec: RunSpec) -> FakeRun:
+    def admit(self, spec: RunSpec) -> FakeRun:
         self.specs.append(spec)
         if self.error is not None:
             raise self.error
-        if self.queue_forever:
-            self.queued.set()
-            try:
-                await asyncio.Event().wait()
-            except asyncio.CancelledError:
-                self.left_queue.set()
-                raise
         run = self.plan(spec)
-        self.runs.append(run)
+        run.service = self
         return run
 
 

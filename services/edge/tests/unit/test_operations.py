@@ -19,7 +19,7 @@ from iop_edge.errors import UnsupportedOperation, from_failure
 from iop_edge.metrics import EdgeMetrics
 from iop_edge.ports import RunSpec
 from iop_edge.service.catalog import PoolCatalog
-from iop_edge.service.failover import FailoverRun
+from iop_edge.service.request_run import RequestRun
 from iop_edge.testing import WiredDispatcher as Dispatch
 from iop_proto.v1 import runtime_pb2 as pb
 
@@ -97,7 +97,7 @@ def spec(operation: Operation) -> RunSpec:
     return RunSpec(MODEL, operation, body, stream=False, include_usage=False)
 
 
-async def read_all(run: FailoverRun) -> list[RunEvent]:
+async def read_all(run: RequestRun) -> list[RunEvent]:
     return [event async for event in run]
 
 

@@ -105,7 +105,7 @@ async def test_a_run_takes_events_only_from_the_connection_it_was_dispatched_on(
             rules.run_event(stranger, event)
         assert caught.value.code == pb.ERROR_CODE_PERMISSION_DENIED
     assert refused(registry, "node", "foreign_run") == 2
-    assert not run.attempt.finished
+    assert not run.attempt_finished
 
 
 def test_a_snapshot_speaks_only_of_the_senders_providers(
@@ -160,6 +160,6 @@ async def test_a_replaced_connections_runs_end_with_it(dispatcher: Dispatch) -> 
     dispatcher.pool.node_connected(new, provider_reports([state]))  # the node registered again
     dispatcher.pool.node_disconnected(old, "replaced by a new connection")
     # nothing else would end it: the node cancelled it with the old link
-    assert run.attempt.finished
+    assert run.attempt_finished
     assert dispatcher.pool.slot("a").connected
     assert dispatcher.pool.slot("a").own_in_flight == 0

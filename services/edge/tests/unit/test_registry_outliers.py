@@ -18,7 +18,7 @@ from iop_edge.domain.outliers import OutlierPolicy
 from iop_edge.metrics import EdgeMetrics
 from iop_edge.ports import RunSpec
 from iop_edge.service.catalog import PoolCatalog
-from iop_edge.service.runs import EdgeRun
+from iop_edge.service.request_run import RequestRun
 from iop_edge.settings import EdgeSettings
 from iop_edge.testing import WiredDispatcher
 from iop_proto.v1 import runtime_pb2 as pb
@@ -70,12 +70,12 @@ class Pool:
         self.dispatcher.pool.node_connected(self.node, provider_reports(states))
         self.catalog = PoolCatalog(self.dispatcher.fleet, self.dispatcher.pool, self.dispatcher)
 
-    async def run(self) -> EdgeRun:
+    async def run(self) -> RequestRun:
         """The first attempt of a new request (nobody reads it: no failover follows)."""
         spec = RunSpec("m", Operation.CHAT_COMPLETIONS, {"model": "m"}, False, False)
-        return (await self.dispatcher.open_run(spec)).attempt
+        return await self.dispatcher.open_run(spec)
 
-    def end(self, run: EdgeRun, event: Completed | Failed) -> None:
+    def end(self, run: RequestRun, event: Completed | Failed) -> None:
         assert self.dispatcher.deliver(run.run_id, event)
 
     def row(self, provider_id: str) -> dict[str, object]:
@@ -177,7 +177,7 @@ async def test_runs_lost_with_the_node_link_do_not_count() -> None:
     runs = [await pool.run() for _ in range(4)]
     assert {r.provider_id for r in runs} == {"flaky", "steady"}
     pool.dispatcher.pool.node_disconnected(pool.node, "heartbeat missed")
-    assert all(r.finished for r in runs)
+    assert all(r.attempt_finished for r in runs)
     assert pool.row("flaky")["consecutive_failures"] == 0
 
 

@@ -30,6 +30,7 @@ from iop_edge.domain.fleet import ApiKeyEntry, ModelEntry
 from iop_edge.entrypoints.api_dialect import DROPPED_TOOLS_HEADER
 from iop_edge.entrypoints.api_metrics import ApiMetrics
 from iop_edge.entrypoints.http_api import create_api_app, load_openapi
+from iop_edge.errors import EdgeError, from_failure
 from iop_edge.ports import AttemptRecord, EdgeRunRecord, RunSpec
 from iop_edge.testing import MemoryResponseStore
 from iop_proto import json_codec
@@ -60,8 +61,18 @@ class Run:
     def more_ready(self) -> bool:
         return False
 
-    async def cancel(self, reason: str) -> None:
+    async def cancel(self, reason: str, error: EdgeError | None = None) -> None:
         self.cancelled.append(reason)
+
+    async def open(self) -> None:
+        """Dispatched at once: no queue."""
+
+    @property
+    def ended(self) -> bool:
+        return bool(self.cancelled)
+
+    def error(self, failed: Failed) -> EdgeError:
+        return from_failure(failed)
 
     def attempt_records(self) -> tuple[AttemptRecord, ...]:
         return (AttemptRecord(self.run_id, self.provider_id, self.node_id, "completed"),)
@@ -74,7 +85,7 @@ class Service:
     events: list[RunEvent] = field(default_factory=list)
     specs: list[RunSpec] = field(default_factory=list)
 
-    async def open_run(self, spec: RunSpec) -> Run:
+    def admit(self, spec: RunSpec) -> Run:
         self.specs.append(spec)
         return Run(self.events)
 

@@ -15,12 +15,13 @@ import aiohttp
 from aiohttp import WSCloseCode, web
 from prometheus_client import CollectorRegistry
 
-from iop_edge.domain.events import Delta, RunEvent, Started
+from iop_edge.domain.events import Delta, Failed, RunEvent, Started
 from iop_edge.domain.fleet import ApiKeyEntry, ModelEntry
 from iop_edge.entrypoints.api_auth import KeySlots
 from iop_edge.entrypoints.api_metrics import ApiMetrics
 from iop_edge.entrypoints.inference_routes import InferenceRoutes
 from iop_edge.entrypoints.responses_websocket import RecentResponses, ResponsesWebSocket
+from iop_edge.errors import EdgeError, from_failure
 from iop_edge.formats.reasoning_seal import ReasoningSeal
 from iop_edge.ports import AttemptRecord, EdgeRunRecord, RunSpec
 from iop_edge.testing import MemoryResponseStore
@@ -39,12 +40,12 @@ class Run:
         self.node_id = "n1"
         self.target = "served"
         self.cancelled: list[str] = []
-        self.ended = asyncio.Event()
+        self.stopped = asyncio.Event()
 
     async def _iterate(self) -> AsyncIterator[RunEvent]:
         yield Started("p1")
         yield Delta(text="one", role="assistant")
-        await self.ended.wait()
+        await self.stopped.wait()
 
     def __aiter__(self) -> AsyncIterator[RunEvent]:
         return self._iterate()
@@ -53,9 +54,19 @@ class Run:
     def more_ready(self) -> bool:
         return False
 
-    async def cancel(self, reason: str) -> None:
+    async def cancel(self, reason: str, error: EdgeError | None = None) -> None:
         self.cancelled.append(reason)
-        self.ended.set()
+        self.stopped.set()
+
+    async def open(self) -> None:
+        """Dispatched at once: no queue."""
+
+    @property
+    def ended(self) -> bool:
+        return bool(self.cancelled)
+
+    def error(self, failed: Failed) -> EdgeError:
+        return from_failure(failed)
 
     def attempt_records(self) -> tuple[AttemptRecord, ...]:
         return (AttemptRecord(self.run_id, self.provider_id, self.node_id, "cancelled"),)
@@ -65,7 +76,7 @@ class Run:
 class Service:
     runs: list[Run] = field(default_factory=list)
 
-    async def open_run(self, spec: RunSpec) -> Run:
+    def admit(self, spec: RunSpec) -> Run:
         self.runs.append(Run())
         return self.runs[-1]
 

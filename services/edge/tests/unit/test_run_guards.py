@@ -28,7 +28,8 @@ from iop_edge.domain.fleet import Fleet, ModelEntry, Operation, ProviderEntry
 from iop_edge.domain.pool import AVAILABLE, UNAVAILABLE
 from iop_edge.metrics import EdgeMetrics
 from iop_edge.ports import RunSpec
-from iop_edge.service.runs import EdgeRun, RunGuards
+from iop_edge.service.request_run import RequestRun
+from iop_edge.service.runs import RunGuards
 from iop_edge.testing import WiredDispatcher
 from iop_proto.v1 import runtime_pb2 as pb
 
@@ -66,7 +67,8 @@ def provider(pid: str, node: str) -> ProviderEntry:
 def wired(guards: RunGuards) -> WiredDispatcher:
     dispatcher = WiredDispatcher(EdgeMetrics.create(CollectorRegistry()), guards=guards)
     providers = {"a": provider("a", "node-a"), "b": provider("b", "node-b")}
-    model = ModelEntry("m", "M", {"a": "m-a", "b": "m-b"})
+    # No retries: these tests read one attempt's end (test_failover.py reads past it).
+    model = ModelEntry("m", "M", {"a": "m-a", "b": "m-b"}, retries=0)
     dispatcher.pool.apply_fleet(Fleet(version=1, models={"m": model}, providers=providers))
     return dispatcher
 
@@ -80,7 +82,7 @@ def spec(stream: bool = False) -> RunSpec:
     return RunSpec("m", Operation.CHAT_COMPLETIONS, {"model": "m", "messages": []}, stream, False)
 
 
-async def last_event(run: EdgeRun) -> RunEvent:
+async def last_event(run: RequestRun) -> RunEvent:
     events = [event async for event in run]
     return events[-1]
 
@@ -96,7 +98,7 @@ async def test_an_unacknowledged_run_fails_and_takes_its_node_out_of_selection()
     node_a, node_b = Node("node-a"), Node("node-b")
     connect(dispatcher, node_a, "a")
     connect(dispatcher, node_b, "b")
-    run = (await dispatcher.open_run(spec())).attempt
+    run = await dispatcher.open_run(spec())
     assert run.provider_id == "a"  # ties go to the first listed
 
     ended = await last_event(run)
@@ -107,7 +109,7 @@ async def test_an_unacknowledged_run_fails_and_takes_its_node_out_of_selection()
     assert health(dispatcher, "a") == UNAVAILABLE
     assert dispatcher.runs_in_flight() == 0
 
-    following = (await dispatcher.open_run(spec())).attempt
+    following = await dispatcher.open_run(spec())
     assert following.provider_id == "b"  # the silent node gets nothing new
     following.deliver(ACCEPTED)
     following.deliver(Completed("stop"))
@@ -122,12 +124,12 @@ async def test_an_acknowledged_run_is_left_to_its_deadline() -> None:
     dispatcher = wired(RunGuards(ack_timeout_s=SHORT))
     node = Node("node-a")
     connect(dispatcher, node, "a")
-    run = (await dispatcher.open_run(spec())).attempt
+    run = await dispatcher.open_run(spec())
     accepted = run_event(pb.RunEvent(run_id=run.run_id, accepted={}))
     assert accepted is ACCEPTED
     assert dispatcher.deliver(run.run_id, accepted)
     await asyncio.sleep(SHORT * 3)  # well past the ack timeout: nothing happens
-    assert not run.finished
+    assert not run.attempt_finished
     assert not run.more_ready
     run.deliver(Completed("stop"))
     assert await last_event(run) == Completed("stop")
@@ -138,9 +140,9 @@ async def test_a_node_that_does_not_acknowledge_runs_is_not_timed() -> None:
     dispatcher = wired(RunGuards(ack_timeout_s=SHORT))
     node = Node("node-a", acknowledges_runs=False)  # registered without the flag
     connect(dispatcher, node, "a")
-    run = (await dispatcher.open_run(spec())).attempt
+    run = await dispatcher.open_run(spec())
     await asyncio.sleep(SHORT * 3)
-    assert not run.finished
+    assert not run.attempt_finished
     run.deliver(Completed("stop"))
     assert await last_event(run) == Completed("stop")
 
@@ -149,7 +151,7 @@ async def test_a_stream_that_goes_quiet_after_its_first_token_fails_with_a_timeo
     dispatcher = wired(RunGuards(ack_timeout_s=10, stall_timeout_s=SHORT * 2))
     node = Node("node-a")
     connect(dispatcher, node, "a")
-    run = (await dispatcher.open_run(spec(stream=True))).attempt
+    run = await dispatcher.open_run(spec(stream=True))
     run.deliver(ACCEPTED)
     run.deliver(Started("a"))
     run.deliver(Delta("hi"))
@@ -166,11 +168,11 @@ async def test_the_first_token_has_its_own_bound_apart_from_the_stall() -> None:
     dispatcher = wired(RunGuards(stall_timeout_s=SHORT, first_token_timeout_s=SHORT * 8))
     node = Node("node-a")
     connect(dispatcher, node, "a")
-    run = (await dispatcher.open_run(spec(stream=True))).attempt
+    run = await dispatcher.open_run(spec(stream=True))
     run.deliver(ACCEPTED)
     run.deliver(Started("a"))
     await asyncio.sleep(SHORT * 3)
-    assert not run.finished
+    assert not run.attempt_finished
     run.deliver(Delta("hi"))
     ended = await last_event(run)
     assert isinstance(ended, Failed)
@@ -183,7 +185,7 @@ async def test_a_stream_without_a_first_token_fails_at_the_first_token_bound() -
     connect(dispatcher, node_a, "a")
     connect(dispatcher, node_b, "b")
     opened = await dispatcher.open_run(spec(stream=True))
-    run = opened.attempt
+    run = opened
     loop = asyncio.get_running_loop()
     sent_at = loop.time()
     run.deliver(ACCEPTED)
@@ -200,10 +202,10 @@ async def test_the_first_token_bound_off_leaves_the_wait_to_the_deadline() -> No
     dispatcher = wired(RunGuards(stall_timeout_s=SHORT))
     node = Node("node-a")
     connect(dispatcher, node, "a")
-    run = (await dispatcher.open_run(spec(stream=True))).attempt
+    run = await dispatcher.open_run(spec(stream=True))
     run.deliver(ACCEPTED)
     await asyncio.sleep(SHORT * 3)
-    assert not run.finished
+    assert not run.attempt_finished
     run.deliver(Completed("stop"))
     assert await last_event(run) == Completed("stop")
 
@@ -212,7 +214,7 @@ async def test_each_event_moves_the_stall_deadline() -> None:
     dispatcher = wired(RunGuards(stall_timeout_s=SHORT * 4))
     node = Node("node-a", acknowledges_runs=False)
     connect(dispatcher, node, "a")
-    run = (await dispatcher.open_run(spec(stream=True))).attempt
+    run = await dispatcher.open_run(spec(stream=True))
     for _ in range(8):  # twice the stall timeout in all, never that long between events
         await asyncio.sleep(SHORT)
         run.deliver(Delta("x"))
@@ -224,9 +226,9 @@ async def test_a_non_streamed_run_is_never_failed_as_stalled() -> None:
     dispatcher = wired(RunGuards(stall_timeout_s=SHORT))
     node = Node("node-a")
     connect(dispatcher, node, "a")
-    run = (await dispatcher.open_run(spec(stream=False))).attempt
+    run = await dispatcher.open_run(spec(stream=False))
     run.deliver(ACCEPTED)
     await asyncio.sleep(SHORT * 3)  # its answer comes whole, at the end
-    assert not run.finished
+    assert not run.attempt_finished
     run.deliver(Completed("stop"))
     assert await last_event(run) == Completed("stop")

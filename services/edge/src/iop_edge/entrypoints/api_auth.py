@@ -9,7 +9,6 @@ every request it still holds ended at once.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import functools
 import ipaddress
@@ -20,15 +19,12 @@ from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 from loguru import logger
 
-from iop_edge.domain.events import Failed
 from iop_edge.domain.fleet import ApiKeyEntry
 from iop_edge.errors import (
     AuthenticationFailed,
-    EdgeError,
     KeyRevoked,
     LoopbackOnly,
     TooManyConcurrent,
-    from_failure,
 )
 from iop_edge.ports import KeyRing, RunEvents
 
@@ -125,49 +121,16 @@ def access_mode(keys_open: bool, allow_open: bool, host: str) -> str:
     )
 
 
-class InFlight:
-    """One request of a key: its task until its run is dispatched, then its run.
-
-    A revocation cancels the task while there is no run yet (waiting in a
-    model's queue, for instance); once there is one it cancels the run, whose
-    error event ends the request the way a failed run does (an SSE ``error``
-    event on a stream that started).
-    """
-
-    __slots__ = ("events", "revoked", "task", "task_cancelled")
-
-    def __init__(self, task: asyncio.Task[object] | None) -> None:
-        self.task = task
-        self.events: RunEvents | None = None  # set by the handler once dispatched
-        self.revoked = False
-        self.task_cancelled = False  # by ``end``: the CancelledError that follows is ours
-
-    def run_error(self, error: Failed) -> EdgeError:
-        """What the client sees for a run's error event: a revocation says so."""
-        if self.revoked:
-            return KeyRevoked(KEY_REVOKED)
-        return from_failure(error)
-
-    async def end(self) -> None:
-        """Revoked: cancel the run (it frees its slot and tells the node), or the task."""
-        self.revoked = True
-        if self.events is not None:
-            await self.events.cancel("API key revoked")
-        elif self.task is not None and not self.task_cancelled:
-            self.task_cancelled = True
-            self.task.cancel()
-
-
 class KeySlots:
-    """Requests in progress per API key: counted against each key's ``max_concurrent``,
-    and ended when their key leaves the fleet (``apply_keys``).
+    """Requests in progress per API key, as their runs: counted against each key's
+    ``max_concurrent``, and ended when their key leaves the fleet (``apply_keys``).
 
     Touched twice per request (start and end), never in between; acquire and
     release never await, so the counts are exact on one event loop.
     """
 
     def __init__(self) -> None:
-        self._held: dict[str, set[InFlight]] = {}
+        self._held: dict[str, set[RunEvents]] = {}
         self._present: frozenset[str] = frozenset()
         self._revoked: set[str] = set()  # left the fleet since: refused if a request arrives
 
@@ -188,38 +151,24 @@ class KeySlots:
             )
 
     @contextlib.contextmanager
-    def hold(self, key: ApiKeyEntry | None) -> Iterator[InFlight]:
-        """One slot of ``key`` for the block; ``TooManyConcurrent`` (429) when none is left.
-
-        A revocation while the block runs ends it with ``KeyRevoked`` (401), also
-        when the request was cancelled for it; a cancellation from anywhere else
-        (the client left) passes through untouched.
-        """
-        flight = InFlight(asyncio.current_task())
+    def hold(self, key: ApiKeyEntry | None, run: RunEvents) -> Iterator[None]:
+        """One slot of ``key`` for ``run`` during the block; ``TooManyConcurrent`` (429)
+        when none is left. A revocation meanwhile ends the run (``KeyRevoked``, 401, or
+        an error event once its stream started): nothing else is cancelled."""
         if key is None:
-            yield flight
+            yield
             return
         if key.key_id in self._revoked:
             # authenticated a moment before the revocation arrived (its body was still coming)
             raise KeyRevoked(KEY_REVOKED)
         self.check_room(key)
-        flights = self._held.setdefault(key.key_id, set())
-        flights.add(flight)
+        runs = self._held.setdefault(key.key_id, set())
+        runs.add(run)
         try:
-            yield flight
-        except asyncio.CancelledError:
-            task = flight.task
-            # ours alone (asyncio.timeout's rule): a client that left as well stays cancelled
-            if flight.task_cancelled and task is not None and task.uncancel() == 0:
-                raise KeyRevoked(KEY_REVOKED) from None
-            raise
-        except EdgeError:
-            if flight.revoked:
-                raise KeyRevoked(KEY_REVOKED) from None
-            raise
+            yield
         finally:
-            flights.discard(flight)
-            if not flights and self._held.get(key.key_id) is flights:
+            runs.discard(run)
+            if not runs and self._held.get(key.key_id) is runs:
                 del self._held[key.key_id]
 
     async def apply_keys(self, present: frozenset[str]) -> int:
@@ -232,9 +181,9 @@ class KeySlots:
         ended = 0
         for key_id in [k for k in self._held if k not in present]:
             self._revoked.add(key_id)
-            flights = list(self._held[key_id])
-            for flight in flights:
-                await flight.end()
-            ended += len(flights)
-            logger.warning("API key {} revoked: ended its {} request(s)", key_id, len(flights))
+            runs = list(self._held[key_id])
+            for run in runs:
+                await run.cancel("API key revoked", KeyRevoked(KEY_REVOKED))
+            ended += len(runs)
+            logger.warning("API key {} revoked: ended its {} request(s)", key_id, len(runs))
         return ended

@@ -6,11 +6,11 @@ resolve the model, take a slot of the key, ``RunService.open_run``, then relay
 the run's events (as SSE events the moment each arrives, or as one JSON body
 at the end), in the dialect's wire.
 
-Whatever way a request ends, the run is never left behind: a client that
-disconnects (the handler is cancelled, or a write fails) gets its run
-cancelled on the node, and exactly one ``EdgeRunRecord`` is written. A key
-revoked meanwhile ends the request the same way, with a 401 (or an error event
-once the stream has started): see ``KeySlots``.
+The request's run exists from admission (``RunService.admit``, before any wait) to
+its one outcome, and every way the request ends goes through it: a client that
+disconnects (the handler is cancelled, or a write fails) ends it here, which cancels
+it on the node; a key revoked meanwhile ends it from ``KeySlots``, with a 401 (or
+an error event once the stream has started). Exactly one ``EdgeRunRecord`` is written.
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ from aiohttp.typedefs import Handler
 
 from iop_edge.domain import drills
 from iop_edge.domain.drills import asks_drill, may_drill
-from iop_edge.domain.events import Completed, Delta, Failed, Started
+from iop_edge.domain.events import Completed, Delta, Started
 from iop_edge.domain.fleet import ApiKeyEntry, Operation
 from iop_edge.domain.session_key import session_key
-from iop_edge.entrypoints.api_auth import InFlight, KeySlots, authenticate
+from iop_edge.entrypoints.api_auth import KeySlots, authenticate
 from iop_edge.entrypoints.api_dialect import Dialect, DialectRequest, StreamWriter
 from iop_edge.entrypoints.api_metrics import ApiMetrics
 from iop_edge.entrypoints.inference_request import read_json_body
@@ -225,44 +225,42 @@ class InferenceRoutes:
         if clamp is not None:
             trace.headers[CLAMP_HEADER] = clamp.header
         in_flight = self._metrics.model(spec.model).in_flight
-        with self._slots.hold(key) as flight, in_flight.track_inprogress():
-            opened_at = time.monotonic()
-            # Cancelled here (client gone, or key revoked, while queued), the dispatcher
-            # leaves the queue.
-            events = await self._service.open_run(spec)
-            flight.events = events  # from now on a revocation cancels the run instead
-            trace.dispatched(events, time.monotonic() - opened_at)
-            try:
+        run = self._service.admit(spec)
+        try:
+            with self._slots.hold(key, run), in_flight.track_inprogress():
+                opened_at = time.monotonic()
+                await run.open()  # the run ends itself on a failure here
+                trace.dispatched(run, time.monotonic() - opened_at)
                 if spec.stream:
-                    return await self._stream(request, dialect, asked, events, trace, flight, out())
-                return await self._collect(dialect, asked, events, trace, flight)
-            except BaseException as exc:
-                if not trace.run_ended:
-                    reason = (
-                        CLIENT_DISCONNECTED
-                        if isinstance(exc, asyncio.CancelledError | ConnectionResetError)
-                        else f"edge failed: {type(exc).__name__}"
-                    )
-                    await _cancel(events, trace, reason)
-                raise
+                    return await self._stream(request, dialect, asked, run, trace, out())
+                return await self._collect(dialect, asked, run, trace)
+        except BaseException as exc:
+            if not run.ended:
+                reason = (
+                    CLIENT_DISCONNECTED
+                    if isinstance(exc, asyncio.CancelledError | ConnectionResetError)
+                    else f"edge failed: {type(exc).__name__}"
+                )
+                # shielded: a second cancellation cannot keep the node running it
+                await asyncio.shield(run.cancel(reason))
+            raise
 
     async def _stream(
         self,
         request: web.Request,
         dialect: Dialect,
         asked: DialectRequest,
-        events: RunEvents,
+        run: RunEvents,
         trace: RunTrace,
-        flight: InFlight,
         response: Out,
     ) -> Out:
         """Relay the run as SSE; the status line waits for the first delta, so a run
         that fails before producing anything still gets a real HTTP error."""
-        response.headers["X-Request-Id"] = events.run_id
+        response.headers["X-Request-Id"] = run.run_id
         response.headers.update(trace.headers)
-        writer = dialect.stream_writer(asked, events.run_id, trace.created)
+        writer = dialect.stream_writer(asked, run.run_id, trace.created)
         try:
-            error = await _relay(request, response, writer, events, trace, flight)
+            error = await _relay(request, response, writer, run, trace)
             if error is not None:
                 if not response.prepared:
                     raise error
@@ -271,17 +269,15 @@ class InferenceRoutes:
         except ConnectionResetError:
             # The client left between two tokens; aiohttp ignores the closed transport.
             trace.client_gone()
-            if not trace.run_ended:
-                await _cancel(events, trace, CLIENT_DISCONNECTED)
+            await asyncio.shield(run.cancel(CLIENT_DISCONNECTED))
         except Exception as exc:
             if not response.prepared:
                 raise  # the boundary can still answer with a 500
             # The status line is out: the outermost boundary could only write a second
             # response into this stream, so the stream itself ends the way a failed run's does.
-            log_unexpected(exc, "streaming run {} failed in the edge", events.run_id)
+            log_unexpected(exc, "streaming run {} failed in the edge", run.run_id)
             trace.crashed(status=200)
-            if not trace.run_ended:
-                await _cancel(events, trace, f"edge failed: {type(exc).__name__}")
+            await asyncio.shield(run.cancel(f"edge failed: {type(exc).__name__}"))
             with contextlib.suppress(ConnectionResetError):
                 await _end_with_error(response, writer, internal_error())
         return response
@@ -290,13 +286,12 @@ class InferenceRoutes:
         self,
         dialect: Dialect,
         asked: DialectRequest,
-        events: RunEvents,
+        run: RunEvents,
         trace: RunTrace,
-        flight: InFlight,
     ) -> web.Response:
         """Wait for the run's end and answer with the whole result."""
         collector = Collector(trace)
-        end = await follow(events, collector)
+        end = await follow(run, collector)
         if isinstance(end, Completed):
             trace.completed(end)
             body = await dialect.answer(asked, end, collector.deltas, trace.run_id, trace.created)
@@ -305,16 +300,15 @@ class InferenceRoutes:
                 body=body,
                 content_type="application/json",
                 headers={
-                    "X-Request-Id": events.run_id,
+                    "X-Request-Id": run.run_id,
                     OVERHEAD_HEADER: trace.overhead(end.provider_us),
                     **trace.headers,
                 },
             )
-        trace.run_ended = True
         if end is None:
             raise ProviderFailed("the run ended without a result")
         trace.provider_s = end.provider_us / 1_000_000
-        raise flight.run_error(end)
+        raise run.error(end)
 
     async def _account(self, trace: RunTrace) -> None:
         """One record and the metrics; a failing run log never fails the request."""
@@ -332,17 +326,16 @@ async def _relay(
     request: web.Request,
     response: StreamOut,
     writer: StreamWriter,
-    events: RunEvents,
+    run: RunEvents,
     trace: RunTrace,
-    flight: InFlight,
 ) -> EdgeError | None:
     """Write the events as they arrive; ``None`` when the run completed, else its error.
 
     Deltas that arrived together (one frame batch from the node) leave as one
     HTTP chunk: nothing is held back that could go out now.
     """
-    sink = _SseSink(request, response, writer, events, trace)
-    end = await follow(events, sink)
+    sink = _SseSink(request, response, writer, run, trace)
+    end = await follow(run, sink)
     pending = sink.pending
     if isinstance(end, Completed):
         trace.completed(end)
@@ -356,14 +349,12 @@ async def _relay(
         await response.write(b"".join(pending))
         await response.write_eof()
         return None
-    trace.run_ended = True
     if end is None:
         return ProviderFailed("the run ended without a result")
-    if isinstance(end, Failed):
-        trace.provider_s = end.provider_us / 1_000_000
+    trace.provider_s = end.provider_us / 1_000_000
     if pending:
         await response.write(b"".join(pending))
-    return flight.run_error(end)
+    return run.error(end)
 
 
 class _SseSink:
@@ -430,15 +421,6 @@ async def _end_with_error(response: StreamOut, writer: StreamWriter, error: Edge
     await writer.settle()
     await response.write(data)
     await response.write_eof()
-
-
-async def _cancel(events: RunEvents, trace: RunTrace, reason: str) -> None:
-    """Tell the dispatcher to stop the run; shielded so the cancel is sent even while
-    this task is being cancelled again."""
-    if trace.cancel_sent:
-        return
-    trace.cancel_sent = True
-    await asyncio.shield(events.cancel(reason))
 
 
 CHAT: Final = Operation.CHAT_COMPLETIONS

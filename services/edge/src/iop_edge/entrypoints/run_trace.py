@@ -41,8 +41,6 @@ class RunTrace:
     edge_wait_s: float = 0.0  # inside RunService.open_run: the model's queue
     node_wait_ms: int = 0  # the node's FIFO queue (RunStart)
     first_delta_at: float = 0.0
-    run_ended: bool = False  # complete or error received: nothing left to cancel
-    cancel_sent: bool = False
     outcome: str = ""
     status: int = 0
     error_code: str = ""
@@ -106,7 +104,6 @@ class RunTrace:
         self.first_delta_at = 0.0
 
     def completed(self, complete: Completed) -> None:
-        self.run_ended = True
         self.outcome = "completed"
         if complete.usage is not None:
             self.prompt_tokens = complete.usage.prompt_tokens

@@ -33,7 +33,6 @@ from iop_edge.errors import (
     ProviderFailed,
     QueueFull,
     QueueTimeout,
-    from_failure,
 )
 from iop_edge.formats.errors import error_payload, internal_error
 from iop_edge.formats.openai import RENDER_OFFLOAD_BYTES, dumps, render_result
@@ -58,68 +57,51 @@ class LineRunner:
         self._runs = runs
         self._catalog = catalog
         self._clock = clock
-        self._live: dict[str, set[RunEvents]] = {}  # batch id -> runs in flight
-        self._waiting: dict[str, int] = {}  # batch id -> lines waiting for a slot
-        self._ended: set[str] = set()  # batches that ended while lines of theirs waited
+        self._live: dict[str, set[RunEvents]] = {}  # batch id -> its lines' runs
 
     async def run(self, endpoint: str, line: LineRecord, result_id: str) -> LineOutcome:
-        """Dispatch the line and wait for its end; never raises an ``EdgeError``."""
+        """Dispatch the line and wait for its end; never raises an ``EdgeError``.
+
+        The line's run is known to its batch from admission on, before it waits for a
+        slot: a batch that ends meanwhile ends it wherever it is (``cancel_batch``)."""
         try:
             spec = self._spec(endpoint, line)
-            events = await self._open(line.batch_id, spec)
+            run = self._runs.admit(spec)
         except EdgeError as exc:
             return _failure(exc, "", result_id)
         except Exception as exc:
-            # Per-line boundary: a line the edge cannot run (open_run gave its slot back)
-            # fails alone, into the error file; left pending it would hold up its batch.
+            # Per-line boundary: a line the edge cannot run fails alone, into the error
+            # file; left pending it would hold up its batch.
             log_unexpected(exc, "batch {} line {} could not be run", line.batch_id, line.index)
             return _failure(internal_error(), "", result_id)
         live = self._live.setdefault(line.batch_id, set())
-        live.add(events)
+        live.add(run)
         try:
-            body = await self._collect(spec, events)
+            await run.open()  # at batch priority, maybe after a wait in the queue
+            body = await self._collect(spec, run)
         except EdgeError as exc:
-            return _failure(exc, events.run_id, result_id)
+            return _failure(exc, run.run_id, result_id)
         except asyncio.CancelledError:
             # The worker is gone (its connection dropped): free the provider slot.
-            await asyncio.shield(events.cancel("the batch line was abandoned"))
+            await asyncio.shield(run.cancel("the batch line was abandoned"))
             raise
         except Exception as exc:
             # Per-line boundary: one line's bug must not take the worker's session down.
             log_unexpected(exc, "batch {} line {} failed in the edge", line.batch_id, line.index)
-            await asyncio.shield(events.cancel("edge failed"))
-            return _failure(internal_error(), events.run_id, result_id)
+            await asyncio.shield(run.cancel("edge failed"))
+            return _failure(internal_error(), run.run_id, result_id)
         finally:
-            live.discard(events)
-            if not live:
-                self._live.pop(line.batch_id, None)
-        result = LineResult(DONE, 200, body, None, events.run_id, result_id)
+            live.discard(run)
+            if not live and self._live.get(line.batch_id) is live:
+                del self._live[line.batch_id]
+        result = LineResult(DONE, 200, body, None, run.run_id, result_id)
         return LineOutcome(result, transient=False)
 
     async def cancel_batch(self, batch_id: str, reason: str) -> None:
-        """Stop the runs of a batch that is ending; their lines stay unfinished. A line
-        still waiting for a slot is stopped when it gets one (``_open``)."""
-        if batch_id in self._waiting:
-            self._ended.add(batch_id)
-        for events in list(self._live.get(batch_id, ())):
-            await events.cancel(reason)
-
-    async def _open(self, batch_id: str, spec: RunSpec) -> RunEvents:
-        """Dispatch the line, which may wait in its model's queue. A run whose batch ended
-        meanwhile is cancelled as soon as it starts: it frees its slot at once instead of
-        running for a result nobody stores (its line ends transient, unfinished)."""
-        self._waiting[batch_id] = self._waiting.get(batch_id, 0) + 1
-        try:
-            events = await self._runs.open_run(spec)
-        finally:
-            ended = batch_id in self._ended
-            self._waiting[batch_id] -= 1
-            if not self._waiting[batch_id]:
-                del self._waiting[batch_id]
-                self._ended.discard(batch_id)
-        if ended:
-            await events.cancel("the batch ended while the line waited for a slot")
-        return events
+        """End the runs of a batch that is ending, dispatched or still waiting for a
+        slot; their lines stay unfinished (transient)."""
+        for run in list(self._live.get(batch_id, ())):
+            await run.cancel(reason)
 
     def _spec(self, endpoint: str, line: LineRecord) -> RunSpec:
         body = json.loads(line.body_json)
@@ -143,20 +125,20 @@ class LineRunner:
             drill=asks_drill(body),  # refused at the batch's creation unless allowed then
         )
 
-    async def _collect(self, spec: RunSpec, events: RunEvents) -> str:
+    async def _collect(self, spec: RunSpec, run: RunEvents) -> str:
         """The run's OpenAI response body (public model id), or its error raised."""
         collector = Collector()
-        end = await follow(events, collector)
+        end = await follow(run, collector)
         if end is None:
             raise ProviderFailed("the run ended without a result")
         if not isinstance(end, Completed):
-            raise from_failure(end)
+            raise run.error(end)
         render = functools.partial(
             render_result,
             spec.operation,
             end,
             collector.deltas,
-            run_id=events.run_id,
+            run_id=run.run_id,
             model=spec.model,
             created=int(self._clock()),
         )

@@ -4,10 +4,11 @@ chosen (docs/ARCHITECTURE.md#selection), the target rewritten to its served name
 
 Owns the per-model FIFO queues and the runs in flight, nothing else: the pool
 and the node links are the ``ProviderRegistry``'s, the fleet the ``FleetHolder``'s.
-Every slot taken is released exactly once, by the run's end, and every release
-(and every change the registry reports) first serves the queues of the models
-it can serve. A run that fails before its first byte is opened again here, on
-another provider (``reopen``, for ``FailoverRun``: docs/ARCHITECTURE.md#failover).
+Each request's run (``RequestRun``) is made here at admission and owns the request
+from then on: its place in a queue, the slot handed to it, each attempt. Every release
+(and every change the registry reports) first serves the queues of the models it can
+serve. A run that fails before its first byte is opened again here, on another
+provider (``reopen``, in its reader's task: docs/ARCHITECTURE.md#failover).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from iop_edge.domain.affinity import AffinityPolicy, CacheAffinity, Preference
 from iop_edge.domain.events import (
     NOT_IMPLEMENTED,
     Accepted,
+    Completed,
     ErrorCode,
     Failed,
     RunEvent,
@@ -32,18 +34,15 @@ from iop_edge.domain.pool import ModelIndex, ProviderSlot
 from iop_edge.domain.queue import ModelQueue
 from iop_edge.domain.session_key import successor_key
 from iop_edge.errors import (
-    EdgeError,
     ModelNotFound,
     NoProviderAvailable,
     QueueFull,
-    QueueTimeout,
     RequestTooLarge,
     ShuttingDown,
     UnsupportedOperation,
 )
 from iop_edge.metrics import EdgeMetrics
 from iop_edge.ports import FleetView, RunSpec
-from iop_edge.service.failover import FailoverRun
 from iop_edge.service.limits import (
     RunBody,
     check_answer_size,
@@ -51,7 +50,8 @@ from iop_edge.service.limits import (
     clamp_output_tokens,
 )
 from iop_edge.service.registry import ProviderRegistry
-from iop_edge.service.runs import UNGUARDED, EdgeRun, NodeLink, RunGuards
+from iop_edge.service.request_run import RequestRun
+from iop_edge.service.runs import UNGUARDED, NodeLink, RunGuards
 from iop_proto.errors import FrameTooLarge
 from iop_proto.framing import DEFAULT_MAX_FRAME_SIZE
 from iop_proto.prefix import body_blocks
@@ -61,9 +61,10 @@ _CACHED_OPERATIONS = frozenset({Operation.CHAT_COMPLETIONS, Operation.COMPLETION
 
 
 class Dispatcher:
-    """Implements ``RunService``: acquires a slot from the registry, starts the run on
-    the slot's node link, releases the slot when the run ends. Owns only the per-model
-    queues and the runs in flight; the pool is the registry's, the fleet the holder's."""
+    """Implements ``RunService``: admits a request as its run, takes a slot for it from
+    the registry, sends it on the slot's node link; the run gives the slot back when it
+    ends. Owns only the per-model queues and the runs; the pool is the registry's, the
+    fleet the holder's."""
 
     def __init__(
         self,
@@ -93,10 +94,11 @@ class Dispatcher:
         self._failing: str | None = None  # set by fail_all: no run starts any more
         self._became_idle: asyncio.Event | None = None  # while the drain waits
         self._max_frame_size = max_frame_size  # a run that cannot fit is refused (limits)
-        self._queues: dict[str, ModelQueue[ProviderSlot]] = {}
-        self._runs: dict[str, EdgeRun] = {}
+        self._queues: dict[str, ModelQueue[ProviderSlot | None]] = {}
+        self._runs: dict[str, RequestRun] = {}  # by the id of the attempt on its node
+        self._waiting: set[RequestRun] = set()  # in a queue, or aside
         # Waiters that are a retry, with the providers they may not go back to.
-        self._excluded: dict[asyncio.Future[ProviderSlot], frozenset[str]] = {}
+        self._excluded: dict[asyncio.Future[ProviderSlot | None], frozenset[str]] = {}
         self._metrics = metrics
         registry.subscribe(self)
 
@@ -108,7 +110,9 @@ class Dispatcher:
             self._queues.setdefault(model_id, ModelQueue(model_id))
         for model_id in list(self._queues):
             if model_id not in fleet.models:
-                self._fail_waiters(self._queues.pop(model_id), "the model was removed")
+                del self._queues[model_id]
+                for run in [r for r in self._waiting if r.model.id == model_id]:
+                    run.refuse(NoProviderAvailable("the model was removed"))
                 self._metrics.forget_model(model_id)
         self._serve_pinned()
         self._serve_queues(fleet.models)
@@ -130,27 +134,23 @@ class Dispatcher:
             if event.code is ErrorCode.PROVIDER_UNAVAILABLE:
                 self._registry.mark_unavailable(run.provider_id)
             elif event.provider_status == NOT_IMPLEMENTED:  # before a failover chooses again
-                self._registry.refuse_operation(run.provider_id, run.request.operation)
+                self._registry.refuse_operation(run.provider_id, run.spec.operation)
         run.deliver(event)
         return True
 
-    def run(self, run_id: str) -> EdgeRun | None:
-        """The run in flight with this id (``RunView``)."""
+    def run(self, run_id: str) -> RequestRun | None:
+        """The run whose attempt in flight has this id (``RunView``)."""
         return self._runs.get(run_id)
 
     # ------------------------------------------------------------ runs
 
-    async def open_run(self, spec: RunSpec) -> FailoverRun:
-        """Check the request, take a slot (maybe after a wait in the model's queue), send.
+    def admit(self, spec: RunSpec) -> RequestRun:
+        """The request's run, made now, before any wait (it is then the request's one
+        owner: ``RequestRun``); ``RequestRun.open`` takes its slot and sends it.
 
-        What can be judged without a slot is judged first: the output cap (a larger
+        What can be judged without a slot is judged here: the output cap (a larger
         output length is lowered to it), the fields that multiply the answer's size
         (``check_answer_size``), and the run's frame, serialised once and measured.
-        From the slot taken to the node having the run, any failure at all (an error,
-        a cancellation) gives the slot back, leaves no run behind and tells a node that
-        may have the run to drop it.
-        A node link that fails under the send makes an attempt that failed
-        (``provider_unavailable``), which the run fails over from like any other.
         """
         if self._stopping is not None:
             raise ShuttingDown(self._stopping)
@@ -163,8 +163,18 @@ class Dispatcher:
         check_answer_size(spec.operation, chat)
         body = RunBody.encode(chat)
         check_run_frame(body, model, self._max_frame_size)
-        first = await self._open_attempt(model, spec, body, self._lacking(spec), None)
-        return FailoverRun(self, spec, body, first, model.retries)
+        lacking = self._lacking(spec)
+        return RequestRun(self, spec, body, model, lacking, asyncio.get_running_loop())
+
+    async def open_run(self, spec: RunSpec) -> RequestRun:
+        """``admit`` and ``RequestRun.open``: the run, dispatched."""
+        run = self.admit(spec)
+        await run.open()
+        return run
+
+    async def dispatch(self, run: RequestRun) -> None:
+        """The run's first attempt (``RequestRun.open``)."""
+        await self._attempt(run, run.model, run.lacking, None)
 
     def _lacking(self, spec: RunSpec) -> frozenset[str]:
         """The model's providers that do not offer the request's operation, which it may
@@ -181,81 +191,70 @@ class Dispatcher:
             )
         return lacking
 
-    async def reopen(
-        self,
-        spec: RunSpec,
-        body: RunBody,
-        exclude: frozenset[str],
-        deadline: float,
-        failed: EdgeRun,
-    ) -> EdgeRun:
-        """The next attempt of a run whose attempt ``failed`` failed before its first byte
-        (``FailoverRun``): a provider of the model outside ``exclude``, taken as any
-        request takes one (FIFO, maybe after a wait in the queue) by ``deadline``.
+    async def reopen(self, run: RequestRun, failed: Failed) -> None:
+        """The next attempt of a run whose attempt ``failed`` before its first byte: a
+        provider of the model outside ``run.exclude``, taken as any request takes one
+        (FIFO, maybe after a wait in the queue) by the run's deadline.
 
-        Raises ``NoProviderAvailable`` when no other provider is usable, and what
-        ``open_run`` raises (``QueueFull``, ``QueueTimeout``, ``ShuttingDown`` ...):
+        Raises ``NoProviderAvailable`` when no other provider is usable, and what a
+        first attempt raises (``QueueFull``, ``QueueTimeout``, ``ShuttingDown`` ...):
         the run then ends with the failure it had. A draining edge starts nothing new.
         """
+        spec = run.spec
         if self._stopping is not None:
             raise ShuttingDown(self._stopping)
         model = self._fleet.current.models.get(spec.model)
         index = self._registry.index(spec.model)
+        exclude = run.exclude
         if index is not None and (lacking := index.lacking.get(spec.operation)):
             exclude = exclude | lacking  # also what it learnt from the failed attempt's 501
         if model is None or index is None or not index.any_usable_except(exclude):
             raise NoProviderAvailable(f"No other provider of '{spec.model}' is available")
-        self._metrics.count_retry(model.id, failed.provider_id)
-        return await self._open_attempt(model, spec, body, exclude, deadline)
+        self._metrics.count_retry(model.id, run.provider_id)
+        await self._attempt(run, model, exclude, run.deadline)
 
-    async def _open_attempt(
+    async def _attempt(
         self,
+        run: RequestRun,
         model: ModelEntry,
-        spec: RunSpec,
-        body: RunBody,
         exclude: frozenset[str],
         deadline: float | None,
-    ) -> EdgeRun:
+    ) -> None:
+        """Take a slot for the run and send it an attempt. The slot is the run's from
+        the moment it has it: whatever fails from there, the run's end gives it back.
+        A node link that fails under the send makes an attempt that failed
+        (``provider_unavailable``), which the run fails over from like any other."""
         loop = asyncio.get_running_loop()
         started = loop.time()
+        spec = run.spec
         slotless = spec.operation is Operation.COUNT_TOKENS
         chain = self._chain(spec)
         if slotless:
             slot = self._least_loaded(model, exclude)
         else:
-            slot = await self._acquire(model, spec, chain, exclude, deadline)
-        run: EdgeRun | None = None
+            slot = run.slot = await self._acquire(model, run, chain, exclude, deadline)
+        order, link, timeout_s, now_ms = self._order(model, slot, spec, run.body, deadline, loop)
+        # a node of an older version never acknowledges: its runs get no ack guard
+        guards = self._guards if link.acknowledges_runs else self._stall_only
+        run.attempt(order, link, guards, timeout_s, self._deadline_grace_s, now_ms)
+        self._runs[order.run_id] = run
+        if not slotless:
+            # The first attempt's id is the response's (Responses): its successor's key.
+            chained = spec.chained and deadline is None
+            also = successor_key(run.run_id, spec.scope) if chained else None
+            self._affinity.placed(model.id, slot, spec.session, chain, started, also)
+        run.edge_queue_wait_s = loop.time() - started
         try:
-            run = self._start(model, slot, spec, body, deadline, loop)
-            if not slotless:
-                # The first attempt's id is the response's (Responses): its successor's key.
-                also = (
-                    successor_key(run.run_id, spec.scope)
-                    if spec.chained and deadline is None
-                    else None
-                )
-                self._affinity.placed(model.id, slot, spec.session, chain, started, also)
-            run.edge_queue_wait_s = loop.time() - started
-            await run.send()
-        except BaseException as exc:
-            # The one way back: the run ends here (its slot released exactly once), or,
-            # with no run made yet, the slot itself goes back.
-            if run is None:
-                if not slotless:
-                    self._release(slot)
-            else:
-                reason = f"not dispatched: {type(exc).__name__}"
-                if isinstance(exc, ConnectionError):
-                    message = f"node {slot.node_id} unreachable: {exc}"
-                    failure = Failed(ErrorCode.PROVIDER_UNAVAILABLE, message)
-                    await run.abandon(reason, sent=True, failure=failure)
-                    return run
-                await run.abandon(reason, sent=not isinstance(exc, FrameTooLarge))
-            refusal = _refusal(exc)
-            if refusal is None:
-                raise
-            raise refusal from exc
-        return run
+            await link.send_run(order)
+        except ConnectionError as exc:
+            message = f"node {slot.node_id} unreachable: {exc}"
+            run.fail_send(Failed(ErrorCode.PROVIDER_UNAVAILABLE, message))
+        except FrameTooLarge as exc:
+            run.unsent()
+            raise RequestTooLarge(
+                f"The request is too large: its run takes {exc.length} bytes on its way to "
+                f"the provider, over this server's limit of {exc.maximum} bytes."
+            ) from exc
 
     def _least_loaded(self, model: ModelEntry, exclude: frozenset[str]) -> ProviderSlot:
         """A provider for work that takes no slot and waits in no queue (``count_tokens``:
@@ -280,11 +279,14 @@ class Dispatcher:
     async def _acquire(
         self,
         model: ModelEntry,
-        spec: RunSpec,
+        run: RequestRun,
         chain: Sequence[int],
-        exclude: frozenset[str] = _NOBODY,
-        deadline: float | None = None,
+        exclude: frozenset[str],
+        deadline: float | None,
     ) -> ProviderSlot:
+        """A slot for the run, maybe after a wait aside or in the model's queue; the
+        wait is the run's (``RequestRun.wait``): ending the run ends it."""
+        spec = run.spec
         batch = spec.batch
         queue = self._queues[model.id]
         index = self._registry.index(model.id)
@@ -304,7 +306,7 @@ class Dispatcher:
                     return preference.slot
                 # Batch lines never wait aside: they would go before interactive waiters.
                 if not batch and preference.wait_s > 0:
-                    waited = await self._wait_for(model.id, preference, index, exclude, deadline)
+                    waited = await self._wait_for(run, preference, index, exclude, deadline)
                     decision = "wait_expired" if waited is None else "waited"
                     self._metrics.count_affinity(model.id, decision)
                     if waited is not None:
@@ -328,37 +330,33 @@ class Dispatcher:
             raise ShuttingDown(self._stopping)
         if (queue.batch if batch else queue.interactive) >= max_queue:
             raise QueueFull(f"The queue of '{model.id}' is full ({max_queue} waiting); retry later")
-        waiter: asyncio.Future[ProviderSlot] = loop.create_future()
+        waiter: asyncio.Future[ProviderSlot | None] = loop.create_future()
         queue.push(waiter, batch=batch)
         if exclude:
             self._excluded[waiter] = exclude
-        if self._excluded:  # a retry waiting ahead may leave a free slot to this one
-            self._serve_queues((model.id,))
-        self._metrics.publish_queued(model.id, len(queue))
-        try:
-            async with asyncio.timeout(timeout_s):
-                return await waiter
-        except BaseException as exc:
-            if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
-                self._release(waiter.result())  # handed a slot as we gave up: pass it on
-            else:
-                waiter.cancel()
-                queue.remove(waiter)
-            if isinstance(exc, TimeoutError):
-                raise QueueTimeout(
-                    f"No provider of '{model.id}' had a free slot within {timeout_s * 1000:.0f} ms"
-                ) from None
-            raise
-        finally:
-            if exclude:
-                del self._excluded[waiter]
+        self._waiting.add(run)
+
+        def leave() -> None:
+            queue.remove(waiter)
+            self._excluded.pop(waiter, None)
+            self._waiting.discard(run)
             if self._queues.get(model.id) is queue:  # else the model was removed meanwhile
                 self._metrics.publish_queued(model.id, len(queue))
             self._check_idle()
 
+        message = f"No provider of '{model.id}' had a free slot within {timeout_s * 1000:.0f} ms"
+        run.wait(waiter, leave, (timeout_s, message))
+        if self._excluded:  # a retry waiting ahead may leave a free slot to this one
+            self._serve_queues((model.id,))
+        self._metrics.publish_queued(model.id, len(queue))
+        slot = await waiter
+        run.placed()
+        assert slot is not None  # a queue hands slots (the run's end raises instead)
+        return slot
+
     async def _wait_for(
         self,
-        model_id: str,
+        run: RequestRun,
         preference: Preference,
         index: ModelIndex,
         exclude: frozenset[str],
@@ -381,32 +379,33 @@ class Dispatcher:
         others = exclude | {provider_id}
         waiter: asyncio.Future[ProviderSlot | None] = loop.create_future()
         line = self._pinned.setdefault(provider_id, deque())
-        entry = (model_id, waiter)
+        entry = (run.model.id, waiter)
         line.append(entry)
         self._affinity.waiting(provider_id, 1)
-        try:
-            while (chunk_s := min(preference.wait_s, limit - loop.time())) > 0:
-                # asyncio.wait, not a timeout around the await: that would cancel the
-                # waiter with the first chunk, and it must outlive it.
-                await asyncio.wait((waiter,), timeout=chunk_s)
-                if waiter.done():
-                    return waiter.result()
-                if index.select(others) is not None:
-                    return None  # a free slot elsewhere: the re-prefill's worth is spent
-            return None
-        except BaseException:
-            handed = waiter.done() and not waiter.cancelled() and waiter.exception() is None
-            if handed and (slot := waiter.result()) is not None:
-                self._release(slot)  # handed a slot as we gave up: pass it on
-            raise
-        finally:
-            waiter.cancel()  # a no-op once done; else nobody hands it a slot any more
+        self._waiting.add(run)
+
+        def leave() -> None:
             self._affinity.waiting(provider_id, -1)
             if entry in line:
                 line.remove(entry)
             if not line and self._pinned.get(provider_id) is line:
                 del self._pinned[provider_id]
+            self._waiting.discard(run)
             self._check_idle()
+
+        run.wait(waiter, leave)
+        while (chunk_s := min(preference.wait_s, limit - loop.time())) > 0:
+            # asyncio.wait, not a timeout around the await: that would cancel the
+            # waiter with the first chunk, and it must outlive it.
+            await asyncio.wait((waiter,), timeout=chunk_s)
+            if waiter.done():
+                slot = waiter.result()  # raises what ended the run meanwhile
+                run.placed()
+                return slot
+            if index.select(others) is not None:
+                break  # a free slot elsewhere: the re-prefill's worth is spent
+        run.placed()
+        return None
 
     def _serve_pinned(self, only: ProviderSlot | None = None) -> None:
         """Hand free slots to the requests waiting for their provider in particular;
@@ -431,7 +430,7 @@ class Dispatcher:
                 self._metrics.publish_slot(slot)
                 waiter.set_result(slot)
 
-    def _start(
+    def _order(
         self,
         model: ModelEntry,
         slot: ProviderSlot,
@@ -439,7 +438,9 @@ class Dispatcher:
         body: RunBody,
         deadline: float | None,
         loop: asyncio.AbstractEventLoop,
-    ) -> EdgeRun:
+    ) -> tuple[RunOrder, NodeLink, float, int]:
+        """The attempt's order for ``slot``'s node, its link, its time (s) and its
+        start (Unix ms)."""
         served = model.providers[slot.provider_id]
         entry = self._fleet.current.providers[slot.provider_id]
         if self._failing is not None:  # handed its slot just before fail_all: a 503 instead
@@ -447,14 +448,12 @@ class Dispatcher:
         link = self._registry.link(slot.node_id)
         if link is None:  # the node left while this request waited for the slot
             raise NoProviderAvailable(f"node {slot.node_id} is gone", code="provider_unavailable")
-        run_id = secrets.token_hex(16)  # 32 hex digits, like uuid4().hex, for less work
         timeout_s = (entry.request_timeout_ms or 600_000) / 1000
-        now = loop.time()
-        if deadline is not None and deadline - now < timeout_s:
-            timeout_s = deadline - now  # a retry ends when the request's time does
+        if deadline is not None and deadline - loop.time() < timeout_s:
+            timeout_s = deadline - loop.time()  # a retry ends when the request's time does
         now_ms = time.time_ns() // 1_000_000
-        request = RunOrder(
-            run_id=run_id,
+        order = RunOrder(
+            run_id=secrets.token_hex(16),  # 32 hex digits, like uuid4().hex
             model=model.id,
             provider_id=slot.provider_id,
             adapter=entry.type,
@@ -467,32 +466,24 @@ class Dispatcher:
             include_usage=spec.include_usage,
             drill=spec.drill,
         )
-        run = EdgeRun(
-            run_id,
-            request,
-            slot.provider_id,
-            link,
-            served,
-            now + timeout_s,
-            self._run_finished,
-            self._deadline_grace_s,
-            now_ms,
-            # a node of an older version never acknowledges: its runs get no ack guard
-            self._guards if link.acknowledges_runs else self._stall_only,
-            loop,  # the caller's: each get_running_loop() is a getpid on Python 3.11
-        )
-        self._runs[run_id] = run
-        return run
+        return order, link, timeout_s, now_ms
 
-    def _run_finished(self, run: EdgeRun) -> None:
-        self._runs.pop(run.run_id, None)
-        # before the slot is offered
-        self._registry.record_outcome(run.provider_id, run.outcome, drill=run.request.drill)
+    def attempt_over(self, run: RequestRun, outcome: Completed | Failed) -> None:
+        """The run's attempt ended: it leaves the runs in flight, its outcome is booked
+        (before the slot is offered), its slot goes back."""
+        self._runs.pop(run.attempt_id, None)
+        self._registry.record_outcome(run.provider_id, outcome, drill=run.spec.drill)
         if run.unacknowledged:  # the node, not the provider, is in doubt
-            self._registry.node_unresponsive(run.node_id, f"run {run.run_id} unacknowledged")
-        slot = self._registry.slot(run.provider_id)
-        if slot is not None and run.request.operation is not Operation.COUNT_TOKENS:
-            self._release(slot)
+            self._registry.node_unresponsive(run.node_id, f"run {run.attempt_id} unacknowledged")
+        if run.slot is not None:
+            slot = self._registry.slot(run.provider_id)
+            if slot is not None:
+                self._release(slot)
+        self._check_idle()
+
+    def release(self, slot: ProviderSlot) -> None:
+        """A slot a run held without an attempt on it (``RunOwner``)."""
+        self._release(slot)
         self._check_idle()
 
     def _release(self, slot: ProviderSlot) -> None:
@@ -523,8 +514,8 @@ class Dispatcher:
             self._metrics.publish_queued(model_id, len(queue))
 
     def _servable(
-        self, queue: ModelQueue[ProviderSlot], index: ModelIndex
-    ) -> tuple[asyncio.Future[ProviderSlot] | None, ProviderSlot | None]:
+        self, queue: ModelQueue[ProviderSlot | None], index: ModelIndex
+    ) -> tuple[asyncio.Future[ProviderSlot | None] | None, ProviderSlot | None]:
         """The first waiter (interactive first) that may take a free slot, and that slot:
         a retry that may not go back to the providers with one lets the next take it."""
         if index.select() is None:
@@ -538,22 +529,14 @@ class Dispatcher:
                 return waiter, slot
         return None, None
 
-    def _fail_waiters(self, queue: ModelQueue[ProviderSlot], reason: str) -> None:
-        while (waiter := queue.pop_waiting()) is not None:
-            waiter.set_exception(NoProviderAvailable(reason))
-
     def stop_admitting(self, reason: str) -> None:
-        """The edge is draining: runs in flight go on, nothing new starts. A request still
-        waiting for a slot (in its model's queue, or aside for its cache's provider) gets
-        its retryable 503 now: started later it would only be cut at the drain's end."""
+        """The edge is draining: runs in flight go on, nothing new starts. A run still
+        waiting for a slot (in its model's queue, or aside for its cache's provider)
+        ends with its retryable 503 now: started later it would only be cut at the
+        drain's end."""
         self._stopping = reason
-        for queue in self._queues.values():
-            while (waiter := queue.pop_waiting()) is not None:
-                waiter.set_exception(ShuttingDown(reason))
-        for line in self._pinned.values():
-            for _, pinned in line:
-                if not pinned.done():
-                    pinned.set_exception(ShuttingDown(reason))
+        for run in list(self._waiting):
+            run.refuse(ShuttingDown(reason))
 
     @property
     def idle(self) -> bool:
@@ -578,7 +561,7 @@ class Dispatcher:
 
     async def fail_all(self, reason: str) -> None:
         """The edge is stopping: end every run (its stream gets an error event) and every
-        waiter (a 503), also one handed a slot whose run has not started yet."""
+        waiting one (a 503), also one handed a slot whose attempt has not started yet."""
         self.stop_admitting(reason)  # first: waiters end, a slot a run frees goes to nobody
         self._failing = reason
         for run in list(self._runs.values()):
@@ -590,15 +573,3 @@ class Dispatcher:
 
     def runs_in_flight(self) -> int:
         return len(self._runs)
-
-
-def _refusal(exc: BaseException) -> EdgeError | None:
-    """The ``EdgeError`` a run that did not reach its node ends with, for what the edge
-    understands; ``None``: raise the original (an ``EdgeError`` already, a cancellation,
-    or a bug, which the request's boundary answers with a 500 and logs)."""
-    if isinstance(exc, FrameTooLarge):
-        return RequestTooLarge(
-            f"The request is too large: its run takes {exc.length} bytes on its way to "
-            f"the provider, over this server's limit of {exc.maximum} bytes."
-        )
-    return None
