@@ -51,7 +51,7 @@ class WiredDispatcher(Dispatcher):
 
 class RecordingNodeLink:
     """A ``NodeLink`` that keeps the runs sent to it and does nothing else: the tests end
-    the runs themselves (``FailoverRun.attempt.deliver``)."""
+    the runs themselves (``RequestRun.deliver``)."""
 
     def __init__(self, node_id: str) -> None:
         self.node_id = node_id

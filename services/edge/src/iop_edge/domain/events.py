@@ -3,7 +3,7 @@
 The node's protobuf events are converted once, where they arrive
 (``adapters/run_wire.py``); everything past the node listener (the run, the
 HTTP relay, batch lines, the run trace) sees only these, and ``Retrying``, which the
-edge itself puts between two attempts of one run (``service/failover.py``). Slotted and frozen:
+edge itself puts between two attempts of one run (``service/request_run.py``). Slotted and frozen:
 one small object per event, on the path every token takes, and nothing to copy
 (a delta's text is the string the wire gave).
 """

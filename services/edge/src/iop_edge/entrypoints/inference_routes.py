@@ -2,7 +2,7 @@
 (and every API written as a ``Dialect``, see ``api_dialect``).
 
 One request: authenticate, parse the body once, let the dialect read it,
-resolve the model, take a slot of the key, ``RunService.open_run``, then relay
+resolve the model, admit its run under a slot of the key and open it, then relay
 the run's events (as SSE events the moment each arrives, or as one JSON body
 at the end), in the dialect's wire.
 
@@ -27,7 +27,7 @@ from aiohttp.typedefs import Handler
 
 from iop_edge.domain import drills
 from iop_edge.domain.drills import asks_drill, may_drill
-from iop_edge.domain.events import Completed, Delta, Started
+from iop_edge.domain.events import Completed, Delta
 from iop_edge.domain.fleet import ApiKeyEntry, Operation
 from iop_edge.domain.session_key import session_key
 from iop_edge.entrypoints.api_auth import KeySlots, authenticate
@@ -254,18 +254,40 @@ class InferenceRoutes:
         trace: RunTrace,
         response: Out,
     ) -> Out:
-        """Relay the run as SSE; the status line waits for the first delta, so a run
-        that fails before producing anything still gets a real HTTP error."""
+        """Relay the run as SSE, each event as it arrives; the status line waits for the
+        first delta, so a run that fails before producing anything still gets a real
+        HTTP error. Deltas that arrived together (one frame batch from the node) leave
+        as one HTTP chunk: nothing is held back that could go out now."""
         response.headers["X-Request-Id"] = run.run_id
         response.headers.update(trace.headers)
         writer = dialect.stream_writer(asked, run.run_id, trace.created)
+        sink = _SseSink(request, response, writer, run, trace)
         try:
-            error = await _relay(request, response, writer, run, trace)
-            if error is not None:
+            end = await follow(run, sink)
+            pending = sink.pending
+            if isinstance(end, Completed):
+                trace.completed(end)
                 if not response.prepared:
-                    raise error
-                trace.failed(error, status=200)
-                await _end_with_error(response, writer, error)
+                    trace.status = 200
+                    response.headers[OVERHEAD_HEADER] = trace.overhead(end.provider_us)
+                    await response.prepare(request)
+                    pending.append(writer.opening())
+                pending.append(writer.closing(end))
+                await writer.settle()  # what the last events say is stored is committed first
+                await response.write(b"".join(pending))
+                await response.write_eof()
+                return response
+            if end is None:
+                error: EdgeError = ProviderFailed("the run ended without a result")
+            else:
+                trace.provider_s = end.provider_us / 1_000_000
+                if pending:
+                    await response.write(b"".join(pending))
+                error = run.error(end)
+            if not response.prepared:
+                raise error
+            trace.failed(error, status=200)
+            await _end_with_error(response, writer, error)
         except ConnectionResetError:
             # The client left between two tokens; aiohttp ignores the closed transport.
             trace.client_gone()
@@ -322,46 +344,20 @@ class InferenceRoutes:
             log_unexpected(exc, "could not record run {}", record.run_id)
 
 
-async def _relay(
-    request: web.Request,
-    response: StreamOut,
-    writer: StreamWriter,
-    run: RunEvents,
-    trace: RunTrace,
-) -> EdgeError | None:
-    """Write the events as they arrive; ``None`` when the run completed, else its error.
-
-    Deltas that arrived together (one frame batch from the node) leave as one
-    HTTP chunk: nothing is held back that could go out now.
-    """
-    sink = _SseSink(request, response, writer, run, trace)
-    end = await follow(run, sink)
-    pending = sink.pending
-    if isinstance(end, Completed):
-        trace.completed(end)
-        if not response.prepared:
-            trace.status = 200
-            response.headers[OVERHEAD_HEADER] = trace.overhead(end.provider_us)
-            await response.prepare(request)
-            pending.append(writer.opening())
-        pending.append(writer.closing(end))
-        await writer.settle()  # what the last events say is stored is committed first
-        await response.write(b"".join(pending))
-        await response.write_eof()
-        return None
-    if end is None:
-        return ProviderFailed("the run ended without a result")
-    trace.provider_s = end.provider_us / 1_000_000
-    if pending:
-        await response.write(b"".join(pending))
-    return run.error(end)
-
-
 class _SseSink:
     """Writes deltas as SSE events the moment each arrives: those that arrived together
     (one frame batch from the node) leave as one HTTP chunk."""
 
-    __slots__ = ("_events", "_request", "_response", "_trace", "_write_delta", "_writer", "pending")
+    __slots__ = (
+        "_events",
+        "_request",
+        "_response",
+        "_trace",
+        "_write_delta",
+        "_writer",
+        "pending",
+        "started",
+    )
 
     def __init__(
         self,
@@ -378,9 +374,7 @@ class _SseSink:
         self._writer = writer
         self._write_delta = writer.delta  # looked up once, not per token
         self.pending: list[bytes] = []
-
-    def started(self, event: Started) -> None:
-        self._trace.started(event)
+        self.started = trace.started  # the start only times the run: the trace's own
 
     def restart(self) -> None:
         """Nothing to drop: a stream fails over only before its first delta, and that

@@ -118,8 +118,9 @@ class Dispatcher:
         self._serve_queues(fleet.models)
 
     def slots_changed(self, model_ids: Iterable[str]) -> None:
-        self._serve_pinned()
-        self._serve_queues(model_ids)
+        if self._waiting:  # nobody waits: nothing to serve
+            self._serve_pinned()
+            self._serve_queues(model_ids)
 
     def link_lost(self, link: NodeLink, reason: str) -> None:
         for run in [r for r in self._runs.values() if r.link is link]:
@@ -163,7 +164,18 @@ class Dispatcher:
         check_answer_size(spec.operation, chat)
         body = RunBody.encode(chat)
         check_run_frame(body, model, self._max_frame_size)
-        lacking = self._lacking(spec)
+        # The model's providers that do not offer the operation, which it may not go to;
+        # when that is all of them, the request is refused before any queue.
+        index = self._registry.index(spec.model)
+        lacking = None if index is None else index.lacking.get(spec.operation)
+        if index is None or lacking is None:  # all offer it
+            lacking = _NOBODY
+        elif not index.offers(spec.operation):
+            raise UnsupportedOperation(
+                f"The model '{spec.model}' does not offer {spec.operation.value}: none of its"
+                " providers does",
+                param="model",
+            )
         return RequestRun(self, spec, body, model, lacking, asyncio.get_running_loop())
 
     async def open_run(self, spec: RunSpec) -> RequestRun:
@@ -171,25 +183,6 @@ class Dispatcher:
         run = self.admit(spec)
         await run.open()
         return run
-
-    async def dispatch(self, run: RequestRun) -> None:
-        """The run's first attempt (``RequestRun.open``)."""
-        await self._attempt(run, run.model, run.lacking, None)
-
-    def _lacking(self, spec: RunSpec) -> frozenset[str]:
-        """The model's providers that do not offer the request's operation, which it may
-        not go to; ``UnsupportedOperation`` when that is all of them (before any queue)."""
-        index = self._registry.index(spec.model)
-        lacking = None if index is None else index.lacking.get(spec.operation)
-        if index is None or lacking is None:  # all offer it: the one lookup of the common case
-            return _NOBODY
-        if not index.offers(spec.operation):
-            raise UnsupportedOperation(
-                f"The model '{spec.model}' does not offer {spec.operation.value}: none of its"
-                " providers does",
-                param="model",
-            )
-        return lacking
 
     async def reopen(self, run: RequestRun, failed: Failed) -> None:
         """The next attempt of a run whose attempt ``failed`` before its first byte: a
@@ -211,29 +204,59 @@ class Dispatcher:
         if model is None or index is None or not index.any_usable_except(exclude):
             raise NoProviderAvailable(f"No other provider of '{spec.model}' is available")
         self._metrics.count_retry(model.id, run.provider_id)
-        await self._attempt(run, model, exclude, run.deadline)
+        await self.attempt(run, model, exclude, run.deadline)
 
-    async def _attempt(
+    async def attempt(
         self,
         run: RequestRun,
         model: ModelEntry,
         exclude: frozenset[str],
         deadline: float | None,
     ) -> None:
-        """Take a slot for the run and send it an attempt. The slot is the run's from
-        the moment it has it: whatever fails from there, the run's end gives it back.
-        A node link that fails under the send makes an attempt that failed
+        """Take a slot for the run and send it an attempt (``RunOwner``). The slot is the
+        run's from the moment it has it: whatever fails from there, the run's end gives
+        it back. A node link that fails under the send makes an attempt that failed
         (``provider_unavailable``), which the run fails over from like any other."""
         loop = asyncio.get_running_loop()
         started = loop.time()
         spec = run.spec
         slotless = spec.operation is Operation.COUNT_TOKENS
-        chain = self._chain(spec)
+        # The prompt prefix as block hashes (``iop_proto.prefix``), when there is a choice
+        # for it to steer: a model with one provider hashes nothing.
+        chain: Sequence[int] = ()
+        if self._affinity.policy.enabled and spec.operation in _CACHED_OPERATIONS:
+            index = self._registry.index(spec.model)
+            if index is not None and len(index.members) > 1:
+                chain = body_blocks(spec.body)
         if slotless:
             slot = self._least_loaded(model, exclude)
         else:
             slot = run.slot = await self._acquire(model, run, chain, exclude, deadline)
-        order, link, timeout_s, now_ms = self._order(model, slot, spec, run.body, deadline, loop)
+        served = model.providers[slot.provider_id]
+        entry = self._fleet.current.providers[slot.provider_id]
+        if self._failing is not None:  # handed its slot just before fail_all: a 503 instead
+            raise ShuttingDown(self._failing)
+        link = self._registry.link(slot.node_id)
+        if link is None:  # the node left while this request waited for the slot
+            raise NoProviderAvailable(f"node {slot.node_id} is gone", code="provider_unavailable")
+        timeout_s = (entry.request_timeout_ms or 600_000) / 1000
+        if deadline is not None and deadline - loop.time() < timeout_s:
+            timeout_s = deadline - loop.time()  # a retry ends when the request's time does
+        now_ms = time.time_ns() // 1_000_000
+        order = RunOrder(
+            run_id=secrets.token_hex(16),  # 32 hex digits, like uuid4().hex
+            model=model.id,
+            provider_id=slot.provider_id,
+            adapter=entry.type,
+            target=served,
+            operation=spec.operation,
+            # the target rewrite, here and only here (docs/ARCHITECTURE.md#target-rewrite)
+            body_json=run.body.with_model(served),
+            stream=spec.stream,
+            deadline_unix_ms=now_ms + int(timeout_s * 1000),
+            include_usage=spec.include_usage,
+            drill=spec.drill,
+        )
         # a node of an older version never acknowledges: its runs get no ack guard
         guards = self._guards if link.acknowledges_runs else self._stall_only
         run.attempt(order, link, guards, timeout_s, self._deadline_grace_s, now_ms)
@@ -265,16 +288,6 @@ class Dispatcher:
         if slot is None:
             raise NoProviderAvailable(f"No provider of '{model.id}' is available right now")
         return slot
-
-    def _chain(self, spec: RunSpec) -> Sequence[int]:
-        """The request's prompt prefix as block hashes (``iop_proto.prefix``), when there
-        is a choice for it to steer: a model with one provider hashes nothing."""
-        if not self._affinity.policy.enabled or spec.operation not in _CACHED_OPERATIONS:
-            return ()
-        index = self._registry.index(spec.model)
-        if index is None or len(index.members) < 2:
-            return ()
-        return body_blocks(spec.body)
 
     async def _acquire(
         self,
@@ -430,44 +443,6 @@ class Dispatcher:
                 self._metrics.publish_slot(slot)
                 waiter.set_result(slot)
 
-    def _order(
-        self,
-        model: ModelEntry,
-        slot: ProviderSlot,
-        spec: RunSpec,
-        body: RunBody,
-        deadline: float | None,
-        loop: asyncio.AbstractEventLoop,
-    ) -> tuple[RunOrder, NodeLink, float, int]:
-        """The attempt's order for ``slot``'s node, its link, its time (s) and its
-        start (Unix ms)."""
-        served = model.providers[slot.provider_id]
-        entry = self._fleet.current.providers[slot.provider_id]
-        if self._failing is not None:  # handed its slot just before fail_all: a 503 instead
-            raise ShuttingDown(self._failing)
-        link = self._registry.link(slot.node_id)
-        if link is None:  # the node left while this request waited for the slot
-            raise NoProviderAvailable(f"node {slot.node_id} is gone", code="provider_unavailable")
-        timeout_s = (entry.request_timeout_ms or 600_000) / 1000
-        if deadline is not None and deadline - loop.time() < timeout_s:
-            timeout_s = deadline - loop.time()  # a retry ends when the request's time does
-        now_ms = time.time_ns() // 1_000_000
-        order = RunOrder(
-            run_id=secrets.token_hex(16),  # 32 hex digits, like uuid4().hex
-            model=model.id,
-            provider_id=slot.provider_id,
-            adapter=entry.type,
-            target=served,
-            operation=spec.operation,
-            # the target rewrite, here and only here (docs/ARCHITECTURE.md#target-rewrite)
-            body_json=body.with_model(served),
-            stream=spec.stream,
-            deadline_unix_ms=now_ms + int(timeout_s * 1000),
-            include_usage=spec.include_usage,
-            drill=spec.drill,
-        )
-        return order, link, timeout_s, now_ms
-
     def attempt_over(self, run: RequestRun, outcome: Completed | Failed) -> None:
         """The run's attempt ended: it leaves the runs in flight, its outcome is booked
         (before the slot is offered), its slot goes back."""
@@ -479,7 +454,8 @@ class Dispatcher:
             slot = self._registry.slot(run.provider_id)
             if slot is not None:
                 self._release(slot)
-        self._check_idle()
+        if self._became_idle is not None:
+            self._check_idle()
 
     def release(self, slot: ProviderSlot) -> None:
         """A slot a run held without an attempt on it (``RunOwner``)."""
@@ -489,9 +465,10 @@ class Dispatcher:
     def _release(self, slot: ProviderSlot) -> None:
         slot.release()
         self._metrics.publish_slot(slot)
-        if self._pinned:
-            self._serve_pinned(slot)
-        self._serve_queues(slot.model_ids())
+        if self._waiting:  # nobody waits (in a queue or aside): nothing to serve
+            if self._pinned:
+                self._serve_pinned(slot)
+            self._serve_queues(slot.model_ids())
 
     def _serve_queues(self, model_ids: Iterable[str]) -> None:
         """Hand free slots to the heads of these models' queues, FIFO, interactive first."""

@@ -62,8 +62,15 @@ CLIENT_GONE = "client disconnected"
 class RunOwner(Protocol):
     """What a run asks of the dispatcher that admitted it."""
 
-    async def dispatch(self, run: RequestRun) -> None:
-        """Take a slot for the run's first attempt (maybe after a wait) and send it."""
+    async def attempt(
+        self,
+        run: RequestRun,
+        model: ModelEntry,
+        exclude: frozenset[str],
+        deadline: float | None,
+    ) -> None:
+        """Take a slot for the run's first attempt (maybe after a wait) and send it:
+        on a provider of ``model`` outside ``exclude``, by ``deadline`` if one is given."""
         ...
 
     async def reopen(self, run: RequestRun, failed: Failed) -> None:
@@ -159,7 +166,8 @@ class RequestRun:
         self.deadline = 0.0  # the request's (its first attempt's): no attempt runs past it
         self._failed: Failed | None = None  # the attempt failed; the reader fails over
         self._last_failure: Failed | None = None  # while it fails over
-        self._records: list[AttemptRecord] = []
+        # Each attempt over: (its id, provider, node, outcome, start in Unix ms, seconds).
+        self._records: list[tuple[str, str, str, Completed | Failed | None, int, float]] = []
         # The attempt in progress (or the last one).
         self.attempt_id = ""
         self.provider_id = ""
@@ -240,7 +248,7 @@ class RequestRun:
         turned the request away; on any failure at all (a cancellation too) the run has
         ended, what it held is back, and a node that may have it is told."""
         try:
-            await self._owner.dispatch(self)
+            await self._owner.attempt(self, self.model, self.lacking, None)
         except BaseException as exc:
             if isinstance(exc, EdgeError):
                 self.refuse(exc)
@@ -336,14 +344,18 @@ class RequestRun:
         kind = type(event)
         if kind is Delta:
             self._awaiting_first = False
-            self._push(event)  # type: ignore[arg-type]
+            self._events.append(event)  # type: ignore[arg-type]
+            reader = self._reader
+            if reader is not None and not reader.done():
+                reader.set_result(None)
         elif kind is Completed:
             self._attempt_over(event, told=True)  # type: ignore[arg-type]
             self.end(event)  # type: ignore[arg-type]
         elif kind is Failed:
             self._attempt_failed(event, told=True)  # type: ignore[arg-type]
         elif kind is not Accepted:
-            self._push(event)  # type: ignore[arg-type]
+            self._events.append(event)  # type: ignore[arg-type]
+            self._wake()
 
     def fail(self, code: ErrorCode, message: str) -> None:
         """The attempt's node link is gone (its node dropped its runs with it)."""
@@ -389,7 +401,16 @@ class RequestRun:
         if not told:
             reason = outcome.message if isinstance(outcome, Failed) else "ended"
             self._untold = (link, self.attempt_id, reason)
-        self._records.append(self._record(outcome))
+        self._records.append(
+            (
+                self.attempt_id,
+                self.provider_id,
+                self.node_id,
+                outcome,
+                self._started_ms,
+                self._loop.time() - self._opened_at,
+            )
+        )
         self._owner.attempt_over(self, outcome)
         self.slot = None
 
@@ -448,10 +469,6 @@ class RequestRun:
         """Events wait already: a relay can write them out together with this one."""
         return bool(self._events)
 
-    def _push(self, event: RunEvent) -> None:
-        self._events.append(event)
-        self._wake()
-
     def _wake(self) -> None:
         reader = self._reader
         if reader is not None and not reader.done():
@@ -502,24 +519,29 @@ class RequestRun:
 
     def attempt_records(self) -> tuple[AttemptRecord, ...]:
         """Each attempt so far, oldest first; one still on its node is ``running``."""
-        if self.link is None:
-            return tuple(self._records)
-        return (*self._records, self._record(None))
-
-    def _record(self, outcome: Completed | Failed | None) -> AttemptRecord:
-        if outcome is None:
-            state, code = "running", ""
-        elif isinstance(outcome, Completed):
-            state, code = "completed", ""
-        else:
-            cancelled = outcome.code is ErrorCode.CANCELLED
-            state, code = ("cancelled" if cancelled else "failed"), outcome.code.value
-        return AttemptRecord(
-            run_id=self.attempt_id,
-            provider_id=self.provider_id,
-            node_id=self.node_id,
-            outcome=state,
-            error_code=code,
-            started_ms=self._started_ms,
-            duration_ms=max(1, round((self._loop.time() - self._opened_at) * 1000)),
-        )
+        attempts = self._records
+        if self.link is not None:
+            live = self._loop.time() - self._opened_at
+            attempt = (self.attempt_id, self.provider_id, self.node_id)
+            attempts = [*attempts, (*attempt, None, self._started_ms, live)]
+        records = []
+        for attempt_id, provider_id, node_id, outcome, started_ms, seconds in attempts:
+            if outcome is None:
+                state, code = "running", ""
+            elif isinstance(outcome, Completed):
+                state, code = "completed", ""
+            else:
+                cancelled = outcome.code is ErrorCode.CANCELLED
+                state, code = ("cancelled" if cancelled else "failed"), outcome.code.value
+            records.append(
+                AttemptRecord(
+                    run_id=attempt_id,
+                    provider_id=provider_id,
+                    node_id=node_id,
+                    outcome=state,
+                    error_code=code,
+                    started_ms=started_ms,
+                    duration_ms=max(1, round(seconds * 1000)),
+                )
+            )
+        return tuple(records)
