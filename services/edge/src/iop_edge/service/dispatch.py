@@ -305,7 +305,8 @@ class Dispatcher:
         index = self._registry.index(model.id)
         assert index is not None  # the registry indexes every model of the fleet
         # FIFO: nobody overtakes a waiter of its own class (and batch waits behind all).
-        overtakes = len(queue) > 0 if batch else queue.interactive > 0
+        # (With nobody waiting anywhere, nobody is overtaken.)
+        overtakes = bool(self._waiting) and (len(queue) > 0 if batch else queue.interactive > 0)
         if not overtakes and (spec.session is not None or chain):
             loop = asyncio.get_running_loop()
             preference = self._affinity.prefer(
