@@ -38,7 +38,7 @@ class RunTrace:
     local_id: str = ""  # the log's id for a request that never became a run
     provider_id: str = ""
     node_id: str = ""
-    edge_wait_s: float = 0.0  # inside RunService.open_run: the model's queue
+    edge_wait_s: float = 0.0  # inside the run's open (RunEvents.open): the model's queue
     node_wait_ms: int = 0  # the node's FIFO queue (RunStart)
     first_delta_at: float = 0.0
     outcome: str = ""
