@@ -235,9 +235,7 @@ def _body_ops(calls: dict[str, JsonCalls], op: str) -> dict[str, Any]:
 
 def body_json(rounds: list[Round]) -> dict[str, Any]:
     """The first round's body parses and serialisations; ``stable``: every round agrees."""
-    per_round = [
-        {op: _body_ops(r.body_json, op) for op in ("parse", "serialise")} for r in rounds
-    ]
+    per_round = [{op: _body_ops(r.body_json, op) for op in ("parse", "serialise")} for r in rounds]
     return {
         "min_bytes": BODY_MIN_BYTES,
         "parsed": per_round[0]["parse"],
