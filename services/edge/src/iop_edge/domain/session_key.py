@@ -46,7 +46,14 @@ def session_key(
     headers: Mapping[str, str], body: Mapping[str, Any], key_id: str = ""
 ) -> str | None:
     """The session of a request, scoped to ``key_id``; ``None`` when it names none."""
-    found = _named(headers, body)
+    found: str | None = None
+    for name in HEADERS:
+        value = headers.get(name)
+        if value:
+            found = value.strip()
+            break
+    else:
+        found = _body_session(body)
     if not found:
         return None
     return f"{key_id}\x00{found[:MAX_KEY_CHARS]}"
@@ -59,15 +66,13 @@ def successor_key(run_id: str, key_id: str = "") -> str:
     return f"{key_id}\x00{(RESPONSE_PREFIX + 'resp_' + run_id)[:MAX_KEY_CHARS]}"
 
 
-def _named(headers: Mapping[str, str], body: Mapping[str, Any]) -> str | None:
-    for name in HEADERS:
-        value = headers.get(name)
-        if value:
-            return value.strip() or None
+def _body_session(body: Mapping[str, Any]) -> str | None:
+    """The session the body's fields name, in ``session_key``'s order after the headers."""
     cache_key = body.get("prompt_cache_key")
     if isinstance(cache_key, str) and cache_key:
         return cache_key
-    claude = _claude_session(body.get("metadata"))
+    metadata = body.get("metadata")
+    claude = _claude_session(metadata) if metadata else None
     if claude:
         return claude
     previous = body.get("previous_response_id")

@@ -183,12 +183,6 @@ class InferenceRoutes:
         """``out``: where a stream goes (``_sse_response``: an SSE answer of its own)."""
         asked = await dialect.resolve(dialect.read(body), key)
         trace.headers.update(asked.headers)  # the dialect's, on every answer from here on
-        scope = key.key_id if key is not None else ""
-        session = session_key(request.headers, body, scope)
-        if session is not None or scope:
-            asked = dataclasses.replace(
-                asked, spec=dataclasses.replace(asked.spec, session=session, scope=scope)
-            )
         spec = asked.spec
         trace.stream = spec.stream
         if key is not None and not key.allows(spec.model):
@@ -201,11 +195,16 @@ class InferenceRoutes:
             raise ModelNotFound(f"The model '{spec.model}' does not exist.", param="model")
         trace.model = spec.model
         trace.series = series = self._metrics.models[spec.model]
+        # What the pipeline adds to the dialect's run, made into one new spec at the end.
+        changes: dict[str, Any] = {}
+        scope = key.key_id if key is not None else ""
+        session = session_key(request.headers, body, scope)
+        if session is not None or scope:
+            changes["session"], changes["scope"] = session, scope
         if asks_drill(spec.body):
             if not may_drill(key, self._mock_drills):
                 raise InvalidRequest(drills.REFUSAL, param=drills.HOOK)
-            spec = dataclasses.replace(spec, drill=True)
-            asked = dataclasses.replace(asked, spec=spec)
+            changes["drill"] = True
         chat, clamp = clamp_output_tokens(
             spec.operation,
             spec.body,
@@ -213,10 +212,12 @@ class InferenceRoutes:
             cap_when_unasked=entry.context_window > 0,
         )
         if chat is not spec.body:
-            spec = dataclasses.replace(spec, body=chat)
-            asked = dataclasses.replace(asked, spec=spec)
+            changes["body"] = chat
         if clamp is not None:
             trace.headers[CLAMP_HEADER] = clamp.header
+        if changes:
+            spec = dataclasses.replace(spec, **changes)
+            asked = dataclasses.replace(asked, spec=spec)
         with self._slots.hold(key) as flight, series.in_flight.track_inprogress():
             opened_at = time.monotonic()
             # Cancelled here (client gone, or key revoked, while queued), the dispatcher

@@ -17,7 +17,7 @@ from aiohttp import web
 from iop_edge.domain.events import Completed, Delta
 from iop_edge.domain.fleet import ApiKeyEntry, Operation
 from iop_edge.entrypoints.api_dialect import DialectRequest
-from iop_edge.entrypoints.inference_request import parse_params
+from iop_edge.entrypoints.inference_request import run_spec
 from iop_edge.entrypoints.openai_errors import error_response
 from iop_edge.errors import EdgeError
 from iop_edge.formats.errors import error_payload
@@ -28,7 +28,6 @@ from iop_edge.formats.openai import (
     render_result,
     sse_event,
 )
-from iop_edge.ports import RunSpec
 
 
 class OpenAIDialect:
@@ -40,15 +39,7 @@ class OpenAIDialect:
         self.operation = operation
 
     def read(self, body: dict[str, Any]) -> DialectRequest:
-        params = parse_params(self.operation, body)
-        spec = RunSpec(
-            model=params.model,
-            operation=self.operation,
-            body=body,
-            stream=params.stream,
-            include_usage=params.include_usage,
-        )
-        return DialectRequest(spec)
+        return DialectRequest(run_spec(self.operation, body))
 
     async def resolve(self, asked: DialectRequest, key: ApiKeyEntry | None) -> DialectRequest:
         return asked
