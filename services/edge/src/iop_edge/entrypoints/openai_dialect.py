@@ -20,13 +20,10 @@ from iop_edge.entrypoints.api_dialect import DialectRequest
 from iop_edge.entrypoints.inference_request import run_spec
 from iop_edge.entrypoints.openai_errors import error_response
 from iop_edge.errors import EdgeError
-from iop_edge.formats.errors import error_payload
 from iop_edge.formats.openai import (
-    DONE,
     RENDER_OFFLOAD_BYTES,
     ChunkStream,
     render_result,
-    sse_event,
 )
 
 
@@ -44,16 +41,15 @@ class OpenAIDialect:
     async def resolve(self, asked: DialectRequest, key: ApiKeyEntry | None) -> DialectRequest:
         return asked
 
-    def stream_writer(self, request: DialectRequest, run_id: str, created: int) -> OpenAIStream:
+    def stream_writer(self, request: DialectRequest, run_id: str, created: int) -> ChunkStream:
         spec = request.spec
-        chunks = ChunkStream(
+        return ChunkStream(
             spec.operation,
             run_id=run_id,
             model=spec.model,
             created=created,
             include_usage=spec.include_usage,
         )
-        return OpenAIStream(chunks, spec.include_usage)
 
     async def answer(
         self,
@@ -79,29 +75,3 @@ class OpenAIDialect:
 
     def error_response(self, exc: EdgeError) -> web.Response:
         return error_response(exc)
-
-
-class OpenAIStream:
-    """Implements ``StreamWriter``: chunks, then the closing chunks, usage and ``[DONE]``."""
-
-    __slots__ = ("_chunks", "_include_usage", "delta")
-
-    def __init__(self, chunks: ChunkStream, include_usage: bool) -> None:
-        self._chunks = chunks
-        self._include_usage = include_usage
-        self.delta = chunks.delta  # bound once: the per-token call goes straight to it
-
-    def opening(self) -> bytes:
-        return b""
-
-    def closing(self, end: Completed) -> bytes:
-        tail = self._chunks.finish(end)
-        if self._include_usage:
-            tail += self._chunks.usage_chunk(end)
-        return tail + DONE
-
-    def failure(self, error: EdgeError) -> bytes:
-        return sse_event(error_payload(error)) + DONE
-
-    async def settle(self) -> None:
-        """Nothing is stored: the last events leave at once."""
