@@ -17,14 +17,14 @@ from aiohttp import web
 from iop_edge.domain.events import Completed, Delta
 from iop_edge.domain.fleet import ApiKeyEntry, Operation
 from iop_edge.entrypoints.api_dialect import DialectRequest
-from iop_edge.entrypoints.inference_request import run_spec
 from iop_edge.entrypoints.openai_errors import error_response
-from iop_edge.errors import EdgeError
+from iop_edge.errors import EdgeError, InvalidRequest
 from iop_edge.formats.openai import (
     RENDER_OFFLOAD_BYTES,
     ChunkStream,
     render_result,
 )
+from iop_edge.ports import RunSpec
 
 
 class OpenAIDialect:
@@ -36,7 +36,68 @@ class OpenAIDialect:
         self.operation = operation
 
     def read(self, body: dict[str, Any]) -> DialectRequest:
-        return DialectRequest(run_spec(self.operation, body))
+        """The run ``body`` asks for. Only what the edge itself needs is checked (model, the
+        operation's required input, streaming switches, ``n``), each refusal naming its
+        param; every other field travels untouched in ``RunSpec.body`` to the provider,
+        so vendor parameters keep working."""
+        model = body.get("model")
+        if not isinstance(model, str) or not model:
+            raise InvalidRequest("You must provide a model parameter (a string).", param="model")
+        if self.operation is Operation.CHAT_COMPLETIONS:
+            messages = body.get("messages")
+            if not isinstance(messages, list) or not messages:
+                raise InvalidRequest("'messages' must be a non-empty array.", param="messages")
+        elif self.operation is Operation.COMPLETIONS:
+            if not isinstance(body.get("prompt"), str | list):
+                raise InvalidRequest(
+                    "'prompt' is required: a string or an array of strings or tokens.",
+                    param="prompt",
+                )
+        else:
+            value = body.get("input")
+            if not isinstance(value, str | list) or not value:
+                raise InvalidRequest(
+                    "'input' is required: a non-empty string or array.", param="input"
+                )
+        stream = body.get("stream")
+        if stream is None:
+            stream = False
+        elif not isinstance(stream, bool):
+            raise InvalidRequest("'stream' must be a boolean.", param="stream")
+        if stream and self.operation is Operation.EMBEDDINGS:
+            raise InvalidRequest("Embeddings cannot be streamed.", param="stream")
+        if self.operation is not Operation.EMBEDDINGS:
+            n = body.get("n")
+            if n is not None and (type(n) is not int or n != 1):
+                raise InvalidRequest(
+                    "Only n=1 is supported (not every provider can return several choices).",
+                    param="n",
+                )
+        include_usage: bool = False
+        options = body.get("stream_options")
+        if options is not None:
+            if not isinstance(options, dict):
+                raise InvalidRequest("'stream_options' must be an object.", param="stream_options")
+            if not stream:
+                # OpenAI refuses it too, and vLLM would reject the run after it queued.
+                raise InvalidRequest(
+                    "The 'stream_options' parameter is only allowed when 'stream' is enabled.",
+                    param="stream_options",
+                )
+            asked = options.get("include_usage")
+            if isinstance(asked, bool):
+                include_usage = asked
+            elif asked is not None:
+                param = "stream_options.include_usage"
+                raise InvalidRequest(f"'{param}' must be a boolean.", param=param)
+        spec = RunSpec(
+            model=model,
+            operation=self.operation,
+            body=body,
+            stream=stream,
+            include_usage=include_usage,
+        )
+        return DialectRequest(spec)
 
     async def resolve(self, asked: DialectRequest, key: ApiKeyEntry | None) -> DialectRequest:
         return asked
