@@ -140,7 +140,7 @@ class InferenceRoutes:
             trace.crashed()  # the middleware logs it and answers 500
             raise
         finally:
-            await self._account(trace)
+            await trace.account(self._metrics, self._runlog)
 
     async def serve_stream(
         self,
@@ -169,7 +169,7 @@ class InferenceRoutes:
             trace.crashed()
             raise
         finally:
-            await self._account(trace)
+            await trace.account(self._metrics, self._runlog)
 
     async def _run(
         self,
@@ -308,16 +308,6 @@ class InferenceRoutes:
             raise ProviderFailed("the run ended without a result")
         trace.provider_s = end.provider_us / 1_000_000
         raise flight.run_error(end)
-
-    async def _account(self, trace: RunTrace) -> None:
-        """One record and the metrics; a failing run log never fails the request."""
-        record = trace.account(self._metrics)
-        try:
-            # record() queues and never suspends, so even a second cancellation (server
-            # shutdown) cannot cut it short: no shield (and no task per request) needed.
-            await self._runlog.record(record)
-        except Exception as exc:
-            log_unexpected(exc, "could not record run {}", record.run_id)
 
 
 async def _relay(

@@ -2,7 +2,7 @@
 
 Handlers note facts (dispatched, started, first delta, completed, failed, client
 gone) as they occur; at the end ``account()`` turns them into the metrics and the
-``EdgeRunRecord``, whatever way the request ended.
+``EdgeRunRecord`` it records, whatever way the request ended.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from iop_edge.domain.events import Completed, Started
 from iop_edge.domain.fleet import Operation
 from iop_edge.entrypoints.api_metrics import ApiMetrics, ModelSeries
 from iop_edge.errors import EdgeError
-from iop_edge.ports import EdgeRunRecord, RunEvents
+from iop_edge.ports import EdgeRunRecord, RunEvents, RunLog
+from iop_proto.service.logging import log_unexpected
 
 CLIENT_CLOSED = 499
 """The status recorded when the client left before any response was sent (nginx's)."""
@@ -156,9 +157,9 @@ class RunTrace:
         self.status = status
         self.error_code = "internal_error"
 
-    def account(self, metrics: ApiMetrics) -> EdgeRunRecord:
-        """The request's end in the metrics, and its record for the run log (called once,
-        whatever way the request ended)."""
+    async def account(self, metrics: ApiMetrics, runlog: RunLog) -> None:
+        """The request's end in the metrics, and its record in the run log: called once,
+        whatever way the request ended; a failing run log never fails the request."""
         ended_at = time.monotonic()
         received_at = self.received_at
         status = self.status or 500
@@ -188,7 +189,7 @@ class RunTrace:
             tokens.prompt.inc(self.prompt_tokens)
             tokens.completion.inc(self.completion_tokens)
             tokens.cached.inc(self.cached_tokens)
-        return EdgeRunRecord(
+        record = EdgeRunRecord(
             run_id=self.run_id or self.request_id,
             model=self.model,
             provider_id=provider_id,
@@ -208,3 +209,9 @@ class RunTrace:
             attempts=attempts,
             cached_tokens=self.cached_tokens,
         )
+        try:
+            # record() queues and never suspends, so even a second cancellation (server
+            # shutdown) cannot cut it short: no shield (and no task per request) needed.
+            await runlog.record(record)
+        except Exception as exc:
+            log_unexpected(exc, "could not record run {}", record.run_id)
