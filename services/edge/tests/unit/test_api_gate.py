@@ -76,7 +76,7 @@ async def test_a_loopback_client_of_an_open_edge_is_served() -> None:
 
 
 async def test_a_closed_gate_answers_before_anything_else_runs() -> None:
-    gate, handled = StopGate(), []
+    gate, handled = StopGate(), list[str]()
     gate.close()
     async with gated(gate, handled) as url, aiohttp.ClientSession() as http:
         async with http.post(f"{url}/v1/chat/completions", json={"model": "m"}) as reply:
