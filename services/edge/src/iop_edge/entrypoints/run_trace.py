@@ -162,6 +162,7 @@ class RunTrace:
         whatever way the request ended; a failing run log never fails the request."""
         ended_at = time.monotonic()
         received_at = self.received_at
+        operation = self.operation.value
         status = self.status or 500
         series = self.series if self.series is not None else metrics.models[self.model]
         series.requests[status].inc()
@@ -176,7 +177,7 @@ class RunTrace:
             series.ttft.observe(ttft_s)
             ttft_ms = max(1, round(ttft_s * 1000))
         if self.overhead_s is not None:
-            metrics.overheads[self.operation.value, self.stream].observe(self.overhead_s)
+            metrics.overheads[operation, self.stream].observe(self.overhead_s)
         run = self.run
         attempts = run.attempt_records() if run is not None else ()
         if attempts:  # who served it: the last attempt (after a failover too)
@@ -194,7 +195,7 @@ class RunTrace:
             model=self.model,
             provider_id=provider_id,
             node_id=node_id,
-            operation=self.operation.value,
+            operation=operation,
             stream=self.stream,
             outcome=outcome,
             status=status,
