@@ -3,7 +3,7 @@
 This is the per-token hot path. A stream's constant part (id, object, created,
 public model id) is serialised once when the stream starts. The common token (a
 plain text fragment of choice 0) is then written into a byte template with only
-its string JSON-escaped (the C string encoder: well under a microsecond);
+its string JSON-escaped (a property test holds it to what the general path writes);
 anything else (role, tool calls, reasoning, finish) goes through a small dict
 and ``iop_proto.json_codec`` (orjson, the C encoder; the whole results of
 non-streamed runs go through it too). Nothing here does I/O, so every function
