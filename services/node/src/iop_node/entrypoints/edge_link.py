@@ -12,14 +12,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ssl
+import time
 
 from loguru import logger
 
+from iop_node.domain.events import Failed, Started
 from iop_node.domain.runs import Completion, Delta
 from iop_node.entrypoints import wire
 from iop_node.errors import AnswerTooLarge, RunCancelled
 from iop_node.metrics import NodeMetrics
-from iop_node.node import NodeCore
+from iop_node.service.providers import NodeCore
 from iop_node.settings import NodeSettings
 from iop_proto.connection import Connection
 from iop_proto.dialer import Dialer, DialSettings
@@ -55,6 +57,10 @@ class ConnectionChannel:
     event, the completion with the start in it, instead of three: the edge decodes,
     checks and routes one event, not three, for every fast non-streamed run.
     Events are numbered as they leave, so the run's numbers have no gaps either way.
+
+    The adapter streams into the channel directly (``RunChannel``): the first delta
+    carries the wait on the provider since ``started``, and ``first_token_ms`` notes
+    when it left, for the run's history.
     """
 
     def __init__(self, conn: Connection, run_id: str, *, fold: bool = False) -> None:
@@ -65,6 +71,8 @@ class ConnectionChannel:
         self._start: pb.RunEvent | None = None
         self._ack: pb.RunEvent | None = None
         self._ack_timer: asyncio.TimerHandle | None = None
+        self._provider_began = 0.0  # perf_counter() at ``started``
+        self.first_token_ms = 0
 
     def _number(self, event: pb.RunEvent) -> pb.RunEvent:
         event.run_id = self._run_id
@@ -76,7 +84,8 @@ class ConnectionChannel:
         try:
             if self._ack is not None:
                 ack, self._ack = self._ack, None
-                self._cancel_ack_timer()
+                if self._ack_timer is not None:
+                    self._ack_timer.cancel()
                 await self._conn.send(self._number(ack), correlation_id=self._run_id, defer=True)
             if self._start is not None:
                 start, self._start = self._start, None
@@ -98,10 +107,6 @@ class ConnectionChannel:
         self._ack = pb.RunEvent(accepted={})
         self._ack_timer = asyncio.get_running_loop().call_later(ACK_HOLD_S, self._send_ack)
 
-    def _cancel_ack_timer(self) -> None:
-        if self._ack_timer is not None:
-            self._ack_timer.cancel()
-
     def _send_ack(self) -> None:
         ack, self._ack = self._ack, None
         if ack is None:
@@ -110,40 +115,29 @@ class ConnectionChannel:
         with contextlib.suppress(ConnectionClosed, OSError):
             self._conn.send_soon(self._number(ack), correlation_id=self._run_id)
 
-    async def started(self, provider_id: str, target: str, queue_wait_ms: int) -> None:
-        start = {"provider_id": provider_id, "target": target, "queue_wait_ms": queue_wait_ms}
-        self._start = pb.RunEvent(start=start)
+    def started(self, event: Started) -> None:
+        self._start = wire.start_event(event)  # leaves with the run's next event
+        self._provider_began = time.perf_counter()
 
     async def delta(self, delta: Delta) -> None:
-        await self._send(wire.delta_event(delta), defer=True)
+        if self.first_token_ms:
+            await self._send(wire.delta_event(delta), defer=True)
+            return
+        self.first_token_ms = time.time_ns() // 1_000_000
+        waited_us = int((time.perf_counter() - self._provider_began) * 1_000_000)
+        await self._send(wire.delta_event(delta, waited_us), defer=True)
 
     async def completed(self, completion: Completion) -> None:
         event = wire.complete_event(completion)
         if self._fold and self._ack is not None and self._start is not None:
             event.complete.start.CopyFrom(self._start.start)
             self._ack = self._start = None  # the completion acknowledges and starts it
-            self._cancel_ack_timer()
+            if self._ack_timer is not None:
+                self._ack_timer.cancel()
         await self._send(event)
 
-    async def failed(
-        self,
-        code: int,
-        message: str,
-        provider_status: int,
-        provider_us: int = 0,
-        *,
-        context_window: int = 0,
-        prompt_tokens: int = 0,
-    ) -> None:
-        error = pb.RunError(
-            code=code,  # type: ignore[arg-type]
-            message=message,
-            provider_status=provider_status,
-            provider_us=provider_us,
-            context_window=context_window,
-            prompt_tokens=prompt_tokens,
-        )
-        await self._send(pb.RunEvent(error=error))
+    async def failed(self, failure: Failed) -> None:
+        await self._send(wire.failed_event(failure))
 
 
 class EdgeLink(Dialer):
@@ -207,7 +201,7 @@ class EdgeLink(Dialer):
             if kind == "run_request":
                 run_id = envelope.run_request.run_id
                 channel = ConnectionChannel(conn, run_id, fold=self._folds)
-                if self._core.start_run(envelope.run_request, channel):
+                if self._core.start_run(wire.run_order(envelope.run_request), channel):
                     channel.accepted()
             elif kind == "cancel_request":
                 cancel = envelope.cancel_request
