@@ -228,13 +228,16 @@ def allowed(provider_type: str, operation: str) -> frozenset[str]:
 def stream_switches(
     body: Mapping[str, Any], provider_type: str, operation: str, stream: bool
 ) -> dict[str, Any]:
-    """The streaming fields an engine of this type is sent for this run (none for
-    embeddings): ``stream`` as the run streams, and, streaming, the client's
-    ``stream_options`` with ``include_usage`` on where the type honours it."""
+    """The streaming fields (``STREAM_FIELDS``) an engine of this type is sent for this
+    run (none for embeddings): ``stream`` as the run streams, and the client's
+    ``stream_options``, with ``include_usage`` on when streaming where the type honours it."""
     if operation == EMBEDDINGS:
         return {}
     if not stream or provider_type not in STREAM_USAGE:
-        return {"stream": stream}
+        switches: dict[str, Any] = {"stream": stream}
+        if "stream_options" in body:  # the client's, as it gave them
+            switches["stream_options"] = body["stream_options"]
+        return switches
     options = body.get("stream_options")
     merged = dict(options) if isinstance(options, dict) else {}
     merged["include_usage"] = True
