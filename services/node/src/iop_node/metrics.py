@@ -107,9 +107,9 @@ class NodeMetrics:
     def child(self, metric: Labelled[Child], provider_id: str, *labels: str) -> Child:
         """``metric.labels(provider_id, *labels)``, looked up once and then kept.
 
-        ``labels()`` checks its arguments and builds a key on every call, several
-        times per run; this is one dict hit. A series is still created on first
-        use, so /metrics shows exactly what ``labels()`` would.
+        The children of a provider live as long as its series: ``forget`` drops
+        both. A series is still created on first use, so /metrics shows exactly what
+        ``labels()`` would.
         """
         key = (provider_id, metric, *labels)
         found = self._children.get(key)
@@ -118,8 +118,8 @@ class NodeMetrics:
         return found
 
     def meters(self, provider_id: str) -> ProviderMeters:
-        """The provider's children that every run writes, looked up together once and
-        then kept (a dict hit per run); ``forget`` drops them with the provider."""
+        """The provider's children that every run writes, looked up together and kept;
+        ``forget`` drops them with the provider."""
         key = (provider_id, "meters")
         found: ProviderMeters | None = self._children.get(key)
         if found is None:

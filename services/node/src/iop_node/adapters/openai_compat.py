@@ -498,7 +498,7 @@ def _str(value: Any) -> str:
 
 
 def _int(value: Any) -> int:
-    # JSON's integers are exactly int (a bool is not): one call, not two isinstance
+    # JSON's integers are exactly int (a bool, an int subclass, is not a count)
     return value if type(value) is int else 0
 
 

@@ -74,30 +74,32 @@ class ConnectionChannel:
         self._provider_began = 0.0  # perf_counter() at ``started``
         self.first_token_ms = 0
 
-    def _number(self, event: pb.RunEvent) -> pb.RunEvent:
-        event.run_id = self._run_id
-        event.sequence = self._sequence
-        self._sequence += 1
-        return event
-
     async def _send(self, event: pb.RunEvent, *, defer: bool = False) -> None:
+        """Send ``event`` after what is held for it (the acknowledgement, the start), each
+        numbered as it leaves; a number is used only by an event that left."""
+        conn, run_id = self._conn, self._run_id
         try:
             if self._ack is not None:
                 ack, self._ack = self._ack, None
                 if self._ack_timer is not None:
                     self._ack_timer.cancel()
-                await self._conn.send(self._number(ack), correlation_id=self._run_id, defer=True)
+                ack.run_id, ack.sequence = run_id, self._sequence
+                await conn.send(ack, correlation_id=run_id, defer=True)
+                self._sequence += 1
             if self._start is not None:
                 start, self._start = self._start, None
-                await self._conn.send(self._number(start), correlation_id=self._run_id, defer=True)
+                start.run_id, start.sequence = run_id, self._sequence
+                await conn.send(start, correlation_id=run_id, defer=True)
+                self._sequence += 1
+            event.run_id, event.sequence = run_id, self._sequence
             try:
-                await self._conn.send(self._number(event), correlation_id=self._run_id, defer=defer)
+                await conn.send(event, correlation_id=run_id, defer=defer)
             except FrameTooLarge as exc:
                 # Refused before a byte of it was written: the link is intact and the
                 # number unused (the run's error takes it). The adapters hold answers
                 # below the limit already; this keeps any that does not to its own run.
-                self._sequence -= 1
                 raise AnswerTooLarge(exc.maximum) from exc
+            self._sequence += 1
         except (ConnectionClosed, OSError) as exc:  # closed, or reset under the write
             raise RunCancelled(EDGE_GONE) from exc
 
@@ -111,9 +113,11 @@ class ConnectionChannel:
         ack, self._ack = self._ack, None
         if ack is None:
             return
+        ack.run_id, ack.sequence = self._run_id, self._sequence
+        self._sequence += 1
         # a connection gone already: the run finds out itself when it sends
         with contextlib.suppress(ConnectionClosed, OSError):
-            self._conn.send_soon(self._number(ack), correlation_id=self._run_id)
+            self._conn.send_soon(ack, correlation_id=self._run_id)
 
     def started(self, event: Started) -> None:
         self._start = wire.start_event(event)  # leaves with the run's next event

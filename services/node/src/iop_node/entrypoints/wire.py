@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from iop_node.domain.cache_account import CacheView
 from iop_node.domain.events import Failed, Started
 from iop_node.domain.health import Health
 from iop_node.domain.provider import ProviderConfig
@@ -96,10 +95,8 @@ def usage(value: Usage) -> dict[str, int]:
     }
 
 
-# The run events below are built from dicts: upb fills a message and its submessages
-# from one in a single call, under half the cost of building the submessage first and
-# copying it in, and this runs for every delta of every stream. Empty fields are left
-# out; proto3 does not send them either way.
+# The run events are built from dicts (upb fills a message and its submessages from one).
+# Empty fields are left out; proto3 does not send them either way.
 
 
 def delta_event(delta: Delta, provider_us: int = 0) -> pb.RunEvent:
@@ -191,15 +188,10 @@ def provider_state(status: ProviderStatus) -> pb.ProviderState:
         ),
         last_probe_unix_ms=status.last_probe_unix_ms,
         detail=status.detail,
-        cache=cache_state(status.cache),
-    )
-
-
-def cache_state(view: CacheView) -> pb.CacheState:
-    """A provider's cache account as its snapshot carries it (0: a rate unknown)."""
-    return pb.CacheState(
-        prefixes=[pb.CachedPrefix(tail=tail, blocks=blocks) for tail, blocks in view.prefixes],
-        prompt_tokens=view.prompt_tokens,
-        cached_tokens=view.cached_tokens,
-        prefill_ms_per_token=view.prefill_ms_per_token or 0.0,
+        cache=pb.CacheState(  # the cache account; 0: a rate unknown
+            prefixes=[pb.CachedPrefix(tail=t, blocks=b) for t, b in status.cache.prefixes],
+            prompt_tokens=status.cache.prompt_tokens,
+            cached_tokens=status.cache.cached_tokens,
+            prefill_ms_per_token=status.cache.prefill_ms_per_token or 0.0,
+        ),
     )
