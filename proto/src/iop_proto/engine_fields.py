@@ -212,16 +212,17 @@ STREAM_USAGE: Final = frozenset(ENGINE_FIELDS)
 STREAM_FIELDS: Final = frozenset({"stream", "stream_options"})
 """The fields ``stream_switches`` writes (whatever the client put there)."""
 
-_ALLOWED: Final[Mapping[tuple[str, str], frozenset[str]]] = {
+ALLOWED: Final[Mapping[tuple[str, str], frozenset[str]]] = {
     (provider_type, operation): fields | own
     for provider_type, own in ENGINE_FIELDS.items()
     for operation, fields in OPENAI_FIELDS.items()
 }
+"""(OpenAI-compatible type, operation) -> the fields its requests keep (``allowed``)."""
 
 
 def allowed(provider_type: str, operation: str) -> frozenset[str]:
     """The fields a request of ``operation`` keeps on its way to an engine of this type."""
-    found = _ALLOWED.get((provider_type, operation))
+    found = ALLOWED.get((provider_type, operation))
     return OPENAI_FIELDS[operation] if found is None else found
 
 

@@ -61,14 +61,7 @@ from typing import Any, Final
 from iop_edge.domain.fleet import ModelEntry, Operation
 from iop_edge.errors import InvalidRequest, RequestTooLarge
 from iop_proto import json_codec
-from iop_proto.engine_fields import (
-    ENGINE_FIELDS,
-    OPENAI_FIELDS,
-    STREAM_FIELDS,
-    allowed,
-    provider_body,
-    stream_switches,
-)
+from iop_proto.engine_fields import ALLOWED, STREAM_FIELDS, provider_body, stream_switches
 from iop_proto.framing import DEFAULT_MAX_FRAME_SIZE
 from iop_proto.prefix import body_blocks
 
@@ -153,10 +146,11 @@ class RunBody:
         of ``provider_type`` serving ``served``: an OpenAI-compatible type gets its body
         prepared (its fields, the served name, its streaming switches), any other type
         the client's body with the served name, for its adapter to read."""
-        if provider_type not in ENGINE_FIELDS or operation not in OPENAI_FIELDS:
+        fields = ALLOWED.get((provider_type, operation))
+        if fields is None:  # not an OpenAI-compatible type, or count_tokens
             return self.with_model(served), False, ()
         switches = stream_switches(self.fields, provider_type, operation, stream)
-        if self.fields.keys() - _PER_PROVIDER <= allowed(provider_type, operation):
+        if self.fields.keys() - _PER_PROVIDER <= fields:
             body = self._join(served, json_codec.dumps(switches) if switches else b"{}")
         else:  # a field this type is not sent: the body written again without it
             named = {**self.fields, "model": served}
