@@ -174,7 +174,8 @@ class RunBody:
         return size
 
     def _join(self, served: str, switches: bytes) -> bytes:
-        parts: list[bytes | memoryview] = [_MODEL_KEY, json_codec.dumps(served)]
+        # the target rewrite (docs/ARCHITECTURE.md#target-rewrite): the served name first
+        parts: list[bytes | memoryview] = [_MODEL_KEY + json_codec.dumps(served)]
         with memoryview(self.rest) as rest:  # one copy of a body of megabytes, not two
             if self.rest != b"{}":
                 parts += (b",", rest[1:-1])
