@@ -87,10 +87,7 @@ def service_package(service: str) -> Path:
         "edge",
         "control-plane",
         "worker",
-        pytest.param(
-            "node",
-            marks=pytest.mark.xfail(strict=True, reason="until the node's rim (issue 30, B) lands"),
-        ),
+        "node",
     ],
 )
 def test_only_the_rim_imports_protobuf(service: str) -> None:

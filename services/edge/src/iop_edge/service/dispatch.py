@@ -54,7 +54,6 @@ from iop_edge.service.registry import ProviderRegistry
 from iop_edge.service.runs import UNGUARDED, EdgeRun, NodeLink, RunGuards
 from iop_proto.errors import FrameTooLarge
 from iop_proto.framing import DEFAULT_MAX_FRAME_SIZE
-from iop_proto.prefix import body_blocks
 
 _NOBODY: frozenset[str] = frozenset()
 _CACHED_OPERATIONS = frozenset({Operation.CHAT_COMPLETIONS, Operation.COMPLETIONS})
@@ -219,7 +218,7 @@ class Dispatcher:
         loop = asyncio.get_running_loop()
         started = loop.time()
         slotless = spec.operation is Operation.COUNT_TOKENS
-        chain = self._chain(spec)
+        chain = self._chain(spec, body)
         if slotless:
             slot = self._least_loaded(model, exclude)
         else:
@@ -267,7 +266,7 @@ class Dispatcher:
             raise NoProviderAvailable(f"No provider of '{model.id}' is available right now")
         return slot
 
-    def _chain(self, spec: RunSpec) -> Sequence[int]:
+    def _chain(self, spec: RunSpec, body: RunBody) -> Sequence[int]:
         """The request's prompt prefix as block hashes (``iop_proto.prefix``), when there
         is a choice for it to steer: a model with one provider hashes nothing."""
         if not self._affinity.policy.enabled or spec.operation not in _CACHED_OPERATIONS:
@@ -275,7 +274,7 @@ class Dispatcher:
         index = self._registry.index(spec.model)
         if index is None or len(index.members) < 2:
             return ()
-        return body_blocks(spec.body)
+        return body.prompt_blocks()  # hashed once: the order carries them to the node
 
     async def _acquire(
         self,
@@ -453,6 +452,10 @@ class Dispatcher:
         if deadline is not None and deadline - now < timeout_s:
             timeout_s = deadline - now  # a retry ends when the request's time does
         now_ms = time.time_ns() // 1_000_000
+        # the target rewrite, here and only here (docs/ARCHITECTURE.md#target-rewrite)
+        body_json, prepared, blocks = body.for_provider(
+            entry.type, served, spec.operation, spec.stream
+        )
         request = RunOrder(
             run_id=run_id,
             model=model.id,
@@ -460,12 +463,13 @@ class Dispatcher:
             adapter=entry.type,
             target=served,
             operation=spec.operation,
-            # the target rewrite, here and only here (docs/ARCHITECTURE.md#target-rewrite)
-            body_json=body.with_model(served),
+            body_json=body_json,
             stream=spec.stream,
             deadline_unix_ms=now_ms + int(timeout_s * 1000),
             include_usage=spec.include_usage,
             drill=spec.drill,
+            body_prepared=prepared,
+            prompt_blocks=blocks,
         )
         run = EdgeRun(
             run_id,
