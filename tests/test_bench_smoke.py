@@ -92,3 +92,11 @@ def test_hops_reports_the_path_of_a_stream(tmp_path: Path) -> None:
     assert "idle window" in result["filter"]
     assert "edge path:" in output
     assert "node path:" in output
+    # the edge parses the body (its limits read it) and some function serialises it; the
+    # node may pass the edge's bytes through, so nothing is asserted of it
+    body = result["body_json"]
+    assert body["parsed"]["edge"] >= 1
+    assert body["serialised"]["total"] >= 1
+    assert all(row["bytes"] >= body["min_bytes"] for row in body["parsed"]["by"])
+    assert "body parsed: " in output
+    assert "body serialised: " in output

@@ -37,7 +37,7 @@ OUTPUT_ROUTES = (EdgeOperation.CHAT_COMPLETIONS, EdgeOperation.COMPLETIONS)
 
 
 def test_every_output_length_an_adapter_reads_is_capped() -> None:
-    from iop_node.adapters import openai_fields  # here: the table's test, not the module's
+    from iop_proto import engine_fields as openai_fields  # the table's test, not the module's
 
     modules = {sys.modules[factory.__module__] for factory in ADAPTERS.values()}
     assert len(modules) >= 4  # mock, cli, ollama, openai_compat: the registry was read
@@ -53,7 +53,7 @@ def test_every_output_length_an_adapter_reads_is_capped() -> None:
             lengths = (fields | own) & (
                 set(openai_fields.OUTPUT_LENGTH_FIELDS) | openai_fields.ENGINE_OUTPUT_LENGTHS
             )
-            capped = OUTPUT_TOKEN_FIELDS[EdgeOperation(operation.value)]
+            capped = OUTPUT_TOKEN_FIELDS[EdgeOperation(operation)]
             assert lengths <= set(capped), (provider_type, operation, lengths)
 
 

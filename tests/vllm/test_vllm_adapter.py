@@ -23,6 +23,7 @@ from iop_node.domain.runs import ExecutionSpec, Operation
 from iop_node.errors import ContextLengthExceeded, InvalidRequest, ProviderTimeout
 from iop_node.ports import AdapterContext, LifecycleFlags
 from iop_node.testing import RecordingSink
+from iop_proto import json_codec
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(420)]
 
@@ -56,7 +57,7 @@ def spec(
         adapter="vllm",
         target=served,
         operation=operation,
-        body={"model": served, **body},
+        body_json=json_codec.dumps({"model": served, **body}),
         stream=stream,
         include_usage=True,
         deadline=asyncio.get_running_loop().time() + seconds,

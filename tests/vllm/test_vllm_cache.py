@@ -25,8 +25,8 @@ from iop_node.domain.provider import ProviderConfig
 from iop_node.domain.runs import Completion, Delta
 from iop_node.entrypoints import wire
 from iop_node.metrics import NodeMetrics
-from iop_node.node import NodeCore, ProbeSettings
 from iop_node.ports import AdapterContext, RunRecord
+from iop_node.service.providers import NodeCore, ProbeSettings
 from iop_proto.prefix import body_blocks
 from iop_proto.v1 import runtime_pb2 as pb
 

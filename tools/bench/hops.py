@@ -24,10 +24,16 @@ listed as unstable). The node's probes are set to once an hour for the same reas
 Only functions of ``iop_edge``, ``iop_node`` and ``iop_proto`` are recorded, not the
 generated ``iop_proto.v1``, the standard library or aiohttp.
 
+The request carries a prompt of about 2 KB, so that its body is told from a stream
+chunk by size: the hook also lists every JSON parse and serialisation of at least
+``BODY_MIN_BYTES`` in the request window, with the IOP function that asked for it
+(``json`` and ``orjson`` are wrapped in the traced processes; their code is unchanged).
+
 Printed: the number of distinct functions on the path (edge + node), the path in
-the order each function first ran (edge, then node) with its calls, and the
-functions on it that write the body's ``model`` (``hops_source.py`` says how they
-are recognised) with how many times each ran.
+the order each function first ran (edge, then node) with its calls, the functions
+on it that write the body's ``model`` (``hops_source.py`` says how they are
+recognised) with how many times each ran, and how many times the body was parsed
+and serialised, per process, by which functions.
 """
 
 from __future__ import annotations
@@ -60,8 +66,15 @@ TOKENS: Final = 4
 WARM_STREAMS: Final = 5
 PROBE_INTERVAL_S: Final = 3600.0  # the node probes once as it starts, then not while traced
 SIGNAL_TIMEOUT_S: Final = 10.0
+PROMPT: Final = [
+    {"role": "system", "content": "You count hops. " * 16},
+    {"role": "user", "content": "How many functions does this request run? " * 48},
+]
+"""About 2.3 KB of text: a body parse or serialisation is at least that, a chunk ~200 B."""
+BODY_MIN_BYTES: Final = 2048
 
 Record = list[dict[str, Any]]  # one process's functions, in the order they first ran
+JsonCalls = list[dict[str, Any]]  # one process's body-sized JSON parses and serialisations
 
 
 async def _wait_file(path: Path, timeout_s: float = SIGNAL_TIMEOUT_S) -> None:
@@ -81,8 +94,9 @@ class Tracer:
 
     async def window(
         self, seconds: float, action: Callable[[], Awaitable[None]] | None
-    ) -> dict[str, Record]:
-        """Trace every process for ``seconds``, running ``action`` at the start."""
+    ) -> tuple[dict[str, Record], dict[str, JsonCalls]]:
+        """Trace every process for ``seconds``, running ``action`` at the start: the
+        functions each ran, and its body-sized JSON calls."""
         self._seq += 1
         for pid in self._pids.values():
             os.kill(pid, signal.SIGUSR1)
@@ -99,11 +113,13 @@ class Tracer:
         for pid in self._pids.values():
             os.kill(pid, signal.SIGUSR2)
         records: dict[str, Record] = {}
+        calls: dict[str, JsonCalls] = {}
         for name, pid in self._pids.items():
             path = self._dir / f"rec-{pid}-{self._seq}.json"
             await _wait_file(path)
-            records[name] = json.loads(path.read_text())["functions"]
-        return records
+            recorded = json.loads(path.read_text())
+            records[name], calls[name] = recorded["functions"], recorded["json"]
+        return records, calls
 
 
 def _key(entry: dict[str, Any]) -> str:
@@ -140,6 +156,8 @@ class Round:
 
     idle: dict[str, Record]
     request: dict[str, Record]
+    body_json: dict[str, JsonCalls]
+    """The request window's body-sized JSON parses and serialisations, per process."""
 
 
 async def measure(window_s: float, rounds: int) -> list[Round]:
@@ -150,6 +168,7 @@ async def measure(window_s: float, rounds: int) -> list[Round]:
         trace_dir.mkdir()
         # Read by the hook in every child (not IOP_*: the services read those as settings).
         os.environ["BENCH_HOPS_DIR"] = str(trace_dir)
+        os.environ["BENCH_HOPS_BODY_MIN"] = str(BODY_MIN_BYTES)
         os.environ["PYTHONPATH"] = os.pathsep.join(
             p for p in (str(HOOK_DIR), os.environ.get("PYTHONPATH", "")) if p
         )
@@ -160,7 +179,7 @@ async def measure(window_s: float, rounds: int) -> list[Round]:
                 target = Target("iop", iop.api_url, MODEL)
 
                 async def one_stream() -> None:
-                    await stream(http, target, TOKENS, timed=False)
+                    await stream(http, target, TOKENS, timed=False, messages=PROMPT)
 
                 for _ in range(WARM_STREAMS):
                     await one_stream()
@@ -171,8 +190,9 @@ async def measure(window_s: float, rounds: int) -> list[Round]:
                 tracer = Tracer(trace_dir, {name: roots[name] for name in PROCESSES})
                 done = []
                 for _ in range(rounds):
-                    idle = await tracer.window(window_s, None)
-                    done.append(Round(idle, await tracer.window(window_s, one_stream)))
+                    idle, _ = await tracer.window(window_s, None)
+                    request, body_json = await tracer.window(window_s, one_stream)
+                    done.append(Round(idle, request, body_json))
                 return done
 
 
@@ -191,6 +211,37 @@ def _rewrites(path: dict[str, Record]) -> list[dict[str, Any]]:
                     }
                 )
     return found
+
+
+def _body_ops(calls: dict[str, JsonCalls], op: str) -> dict[str, Any]:
+    """How many times one round's request body was parsed (or serialised), and by whom."""
+    by: collections.Counter[tuple[str, str, str]] = collections.Counter()
+    size: dict[tuple[str, str, str], int] = {}
+    for process, entries in calls.items():
+        for entry in entries:
+            if entry["op"] == op:
+                key = (process, entry["function"], entry["library"])
+                by[key] += 1
+                size[key] = max(size.get(key, 0), entry["bytes"])
+    return {
+        "total": sum(by.values()),
+        **{process: sum(n for k, n in by.items() if k[0] == process) for process in PROCESSES},
+        "by": [
+            {"process": p, "function": f, "library": lib, "times": n, "bytes": size[p, f, lib]}
+            for (p, f, lib), n in by.items()
+        ],
+    }
+
+
+def body_json(rounds: list[Round]) -> dict[str, Any]:
+    """The first round's body parses and serialisations; ``stable``: every round agrees."""
+    per_round = [{op: _body_ops(r.body_json, op) for op in ("parse", "serialise")} for r in rounds]
+    return {
+        "min_bytes": BODY_MIN_BYTES,
+        "parsed": per_round[0]["parse"],
+        "serialised": per_round[0]["serialise"],
+        "stable": all(r == per_round[0] for r in per_round[1:]),
+    }
 
 
 def report(rounds: list[Round], window_s: float) -> dict[str, Any]:
@@ -223,6 +274,7 @@ def report(rounds: list[Round], window_s: float) -> dict[str, Any]:
         "modules": {n: len({e["module"] for e in p}) for n, p in path.items()},
         "path": path,
         "model_rewrites": _rewrites(path),
+        "body_json": body_json(rounds),
         "idle_ran": idle,
         "background_left_out": left_out,
         "unstable": unstable,
@@ -250,6 +302,18 @@ def render(result: dict[str, Any]) -> str:
     lines.append(f"model written in the request body: {total} times, by {len(rewrites)} functions")
     for r in rewrites:
         lines.append(f"  {r['process']}: {r['function']} x{r['calls']} (line {r['lines']})")
+    body = result["body_json"]
+    for op, verb in (("parsed", "parsed"), ("serialised", "serialised")):
+        counts = body[op]
+        split = ", ".join(f"{name} {counts[name]}" for name in PROCESSES)
+        lines.append(f"body {verb}: {counts['total']} times ({split})")
+        for row in counts["by"]:
+            lines.append(
+                f"  {row['process']}: {row['function']} x{row['times']}"
+                f" ({row['library']}, {row['bytes']} bytes)"
+            )
+    if not body["stable"]:
+        lines.append("body parses/serialisations differed between rounds: the first is shown")
     for name, keys in result["unstable"].items():
         for key, n in keys.items():
             lines.append(f"unstable, not counted: {name} {key} (on the path in {n} rounds)")

@@ -58,7 +58,12 @@ class FakeLink:
 
 
 def _spec(seq: int) -> RunSpec:
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "seq": seq}
+    # ``metadata``: a field every provider type is sent (the edge drops the others)
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hi"}],
+        "metadata": {"seq": seq},
+    }
     return RunSpec(MODEL, Operation.CHAT_COMPLETIONS, body, stream=False, include_usage=False)
 
 
@@ -107,7 +112,7 @@ async def probe(waiters: int) -> dict[str, Any]:
         for _ in range(waiters):
             dispatcher.deliver(current, Completed())
             request = await link.sent.get()
-            served.append(json.loads(request.body_json)["seq"])
+            served.append(json.loads(request.body_json)["metadata"]["seq"])
             current = request.run_id
         await asyncio.gather(*tasks)
     drain_s = time.perf_counter() - started

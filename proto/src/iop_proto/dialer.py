@@ -1,4 +1,5 @@
-"""Dialing the edge and staying registered: what the node and the worker both do.
+"""Dialing a peer and staying registered: the node and the worker dial the edge, the
+edge dials the control-plane.
 
 A node or worker dials the edge (never the reverse, so it may sit behind NAT),
 opens TLS, sends its ``RegisterRequest``, waits for the answer, serves the
@@ -12,7 +13,10 @@ operator's eyes), so the node cannot tell a lasting refusal from a passing one.
 
 ``Dialer`` is that loop; a service subclasses it and says what it registers with,
 what it does with an accepted registration, how it serves a registered connection,
-and what it cleans up after one.
+and what it cleans up after one. The edge's link to the control-plane uses the same
+loop with its own handshake (``_register``: its hello, answered by the fleet config)
+and keeps dialing past a certificate that does not fit (``fatal_tls_mismatch``): it
+serves its cached config meanwhile, and the certificate may be fixed under it.
 """
 
 from __future__ import annotations
@@ -25,9 +29,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from loguru import logger
-from prometheus_client import Gauge
 
-from iop_proto.connection import Connection
+from iop_proto.connection import DEFAULT_HEARTBEAT_INTERVAL, Connection
 from iop_proto.errors import ConnectionClosed, ProtocolError, UnexpectedMessage
 from iop_proto.framing import DEFAULT_MAX_FRAME_SIZE
 from iop_proto.tls import TlsSettings
@@ -63,6 +66,12 @@ class Backoff(Protocol):
     def max_s(self) -> float: ...
 
 
+class LinkGauge(Protocol):
+    """Where a dialer shows its link's state (1 up, 0 down): a Prometheus gauge."""
+
+    def set(self, value: float) -> None: ...
+
+
 class DialingService(Protocol):
     """The settings of a service that dials the edge (the node's, the worker's)."""
 
@@ -90,6 +99,16 @@ class DialSettings:
     max_frame_size: int = DEFAULT_MAX_FRAME_SIZE
     tls_files: TlsSettings | None = None
     """Our certificate files: named in the explanation of a failed handshake."""
+    peer: str = "edge"
+    """The dialed service, as log lines name it."""
+    setting: str = "edge"
+    """The settings section that says where the peer is (named when its certificate
+    does not fit)."""
+    fatal_tls_mismatch: bool = True
+    """A peer certificate that does not fit ends the loop (``TlsMismatch``); ``False``:
+    log it and keep dialing."""
+    heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL
+    """Until the registration's answer says otherwise."""
 
     @classmethod
     def of(
@@ -118,11 +137,11 @@ class Dialer:
     ``registered`` is set while a registration holds (readiness reads it);
     ``registrations`` counts accepted ones. A subclass implements
     ``_register_request`` and ``_serve``, and may override ``_accepted`` and
-    ``_disconnected``.
+    ``_disconnected``; a peer that is not the edge overrides ``_register``.
     """
 
     def __init__(
-        self, dial: DialSettings, tls: ssl.SSLContext | None, edge_connected: Gauge
+        self, dial: DialSettings, tls: ssl.SSLContext | None, edge_connected: LinkGauge
     ) -> None:
         self._dial = dial
         self._tls = tls
@@ -147,6 +166,32 @@ class Dialer:
     async def _disconnected(self) -> None:
         """After each connection, registered or not, has been closed."""
 
+    async def _register(self, conn: Connection) -> str | None:
+        """The registration's exchange: the detail for the "registered" log line when the
+        peer accepted, ``None`` when it refused (logged here). This one is the edge's
+        ``RegisterRequest``/``RegisterResponse``."""
+        sent = await conn.send(self._register_request())
+        async with asyncio.timeout(self._dial.register_timeout_s):
+            answer = await conn.receive()
+        kind = answer.WhichOneof("body")
+        if kind == "error":
+            logger.error(
+                "the edge refused the registration: {} ({})",
+                answer.error.message,
+                code_name(answer.error.code),
+            )
+            return None
+        if kind != "register_response" or answer.correlation_id != sent.message_id:
+            raise UnexpectedMessage(f"expected register_response, got {kind}")
+        response = answer.register_response
+        if not response.accepted:
+            logger.error("the edge refused the registration: {}", response.reason)
+            return None
+        detail = await self._accepted(conn, response)
+        if response.heartbeat_interval_ms:
+            conn.heartbeat_interval = response.heartbeat_interval_ms / 1000
+        return f"with edge {response.edge_id or conn.peer_name}{detail}"
+
     # -- the loop ------------------------------------------------------------------
 
     def stop(self) -> None:
@@ -166,7 +211,8 @@ class Dialer:
                 delay, failures = self._dial.initial_delay_s, 0  # it worked: retry quickly
             failures += 1
             pause = delay * random.uniform(0.5, 1.5)
-            logger.info("reconnecting to the edge in {:.1f}s (attempt {})", pause, failures + 1)
+            peer = self._dial.peer
+            logger.info("reconnecting to the {} in {:.1f}s (attempt {})", peer, pause, failures + 1)
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(pause):
                     await self._stopping.wait()
@@ -185,43 +231,58 @@ class Dialer:
                     server_hostname=name if self._tls else None,
                 )
         except ssl.SSLCertVerificationError as exc:
-            raise await rejection(
+            mismatch = await rejection(
                 exc,
                 host=dial.host,
                 port=dial.port,
                 server_name=name,
                 settings=dial.tls_files,
-                peer="edge",
-                setting="edge",
+                peer=dial.peer,
+                setting=dial.setting,
                 timeout_s=dial.register_timeout_s,
-            ) from None
+            )
+            if dial.fatal_tls_mismatch:
+                raise mismatch from None
+            logger.error("{} at {}:{}: {}", dial.peer, dial.host, dial.port, mismatch)
+            return False
         except (OSError, TimeoutError) as exc:
+            where = f"{dial.peer} at {dial.host}:{dial.port}"
             if self._tls is not None and peer_closed_during_handshake(exc):
-                logger.warning("edge at {}:{}: {}", dial.host, dial.port, PEER_CLOSED)
+                logger.warning("{}: {}", where, PEER_CLOSED)
             elif isinstance(exc, ssl.SSLError):
-                logger.warning("edge at {}:{}: TLS handshake failed: {}", dial.host, dial.port, exc)
+                logger.warning("{}: TLS handshake failed: {}", where, exc)
             else:
-                logger.warning("cannot reach the edge at {}:{}: {}", dial.host, dial.port, exc)
+                logger.warning("cannot reach the {}: {}", where, exc)
             return False
         conn = Connection(
-            reader, writer, sender_id=dial.sender_id, max_frame_size=dial.max_frame_size
+            reader,
+            writer,
+            sender_id=dial.sender_id,
+            max_frame_size=dial.max_frame_size,
+            heartbeat_interval=dial.heartbeat_interval_s,
         )
         registered = False
         try:
-            registered = await self._register(conn)
+            detail = await self._register(conn)
+            registered = detail is not None
             if registered:
+                conn.start_heartbeats()
+                self.registrations += 1
+                self.registered.set()
+                self._edge_connected.set(1)
+                logger.info("registered {}", detail)
                 await self._serve(conn)
         except ProtocolError as exc:
             await conn.abort(exc)
-            logger.warning("edge connection closed: {}", exc)
+            logger.warning("{} connection closed: {}", dial.peer, exc)
         except (ConnectionClosed, ConnectionError, TimeoutError) as exc:
             if registered or isinstance(exc, TimeoutError):
-                logger.warning("edge connection lost: {}", exc or type(exc).__name__)
+                logger.warning("{} connection lost: {}", dial.peer, exc or type(exc).__name__)
             else:
                 logger.warning("{}", self._closed_before_answer())
         except Exception:
             # The outermost per-connection boundary: a bug must not end the link for good.
-            logger.exception("edge connection failed")
+            logger.exception("{} connection failed", dial.peer)
         finally:
             self.registered.clear()
             self._edge_connected.set(0)
@@ -233,40 +294,13 @@ class Dialer:
         """The edge closed before answering the registration: with TLS 1.3 that is what
         a client sees when the server rejected its certificate (its handshake had
         already succeeded), so say so, and where the reason is."""
+        peer = self._dial.peer
         if self._tls is None:
-            return "the edge closed the connection before answering the registration"
+            return f"the {peer} closed the connection before answering the registration"
         files = self._dial.tls_files
         ours = f" (tls.cert_file {files.cert_file})" if files is not None else ""
         return (
-            "the edge closed the connection right after the TLS handshake, before answering "
+            f"the {peer} closed the connection right after the TLS handshake, before answering "
             f"the registration: it most likely rejected our certificate{ours}, e.g. one not "
-            "signed by its CA or expired; the edge's log says why"
+            f"signed by its CA or expired; the {peer}'s log says why"
         )
-
-    async def _register(self, conn: Connection) -> bool:
-        sent = await conn.send(self._register_request())
-        async with asyncio.timeout(self._dial.register_timeout_s):
-            answer = await conn.receive()
-        kind = answer.WhichOneof("body")
-        if kind == "error":
-            logger.error(
-                "the edge refused the registration: {} ({})",
-                answer.error.message,
-                code_name(answer.error.code),
-            )
-            return False
-        if kind != "register_response" or answer.correlation_id != sent.message_id:
-            raise UnexpectedMessage(f"expected register_response, got {kind}")
-        response = answer.register_response
-        if not response.accepted:
-            logger.error("the edge refused the registration: {}", response.reason)
-            return False
-        detail = await self._accepted(conn, response)
-        if response.heartbeat_interval_ms:
-            conn.heartbeat_interval = response.heartbeat_interval_ms / 1000
-        conn.start_heartbeats()
-        self.registrations += 1
-        self.registered.set()
-        self._edge_connected.set(1)
-        logger.info("registered with edge {}{}", response.edge_id or conn.peer_name, detail)
-        return True

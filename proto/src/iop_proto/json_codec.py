@@ -64,8 +64,15 @@ def loads(raw: bytes | str, *, allow_nan: bool = True, max_depth: int | None = N
         long_digits = _LONG_DIGITS if isinstance(raw, bytes) else _LONG_DIGITS_TEXT
         if long_digits.search(raw):  # type: ignore[arg-type]
             value = _standard_loads(raw, allow_nan, None, max_depth)  # exact integers
-    if max_depth is not None and _brackets(raw) > max_depth and _deeper_than(value, max_depth):
-        raise JsonTooDeep(max_depth)
+    if max_depth is not None:
+        # The opening brackets, strings' included, bound the nesting from above: only
+        # input with more of them than the limit can be too deep, and only that is walked.
+        if isinstance(raw, bytes):
+            brackets = raw.count(b"[") + raw.count(b"{")
+        else:
+            brackets = raw.count("[") + raw.count("{")
+        if brackets > max_depth and _deeper_than(value, max_depth):
+            raise JsonTooDeep(max_depth)
     return value
 
 
@@ -88,13 +95,6 @@ def _standard_loads(
         if max_depth is not None:
             raise JsonTooDeep(max_depth) from None  # ~1,000 levels: far past any limit
         raise fast_error or ValueError("JSON nested too deeply") from None
-
-
-def _brackets(raw: bytes | str) -> int:
-    """Opening brackets, strings included: the nesting can be no deeper (a C-speed count)."""
-    if isinstance(raw, bytes):
-        return raw.count(b"[") + raw.count(b"{")
-    return raw.count("[") + raw.count("{")
 
 
 def _deeper_than(value: Any, limit: int) -> bool:

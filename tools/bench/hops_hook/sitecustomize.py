@@ -20,6 +20,12 @@ With it, the process waits for two signals:
   first line. Comprehensions and generator expressions are left out: they are lines
   of the function that holds them (Python 3.12 inlines comprehensions).
 
+While recording, every JSON parse and serialisation of at least ``BENCH_HOPS_BODY_MIN``
+bytes (``json`` and ``orjson``'s ``loads`` and ``dumps``, wrapped as this module loads,
+before any service module or aiohttp binds them) is listed in the record too: which,
+its size, and the innermost IOP function that asked for it (past ``iop_proto.json_codec``,
+which only chooses the library). The size tells the request body from a stream chunk.
+
 Signals reach the handler when the main thread next runs Python code: uvloop and
 asyncio's loop both wake on a signal, so an idle service answers at once.
 """
@@ -32,6 +38,7 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from types import CodeType, FrameType
 from typing import Any
@@ -51,6 +58,9 @@ _modules: dict[CodeType, str] = {}
 _names: dict[CodeType, str] = {}
 _ignored: set[CodeType] = set()
 _first_entry: dict[CodeType, int] = {}  # generator-like code: the offset its first RESUME is at
+_BODY_MIN = int(os.environ.get("BENCH_HOPS_BODY_MIN", "0") or 0)
+_CODEC = "iop_proto.json_codec"  # picks orjson or json: the function that called it is the user
+_json: list[dict[str, Any]] = []  # the JSON parses and serialisations of the recording
 
 
 def _module(frame: FrameType) -> str | None:
@@ -124,10 +134,55 @@ def _entry(code: CodeType, counts: list[int]) -> dict[str, Any]:
     }
 
 
+def _caller() -> str:
+    """The innermost IOP function on the stack (coroutines awaiting one another included)."""
+    frame: FrameType | None = sys._getframe(2)
+    while frame is not None:
+        module = frame.f_globals.get("__name__")
+        if isinstance(module, str) and module.split(".", 1)[0] in _PACKAGES and module != _CODEC:
+            return f"{module}:{frame.f_code.co_qualname}"
+        frame = frame.f_back
+    return "(no IOP function)"
+
+
+def _size(value: Any) -> int:
+    return len(value) if isinstance(value, bytes | bytearray | memoryview | str) else -1
+
+
+def _traced(op: str, library: str, original: Callable[..., Any]) -> Callable[..., Any]:
+    """``original``, listing each call of body size while recording (a failed one is not:
+    ``json_codec`` then retries with the other library, which is listed)."""
+
+    def traced(*args: Any, **kwargs: Any) -> Any:
+        result = original(*args, **kwargs)
+        if _recording:
+            size = _size(args[0] if args else None) if op == "parse" else _size(result)
+            if size >= _BODY_MIN:
+                entry = {"op": op, "library": library, "bytes": size, "function": _caller()}
+                _json.append(entry)
+        return result
+
+    return traced
+
+
+def _wrap_json() -> None:
+    import json
+
+    json.loads = _traced("parse", "json", json.loads)
+    json.dumps = _traced("serialise", "json", json.dumps)
+    try:
+        import orjson
+    except ImportError:
+        return
+    orjson.loads = _traced("parse", "orjson", orjson.loads)
+    orjson.dumps = _traced("serialise", "orjson", orjson.dumps)
+
+
 def _start(signum: int, frame: FrameType | None) -> None:
     global _recording, _seq
     _seq += 1
     _counts.clear()
+    _json.clear()
     _recording = True
     sys.setprofile(_profile)
     Path(_OUT, f"on-{os.getpid()}-{_seq}").touch()
@@ -141,6 +196,7 @@ def _stop(signum: int, frame: FrameType | None) -> None:
         "pid": os.getpid(),
         "argv": sys.argv,
         "functions": [_entry(code, counts) for code, counts in list(_counts.items())],
+        "json": list(_json),
     }
     final = Path(_OUT, f"rec-{os.getpid()}-{_seq}.json")
     partial = final.with_suffix(".part")
@@ -149,6 +205,7 @@ def _stop(signum: int, frame: FrameType | None) -> None:
 
 
 if _OUT:
+    _wrap_json()
     threading.setprofile(_profile)
     signal.signal(signal.SIGUSR1, _start)
     signal.signal(signal.SIGUSR2, _stop)

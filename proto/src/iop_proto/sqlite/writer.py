@@ -138,7 +138,8 @@ class BatchedWriter(Generic[R]):
 
     def put(self, record: R) -> None:
         """Queue ``record``; returns without waiting for the disk (never suspends)."""
-        self.check_open()
+        if self._closed:
+            raise self.closed_error(f"{self.what} {self.path} is closed")
         key = self._key(record)
         previous = self._pending.pop(key, None)
         if previous is not None and not self._supersedes(record, previous[1]):

@@ -291,7 +291,7 @@ class NodeConfig(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., providers: _Optional[_Iterable[_Union[ProviderConfig, _Mapping]]] = ...) -> None: ...
 
 class RunRequest(_message.Message):
-    __slots__ = ("run_id", "model", "provider_id", "adapter", "target", "operation", "body_json", "stream", "deadline_unix_ms", "include_usage")
+    __slots__ = ("run_id", "model", "provider_id", "adapter", "target", "operation", "body_json", "stream", "deadline_unix_ms", "include_usage", "body_prepared", "prompt_blocks")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROVIDER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -302,6 +302,8 @@ class RunRequest(_message.Message):
     STREAM_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     INCLUDE_USAGE_FIELD_NUMBER: _ClassVar[int]
+    BODY_PREPARED_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     model: str
     provider_id: str
@@ -312,7 +314,9 @@ class RunRequest(_message.Message):
     stream: bool
     deadline_unix_ms: int
     include_usage: bool
-    def __init__(self, run_id: _Optional[str] = ..., model: _Optional[str] = ..., provider_id: _Optional[str] = ..., adapter: _Optional[str] = ..., target: _Optional[str] = ..., operation: _Optional[_Union[Operation, str]] = ..., body_json: _Optional[bytes] = ..., stream: _Optional[bool] = ..., deadline_unix_ms: _Optional[int] = ..., include_usage: _Optional[bool] = ...) -> None: ...
+    body_prepared: bool
+    prompt_blocks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, run_id: _Optional[str] = ..., model: _Optional[str] = ..., provider_id: _Optional[str] = ..., adapter: _Optional[str] = ..., target: _Optional[str] = ..., operation: _Optional[_Union[Operation, str]] = ..., body_json: _Optional[bytes] = ..., stream: _Optional[bool] = ..., deadline_unix_ms: _Optional[int] = ..., include_usage: _Optional[bool] = ..., body_prepared: _Optional[bool] = ..., prompt_blocks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "total_tokens", "cached_tokens")

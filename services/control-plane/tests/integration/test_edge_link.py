@@ -318,3 +318,21 @@ async def test_first_message_must_be_hello(control_plane: ControlPlane) -> None:
         await edge.conn.send(pb.AuthorizeNodeRequest(node_id="node-a", token="t"))
         envelope = await asyncio.wait_for(edge.conn.receive(), 10)
         assert envelope.error.code == pb.ERROR_CODE_UNEXPECTED_MESSAGE
+
+
+async def test_sigterm_tells_each_edge_it_is_stopping_and_exits_0(
+    control_plane: ControlPlane,
+) -> None:
+    """What docs/ARCHITECTURE.md's "Stopping" says of the control-plane: no drain (no work
+    of its own to finish); each edge gets ``SHUTTING_DOWN`` and its session ends."""
+    async with control_plane.edge() as edge:
+        await edge.hello()
+        control_plane.service.process.send_signal(signal.SIGTERM)
+        said = await asyncio.wait_for(edge.conn.receive(), 10)
+        assert said.WhichOneof("body") == "error", said
+        assert said.error.code == pb.ERROR_CODE_SHUTTING_DOWN
+        assert said.error.message == "control-plane is stopping"
+        with pytest.raises(ConnectionClosed):  # and the session ends
+            await asyncio.wait_for(edge.conn.receive(), 10)
+    assert await asyncio.wait_for(control_plane.service.process.wait(), 30) == 0
+    await control_plane.service.wait_for_line("stopped control-plane")

@@ -182,7 +182,7 @@ async def build(
             heartbeat_interval_s=cp.heartbeat_interval_s,
             reconnect_max_s=cp.reconnect_max_s,
             authorize_timeout_s=cp.authorize_timeout_s,
-            on_link=metrics.control_plane_connected.set,
+            link_gauge=metrics.control_plane_connected,
             tls_files=settings.tls if settings.tls.enabled else None,
         )
         await control_plane.load_cache()

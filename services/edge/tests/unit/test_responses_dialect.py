@@ -16,7 +16,8 @@ from aiohttp import web
 from iop_edge.domain.events import Completed, Delta, Usage
 from iop_edge.domain.fleet import ApiKeyEntry
 from iop_edge.entrypoints.api_dialect import Dialect
-from iop_edge.entrypoints.http_api import load_openapi, openai_error_boundary
+from iop_edge.entrypoints.api_gate import api_gate
+from iop_edge.entrypoints.http_api import load_openapi
 from iop_edge.entrypoints.responses_dialect import ResponsesDialect, conversation
 from iop_edge.entrypoints.responses_routes import ResponsesRoutes
 from iop_edge.errors import InvalidRequest, NotFound, StorageQuotaExceeded
@@ -139,7 +140,7 @@ async def serve(store: MemoryStore) -> AsyncIterator[str]:
         def route(self, dialect: Dialect) -> Any:
             return not_served
 
-    app = web.Application(middlewares=[openai_error_boundary])
+    app = web.Application(middlewares=[api_gate(Keys())])
     ResponsesRoutes(store, Keys(), ReasoningSeal.generate(), 1 << 20).register(
         app, cast(Any, Pipeline())
     )

@@ -15,8 +15,8 @@ from iop_node.adapters import cli, mock, ollama, openai_compat
 from iop_node.adapters.sqlite_history import SqliteRunHistory
 from iop_node.entrypoints.edge_link import EdgeLink
 from iop_node.metrics import NodeMetrics
-from iop_node.node import NodeCore, ProbeSettings
 from iop_node.ports import AdapterContext, AdapterFactory
+from iop_node.service.providers import NodeCore, ProbeSettings
 from iop_node.settings import NodeSettings
 from iop_proto.framing import max_answer_bytes
 from iop_proto.service import AdminServer

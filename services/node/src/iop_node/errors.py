@@ -1,12 +1,28 @@
 """The node's exception hierarchy. ``RunFailure`` subclasses become run errors with codes.
 
-Each failure carries the protocol error code it becomes on the wire, so the
-translation to ``run.event`` errors happens in exactly one place (the executor).
+Each failure carries its ``ErrorCode``, a domain value named as history, metrics and the
+edge's errors name it (``queue_full``); the wire's numbers for them live in one place,
+the rim's conversion module (``entrypoints/wire.py``).
 """
 
 from __future__ import annotations
 
-from iop_proto.v1 import runtime_pb2 as pb
+from enum import StrEnum
+
+
+class ErrorCode(StrEnum):
+    """How a run failed, as the node's history and metrics record it."""
+
+    INVALID_REQUEST = "invalid_request"
+    NOT_FOUND = "not_found"
+    QUEUE_FULL = "queue_full"
+    QUEUE_TIMEOUT = "queue_timeout"
+    PROVIDER_UNAVAILABLE = "provider_unavailable"
+    PROVIDER_ERROR = "provider_error"
+    PROVIDER_TIMEOUT = "provider_timeout"
+    CANCELLED = "cancelled"
+    INTERNAL = "internal"
+    CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 
 
 class NodeError(Exception):
@@ -16,7 +32,7 @@ class NodeError(Exception):
 class RunFailure(NodeError):
     """A run ended without a result; ``code`` is its ``run.event`` error code."""
 
-    code: int = pb.ERROR_CODE_INTERNAL
+    code: ErrorCode = ErrorCode.INTERNAL
     context_window: int = 0  # ContextLengthExceeded's, 0 for every other failure
     prompt_tokens: int = 0
 
@@ -29,7 +45,7 @@ class RunFailure(NodeError):
 class InvalidRequest(RunFailure, ValueError):
     """The run request cannot be executed as given (bad body, unknown provider, wrong target)."""
 
-    code = pb.ERROR_CODE_INVALID_REQUEST
+    code = ErrorCode.INVALID_REQUEST
 
 
 class ContextLengthExceeded(InvalidRequest):
@@ -37,7 +53,7 @@ class ContextLengthExceeded(InvalidRequest):
     shorten it, and another provider of the model would say the same. The numbers are
     the provider's (0 when it did not say them)."""
 
-    code = pb.ERROR_CODE_CONTEXT_LENGTH_EXCEEDED
+    code = ErrorCode.CONTEXT_LENGTH_EXCEEDED
 
     def __init__(
         self,
@@ -71,39 +87,39 @@ class AnswerTooLarge(InvalidRequest):
 
 
 class UnknownProvider(InvalidRequest):
-    code = pb.ERROR_CODE_NOT_FOUND
+    code = ErrorCode.NOT_FOUND
 
 
 class QueueFull(RunFailure):
-    code = pb.ERROR_CODE_QUEUE_FULL
+    code = ErrorCode.QUEUE_FULL
 
 
 class QueueTimeout(RunFailure, TimeoutError):
-    code = pb.ERROR_CODE_QUEUE_TIMEOUT
+    code = ErrorCode.QUEUE_TIMEOUT
 
 
 class ProviderUnavailable(RunFailure, ConnectionError):
     """The provider could not be reached (connection refused, DNS, reset before a reply)."""
 
-    code = pb.ERROR_CODE_PROVIDER_UNAVAILABLE
+    code = ErrorCode.PROVIDER_UNAVAILABLE
 
 
 class ProviderFailed(RunFailure):
     """The provider answered with an error (HTTP status, non-zero exit, error object)."""
 
-    code = pb.ERROR_CODE_PROVIDER_ERROR
+    code = ErrorCode.PROVIDER_ERROR
 
 
 class ProviderTimeout(RunFailure, TimeoutError):
     """The run passed its deadline (request_timeout_ms or the edge's deadline)."""
 
-    code = pb.ERROR_CODE_PROVIDER_TIMEOUT
+    code = ErrorCode.PROVIDER_TIMEOUT
 
 
 class RunCancelled(RunFailure):
     """The edge cancelled the run (client gone) or its connection dropped."""
 
-    code = pb.ERROR_CODE_CANCELLED
+    code = ErrorCode.CANCELLED
 
 
 class ConfigError(NodeError, ValueError):

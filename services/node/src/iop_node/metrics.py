@@ -12,15 +12,28 @@ from prometheus_client import Gauge as ClientGauge
 from iop_proto.loop_metrics import (
     Child,
     Counter,
-    CounterChild,
     Gauge,
     GaugeChild,
     Histogram,
+    HistogramChild,
     Labelled,
 )
 
 _WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _SERVICE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+
+
+@dataclass(frozen=True, slots=True)
+class ProviderMeters:
+    """One provider's series that every run writes: its load (in flight, queued,
+    capacity), its queue wait and its service time. (Its tokens appear with the first
+    run that reports usage: ``child``.)"""
+
+    in_flight: GaugeChild
+    queued: GaugeChild
+    capacity: GaugeChild
+    queue_wait: HistogramChild
+    service_time: HistogramChild
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,7 +48,7 @@ class NodeMetrics:
     tokens: Counter
     edge_connected: ClientGauge  # not per run: prometheus_client's
     # (provider, metric, *other labels) -> the metric's child for them (``child``), or
-    # (provider, group name) -> a tuple of children (``load_of``, ``tokens_of``).
+    # (provider, "meters") -> its ``ProviderMeters`` (``meters``).
     _children: dict[tuple[Any, ...], Any] = field(default_factory=dict, init=False, repr=False)
 
     @classmethod
@@ -94,9 +107,9 @@ class NodeMetrics:
     def child(self, metric: Labelled[Child], provider_id: str, *labels: str) -> Child:
         """``metric.labels(provider_id, *labels)``, looked up once and then kept.
 
-        ``labels()`` checks its arguments and builds a key on every call, several
-        times per run; this is one dict hit. A series is still created on first
-        use, so /metrics shows exactly what ``labels()`` would.
+        The children of a provider live as long as its series: ``forget`` drops
+        both. A series is still created on first use, so /metrics shows exactly what
+        ``labels()`` would.
         """
         key = (provider_id, metric, *labels)
         found = self._children.get(key)
@@ -104,28 +117,18 @@ class NodeMetrics:
             found = self._children[key] = metric.labels(provider_id, *labels)
         return found
 
-    def load_of(self, provider_id: str) -> tuple[GaugeChild, GaugeChild, GaugeChild]:
-        """The provider's in-flight, queued and capacity gauges (set together once a run)."""
-        key = (provider_id, "load")
-        found: tuple[GaugeChild, GaugeChild, GaugeChild] | None = self._children.get(key)
+    def meters(self, provider_id: str) -> ProviderMeters:
+        """The provider's children that every run writes, looked up together and kept;
+        ``forget`` drops them with the provider."""
+        key = (provider_id, "meters")
+        found: ProviderMeters | None = self._children.get(key)
         if found is None:
-            found = self._children[key] = (
-                self.in_flight.labels(provider_id),
-                self.queued.labels(provider_id),
-                self.capacity.labels(provider_id),
-            )
-        return found
-
-    def tokens_of(self, provider_id: str) -> tuple[CounterChild, CounterChild, CounterChild]:
-        """The provider's prompt, completion and cached token counters (counted together;
-        ``cached``: the prompt tokens its engine served from its prompt cache)."""
-        key = (provider_id, "tokens")
-        found: tuple[CounterChild, CounterChild, CounterChild] | None = self._children.get(key)
-        if found is None:
-            found = self._children[key] = (
-                self.tokens.labels(provider_id, "prompt"),
-                self.tokens.labels(provider_id, "completion"),
-                self.tokens.labels(provider_id, "cached"),
+            found = self._children[key] = ProviderMeters(
+                in_flight=self.in_flight.labels(provider_id),
+                queued=self.queued.labels(provider_id),
+                capacity=self.capacity.labels(provider_id),
+                queue_wait=self.queue_wait.labels(provider_id),
+                service_time=self.service_time.labels(provider_id),
             )
         return found
 

@@ -12,6 +12,7 @@ from typing import Protocol, runtime_checkable
 
 import aiohttp
 
+from iop_node.domain.events import Failed, Started
 from iop_node.domain.health import ProbeResult
 from iop_node.domain.provider import ProviderConfig
 from iop_node.domain.record import record
@@ -40,26 +41,24 @@ class EventSink(Protocol):
 
 
 class RunChannel(EventSink, Protocol):
-    """Where one run's events go (the edge connection): exactly one terminal event.
+    """Where one run's events go (the edge connection): the executor's domain events
+    (``domain.events``), converted to the wire by the channel.
 
-    ``started`` precedes every delta; then ``completed`` or ``failed`` ends the run.
-    The executor guarantees the order; the channel numbers the events.
+    ``started`` precedes every delta; then ``completed`` or ``failed`` ends the run
+    (exactly one). The executor guarantees the order; the channel numbers the events.
+    The adapter streams its deltas into the channel itself: the channel stamps the
+    run's first delta with the wait on the provider since ``started``
+    (``Delta.provider_us``) and keeps the Unix ms it went out in ``first_token_ms``
+    (0 while none has), which the run's history records.
     """
 
-    async def started(self, provider_id: str, target: str, queue_wait_ms: int) -> None: ...
+    first_token_ms: int
+
+    def started(self, event: Started) -> None: ...
 
     async def completed(self, completion: Completion) -> None: ...
 
-    async def failed(
-        self,
-        code: int,
-        message: str,
-        provider_status: int,
-        provider_us: int = 0,
-        *,
-        context_window: int = 0,
-        prompt_tokens: int = 0,
-    ) -> None: ...
+    async def failed(self, failure: Failed) -> None: ...
 
 
 class Adapter(Protocol):

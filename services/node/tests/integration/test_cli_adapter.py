@@ -26,6 +26,7 @@ from iop_node.errors import (
     ProviderUnavailable,
 )
 from iop_node.ports import AdapterContext, LifecycleFlags
+from iop_proto import json_codec
 
 pytestmark = pytest.mark.slow
 
@@ -103,7 +104,7 @@ def spec(
         adapter="cli",
         target="tiny-target",
         operation=operation,
-        body={"model": "tiny-target", **body},
+        body_json=json_codec.dumps({"model": "tiny-target", **body}),
         stream=stream,
         include_usage=True,
         deadline=asyncio.get_running_loop().time() + timeout,

@@ -38,6 +38,7 @@ from iop_node.errors import (
 )
 from iop_node.ports import AdapterContext
 from iop_node.testing import RecordingSink
+from iop_proto import json_codec
 from iop_proto.testing import refused_port
 
 SENTENCE = ("the", "quick", "brown", "fox", "jumps", "over", "the", "lazy", "dog")
@@ -237,7 +238,7 @@ def spec(
         adapter="ollama",
         target=model,
         operation=operation,
-        body=body,
+        body_json=json_codec.dumps(body),
         stream=stream,
         include_usage=True,
         deadline=asyncio.get_running_loop().time() + seconds,

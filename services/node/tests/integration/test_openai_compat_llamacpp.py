@@ -20,10 +20,10 @@ from iop_node.adapters import openai_compat, tokenizer
 from iop_node.adapters.openai_compat import OpenAICompatAdapter
 from iop_node.domain.provider import ProviderConfig
 from iop_node.domain.runs import ExecutionSpec, Operation
-from iop_node.errors import ContextLengthExceeded, InvalidRequest, ProviderTimeout
+from iop_node.errors import ContextLengthExceeded, ErrorCode, InvalidRequest, ProviderTimeout
 from iop_node.ports import AdapterContext
 from iop_node.testing import RecordingSink, llamacpp_child, llamacpp_missing
-from iop_proto.v1 import runtime_pb2 as pb
+from iop_proto import json_codec
 
 pytestmark = pytest.mark.slow
 
@@ -66,7 +66,7 @@ def spec(
         adapter="llamacpp",
         target=MODEL,
         operation=operation,
-        body={"model": MODEL, **body},
+        body_json=json_codec.dumps({"model": MODEL, **body}),
         stream=stream,
         include_usage=True,
         deadline=asyncio.get_running_loop().time() + seconds,
@@ -243,7 +243,7 @@ async def test_a_prompt_past_the_context_is_context_length_exceeded_with_its_num
             spec({"messages": long, "max_tokens": 4}, stream=stream), RecordingSink()
         )
     failure = info.value
-    assert failure.code == pb.ERROR_CODE_CONTEXT_LENGTH_EXCEEDED
+    assert failure.code == ErrorCode.CONTEXT_LENGTH_EXCEEDED
     assert (failure.provider_status, failure.context_window) == (400, n_ctx)
     assert failure.prompt_tokens > n_ctx
     assert "exceeds the available context size" in failure.message

@@ -1,4 +1,5 @@
-"""The capacity gate and FIFO queue: order, limits, and release on every exit path."""
+"""The capacity gate and FIFO queue: order, limits, and release on every exit path (the
+wait itself is bounded by its caller's deadline scope: ``service.runs``)."""
 
 from __future__ import annotations
 
@@ -9,26 +10,29 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from iop_node.domain.admission import AdmissionGate
-from iop_node.errors import QueueFull, QueueTimeout
+from iop_node.errors import QueueFull
 
 
 async def test_runs_start_while_slots_are_free() -> None:
     gate = AdmissionGate("p", capacity=2, max_queue=0)
-    assert await gate.acquire(1) == 0.0
-    assert await gate.acquire(1) == 0.0
+    assert await gate.acquire() == 0.0
+    assert await gate.acquire() == 0.0
     assert gate.in_flight == 2
     with pytest.raises(QueueFull, match=r"2 of 2 slots busy and the queue is full \(0 waiting\)"):
-        await gate.acquire(1)
+        await gate.acquire()
 
 
 async def test_waiters_are_served_in_fifo_order() -> None:
     gate = AdmissionGate("p", capacity=1, max_queue=10)
-    await gate.acquire(1)
+    await gate.acquire()
     order: list[int] = []
 
     async def waiter(i: int) -> None:
-        async with gate.admit(5):
+        await gate.acquire()
+        try:
             order.append(i)
+        finally:
+            gate.release()
 
     tasks = []
     for i in range(5):
@@ -43,11 +47,11 @@ async def test_waiters_are_served_in_fifo_order() -> None:
 
 async def test_queue_overflow_is_refused_with_a_clear_reason() -> None:
     gate = AdmissionGate("gpu-a", capacity=1, max_queue=1)
-    await gate.acquire(1)
-    queued = asyncio.create_task(gate.acquire(5))
+    await gate.acquire()
+    queued = asyncio.create_task(gate.acquire())
     await asyncio.sleep(0)
     with pytest.raises(QueueFull, match="gpu-a"):
-        await gate.acquire(5)
+        await gate.acquire()
     gate.release()
     await queued
     gate.release()
@@ -55,10 +59,12 @@ async def test_queue_overflow_is_refused_with_a_clear_reason() -> None:
 
 
 async def test_queue_timeout_leaves_the_queue() -> None:
+    """The caller's scope ends the wait (its message: test_executor's queue timeout)."""
     gate = AdmissionGate("p", capacity=1, max_queue=4)
-    await gate.acquire(1)
-    with pytest.raises(QueueTimeout, match="no slot free within 20 ms"):
-        await gate.acquire(0.02)
+    await gate.acquire()
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(0.02):
+            await gate.acquire()
     assert gate.queued == 0
     gate.release()
     assert gate.in_flight == 0
@@ -66,9 +72,9 @@ async def test_queue_timeout_leaves_the_queue() -> None:
 
 async def test_cancelled_waiter_leaves_the_queue_and_the_next_one_gets_the_slot() -> None:
     gate = AdmissionGate("p", capacity=1, max_queue=4)
-    await gate.acquire(1)
-    first = asyncio.create_task(gate.acquire(5))
-    second = asyncio.create_task(gate.acquire(5))
+    await gate.acquire()
+    first = asyncio.create_task(gate.acquire())
+    second = asyncio.create_task(gate.acquire())
     await asyncio.sleep(0)
     first.cancel()
     await asyncio.gather(first, return_exceptions=True)
@@ -80,9 +86,9 @@ async def test_cancelled_waiter_leaves_the_queue_and_the_next_one_gets_the_slot(
 
 async def test_slot_handed_to_a_waiter_cancelled_at_that_moment_is_passed_on() -> None:
     gate = AdmissionGate("p", capacity=1, max_queue=4)
-    await gate.acquire(1)
-    first = asyncio.create_task(gate.acquire(5))
-    second = asyncio.create_task(gate.acquire(5))
+    await gate.acquire()
+    first = asyncio.create_task(gate.acquire())
+    second = asyncio.create_task(gate.acquire())
     await asyncio.sleep(0)
     gate.release()  # hands the slot to `first` ...
     first.cancel()  # ... which is cancelled before it runs
@@ -96,8 +102,8 @@ async def test_slot_handed_to_a_waiter_cancelled_at_that_moment_is_passed_on() -
 
 async def test_resize_lets_waiters_start() -> None:
     gate = AdmissionGate("p", capacity=1, max_queue=4)
-    await gate.acquire(1)
-    waiter = asyncio.create_task(gate.acquire(5))
+    await gate.acquire()
+    waiter = asyncio.create_task(gate.acquire())
     await asyncio.sleep(0)
     gate.resize(capacity=2, max_queue=4)
     await waiter
@@ -130,7 +136,9 @@ async def test_counts_return_to_zero_whatever_ends_the_runs(
     async def run(ending: str, yields: int) -> None:
         nonlocal peak
         timeout = 0.001 if ending == "timeout" else 10
-        async with gate.admit(timeout):
+        async with asyncio.timeout(timeout):  # the queue wait's bound, as the executor's
+            await gate.acquire()
+        try:
             peak = max(peak, gate.in_flight)
             assert gate.in_flight <= capacity
             for _ in range(yields):
@@ -139,6 +147,8 @@ async def test_counts_return_to_zero_whatever_ends_the_runs(
                 raise ValueError("provider failed")
             if ending == "timeout":
                 await release.wait()
+        finally:
+            gate.release()
 
     tasks = [asyncio.create_task(run(ending, yields)) for ending, yields in runs]
     for (ending, yields), task in zip(runs, tasks, strict=True):
@@ -150,7 +160,7 @@ async def test_counts_return_to_zero_whatever_ends_the_runs(
     release.set()
     results = await asyncio.gather(*tasks, return_exceptions=True)
     assert all(
-        r is None or isinstance(r, ValueError | QueueFull | QueueTimeout | asyncio.CancelledError)
+        r is None or isinstance(r, ValueError | QueueFull | TimeoutError | asyncio.CancelledError)
         for r in results
     )
     assert (gate.in_flight, gate.queued) == (0, 0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from iop_node.adapters.context_overflow import context_overflow
-from iop_proto.v1 import runtime_pb2 as pb
+from iop_node.errors import ErrorCode
 
 VLLM_OLD = (
     "This model's maximum context length is 2048 tokens. However, you requested 2100 tokens "
@@ -59,7 +59,7 @@ def test_each_engines_overflow_is_context_length_exceeded(
 ) -> None:
     failure = context_overflow(error, message, 400)
     assert failure is not None
-    assert failure.code == pb.ERROR_CODE_CONTEXT_LENGTH_EXCEEDED
+    assert failure.code == ErrorCode.CONTEXT_LENGTH_EXCEEDED
     assert (failure.context_window, failure.prompt_tokens) == numbers
     assert (failure.message, failure.provider_status) == (message, 400)
 

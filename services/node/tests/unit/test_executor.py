@@ -4,22 +4,30 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from dataclasses import dataclass, field
 
 import pytest
 from prometheus_client import CollectorRegistry
 
 from iop_node.domain.admission import AdmissionGate
+from iop_node.domain.events import Failed, Started
 from iop_node.domain.health import Health, ProbeResult
 from iop_node.domain.provider import ProviderConfig
 from iop_node.domain.runs import Completion, Delta, ExecutionSpec, Operation, Usage
-from iop_node.errors import ContextLengthExceeded, ProviderUnavailable, RunCancelled, RunFailure
-from iop_node.executor import RunExecutor
+from iop_node.errors import (
+    ContextLengthExceeded,
+    ErrorCode,
+    ProviderUnavailable,
+    RunCancelled,
+    RunFailure,
+)
 from iop_node.metrics import NodeMetrics
 from iop_node.ports import EventSink, LifecycleFlags, RunRecord
 from iop_node.runtime import ProviderRuntime
+from iop_node.service.runs import RunExecutor
+from iop_proto import json_codec
 from iop_proto.prefix import body_blocks
-from iop_proto.v1 import runtime_pb2 as pb
 
 CONFIG = ProviderConfig(id="p1", type="fake", models=("m",), capacity=1, max_queue=0)
 
@@ -46,29 +54,23 @@ class Channel:
     events: list[tuple[object, ...]] = field(default_factory=list)
     context: tuple[int, int] = (0, 0)  # a failure's context window and prompt tokens
     provider_statuses: list[int] = field(default_factory=list)
+    first_token_ms: int = 0
 
-    async def started(self, provider_id: str, target: str, queue_wait_ms: int) -> None:
-        self.events.append(("started", provider_id, target, queue_wait_ms))
+    def started(self, event: Started) -> None:
+        self.events.append(("started", event.provider_id, event.target, event.queue_wait_ms))
 
     async def delta(self, delta: Delta) -> None:
+        if not self.first_token_ms:
+            self.first_token_ms = time.time_ns() // 1_000_000
         self.events.append(("delta", delta.text))
 
     async def completed(self, completion: Completion) -> None:
         self.events.append(("completed", completion.finish_reason))
 
-    async def failed(
-        self,
-        code: int,
-        message: str,
-        provider_status: int,
-        provider_us: int = 0,
-        *,
-        context_window: int = 0,
-        prompt_tokens: int = 0,
-    ) -> None:
-        self.events.append(("failed", code, message))
-        self.context = (context_window, prompt_tokens)
-        self.provider_statuses.append(provider_status)
+    async def failed(self, failure: Failed) -> None:
+        self.events.append(("failed", failure.code, failure.message))
+        self.context = (failure.context_window, failure.prompt_tokens)
+        self.provider_statuses.append(failure.provider_status)
 
 
 @dataclass
@@ -132,7 +134,7 @@ def spec(run_id: str = "r1", *, stream: bool = True) -> ExecutionSpec:
         adapter="fake",
         target="m",
         operation=Operation.CHAT_COMPLETIONS,
-        body={"model": "m"},
+        body_json=b'{"model": "m"}',
         stream=stream,
         include_usage=True,
         deadline=asyncio.get_running_loop().time() + 10,
@@ -207,7 +209,7 @@ async def test_a_context_overflow_reaches_the_edge_with_its_numbers_and_keeps_he
     channel = Channel()
     await s.executor.execute_run(s.runtime, spec(), channel)
 
-    code = pb.ERROR_CODE_CONTEXT_LENGTH_EXCEEDED
+    code = ErrorCode.CONTEXT_LENGTH_EXCEEDED
     assert channel.events[-1] == ("failed", code, "HTTP 400: too long")
     assert channel.context == (512, 900)
     (final,) = s.history.completed
@@ -329,7 +331,8 @@ LONG_PROMPT = {"model": "m", "messages": [{"role": "user", "content": "a long qu
 
 
 def prompt_spec(run_id: str, operation: Operation = Operation.CHAT_COMPLETIONS) -> ExecutionSpec:
-    return dataclasses.replace(spec(run_id), operation=operation, body=LONG_PROMPT)
+    body_json = json_codec.dumps(LONG_PROMPT)
+    return dataclasses.replace(spec(run_id), operation=operation, body_json=body_json)
 
 
 async def test_a_served_prompt_is_in_the_account_before_its_slot_is_free() -> None:
@@ -362,7 +365,9 @@ async def test_completions_are_accounted_and_embeddings_are_not() -> None:
     await s.executor.execute_run(s.runtime, embed, Channel())
     assert s.runtime.cache.view().prefixes == ()
     assert s.runtime.cache.view().prompt_tokens == 0
-    text = dataclasses.replace(spec("r2"), operation=Operation.COMPLETIONS, body=completions)
+    text = dataclasses.replace(
+        spec("r2"), operation=Operation.COMPLETIONS, body_json=json_codec.dumps(completions)
+    )
     await s.executor.execute_run(s.runtime, text, Channel())
     assert s.runtime.cache.view().prefixes == ((body_blocks(completions)[-1], 2),)
 
@@ -383,3 +388,57 @@ async def test_an_unreachable_provider_forgets_what_its_engine_held() -> None:
     await s.executor.execute_run(s.runtime, prompt_spec("r2"), Channel())
     assert s.runtime.cache.view().prefixes == ()
     assert s.runtime.cache.view().prompt_tokens == 300  # the totals count what was served
+
+
+async def test_one_deadline_scope_a_run_queued_past_its_queue_timeout() -> None:
+    """Queued behind a busy slot, the run's one scope ends at the queue timeout: the
+    run is refused as ``queue_timeout`` and leaves the queue; the slot is untouched."""
+    gate = asyncio.Event()
+    s = setup(Adapter(gate=gate))
+    s.runtime.config = dataclasses.replace(CONFIG, max_queue=1, queue_timeout_ms=20)
+    s.runtime.gate.resize(1, 1)
+    first = asyncio.create_task(s.executor.execute_run(s.runtime, spec("r1"), Channel()))
+    await s.history.a_run_started.wait()
+    channel = Channel()
+    await s.executor.execute_run(s.runtime, spec("r2"), channel)
+    assert channel.events == [
+        ("failed", ErrorCode.QUEUE_TIMEOUT, "provider p1: no slot free within 20 ms")
+    ]
+    assert (s.runtime.gate.in_flight, s.runtime.gate.queued) == (1, 0)
+    gate.set()
+    await first
+    refused = next(r for r in s.history.completed if r.run_id == "r2")
+    assert (refused.outcome, refused.error_code) == ("rejected", "queue_timeout")
+
+
+async def test_one_deadline_scope_the_deadline_bounds_the_queue_wait_too() -> None:
+    """A deadline earlier than the queue timeout ends the wait: still ``queue_timeout``."""
+    gate = asyncio.Event()
+    s = setup(Adapter(gate=gate))
+    s.runtime.config = dataclasses.replace(CONFIG, max_queue=1, queue_timeout_ms=60_000)
+    s.runtime.gate.resize(1, 1)
+    first = asyncio.create_task(s.executor.execute_run(s.runtime, spec("r1"), Channel()))
+    await s.history.a_run_started.wait()
+    channel = Channel()
+    soon = dataclasses.replace(spec("r2"), deadline=asyncio.get_running_loop().time() + 0.05)
+    await s.executor.execute_run(s.runtime, soon, channel)
+    assert [e[:2] for e in channel.events] == [("failed", ErrorCode.QUEUE_TIMEOUT)]
+    gate.set()
+    await first
+
+
+async def test_one_deadline_scope_a_run_with_its_slot_ends_at_the_deadline() -> None:
+    """Past the queue (its timeout long gone by then), the same scope is the deadline:
+    the run fails ``provider_timeout`` and gives its slot back."""
+    s = setup(Adapter(gate=asyncio.Event()))  # never answers
+    s.runtime.config = dataclasses.replace(CONFIG, queue_timeout_ms=10)
+    channel = Channel()
+    late = dataclasses.replace(spec("r1"), deadline=asyncio.get_running_loop().time() + 0.1)
+    await s.executor.execute_run(s.runtime, late, channel)
+    assert [e[:2] for e in channel.events] == [
+        ("started", "p1"),
+        ("failed", ErrorCode.PROVIDER_TIMEOUT),
+    ]
+    assert s.runtime.gate.in_flight == 0
+    (final,) = s.history.completed
+    assert (final.outcome, final.error_code) == ("failed", "provider_timeout")

@@ -25,6 +25,7 @@ from iop_node.errors import (
 )
 from iop_node.ports import AdapterContext, LifecycleFlags
 from iop_node.testing import RecordingSink
+from iop_proto import json_codec
 
 CHAT = {
     "messages": [
@@ -66,7 +67,7 @@ def spec(
         adapter="mock",
         target="m-a",
         operation=operation,
-        body={"model": "m-a", **body},
+        body_json=json_codec.dumps({"model": "m-a", **body}),
         stream=stream,
         include_usage=True,
         deadline=asyncio.get_running_loop().time() + timeout,

@@ -16,8 +16,8 @@ from iop_node.domain.provider import ProviderConfig
 from iop_node.domain.runs import Completion, ExecutionSpec
 from iop_node.entrypoints import wire
 from iop_node.metrics import NodeMetrics
-from iop_node.node import NodeCore, ProbeSettings
 from iop_node.ports import AdapterContext, EventSink, LifecycleFlags, RunRecord
+from iop_node.service.providers import NodeCore, ProbeSettings
 from iop_proto.v1 import runtime_pb2 as pb
 
 CONFIG = ProviderConfig(id="p1", type="fake", models=("m",))

@@ -8,6 +8,7 @@ mapping and cancellation are checked on a real socket.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from iop_node.domain.runs import Delta, ExecutionSpec, Operation, ToolCallDelta,
 from iop_node.errors import (
     AnswerTooLarge,
     ConfigError,
+    ErrorCode,
     InvalidRequest,
     ProviderFailed,
     ProviderTimeout,
@@ -33,9 +35,9 @@ from iop_node.errors import (
 )
 from iop_node.ports import AdapterContext, LifecycleFlags
 from iop_node.testing import RecordingSink
+from iop_proto import json_codec
 from iop_proto.framing import DEFAULT_MAX_ANSWER_BYTES
 from iop_proto.testing import refused_port
-from iop_proto.v1 import runtime_pb2 as pb
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -56,6 +58,7 @@ class Received:
     path: str
     headers: dict[str, str]
     body: dict[str, Any]
+    raw: bytes = b""
 
 
 @dataclass
@@ -69,8 +72,9 @@ class FakeProvider:
     disconnected: asyncio.Event = field(default_factory=asyncio.Event)
 
     async def handle_post(self, request: web.Request) -> web.StreamResponse:
-        body = await request.json()
-        self.requests.append(Received(request.path, dict(request.headers), body))
+        raw = await request.read()
+        body = json.loads(raw)
+        self.requests.append(Received(request.path, dict(request.headers), body, raw))
         try:
             if self.reply is None:
                 return web.json_response(CHAT_RESULT)
@@ -143,7 +147,7 @@ def make_spec(
         adapter="vllm",
         target="served/model",
         operation=operation,
-        body={"model": "served/model", **body},
+        body_json=json_codec.dumps({"model": "served/model", **body}),
         stream=stream,
         include_usage=False,
         deadline=asyncio.get_running_loop().time() + seconds,
@@ -218,6 +222,38 @@ async def test_stream_asks_for_usage_and_keeps_other_stream_options(
     assert sent["stream"] is True
     assert sent["stream_options"] == {"continuous_usage_stats": True, "include_usage": True}
     assert spec.body["stream_options"] == {"continuous_usage_stats": True}  # not mutated
+
+
+async def test_a_body_the_edge_prepared_is_posted_byte_for_byte_and_never_parsed(
+    provider: FakeProvider, http: aiohttp.ClientSession
+) -> None:
+    """``body_prepared``: the edge applied the type's allow-list, the served name and the
+    streaming switches; the node sends those bytes as they came (spacing, key order, a
+    field the node would have dropped: all kept) and never parses them."""
+    prepared = b'{"model":"served/model", "messages":[],"x_kept":1,"stream":false}'
+    spec = dataclasses.replace(make_spec({}), body_json=prepared, body_prepared=True)
+    completion = await make_adapter(http, provider.url).execute(spec, RecordingSink())
+    (got,) = provider.requests
+    assert got.raw == prepared
+    assert spec.parsed is None  # the node never parsed the body
+    assert completion.finish_reason == "stop"
+
+
+async def test_an_older_edges_body_is_prepared_by_the_node_as_before(
+    provider: FakeProvider, http: aiohttp.ClientSession
+) -> None:
+    """``body_prepared`` false (an edge of before it): the node parses, filters and sets
+    the streaming switches itself, and leaves the model as the edge wrote it."""
+    spec = make_spec({"messages": [], "x_vendor_knob": 1, "stream": True}, stream=True)
+    provider.reply = sse_reply([chunk(content="a"), b"data: [DONE]\n\n"])
+    await make_adapter(http, provider.url).execute(spec, RecordingSink())
+    (got,) = provider.requests
+    assert got.body == {
+        "model": "served/model",
+        "messages": [],
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
 
 
 async def test_non_stream_result_bytes_travel_as_the_provider_sent_them(
@@ -726,7 +762,7 @@ async def test_an_answer_past_the_limit_is_refused_unread(
     adapter = make_adapter(http, provider.url, max_answer_bytes=limit)
     with pytest.raises(AnswerTooLarge) as caught:
         await adapter.execute(make_spec({"messages": []}), RecordingSink())
-    assert caught.value.code == pb.ERROR_CODE_INVALID_REQUEST  # the request's failure
+    assert caught.value.code == ErrorCode.INVALID_REQUEST  # the request's failure
     assert str(limit) in caught.value.message
     provider.reply = None  # the same adapter, an answer within the limit
     completion = await adapter.execute(make_spec({"messages": []}), RecordingSink())

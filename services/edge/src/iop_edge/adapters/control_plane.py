@@ -3,6 +3,9 @@
 The last good config is kept on disk, so a control-plane outage (or an edge
 restart during one) does not stop serving; node registrations fail closed
 while the control-plane is away, because only it can vouch for a token.
+
+The dial, reconnect and backoff loop is ``iop_proto.dialer.Dialer``, the node's and the
+worker's too; the edge's handshake is its hello, answered by the fleet config.
 """
 
 from __future__ import annotations
@@ -10,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import random
 import ssl
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -19,19 +21,26 @@ from loguru import logger
 
 from iop_edge.errors import ControlPlaneUnavailable
 from iop_proto.connection import Connection
-from iop_proto.errors import ConnectionClosed, ProtocolError, UnexpectedMessage
+from iop_proto.dialer import Dialer, DialSettings, LinkGauge
+from iop_proto.errors import ConnectionClosed, UnexpectedMessage
 from iop_proto.tasks import cancel_and_wait
 from iop_proto.tls import TlsSettings
-from iop_proto.tls_explain import PEER_CLOSED, peer_closed_during_handshake, rejection
 from iop_proto.v1 import runtime_pb2 as pb
 
 FleetListener = Callable[[pb.FleetConfig], Awaitable[None]]
 REPORT_COALESCE_S = 0.2
 """How long a node status report waits for the ones right behind it (a reconnect storm)."""
+HANDSHAKE_TIMEOUT_S = 10.0
+"""Bounds the TCP and TLS handshakes, and then the wait for the first fleet config."""
+RECONNECT_INITIAL_S = 0.2
 
 
-class ControlPlaneClient:
-    """Keeps a connection to the control-plane and the fleet config it serves."""
+class ControlPlaneClient(Dialer):
+    """Keeps a connection to the control-plane and the fleet config it serves.
+
+    ``registered`` is set while a link is up (its first config applied); the
+    ``link_gauge`` shows the same to Prometheus.
+    """
 
     def __init__(
         self,
@@ -47,29 +56,36 @@ class ControlPlaneClient:
         heartbeat_interval_s: float,
         reconnect_max_s: float,
         authorize_timeout_s: float,
-        on_link: Callable[[bool], None] | None = None,
+        link_gauge: LinkGauge,
         tls_files: TlsSettings | None = None,
     ) -> None:
-        """``on_link``: told ``True`` when a connection is up (its first config applied)
-        and ``False`` when it is lost, so the edge can show the link's state."""
-        self._host, self._port = host, port
-        self._on_link = on_link
-        self._server_name = server_name or host
+        dial = DialSettings(
+            host=host,
+            port=port,
+            server_name=server_name,
+            sender_id=edge_id,
+            register_timeout_s=HANDSHAKE_TIMEOUT_S,
+            initial_delay_s=RECONNECT_INITIAL_S,
+            max_delay_s=reconnect_max_s,
+            tls_files=tls_files,  # named when the control-plane's certificate does not fit
+            peer="control-plane",
+            setting="control_plane",
+            # A configuration error, but the edge goes on: it serves its cached config and
+            # its nodes meanwhile, and keeps trying in case the certificate is fixed.
+            fatal_tls_mismatch=False,
+            heartbeat_interval_s=heartbeat_interval_s,
+        )
+        super().__init__(dial, tls, link_gauge)
         self._edge_id = edge_id
         self._version = version
-        self._tls = tls
-        self._tls_files = tls_files  # named when the control-plane's certificate does not fit
         self._cache_file = cache_file
         self._on_fleet = on_fleet
-        self._heartbeat_interval_s = heartbeat_interval_s
-        self._reconnect_max_s = reconnect_max_s
         self._authorize_timeout_s = authorize_timeout_s
         self._conn: Connection | None = None
         self._pending: dict[str, asyncio.Future[pb.AuthorizeNodeResponse]] = {}
         self._node_report = pb.NodeStatusReport()  # the latest, sent again on each connect
         self._report_task: asyncio.Task[None] | None = None  # at most one send pending
         self.config: pb.FleetConfig | None = None
-        self.connected = asyncio.Event()
 
     # ------------------------------------------------------------ config
 
@@ -114,7 +130,7 @@ class ControlPlaneClient:
         self, node_id: str, token: str, certificate_identity: str
     ) -> pb.AuthorizeNodeResponse:
         conn = self._conn
-        if conn is None or not self.connected.is_set():
+        if conn is None or not self.registered.is_set():
             raise ControlPlaneUnavailable(
                 "the control-plane is unreachable: new registrations are refused until it returns"
             )
@@ -147,7 +163,7 @@ class ControlPlaneClient:
         """
         self._node_report = report
         conn = self._conn
-        if conn is None or not self.connected.is_set() or not self._takes_reports():
+        if conn is None or not self.registered.is_set() or not self._takes_reports():
             return
         if self._report_task is None or self._report_task.done():
             self._report_task = asyncio.get_running_loop().create_task(self._send_report(conn))
@@ -163,98 +179,36 @@ class ControlPlaneClient:
 
     # ------------------------------------------------------------ connection
 
-    async def run(self) -> None:
-        """Connect, follow pushes, reconnect with jittered backoff; until cancelled."""
-        delay = 0.2
-        while True:
-            if await self._connect_and_follow():
-                delay = 0.2
-            pause = delay * random.uniform(0.5, 1.5)
-            logger.info("reconnecting to the control-plane in {:.1f}s", pause)
-            await asyncio.sleep(pause)
-            delay = min(delay * 2, self._reconnect_max_s)
-
-    async def _connect_and_follow(self) -> bool:
-        try:
-            reader, writer = await asyncio.wait_for(
-                asyncio.open_connection(
-                    self._host,
-                    self._port,
-                    ssl=self._tls,
-                    server_hostname=self._server_name if self._tls else None,
-                ),
-                10,
-            )
-        except ssl.SSLCertVerificationError as exc:
-            # A configuration error, but the edge goes on: it serves its cached config
-            # and its nodes meanwhile, and keeps trying in case the certificate is fixed.
-            mismatch = await rejection(
-                exc,
-                host=self._host,
-                port=self._port,
-                server_name=self._server_name,
-                settings=self._tls_files,
-                peer="control-plane",
-                setting="control_plane",
-                timeout_s=10,
-            )
-            logger.error("control-plane at {}:{}: {}", self._host, self._port, mismatch)
-            return False
-        except (OSError, TimeoutError) as exc:
-            if self._tls is not None and peer_closed_during_handshake(exc):
-                logger.warning("control-plane at {}:{}: {}", self._host, self._port, PEER_CLOSED)
-            else:
-                logger.warning(
-                    "control-plane at {}:{} unreachable: {}", self._host, self._port, exc
-                )
-            return False
-        conn = Connection(
-            reader, writer, sender_id=self._edge_id, heartbeat_interval=self._heartbeat_interval_s
+    async def _register(self, conn: Connection) -> str | None:
+        """Our hello, answered by the fleet config: the link is up once it is applied."""
+        known = self.config.version if self.config else 0
+        await conn.send(
+            pb.EdgeHello(edge_id=self._edge_id, version=self._version, known_config_version=known)
         )
-        followed = False
-        try:
-            async with conn:
-                known = self.config.version if self.config else 0
-                await conn.send(
-                    pb.EdgeHello(
-                        edge_id=self._edge_id, version=self._version, known_config_version=known
-                    )
-                )
-                first = await asyncio.wait_for(conn.receive(), 10)
-                if first.WhichOneof("body") != "fleet_config":
-                    raise UnexpectedMessage(
-                        f"expected fleet_config, got {first.WhichOneof('body')}"
-                    )
-                await self._apply(first.fleet_config, save=True)
-                self._conn = conn
-                self.connected.set()
-                if self._on_link is not None:
-                    self._on_link(True)
-                followed = True
-                logger.info("connected to the control-plane (config version {})", self.version)
-                if self._takes_reports():
-                    await conn.send(self._node_report)
-                async for envelope in conn:
-                    await self._handle(envelope)
-                reason = conn.peer_error.message if conn.peer_error else "closed by its side"
-                logger.warning("control-plane connection lost: {}", reason)
-        except ProtocolError as exc:
-            logger.warning("control-plane connection closed: {}", exc)
-        except (ConnectionClosed, ConnectionError, TimeoutError) as exc:
-            logger.warning("control-plane connection lost: {}", exc or type(exc).__name__)
-        finally:
-            self._conn = None
-            self.connected.clear()
-            await cancel_and_wait(self._report_task)  # the next link sends the latest
-            self._report_task = None
-            if self._on_link is not None and followed:
-                self._on_link(False)
-            for future in self._pending.values():
-                if not future.done():
-                    future.set_exception(ConnectionClosed("control-plane connection lost"))
-            with contextlib.suppress(Exception):
-                await conn.close()
-        return followed
+        async with asyncio.timeout(HANDSHAKE_TIMEOUT_S):
+            first = await conn.receive()
+        if first.WhichOneof("body") != "fleet_config":
+            raise UnexpectedMessage(f"expected fleet_config, got {first.WhichOneof('body')}")
+        await self._apply(first.fleet_config, save=True)
+        self._conn = conn
+        return f"with the control-plane (config version {self.version})"
+
+    async def _serve(self, conn: Connection) -> None:
+        """Follow the pushes and answers until the control-plane goes."""
+        if self._takes_reports():
+            await conn.send(self._node_report)
+        async for envelope in conn:
+            await self._handle(envelope)
+        reason = conn.peer_error.message if conn.peer_error else "closed by its side"
+        logger.warning("control-plane connection lost: {}", reason)
+
+    async def _disconnected(self) -> None:
+        self._conn = None
+        await cancel_and_wait(self._report_task)  # the next link sends the latest
+        self._report_task = None
+        for future in self._pending.values():
+            if not future.done():
+                future.set_exception(ConnectionClosed("control-plane connection lost"))
 
     async def _handle(self, envelope: pb.Envelope) -> None:
         kind = envelope.WhichOneof("body")

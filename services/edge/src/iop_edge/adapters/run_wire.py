@@ -117,6 +117,8 @@ def run_request(order: RunOrder) -> pb.RunRequest:
         stream=order.stream,
         deadline_unix_ms=order.deadline_unix_ms,
         include_usage=order.include_usage,
+        body_prepared=order.body_prepared,
+        prompt_blocks=order.prompt_blocks,
     )
 
 

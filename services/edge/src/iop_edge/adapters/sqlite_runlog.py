@@ -95,23 +95,6 @@ def _record(row: Iterable[object]) -> EdgeRunRecord:
     return EdgeRunRecord(**values)
 
 
-def _attempts_json(attempts: tuple[AttemptRecord, ...]) -> str:
-    # Written out, not dataclasses.asdict: this runs once per run, on the event loop.
-    rows = [
-        {
-            "run_id": a.run_id,
-            "provider_id": a.provider_id,
-            "node_id": a.node_id,
-            "outcome": a.outcome,
-            "error_code": a.error_code,
-            "started_ms": a.started_ms,
-            "duration_ms": a.duration_ms,
-        }
-        for a in attempts
-    ]
-    return json_codec.dumps(rows).decode()
-
-
 class SqliteRunLog(BatchedWriter[EdgeRunRecord]):
     """A ``RunLog`` on one aiosqlite connection; make it with ``await open(path)``."""
 
@@ -184,8 +167,21 @@ class SqliteRunLog(BatchedWriter[EdgeRunRecord]):
         return record.run_id
 
     def _row(self, record: EdgeRunRecord) -> tuple[object, ...]:
-        # a bool binds as 0/1; the attempts are JSON text. One C call reads every
-        # column (once per run, on the event loop), then the attempts are swapped in.
+        # The record's fields in the table's order (a bool binds as 0/1); the attempts
+        # are JSON text, each with the fields of ``AttemptRecord``.
         row = list(_READ_COLUMNS(record))
-        row[_ATTEMPTS] = _attempts_json(record.attempts)
+        row[_ATTEMPTS] = json_codec.dumps(
+            [
+                {
+                    "run_id": a.run_id,
+                    "provider_id": a.provider_id,
+                    "node_id": a.node_id,
+                    "outcome": a.outcome,
+                    "error_code": a.error_code,
+                    "started_ms": a.started_ms,
+                    "duration_ms": a.duration_ms,
+                }
+                for a in record.attempts
+            ]
+        ).decode()
         return tuple(row)

@@ -157,6 +157,10 @@ class RunOrder:
     # The request asked the mock provider to fail (``iop_mock``, domain/drills.py): what
     # the run ends with is never counted against the provider. The node is not told.
     drill: bool = False
+    # ``body_json`` is what the provider's type gets, byte for byte (``RunBody``), and the
+    # prompt's block hashes come with it (``iop_proto.prefix``; empty when not prompted).
+    body_prepared: bool = False
+    prompt_blocks: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -46,7 +46,28 @@ def session_key(
     headers: Mapping[str, str], body: Mapping[str, Any], key_id: str = ""
 ) -> str | None:
     """The session of a request, scoped to ``key_id``; ``None`` when it names none."""
-    found = _named(headers, body)
+    found: str | None = None
+    for name in HEADERS:
+        value = headers.get(name)
+        if value:
+            found = value.strip()
+            break
+    else:  # no header names one: the body's fields, in order
+        cache_key = body.get("prompt_cache_key")
+        metadata = body.get("metadata")
+        previous = body.get("previous_response_id")
+        if isinstance(cache_key, str) and cache_key:
+            found = cache_key
+        elif metadata and (claude := _claude_session(metadata)):
+            found = claude
+        elif isinstance(previous, str) and previous:
+            found = RESPONSE_PREFIX + previous
+        else:
+            for field in ("safety_identifier", "user"):
+                value = body.get(field)
+                if isinstance(value, str) and value:
+                    found = f"{field}:{value}"
+                    break
     if not found:
         return None
     return f"{key_id}\x00{found[:MAX_KEY_CHARS]}"
@@ -57,27 +78,6 @@ def successor_key(run_id: str, key_id: str = "") -> str:
     ``previous_response_id`` reads: the response's id is ``resp_<run id>``
     (``formats.responses_output.response_id``)."""
     return f"{key_id}\x00{(RESPONSE_PREFIX + 'resp_' + run_id)[:MAX_KEY_CHARS]}"
-
-
-def _named(headers: Mapping[str, str], body: Mapping[str, Any]) -> str | None:
-    for name in HEADERS:
-        value = headers.get(name)
-        if value:
-            return value.strip() or None
-    cache_key = body.get("prompt_cache_key")
-    if isinstance(cache_key, str) and cache_key:
-        return cache_key
-    claude = _claude_session(body.get("metadata"))
-    if claude:
-        return claude
-    previous = body.get("previous_response_id")
-    if isinstance(previous, str) and previous:
-        return RESPONSE_PREFIX + previous
-    for field in ("safety_identifier", "user"):
-        value = body.get(field)
-        if isinstance(value, str) and value:
-            return f"{field}:{value}"
-    return None
 
 
 def _claude_session(metadata: Any) -> str | None:

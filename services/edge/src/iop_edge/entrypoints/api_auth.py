@@ -16,7 +16,6 @@ from collections.abc import Iterator
 from typing import Final
 
 from aiohttp import web
-from aiohttp.typedefs import Handler, Middleware
 from loguru import logger
 
 from iop_edge.domain.fleet import ApiKeyEntry
@@ -67,8 +66,8 @@ def is_loopback(remote: str | None) -> bool:
     """``remote`` (aiohttp's ``request.remote``) is 127.0.0.0/8 or ::1, also IPv4-mapped.
 
     Anything that is not an address (``None``, a Unix socket's empty name) is not loopback.
-    Asked on every request of an open edge: the answers for the last 1,024 addresses are
-    kept (parsing one costs a dozen Python calls; the cache is bounded, whoever calls).
+    Asked on every request of an open edge, from the few addresses its clients have: the
+    answers for the last 1,024 are kept (bounded, whoever calls).
     """
     if not remote:
         return False
@@ -92,18 +91,6 @@ def check_open_access(remote: str | None, keys: KeyRing, allow_open: bool) -> No
             "This edge has no API keys configured, so it serves only loopback clients "
             "(127.0.0.0/8, ::1) until its settings say http.allow_open: true."
         )
-
-
-def loopback_while_open(keys: KeyRing, allow_open: bool) -> Middleware:
-    """``check_open_access`` on every route but the probes (``OPEN_PATHS``)."""
-
-    @web.middleware
-    async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if keys.open and request.path not in OPEN_PATHS:
-            check_open_access(request.remote, keys, allow_open)
-        return await handler(request)
-
-    return guard
 
 
 def access_mode(keys_open: bool, allow_open: bool, host: str) -> str:

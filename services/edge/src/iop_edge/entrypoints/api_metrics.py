@@ -7,8 +7,9 @@ to grow the metric series without bound.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Final, TypeVar
 
 from prometheus_client import CollectorRegistry
 
@@ -29,23 +30,35 @@ _OVERHEAD_BUCKETS: Final = (
 )  # fmt: skip
 
 
-@dataclass(slots=True)
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+class SeriesCache(dict[K, V]):
+    """Children of a labelled metric by their labels, each made by ``make`` when first
+    asked for: a bounded label set (catalog models, fleet providers, a few operations)
+    whose children live as long as the metric."""
+
+    __slots__ = ("_make",)
+
+    def __init__(self, make: Callable[[K], V]) -> None:
+        super().__init__()
+        self._make = make
+
+    def __missing__(self, key: K) -> V:
+        value = self[key] = self._make(key)
+        return value
+
+
+@dataclass(frozen=True, slots=True)
 class ModelSeries:
-    """One model's series, looked up once: ``labels()`` costs more than the update itself."""
+    """One model's series."""
 
     queue_wait: HistogramChild
     ttft: HistogramChild
     duration: HistogramChild
     in_flight: GaugeChild
-    _requests: Counter
-    _model: str
-    _by_status: dict[int, CounterChild] = field(default_factory=dict)
-
-    def requests(self, status: int) -> CounterChild:
-        series = self._by_status.get(status)
-        if series is None:
-            series = self._by_status[status] = self._requests.labels(self._model, str(status))
-        return series
+    requests: SeriesCache[int, CounterChild]  # by the HTTP status the client got
 
 
 TOKEN_KINDS: Final = ("prompt", "completion", "cached")
@@ -62,7 +75,13 @@ class TokenSeries:
 
 @dataclass(frozen=True, slots=True)
 class ApiMetrics:
-    """Per-model request metrics of ``/v1/chat/completions``, ``/completions``, ``/embeddings``."""
+    """Per-model request metrics of ``/v1/chat/completions``, ``/completions``, ``/embeddings``.
+
+    ``models``, ``overheads`` and ``tokens_by`` hold the series a request updates, by
+    their labels: ``models[model]`` (a catalog id or ``""``), ``overheads[operation,
+    stream]`` and ``tokens_by[model, provider_id]`` (a provider of the fleet), so every
+    label set stays bounded.
+    """
 
     requests: Counter  # by model and the HTTP status the client got (499: it left)
     queue_wait: Histogram  # edge queue + node queue, for runs that started
@@ -71,42 +90,33 @@ class ApiMetrics:
     in_flight: Gauge  # requests past validation, not yet answered
     overhead: Histogram  # x-iop-overhead-ms, by operation and stream (see RunTrace.overhead)
     tokens: Counter  # by model, provider and kind: prompt, completion, cached (of prompt)
-    _models: dict[str, ModelSeries] = field(default_factory=dict)
-    _overheads: dict[tuple[str, bool], HistogramChild] = field(default_factory=dict)
-    _tokens: dict[tuple[str, str], TokenSeries] = field(default_factory=dict)
+    models: SeriesCache[str, ModelSeries] = field(init=False)
+    overheads: SeriesCache[tuple[str, bool], HistogramChild] = field(init=False)
+    tokens_by: SeriesCache[tuple[str, str], TokenSeries] = field(init=False)
 
-    def overhead_of(self, operation: str, stream: bool) -> HistogramChild:
-        """The overhead series of one operation, streamed or not (a bounded label set)."""
-        series = self._overheads.get((operation, stream))
-        if series is None:
-            series = self._overheads[operation, stream] = self.overhead.labels(
-                operation, "true" if stream else "false"
-            )
-        return series
+    def __post_init__(self) -> None:
+        # frozen: the caches are made once, here, each reading this object's metrics
+        object.__setattr__(self, "models", SeriesCache(self._model_series))
+        object.__setattr__(self, "overheads", SeriesCache(self._overhead_series))
+        object.__setattr__(self, "tokens_by", SeriesCache(self._token_series))
 
-    def tokens_of(self, model: str, provider_id: str) -> TokenSeries:
-        """The token counters of ``model`` served by ``provider_id`` (a provider of the
-        fleet: the label set stays bounded), looked up once."""
-        series = self._tokens.get((model, provider_id))
-        if series is None:
-            series = self._tokens[model, provider_id] = TokenSeries(
-                *(self.tokens.labels(model, provider_id, kind) for kind in TOKEN_KINDS)
-            )
-        return series
+    def _model_series(self, model: str) -> ModelSeries:
+        requests = self.requests
+        return ModelSeries(
+            queue_wait=self.queue_wait.labels(model),
+            ttft=self.ttft.labels(model),
+            duration=self.duration.labels(model),
+            in_flight=self.in_flight.labels(model),
+            requests=SeriesCache(lambda status: requests.labels(model, str(status))),
+        )
 
-    def model(self, model: str) -> ModelSeries:
-        """The series of ``model`` (a catalog id or ``""``: the label set stays bounded)."""
-        series = self._models.get(model)
-        if series is None:
-            series = self._models[model] = ModelSeries(
-                queue_wait=self.queue_wait.labels(model),
-                ttft=self.ttft.labels(model),
-                duration=self.duration.labels(model),
-                in_flight=self.in_flight.labels(model),
-                _requests=self.requests,
-                _model=model,
-            )
-        return series
+    def _overhead_series(self, labels: tuple[str, bool]) -> HistogramChild:
+        operation, stream = labels
+        return self.overhead.labels(operation, "true" if stream else "false")
+
+    def _token_series(self, labels: tuple[str, str]) -> TokenSeries:
+        model, provider_id = labels
+        return TokenSeries(*(self.tokens.labels(model, provider_id, kind) for kind in TOKEN_KINDS))
 
     @classmethod
     def create(cls, registry: CollectorRegistry) -> ApiMetrics:

@@ -2,12 +2,11 @@
 
 ``create_api_app`` builds the aiohttp application from the ports; ``bootstrap``
 owns the runner. The inference endpoints live in ``inference_routes``; this
-module holds the small read-only routes and the one outermost error boundary.
+module holds the small read-only routes; ``api_gate`` the one middleware.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import Sequence
 from dataclasses import asdict
@@ -15,43 +14,33 @@ from importlib import resources
 from typing import Any, Final
 
 from aiohttp import web
-from aiohttp.http_exceptions import HttpProcessingError
-from aiohttp.typedefs import Handler, Middleware
-from loguru import logger
 
 from iop_edge.domain.fleet import ApiKeyEntry, ModelEntry
-from iop_edge.entrypoints.api_auth import KeySlots, authenticate, loopback_while_open
+from iop_edge.entrypoints.api_auth import KeySlots, authenticate
+from iop_edge.entrypoints.api_gate import MIN_BODY_RATE, READ_TIMEOUT_S, api_gate
 from iop_edge.entrypoints.api_metrics import ApiMetrics
 from iop_edge.entrypoints.batch_routes import BatchRoutes
 from iop_edge.entrypoints.cors import CorsPolicy
 from iop_edge.entrypoints.inference_routes import InferenceRoutes
 from iop_edge.entrypoints.messages_dialect import (
     is_anthropic_request,
-    messages_error_response,
     register_messages,
 )
-from iop_edge.entrypoints.openai_errors import error_response, from_http_exception
 from iop_edge.entrypoints.responses_routes import ResponsesRoutes
 from iop_edge.entrypoints.stop_gate import StopGate
-from iop_edge.errors import EdgeError, InvalidRequest, ModelNotFound, TooManyConnections
+from iop_edge.errors import InvalidRequest, ModelNotFound, TooManyConnections
 from iop_edge.formats import anthropic
-from iop_edge.formats.errors import error_payload, internal_error
+from iop_edge.formats.errors import error_payload
 from iop_edge.formats.reasoning_seal import ReasoningSeal
 from iop_edge.ports import Catalog, KeyRing, ResponseStore, RunLog, RunService
 from iop_edge.service.batches import BatchService
 from iop_edge.service.limits import DEFAULT_MAX_BODY_BYTES
 from iop_proto.service.http_site import canned_response
-from iop_proto.service.logging import log_unexpected
 
 MAX_BODY_BYTES: Final = DEFAULT_MAX_BODY_BYTES
 """Chat requests carry base64 images and long contexts: aiohttp's 1 MiB default is too small.
 The limit follows from the node link's frame limit (``iop_edge.service.limits``): what is read here
 can be carried to a node; ``bootstrap`` derives it from the ``max_frame_size`` setting."""
-READ_TIMEOUT_S: Final = 30.0
-"""A body is judged every this many seconds until complete (``http.read_timeout_s``)."""
-MIN_BODY_RATE: Final = 16 * 1024
-"""Bytes per second a body must keep arriving at: far above a trickle, far below any real
-link (a 200 MB batch file needs less than four hours at this rate)."""
 RUNS_DEFAULT_LIMIT: Final = 50
 RUNS_MAX_LIMIT: Final = 1000
 
@@ -103,15 +92,15 @@ def create_api_app(
 
     ``batches``: when given, ``/v1/files`` and ``/v1/batches`` are served too.
     ``read_timeout_s``: a client whose body, not yet complete, grew by less than
-    ``MIN_BODY_RATE`` bytes a second over that long is cut (``body_deadline``;
+    ``min_body_rate`` bytes a second over that long is cut (``api_gate``;
     the runner's ``keepalive_timeout`` bounds the headers).
     ``key_slots``: the requests in progress per key, which the fleet updates end
     when their key is revoked (``bootstrap`` shares it; default: a new one).
     ``allow_open``: serve every client while no keys are configured (by default,
-    only loopback ones: ``loopback_while_open``).
-    ``min_body_rate``: bytes a second a body still arriving must grow by (``body_deadline``).
+    only loopback ones: ``check_open_access``).
+    ``min_body_rate``: bytes a second a body still arriving must grow by (``api_gate``).
     ``stop_gate``: once closed (the edge drains), each request gets a 503 and its
-    connection closes; it is the outermost middleware but for CORS preflights.
+    connection closes; it is ``api_gate``'s first check, after CORS preflights only.
     ``cors_origins``: browser origins allowed to call the API (``CorsPolicy``); none
     by default, and then no CORS code runs.
     ``responses``: when given, the Responses API (``/v1/responses``) is served, its
@@ -121,12 +110,14 @@ def create_api_app(
     ``mock_drills``: the mock's failure drills from every caller, not operator keys only.
     """
     middlewares = [
-        openai_error_boundary,
-        loopback_while_open(keys, allow_open),
-        body_deadline(read_timeout_s, min_body_rate),
+        api_gate(
+            keys,
+            allow_open=allow_open,
+            stop_gate=stop_gate,
+            read_timeout_s=read_timeout_s,
+            min_body_rate=min_body_rate,
+        )
     ]
-    if stop_gate is not None:
-        middlewares.insert(0, stop_gate.middleware())
     cors = CorsPolicy(cors_origins) if cors_origins else None
     if cors is not None:
         cors.install_preflight(middlewares)
@@ -146,93 +137,6 @@ def create_api_app(
     if batches is not None:
         BatchRoutes(batches, keys).register(app)
     return app
-
-
-@web.middleware
-async def openai_error_boundary(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """The outermost boundary: every error leaves as an OpenAI error object (an
-    Anthropic one on the Messages API's paths: ``is_anthropic_request``).
-
-    ``EdgeError``s and aiohttp's own 4xx (unknown route, wrong method) are
-    expected, and so is input aiohttp cannot parse while a handler reads it (a
-    multipart part's malformed headers, a broken chunked body): that is the
-    client's fault, a 400. Anything else is a bug, logged once with its
-    traceback (bounded: ``log_unexpected``), answered 500. ``CancelledError`` is
-    not an ``Exception`` and passes through.
-    """
-    respond = messages_error_response if is_anthropic_request(request) else error_response
-    try:
-        return await handler(request)
-    except EdgeError as exc:
-        return respond(exc)
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise  # a redirect is not an error
-        return respond(from_http_exception(request, exc))
-    except (HttpProcessingError, web.RequestPayloadError) as exc:
-        detail = exc.message if isinstance(exc, HttpProcessingError) else str(exc)
-        return respond(InvalidRequest(f"The request could not be read: {detail[:200]}"))
-    except Exception as exc:
-        log_unexpected(exc, "unhandled error serving {} {}", request.method, request.path)
-        return respond(internal_error())
-
-
-def body_deadline(timeout_s: float, min_rate: int = MIN_BODY_RATE) -> Middleware:
-    """Cut a client whose body trickles in (slowloris): every ``timeout_s`` seconds
-    until it is complete, a body must have grown by ``min_rate`` bytes a second.
-
-    aiohttp bounds nothing once the headers are in: a handler awaiting the body
-    would wait, holding a connection and a task, for as long as the client sends
-    a byte now and then. A rate rather than one deadline for the whole body, so a
-    large upload on a slow link still gets through (Apache's ``MinRate`` idea);
-    a watchdog timer rather than ``asyncio.timeout`` around the reads, because
-    uploads are read part by part in their handler. When it cuts, it closes the
-    connection, and the handler is cancelled like for any client that leaves.
-    """
-
-    @web.middleware
-    async def deadline(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if not request.body_exists or request.content.is_eof():
-            return await handler(request)
-        watchdog = _BodyWatchdog(request, timeout_s, min_rate)
-        try:
-            return await handler(request)
-        finally:
-            watchdog.cancel()
-
-    return deadline
-
-
-class _BodyWatchdog:
-    """One timer per request with a body, re-armed while the body keeps coming."""
-
-    def __init__(self, request: web.Request, window_s: float, min_rate: int) -> None:
-        self._request = request
-        self._window_s = window_s
-        self._min_bytes = window_s * min_rate
-        self._seen = request.content.total_bytes
-        self._timer = asyncio.get_running_loop().call_later(window_s, self._check)
-
-    def cancel(self) -> None:
-        self._timer.cancel()
-
-    def _check(self) -> None:
-        request, content = self._request, self._request.content
-        if content.is_eof() or request.transport is None:
-            return  # all of it arrived (maybe not read yet), or the client is gone already
-        if content.total_bytes - self._seen >= self._min_bytes:
-            self._seen = content.total_bytes
-            self._timer = asyncio.get_running_loop().call_later(self._window_s, self._check)
-            return
-        logger.warning(
-            "cut {} {} from {}: its body arrived slower than {} bytes in {:g}s",
-            request.method,
-            request.path,
-            request.remote,
-            int(self._min_bytes),
-            self._window_s,
-        )
-        request.transport.close()
 
 
 class ReadRoutes:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any, Final, Protocol, TypeVar
@@ -113,17 +114,18 @@ class InferenceRoutes:
 
     def route(self, dialect: Dialect) -> Handler:
         """The handler of one API's endpoint: this pipeline in ``dialect``'s wire."""
-
-        async def serve(request: web.Request) -> web.StreamResponse:
-            return await self._serve(request, dialect)
-
-        return serve
+        return functools.partial(self._serve, dialect=dialect)
 
     async def _serve(self, request: web.Request, dialect: Dialect) -> web.StreamResponse:
         """Answer one request and account for it, on every path out."""
-        trace = RunTrace.begin(dialect.operation)
+        trace = RunTrace(dialect.operation)
         try:
-            return await self._handle(request, dialect, trace)
+            key = authenticate(request, self._keys)
+            if key is not None:
+                trace.key_id = key.key_id
+            self._slots.check_room(key)  # a key at its limit costs no body parsing
+            body = await read_json_body(request)
+            return await self._run(request, dialect, trace, key, body, _sse_response)
         except EdgeError as exc:
             trace.failed(exc, status=exc.status)
             response = dialect.error_response(exc)
@@ -138,7 +140,7 @@ class InferenceRoutes:
             trace.crashed()  # the middleware logs it and answers 500
             raise
         finally:
-            await self._account(trace)
+            await trace.account(self._metrics, self._runlog)
 
     async def serve_stream(
         self,
@@ -152,7 +154,7 @@ class InferenceRoutes:
         written to ``out``: the pipeline of ``route`` but for the transport. An error
         before the first byte is raised (an ``EdgeError``) for the caller to answer in
         its own framing; the run is accounted for on every path, as ``route``'s are."""
-        trace = RunTrace.begin(dialect.operation)
+        trace = RunTrace(dialect.operation)
         if key is not None:
             trace.key_id = key.key_id
         try:
@@ -167,17 +169,7 @@ class InferenceRoutes:
             trace.crashed()
             raise
         finally:
-            await self._account(trace)
-
-    async def _handle(
-        self, request: web.Request, dialect: Dialect, trace: RunTrace
-    ) -> web.StreamResponse:
-        key = authenticate(request, self._keys)
-        if key is not None:
-            trace.key_id = key.key_id
-        self._slots.check_room(key)  # a key at its limit costs no body parsing
-        body = await read_json_body(request)
-        return await self._run(request, dialect, trace, key, body, _sse_response)
+            await trace.account(self._metrics, self._runlog)
 
     async def _run(
         self,
@@ -191,12 +183,6 @@ class InferenceRoutes:
         """``out``: where a stream goes (``_sse_response``: an SSE answer of its own)."""
         asked = await dialect.resolve(dialect.read(body), key)
         trace.headers.update(asked.headers)  # the dialect's, on every answer from here on
-        scope = key.key_id if key is not None else ""
-        session = session_key(request.headers, body, scope)
-        if session is not None or scope:
-            asked = dataclasses.replace(
-                asked, spec=dataclasses.replace(asked.spec, session=session, scope=scope)
-            )
         spec = asked.spec
         trace.stream = spec.stream
         if key is not None and not key.allows(spec.model):
@@ -208,11 +194,17 @@ class InferenceRoutes:
         if entry is None:
             raise ModelNotFound(f"The model '{spec.model}' does not exist.", param="model")
         trace.model = spec.model
+        trace.series = series = self._metrics.models[spec.model]
+        # What the pipeline adds to the dialect's run, made into one new spec at the end.
+        changes: dict[str, Any] = {}
+        scope = key.key_id if key is not None else ""
+        session = session_key(request.headers, body, scope)
+        if session is not None or scope:
+            changes["session"], changes["scope"] = session, scope
         if asks_drill(spec.body):
             if not may_drill(key, self._mock_drills):
                 raise InvalidRequest(drills.REFUSAL, param=drills.HOOK)
-            spec = dataclasses.replace(spec, drill=True)
-            asked = dataclasses.replace(asked, spec=spec)
+            changes["drill"] = True
         chat, clamp = clamp_output_tokens(
             spec.operation,
             spec.body,
@@ -220,14 +212,15 @@ class InferenceRoutes:
             cap_when_unasked=entry.context_window > 0,
         )
         if chat is not spec.body:
-            spec = dataclasses.replace(spec, body=chat)
-            asked = dataclasses.replace(asked, spec=spec)
+            changes["body"] = chat
         if clamp is not None:
             trace.headers[CLAMP_HEADER] = clamp.header
-        in_flight = self._metrics.model(spec.model).in_flight
+        if changes:
+            spec = dataclasses.replace(spec, **changes)
+            asked = dataclasses.replace(asked, spec=spec)
         run = self._service.admit(spec)
         try:
-            with self._slots.hold(key, run), in_flight.track_inprogress():
+            with self._slots.hold(key, run), series.in_flight.track_inprogress():
                 opened_at = time.monotonic()
                 await run.open()  # the run ends itself on a failure here
                 trace.dispatched(run, time.monotonic() - opened_at)
@@ -331,17 +324,6 @@ class InferenceRoutes:
             raise ProviderFailed("the run ended without a result")
         trace.provider_s = end.provider_us / 1_000_000
         raise run.error(end)
-
-    async def _account(self, trace: RunTrace) -> None:
-        """One record and the metrics; a failing run log never fails the request."""
-        trace.observe(self._metrics)
-        record = trace.record()
-        try:
-            # record() queues and never suspends, so even a second cancellation (server
-            # shutdown) cannot cut it short: no shield (and no task per request) needed.
-            await self._runlog.record(record)
-        except Exception as exc:
-            log_unexpected(exc, "could not record run {}", record.run_id)
 
 
 class _SseSink:

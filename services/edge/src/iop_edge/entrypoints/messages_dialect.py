@@ -71,9 +71,9 @@ def is_messages_path(path: str) -> bool:
 def is_anthropic_request(request: web.BaseRequest) -> bool:
     """A request answered in Anthropic's shapes: the Messages API, and the models
     asked for by an Anthropic client (Claude Code lists them to check its model)."""
-    if is_messages_path(request.path):
-        return True
     path = request.path
+    if path == MESSAGES_PATH or path.startswith(MESSAGES_PATH + "/"):  # is_messages_path
+        return True
     models = path == MODELS_PATH or path.startswith(MODELS_PATH + "/")
     return models and ANTHROPIC_VERSION in request.headers
 

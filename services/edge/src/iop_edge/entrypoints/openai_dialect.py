@@ -17,16 +17,12 @@ from aiohttp import web
 from iop_edge.domain.events import Completed, Delta
 from iop_edge.domain.fleet import ApiKeyEntry, Operation
 from iop_edge.entrypoints.api_dialect import DialectRequest
-from iop_edge.entrypoints.inference_request import parse_params
 from iop_edge.entrypoints.openai_errors import error_response
-from iop_edge.errors import EdgeError
-from iop_edge.formats.errors import error_payload
+from iop_edge.errors import EdgeError, InvalidRequest
 from iop_edge.formats.openai import (
-    DONE,
     RENDER_OFFLOAD_BYTES,
     ChunkStream,
     render_result,
-    sse_event,
 )
 from iop_edge.ports import RunSpec
 
@@ -40,29 +36,81 @@ class OpenAIDialect:
         self.operation = operation
 
     def read(self, body: dict[str, Any]) -> DialectRequest:
-        params = parse_params(self.operation, body)
+        """The run ``body`` asks for. Only what the edge itself needs is checked (model, the
+        operation's required input, streaming switches, ``n``), each refusal naming its
+        param; every other field travels untouched in ``RunSpec.body`` to the provider,
+        so vendor parameters keep working."""
+        model = body.get("model")
+        if not isinstance(model, str) or not model:
+            raise InvalidRequest("You must provide a model parameter (a string).", param="model")
+        if self.operation is Operation.CHAT_COMPLETIONS:
+            messages = body.get("messages")
+            if not isinstance(messages, list) or not messages:
+                raise InvalidRequest("'messages' must be a non-empty array.", param="messages")
+        elif self.operation is Operation.COMPLETIONS:
+            if not isinstance(body.get("prompt"), str | list):
+                raise InvalidRequest(
+                    "'prompt' is required: a string or an array of strings or tokens.",
+                    param="prompt",
+                )
+        else:
+            value = body.get("input")
+            if not isinstance(value, str | list) or not value:
+                raise InvalidRequest(
+                    "'input' is required: a non-empty string or array.", param="input"
+                )
+        stream = body.get("stream")
+        if stream is None:
+            stream = False
+        elif not isinstance(stream, bool):
+            raise InvalidRequest("'stream' must be a boolean.", param="stream")
+        if stream and self.operation is Operation.EMBEDDINGS:
+            raise InvalidRequest("Embeddings cannot be streamed.", param="stream")
+        if self.operation is not Operation.EMBEDDINGS:
+            n = body.get("n")
+            if n is not None and (type(n) is not int or n != 1):
+                raise InvalidRequest(
+                    "Only n=1 is supported (not every provider can return several choices).",
+                    param="n",
+                )
+        include_usage: bool = False
+        options = body.get("stream_options")
+        if options is not None:
+            if not isinstance(options, dict):
+                raise InvalidRequest("'stream_options' must be an object.", param="stream_options")
+            if not stream:
+                # OpenAI refuses it too, and vLLM would reject the run after it queued.
+                raise InvalidRequest(
+                    "The 'stream_options' parameter is only allowed when 'stream' is enabled.",
+                    param="stream_options",
+                )
+            asked = options.get("include_usage")
+            if isinstance(asked, bool):
+                include_usage = asked
+            elif asked is not None:
+                param = "stream_options.include_usage"
+                raise InvalidRequest(f"'{param}' must be a boolean.", param=param)
         spec = RunSpec(
-            model=params.model,
+            model=model,
             operation=self.operation,
             body=body,
-            stream=params.stream,
-            include_usage=params.include_usage,
+            stream=stream,
+            include_usage=include_usage,
         )
         return DialectRequest(spec)
 
     async def resolve(self, asked: DialectRequest, key: ApiKeyEntry | None) -> DialectRequest:
         return asked
 
-    def stream_writer(self, request: DialectRequest, run_id: str, created: int) -> OpenAIStream:
+    def stream_writer(self, request: DialectRequest, run_id: str, created: int) -> ChunkStream:
         spec = request.spec
-        chunks = ChunkStream(
+        return ChunkStream(
             spec.operation,
             run_id=run_id,
             model=spec.model,
             created=created,
             include_usage=spec.include_usage,
         )
-        return OpenAIStream(chunks, spec.include_usage)
 
     async def answer(
         self,
@@ -88,29 +136,3 @@ class OpenAIDialect:
 
     def error_response(self, exc: EdgeError) -> web.Response:
         return error_response(exc)
-
-
-class OpenAIStream:
-    """Implements ``StreamWriter``: chunks, then the closing chunks, usage and ``[DONE]``."""
-
-    __slots__ = ("_chunks", "_include_usage", "delta")
-
-    def __init__(self, chunks: ChunkStream, include_usage: bool) -> None:
-        self._chunks = chunks
-        self._include_usage = include_usage
-        self.delta = chunks.delta  # bound once: the per-token call goes straight to it
-
-    def opening(self) -> bytes:
-        return b""
-
-    def closing(self, end: Completed) -> bytes:
-        tail = self._chunks.finish(end)
-        if self._include_usage:
-            tail += self._chunks.usage_chunk(end)
-        return tail + DONE
-
-    def failure(self, error: EdgeError) -> bytes:
-        return sse_event(error_payload(error)) + DONE
-
-    async def settle(self) -> None:
-        """Nothing is stored: the last events leave at once."""

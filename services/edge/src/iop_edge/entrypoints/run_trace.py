@@ -1,65 +1,86 @@
 """What one inference request went through, gathered as it happens, recorded once.
 
 Handlers note facts (dispatched, started, first delta, completed, failed, client
-gone) as they occur; at the end ``record()`` and ``observe()`` turn them into the
-``EdgeRunRecord`` and the metrics, whatever way the request ended.
+gone) as they occur; at the end ``account()`` turns them into the metrics and the
+``EdgeRunRecord`` it records, whatever way the request ended.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass, field
 
 from iop_edge.domain.events import Completed, Started
 from iop_edge.domain.fleet import Operation
-from iop_edge.entrypoints.api_metrics import ApiMetrics
+from iop_edge.entrypoints.api_metrics import ApiMetrics, ModelSeries
 from iop_edge.errors import EdgeError
-from iop_edge.ports import EdgeRunRecord, RunEvents
+from iop_edge.ports import EdgeRunRecord, RunEvents, RunLog
+from iop_proto.service.logging import log_unexpected
 
 CLIENT_CLOSED = 499
 """The status recorded when the client left before any response was sent (nginx's)."""
 OVERHEAD_HEADER = "x-iop-overhead-ms"
 
 
-@dataclass(slots=True)
 class RunTrace:
     """The mutable facts of one request; times from ``time.monotonic()``."""
 
-    operation: Operation
-    received_ms: int  # Unix ms, for the record
-    received_at: float  # monotonic, for durations
-    created: int  # Unix s, the ``created`` of OpenAI objects
-    model: str = ""  # the public model id, once the catalog knows it (metric label)
-    key_id: str = ""  # the caller's API key, once authenticated ("" while the API is open)
-    stream: bool = False
-    run_id: str = ""  # set once RunService dispatched the request
-    run: RunEvents | None = None  # the dispatched run: its attempts, for the record
-    local_id: str = ""  # the log's id for a request that never became a run
-    provider_id: str = ""
-    node_id: str = ""
-    edge_wait_s: float = 0.0  # inside the run's open (RunEvents.open): the model's queue
-    node_wait_ms: int = 0  # the node's FIFO queue (RunStart)
-    first_delta_at: float = 0.0
-    outcome: str = ""
-    status: int = 0
-    error_code: str = ""
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    provider_s: float = 0.0  # the node's wait on the provider, as its last event said
-    overhead_s: float | None = None  # what x-iop-overhead-ms said, once it was sent
-    headers: dict[str, str] = field(default_factory=dict)  # every answer adds (clamp, dialect's)
+    __slots__ = (
+        "cached_tokens",
+        "completion_tokens",
+        "created",
+        "edge_wait_s",
+        "error_code",
+        "first_delta_at",
+        "headers",
+        "key_id",
+        "local_id",
+        "model",
+        "node_id",
+        "node_wait_ms",
+        "operation",
+        "outcome",
+        "overhead_s",
+        "prompt_tokens",
+        "provider_id",
+        "provider_s",
+        "received_at",
+        "received_ms",
+        "run",
+        "run_id",
+        "series",
+        "status",
+        "stream",
+    )
 
-    @classmethod
-    def begin(cls, operation: Operation) -> RunTrace:
+    def __init__(self, operation: Operation) -> None:
+        """The trace of a request received now."""
         now = time.time()
-        return cls(
-            operation=operation,
-            received_ms=int(now * 1000),
-            received_at=time.monotonic(),
-            created=int(now),
-        )
+        self.operation = operation
+        self.received_ms = int(now * 1000)  # Unix ms, for the record
+        self.received_at = time.monotonic()  # for durations
+        self.created = int(now)  # Unix s, the ``created`` of OpenAI objects
+        self.model = ""  # the public model id, once the catalog knows it (metric label)
+        self.series: ModelSeries | None = None  # that model's metrics
+        self.key_id = ""  # the caller's API key, once authenticated ("" while the API is open)
+        self.stream = False
+        self.run_id = ""  # set once RunService dispatched the request
+        self.run: RunEvents | None = None  # the dispatched run: its attempts, for the record
+        self.local_id = ""  # the log's id for a request that never became a run
+        self.provider_id = ""
+        self.node_id = ""
+        self.edge_wait_s = 0.0  # inside the run's open (RunEvents.open): the model's queue
+        self.node_wait_ms = 0  # the node's FIFO queue (RunStart)
+        self.first_delta_at = 0.0
+        self.outcome = ""
+        self.status = 0
+        self.error_code = ""
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        self.cached_tokens = 0
+        self.provider_s = 0.0  # the node's wait on the provider, as its last event said
+        self.overhead_s: float | None = None  # what x-iop-overhead-ms said, once it was sent
+        self.headers: dict[str, str] = {}  # every answer adds them (clamp, dialect's)
 
     @property
     def request_id(self) -> str:
@@ -131,58 +152,62 @@ class RunTrace:
         self.status = status
         self.error_code = "internal_error"
 
-    def record(self) -> EdgeRunRecord:
+    async def account(self, metrics: ApiMetrics, runlog: RunLog) -> None:
+        """The request's end in the metrics, and its record in the run log: called once,
+        whatever way the request ended; a failing run log never fails the request."""
+        ended_at = time.monotonic()
+        received_at = self.received_at
+        operation = self.operation.value
+        status = self.status or 500
+        series = self.series if self.series is not None else metrics.models[self.model]
+        series.requests[status].inc()
+        series.duration.observe(ended_at - received_at)
+        queue_wait_ms = round(self.edge_wait_s * 1000) + self.node_wait_ms
+        if self.run_id:
+            series.queue_wait.observe(queue_wait_ms / 1000)
         # 0 means "did not happen" in the record: anything that happened is at least 1 ms.
-        ttft_ms = _ms(self.first_delta_at - self.received_at) if self.first_delta_at else 0
+        ttft_ms = 0
+        if self.first_delta_at:
+            ttft_s = self.first_delta_at - received_at
+            series.ttft.observe(ttft_s)
+            ttft_ms = max(1, round(ttft_s * 1000))
+        if self.overhead_s is not None:
+            metrics.overheads[operation, self.stream].observe(self.overhead_s)
         run = self.run
         attempts = run.attempt_records() if run is not None else ()
-        last = attempts[-1] if attempts else None  # who served it (after a failover too)
-        return EdgeRunRecord(
-            run_id=self.request_id,
+        if attempts:  # who served it: the last attempt (after a failover too)
+            provider_id, node_id = attempts[-1].provider_id, attempts[-1].node_id
+        else:
+            provider_id, node_id = self.provider_id, self.node_id
+        outcome = self.outcome or "failed"
+        if outcome == "completed" and provider_id:
+            tokens = metrics.tokens_by[self.model, provider_id]
+            tokens.prompt.inc(self.prompt_tokens)
+            tokens.completion.inc(self.completion_tokens)
+            tokens.cached.inc(self.cached_tokens)
+        record = EdgeRunRecord(
+            run_id=self.run_id or self.request_id,
             model=self.model,
-            provider_id=self.provider_id if last is None else last.provider_id,
-            node_id=self.node_id if last is None else last.node_id,
-            operation=self.operation.value,
+            provider_id=provider_id,
+            node_id=node_id,
+            operation=operation,
             stream=self.stream,
-            outcome=self.outcome or "failed",
-            status=self.status or 500,
+            outcome=outcome,
+            status=status,
             error_code=self.error_code,
             received_ms=self.received_ms,
-            queue_wait_ms=self.queue_wait_ms,
+            queue_wait_ms=queue_wait_ms,
             ttft_ms=ttft_ms,
-            duration_ms=_ms(time.monotonic() - self.received_at),
+            duration_ms=max(1, round((ended_at - received_at) * 1000)),
             prompt_tokens=self.prompt_tokens,
             completion_tokens=self.completion_tokens,
             key_id=self.key_id,
             attempts=attempts,
             cached_tokens=self.cached_tokens,
         )
-
-    def _served_by(self) -> str:
-        """The provider that answered (the last attempt's, after a failover): the run
-        names it without building its attempts' records, which ``record`` does once."""
-        return self.run.provider_id if self.run is not None else self.provider_id
-
-    @property
-    def queue_wait_ms(self) -> int:
-        return round(self.edge_wait_s * 1000) + self.node_wait_ms
-
-    def observe(self, metrics: ApiMetrics) -> None:
-        series = metrics.model(self.model)
-        series.requests(self.status or 500).inc()
-        series.duration.observe(time.monotonic() - self.received_at)
-        if self.run_id:
-            series.queue_wait.observe(self.queue_wait_ms / 1000)
-        if self.first_delta_at:
-            series.ttft.observe(self.first_delta_at - self.received_at)
-        if self.overhead_s is not None:
-            metrics.overhead_of(self.operation.value, self.stream).observe(self.overhead_s)
-        if self.outcome == "completed" and (served_by := self._served_by()):
-            tokens = metrics.tokens_of(self.model, served_by)
-            tokens.prompt.inc(self.prompt_tokens)
-            tokens.completion.inc(self.completion_tokens)
-            tokens.cached.inc(self.cached_tokens)
-
-
-def _ms(seconds: float) -> int:
-    return max(1, round(seconds * 1000))
+        try:
+            # record() queues and never suspends, so even a second cancellation (server
+            # shutdown) cannot cut it short: no shield (and no task per request) needed.
+            await runlog.record(record)
+        except Exception as exc:
+            log_unexpected(exc, "could not record run {}", record.run_id)

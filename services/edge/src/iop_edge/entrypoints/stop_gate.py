@@ -9,7 +9,6 @@ the client reconnects elsewhere.
 from __future__ import annotations
 
 from aiohttp import web
-from aiohttp.typedefs import Handler, Middleware
 
 from iop_edge.entrypoints.messages_dialect import is_messages_path, messages_error_response
 from iop_edge.entrypoints.openai_errors import error_response
@@ -25,17 +24,12 @@ class StopGate:
     def close(self) -> None:
         self.closed = True
 
-    def middleware(self) -> Middleware:
-        @web.middleware
-        async def stop_gate(request: web.Request, handler: Handler) -> web.StreamResponse:
-            if not self.closed:
-                return await handler(request)
-            refusal = ShuttingDown("The server is shutting down; retry later")
-            if is_messages_path(request.path):
-                response = messages_error_response(refusal)
-            else:
-                response = error_response(refusal)
-            response.force_close()  # aiohttp then sends Connection: close
-            return response
-
-        return stop_gate
+    def refusal(self, path: str) -> web.Response:
+        """The answer to a request that arrives once closed (``api_gate`` asks first)."""
+        refusal = ShuttingDown("The server is shutting down; retry later")
+        if is_messages_path(path):
+            response = messages_error_response(refusal)
+        else:
+            response = error_response(refusal)
+        response.force_close()  # aiohttp then sends Connection: close
+        return response

@@ -3,7 +3,7 @@
 This is the per-token hot path. A stream's constant part (id, object, created,
 public model id) is serialised once when the stream starts. The common token (a
 plain text fragment of choice 0) is then written into a byte template with only
-its string JSON-escaped (the C string encoder: well under a microsecond);
+its string JSON-escaped (a property test holds it to what the general path writes);
 anything else (role, tool calls, reasoning, finish) goes through a small dict
 and ``iop_proto.json_codec`` (orjson, the C encoder; the whole results of
 non-streamed runs go through it too). Nothing here does I/O, so every function
@@ -21,7 +21,8 @@ from typing import Any, Final
 
 from iop_edge.domain.events import Completed, Delta, ToolCallDelta, Usage
 from iop_edge.domain.fleet import Operation
-from iop_edge.errors import ProviderFailed
+from iop_edge.errors import EdgeError, ProviderFailed
+from iop_edge.formats.errors import error_payload
 from iop_proto import json_codec
 
 RENDER_OFFLOAD_BYTES: Final = 256 * 1024
@@ -41,19 +42,14 @@ _CHUNK_END_NO_USAGE_YET: Final = b',"usage":null}'
 _ENCODER: Final = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
 
 
-def json_bytes(value: Any) -> bytes:
-    """Compact JSON, UTF-8 kept as is (``ensure_ascii`` would triple non-Latin text)."""
-    return json_codec.dumps(value)
-
-
 def dumps(value: Any) -> str:
-    """``json_bytes`` as text, for callers that store it as such."""
+    """Compact JSON as text (UTF-8 kept as is), for callers that store it as such."""
     return json_codec.dumps(value).decode()
 
 
 def sse_event(payload: dict[str, Any]) -> bytes:
     """One ``data:`` event (used for errors; chunks go through ``ChunkStream``)."""
-    return b"data: " + json_bytes(payload) + _EVENT_END
+    return b"data: " + json_codec.dumps(payload) + _EVENT_END
 
 
 def usage_object(usage: Usage) -> dict[str, Any]:
@@ -116,7 +112,8 @@ def text_choice(delta: Delta) -> dict[str, Any]:
 
 
 class ChunkStream:
-    """Encodes one run's stream: chunks, the closing finish chunk, the usage chunk.
+    """Encodes one run's stream: chunks, the closing finish chunk, the usage chunk, and
+    ``[DONE]`` (the ``StreamWriter`` of OpenAI's chat and text completions).
 
     Stateful only in what OpenAI's framing needs: which choices have spoken
     (the first chunk carries the role) and which have finished (a provider that
@@ -128,6 +125,7 @@ class ChunkStream:
         "_end",
         "_finished",
         "_head",
+        "_include_usage",
         "_seen",
         "_token_end",
         "_token_head",
@@ -149,10 +147,11 @@ class ChunkStream:
         else:
             head = {"id": f"cmpl-{run_id}", "object": "text_completion"}
         # '{"id":...,"model":"m"}' without its closing brace: each chunk appends its choices.
-        envelope = json_bytes({**head, "created": created, "model": model})[:-1]
+        envelope = json_codec.dumps({**head, "created": created, "model": model})[:-1]
         self._head = b"data: " + envelope + b',"choices":'
         opening = b'[{"index":0,"delta":{"content":' if self._chat else b'[{"index":0,"text":'
         self._token_head = self._head + opening
+        self._include_usage = include_usage
         self._end = (_CHUNK_END_NO_USAGE_YET if include_usage else _CHUNK_END) + _EVENT_END
         self._token_end = _TOKEN_CHOICE_END + self._end
         self._seen: set[int] = set()
@@ -185,7 +184,32 @@ class ChunkStream:
         else:
             self._seen.add(index)
             choice = text_choice(delta)
-        return self._head + b"[" + _choice_bytes(choice, delta.logprobs_json) + b"]" + self._end
+        logprobs = delta.logprobs_json
+        if logprobs:
+            # the provider's logprobs (JSON the node forwarded as it came) spliced in whole
+            # rather than parsed and written again
+            del choice["logprobs"]
+            body = json_codec.dumps(choice)[:-1] + b',"logprobs":' + logprobs + b"}"
+        else:
+            body = json_codec.dumps(choice)
+        return self._head + b"[" + body + b"]" + self._end
+
+    def opening(self) -> bytes:
+        """Nothing goes out before the first delta: OpenAI's stream starts with a chunk."""
+        return b""
+
+    def closing(self, end: Completed) -> bytes:
+        """The closing chunks, the usage chunk when asked (``stream_options``), ``[DONE]``."""
+        tail = self.finish(end)
+        if self._include_usage:
+            tail += self.usage_chunk(end)
+        return tail + DONE
+
+    def failure(self, error: EdgeError) -> bytes:
+        return sse_event(error_payload(error)) + DONE
+
+    async def settle(self) -> None:
+        """Nothing is stored: the last events leave at once."""
 
     def finish(self, complete: Completed) -> bytes:
         """Closing chunks for choices whose deltas never said why they ended."""
@@ -201,22 +225,13 @@ class ChunkStream:
                 choice = {"index": index, "text": ""}
             choice["logprobs"] = None
             choice["finish_reason"] = reason
-            out += self._head + b"[" + json_bytes(choice) + b"]" + self._end
+            out += self._head + b"[" + json_codec.dumps(choice) + b"]" + self._end
         return out
 
     def usage_chunk(self, complete: Completed) -> bytes:
         """The ``stream_options.include_usage`` chunk: no choices, the run's usage."""
         usage = complete.usage or self.usage or Usage()
-        return self._head + b'[],"usage":' + json_bytes(usage_object(usage)) + b"}\n\n"
-
-
-def _choice_bytes(choice: dict[str, Any], logprobs_json: bytes) -> bytes:
-    """A chunk's choice as JSON; the provider's ``logprobs`` (JSON the node forwarded as
-    it came) spliced in whole rather than parsed and written again."""
-    if not logprobs_json:
-        return json_bytes(choice)
-    del choice["logprobs"]
-    return json_bytes(choice)[:-1] + b',"logprobs":' + logprobs_json + b"}"
+        return self._head + b'[],"usage":' + json_codec.dumps(usage_object(usage)) + b"}\n\n"
 
 
 def render_result(
@@ -249,10 +264,11 @@ def render_result(
         if operation is not Operation.EMBEDDINGS:
             _complete_choices(operation, result, run_id)
             _complete_usage(result, complete.usage)
-        return json_bytes(result)
+        return json_codec.dumps(result)
     if operation is Operation.EMBEDDINGS:
         raise ProviderFailed("the provider returned no embeddings")
-    return json_bytes(_result_from_deltas(operation, complete, deltas, run_id, model, created))
+    result = _result_from_deltas(operation, complete, deltas, run_id, model, created)
+    return json_codec.dumps(result)
 
 
 def _complete_choices(operation: Operation, result: dict[str, Any], run_id: str) -> None:

@@ -54,7 +54,6 @@ from iop_edge.service.request_run import RequestRun
 from iop_edge.service.runs import UNGUARDED, NodeLink, RunGuards
 from iop_proto.errors import FrameTooLarge
 from iop_proto.framing import DEFAULT_MAX_FRAME_SIZE
-from iop_proto.prefix import body_blocks
 
 _NOBODY: frozenset[str] = frozenset()
 _CACHED_OPERATIONS = frozenset({Operation.CHAT_COMPLETIONS, Operation.COMPLETIONS})
@@ -221,13 +220,7 @@ class Dispatcher:
         started = loop.time()
         spec = run.spec
         slotless = spec.operation is Operation.COUNT_TOKENS
-        # The prompt prefix as block hashes (``iop_proto.prefix``), when there is a choice
-        # for it to steer: a model with one provider hashes nothing.
-        chain: Sequence[int] = ()
-        if self._affinity.policy.enabled and spec.operation in _CACHED_OPERATIONS:
-            index = self._registry.index(spec.model)
-            if index is not None and len(index.members) > 1:
-                chain = body_blocks(spec.body)
+        chain = self._chain(spec, run.body)
         if slotless:
             slot = self._least_loaded(model, exclude)
         else:
@@ -243,6 +236,10 @@ class Dispatcher:
         if deadline is not None and deadline - loop.time() < timeout_s:
             timeout_s = deadline - loop.time()  # a retry ends when the request's time does
         now_ms = time.time_ns() // 1_000_000
+        # the target rewrite, here and only here (docs/ARCHITECTURE.md#target-rewrite)
+        body_json, prepared, blocks = run.body.for_provider(
+            entry.type, served, spec.operation, spec.stream
+        )
         order = RunOrder(
             run_id=secrets.token_hex(16),  # 32 hex digits, like uuid4().hex
             model=model.id,
@@ -250,12 +247,13 @@ class Dispatcher:
             adapter=entry.type,
             target=served,
             operation=spec.operation,
-            # the target rewrite, here and only here (docs/ARCHITECTURE.md#target-rewrite)
-            body_json=run.body.with_model(served),
+            body_json=body_json,
             stream=spec.stream,
             deadline_unix_ms=now_ms + int(timeout_s * 1000),
             include_usage=spec.include_usage,
             drill=spec.drill,
+            body_prepared=prepared,
+            prompt_blocks=blocks,
         )
         # a node of an older version never acknowledges: its runs get no ack guard
         guards = self._guards if link.acknowledges_runs else self._stall_only
@@ -288,6 +286,16 @@ class Dispatcher:
         if slot is None:
             raise NoProviderAvailable(f"No provider of '{model.id}' is available right now")
         return slot
+
+    def _chain(self, spec: RunSpec, body: RunBody) -> Sequence[int]:
+        """The request's prompt prefix as block hashes (``iop_proto.prefix``), when there
+        is a choice for it to steer: a model with one provider hashes nothing."""
+        if not self._affinity.policy.enabled or spec.operation not in _CACHED_OPERATIONS:
+            return ()
+        index = self._registry.index(spec.model)
+        if index is None or len(index.members) < 2:
+            return ()
+        return body.prompt_blocks()  # hashed once: the order carries them to the node
 
     async def _acquire(
         self,

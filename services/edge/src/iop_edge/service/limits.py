@@ -11,6 +11,16 @@ refuses a run whose frame would not fit (``check_run_frame``): a 413, and no
 slot or queue place is ever held for it. Batch lines are held to the same body
 limit when their batch is created.
 
+Once. What a provider gets is that serialisation completed for it, not the body
+written again: ``RunBody`` holds the body's bytes without the fields written per
+provider (``model``, ``stream``, ``stream_options``), and ``for_provider`` adds the
+served name and, for an OpenAI-compatible type, the type's streaming switches
+(``iop_proto.engine_fields``): the node posts those bytes as they came
+(``RunOrder.body_prepared``), never parsing them, with the prompt's block hashes
+(``prompt_blocks``, hashed once here, for cache affinity and the node's cache account).
+Only a body with a field its provider's type is not sent is written again, without it
+(the engines' own fields sent to another engine; smaller, so still inside the bound).
+
 Nesting. JSON from clients is read with ``MAX_JSON_DEPTH`` levels at most (the
 shared codec's ``MAX_DEPTH``): deeper is a 400 naming the limit, at parse time,
 instead of a body that reads but cannot be written again.
@@ -51,7 +61,9 @@ from typing import Any, Final
 from iop_edge.domain.fleet import ModelEntry, Operation
 from iop_edge.errors import InvalidRequest, RequestTooLarge
 from iop_proto import json_codec
+from iop_proto.engine_fields import ALLOWED, STREAM_FIELDS, provider_body, stream_switches
 from iop_proto.framing import DEFAULT_MAX_FRAME_SIZE
+from iop_proto.prefix import body_blocks
 
 RUN_FRAME_HEADROOM: Final = 64 * 1024
 """Bytes of a frame kept free of the HTTP body: at least ``RUN_FRAME_OVERHEAD`` plus the
@@ -73,6 +85,13 @@ CLAMP_HEADER: Final = "x-iop-max-tokens-clamped"
 MAX_OUTPUT_TOKENS_ASKED: Final = 2**31 - 1
 """The largest output length a request may ask (then lowered to the cap): OpenAI's bound."""
 _MODEL_KEY: Final = b'{"model":'
+_PER_PROVIDER: Final = STREAM_FIELDS | {"model"}
+"""The fields ``RunBody`` writes for each provider, not with the rest of the body."""
+SWITCHES_SLACK: Final = 64
+"""Bytes the streaming switches of a prepared body may take beyond the client's own
+``stream`` and ``stream_options`` (``,"stream":false`` and ``"include_usage":true``)."""
+_PROMPTED: Final = frozenset({Operation.CHAT_COMPLETIONS, Operation.COMPLETIONS})
+"""The operations whose prompt an engine caches: their orders carry its block hashes."""
 
 MAX_LOGPROBS: Final = 20
 """OpenAI's ``top_logprobs`` maximum, and the cap of every field that asks as many
@@ -96,34 +115,79 @@ def max_body_bytes(max_frame_size: int) -> int:
 DEFAULT_MAX_BODY_BYTES: Final = max_body_bytes(DEFAULT_MAX_FRAME_SIZE)
 
 
-@dataclass(frozen=True, slots=True)
 class RunBody:
-    """A request body serialised once, before a provider is chosen: everything but
-    ``model``, which becomes the chosen provider's served name, written first
-    (docs/ARCHITECTURE.md#target-rewrite)."""
+    """A request body serialised once, before a provider is chosen: everything but the
+    fields written per provider (``model``: the chosen provider's served name, written
+    first, docs/ARCHITECTURE.md#target-rewrite; ``stream`` and ``stream_options``)."""
 
-    rest: bytes  # the body without "model", as a JSON object
+    __slots__ = ("_blocks", "fields", "rest", "switches")
+
+    def __init__(self, fields: Mapping[str, Any], rest: bytes, switches: bytes) -> None:
+        self.fields = fields  # the body as a dict (not changed: the client's, clamped)
+        self.rest = rest  # the body without the per-provider fields, as a JSON object
+        self.switches = switches  # the client's own ``stream`` fields, as a JSON object
+        self._blocks: tuple[int, ...] | None = None
 
     @classmethod
     def encode(cls, body: Mapping[str, Any]) -> RunBody:
-        return cls(json_codec.dumps({k: v for k, v in body.items() if k != "model"}))
+        rest = json_codec.dumps({k: v for k, v in body.items() if k not in _PER_PROVIDER})
+        switches = {k: body[k] for k in STREAM_FIELDS if k in body}
+        return cls(body, rest, json_codec.dumps(switches) if switches else b"{}")
 
     def with_model(self, served: str) -> bytes:
-        head = _MODEL_KEY + json_codec.dumps(served)
-        if self.rest == b"{}":
-            return head + b"}"
-        with memoryview(self.rest) as rest:  # one copy of a body of megabytes, not two
-            return b"".join((head, b",", rest[1:]))
+        """The client's body with ``model`` the served name (what a provider of a type
+        that reads the body itself gets: mock, Ollama, CLI)."""
+        return self._join(served, self.switches)
+
+    def for_provider(
+        self, provider_type: str, served: str, operation: Operation, stream: bool
+    ) -> tuple[bytes, bool, tuple[int, ...]]:
+        """The order's ``body_json``, ``body_prepared`` and ``prompt_blocks`` for a provider
+        of ``provider_type`` serving ``served``: an OpenAI-compatible type gets its body
+        prepared (its fields, the served name, its streaming switches), any other type
+        the client's body with the served name, for its adapter to read."""
+        fields = ALLOWED.get((provider_type, operation))
+        if fields is None:  # not an OpenAI-compatible type, or count_tokens
+            return self.with_model(served), False, ()
+        switches = stream_switches(self.fields, provider_type, operation, stream)
+        if self.fields.keys() - _PER_PROVIDER <= fields:
+            body = self._join(served, json_codec.dumps(switches) if switches else b"{}")
+        else:  # a field this type is not sent: the body written again without it
+            named = {**self.fields, "model": served}
+            body = json_codec.dumps(provider_body(named, provider_type, operation, stream))
+        return body, True, self.prompt_blocks() if operation in _PROMPTED else ()
+
+    def prompt_blocks(self) -> tuple[int, ...]:
+        """The prompt's block hashes (``iop_proto.prefix``), hashed on first use, once:
+        the same for cache affinity and for every attempt's order."""
+        if self._blocks is None:
+            self._blocks = tuple(body_blocks(self.fields))
+        return self._blocks
 
     def size_with(self, served: str) -> int:
         """``len(self.with_model(served))``, without building it."""
-        rest = 1 if self.rest == b"{}" else len(self.rest)
-        return len(_MODEL_KEY) + len(json_codec.dumps(served)) + rest
+        size = len(_MODEL_KEY) + len(json_codec.dumps(served)) + 1
+        if self.rest != b"{}":
+            size += len(self.rest) - 1
+        if self.switches != b"{}":
+            size += len(self.switches) - 1
+        return size
+
+    def _join(self, served: str, switches: bytes) -> bytes:
+        # the target rewrite (docs/ARCHITECTURE.md#target-rewrite): the served name first
+        parts: list[bytes | memoryview] = [_MODEL_KEY + json_codec.dumps(served)]
+        with memoryview(self.rest) as rest:  # one copy of a body of megabytes, not two
+            if self.rest != b"{}":
+                parts += (b",", rest[1:-1])
+            if switches != b"{}":
+                parts += (b",", switches[1:-1])
+            parts.append(b"}")
+            return b"".join(parts)
 
 
 def run_frame_bound(body: RunBody, served: str) -> int:
     """The most bytes a frame carrying ``body`` to a provider serving ``served`` can take."""
-    return body.size_with(served) + len(served.encode()) + RUN_FRAME_OVERHEAD
+    return body.size_with(served) + SWITCHES_SLACK + len(served.encode()) + RUN_FRAME_OVERHEAD
 
 
 def check_run_frame(body: RunBody, model: ModelEntry, max_frame_size: int) -> None:

@@ -2,13 +2,11 @@
 
 vLLM, SGLang, Lemonade, llama.cpp's server and OpenAI itself differ only in
 small facts (lifecycle capabilities, the probe path, their own request fields),
-so they share this code and differ by a ``Flavor``. The request body travels as
-the client wrote it (with ``model`` already the served name), less the fields its
-provider type is not sent (``openai_fields``: OpenAI's own and the engine's listed
-ones pass), and only what streaming needs is forced (``stream`` and
-``stream_options.include_usage``, so usage is always counted; the edge decides
-whether the client sees it). An answer is read up to ``max_answer_bytes`` and
-refused past it (``answer_read``).
+so they share this code and differ by a ``Flavor``. The request body is what the
+edge prepared for this provider type (``body_prepared``: the fields the type is sent,
+``iop_proto.engine_fields``, the served model and the streaming switches), posted as it
+came, never parsed; an older edge's body is prepared here by the same rule. An answer is
+read up to ``max_answer_bytes`` and refused past it (``answer_read``).
 """
 
 from __future__ import annotations
@@ -27,8 +25,6 @@ import aiohttp
 from iop_node.adapters import tokenizer
 from iop_node.adapters.answer_read import read_answer
 from iop_node.adapters.context_overflow import context_overflow
-from iop_node.adapters.openai_fields import OPENAI_FIELDS, allowed, forwarded
-from iop_node.adapters.openai_fields import OUTPUT_LENGTH_FIELDS as OUTPUT_LENGTH_FIELDS
 from iop_node.adapters.sse import iter_sse_data
 from iop_node.domain.health import ProbeResult
 from iop_node.domain.provider import ProviderConfig
@@ -44,6 +40,8 @@ from iop_node.errors import (
 )
 from iop_node.ports import Adapter, AdapterContext, AdapterFactory, EventSink, LifecycleFlags
 from iop_proto import json_codec
+from iop_proto.engine_fields import OUTPUT_LENGTH_FIELDS as OUTPUT_LENGTH_FIELDS
+from iop_proto.engine_fields import provider_body
 
 PROBE_TIMEOUT_S: Final = 2.0
 CONNECT_TIMEOUT_S: Final = 10.0
@@ -70,8 +68,6 @@ class Flavor:
     provider_type: str
     probe_path: str = "/v1/models"
     lifecycle: LifecycleFlags = field(default_factory=lambda: LifecycleFlags(list_models=True))
-    stream_usage: bool = True
-    """Whether the server honours ``stream_options.include_usage`` (all known ones do)."""
     tokenizer: str = ""
     """How the server counts a prompt's tokens (``tokenizer.STYLES``); empty: it cannot."""
 
@@ -137,7 +133,6 @@ class OpenAICompatAdapter:
         if not isinstance(endpoint, str) or not endpoint:
             raise ConfigError(f"provider {config.id!r}: settings.endpoint is required")
         self._flavor = flavor
-        self._fields = {op: allowed(flavor.provider_type, op) for op in OPENAI_FIELDS}
         self._http = context.http
         self._max_answer = context.max_answer_bytes
         self._base = normalise_endpoint(endpoint)
@@ -220,7 +215,7 @@ class OpenAICompatAdapter:
 
     async def _execute(self, spec: ExecutionSpec, sink: EventSink) -> Completion:
         url = self._base + _PATHS[spec.operation]
-        data = json_codec.dumps(self._payload(spec))
+        data = self._payload(spec)
         began = time.perf_counter()  # the provider's time: the HTTP exchange, not our work
         try:
             response = await self._http.post(
@@ -261,22 +256,16 @@ class OpenAICompatAdapter:
         response.release()
         return completion
 
-    def _payload(self, spec: ExecutionSpec) -> dict[str, Any]:
-        """The upstream body: the client's (``model`` already the served name: the edge
-        wrote it, ``run_check`` made sure) less the fields this type is not sent, with
-        only the streaming switches forced."""
-        payload = forwarded(self._fields[spec.operation], spec.body)
-        if spec.operation is Operation.EMBEDDINGS:
-            if spec.stream:
-                raise InvalidRequest("embeddings cannot be streamed")
-            return payload
-        payload["stream"] = spec.stream
-        if spec.stream and self._flavor.stream_usage:
-            options = payload.get("stream_options")
-            merged = dict(options) if isinstance(options, dict) else {}
-            merged["include_usage"] = True
-            payload["stream_options"] = merged
-        return payload
+    def _payload(self, spec: ExecutionSpec) -> bytes:
+        """The upstream body: the edge's prepared bytes as they came, or (an older
+        edge) the client's body (``model`` already the served name: the edge wrote it)
+        less the fields this type is not sent, with only the streaming switches forced."""
+        if spec.stream and spec.operation is Operation.EMBEDDINGS:
+            raise InvalidRequest("embeddings cannot be streamed")
+        if spec.body_prepared:
+            return spec.body_json
+        payload = provider_body(spec.body, self.name, spec.operation.value, spec.stream)
+        return json_codec.dumps(payload)
 
 
 async def _read_stream(
@@ -509,7 +498,7 @@ def _str(value: Any) -> str:
 
 
 def _int(value: Any) -> int:
-    # JSON's integers are exactly int (a bool is not): one call, not two isinstance
+    # JSON's integers are exactly int (a bool, an int subclass, is not a count)
     return value if type(value) is int else 0
 
 

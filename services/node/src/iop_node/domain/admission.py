@@ -2,10 +2,11 @@
 docs/ARCHITECTURE.md#node-execution).
 
 A run starts only while ``in_flight < capacity``; otherwise it waits in a FIFO
-of at most ``max_queue`` places for at most its queue timeout. Every slot is
-released exactly once, whatever ends the run: ``Admission`` is a context
-manager, and a slot handed to a waiter that was cancelled at the same moment is
-passed on, never lost.
+of at most ``max_queue`` places. How long it may wait is its caller's one deadline
+scope (``service.runs``: the queue timeout, bounded by the run's deadline), which
+cancels the wait: a waiter that leaves, by a timeout or any cancellation, leaves the
+queue, and a slot handed to it at that same moment is passed on, never lost. Every
+slot taken is released exactly once, by the run that took it.
 """
 
 from __future__ import annotations
@@ -13,9 +14,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import deque
-from types import TracebackType
 
-from iop_node.errors import QueueFull, QueueTimeout
+from iop_node.errors import QueueFull
 
 
 class AdmissionGate:
@@ -34,12 +34,13 @@ class AdmissionGate:
     def queued(self) -> int:
         return len(self._waiters)
 
-    def admit(self, queue_timeout_s: float) -> Admission:
-        """``async with gate.admit(t):`` holds one slot for the body of the block."""
-        return Admission(self, queue_timeout_s)
+    async def acquire(self) -> float:
+        """Take a slot, waiting in FIFO order; returns the seconds spent queued.
 
-    async def acquire(self, queue_timeout_s: float) -> float:
-        """Take a slot, waiting in FIFO order; returns the seconds spent queued."""
+        ``QueueFull`` when every slot is busy and the queue too. The wait ends when a
+        slot is handed over or the caller is cancelled (its deadline, its client gone):
+        then it leaves the queue, passing on a slot handed to it in that same moment.
+        """
         if self.in_flight < self.capacity and not self._waiters:
             self.in_flight += 1
             return 0.0
@@ -53,20 +54,14 @@ class AdmissionGate:
         waiter: asyncio.Future[None] = loop.create_future()
         self._waiters.append(waiter)
         try:
-            async with asyncio.timeout(queue_timeout_s):
-                await waiter
-        except BaseException as exc:
+            await waiter
+        except BaseException:
             if waiter.done() and not waiter.cancelled():
                 # The slot was handed to us as we gave up: pass it on, never lose it.
                 self.release()
             else:
                 waiter.cancel()
                 self._discard(waiter)
-            if isinstance(exc, TimeoutError):
-                waited_ms = queue_timeout_s * 1000
-                raise QueueTimeout(
-                    f"provider {self.provider_id}: no slot free within {waited_ms:.0f} ms"
-                ) from None
             raise
         return loop.time() - started
 
@@ -75,7 +70,8 @@ class AdmissionGate:
         if self.in_flight <= 0:
             raise RuntimeError(f"provider {self.provider_id}: release without a held slot")
         self.in_flight -= 1
-        self._promote()
+        if self._waiters:
+            self._promote()
 
     def resize(self, capacity: int, max_queue: int) -> None:
         """Apply a new config; runs in flight keep their slots, waiters may start now."""
@@ -95,42 +91,3 @@ class AdmissionGate:
     def _discard(self, waiter: asyncio.Future[None]) -> None:
         with contextlib.suppress(ValueError):
             self._waiters.remove(waiter)
-
-
-class Admission:
-    """One slot held for the duration of an ``async with`` block."""
-
-    def __init__(self, gate: AdmissionGate, queue_timeout_s: float) -> None:
-        self._gate = gate
-        self._queue_timeout_s = queue_timeout_s
-        self.queue_wait_s = 0.0
-
-    async def __aenter__(self) -> Admission:
-        self.queue_wait_s = await self._gate.acquire(self._queue_timeout_s)
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self._gate.release()
-
-
-class Ungated:
-    """No slot: what a run the gate does not count holds (``count_tokens``, which the
-    engine answers from its tokenizer beside the generations, without one of their slots)."""
-
-    queue_wait_s = 0.0
-
-    async def __aenter__(self) -> Ungated:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        return None

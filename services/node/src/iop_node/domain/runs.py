@@ -1,17 +1,22 @@
-"""What a run is inside the node: the spec an adapter executes and the events it emits.
+"""What a run is inside the node: the order from the edge, the spec an adapter executes
+and the events it emits.
 
-Domain dataclasses, converted from and to protobuf at the edge link, so adapters
-never see the wire format. The request body is parsed once (at the link) into
-``ExecutionSpec.body``; adapters forward what they do not interpret unchanged.
+Domain dataclasses, converted from and to protobuf at the rim (``entrypoints/wire.py``),
+so nothing inside sees the wire format. The request body stays the bytes the edge sent
+(``ExecutionSpec.body_json``): an order the edge prepared for its provider's type
+(``body_prepared``) is posted as it came, and it is parsed only by an adapter that reads
+it as a dict (``ExecutionSpec.body``), at most once.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import field
 from enum import StrEnum
 from typing import Any
 
 from iop_node.domain.record import record
+from iop_node.errors import InvalidRequest
+from iop_proto import json_codec
 
 
 class Operation(StrEnum):
@@ -24,13 +29,48 @@ class Operation(StrEnum):
 
 
 @record
+class RunOrder:
+    """A run as the edge ordered it (``pb.RunRequest`` at the rim), not yet checked
+    against the provider it names (``service.run_check``)."""
+
+    run_id: str
+    model: str  # the public model id
+    provider_id: str
+    adapter: str  # the provider's type, as the edge knows it
+    target: str  # the provider's served name
+    operation: Operation | None  # None: an operation this node does not know
+    body_json: bytes
+    stream: bool
+    include_usage: bool
+    deadline_unix_ms: int  # 0: the provider's own request timeout
+    body_prepared: bool = False
+    """``body_json`` is what an OpenAI-compatible provider gets, byte for byte (the edge
+    applied the type's field allow-list, the served model and the streaming switches);
+    an older edge sends the client's body (model written) and the node prepares it."""
+    prompt_blocks: tuple[int, ...] | None = None
+    """The prompt's block hashes (``iop_proto.prefix``), hashed once by the edge (with a
+    prepared body); ``None``: the node hashes the body when it needs them."""
+
+
+def parse_body(raw: bytes) -> dict[str, Any]:
+    """A request body as a dict (an empty body is an empty object)."""
+    try:
+        body = json_codec.loads(raw) if raw else {}
+    except ValueError as exc:
+        raise InvalidRequest(f"request body is not JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise InvalidRequest("request body must be a JSON object")
+    return body
+
+
+@record
 class ExecutionSpec:
     """Everything an adapter needs to run one request on its provider.
 
-    ``target`` is the served model name the edge chose (the node never rewrites
-    model names); ``body`` is the client's OpenAI request with ``model`` already
-    set to ``target``. ``deadline`` is on the event loop's clock
-    (``loop.time()``) and bounds the whole run, queue wait included.
+    ``target`` is the served model name the edge chose and wrote into the body (the
+    node never rewrites model names). ``body_json`` is the body as it came;
+    ``body`` is it parsed, on first use, once. ``deadline`` is on the event loop's
+    clock (``loop.time()``) and bounds the whole run, queue wait included.
     """
 
     run_id: str
@@ -39,10 +79,24 @@ class ExecutionSpec:
     adapter: str
     target: str
     operation: Operation
-    body: dict[str, Any]
+    body_json: bytes
     stream: bool
     include_usage: bool
     deadline: float
+    body_prepared: bool = False  # see ``RunOrder.body_prepared``
+    prompt_blocks: tuple[int, ...] | None = None
+    """The prompt's block hashes from the edge; ``None``: hash ``body`` when needed."""
+    parsed: dict[str, Any] | None = field(default=None, compare=False, repr=False)
+    """``body`` once parsed (``run_check`` parses an unprepared body up front)."""
+
+    @property
+    def body(self) -> dict[str, Any]:
+        """The body as a dict, parsed on first use; ``InvalidRequest`` if it is not one."""
+        parsed = self.parsed
+        if parsed is None:
+            parsed = parse_body(self.body_json)
+            object.__setattr__(self, "parsed", parsed)  # a cache, not a change of value
+        return parsed
 
 
 @record
@@ -108,14 +162,3 @@ class Completion:
     result: dict[str, Any] | None = None
     result_json: bytes = b""
     provider_us: int = 0
-
-
-@dataclass(slots=True)
-class RunTimings:
-    """Event-loop timestamps of a run's life, for history and metrics."""
-
-    received: float
-    started: float | None = None
-    first_token: float | None = None
-    finished: float | None = None
-    extra: dict[str, float] = field(default_factory=dict)

@@ -12,14 +12,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ssl
+import time
 
 from loguru import logger
 
+from iop_node.domain.events import Failed, Started
 from iop_node.domain.runs import Completion, Delta
 from iop_node.entrypoints import wire
 from iop_node.errors import AnswerTooLarge, RunCancelled
 from iop_node.metrics import NodeMetrics
-from iop_node.node import NodeCore
+from iop_node.service.providers import NodeCore
 from iop_node.settings import NodeSettings
 from iop_proto.connection import Connection
 from iop_proto.dialer import Dialer, DialSettings
@@ -55,6 +57,10 @@ class ConnectionChannel:
     event, the completion with the start in it, instead of three: the edge decodes,
     checks and routes one event, not three, for every fast non-streamed run.
     Events are numbered as they leave, so the run's numbers have no gaps either way.
+
+    The adapter streams into the channel directly (``RunChannel``): the first delta
+    carries the wait on the provider since ``started``, and ``first_token_ms`` notes
+    when it left, for the run's history.
     """
 
     def __init__(self, conn: Connection, run_id: str, *, fold: bool = False) -> None:
@@ -65,30 +71,35 @@ class ConnectionChannel:
         self._start: pb.RunEvent | None = None
         self._ack: pb.RunEvent | None = None
         self._ack_timer: asyncio.TimerHandle | None = None
-
-    def _number(self, event: pb.RunEvent) -> pb.RunEvent:
-        event.run_id = self._run_id
-        event.sequence = self._sequence
-        self._sequence += 1
-        return event
+        self._provider_began = 0.0  # perf_counter() at ``started``
+        self.first_token_ms = 0
 
     async def _send(self, event: pb.RunEvent, *, defer: bool = False) -> None:
+        """Send ``event`` after what is held for it (the acknowledgement, the start), each
+        numbered as it leaves; a number is used only by an event that left."""
+        conn, run_id = self._conn, self._run_id
         try:
             if self._ack is not None:
                 ack, self._ack = self._ack, None
-                self._cancel_ack_timer()
-                await self._conn.send(self._number(ack), correlation_id=self._run_id, defer=True)
+                if self._ack_timer is not None:
+                    self._ack_timer.cancel()
+                ack.run_id, ack.sequence = run_id, self._sequence
+                await conn.send(ack, correlation_id=run_id, defer=True)
+                self._sequence += 1
             if self._start is not None:
                 start, self._start = self._start, None
-                await self._conn.send(self._number(start), correlation_id=self._run_id, defer=True)
+                start.run_id, start.sequence = run_id, self._sequence
+                await conn.send(start, correlation_id=run_id, defer=True)
+                self._sequence += 1
+            event.run_id, event.sequence = run_id, self._sequence
             try:
-                await self._conn.send(self._number(event), correlation_id=self._run_id, defer=defer)
+                await conn.send(event, correlation_id=run_id, defer=defer)
             except FrameTooLarge as exc:
                 # Refused before a byte of it was written: the link is intact and the
                 # number unused (the run's error takes it). The adapters hold answers
                 # below the limit already; this keeps any that does not to its own run.
-                self._sequence -= 1
                 raise AnswerTooLarge(exc.maximum) from exc
+            self._sequence += 1
         except (ConnectionClosed, OSError) as exc:  # closed, or reset under the write
             raise RunCancelled(EDGE_GONE) from exc
 
@@ -98,52 +109,39 @@ class ConnectionChannel:
         self._ack = pb.RunEvent(accepted={})
         self._ack_timer = asyncio.get_running_loop().call_later(ACK_HOLD_S, self._send_ack)
 
-    def _cancel_ack_timer(self) -> None:
-        if self._ack_timer is not None:
-            self._ack_timer.cancel()
-
     def _send_ack(self) -> None:
         ack, self._ack = self._ack, None
         if ack is None:
             return
+        ack.run_id, ack.sequence = self._run_id, self._sequence
+        self._sequence += 1
         # a connection gone already: the run finds out itself when it sends
         with contextlib.suppress(ConnectionClosed, OSError):
-            self._conn.send_soon(self._number(ack), correlation_id=self._run_id)
+            self._conn.send_soon(ack, correlation_id=self._run_id)
 
-    async def started(self, provider_id: str, target: str, queue_wait_ms: int) -> None:
-        start = {"provider_id": provider_id, "target": target, "queue_wait_ms": queue_wait_ms}
-        self._start = pb.RunEvent(start=start)
+    def started(self, event: Started) -> None:
+        self._start = wire.start_event(event)  # leaves with the run's next event
+        self._provider_began = time.perf_counter()
 
     async def delta(self, delta: Delta) -> None:
-        await self._send(wire.delta_event(delta), defer=True)
+        if self.first_token_ms:
+            await self._send(wire.delta_event(delta), defer=True)
+            return
+        self.first_token_ms = time.time_ns() // 1_000_000
+        waited_us = int((time.perf_counter() - self._provider_began) * 1_000_000)
+        await self._send(wire.delta_event(delta, waited_us), defer=True)
 
     async def completed(self, completion: Completion) -> None:
         event = wire.complete_event(completion)
         if self._fold and self._ack is not None and self._start is not None:
             event.complete.start.CopyFrom(self._start.start)
             self._ack = self._start = None  # the completion acknowledges and starts it
-            self._cancel_ack_timer()
+            if self._ack_timer is not None:
+                self._ack_timer.cancel()
         await self._send(event)
 
-    async def failed(
-        self,
-        code: int,
-        message: str,
-        provider_status: int,
-        provider_us: int = 0,
-        *,
-        context_window: int = 0,
-        prompt_tokens: int = 0,
-    ) -> None:
-        error = pb.RunError(
-            code=code,  # type: ignore[arg-type]
-            message=message,
-            provider_status=provider_status,
-            provider_us=provider_us,
-            context_window=context_window,
-            prompt_tokens=prompt_tokens,
-        )
-        await self._send(pb.RunEvent(error=error))
+    async def failed(self, failure: Failed) -> None:
+        await self._send(wire.failed_event(failure))
 
 
 class EdgeLink(Dialer):
@@ -207,7 +205,7 @@ class EdgeLink(Dialer):
             if kind == "run_request":
                 run_id = envelope.run_request.run_id
                 channel = ConnectionChannel(conn, run_id, fold=self._folds)
-                if self._core.start_run(envelope.run_request, channel):
+                if self._core.start_run(wire.run_order(envelope.run_request), channel):
                     channel.accepted()
             elif kind == "cancel_request":
                 cancel = envelope.cancel_request

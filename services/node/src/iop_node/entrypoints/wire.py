@@ -1,15 +1,21 @@
-"""Conversions between the node's domain types and the protobuf contract (the one place)."""
+"""Conversions between the node's domain types and the protobuf contract (the one place).
+
+In: provider configs and run orders (``run_order``). Out: provider states and run
+events (``delta_event``, ``complete_event``, ``start_event``, ``failed_event``), with
+the error codes' wire numbers. Nothing else in the node imports ``iop_proto.v1``.
+"""
 
 from __future__ import annotations
 
 import json
 from typing import Any
 
-from iop_node.domain.cache_account import CacheView
+from iop_node.domain.events import Failed, Started
 from iop_node.domain.health import Health
 from iop_node.domain.provider import ProviderConfig
-from iop_node.domain.runs import Completion, Delta, Usage
-from iop_node.node import ProviderStatus
+from iop_node.domain.runs import Completion, Delta, Operation, RunOrder, Usage
+from iop_node.errors import ErrorCode
+from iop_node.service.providers import ProviderStatus
 from iop_proto import json_codec
 from iop_proto.v1 import runtime_pb2 as pb
 
@@ -24,6 +30,44 @@ _CATEGORY_FROM_PB = {
     pb.PROVIDER_CATEGORY_LOCAL_INFERENCE: "local_inference",
 }
 _CATEGORY_TO_PB = {name: value for value, name in _CATEGORY_FROM_PB.items()}
+_OPERATIONS = {
+    pb.OPERATION_CHAT_COMPLETIONS: Operation.CHAT_COMPLETIONS,
+    pb.OPERATION_COMPLETIONS: Operation.COMPLETIONS,
+    pb.OPERATION_EMBEDDINGS: Operation.EMBEDDINGS,
+    pb.OPERATION_COUNT_TOKENS: Operation.COUNT_TOKENS,
+}
+_CODES: dict[ErrorCode, int] = {
+    ErrorCode.INVALID_REQUEST: pb.ERROR_CODE_INVALID_REQUEST,
+    ErrorCode.NOT_FOUND: pb.ERROR_CODE_NOT_FOUND,
+    ErrorCode.QUEUE_FULL: pb.ERROR_CODE_QUEUE_FULL,
+    ErrorCode.QUEUE_TIMEOUT: pb.ERROR_CODE_QUEUE_TIMEOUT,
+    ErrorCode.PROVIDER_UNAVAILABLE: pb.ERROR_CODE_PROVIDER_UNAVAILABLE,
+    ErrorCode.PROVIDER_ERROR: pb.ERROR_CODE_PROVIDER_ERROR,
+    ErrorCode.PROVIDER_TIMEOUT: pb.ERROR_CODE_PROVIDER_TIMEOUT,
+    ErrorCode.CANCELLED: pb.ERROR_CODE_CANCELLED,
+    ErrorCode.INTERNAL: pb.ERROR_CODE_INTERNAL,
+    ErrorCode.CONTEXT_LENGTH_EXCEEDED: pb.ERROR_CODE_CONTEXT_LENGTH_EXCEEDED,
+}
+
+
+def run_order(request: pb.RunRequest) -> RunOrder:
+    """The edge's run request as the node's order (an unknown operation is ``None``:
+    the run fails as an invalid request, not the link)."""
+    prepared = request.body_prepared
+    return RunOrder(
+        run_id=request.run_id,
+        model=request.model,
+        provider_id=request.provider_id,
+        adapter=request.adapter,
+        target=request.target,
+        operation=_OPERATIONS.get(request.operation),
+        body_json=request.body_json,
+        stream=request.stream,
+        include_usage=request.include_usage,
+        deadline_unix_ms=request.deadline_unix_ms,
+        body_prepared=prepared,
+        prompt_blocks=tuple(request.prompt_blocks) if prepared else None,
+    )
 
 
 def provider_config(message: pb.ProviderConfig) -> ProviderConfig:
@@ -51,14 +95,13 @@ def usage(value: Usage) -> dict[str, int]:
     }
 
 
-# The run events below are built from dicts: upb fills a message and its submessages
-# from one in a single call, under half the cost of building the submessage first and
-# copying it in, and this runs for every delta of every stream. Empty fields are left
-# out; proto3 does not send them either way.
+# The run events are built from dicts (upb fills a message and its submessages from one).
+# Empty fields are left out; proto3 does not send them either way.
 
 
-def delta_event(delta: Delta) -> pb.RunEvent:
-    """A ``run.event`` carrying one delta (``run_id`` and ``sequence`` are the channel's)."""
+def delta_event(delta: Delta, provider_us: int = 0) -> pb.RunEvent:
+    """A ``run.event`` carrying one delta (``run_id`` and ``sequence`` are the channel's);
+    ``provider_us``: the run's first delta's wait on the provider, which the channel saw."""
     fields: dict[str, Any] = {"text": delta.text, "choice_index": delta.choice_index}
     if delta.role:
         fields["role"] = delta.role
@@ -81,8 +124,8 @@ def delta_event(delta: Delta) -> pb.RunEvent:
         fields["usage"] = usage(delta.usage)
     if delta.logprobs_json:
         fields["logprobs_json"] = delta.logprobs_json
-    if delta.provider_us:
-        fields["provider_us"] = delta.provider_us
+    if provider_us or delta.provider_us:
+        fields["provider_us"] = provider_us or delta.provider_us
     return pb.RunEvent(delta=fields)
 
 
@@ -99,6 +142,29 @@ def complete_event(completion: Completion) -> pb.RunEvent:
     elif completion.result is not None:
         fields["result_json"] = json_codec.dumps(completion.result)
     return pb.RunEvent(complete=fields)
+
+
+def start_event(start: Started) -> pb.RunEvent:
+    return pb.RunEvent(
+        start={
+            "provider_id": start.provider_id,
+            "target": start.target,
+            "queue_wait_ms": start.queue_wait_ms,
+        }
+    )
+
+
+def failed_event(failure: Failed) -> pb.RunEvent:
+    return pb.RunEvent(
+        error={
+            "code": _CODES[failure.code],
+            "message": failure.message,
+            "provider_status": failure.provider_status,
+            "provider_us": failure.provider_us,
+            "context_window": failure.context_window,
+            "prompt_tokens": failure.prompt_tokens,
+        }
+    )
 
 
 def provider_state(status: ProviderStatus) -> pb.ProviderState:
@@ -122,15 +188,10 @@ def provider_state(status: ProviderStatus) -> pb.ProviderState:
         ),
         last_probe_unix_ms=status.last_probe_unix_ms,
         detail=status.detail,
-        cache=cache_state(status.cache),
-    )
-
-
-def cache_state(view: CacheView) -> pb.CacheState:
-    """A provider's cache account as its snapshot carries it (0: a rate unknown)."""
-    return pb.CacheState(
-        prefixes=[pb.CachedPrefix(tail=tail, blocks=blocks) for tail, blocks in view.prefixes],
-        prompt_tokens=view.prompt_tokens,
-        cached_tokens=view.cached_tokens,
-        prefill_ms_per_token=view.prefill_ms_per_token or 0.0,
+        cache=pb.CacheState(  # the cache account; 0: a rate unknown
+            prefixes=[pb.CachedPrefix(tail=t, blocks=b) for t, b in status.cache.prefixes],
+            prompt_tokens=status.cache.prompt_tokens,
+            cached_tokens=status.cache.cached_tokens,
+            prefill_ms_per_token=status.cache.prefill_ms_per_token or 0.0,
+        ),
     )

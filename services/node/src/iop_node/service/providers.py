@@ -1,4 +1,4 @@
-"""The node's application core: its providers, their probes, and the runs in flight.
+"""The node's application core (``NodeCore``): its providers, their probes, and the runs in flight.
 
 The edge link calls ``start_run``/``cancel`` and reads ``states()``; it never
 touches adapters or gates directly. Config updates (``apply_config``) add,
@@ -18,15 +18,16 @@ from loguru import logger
 
 from iop_node.domain.admission import AdmissionGate
 from iop_node.domain.cache_account import DEFAULT_CACHE_PREFIXES, CacheAccount, CacheView
+from iop_node.domain.events import Failed
 from iop_node.domain.health import Health, HealthTracker, ProbeResult
 from iop_node.domain.provider import ProviderConfig
+from iop_node.domain.runs import RunOrder
 from iop_node.errors import ConfigError, RunFailure
-from iop_node.executor import RunExecutor
 from iop_node.metrics import NodeMetrics
 from iop_node.ports import AdapterContext, AdapterFactory, LifecycleFlags, RunChannel, RunHistory
-from iop_node.run_check import resolve
 from iop_node.runtime import ProviderRuntime
-from iop_proto.v1 import runtime_pb2 as pb
+from iop_node.service.run_check import resolve
+from iop_node.service.runs import RunExecutor
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,7 +47,7 @@ def _cache_lost(result: ProbeResult, models_before: tuple[str, ...]) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class ProviderStatus:
-    """What the edge is told about one provider (converted to ``pb.ProviderState``)."""
+    """What the edge is told about one provider (converted to the wire by ``entrypoints.wire``)."""
 
     config: ProviderConfig
     health: Health
@@ -234,27 +235,24 @@ class NodeCore:
 
     # ------------------------------------------------------------ runs
 
-    def start_run(self, request: pb.RunRequest, channel: RunChannel) -> bool:
-        """Start a run in its own task; a request that cannot run fails on its channel."""
-        run_id = request.run_id
+    def start_run(self, order: RunOrder, channel: RunChannel) -> bool:
+        """Start a run in its own task; an order that cannot run fails on its channel."""
+        run_id = order.run_id
         if run_id in self._runs:
             logger.warning("duplicate run id {} ignored", run_id)
             return False
-        runtime = self.providers.get(request.provider_id)
-        # One look-up of the loop (each get_running_loop() is a getpid on Python 3.11;
-        # asyncio.create_task makes another).
+        runtime = self.providers.get(order.provider_id)
         loop = asyncio.get_running_loop()
         try:
             spec = resolve(
-                request,
+                order,
                 None if runtime is None else runtime.config,
                 loop_now=loop.time(),
                 unix_now_ms=time.time_ns() // 1_000_000,
             )
         except RunFailure as failure:
-            task = loop.create_task(
-                channel.failed(failure.code, failure.message, failure.provider_status)
-            )
+            refusal = Failed(failure.code, failure.message, failure.provider_status)
+            task = loop.create_task(channel.failed(refusal))
         else:
             assert runtime is not None  # resolve refuses a provider this node lacks
             task = loop.create_task(

@@ -1,4 +1,11 @@
-"""Which request fields an OpenAI-compatible engine is sent: an allow-list per provider type.
+"""What an OpenAI-compatible engine is sent: an allow-list of fields per provider type,
+and the streaming switches.
+
+Contract knowledge both sides need: the edge prepares a run's body for its provider's
+type with it (``iop_edge.service.limits.RunBody``: the order then says
+``body_prepared`` and the node posts the bytes as they came), and a node prepares the
+body itself for an edge that does not (``iop_node.adapters.openai_compat``). Keys are
+operation names (``chat_completions`` ...), the values of both services' ``Operation``.
 
 A body reaches the engine with the fields OpenAI documents for its operation (the
 API the edge speaks) and the engine's own fields its type lists here; any other
@@ -19,14 +26,16 @@ with a warning). An operator who needs another field adds it to its type's list.
 
 The mock, Ollama and CLI adapters build what their engine gets from the fields
 they read themselves; nothing else passes there either.
+
+Streaming: only what streaming needs is forced (``stream``, and
+``stream_options.include_usage`` where the type honours it, so usage is always counted;
+the edge decides whether the client sees it).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any, Final
-
-from iop_node.domain.runs import Operation
 
 OUTPUT_LENGTH_FIELDS: Final = ("max_tokens", "max_completion_tokens")
 """The output lengths passed to the engine (chat and completions): capped by the edge."""
@@ -98,10 +107,13 @@ _COMPLETIONS: Final = frozenset(
     }
 )
 _EMBEDDINGS: Final = frozenset({"model", "input", "dimensions", "encoding_format", "user"})
-OPENAI_FIELDS: Final[Mapping[Operation, frozenset[str]]] = {
-    Operation.CHAT_COMPLETIONS: _CHAT,
-    Operation.COMPLETIONS: _COMPLETIONS,
-    Operation.EMBEDDINGS: _EMBEDDINGS,
+CHAT_COMPLETIONS: Final = "chat_completions"
+COMPLETIONS: Final = "completions"
+EMBEDDINGS: Final = "embeddings"
+OPENAI_FIELDS: Final[Mapping[str, frozenset[str]]] = {
+    CHAT_COMPLETIONS: _CHAT,
+    COMPLETIONS: _COMPLETIONS,
+    EMBEDDINGS: _EMBEDDINGS,
 }
 """The request fields of OpenAI's API reference, per operation (2026)."""
 
@@ -193,14 +205,53 @@ ENGINE_FIELDS: Final[Mapping[str, frozenset[str]]] = {
     "lemonade": _SAMPLING | {"repeat_penalty"},
     "openai_api": frozenset(),  # OpenAI itself: its own fields only
 }
-"""Each OpenAI-compatible provider type's own fields that it is sent."""
+"""Each OpenAI-compatible provider type's own fields that it is sent; its keys are the
+OpenAI-compatible provider types."""
+STREAM_USAGE: Final = frozenset(ENGINE_FIELDS)
+"""The types whose servers honour ``stream_options.include_usage`` (all known ones do)."""
+STREAM_FIELDS: Final = frozenset({"stream", "stream_options"})
+"""The fields ``stream_switches`` writes (whatever the client put there)."""
+
+ALLOWED: Final[Mapping[tuple[str, str], frozenset[str]]] = {
+    (provider_type, operation): fields | own
+    for provider_type, own in ENGINE_FIELDS.items()
+    for operation, fields in OPENAI_FIELDS.items()
+}
+"""(OpenAI-compatible type, operation) -> the fields its requests keep (``allowed``)."""
 
 
-def allowed(provider_type: str, operation: Operation) -> frozenset[str]:
+def allowed(provider_type: str, operation: str) -> frozenset[str]:
     """The fields a request of ``operation`` keeps on its way to an engine of this type."""
-    return OPENAI_FIELDS[operation] | ENGINE_FIELDS.get(provider_type, frozenset())
+    found = ALLOWED.get((provider_type, operation))
+    return OPENAI_FIELDS[operation] if found is None else found
 
 
-def forwarded(fields: frozenset[str], body: Mapping[str, Any]) -> dict[str, Any]:
-    """``body`` with only ``fields`` (a new dict: the run's body is never changed)."""
-    return {name: value for name, value in body.items() if name in fields}
+def stream_switches(
+    body: Mapping[str, Any], provider_type: str, operation: str, stream: bool
+) -> dict[str, Any]:
+    """The streaming fields (``STREAM_FIELDS``) an engine of this type is sent for this
+    run (none for embeddings): ``stream`` as the run streams, and the client's
+    ``stream_options``, with ``include_usage`` on when streaming where the type honours it."""
+    if operation == EMBEDDINGS:
+        return {}
+    if not stream or provider_type not in STREAM_USAGE:
+        switches: dict[str, Any] = {"stream": stream}
+        if "stream_options" in body:  # the client's, as it gave them
+            switches["stream_options"] = body["stream_options"]
+        return switches
+    options = body.get("stream_options")
+    merged = dict(options) if isinstance(options, dict) else {}
+    merged["include_usage"] = True
+    return {"stream": True, "stream_options": merged}
+
+
+def provider_body(
+    body: Mapping[str, Any], provider_type: str, operation: str, stream: bool
+) -> dict[str, Any]:
+    """What an engine of this type is sent: ``body`` (its ``model`` already the served
+    name) less the fields the type is not sent, with the streaming switches (a new dict:
+    the run's body is never changed)."""
+    fields = allowed(provider_type, operation)
+    payload = {name: value for name, value in body.items() if name in fields}
+    payload.update(stream_switches(body, provider_type, operation, stream))
+    return payload
