@@ -83,8 +83,9 @@ def test_hops_reports_the_path_of_a_stream(tmp_path: Path) -> None:
     result = json.loads(out.read_text())
     edge = [(e["module"], e["qualname"]) for e in result["path"]["edge"]]
     node = [(e["module"], e["qualname"]) for e in result["path"]["node"]]
-    # the inference pipeline's handler (every API's: InferenceRoutes.route gives it)
-    assert any(m == "iop_edge.entrypoints.inference_routes" and "route" in q for m, q in edge)
+    # the inference pipeline's handler (every API's: InferenceRoutes.route binds it)
+    handler = "InferenceRoutes._serve"
+    assert any(m == "iop_edge.entrypoints.inference_routes" and q == handler for m, q in edge)
     assert any(m.startswith("iop_node.adapters.") and q.endswith(".execute") for m, q in node)
     assert not any(m.startswith("iop_proto.v1") for m, _ in edge + node)
     assert result["hops"]["total"] == len(edge) + len(node)
