@@ -6,10 +6,12 @@ For each checkout (its sources on ``PYTHONPATH``, as ``tools/bench/ab.py`` runs
 them): one fake backend and one IOP stack, warmed up; then ``strace`` follows the
 edge and the node while ``--runs`` non-streamed and then ``--runs`` streamed
 (``--tokens`` chunks) chat requests go through one after another (c=1), and the
-write calls (``write``, ``writev``, ``sendto``, ``sendmsg``) are counted per socket:
-the mTLS link edge -> node and node -> edge, the client's connection (edge ->
-client), the provider's (node -> provider), and everything else (the event loops'
-wake-up pipes, SQLite files, logs) per process. Each count is divided by the runs.
+write calls (``write``, ``writev``, ``sendto``, ``sendmsg``), the read calls and the
+event loops' ``epoll_wait``s (one per loop pass that waited) are counted per socket,
+named from its process's side: the mTLS link (the edge's end, the node's), the
+client's connection on the edge, the provider's on the node, and the rest (the
+loops' wake-up eventfds, which threads such as aiosqlite's write). Each count is
+divided by the runs.
 Needs ``strace`` and ptrace rights over the services (root).
 """
 
@@ -44,18 +46,19 @@ TCP = re.compile(r"TCP:\[[\d.]+:(\d+)->[\d.]+:(\d+)\]")
 
 
 def _classify(process: str, target: str, ports: dict[str, int]) -> str:
+    """The socket a call was made on, named from its process's side."""
     tcp = TCP.search(target)
     if tcp is None:
-        return f"{process}: other ({target.split(':')[0] or 'fd'})"
+        return f"{process}: {target.split(':')[0] or 'fd'}"
     local, remote = int(tcp.group(1)), int(tcp.group(2))
     if process == "edge" and local == ports["link"]:
-        return "link edge -> node"
+        return "edge: link to the node"
     if process == "node" and remote == ports["link"]:
-        return "link node -> edge"
+        return "node: link to the edge"
     if process == "edge" and local == ports["api"]:
-        return "edge -> client"
+        return "edge: client's connection"
     if process == "node" and remote == ports["provider"]:
-        return "node -> provider"
+        return "node: provider's connection"
     return f"{process}: other tcp"
 
 
@@ -86,12 +89,10 @@ async def _traced(
                 continue
             call = match.group(2)
             if call.startswith("epoll"):
-                counts[f"{name}: epoll waits (wake-ups)"] += 1
+                counts[f"{name}: event loop, epoll waits (wake-ups)"] += 1
                 continue
             kind = _classify(name, match.group(4), ports)
-            if call in READS:
-                kind = f"reads {kind}"
-            counts[kind] += 1
+            counts[f"{kind}, {'reads' if call in READS else 'writes'}"] += 1
     return counts
 
 
@@ -126,7 +127,7 @@ async def measure(checkout: Path, runs: int, tokens: int) -> None:
                         out = root / label
                         out.mkdir()
                         counts = await _traced(pids, out, ports, work())
-                        print(f"{checkout} {label} ({runs} runs, writes per run):")
+                        print(f"{checkout} {label} ({runs} runs, calls per run):")
                         for kind in sorted(counts):
                             print(f"  {counts[kind] / runs:6.2f}  {kind}")
 

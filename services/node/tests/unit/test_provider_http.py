@@ -40,6 +40,7 @@ class Server:
     requests: list[bytes] = field(default_factory=list)
     closed_by_client: asyncio.Event = field(default_factory=asyncio.Event)
     got_request: asyncio.Event = field(default_factory=asyncio.Event)
+    reader_done: asyncio.Event = field(default_factory=asyncio.Event)
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
@@ -295,3 +296,39 @@ async def test_a_connection_the_engine_talks_on_unasked_is_dropped(client: Provi
             await server.closed_by_client.wait()
         assert (await post(client, server.url))[0] == 200  # on a new connection
         assert server.connections == 2
+
+
+async def test_a_stream_left_before_its_last_chunk_keeps_its_connection(
+    client: ProviderHttp,
+) -> None:
+    async def sse(r: asyncio.StreamReader, w: asyncio.StreamWriter, s: Server) -> None:
+        while await read_request(r, s) is not None:
+            w.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n")
+            w.write(b"Transfer-Encoding: chunked\r\n\r\n")
+            w.write(b"e\r\ndata: [DONE]\n\n\r\n")
+            await w.drain()
+            await s.reader_done.wait()  # the end of the body only once the reader left
+            s.reader_done.clear()
+            w.write(b"0\r\n\r\n")
+
+    async with serve(sse) as server:
+        for _ in range(2):
+            response = await client.request(
+                "POST", server.url, headers=JSON, body=b"{}", connect_timeout_s=5
+            )
+            async for chunk in response.iter_any():
+                assert chunk == b"data: [DONE]\n\n"
+                break  # as the SSE reader stops at [DONE]
+            response.release()
+            server.reader_done.set()
+            await pooled(client)
+        assert server.connections == 1
+
+
+async def pooled(client: ProviderHttp, within: float = 10.0) -> None:
+    """Until a connection is back in the pool (its answer ended after the reader left)."""
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    while client.idle_connections == 0:
+        assert loop.time() - started < within, "the connection was not pooled"
+        await asyncio.sleep(0.01)

@@ -21,6 +21,11 @@ MAX_HEADER_BYTES: Final = 64 * 1024
 """A response whose status line and headers pass this is refused: no engine sends that."""
 HIGH_WATER: Final = 256 * 1024
 """Body bytes read ahead of the caller at most before the socket stops being read."""
+FINISH_S: Final = 1.0
+FINISH_BYTES: Final = 64 * 1024
+"""A response released before its end (an SSE stream left at ``[DONE]``, its last chunk
+still on the way) is read to its end for this long and this many bytes at most, and its
+connection pooled then; past either it is closed."""
 
 
 class ProviderHttpError(Exception):
@@ -56,6 +61,7 @@ class Exchange(asyncio.Protocol):
         self._parser = httptools.HttpResponseParser(self)
         self._waiter: asyncio.Future[None] | None = None
         self.pending = False  # a request is out and its answer not complete
+        self._finishing: asyncio.TimerHandle | None = None  # released before its end
         self._reset()
 
     def _reset(self) -> None:
@@ -90,6 +96,9 @@ class Exchange(asyncio.Protocol):
             self._fail(ProviderConnectionLost(f"headers over {MAX_HEADER_BYTES} bytes"))
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self._finishing is not None:
+            self._finishing.cancel()
+            self._finishing = None
         self.pool.forget(self)
         if self.headers_done and not self.complete and self._close_delimited():
             self.complete = True  # a body without length or chunks ends with the connection
@@ -129,6 +138,11 @@ class Exchange(asyncio.Protocol):
     def on_body(self, body: bytes) -> None:
         if not self.pending:
             return
+        if self._finishing is not None:  # nobody reads it: counted, dropped
+            self.buffered += len(body)
+            if self.buffered > FINISH_BYTES:
+                self.close()
+            return
         self.body.append(body)
         self.buffered += len(body)
         if self.buffered > HIGH_WATER and not self._paused and self.transport is not None:
@@ -141,6 +155,10 @@ class Exchange(asyncio.Protocol):
             self.complete = True
             self.pending = False
             self._wake()
+            if self._finishing is not None:
+                self._finishing.cancel()
+                self._finishing = None
+                self.pool.put_back(self)
 
     # -- the client's side
 
@@ -177,8 +195,24 @@ class Exchange(asyncio.Protocol):
         )
 
     def close(self) -> None:
+        if self._finishing is not None:
+            self._finishing.cancel()
+            self._finishing = None
         if self.transport is not None:
             self.transport.close()
+
+    def release(self) -> None:
+        """The caller is done: pooled now if the answer is complete, else once it is
+        (``FINISH_S``, ``FINISH_BYTES``), else closed."""
+        if self.complete or self.failure is not None or not self.headers_done:
+            self.pool.put_back(self)
+            return
+        self.body.clear()
+        self.buffered = 0
+        if self._paused and self.transport is not None:
+            self._paused = False
+            self.transport.resume_reading()
+        self._finishing = asyncio.get_running_loop().call_later(FINISH_S, self.close)
 
     def _close_delimited(self) -> bool:
         return self.content_length is None and not self.keep_alive
@@ -247,10 +281,11 @@ class ProviderResponse:
         return b"".join([chunk async for chunk in self.iter_any()])
 
     def release(self) -> None:
-        """Done with the response: a connection read to its end is pooled, else closed."""
+        """Done with the response: its connection is pooled once the answer has ended
+        (within ``FINISH_S``; else it is closed)."""
         if not self._done:
             self._done = True
-            self._exchange.pool.put_back(self._exchange)
+            self._exchange.release()
 
     def close(self) -> None:
         """Drop the connection now (the engine sees the disconnect)."""

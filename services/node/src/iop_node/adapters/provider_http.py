@@ -52,6 +52,8 @@ KEEPALIVE_S: Final = 15.0
 """How long an idle pooled connection is kept (aiohttp's default too)."""
 USER_AGENT: Final = b"iop-node"
 MAX_PLACES: Final = 1024  # parsed URLs kept
+CLOSE_S: Final = 2.0
+"""How long ``aclose`` waits for the connections to close (a TLS one says goodbye)."""
 
 
 class _Pool:
@@ -133,10 +135,21 @@ class _Pool:
         if self._changed is not None and not self._changed.done():
             self._changed.set_result(None)
 
+    async def all_closed(self) -> None:
+        while self._counted:
+            if self._changed is None or self._changed.done():
+                self._changed = asyncio.get_running_loop().create_future()
+            await asyncio.shield(self._changed)
+
+    def abort_all(self) -> None:
+        for exchange in list(self._counted):
+            if exchange.transport is not None:
+                exchange.transport.abort()
+
     def close_all(self) -> None:
-        for idle in self.idle.values():
-            for exchange in idle:
-                exchange.close()
+        """Close every connection: idle, finishing an answer, or still being read."""
+        for exchange in list(self._counted):
+            exchange.close()
         self.idle.clear()
 
 
@@ -245,15 +258,26 @@ class ProviderHttp:
         pool.opened(exchange)
         return exchange
 
+    @property
+    def idle_connections(self) -> int:
+        """Connections pooled for a next request (a plain count, for tests)."""
+        return sum(len(idle) for idle in self._pool.idle.values())
+
     def _tls_context(self) -> ssl.SSLContext:
         if self._tls is None:
             self._tls = ssl.create_default_context()
         return self._tls
 
     async def aclose(self) -> None:
-        """Close the pooled connections; responses still being read are their readers'."""
+        """Close every connection (the node stops: its runs have ended), and wait up to
+        ``CLOSE_S`` until they are closed; those still open then are aborted."""
         self._closed = True
         self._pool.close_all()
+        try:
+            async with asyncio.timeout(CLOSE_S):
+                await self._pool.all_closed()
+        except TimeoutError:
+            self._pool.abort_all()
 
 
 def _request_head(
