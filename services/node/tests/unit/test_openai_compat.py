@@ -422,6 +422,40 @@ async def test_sse_reader_keeps_a_last_event_without_blank_line(
         assert [data async for data in iter_sse_data(response)] == [b"a", b"b"]
 
 
+async def test_runs_one_after_another_share_one_connection(
+    provider: FakeProvider, http: Clients
+) -> None:
+    """A stream's reader stops at ``[DONE]``, before the body's last chunk: the
+    connection still goes back to the pool, and the next run does not connect again."""
+    streamed = sse_reply([chunk(content="hi"), chunk(finish_reason="stop"), b"data: [DONE]\n\n"])
+    peers: list[object] = []
+
+    async def reply(request: web.Request) -> web.StreamResponse:
+        assert request.transport is not None
+        peers.append(request.transport.get_extra_info("peername"))
+        if request.path.endswith("/models"):
+            return web.json_response({"object": "list", "data": []})
+        return await streamed(request)
+
+    provider.reply = reply
+    adapter = make_adapter(http, provider.url)
+    for _ in range(3):
+        completion = await adapter.execute(make_spec({}, stream=True), RecordingSink())
+        assert completion.finish_reason == "stop"
+        # The body's end comes after [DONE]; the next run starts once it is in.
+        await wait_until_pooled(http)
+    assert len(peers) == 3
+    assert len(set(peers)) == 1, peers
+
+
+async def wait_until_pooled(http: Clients, within: float = 10.0) -> None:
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    while http.engines.idle_connections == 0:
+        assert loop.time() - started < within, "the connection was not pooled"
+        await asyncio.sleep(0.01)
+
+
 async def test_multi_line_json_chunks_and_usage(provider: FakeProvider, http: Clients) -> None:
     provider.reply = sse_reply(
         [
