@@ -263,18 +263,9 @@ class ProviderResponse:
     def content(self) -> ProviderResponse:
         return self
 
-    async def iter_any(self) -> AsyncIterator[bytes]:
+    def iter_any(self) -> AsyncIterator[bytes]:
         """The body's bytes as they arrive; ``ProviderConnectionLost`` if it is cut off."""
-        exchange = self._exchange
-        while True:
-            if exchange.body:
-                yield exchange.take()
-            elif exchange.complete:
-                return
-            elif exchange.failure is not None:
-                raise exchange.failure
-            else:
-                await exchange.wait()
+        return _Chunks(self._exchange)
 
     async def read(self) -> bytes:
         """The whole body (for small answers: tokenizer calls)."""
@@ -307,3 +298,28 @@ class ProviderResponse:
             self.release()
         else:
             self.close()
+
+
+class _Chunks:
+    """``iter_any``'s iterator. A class, not an async generator: a reader that stops
+    early (the SSE reader at ``[DONE]``) leaves nothing for a finalizer to close, which
+    asyncio would do from a task scheduled through ``call_soon_threadsafe``."""
+
+    __slots__ = ("_exchange",)
+
+    def __init__(self, exchange: Exchange) -> None:
+        self._exchange = exchange
+
+    def __aiter__(self) -> _Chunks:
+        return self
+
+    async def __anext__(self) -> bytes:
+        exchange = self._exchange
+        while True:
+            if exchange.body:
+                return exchange.take()
+            if exchange.complete:
+                raise StopAsyncIteration
+            if exchange.failure is not None:
+                raise exchange.failure
+            await exchange.wait()
