@@ -332,3 +332,23 @@ async def pooled(client: ProviderHttp, within: float = 10.0) -> None:
     while client.idle_connections == 0:
         assert loop.time() - started < within, "the connection was not pooled"
         await asyncio.sleep(0.01)
+
+
+async def test_a_body_larger_than_the_read_ahead_is_read_whole(client: ProviderHttp) -> None:
+    body = bytes(range(256)) * 8192  # 2 MiB: reading pauses and resumes on the way
+
+    async def large(r: asyncio.StreamReader, w: asyncio.StreamWriter, s: Server) -> None:
+        while await read_request(r, s) is not None:
+            w.write(answer(body))
+            await w.drain()
+
+    async with serve(large) as server:
+        for _ in range(2):
+            response = await client.request("GET", server.url, headers={}, connect_timeout_s=5)
+            received = bytearray()
+            async with response:
+                async for chunk in response.iter_any():
+                    received += chunk
+                    await asyncio.sleep(0)  # a reader slower than the socket
+            assert received == body
+        assert server.connections == 1

@@ -75,7 +75,7 @@ class Exchange(asyncio.Protocol):
         self.failure: BaseException | None = None
         self.body: collections.deque[bytes] = collections.deque()
         self.buffered = 0
-        self._paused = False
+        self.paused = False
 
     # -- asyncio.Protocol
 
@@ -145,8 +145,8 @@ class Exchange(asyncio.Protocol):
             return
         self.body.append(body)
         self.buffered += len(body)
-        if self.buffered > HIGH_WATER and not self._paused and self.transport is not None:
-            self._paused = True
+        if self.buffered > HIGH_WATER and not self.paused and self.transport is not None:
+            self.paused = True
             self.transport.pause_reading()
         self._wake()
 
@@ -170,13 +170,11 @@ class Exchange(asyncio.Protocol):
         finally:
             self._waiter = None
 
-    def take(self) -> bytes:
-        chunk = self.body.popleft()
-        self.buffered -= len(chunk)
-        if self._paused and self.buffered <= HIGH_WATER // 4 and self.transport is not None:
-            self._paused = False
+    def resume(self) -> None:
+        """The reader caught up: read the socket again."""
+        self.paused = False
+        if self.transport is not None:
             self.transport.resume_reading()
-        return chunk
 
     def send(self, request: bytes) -> None:
         assert self.transport is not None
@@ -209,8 +207,8 @@ class Exchange(asyncio.Protocol):
             return
         self.body.clear()
         self.buffered = 0
-        if self._paused and self.transport is not None:
-            self._paused = False
+        if self.paused and self.transport is not None:
+            self.paused = False
             self.transport.resume_reading()
         self._finishing = asyncio.get_running_loop().call_later(FINISH_S, self.close)
 
@@ -233,43 +231,59 @@ class ProviderResponse:
 
     Read it to its end and ``release()`` it (the connection goes back to the
     pool), or ``close()`` it (the connection is dropped: the engine stops).
-    ``async with`` does the one or the other.
+    ``async with`` does the one or the other. The body reader is shaped as
+    aiohttp's (``response.content.iter_any()``), so the readers of answers
+    (``answer_read``, ``sse``) serve the node's other adapters too; it is this
+    object itself, not an async generator: a reader that stops early (the SSE
+    reader at ``[DONE]``) leaves nothing for a finalizer to close, which asyncio
+    would do from a task scheduled through ``call_soon_threadsafe``.
     """
 
-    __slots__ = ("_done", "_exchange", "url")
-
-    # The body reader is shaped as aiohttp's (``response.content.iter_any()``), so the
-    # readers of answers (``answer_read``, ``sse``) serve the node's other adapters too.
+    __slots__ = (
+        "_done",
+        "_exchange",
+        "content",
+        "content_length",
+        "content_type",
+        "status",
+        "url",
+    )
 
     def __init__(self, url: str, exchange: Exchange) -> None:
         self.url = url
+        self.status = exchange.status
+        self.content_type = exchange.content_type
+        """The media type, lower case, without parameters (``""`` when not given)."""
+        self.content_length = exchange.content_length
+        self.content = self
         self._exchange = exchange
         self._done = False
 
-    @property
-    def status(self) -> int:
-        return self._exchange.status
-
-    @property
-    def content_type(self) -> str:
-        """The media type, lower case, without parameters (``""`` when not given)."""
-        return self._exchange.content_type
-
-    @property
-    def content_length(self) -> int | None:
-        return self._exchange.content_length
-
-    @property
-    def content(self) -> ProviderResponse:
-        return self
-
     def iter_any(self) -> AsyncIterator[bytes]:
         """The body's bytes as they arrive; ``ProviderConnectionLost`` if it is cut off."""
-        return _Chunks(self._exchange)
+        return self
+
+    def __aiter__(self) -> ProviderResponse:
+        return self
+
+    async def __anext__(self) -> bytes:
+        exchange = self._exchange
+        while True:
+            if exchange.body:
+                chunk = exchange.body.popleft()
+                exchange.buffered -= len(chunk)
+                if exchange.paused and exchange.buffered <= HIGH_WATER // 4:
+                    exchange.resume()
+                return chunk
+            if exchange.complete:
+                raise StopAsyncIteration
+            if exchange.failure is not None:
+                raise exchange.failure
+            await exchange.wait()
 
     async def read(self) -> bytes:
         """The whole body (for small answers: tokenizer calls)."""
-        return b"".join([chunk async for chunk in self.iter_any()])
+        return b"".join([chunk async for chunk in self])
 
     def release(self) -> None:
         """Done with the response: its connection is pooled once the answer has ended
@@ -298,28 +312,3 @@ class ProviderResponse:
             self.release()
         else:
             self.close()
-
-
-class _Chunks:
-    """``iter_any``'s iterator. A class, not an async generator: a reader that stops
-    early (the SSE reader at ``[DONE]``) leaves nothing for a finalizer to close, which
-    asyncio would do from a task scheduled through ``call_soon_threadsafe``."""
-
-    __slots__ = ("_exchange",)
-
-    def __init__(self, exchange: Exchange) -> None:
-        self._exchange = exchange
-
-    def __aiter__(self) -> _Chunks:
-        return self
-
-    async def __anext__(self) -> bytes:
-        exchange = self._exchange
-        while True:
-            if exchange.body:
-                return exchange.take()
-            if exchange.complete:
-                raise StopAsyncIteration
-            if exchange.failure is not None:
-                raise exchange.failure
-            await exchange.wait()

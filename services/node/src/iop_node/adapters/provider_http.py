@@ -69,31 +69,26 @@ class _Pool:
     async def acquire(self, origin: str) -> Exchange | None:
         """An idle connection to ``origin``, or ``None`` with room taken for a new one.
 
-        At the limit, an idle connection to another engine is closed to make room;
-        with none idle, this waits for a connection to come back or close.
+        A pooled connection the server closed meanwhile, or idle past ``KEEPALIVE_S``,
+        is passed over. At the limit, an idle connection to another engine is closed
+        to make room; with none idle, this waits for a connection to come back or close.
         """
+        idle = self.idle.get(origin)
         while True:
-            exchange = self._take_idle(origin)
-            if exchange is not None:
-                return exchange
+            while idle:
+                exchange = idle.pop()
+                transport = exchange.transport
+                if transport is not None and not transport.is_closing():
+                    if asyncio.get_running_loop().time() - exchange.idle_since < KEEPALIVE_S:
+                        return exchange
+                    transport.close()  # its connection_lost frees its room
             if self.open < self.limit or self._close_an_idle_one():
                 self.open += 1
                 return None
             if self._changed is None or self._changed.done():
                 self._changed = asyncio.get_running_loop().create_future()
             await asyncio.shield(self._changed)  # shared: one waiter's cancel is its own
-
-    def _take_idle(self, origin: str) -> Exchange | None:
-        idle = self.idle.get(origin)
-        now = asyncio.get_running_loop().time()
-        while idle:
-            exchange = idle.pop()
-            transport = exchange.transport
-            if transport is not None and not transport.is_closing():
-                if now - exchange.idle_since < KEEPALIVE_S:
-                    return exchange
-                transport.close()  # its connection_lost frees its room
-        return None
+            idle = self.idle.get(origin)
 
     def _close_an_idle_one(self) -> bool:
         for idle in self.idle.values():
