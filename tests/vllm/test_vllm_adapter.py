@@ -18,6 +18,7 @@ import pytest
 
 from iop_node.adapters import openai_compat
 from iop_node.adapters.openai_compat import OpenAICompatAdapter
+from iop_node.adapters.provider_http import ProviderHttp
 from iop_node.domain.provider import ProviderConfig
 from iop_node.domain.runs import ExecutionSpec, Operation
 from iop_node.errors import ContextLengthExceeded, InvalidRequest, ProviderTimeout
@@ -33,12 +34,14 @@ STORY = [{"role": "user", "content": "Write a short story about a cat."}]
 
 @pytest.fixture
 async def adapter(vllm_server: Any) -> AsyncIterator[OpenAICompatAdapter]:
+    engines = ProviderHttp()
     async with aiohttp.ClientSession() as http:
         config = ProviderConfig(id=PROVIDER, type="vllm", settings={"endpoint": vllm_server.url})
-        built = openai_compat.factory("vllm")(config, AdapterContext(http, {}))
+        built = openai_compat.factory("vllm")(config, AdapterContext(http, {}, engines=engines))
         assert isinstance(built, OpenAICompatAdapter)
         yield built
         await built.aclose()
+    await engines.aclose()
     await vllm_server.wait_idle()  # the next test starts with an idle engine
 
 

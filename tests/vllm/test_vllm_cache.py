@@ -20,6 +20,7 @@ import aiohttp
 import pytest
 from prometheus_client import CollectorRegistry
 
+from iop_node.adapters.provider_http import ProviderHttp
 from iop_node.bootstrap import ADAPTERS
 from iop_node.domain.provider import ProviderConfig
 from iop_node.domain.runs import Completion, Delta
@@ -82,11 +83,12 @@ class NoHistory:
 
 @pytest.fixture
 async def node(vllm_server: Any) -> AsyncIterator[NodeCore]:
+    engines = ProviderHttp()
     async with aiohttp.ClientSession() as http:
         core = NodeCore(
             "node-a",
             ADAPTERS,
-            AdapterContext(http, {}),
+            AdapterContext(http, {}, engines=engines),
             NoHistory(),
             NodeMetrics.create(CollectorRegistry()),
             ProbeSettings(interval_s=60),
@@ -103,6 +105,7 @@ async def node(vllm_server: Any) -> AsyncIterator[NodeCore]:
             yield core
         finally:
             await core.aclose()
+            await engines.aclose()
     await vllm_server.wait_idle()
 
 

@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry
 
 from iop_node import __version__
 from iop_node.adapters import cli, mock, ollama, openai_compat
+from iop_node.adapters.provider_http import ProviderHttp
 from iop_node.adapters.sqlite_history import SqliteRunHistory
 from iop_node.entrypoints.edge_link import EdgeLink
 from iop_node.metrics import NodeMetrics
@@ -47,6 +48,8 @@ async def build(
         http = await stack.enter_async_context(
             aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=10))
         )
+        engines = ProviderHttp()
+        stack.push_async_callback(engines.aclose)
         history = await SqliteRunHistory.open(settings.history_db)
         stack.push_async_callback(history.aclose)
 
@@ -57,6 +60,7 @@ async def build(
                 http=http,
                 environ=dict(os.environ),
                 max_answer_bytes=max_answer_bytes(settings.max_frame_size),
+                engines=engines,
             ),
             history,
             metrics,

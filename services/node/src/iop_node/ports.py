@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import aiohttp
 
@@ -18,6 +18,9 @@ from iop_node.domain.provider import ProviderConfig
 from iop_node.domain.record import record
 from iop_node.domain.runs import Completion, Delta, ExecutionSpec
 from iop_proto.framing import DEFAULT_MAX_ANSWER_BYTES
+
+if TYPE_CHECKING:  # the client is an adapter; the context only carries it
+    from iop_node.adapters.provider_http import ProviderHttp
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,7 +101,7 @@ class TokenCounter(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class AdapterContext:
-    """What the node lends every adapter: one pooled HTTP client, the environment
+    """What the node lends every adapter: pooled HTTP clients, the environment
     (where ``api_key_env`` settings are looked up; keys never travel in configs), and
     the most bytes of an engine's answer the node carries (``max_answer_bytes`` of the
     node's ``max_frame_size``): an adapter reads no more of an answer than that
@@ -107,6 +110,9 @@ class AdapterContext:
     http: aiohttp.ClientSession
     environ: Mapping[str, str]
     max_answer_bytes: int = DEFAULT_MAX_ANSWER_BYTES
+    engines: ProviderHttp | None = None
+    """The client of the OpenAI-compatible engines (``adapters/provider_http``), which
+    requires it; the node's other adapters use ``http``."""
 
 
 AdapterFactory = Callable[[ProviderConfig, AdapterContext], Adapter]

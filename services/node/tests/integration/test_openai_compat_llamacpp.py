@@ -9,6 +9,7 @@ shape, non-empty text, token counts and finish reasons, never content.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -18,6 +19,7 @@ import pytest
 
 from iop_node.adapters import openai_compat, tokenizer
 from iop_node.adapters.openai_compat import OpenAICompatAdapter
+from iop_node.adapters.provider_http import ProviderHttp
 from iop_node.domain.provider import ProviderConfig
 from iop_node.domain.runs import ExecutionSpec, Operation
 from iop_node.errors import ContextLengthExceeded, ErrorCode, InvalidRequest, ProviderTimeout
@@ -40,13 +42,23 @@ def llamacpp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         yield url
 
 
+@contextlib.asynccontextmanager
+async def lent(http: aiohttp.ClientSession) -> AsyncIterator[AdapterContext]:
+    """What the node lends its adapters: both HTTP clients, the engines' closed after."""
+    engines = ProviderHttp()
+    try:
+        yield AdapterContext(http, {}, engines=engines)
+    finally:
+        await engines.aclose()
+
+
 @pytest.fixture
 async def adapter(llamacpp: str) -> AsyncIterator[OpenAICompatAdapter]:
-    async with aiohttp.ClientSession() as http:
+    async with aiohttp.ClientSession() as http, lent(http) as context:
         config = ProviderConfig(
             id="local-llamacpp", type="llamacpp", settings={"endpoint": llamacpp}
         )
-        built = openai_compat.factory("llamacpp")(config, AdapterContext(http, {}))
+        built = openai_compat.factory("llamacpp")(config, context)
         assert isinstance(built, OpenAICompatAdapter)
         yield built
         await built.aclose()
@@ -324,11 +336,11 @@ async def wait_busy(http: aiohttp.ClientSession, base: str, count: int, within: 
 
 async def test_count_tokens_takes_no_generation_slot(llamacpp: str) -> None:
     """Both of llama.cpp's slots busy generating: a count still answers at once."""
-    async with aiohttp.ClientSession() as http:
+    async with aiohttp.ClientSession() as http, lent(http) as context:
         config = ProviderConfig(
             id="local-llamacpp", type="llamacpp", settings={"endpoint": llamacpp}
         )
-        adapter = openai_compat.factory("llamacpp")(config, AdapterContext(http, {}))
+        adapter = openai_compat.factory("llamacpp")(config, context)
         assert isinstance(adapter, OpenAICompatAdapter)
         busy = [
             asyncio.create_task(adapter.execute(spec(chat(400), stream=True), RecordingSink()))
@@ -354,13 +366,15 @@ async def test_a_server_without_a_tokenizer_endpoint_does_not_offer_count_tokens
 ) -> None:
     """SGLang's flavor has no tokenizer style; a llama.cpp-style call to a path the server
     lacks is a 404: both are the provider not offering the operation (501)."""
-    async with aiohttp.ClientSession() as http:
+    async with aiohttp.ClientSession() as http, lent(http) as context:
         config = ProviderConfig(id="p", type="sglang", settings={"endpoint": llamacpp})
-        sglang = openai_compat.factory("sglang")(config, AdapterContext(http, {}))
+        sglang = openai_compat.factory("sglang")(config, context)
         assert isinstance(sglang, OpenAICompatAdapter)
         with pytest.raises(InvalidRequest) as info:
             await sglang.count_tokens(spec(chat(1), operation=Operation.COUNT_TOKENS))
         assert info.value.provider_status == 501
         with pytest.raises(InvalidRequest) as missing:
-            await tokenizer.prompt_tokens(tokenizer.LLAMACPP, http, llamacpp + "/nope", {}, chat(1))
+            await tokenizer.prompt_tokens(
+                tokenizer.LLAMACPP, context.engines, llamacpp + "/nope", {}, chat(1)
+            )
         assert missing.value.provider_status == 501

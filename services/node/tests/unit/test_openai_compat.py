@@ -20,6 +20,7 @@ from aiohttp import web
 
 from iop_node.adapters import openai_compat
 from iop_node.adapters.openai_compat import OpenAICompatAdapter, normalise_endpoint
+from iop_node.adapters.provider_http import ProviderHttp, ProviderResponse
 from iop_node.adapters.sse import iter_sse_data
 from iop_node.domain.provider import ProviderConfig
 from iop_node.domain.runs import Delta, ExecutionSpec, Operation, ToolCallDelta, Usage
@@ -109,14 +110,32 @@ async def provider() -> AsyncIterator[FakeProvider]:
         await runner.cleanup()
 
 
+@dataclass
+class Clients:
+    """The node's HTTP clients as ``bootstrap`` lends them to adapters."""
+
+    session: aiohttp.ClientSession
+    engines: ProviderHttp
+
+
 @pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as session:
-        yield session
+async def http() -> AsyncIterator[Clients]:
+    engines = ProviderHttp()
+    try:
+        async with aiohttp.ClientSession() as session:
+            yield Clients(session, engines)
+    finally:
+        await engines.aclose()
+
+
+async def post_empty_object(http: Clients, url: str) -> ProviderResponse:
+    """POST ``{}`` with the engines' client, as the adapter posts a run."""
+    headers = {"Content-Type": "application/json"}
+    return await http.engines.request("POST", url, headers=headers, body=b"{}", connect_timeout_s=5)
 
 
 def make_adapter(
-    http: aiohttp.ClientSession,
+    http: Clients,
     endpoint: str,
     *,
     provider_type: str = "vllm",
@@ -127,7 +146,7 @@ def make_adapter(
     config = ProviderConfig(
         id="p1", type=provider_type, settings={"endpoint": endpoint, **settings}
     )
-    context = AdapterContext(http, environ or {}, max_answer_bytes)
+    context = AdapterContext(http.session, environ or {}, max_answer_bytes, engines=http.engines)
     adapter = openai_compat.factory(provider_type)(config, context)
     assert isinstance(adapter, OpenAICompatAdapter)
     return adapter
@@ -185,7 +204,7 @@ def sse_reply(pieces: Sequence[bytes], *, pause: float = 0.0) -> Handler:
 
 
 async def test_non_stream_forwards_the_listed_fields_and_returns_the_body(
-    provider: FakeProvider, http: aiohttp.ClientSession
+    provider: FakeProvider, http: Clients
 ) -> None:
     kept = {
         "messages": [{"role": "user", "content": "héllo"}],
@@ -210,7 +229,7 @@ async def test_non_stream_forwards_the_listed_fields_and_returns_the_body(
 
 
 async def test_stream_asks_for_usage_and_keeps_other_stream_options(
-    provider: FakeProvider, http: aiohttp.ClientSession
+    provider: FakeProvider, http: Clients
 ) -> None:
     provider.reply = sse_reply([chunk(role="assistant"), chunk(content="a"), b"data: [DONE]\n\n"])
     spec = make_spec(
@@ -257,7 +276,7 @@ async def test_an_older_edges_body_is_prepared_by_the_node_as_before(
 
 
 async def test_non_stream_result_bytes_travel_as_the_provider_sent_them(
-    provider: FakeProvider, http: aiohttp.ClientSession
+    provider: FakeProvider, http: Clients
 ) -> None:
     raw = json.dumps(CHAT_RESULT, indent=2, ensure_ascii=False).replace("hi", "héllo").encode()
 
@@ -271,7 +290,7 @@ async def test_non_stream_result_bytes_travel_as_the_provider_sent_them(
 
 
 async def test_a_result_only_the_standard_parser_reads_is_forwarded_as_it_came(
-    provider: FakeProvider, http: aiohttp.ClientSession
+    provider: FakeProvider, http: Clients
 ) -> None:
     # NaN is no JSON, but Python servers write it; the edge's codec reads it as json does.
     raw = json.dumps({**CHAT_RESULT, "x_score": float("nan")}).encode()
@@ -289,7 +308,7 @@ async def test_a_result_only_the_standard_parser_reads_is_forwarded_as_it_came(
 
 
 async def test_a_result_that_is_no_json_fails_clearly(
-    provider: FakeProvider, http: aiohttp.ClientSession
+    provider: FakeProvider, http: Clients
 ) -> None:
     async def reply(request: web.Request) -> web.StreamResponse:
         return web.Response(body=b'{"choices": [', content_type="application/json")
@@ -300,7 +319,7 @@ async def test_a_result_that_is_no_json_fails_clearly(
 
 
 async def test_values_the_fast_encoder_refuses_are_still_forwarded(
-    provider: FakeProvider, http: aiohttp.ClientSession
+    provider: FakeProvider, http: Clients
 ) -> None:
     body = {"messages": [{"role": "user", "content": "cut \ud83d"}], "seed": 2**70}
     await make_adapter(http, provider.url).execute(make_spec(body), RecordingSink())
@@ -324,7 +343,7 @@ def test_endpoint_is_normalised_with_or_without_v1(endpoint: str, base: str) -> 
 
 
 async def test_endpoint_with_v1_reaches_the_same_paths(
-    provider: FakeProvider, http: aiohttp.ClientSession
+    provider: FakeProvider, http: Clients
 ) -> None:
     await make_adapter(http, provider.url + "/v1/").execute(
         make_spec({"messages": []}), RecordingSink()
@@ -332,7 +351,7 @@ async def test_endpoint_with_v1_reaches_the_same_paths(
     assert provider.requests[0].path == "/v1/chat/completions"
 
 
-async def test_factory_builds_each_flavor(http: aiohttp.ClientSession) -> None:
+async def test_factory_builds_each_flavor(http: Clients) -> None:
     for kind in ("vllm", "sglang", "llamacpp", "openai_api"):
         adapter = make_adapter(http, "http://h:1", provider_type=kind)
         assert adapter.name == kind
@@ -343,15 +362,17 @@ async def test_factory_builds_each_flavor(http: aiohttp.ClientSession) -> None:
         openai_compat.factory("ollama")
 
 
-async def test_missing_endpoint_is_a_config_error(http: aiohttp.ClientSession) -> None:
+async def test_missing_endpoint_is_a_config_error(http: Clients) -> None:
     config = ProviderConfig(id="p1", type="vllm", settings={})
     with pytest.raises(ConfigError, match="endpoint"):
-        OpenAICompatAdapter(config, AdapterContext(http, {}), flavor=openai_compat.FLAVORS["vllm"])
+        OpenAICompatAdapter(
+            config,
+            AdapterContext(http.session, {}, engines=http.engines),
+            flavor=openai_compat.FLAVORS["vllm"],
+        )
 
 
-async def test_api_key_env_becomes_a_bearer_header(
-    provider: FakeProvider, http: aiohttp.ClientSession
-) -> None:
+async def test_api_key_env_becomes_a_bearer_header(provider: FakeProvider, http: Clients) -> None:
     adapter = make_adapter(http, provider.url, environ={"K": "sk-secret"}, api_key_env="K")
     await adapter.execute(make_spec({"messages": []}), RecordingSink())
     assert (await adapter.probe()).ok
@@ -359,7 +380,7 @@ async def test_api_key_env_becomes_a_bearer_header(
 
 
 async def test_missing_api_key_variable_is_reported_not_sent(
-    provider: FakeProvider, http: aiohttp.ClientSession
+    provider: FakeProvider, http: Clients
 ) -> None:
     adapter = make_adapter(http, provider.url, environ={}, api_key_env="OPENAI_KEY")
     result = await adapter.probe()
@@ -370,7 +391,7 @@ async def test_missing_api_key_variable_is_reported_not_sent(
     assert provider.requests == []
 
 
-async def test_embeddings(provider: FakeProvider, http: aiohttp.ClientSession) -> None:
+async def test_embeddings(provider: FakeProvider, http: Clients) -> None:
     result = {
         "object": "list",
         "data": [{"object": "embedding", "index": 0, "embedding": [0.1, 0.2]}],
@@ -396,7 +417,7 @@ async def test_embeddings(provider: FakeProvider, http: aiohttp.ClientSession) -
 
 
 async def test_sse_reader_handles_crlf_comments_multiline_and_split_writes(
-    provider: FakeProvider, http: aiohttp.ClientSession
+    provider: FakeProvider, http: Clients
 ) -> None:
     body = (
         b": keep-alive comment\r\n\r\n"
@@ -424,22 +445,54 @@ async def test_sse_reader_handles_crlf_comments_multiline_and_split_writes(
     pieces = [body[a:b] for a, b in zip([0, *cuts], cuts, strict=False)]
     provider.reply = sse_reply(pieces, pause=0.001)
 
-    async with http.post(provider.url + "/v1/chat/completions", json={}) as response:
+    async with await post_empty_object(http, provider.url + "/v1/chat/completions") as response:
         events = [data async for data in iter_sse_data(response)]
     assert events == [b"first", b"two\n lines", b"", b"x" * 70_000]
 
 
 async def test_sse_reader_keeps_a_last_event_without_blank_line(
-    provider: FakeProvider, http: aiohttp.ClientSession
+    provider: FakeProvider, http: Clients
 ) -> None:
     provider.reply = sse_reply([b"data: a\n\ndata: b\r\n"])
-    async with http.post(provider.url + "/v1/chat/completions", json={}) as response:
+    async with await post_empty_object(http, provider.url + "/v1/chat/completions") as response:
         assert [data async for data in iter_sse_data(response)] == [b"a", b"b"]
 
 
-async def test_multi_line_json_chunks_and_usage(
-    provider: FakeProvider, http: aiohttp.ClientSession
+async def test_runs_one_after_another_share_one_connection(
+    provider: FakeProvider, http: Clients
 ) -> None:
+    """A stream's reader stops at ``[DONE]``, before the body's last chunk: the
+    connection still goes back to the pool, and the next run does not connect again."""
+    streamed = sse_reply([chunk(content="hi"), chunk(finish_reason="stop"), b"data: [DONE]\n\n"])
+    peers: list[object] = []
+
+    async def reply(request: web.Request) -> web.StreamResponse:
+        assert request.transport is not None
+        peers.append(request.transport.get_extra_info("peername"))
+        if request.path.endswith("/models"):
+            return web.json_response({"object": "list", "data": []})
+        return await streamed(request)
+
+    provider.reply = reply
+    adapter = make_adapter(http, provider.url)
+    for _ in range(3):
+        completion = await adapter.execute(make_spec({}, stream=True), RecordingSink())
+        assert completion.finish_reason == "stop"
+        # The body's end comes after [DONE]; the next run starts once it is in.
+        await wait_until_pooled(http)
+    assert len(peers) == 3
+    assert len(set(peers)) == 1, peers
+
+
+async def wait_until_pooled(http: Clients, within: float = 10.0) -> None:
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    while http.engines.idle_connections == 0:
+        assert loop.time() - started < within, "the connection was not pooled"
+        await asyncio.sleep(0.01)
+
+
+async def test_multi_line_json_chunks_and_usage(provider: FakeProvider, http: Clients) -> None:
     provider.reply = sse_reply(
         [
             chunk(role="assistant", content=None),
@@ -464,7 +517,7 @@ async def test_multi_line_json_chunks_and_usage(
     assert completion.result is None
 
 
-async def test_tool_call_deltas(provider: FakeProvider, http: aiohttp.ClientSession) -> None:
+async def test_tool_call_deltas(provider: FakeProvider, http: Clients) -> None:
     first = {"index": 0, "id": "call_1", "type": "function", "function": {"name": "get_w"}}
     provider.reply = sse_reply(
         [
@@ -489,7 +542,7 @@ async def test_tool_call_deltas(provider: FakeProvider, http: aiohttp.ClientSess
     assert provider.requests[0].body["tools"] == [{"type": "function"}]
 
 
-async def test_text_completion_stream(provider: FakeProvider, http: aiohttp.ClientSession) -> None:
+async def test_text_completion_stream(provider: FakeProvider, http: Clients) -> None:
     def text(value: str, finish: str | None = None) -> bytes:
         event = {"object": "text_completion", "choices": [
             {"index": 0, "text": value, "finish_reason": finish}
@@ -523,7 +576,7 @@ async def test_text_completion_stream(provider: FakeProvider, http: aiohttp.Clie
     ],
 )
 async def test_http_errors_map_to_failures_with_provider_status(
-    provider: FakeProvider, http: aiohttp.ClientSession, status: int, kind: type[Exception]
+    provider: FakeProvider, http: Clients, status: int, kind: type[Exception]
 ) -> None:
     async def reply(request: web.Request) -> web.StreamResponse:
         error = {"error": {"message": f"nope {status}", "type": "x", "code": status}}
@@ -549,7 +602,7 @@ async def test_http_errors_map_to_failures_with_provider_status(
     ],
 )
 async def test_error_message_from_other_shapes(
-    provider: FakeProvider, http: aiohttp.ClientSession, payload: bytes, message: str
+    provider: FakeProvider, http: Clients, payload: bytes, message: str
 ) -> None:
     async def reply(request: web.Request) -> web.StreamResponse:
         return web.Response(body=payload, status=502, content_type="text/plain")
@@ -561,7 +614,7 @@ async def test_error_message_from_other_shapes(
     assert len(caught.value.message) < 600
 
 
-async def test_error_object_mid_stream(provider: FakeProvider, http: aiohttp.ClientSession) -> None:
+async def test_error_object_mid_stream(provider: FakeProvider, http: Clients) -> None:
     provider.reply = sse_reply(
         [chunk(content="partial"), b'data: {"error": {"message": "kv cache full"}}\n\n']
     )
@@ -574,7 +627,7 @@ async def test_error_object_mid_stream(provider: FakeProvider, http: aiohttp.Cli
 
 
 async def test_a_chunk_only_the_standard_parser_reads_still_streams(
-    provider: FakeProvider, http: aiohttp.ClientSession
+    provider: FakeProvider, http: Clients
 ) -> None:
     nan_chunk = (
         b'data: {"choices":[{"index":0,"delta":{"content":"b"},'
@@ -586,7 +639,7 @@ async def test_a_chunk_only_the_standard_parser_reads_still_streams(
     assert sink.text == "ab"
 
 
-async def test_malformed_chunk_fails(provider: FakeProvider, http: aiohttp.ClientSession) -> None:
+async def test_malformed_chunk_fails(provider: FakeProvider, http: Clients) -> None:
     provider.reply = sse_reply([b"data: {not json\n\n"])
     with pytest.raises(ProviderFailed, match="malformed"):
         await make_adapter(http, provider.url).execute(
@@ -594,7 +647,7 @@ async def test_malformed_chunk_fails(provider: FakeProvider, http: aiohttp.Clien
         )
 
 
-async def test_connection_refused_is_unavailable(http: aiohttp.ClientSession) -> None:
+async def test_connection_refused_is_unavailable(http: Clients) -> None:
     with refused_port() as port:
         adapter = make_adapter(http, f"http://127.0.0.1:{port}")
         with pytest.raises(ProviderUnavailable):
@@ -604,9 +657,7 @@ async def test_connection_refused_is_unavailable(http: aiohttp.ClientSession) ->
     assert "127.0.0.1" in result.detail
 
 
-async def test_deadline_becomes_provider_timeout(
-    provider: FakeProvider, http: aiohttp.ClientSession
-) -> None:
+async def test_deadline_becomes_provider_timeout(provider: FakeProvider, http: Clients) -> None:
     async def reply(request: web.Request) -> web.StreamResponse:
         await asyncio.Event().wait()  # never answers; cancelled when the client leaves
         raise AssertionError("unreachable")
@@ -625,7 +676,7 @@ async def test_deadline_becomes_provider_timeout(
 
 
 async def test_cancel_mid_stream_disconnects_from_the_provider(
-    provider: FakeProvider, http: aiohttp.ClientSession
+    provider: FakeProvider, http: Clients
 ) -> None:
     provider.reply = sse_reply([chunk(content="t")] * 500, pause=0.02)
     sink = RecordingSink()
@@ -641,7 +692,7 @@ async def test_cancel_mid_stream_disconnects_from_the_provider(
 
 
 async def test_sink_gone_stops_the_run_and_disconnects(
-    provider: FakeProvider, http: aiohttp.ClientSession
+    provider: FakeProvider, http: Clients
 ) -> None:
     provider.reply = sse_reply([chunk(content="t")] * 500, pause=0.02)
     with pytest.raises(RunCancelled):
@@ -654,16 +705,14 @@ async def test_sink_gone_stops_the_run_and_disconnects(
 # --- probe -------------------------------------------------------------------------------
 
 
-async def test_probe_lists_models(provider: FakeProvider, http: aiohttp.ClientSession) -> None:
+async def test_probe_lists_models(provider: FakeProvider, http: Clients) -> None:
     result = await make_adapter(http, provider.url + "/v1").probe()
     assert result.ok
     assert result.models == ("a", "b/c")
     assert [r.path for r in provider.requests] == ["/v1/models"]  # never a completion
 
 
-async def test_probe_error_status_is_not_ok(
-    provider: FakeProvider, http: aiohttp.ClientSession
-) -> None:
+async def test_probe_error_status_is_not_ok(provider: FakeProvider, http: Clients) -> None:
     async def models(request: web.Request) -> web.StreamResponse:
         return web.json_response({"error": {"message": "Loading model"}}, status=503)
 
@@ -674,7 +723,7 @@ async def test_probe_error_status_is_not_ok(
     assert "Loading model" in result.detail
 
 
-async def test_probe_of_a_down_server_is_not_ok(http: aiohttp.ClientSession) -> None:
+async def test_probe_of_a_down_server_is_not_ok(http: Clients) -> None:
     with refused_port() as port:
         result = await make_adapter(http, f"http://127.0.0.1:{port}").probe()
     assert not result.ok
@@ -685,7 +734,7 @@ async def test_probe_of_a_down_server_is_not_ok(http: aiohttp.ClientSession) -> 
 
 
 async def test_vllm_counts_with_tokenize_and_the_messages(
-    provider: FakeProvider, http: aiohttp.ClientSession
+    provider: FakeProvider, http: Clients
 ) -> None:
     """vLLM's ``/tokenize`` applies the chat template to the messages and tools itself."""
 
@@ -715,7 +764,7 @@ async def test_vllm_counts_with_tokenize_and_the_messages(
 
 @pytest.mark.parametrize(("status", "expected"), [(404, 501), (501, 501), (400, 400)])
 async def test_a_tokenize_error_keeps_its_meaning(
-    provider: FakeProvider, http: aiohttp.ClientSession, status: int, expected: int
+    provider: FakeProvider, http: Clients, status: int, expected: int
 ) -> None:
     """No such endpoint (an older engine): the operation is not offered there (501)."""
 
@@ -751,7 +800,7 @@ def chunked_reply(pieces: int, size: int) -> Handler:
 
 @pytest.mark.parametrize("announced", [True, False], ids=["content-length", "chunked"])
 async def test_an_answer_past_the_limit_is_refused_unread(
-    provider: FakeProvider, http: aiohttp.ClientSession, announced: bool
+    provider: FakeProvider, http: Clients, announced: bool
 ) -> None:
     limit = 64 * 1024
     if announced:
@@ -770,7 +819,7 @@ async def test_an_answer_past_the_limit_is_refused_unread(
 
 
 async def test_a_streamed_event_past_the_limit_is_refused(
-    provider: FakeProvider, http: aiohttp.ClientSession
+    provider: FakeProvider, http: Clients
 ) -> None:
     provider.reply = sse_reply([chunk(content="a"), chunk(content="x" * 100_000)])
     adapter = make_adapter(http, provider.url, max_answer_bytes=64 * 1024)
@@ -785,7 +834,7 @@ async def _json(value: Any) -> web.Response:
 
 
 async def test_a_probe_answer_past_the_limit_is_not_ok(
-    provider: FakeProvider, http: aiohttp.ClientSession
+    provider: FakeProvider, http: Clients
 ) -> None:
     models = {"object": "list", "data": [{"id": "m" * 100}] * 1000}  # ~100 KB
     provider.models = lambda request: _json(models)

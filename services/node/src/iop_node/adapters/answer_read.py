@@ -10,12 +10,29 @@ and what is kept never passes the limit.
 
 from __future__ import annotations
 
-import aiohttp
+from collections.abc import AsyncIterator
+from typing import Protocol
 
 from iop_node.errors import AnswerTooLarge
 
 
-async def read_answer(response: aiohttp.ClientResponse, limit: int) -> bytes:
+class Body(Protocol):
+    """A body read as it arrives: aiohttp's ``StreamReader``, ``ProviderResponse``."""
+
+    def iter_any(self) -> AsyncIterator[bytes]: ...
+
+
+class Answer(Protocol):
+    """An HTTP response being read: aiohttp's ``ClientResponse`` or ``provider_http``'s."""
+
+    @property
+    def content_length(self) -> int | None: ...
+
+    @property
+    def content(self) -> Body: ...
+
+
+async def read_answer(response: Answer, limit: int) -> bytes:
     """The body of ``response``; ``AnswerTooLarge`` once it announces or passes ``limit``."""
     announced = response.content_length
     if announced is not None and announced > limit:

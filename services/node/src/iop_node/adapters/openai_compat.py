@@ -20,11 +20,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-import aiohttp
-
 from iop_node.adapters import tokenizer
 from iop_node.adapters.answer_read import read_answer
 from iop_node.adapters.context_overflow import context_overflow
+from iop_node.adapters.provider_http import (
+    ProviderConnectionLost,
+    ProviderHttpError,
+    ProviderResponse,
+)
 from iop_node.adapters.sse import iter_sse_data
 from iop_node.domain.health import ProbeResult
 from iop_node.domain.provider import ProviderConfig
@@ -46,7 +49,7 @@ from iop_proto.engine_fields import provider_body
 PROBE_TIMEOUT_S: Final = 2.0
 CONNECT_TIMEOUT_S: Final = 10.0
 """Only the TCP connect has its own bound: a long generation is bounded by the run's
-deadline alone (aiohttp's default 5-minute total would cut off legitimate runs)."""
+deadline alone."""
 ERROR_BODY_LIMIT: Final = 64 * 1024
 CLIENT_FAULT_STATUSES: Final = frozenset({400, 404, 422})
 NOT_IMPLEMENTED: Final = 501  # the provider does not offer the operation
@@ -57,8 +60,6 @@ _PATHS: Final[Mapping[Operation, str]] = {
     Operation.COMPLETIONS: "/v1/completions",
     Operation.EMBEDDINGS: "/v1/embeddings",
 }
-_RUN_TIMEOUT: Final = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S)
-_PROBE_TIMEOUT: Final = aiohttp.ClientTimeout(total=None, sock_connect=PROBE_TIMEOUT_S)
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,8 +125,9 @@ class OpenAICompatAdapter:
     """A provider reached over the OpenAI HTTP API (``/v1/chat/completions`` ...).
 
     Holds no connection of its own: requests go through the node's shared
-    session, and each run's response is closed when the run ends, at once on
-    cancellation so the provider sees the disconnect and frees its slot.
+    client (``provider_http``), and each run's response is closed when the run
+    ends, at once on cancellation so the provider sees the disconnect and frees
+    its slot.
     """
 
     def __init__(self, config: ProviderConfig, context: AdapterContext, *, flavor: Flavor) -> None:
@@ -133,7 +135,9 @@ class OpenAICompatAdapter:
         if not isinstance(endpoint, str) or not endpoint:
             raise ConfigError(f"provider {config.id!r}: settings.endpoint is required")
         self._flavor = flavor
-        self._http = context.http
+        if context.engines is None:
+            raise ConfigError(f"provider {config.id!r}: the node lent no engine HTTP client")
+        self._http = context.engines
         self._max_answer = context.max_answer_bytes
         self._base = normalise_endpoint(endpoint)
         self._headers: dict[str, str] = {}
@@ -156,7 +160,7 @@ class OpenAICompatAdapter:
         return self._flavor.lifecycle
 
     async def aclose(self) -> None:
-        """Nothing to release: the HTTP session belongs to the node."""
+        """Nothing to release: the HTTP client belongs to the node."""
 
     async def probe(self) -> ProbeResult:
         """GET the probe path (``/v1/models``): cheap, and it lists the served models."""
@@ -165,16 +169,17 @@ class OpenAICompatAdapter:
         url = self._base + self._flavor.probe_path
         try:
             async with asyncio.timeout(PROBE_TIMEOUT_S):
-                async with self._http.get(
-                    url, headers=self._headers, timeout=_PROBE_TIMEOUT, raise_for_status=False
-                ) as response:
+                response = await self._http.request(
+                    "GET", url, headers=self._headers, connect_timeout_s=PROBE_TIMEOUT_S
+                )
+                async with response:
                     status = response.status
                     body = await read_answer(response, self._max_answer)
         except TimeoutError:
             return ProbeResult(ok=False, detail=f"{url}: no answer within {PROBE_TIMEOUT_S:g} s")
         except AnswerTooLarge as exc:
             return ProbeResult(ok=False, detail=f"{url}: {exc.message}")
-        except aiohttp.ClientError as exc:
+        except ProviderHttpError as exc:
             return ProbeResult(ok=False, detail=f"{url}: {_describe(exc)}")
         if status >= 400:
             return ProbeResult(ok=False, detail=f"{url}: HTTP {status}: {_error_message(body)}")
@@ -218,14 +223,14 @@ class OpenAICompatAdapter:
         data = self._payload(spec)
         began = time.perf_counter()  # the provider's time: the HTTP exchange, not our work
         try:
-            response = await self._http.post(
+            response = await self._http.request(
+                "POST",
                 url,
-                data=data,
+                body=data,
                 headers=self._post_headers,
-                timeout=_RUN_TIMEOUT,
-                raise_for_status=False,
+                connect_timeout_s=CONNECT_TIMEOUT_S,
             )
-        except aiohttp.ClientError as exc:
+        except ProviderHttpError as exc:
             # No response at all: refused, DNS, TLS, reset or connect timeout.
             raise ProviderUnavailable(f"{url}: {_describe(exc)}") from exc
         try:
@@ -245,7 +250,7 @@ class OpenAICompatAdapter:
                 body = await read_answer(response, self._max_answer)
                 provider_us = int((time.perf_counter() - began) * 1_000_000)
                 completion = _read_result(body, spec.operation, provider_us)
-        except aiohttp.ClientError as exc:
+        except ProviderConnectionLost as exc:
             response.close()
             raise ProviderFailed(f"{url}: connection lost mid-response: {_describe(exc)}") from exc
         except BaseException:
@@ -269,7 +274,7 @@ class OpenAICompatAdapter:
 
 
 async def _read_stream(
-    response: aiohttp.ClientResponse, spec: ExecutionSpec, sink: EventSink, max_event_bytes: int
+    response: ProviderResponse, spec: ExecutionSpec, sink: EventSink, max_event_bytes: int
 ) -> Completion:
     text_mode = spec.operation is Operation.COMPLETIONS
     finish_reasons: dict[int, str] = {}
@@ -419,7 +424,7 @@ def _model_ids(document: Any) -> tuple[str, ...]:
     return tuple(str(m["id"]) for m in data if isinstance(m, dict) and m.get("id"))
 
 
-async def _http_failure(response: aiohttp.ClientResponse, spec: ExecutionSpec) -> RunFailure:
+async def _http_failure(response: ProviderResponse, spec: ExecutionSpec) -> RunFailure:
     """The failure an HTTP error status stands for, with the provider's own message.
 
     A 501 is the provider saying it does not offer the operation (llama.cpp started
@@ -428,7 +433,7 @@ async def _http_failure(response: aiohttp.ClientResponse, spec: ExecutionSpec) -
     elsewhere or to count against the provider."""
     chunks: list[bytes] = []
     size = 0
-    async for chunk in response.content.iter_any():
+    async for chunk in response.iter_any():
         chunks.append(chunk)
         size += len(chunk)
         if size >= ERROR_BODY_LIMIT:

@@ -1,4 +1,4 @@
-"""An incremental Server-Sent Events reader for OpenAI-style streams over aiohttp.
+"""An incremental Server-Sent Events reader for OpenAI-style streams over HTTP.
 
 OpenAI-compatible servers stream ``data: {json}`` events separated by blank
 lines and end with ``data: [DONE]``. This reader takes the body as the network
@@ -18,8 +18,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator
 
-import aiohttp
-
+from iop_node.adapters.answer_read import Answer
 from iop_node.errors import AnswerTooLarge
 from iop_proto.framing import DEFAULT_MAX_ANSWER_BYTES
 
@@ -30,7 +29,7 @@ carry it on to the edge, and a server that never ends a line is held to it too."
 
 
 async def iter_sse_data(
-    response: aiohttp.ClientResponse, *, max_event_bytes: int = MAX_EVENT_BYTES
+    response: Answer, *, max_event_bytes: int = MAX_EVENT_BYTES
 ) -> AsyncGenerator[bytes, None]:
     """Yield the data of each event of ``response``'s body, until ``[DONE]`` or the end.
 

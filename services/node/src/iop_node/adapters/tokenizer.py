@@ -19,8 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Final
 
-import aiohttp
-
+from iop_node.adapters.provider_http import ProviderHttp, ProviderHttpError
 from iop_node.errors import InvalidRequest, ProviderFailed, ProviderUnavailable
 from iop_proto import json_codec
 
@@ -34,13 +33,13 @@ NOT_FOUND: Final = 404
 NOT_IMPLEMENTED: Final = 501
 """An engine without the endpoint (an older build): it does not offer the operation."""
 ERROR_TAIL: Final = 500
-CLIENT_TIMEOUT: Final = aiohttp.ClientTimeout(total=None, sock_connect=10.0)
+CONNECT_TIMEOUT_S: Final = 10.0
 """The connect only: the run's deadline bounds the rest (the executor's)."""
 
 
 async def prompt_tokens(
     style: str,
-    http: aiohttp.ClientSession,
+    http: ProviderHttp,
     base: str,
     headers: Mapping[str, str],
     body: Mapping[str, Any],
@@ -74,22 +73,23 @@ async def prompt_tokens(
 
 
 async def _post(
-    http: aiohttp.ClientSession,
+    http: ProviderHttp,
     url: str,
     headers: Mapping[str, str],
     payload: Mapping[str, Any],
 ) -> dict[str, Any]:
     try:
-        async with http.post(
+        response = await http.request(
+            "POST",
             url,
-            data=json_codec.dumps(payload),
+            body=json_codec.dumps(payload),
             headers=headers,
-            timeout=CLIENT_TIMEOUT,
-            raise_for_status=False,
-        ) as response:
+            connect_timeout_s=CONNECT_TIMEOUT_S,
+        )
+        async with response:
             raw = await response.read()
             status = response.status
-    except aiohttp.ClientError as exc:
+    except ProviderHttpError as exc:
         raise ProviderUnavailable(f"{url}: {type(exc).__name__}: {exc}") from exc
     if status >= 400:
         message = f"{url}: HTTP {status}: {raw[:ERROR_TAIL].decode(errors='replace')}"
