@@ -99,6 +99,7 @@ class BatchedWriter(Generic[R]):
         self._wake = asyncio.Event()  # something is pending
         self._urgent = asyncio.Event()  # a flush waits: skip the coalescing pause
         self._progress = asyncio.Event()  # set (and replaced) when flushes should look again
+        self._drains = 0  # flushes waiting on ``_progress`` now
         self._write_lock = asyncio.Lock()  # one transaction at a time on the shared connection
         self._writer: asyncio.Task[None] | None = None
         self._closed = False
@@ -267,12 +268,16 @@ class BatchedWriter(Generic[R]):
     async def _drain(self) -> None:
         """Wait until every record queued before this call is written (or dropped)."""
         target = self._seq
-        while (oldest := self._oldest_unwritten()) is not None and oldest <= target:
-            if self._writer is None or self._writer.done():
-                raise self.error(f"{self.what} {self.path}: the writer has stopped")
-            self._urgent.set()
-            self._wake.set()
-            await self._progress.wait()
+        self._drains += 1
+        try:
+            while (oldest := self._oldest_unwritten()) is not None and oldest <= target:
+                if self._writer is None or self._writer.done():
+                    raise self.error(f"{self.what} {self.path}: the writer has stopped")
+                self._urgent.set()
+                self._wake.set()
+                await self._progress.wait()
+        finally:
+            self._drains -= 1
 
     async def _write_forever(self) -> None:
         """The one task that writes: gather, commit a batch, repeat; back off on failure."""
@@ -335,7 +340,8 @@ class BatchedWriter(Generic[R]):
             for waiter in self._waiters.pop(seq, ()):
                 if not waiter.done():
                     waiter.set_result(None)
-        self._notify()
+        if self._drains:  # a written batch concerns only a flush waiting for it
+            self._notify()
         return True
 
     def _fail_waiters(self, seqs: list[int], why: str) -> None:

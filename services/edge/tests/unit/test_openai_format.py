@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from iop_edge.domain.events import Completed, Delta, ToolCallDelta, Usage
 from iop_edge.domain.fleet import Operation
 from iop_edge.errors import ProviderFailed
-from iop_edge.formats.openai import ChunkStream, chat_choice, render_result, text_choice
+from iop_edge.formats.openai import DONE, ChunkStream, chat_choice, render_result, text_choice
 
 
 def event(frame: bytes) -> dict[str, Any]:
@@ -78,7 +78,7 @@ def test_usage_chunk_falls_back_to_a_delta_usage() -> None:
 
 def test_a_stream_without_deltas_still_closes_with_a_finish_chunk() -> None:
     stream = ChunkStream(Operation.CHAT_COMPLETIONS, run_id="r", model="m", created=5)
-    chunk = event(stream.finish(Completed()))
+    chunk = event(stream.closing(Completed()).removesuffix(DONE))
     assert chunk["choices"] == [
         {"index": 0, "delta": {"role": "assistant"}, "logprobs": None, "finish_reason": "stop"}
     ]
@@ -142,9 +142,11 @@ def test_with_include_usage_every_chunk_but_the_usage_one_says_null(operation: O
         event(stream.delta(Delta(text="b"))),  # the token fast path
         event(stream.delta(Delta(text="c", finish_reason="stop"))),
     ]
-    closing = stream.finish(Completed())
-    assert closing == b""  # choice 0 said why it ended
-    last = event(stream.usage_chunk(Completed(usage=Usage(1, 3, 4))))
+    end = Completed(usage=Usage(1, 3, 4))
+    closing = stream.closing(end)
+    # choice 0 said why it ended: no finish chunk, only the usage chunk and [DONE]
+    assert closing == stream.usage_chunk(end) + DONE
+    last = event(stream.usage_chunk(end))
     assert [chunk["usage"] for chunk in chunks] == [None, None, None]
     assert last["usage"] == {
         "prompt_tokens": 1,

@@ -13,7 +13,7 @@ look. A dialect does no I/O of its own on the per-token path.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Protocol
 
@@ -59,9 +59,11 @@ def dropped_tools_headers(
 class StreamWriter(Protocol):
     """Writes one run's stream in a dialect's SSE events (bytes ready to send)."""
 
-    def opening(self) -> bytes:
-        """What goes out with the status line, before the first delta (empty for
-        OpenAI chat; a ``response.created`` or ``message_start`` elsewhere)."""
+    @property
+    def opening(self) -> Callable[[], bytes] | None:
+        """What goes out with the status line, before the first delta (a
+        ``response.created`` or ``message_start``); ``None`` where nothing does (OpenAI's
+        stream starts with its first chunk)."""
         ...
 
     def delta(self, delta: Delta) -> bytes:
@@ -76,10 +78,12 @@ class StreamWriter(Protocol):
         """The events that end a stream whose run failed after its first byte."""
         ...
 
-    async def settle(self) -> None:
+    @property
+    def settle(self) -> Callable[[], Awaitable[None]] | None:
         """Called after ``closing`` or ``failure``, before their bytes leave: wait until
         what those events say is stored is committed (the Responses API's stored
-        answer); raises an ``EdgeError`` when it could not be."""
+        answer); raises an ``EdgeError`` when it could not be. ``None`` for a stream
+        that stores nothing: its last events leave at once."""
         ...
 
 
@@ -95,9 +99,13 @@ class Dialect(Protocol):
         """The run this body asks for; ``InvalidRequest`` naming the field otherwise."""
         ...
 
-    async def resolve(self, asked: DialectRequest, key: ApiKeyEntry | None) -> DialectRequest:
+    @property
+    def resolve(
+        self,
+    ) -> Callable[[DialectRequest, ApiKeyEntry | None], Awaitable[DialectRequest]] | None:
         """The request completed with what needs the caller's key or a read (a stored
-        conversation to continue); OpenAI's chat returns ``asked`` as it is."""
+        conversation to continue); ``None`` for an API whose requests carry all they
+        need (OpenAI's, Anthropic's Messages)."""
         ...
 
     def stream_writer(self, request: DialectRequest, run_id: str, created: int) -> StreamWriter:

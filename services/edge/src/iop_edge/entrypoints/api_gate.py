@@ -19,7 +19,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.typedefs import Handler, Middleware
 from loguru import logger
 
-from iop_edge.entrypoints.api_auth import OPEN_PATHS, check_open_access
+from iop_edge.entrypoints.api_auth import OPEN_PATHS, check_open_access, is_loopback
 from iop_edge.entrypoints.messages_dialect import is_anthropic_request, messages_error_response
 from iop_edge.entrypoints.openai_errors import error_response, from_http_exception
 from iop_edge.entrypoints.stop_gate import StopGate
@@ -59,8 +59,10 @@ def api_gate(
         if gate.closed:
             return gate.refusal(request.path)
         try:
-            if keys.open and request.path not in OPEN_PATHS:
-                check_open_access(request.remote, keys, allow_open)
+            # a loopback client is served whatever the rule says (is_loopback: cached)
+            remote = request.remote
+            if keys.open and not is_loopback(remote) and request.path not in OPEN_PATHS:
+                check_open_access(remote, keys, allow_open)
             if not request.body_exists or request.content.is_eof():
                 return await handler(request)
             watchdog = _BodyWatchdog(request, read_timeout_s, min_body_rate)

@@ -31,12 +31,19 @@ async def read_json_body(request: web.BaseRequest) -> dict[str, Any]:
         raise RequestTooLarge(f"The request body is too large ({exc.text}).") from None
     if not raw:
         raise InvalidRequest("The request body is empty; expected a JSON object.")
-    return await parse_json_object(raw)
+    if len(raw) > OFFLOAD_BYTES:
+        return await parse_json_object(raw)
+    try:
+        body = json_codec.loads(raw, allow_nan=False, max_depth=MAX_JSON_DEPTH)
+    except (ValueError, RecursionError) as exc:
+        raise _unreadable(exc) from None
+    if not isinstance(body, dict):
+        raise InvalidRequest(NOT_AN_OBJECT)
+    return body
 
 
 async def parse_json_object(raw: bytes | str) -> dict[str, Any]:
     """``raw`` (a body, or a WebSocket message) as a JSON object, with a body's checks."""
-    # NaN and Infinity are not JSON: refused here rather than by a provider later.
     try:
         if len(raw) > OFFLOAD_BYTES:
             body = await asyncio.to_thread(
@@ -44,15 +51,24 @@ async def parse_json_object(raw: bytes | str) -> dict[str, Any]:
             )
         else:
             body = json_codec.loads(raw, allow_nan=False, max_depth=MAX_JSON_DEPTH)
-    except json_codec.JsonTooDeep as exc:
-        raise InvalidRequest(
+    except (ValueError, RecursionError) as exc:
+        raise _unreadable(exc) from None
+    if not isinstance(body, dict):
+        raise InvalidRequest(NOT_AN_OBJECT)
+    return body
+
+
+NOT_AN_OBJECT: Final = "The request body must be a JSON object."
+
+
+def _unreadable(exc: ValueError | RecursionError) -> InvalidRequest:
+    """Why JSON could not be read, for the client. NaN and Infinity are not JSON: they
+    are refused here rather than by a provider later."""
+    if isinstance(exc, json_codec.JsonTooDeep):
+        return InvalidRequest(
             f"The request body is nested deeper than {exc.max_depth} levels, "
             "this server's limit for JSON."
-        ) from None
-    except (ValueError, RecursionError):
-        raise InvalidRequest(
-            "We could not parse the JSON body of your request. The body must be valid JSON."
-        ) from None
-    if not isinstance(body, dict):
-        raise InvalidRequest("The request body must be a JSON object.")
-    return body
+        )
+    return InvalidRequest(
+        "We could not parse the JSON body of your request. The body must be valid JSON."
+    )

@@ -20,7 +20,7 @@ import contextlib
 import dataclasses
 import functools
 import time
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, MutableMapping
 from typing import Any, Final, Protocol, TypeVar
 
 from aiohttp import web
@@ -73,14 +73,11 @@ class StreamOut(Protocol):
 Out = TypeVar("Out", bound=StreamOut)
 
 
-def _sse_response() -> web.StreamResponse:
-    return web.StreamResponse(
-        headers={
-            "Content-Type": "text/event-stream",
-            "Cache-Control": "no-cache",
-            "X-Accel-Buffering": "no",  # proxies must not hold tokens back either
-        }
-    )
+SSE_HEADERS: Final = {
+    "Content-Type": "text/event-stream",
+    "Cache-Control": "no-cache",
+    "X-Accel-Buffering": "no",  # proxies must not hold tokens back either
+}
 
 
 class InferenceRoutes:
@@ -123,9 +120,9 @@ class InferenceRoutes:
             key = authenticate(request, self._keys)
             if key is not None:
                 trace.key_id = key.key_id
-            self._slots.check_room(key)  # a key at its limit costs no body parsing
+                self._slots.check_room(key)  # a key at its limit costs no body parsing
             body = await read_json_body(request)
-            return await self._run(request, dialect, trace, key, body, _sse_response)
+            return await self._run(request, dialect, trace, key, body, None)
         except EdgeError as exc:
             trace.failed(exc, status=exc.status)
             response = dialect.error_response(exc)
@@ -158,7 +155,7 @@ class InferenceRoutes:
         if key is not None:
             trace.key_id = key.key_id
         try:
-            await self._run(request, dialect, trace, key, body, lambda: out)
+            await self._run(request, dialect, trace, key, body, out)
         except EdgeError as exc:
             trace.failed(exc, status=exc.status)
             raise
@@ -178,10 +175,12 @@ class InferenceRoutes:
         trace: RunTrace,
         key: ApiKeyEntry | None,
         body: dict[str, Any],
-        out: Callable[[], Out],
-    ) -> Out | web.Response:
-        """``out``: where a stream goes (``_sse_response``: an SSE answer of its own)."""
-        asked = await dialect.resolve(dialect.read(body), key)
+        out: Out | None,
+    ) -> Out | web.StreamResponse:
+        """``out``: where a stream goes (``None``: an SSE answer of its own)."""
+        asked = dialect.read(body)
+        if dialect.resolve is not None:
+            asked = await dialect.resolve(asked, key)
         trace.headers.update(asked.headers)  # the dialect's, on every answer from here on
         spec = asked.spec
         trace.stream = spec.stream
@@ -220,12 +219,17 @@ class InferenceRoutes:
             asked = dataclasses.replace(asked, spec=spec)
         run = self._service.admit(spec)
         try:
-            with self._slots.hold(key, run), series.in_flight.track_inprogress():
+            # A request without a key (an open API) holds no key's slot; the in-flight
+            # gauge is its own context manager: one more for the block.
+            held = self._slots.hold(key, run) if key is not None else _NO_KEY
+            with held, series.in_flight:
                 opened_at = time.monotonic()
                 await run.open()  # the run ends itself on a failure here
-                trace.dispatched(run, time.monotonic() - opened_at)
+                trace.edge_wait_s = time.monotonic() - opened_at  # the model's queue
+                trace.run, trace.run_id = run, run.run_id
                 if spec.stream:
-                    return await self._stream(request, dialect, asked, run, trace, out())
+                    response = web.StreamResponse(headers=SSE_HEADERS) if out is None else out
+                    return await self._stream(request, dialect, asked, run, trace, response)
                 return await self._collect(dialect, asked, run, trace)
         except BaseException as exc:
             if not run.ended:
@@ -264,9 +268,13 @@ class InferenceRoutes:
                     trace.status = 200
                     response.headers[OVERHEAD_HEADER] = trace.overhead(end.provider_us)
                     await response.prepare(request)
-                    pending.append(writer.opening())
+                    if writer.opening is not None:
+                        pending.append(writer.opening())
                 pending.append(writer.closing(end))
-                await writer.settle()  # what the last events say is stored is committed first
+                if (
+                    writer.settle is not None
+                ):  # what the last events say is stored is committed first
+                    await writer.settle()
                 await response.write(b"".join(pending))
                 await response.write_eof()
                 return response
@@ -378,13 +386,12 @@ class _SseSink:
         """The first delta sends the status line (a run failing before it gets a real
         HTTP error instead)."""
         trace = self._trace
-        trace.first_delta()
+        trace.first_delta_at = time.monotonic()  # a stream's first delta comes here once
         trace.status = 200
         self._response.headers[OVERHEAD_HEADER] = trace.overhead(event.provider_us)
         await self._response.prepare(self._request)
-        opening = self._writer.opening()
-        if opening:
-            self.pending.append(opening)
+        if self._writer.opening is not None:
+            self.pending.append(self._writer.opening())
         write = self.delta(event)
         if write is not None:
             await write
@@ -394,9 +401,11 @@ async def _end_with_error(response: StreamOut, writer: StreamWriter, error: Edge
     """An error after the first byte: the dialect's error events (OpenAI: an SSE error
     event, then ``[DONE]``)."""
     data = writer.failure(error)
-    await writer.settle()
+    if writer.settle is not None:
+        await writer.settle()
     await response.write(data)
     await response.write_eof()
 
 
 CHAT: Final = Operation.CHAT_COMPLETIONS
+_NO_KEY: Final = contextlib.nullcontext()

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Final
 from aiohttp import web
 
 from iop_edge.domain.events import Completed, Delta
-from iop_edge.domain.fleet import ApiKeyEntry, Operation
+from iop_edge.domain.fleet import Operation
 from iop_edge.entrypoints.api_dialect import DialectRequest, dropped_tools_headers
 from iop_edge.entrypoints.openai_errors import MethodNotAllowed
 from iop_edge.errors import EdgeError
@@ -68,6 +68,10 @@ def is_messages_path(path: str) -> bool:
     return path == MESSAGES_PATH or path.startswith(MESSAGES_PATH + "/")
 
 
+_ANTHROPIC_PREFIXES: Final = (MESSAGES_PATH, MODELS_PATH)
+"""Where ``is_anthropic_request`` can be true: the paths it knows start with these."""
+
+
 def is_anthropic_request(request: web.BaseRequest) -> bool:
     """A request answered in Anthropic's shapes: the Messages API, and the models
     asked for by an Anthropic client (Claude Code lists them to check its model)."""
@@ -80,8 +84,15 @@ def is_anthropic_request(request: web.BaseRequest) -> bool:
 
 async def mark_request_id(request: web.BaseRequest, response: web.StreamResponse) -> None:
     """``request-id`` on every Anthropic answer (the SDKs show it in errors and logs):
-    the run's id where one was opened, else a new one."""
-    if not is_anthropic_request(request) or REQUEST_ID in response.headers:
+    the run's id where one was opened, else a new one.
+
+    Every answer of the app passes here: most are on neither API's paths, told by
+    their prefix before the full rule is asked."""
+    if (
+        not request.path.startswith(_ANTHROPIC_PREFIXES)
+        or REQUEST_ID in response.headers
+        or not is_anthropic_request(request)
+    ):
         return
     run_id = response.headers.get("X-Request-Id") or uuid.uuid4().hex
     response.headers[REQUEST_ID] = "req_" + run_id
@@ -115,8 +126,7 @@ class MessagesDialect:
         headers = dropped_tools_headers("messages", spec.model, dropped_tools(body))
         return DialectRequest(spec, context=tuple(chat.get("stop", ())), headers=headers)
 
-    async def resolve(self, asked: DialectRequest, key: ApiKeyEntry | None) -> DialectRequest:
-        return asked  # nothing stored to read: a Messages request carries its conversation
+    resolve: Final = None  # nothing stored to read: a Messages request carries its conversation
 
     def stream_writer(self, request: DialectRequest, run_id: str, created: int) -> MessageStream:
         return MessageStream(message_id=f"msg_{run_id}", model=request.spec.model)
@@ -161,8 +171,7 @@ class CountTokensDialect:
         )
         return DialectRequest(spec, context=chat)
 
-    async def resolve(self, asked: DialectRequest, key: ApiKeyEntry | None) -> DialectRequest:
-        return asked
+    resolve: Final = None
 
     def stream_writer(self, request: DialectRequest, run_id: str, created: int) -> MessageStream:
         return MessageStream(message_id=f"msg_{run_id}", model=request.spec.model)  # unused

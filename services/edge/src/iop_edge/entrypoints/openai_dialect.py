@@ -10,12 +10,12 @@ from __future__ import annotations
 import asyncio
 import functools
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Final
 
 from aiohttp import web
 
 from iop_edge.domain.events import Completed, Delta
-from iop_edge.domain.fleet import ApiKeyEntry, Operation
+from iop_edge.domain.fleet import Operation
 from iop_edge.entrypoints.api_dialect import DialectRequest
 from iop_edge.entrypoints.openai_errors import error_response
 from iop_edge.errors import EdgeError, InvalidRequest
@@ -99,8 +99,7 @@ class OpenAIDialect:
         )
         return DialectRequest(spec)
 
-    async def resolve(self, asked: DialectRequest, key: ApiKeyEntry | None) -> DialectRequest:
-        return asked
+    resolve: Final = None  # the body is the whole request: nothing stored to read
 
     def stream_writer(self, request: DialectRequest, run_id: str, created: int) -> ChunkStream:
         spec = request.spec

@@ -1,7 +1,7 @@
 """What one inference request went through, gathered as it happens, recorded once.
 
-Handlers note facts (dispatched, started, first delta, completed, failed, client
-gone) as they occur; at the end ``account()`` turns them into the metrics and the
+Handlers note facts (the run once dispatched, its start, first delta, completion,
+failure, a client gone) as they occur; at the end ``account()`` turns them into the metrics and the
 ``EdgeRunRecord`` it records, whatever way the request ended.
 """
 
@@ -36,7 +36,6 @@ class RunTrace:
         "key_id",
         "local_id",
         "model",
-        "node_id",
         "node_wait_ms",
         "operation",
         "outcome",
@@ -64,14 +63,13 @@ class RunTrace:
         self.series: ModelSeries | None = None  # that model's metrics
         self.key_id = ""  # the caller's API key, once authenticated ("" while the API is open)
         self.stream = False
-        self.run_id = ""  # set once RunService dispatched the request
+        self.run_id = ""  # set once RunService dispatched the request, with:
         self.run: RunEvents | None = None  # the dispatched run: its attempts, for the record
         self.local_id = ""  # the log's id for a request that never became a run
         self.provider_id = ""
-        self.node_id = ""
         self.edge_wait_s = 0.0  # inside the run's open (RunEvents.open): the model's queue
         self.node_wait_ms = 0  # the node's FIFO queue (RunStart)
-        self.first_delta_at = 0.0
+        self.first_delta_at = 0.0  # a stream's relay sets it, a collector by first_delta()
         self.outcome = ""
         self.status = 0
         self.error_code = ""
@@ -90,13 +88,6 @@ class RunTrace:
         if not self.local_id:
             self.local_id = "req-" + uuid.uuid4().hex
         return self.local_id
-
-    def dispatched(self, events: RunEvents, edge_wait_s: float) -> None:
-        self.run = events
-        self.run_id = events.run_id
-        self.provider_id = events.provider_id
-        self.node_id = events.node_id
-        self.edge_wait_s = edge_wait_s
 
     def started(self, start: Started) -> None:
         self.node_wait_ms = start.queue_wait_ms
@@ -177,8 +168,10 @@ class RunTrace:
         attempts = run.attempt_records() if run is not None else ()
         if attempts:  # who served it: the last attempt (after a failover too)
             provider_id, node_id = attempts[-1].provider_id, attempts[-1].node_id
+        elif run is not None:
+            provider_id, node_id = self.provider_id or run.provider_id, run.node_id
         else:
-            provider_id, node_id = self.provider_id, self.node_id
+            provider_id = node_id = ""  # never dispatched
         outcome = self.outcome or "failed"
         if outcome == "completed" and provider_id:
             tokens = metrics.tokens_by[self.model, provider_id]

@@ -334,8 +334,8 @@ class MessageStream:
     def failure(self, error: EdgeError) -> bytes:
         return sse("error", error_body(error))
 
-    async def settle(self) -> None:
-        """Nothing is stored: the last events leave at once."""
+    settle: Final = None
+    """Nothing is stored: the last events leave at once."""
 
     def _tool_part(self, call: ToolCallDelta) -> bytes:
         out = b""

@@ -194,27 +194,15 @@ class ChunkStream:
             body = json_codec.dumps(choice)
         return self._head + b"[" + body + b"]" + self._end
 
-    def opening(self) -> bytes:
-        """Nothing goes out before the first delta: OpenAI's stream starts with a chunk."""
-        return b""
+    opening: Final = None
+    """Nothing goes out before the first delta: OpenAI's stream starts with a chunk."""
 
     def closing(self, end: Completed) -> bytes:
-        """The closing chunks, the usage chunk when asked (``stream_options``), ``[DONE]``."""
-        tail = self.finish(end)
-        if self._include_usage:
-            tail += self.usage_chunk(end)
-        return tail + DONE
-
-    def failure(self, error: EdgeError) -> bytes:
-        return sse_event(error_payload(error)) + DONE
-
-    async def settle(self) -> None:
-        """Nothing is stored: the last events leave at once."""
-
-    def finish(self, complete: Completed) -> bytes:
-        """Closing chunks for choices whose deltas never said why they ended."""
-        reason = complete.finish_reason or "stop"
-        out = b""
+        """The closing chunks of choices whose deltas never said why they ended (a provider
+        may say it only in its completion), the usage chunk when asked
+        (``stream_options``), ``[DONE]``."""
+        reason = end.finish_reason or "stop"
+        tail = b""
         for index in sorted(self._seen or {0}):
             if index in self._finished:
                 continue
@@ -225,8 +213,16 @@ class ChunkStream:
                 choice = {"index": index, "text": ""}
             choice["logprobs"] = None
             choice["finish_reason"] = reason
-            out += self._head + b"[" + json_codec.dumps(choice) + b"]" + self._end
-        return out
+            tail += self._head + b"[" + json_codec.dumps(choice) + b"]" + self._end
+        if self._include_usage:
+            tail += self.usage_chunk(end)
+        return tail + DONE
+
+    def failure(self, error: EdgeError) -> bytes:
+        return sse_event(error_payload(error)) + DONE
+
+    settle: Final = None
+    """Nothing is stored: the last events leave at once."""
 
     def usage_chunk(self, complete: Completed) -> bytes:
         """The ``stream_options.include_usage`` chunk: no choices, the run's usage."""

@@ -101,8 +101,8 @@ class CompactionEvents:
             "response.failed", response=final
         )
 
-    async def settle(self) -> None:
-        """Nothing is stored: the last events leave at once."""
+    settle: Final = None
+    """Nothing is stored: the last events leave at once."""
 
     def _response(
         self,
