@@ -1,10 +1,9 @@
 """Labelled Prometheus series for the request path: plain numbers, collected at scrape.
 
-prometheus_client's children guard every update with a lock and two checks (a
-counter's ``inc`` is six Python calls, a histogram's ``observe`` about ten), for
+prometheus_client's children guard every update with a lock and two checks, for
 scrapes from other threads. Our services update and scrape their metrics on one
 event loop (``/metrics`` runs ``generate_latest`` in a handler), so the lock
-buys nothing: here an update is one call that adds to a float, and the
+guards nothing there: here an update adds to a float, and the
 exposition is built when ``/metrics`` is read, by prometheus_client's own
 ``Metric`` and ``generate_latest``. Names, labels, help, the ``_total``,
 ``_bucket``, ``_count``, ``_sum`` and ``_created`` samples and their values are

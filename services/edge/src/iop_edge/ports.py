@@ -287,9 +287,9 @@ class EdgeRunRecord:
 class RunLog(Protocol):
     """The edge's run history (SQLite), written off the request path, once per run."""
 
-    async def record(self, run: EdgeRunRecord) -> None:
-        """Queue one finished run. Must not suspend: callers rely on it completing even
-        while their task is being cancelled."""
+    def record(self, record: EdgeRunRecord) -> None:
+        """Queue one finished run. Synchronous, so it cannot suspend: callers rely on it
+        completing even while their task is being cancelled."""
         ...
 
     async def recent(self, limit: int, key_id: str | None = None) -> list[EdgeRunRecord]:

@@ -7,7 +7,7 @@ import dataclasses
 import json
 import sqlite3
 import stat
-from collections.abc import AsyncIterator, Coroutine, Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -78,12 +78,6 @@ def rows(path: Path) -> list[tuple[Any, ...]]:
         raw.close()
 
 
-def returns_at_once(call: Coroutine[Any, Any, None]) -> None:
-    """Run a coroutine one step: it must finish without ever suspending (no I/O awaited)."""
-    with pytest.raises(StopIteration):
-        call.send(None)
-
-
 @pytest.fixture
 def db_path(tmp_path: Path) -> Path:
     return tmp_path / "state" / "edge" / "runs.db"  # neither directory exists yet
@@ -129,7 +123,7 @@ async def test_open_creates_a_private_wal_database_with_a_versioned_schema(
 
 
 async def test_one_record_is_one_row_with_every_field(runlog: SqliteRunLog, db_path: Path) -> None:
-    await runlog.record(run("r1"))
+    runlog.record(run("r1"))
     await runlog.flush()
 
     assert runlog.writes == 1
@@ -140,11 +134,11 @@ async def test_recent_lists_newest_first_including_unwritten_records(
     runlog: SqliteRunLog,
 ) -> None:
     for n in (0, 1, 2):
-        await runlog.record(run(f"r{n}", T0 + n))
+        runlog.record(run(f"r{n}", T0 + n))
     await runlog.flush()
-    await runlog.record(run("r4", T0 + 4))  # these two stay in memory: nothing yields
-    await runlog.record(run("r3-b", T0 + 3))
-    await runlog.record(run("r3-a", T0 + 3))  # same millisecond: run_id breaks the tie
+    runlog.record(run("r4", T0 + 4))  # these two stay in memory: nothing yields
+    runlog.record(run("r3-b", T0 + 3))
+    runlog.record(run("r3-a", T0 + 3))  # same millisecond: run_id breaks the tie
 
     assert [r.run_id for r in await runlog.recent(4)] == ["r4", "r3-b", "r3-a", "r2"]
     assert [r.run_id for r in await runlog.recent(10)] == [
@@ -160,8 +154,8 @@ async def test_recent_lists_newest_first_including_unwritten_records(
 
 async def test_a_record_survives_a_reopen_with_every_field(db_path: Path) -> None:
     first = await SqliteRunLog.open(db_path)
-    await first.record(run("r1", T0))
-    await first.record(run("r2", T0 + 1))
+    first.record(run("r1", T0))
+    first.record(run("r2", T0 + 1))
     await first.aclose()  # writes what is pending
 
     second = await SqliteRunLog.open(db_path)
@@ -186,7 +180,8 @@ async def test_record_returns_at_once_while_another_connection_holds_the_write_l
     lock = sqlite3.connect(db_path, isolation_level=None)
     try:
         lock.execute("BEGIN EXCLUSIVE")
-        returns_at_once(runlog.record(run("r1")))
+        runlog.record(run("r1"))  # synchronous: it returns at once, the file locked or not
+        assert [r.run_id for r in runlog.unwritten()] == ["r1"]  # queued, not written
         flushed = asyncio.create_task(runlog.flush())
         async with asyncio.timeout(10):
             await failed.wait()  # the writer tried, was refused, and said so
@@ -216,7 +211,7 @@ async def test_aclose_gives_up_on_a_locked_database_after_its_timeout(
     lock = sqlite3.connect(db_path, isolation_level=None)
     try:
         lock.execute("BEGIN EXCLUSIVE")
-        await runlog.record(run("r1"))
+        runlog.record(run("r1"))
         async with asyncio.timeout(10):
             await runlog.aclose(timeout_s=0.3)
     finally:
@@ -230,7 +225,7 @@ async def test_ten_thousand_records_are_written_in_a_few_batches(
     runlog: SqliteRunLog, db_path: Path
 ) -> None:
     for n in range(10_000):
-        await runlog.record(run(f"r{n:05}", T0 + n))
+        runlog.record(run(f"r{n:05}", T0 + n))
     await runlog.flush()
 
     assert runlog.writes <= 25  # 10,000 / max_batch 500 = 20
@@ -244,7 +239,7 @@ async def test_pending_records_are_bounded_dropping_the_oldest(
     runlog = await SqliteRunLog.open(db_path, max_pending=10)
     try:
         for n in range(12):  # no await yields to the writer, so all of these stay pending
-            await runlog.record(run(f"r{n:02}", T0 + n))
+            runlog.record(run(f"r{n:02}", T0 + n))
         await runlog.flush()
     finally:
         await runlog.aclose()
@@ -259,7 +254,7 @@ async def test_after_aclose_every_call_raises(runlog: SqliteRunLog) -> None:
     await runlog.aclose()  # idempotent
 
     with pytest.raises(RunLogClosed):
-        await runlog.record(run("r1"))
+        runlog.record(run("r1"))
     with pytest.raises(RunLogClosed):
         await runlog.recent(1)
     with pytest.raises(RunLogClosed):
@@ -284,9 +279,9 @@ async def test_a_schema_from_a_newer_edge_is_refused_and_left_alone(db_path: Pat
 
 async def test_recent_of_one_key_lists_only_that_key_s_runs(runlog: SqliteRunLog) -> None:
     for n, key_id in enumerate(("key_a", "key_b", "key_a", "")):
-        await runlog.record(run(f"r{n}", T0 + n, key_id))
+        runlog.record(run(f"r{n}", T0 + n, key_id))
     await runlog.flush()
-    await runlog.record(run("r9", T0 + 9, "key_b"))  # still in memory
+    runlog.record(run("r9", T0 + 9, "key_b"))  # still in memory
 
     assert [r.run_id for r in await runlog.recent(10, key_id="key_a")] == ["r2", "r0"]
     assert [r.run_id for r in await runlog.recent(10, key_id="key_b")] == ["r9", "r1"]
@@ -316,7 +311,7 @@ async def test_a_version_1_file_is_migrated_and_keeps_its_runs(db_path: Path) ->
 
     migrated = await SqliteRunLog.open(db_path)
     try:
-        await migrated.record(run("new", T0 + 1, "key_a"))
+        migrated.record(run("new", T0 + 1, "key_a"))
         await migrated.flush()
         old_run = dataclasses.replace(run("old"), key_id="", attempts=(), cached_tokens=0)
         assert await migrated.recent(10) == [run("new", T0 + 1, "key_a"), old_run]
@@ -344,7 +339,7 @@ async def test_a_version_2_file_gains_the_attempts_column(db_path: Path) -> None
 
     migrated = await SqliteRunLog.open(db_path)
     try:
-        await migrated.record(run("new", T0 + 1))
+        migrated.record(run("new", T0 + 1))
         await migrated.flush()
         old_run = dataclasses.replace(run("old"), attempts=(), cached_tokens=0)
         assert await migrated.recent(10) == [run("new", T0 + 1), old_run]
@@ -367,7 +362,7 @@ async def test_a_version_3_file_gains_the_cached_tokens_column(db_path: Path) ->
 
     migrated = await SqliteRunLog.open(db_path)
     try:
-        await migrated.record(run("new", T0 + 1))
+        migrated.record(run("new", T0 + 1))
         await migrated.flush()
         old_run = dataclasses.replace(run("old"), cached_tokens=0)
         assert await migrated.recent(10) == [run("new", T0 + 1), old_run]

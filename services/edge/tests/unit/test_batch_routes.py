@@ -133,7 +133,7 @@ class FakeKeys:
 
 
 class FakeRunLog:
-    async def record(self, run: EdgeRunRecord) -> None:
+    def record(self, record: EdgeRunRecord) -> None:
         pass
 
     async def recent(self, limit: int) -> list[EdgeRunRecord]:

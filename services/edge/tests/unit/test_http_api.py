@@ -253,20 +253,21 @@ class FakeKeys:
 @dataclass
 class FakeRunLog:
     records: list[EdgeRunRecord] = field(default_factory=list)
-    changed: asyncio.Condition = field(default_factory=asyncio.Condition)
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
 
-    async def record(self, run: EdgeRunRecord) -> None:
-        async with self.changed:
-            self.records.append(run)
-            self.changed.notify_all()
+    def record(self, record: EdgeRunRecord) -> None:
+        self.records.append(record)
+        self.changed.set()
 
     async def recent(self, limit: int, key_id: str | None = None) -> list[EdgeRunRecord]:
         mine = [r for r in self.records if key_id is None or r.key_id == key_id]
         return mine[::-1][:limit]
 
     async def wait_for(self, count: int) -> list[EdgeRunRecord]:
-        async with asyncio.timeout(WAIT), self.changed:
-            await self.changed.wait_for(lambda: len(self.records) >= count)
+        async with asyncio.timeout(WAIT):
+            while len(self.records) < count:
+                self.changed.clear()
+                await self.changed.wait()
         return self.records
 
 

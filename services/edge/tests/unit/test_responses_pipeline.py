@@ -106,8 +106,8 @@ class OpenKeys:
 class RunLog:
     records: list[EdgeRunRecord] = field(default_factory=list)
 
-    async def record(self, run: EdgeRunRecord) -> None:
-        self.records.append(run)
+    def record(self, record: EdgeRunRecord) -> None:
+        self.records.append(record)
 
     async def recent(self, limit: int, key_id: str | None = None) -> list[EdgeRunRecord]:
         return self.records[-limit:]

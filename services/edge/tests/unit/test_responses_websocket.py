@@ -98,8 +98,8 @@ class RunLog:
     records: list[EdgeRunRecord] = field(default_factory=list)
     written: asyncio.Event = field(default_factory=asyncio.Event)
 
-    async def record(self, run: EdgeRunRecord) -> None:
-        self.records.append(run)
+    def record(self, record: EdgeRunRecord) -> None:
+        self.records.append(record)
         self.written.set()
 
     async def recent(self, limit: int, key_id: str | None = None) -> list[EdgeRunRecord]:

@@ -137,9 +137,8 @@ class SqliteRunLog(BatchedWriter[EdgeRunRecord]):
         logger.info("run log {}: opened", path)
         return log
 
-    async def record(self, run: EdgeRunRecord) -> None:
-        """Queue one finished run; returns without waiting for the disk (never suspends)."""
-        self.put(run)
+    record = BatchedWriter.put
+    """Queue one finished run: the writer's ``put``, which never waits for the disk."""
 
     async def recent(self, limit: int, key_id: str | None = None) -> list[EdgeRunRecord]:
         """The ``limit`` most recently received runs, newest first, unwritten ones included;

@@ -137,7 +137,7 @@ class InferenceRoutes:
             trace.crashed()  # the middleware logs it and answers 500
             raise
         finally:
-            await trace.account(self._metrics, self._runlog)
+            trace.account(self._metrics, self._runlog)
 
     async def serve_stream(
         self,
@@ -166,7 +166,7 @@ class InferenceRoutes:
             trace.crashed()
             raise
         finally:
-            await trace.account(self._metrics, self._runlog)
+            trace.account(self._metrics, self._runlog)
 
     async def _run(
         self,
@@ -362,7 +362,7 @@ class _SseSink:
         self._events = events
         self._trace = trace
         self._writer = writer
-        self._write_delta = writer.delta  # looked up once, not per token
+        self._write_delta = writer.delta  # the writer is fixed for the stream
         self.pending: list[bytes] = []
         self.started = trace.started  # the start only times the run: the trace's own
 

@@ -143,7 +143,7 @@ class RunTrace:
         self.status = status
         self.error_code = "internal_error"
 
-    async def account(self, metrics: ApiMetrics, runlog: RunLog) -> None:
+    def account(self, metrics: ApiMetrics, runlog: RunLog) -> None:
         """The request's end in the metrics, and its record in the run log: called once,
         whatever way the request ended; a failing run log never fails the request."""
         ended_at = time.monotonic()
@@ -199,8 +199,8 @@ class RunTrace:
             cached_tokens=self.cached_tokens,
         )
         try:
-            # record() queues and never suspends, so even a second cancellation (server
+            # Synchronous (record() only queues), so even a second cancellation (server
             # shutdown) cannot cut it short: no shield (and no task per request) needed.
-            await runlog.record(record)
+            runlog.record(record)
         except Exception as exc:
             log_unexpected(exc, "could not record run {}", record.run_id)
