@@ -165,20 +165,22 @@ class RegisterRequest(_message.Message):
     def __init__(self, peer_id: _Optional[str] = ..., token: _Optional[str] = ..., version: _Optional[str] = ..., role: _Optional[_Union[PeerRole, str]] = ..., providers: _Optional[_Iterable[_Union[ProviderState, _Mapping]]] = ..., acknowledges_runs: _Optional[bool] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("accepted", "reason", "node_config", "heartbeat_interval_ms", "edge_id", "takes_folded_completions")
+    __slots__ = ("accepted", "reason", "node_config", "heartbeat_interval_ms", "edge_id", "takes_folded_completions", "takes_provider_load")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     NODE_CONFIG_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
     EDGE_ID_FIELD_NUMBER: _ClassVar[int]
     TAKES_FOLDED_COMPLETIONS_FIELD_NUMBER: _ClassVar[int]
+    TAKES_PROVIDER_LOAD_FIELD_NUMBER: _ClassVar[int]
     accepted: bool
     reason: str
     node_config: NodeConfig
     heartbeat_interval_ms: int
     edge_id: str
     takes_folded_completions: bool
-    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., node_config: _Optional[_Union[NodeConfig, _Mapping]] = ..., heartbeat_interval_ms: _Optional[int] = ..., edge_id: _Optional[str] = ..., takes_folded_completions: _Optional[bool] = ...) -> None: ...
+    takes_provider_load: bool
+    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., node_config: _Optional[_Union[NodeConfig, _Mapping]] = ..., heartbeat_interval_ms: _Optional[int] = ..., edge_id: _Optional[str] = ..., takes_folded_completions: _Optional[bool] = ..., takes_provider_load: _Optional[bool] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ("monotonic_ms",)
@@ -249,6 +251,16 @@ class CacheState(_message.Message):
     cached_tokens: int
     prefill_ms_per_token: float
     def __init__(self, prefixes: _Optional[_Iterable[_Union[CachedPrefix, _Mapping]]] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., prefill_ms_per_token: _Optional[float] = ...) -> None: ...
+
+class ProviderLoad(_message.Message):
+    __slots__ = ("in_flight", "queued", "cache")
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
+    CACHE_FIELD_NUMBER: _ClassVar[int]
+    in_flight: int
+    queued: int
+    cache: CacheState
+    def __init__(self, in_flight: _Optional[int] = ..., queued: _Optional[int] = ..., cache: _Optional[_Union[CacheState, _Mapping]] = ...) -> None: ...
 
 class ProviderSnapshot(_message.Message):
     __slots__ = ("node_id", "providers")
@@ -377,34 +389,38 @@ class RunDelta(_message.Message):
     def __init__(self, choice_index: _Optional[int] = ..., role: _Optional[str] = ..., text: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCallDelta, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., reasoning_text: _Optional[str] = ..., logprobs_json: _Optional[bytes] = ..., provider_us: _Optional[int] = ...) -> None: ...
 
 class RunComplete(_message.Message):
-    __slots__ = ("finish_reason", "usage", "result_json", "provider_us", "start")
+    __slots__ = ("finish_reason", "usage", "result_json", "provider_us", "start", "load")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     RESULT_JSON_FIELD_NUMBER: _ClassVar[int]
     PROVIDER_US_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
     finish_reason: str
     usage: Usage
     result_json: bytes
     provider_us: int
     start: RunStart
-    def __init__(self, finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., result_json: _Optional[bytes] = ..., provider_us: _Optional[int] = ..., start: _Optional[_Union[RunStart, _Mapping]] = ...) -> None: ...
+    load: ProviderLoad
+    def __init__(self, finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., result_json: _Optional[bytes] = ..., provider_us: _Optional[int] = ..., start: _Optional[_Union[RunStart, _Mapping]] = ..., load: _Optional[_Union[ProviderLoad, _Mapping]] = ...) -> None: ...
 
 class RunError(_message.Message):
-    __slots__ = ("code", "message", "provider_status", "provider_us", "context_window", "prompt_tokens")
+    __slots__ = ("code", "message", "provider_status", "provider_us", "context_window", "prompt_tokens", "load")
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     PROVIDER_STATUS_FIELD_NUMBER: _ClassVar[int]
     PROVIDER_US_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_WINDOW_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
     code: ErrorCode
     message: str
     provider_status: int
     provider_us: int
     context_window: int
     prompt_tokens: int
-    def __init__(self, code: _Optional[_Union[ErrorCode, str]] = ..., message: _Optional[str] = ..., provider_status: _Optional[int] = ..., provider_us: _Optional[int] = ..., context_window: _Optional[int] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
+    load: ProviderLoad
+    def __init__(self, code: _Optional[_Union[ErrorCode, str]] = ..., message: _Optional[str] = ..., provider_status: _Optional[int] = ..., provider_us: _Optional[int] = ..., context_window: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., load: _Optional[_Union[ProviderLoad, _Mapping]] = ...) -> None: ...
 
 class RunAccepted(_message.Message):
     __slots__ = ()

@@ -9,7 +9,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from iop_edge.adapters.run_wire import failed as failed_event
-from iop_edge.adapters.run_wire import provider_reports
+from iop_edge.adapters.run_wire import provider_reports, run_event
 from iop_edge.domain.events import Completed, ErrorCode, RunOrder
 from iop_edge.domain.fleet import Fleet, ModelEntry, Operation, ProviderEntry
 from iop_edge.errors import ModelNotFound, NoProviderAvailable, QueueFull, QueueTimeout
@@ -253,3 +253,50 @@ async def test_a_provider_the_node_found_unreachable_is_skipped_at_once(
     dispatcher.deliver(run.run_id, failed_event(failed))
     # no snapshot yet, but the next request already goes to the other provider
     assert [(await dispatcher.open_run(spec())).provider_id for _ in range(2)] == ["b", "b"]
+
+
+async def test_a_runs_end_carries_its_providers_load_and_cache_without_a_snapshot(
+    dispatcher: Dispatch,
+) -> None:
+    """The node's ``ProviderLoad`` on a run's end reaches the run's provider after the
+    edge let go of the run's slot: the node's count is kept (a run of another edge still
+    there), the cache report replaces the last one, and a failed run's load counts too."""
+    dispatcher.pool.apply_fleet(fleet(capacity_a=3))
+    node_a = FakeNode("node-a")
+    available(dispatcher, node_a, "a")
+    slot = dispatcher.pool.slot("a")
+    assert slot is not None
+    run = await dispatcher.open_run(spec())
+    assert (slot.own_in_flight, slot.reported_in_flight) == (1, 0)
+
+    cache = pb.CacheState(prefixes=[pb.CachedPrefix(tail=7, blocks=3)], prompt_tokens=40)
+    load = pb.ProviderLoad(in_flight=1, queued=2, cache=cache)
+    end = run_event(
+        pb.RunEvent(run_id=run.run_id, complete={"finish_reason": "stop", "load": load})
+    )
+    assert isinstance(end, Completed)
+    assert end == Completed(finish_reason="stop")  # the load is the provider's, not the run's
+    dispatcher.deliver(run.run_id, end)
+    assert (slot.own_in_flight, slot.reported_in_flight, slot.node_queued) == (0, 1, 2)
+    assert slot.cache.held == {7: 3}
+    assert slot.cache.prompt_tokens == 40
+
+    run = await dispatcher.open_run(spec())
+    error = pb.RunError(code=pb.ERROR_CODE_PROVIDER_ERROR, load=pb.ProviderLoad(in_flight=0))
+    dispatcher.deliver(run.run_id, failed_event(error))
+    assert (slot.own_in_flight, slot.reported_in_flight, slot.node_queued) == (0, 0, 0)
+    assert slot.cache.held == {7: 3}  # a load without a cache account leaves the report
+
+
+async def test_a_runs_end_without_a_load_leaves_the_nodes_last_word(
+    dispatcher: Dispatch,
+) -> None:
+    """An older node sends no load: its last snapshot stands, lowered by the release."""
+    node_a = FakeNode("node-a")
+    states = [pb.ProviderState(provider_id="a", health=pb.HEALTH_AVAILABLE, queued=1)]
+    dispatcher.pool.node_connected(node_a, provider_reports(states))
+    slot = dispatcher.pool.slot("a")
+    assert slot is not None
+    run = await dispatcher.open_run(spec())
+    dispatcher.deliver(run.run_id, Completed(finish_reason="stop"))
+    assert (slot.own_in_flight, slot.reported_in_flight, slot.node_queued) == (0, 0, 1)

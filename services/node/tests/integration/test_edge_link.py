@@ -106,9 +106,12 @@ class NodeSession:
 class FakeEdge:
     """The edge's side of node registration, just enough to drive a real node."""
 
-    def __init__(self, providers: list[pb.ProviderConfig], *, folds: bool = False) -> None:
+    def __init__(
+        self, providers: list[pb.ProviderConfig], *, folds: bool = False, loads: bool = False
+    ) -> None:
         self.providers = providers
         self.folds = folds  # the edge takes folded completions (as the real edge does)
+        self.loads = loads  # the edge reads a run's end's load (as the real edge does)
         self.sessions: asyncio.Queue[NodeSession] = asyncio.Queue()
         self._pumps: set[asyncio.Task[None]] = set()
 
@@ -126,6 +129,7 @@ class FakeEdge:
                     heartbeat_interval_ms=30_000,
                     edge_id="test-edge",
                     takes_folded_completions=self.folds,
+                    takes_provider_load=self.loads,
                 ),
                 correlation_id=hello.message_id,
             )
@@ -350,3 +354,42 @@ async def test_a_completion_too_large_for_a_frame_fails_its_run_not_the_link(
             assert error.message.startswith("The answer is too large")
             await session.run("short", {"messages": [], "max_tokens": 2}, stream=False)
             assert (await session.events("short"))[-1].WhichOneof("kind") == "complete"
+
+
+async def test_an_edge_that_reads_loads_gets_them_on_each_runs_end_and_no_snapshot(
+    pki: Pki, tmp_path: Path
+) -> None:
+    """To an edge that takes ``ProviderLoad`` the run's end carries its provider's load
+    (its slot free again) and cache account (its prompt in it); a run's start and end
+    send no snapshot: the next snapshot is the one a config change asks for."""
+    edge = FakeEdge([mock_provider(tokens_per_second=0)], loads=True)
+    prompt = [{"role": "user", "content": "a question long enough for blocks " * 24}]
+
+    async def configure(session: NodeSession, capacity: int) -> None:
+        provider = mock_provider(tokens_per_second=0)
+        provider.capacity = capacity
+        config = pb.NodeConfig(node_id="node-a", providers=[provider])
+        await session.conn.send(pb.RegisterResponse(accepted=True, node_config=config))
+        await session.wait_for_snapshot(lambda p: p.capacity == capacity)
+
+    async with loopback_server(edge.handle, server_context(pki.edge)) as port:
+        async with running_node(pki, port, tmp_path, snapshot_interval_s=3600):
+            session = await asyncio.wait_for(edge.sessions.get(), 10)
+            await session.wait_for_snapshot(lambda p: p.health == pb.HEALTH_AVAILABLE)
+            await configure(session, 3)  # the registration's snapshots are all in
+            since = len(session.snapshots)
+            tails: set[int] = set()
+            for number in range(3):
+                run_id = f"r{number}"
+                await session.run(run_id, {"messages": prompt, "max_tokens": 2}, stream=True)
+                end = (await session.events(run_id))[-1]
+                assert end.WhichOneof("kind") == "complete"
+                load = end.complete.load
+                assert (load.in_flight, load.queued) == (0, 0)
+                [prefix] = load.cache.prefixes  # one conversation: one place, its newest
+                assert prefix.blocks >= 2
+                tails.add(prefix.tail)
+            assert len(tails) == 1  # the same prompt each time: the same cached prefix
+
+            await configure(session, 4)
+            assert [s.providers[0].capacity for s in session.snapshots[since:]] == [4]

@@ -335,24 +335,45 @@ def prompt_spec(run_id: str, operation: Operation = Operation.CHAT_COMPLETIONS) 
     return dataclasses.replace(spec(run_id), operation=operation, body_json=body_json)
 
 
+@dataclass
+class LoadChannel(Channel):
+    """Notes the provider's load and cached prompts as each event is sent: what the
+    link's channel puts on the run's end (``ProviderLoad``) or a snapshot then reports."""
+
+    runtime: ProviderRuntime | None = None
+    seen: list[tuple[int, tuple[tuple[int, int], ...]]] = field(default_factory=list)
+
+    def _note(self) -> None:
+        assert self.runtime is not None
+        self.seen.append((self.runtime.gate.in_flight, self.runtime.cache.view().prefixes))
+
+    def started(self, event: Started) -> None:
+        self._note()
+        super().started(event)
+
+    async def completed(self, completion: Completion) -> None:
+        self._note()
+        await super().completed(completion)
+
+
 async def test_a_served_prompt_is_in_the_account_before_its_slot_is_free() -> None:
-    """Every change the edge hears of after the slot is let go (its snapshot) already
-    names the prompt: the conversation's next turn is routed here from the first one."""
+    """The run's end the edge hears of (its load, or the snapshot it asks for) shows the
+    slot free and already names the prompt: the conversation's next turn is routed here
+    from that report on. A run's start and end ask for no snapshot of their own (the
+    run's events carry its load); only a health change does."""
     usage = Usage(300, 2, 302, cached_tokens=280, prefill_ms_per_token=1.5)
     adapter = Adapter(completion=Completion("stop", usage))
     s = setup(adapter)
-    seen: list[tuple[int, tuple[tuple[int, int], ...]]] = []
-    executor = RunExecutor(
-        s.history,
-        s.metrics,
-        lambda: seen.append((s.runtime.gate.in_flight, s.runtime.cache.view().prefixes)),
-    )
-    await executor.execute_run(s.runtime, prompt_spec("r1"), Channel())
+    changes: list[int] = []
+    executor = RunExecutor(s.history, s.metrics, lambda: changes.append(1))
+    channel = LoadChannel(runtime=s.runtime)
+    await executor.execute_run(s.runtime, prompt_spec("r1"), channel)
 
     chain = body_blocks(LONG_PROMPT)
     assert len(chain) == 4
     held = ((chain[-1], 4),)
-    assert seen == [(0, ()), (1, ()), (0, held)]  # queued, slot taken, ended
+    assert channel.seen == [(1, ()), (0, held)]  # slot taken, ended
+    assert changes == []
     view = s.runtime.cache.view()
     assert (view.prompt_tokens, view.cached_tokens) == (300, 280)
     assert view.prefill_ms_per_token == pytest.approx(1.5)

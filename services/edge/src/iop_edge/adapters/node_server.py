@@ -299,6 +299,7 @@ class NodeServer:
                 heartbeat_interval_ms=int(self._heartbeat_interval_s * 1000),
                 edge_id=self._edge_id,
                 takes_folded_completions=True,
+                takes_provider_load=True,
             ),
             correlation_id=first.message_id,
         )

@@ -1,10 +1,10 @@
 """Conversions between the edge's plain values and the protobuf contract (the one place).
 
-Run events in (``run_event``), run orders out (``run_request``), snapshots in
-(``provider_reports``, ``cache_report``), batch answers out (``lease_grant``,
-``line_result``). The run event conversion runs for every token: one ``WhichOneof``,
-plain field reads, one slotted dataclass; the delta's text is the string the message
-gave, not copied.
+Run events in (``run_event``, with the provider's load a run's end carries), run orders
+out (``run_request``), snapshots in (``provider_reports``, ``cache_report``), batch
+answers out (``lease_grant``, ``line_result``). The run event conversion runs for every
+token: one ``WhichOneof``, plain field reads, one slotted dataclass; the delta's text is
+the string the message gave, not copied.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from iop_edge.domain.events import (
     Delta,
     ErrorCode,
     Failed,
+    ProviderLoad,
     ProviderReport,
     RunEvent,
     RunOrder,
@@ -77,6 +78,7 @@ def run_event(event: pb.RunEvent) -> RunEvent | Accepted | None:
             c.result_json,
             c.provider_us,
             _start(c.start) if c.HasField("start") else None,
+            _load(c.load) if c.HasField("load") else None,
         )
     if kind == "error":
         return failed(event.error)
@@ -102,6 +104,13 @@ def failed(error: pb.RunError) -> Failed:
         error.provider_us,
         error.context_window,
         error.prompt_tokens,
+        _load(error.load) if error.HasField("load") else None,
+    )
+
+
+def _load(load: pb.ProviderLoad) -> ProviderLoad:
+    return ProviderLoad(
+        load.in_flight, load.queued, cache_report(load.cache) if load.HasField("cache") else None
     )
 
 

@@ -10,7 +10,7 @@ one small object per event, on the path every token takes, and nothing to copy
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 
 from iop_edge.domain.cache_report import CacheReport
@@ -101,6 +101,9 @@ class Completed:
     result_json: bytes = b""
     provider_us: int = 0  # the node's wait on the provider over the run (x-iop-overhead-ms)
     start: Started | None = None
+    load: ProviderLoad | None = field(default=None, compare=False, repr=False)
+    """The run's provider as the run ended, from a node that sends it (``ProviderLoad``):
+    about the provider, not the run, so no part of the outcome's value."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +116,8 @@ class Failed:
     provider_us: int = 0  # the node's wait on the provider before it failed
     context_window: int = 0  # with CONTEXT_LENGTH_EXCEEDED: the provider's numbers (0: unsaid)
     prompt_tokens: int = 0
+    load: ProviderLoad | None = field(default=None, compare=False, repr=False)
+    """As ``Completed.load``: the provider's, never the run's."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,6 +166,16 @@ class RunOrder:
     # prompt's block hashes come with it (``iop_proto.prefix``; empty when not prompted).
     body_prepared: bool = False
     prompt_blocks: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class ProviderLoad:
+    """A run's provider as its node saw it once the run let go of its slot (the node's
+    ``ProviderLoad``, on the run's end): the part of a snapshot a run changes."""
+
+    in_flight: int
+    queued: int
+    cache: CacheReport | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -130,12 +130,18 @@ class Dispatcher:
         run = self._runs.get(run_id)
         if run is None:
             return False
-        if type(event) is Failed:
+        if not isinstance(event, Completed | Failed):
+            run.deliver(event)
+            return True
+        node_id, provider_id = run.node_id, run.provider_id
+        if isinstance(event, Failed):
             if event.code is ErrorCode.PROVIDER_UNAVAILABLE:
-                self._registry.mark_unavailable(run.provider_id)
+                self._registry.mark_unavailable(provider_id)
             elif event.provider_status == NOT_IMPLEMENTED:  # before a failover chooses again
-                self._registry.refuse_operation(run.provider_id, run.spec.operation)
-        run.deliver(event)
+                self._registry.refuse_operation(provider_id, run.spec.operation)
+        run.deliver(event)  # the run's end: the edge's slot is free again when it returns
+        if event.load is not None:  # the node's count after the run: the one to keep
+            self._registry.apply_load(node_id, provider_id, event.load)
         return True
 
     def run(self, run_id: str) -> RequestRun | None:

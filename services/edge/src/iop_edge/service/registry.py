@@ -22,7 +22,7 @@ from typing import Protocol
 
 from loguru import logger
 
-from iop_edge.domain.events import Completed, Failed, ProviderReport
+from iop_edge.domain.events import Completed, Failed, ProviderLoad, ProviderReport
 from iop_edge.domain.faults import counts_against_provider
 from iop_edge.domain.fleet import Fleet, Operation
 from iop_edge.domain.outliers import OutlierPolicy, Phase
@@ -158,6 +158,25 @@ class ProviderRegistry:
             changed.update(slot.model_ids())
         if self._listener is not None:
             self._listener.slots_changed(sorted(changed, key=self._model_rank.__getitem__))
+
+    def apply_load(self, node_id: str, provider_id: str, load: ProviderLoad) -> None:
+        """What a run's end says of its provider (the run's own: the run's events come
+        from its node's connection only), after the edge let go of the run's slot: the
+        snapshot's load and cache without the snapshot. Only a changed count moves the
+        indexes and serves the queues."""
+        slot = self._slots.get(provider_id)
+        if slot is None or slot.node_id != node_id:
+            return  # left the fleet, or moved to another node, since the run started
+        slot.node_queued = load.queued
+        if load.cache is not None:
+            slot.cache = load.cache
+        if load.in_flight != slot.reported_in_flight:
+            slot.update(reported_in_flight=load.in_flight)
+            self._metrics.publish_slot(slot)
+            if self._listener is not None:
+                self._listener.slots_changed(
+                    sorted(slot.model_ids(), key=self._model_rank.__getitem__)
+                )
 
     def mark_unavailable(self, provider_id: str) -> None:
         """The node found its provider unreachable: stop routing to it now rather than

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import ssl
 import time
+from collections.abc import Callable
 
 from loguru import logger
 
@@ -21,6 +22,7 @@ from iop_node.domain.runs import Completion, Delta
 from iop_node.entrypoints import wire
 from iop_node.errors import AnswerTooLarge, RunCancelled
 from iop_node.metrics import NodeMetrics
+from iop_node.runtime import ProviderRuntime
 from iop_node.service.providers import NodeCore
 from iop_node.settings import NodeSettings
 from iop_proto.connection import Connection
@@ -58,15 +60,32 @@ class ConnectionChannel:
     checks and routes one event, not three, for every fast non-streamed run.
     Events are numbered as they leave, so the run's numbers have no gaps either way.
 
+    ``runtime``: the run's provider, for an edge that reads a run's end's load
+    (``takes_provider_load``): the terminal event carries the provider's load and cache
+    account as they are once the run let go of its slot, which is all a snapshot would
+    have told of the run. ``changed``: for an edge that does not, what asks for a
+    snapshot as the run takes its slot and once its terminal event is sent (the
+    snapshot path older edges read the load from).
+
     The adapter streams into the channel directly (``RunChannel``): the first delta
     carries the wait on the provider since ``started``, and ``first_token_ms`` notes
     when it left, for the run's history.
     """
 
-    def __init__(self, conn: Connection, run_id: str, *, fold: bool = False) -> None:
+    def __init__(
+        self,
+        conn: Connection,
+        run_id: str,
+        *,
+        fold: bool = False,
+        runtime: ProviderRuntime | None = None,
+        changed: Callable[[], None] | None = None,
+    ) -> None:
         self._conn = conn
         self._run_id = run_id
         self._fold = fold
+        self._runtime = runtime
+        self._changed = changed
         self._sequence = 0
         self._start: pb.RunEvent | None = None
         self._ack: pb.RunEvent | None = None
@@ -122,6 +141,8 @@ class ConnectionChannel:
     def started(self, event: Started) -> None:
         self._start = wire.start_event(event)  # leaves with the run's next event
         self._provider_began = time.perf_counter()
+        if self._changed is not None:
+            self._changed()
 
     async def delta(self, delta: Delta) -> None:
         if self.first_token_ms:
@@ -132,16 +153,28 @@ class ConnectionChannel:
         await self._send(wire.delta_event(delta, waited_us), defer=True)
 
     async def completed(self, completion: Completion) -> None:
-        event = wire.complete_event(completion)
+        runtime = self._runtime
+        load = None if runtime is None else wire.provider_load(runtime.gate, runtime.cache.view())
+        event = wire.complete_event(completion, load)
         if self._fold and self._ack is not None and self._start is not None:
             event.complete.start.CopyFrom(self._start.start)
             self._ack = self._start = None  # the completion acknowledges and starts it
             if self._ack_timer is not None:
                 self._ack_timer.cancel()
-        await self._send(event)
+        try:
+            await self._send(event)
+        finally:
+            if self._changed is not None:
+                self._changed()
 
     async def failed(self, failure: Failed) -> None:
-        await self._send(wire.failed_event(failure))
+        runtime = self._runtime
+        load = None if runtime is None else wire.provider_load(runtime.gate, runtime.cache.view())
+        try:
+            await self._send(wire.failed_event(failure, load))
+        finally:
+            if self._changed is not None:
+                self._changed()
 
 
 class EdgeLink(Dialer):
@@ -165,6 +198,7 @@ class EdgeLink(Dialer):
         self._dirty = asyncio.Event()
         self._draining = False
         self._folds = False  # the edge takes folded completions (its registration says)
+        self._loads = False  # the edge reads a run's end's load (its registration says)
         core.on_change(self._dirty.set)
 
     def _register_request(self) -> pb.RegisterRequest:
@@ -180,6 +214,7 @@ class EdgeLink(Dialer):
     async def _accepted(self, conn: Connection, response: pb.RegisterResponse) -> str:
         # this connection's edge: config updates later carry no capabilities
         self._folds = response.takes_folded_completions
+        self._loads = response.takes_provider_load
         await self._apply(response.node_config)
         return f" ({len(response.node_config.providers)} providers)"
 
@@ -203,9 +238,17 @@ class EdgeLink(Dialer):
         async for envelope in conn:
             kind = envelope.WhichOneof("body")
             if kind == "run_request":
-                run_id = envelope.run_request.run_id
-                channel = ConnectionChannel(conn, run_id, fold=self._folds)
-                if self._core.start_run(wire.run_order(envelope.run_request), channel):
+                request = envelope.run_request
+                if self._loads:
+                    runtime = self._core.providers.get(request.provider_id)
+                    channel = ConnectionChannel(
+                        conn, request.run_id, fold=self._folds, runtime=runtime
+                    )
+                else:
+                    channel = ConnectionChannel(
+                        conn, request.run_id, fold=self._folds, changed=self._dirty.set
+                    )
+                if self._core.start_run(wire.run_order(request), channel):
                     channel.accepted()
             elif kind == "cancel_request":
                 cancel = envelope.cancel_request
@@ -220,7 +263,13 @@ class EdgeLink(Dialer):
                 raise UnexpectedMessage(f"a node does not accept {kind} from the edge")
 
     async def _send_snapshots(self, conn: Connection) -> None:
-        """On every change (coalesced) and every ``snapshot_interval_s`` anyway."""
+        """On every change (coalesced) and every ``snapshot_interval_s`` anyway.
+
+        A change is what the runs do not carry: health, served models, config, the
+        drain; and, for an edge that does not read a run's end's load, each run's end.
+        The periodic one brings the node's queue and the cache account to the edge
+        also when nothing ended (a run still queued, a run whose end the edge dropped).
+        """
         self._dirty.set()
         while True:
             # asyncio.timeout, not wait_for: on 3.11 wait_for loses a cancel that comes

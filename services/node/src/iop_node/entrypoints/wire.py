@@ -1,8 +1,9 @@
 """Conversions between the node's domain types and the protobuf contract (the one place).
 
 In: provider configs and run orders (``run_order``). Out: provider states and run
-events (``delta_event``, ``complete_event``, ``start_event``, ``failed_event``), with
-the error codes' wire numbers. Nothing else in the node imports ``iop_proto.v1``.
+events (``delta_event``, ``complete_event``, ``start_event``, ``failed_event``, a run's
+end with its provider's load: ``provider_load``), with the error codes' wire numbers.
+Nothing else in the node imports ``iop_proto.v1``.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from iop_node.domain.admission import AdmissionGate
+from iop_node.domain.cache_account import CacheView
 from iop_node.domain.events import Failed, Started
 from iop_node.domain.health import Health
 from iop_node.domain.provider import ProviderConfig
@@ -129,8 +132,9 @@ def delta_event(delta: Delta, provider_us: int = 0) -> pb.RunEvent:
     return pb.RunEvent(delta=fields)
 
 
-def complete_event(completion: Completion) -> pb.RunEvent:
-    """The ``run.event`` that ends a run well, with the provider's result when it gave one."""
+def complete_event(completion: Completion, load: dict[str, Any] | None = None) -> pb.RunEvent:
+    """The ``run.event`` that ends a run well, with the provider's result when it gave one
+    (``load``: its provider's, ``provider_load``, for an edge that reads it)."""
     fields: dict[str, Any] = {
         "finish_reason": completion.finish_reason,
         "provider_us": completion.provider_us,
@@ -141,6 +145,8 @@ def complete_event(completion: Completion) -> pb.RunEvent:
         fields["result_json"] = completion.result_json
     elif completion.result is not None:
         fields["result_json"] = json_codec.dumps(completion.result)
+    if load is not None:
+        fields["load"] = load
     return pb.RunEvent(complete=fields)
 
 
@@ -154,17 +160,34 @@ def start_event(start: Started) -> pb.RunEvent:
     )
 
 
-def failed_event(failure: Failed) -> pb.RunEvent:
-    return pb.RunEvent(
-        error={
-            "code": _CODES[failure.code],
-            "message": failure.message,
-            "provider_status": failure.provider_status,
-            "provider_us": failure.provider_us,
-            "context_window": failure.context_window,
-            "prompt_tokens": failure.prompt_tokens,
-        }
-    )
+def failed_event(failure: Failed, load: dict[str, Any] | None = None) -> pb.RunEvent:
+    fields: dict[str, Any] = {
+        "code": _CODES[failure.code],
+        "message": failure.message,
+        "provider_status": failure.provider_status,
+        "provider_us": failure.provider_us,
+        "context_window": failure.context_window,
+        "prompt_tokens": failure.prompt_tokens,
+    }
+    if load is not None:
+        fields["load"] = load
+    return pb.RunEvent(error=fields)
+
+
+def provider_load(gate: AdmissionGate, cache: CacheView) -> dict[str, Any]:
+    """A run's provider as the run ends (``pb.ProviderLoad``, as the event's dict): the
+    load and the cache account its snapshot would carry, for an edge that reads them."""
+    return {"in_flight": gate.in_flight, "queued": gate.queued, "cache": _cache_state(cache)}
+
+
+def _cache_state(cache: CacheView) -> dict[str, Any]:
+    """The cache account (``pb.CacheState``; a rate of 0: unknown)."""
+    return {
+        "prefixes": [{"tail": t, "blocks": b} for t, b in cache.prefixes],
+        "prompt_tokens": cache.prompt_tokens,
+        "cached_tokens": cache.cached_tokens,
+        "prefill_ms_per_token": cache.prefill_ms_per_token or 0.0,
+    }
 
 
 def provider_state(status: ProviderStatus) -> pb.ProviderState:
@@ -188,10 +211,5 @@ def provider_state(status: ProviderStatus) -> pb.ProviderState:
         ),
         last_probe_unix_ms=status.last_probe_unix_ms,
         detail=status.detail,
-        cache=pb.CacheState(  # the cache account; 0: a rate unknown
-            prefixes=[pb.CachedPrefix(tail=t, blocks=b) for t, b in status.cache.prefixes],
-            prompt_tokens=status.cache.prompt_tokens,
-            cached_tokens=status.cache.cached_tokens,
-            prefill_ms_per_token=status.cache.prefill_ms_per_token or 0.0,
-        ),
+        cache=_cache_state(status.cache),
     )

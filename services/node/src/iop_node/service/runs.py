@@ -79,10 +79,8 @@ class RunExecutor:
                 async with scope:
                     queue_wait_s = 0.0
                     if gate is not None:
-                        self._on_change()  # queued may grow
                         queue_wait_s = await gate.acquire()
                         slot_taken_at = loop.time()
-                        self._on_change()
                         scope.reschedule(spec.deadline)
                         meters.queue_wait.observe(queue_wait_s)
                     started_ms = time.time_ns() // 1_000_000
@@ -110,9 +108,9 @@ class RunExecutor:
                     if not completion.provider_us:
                         provider_us = int((time.perf_counter() - provider_began) * 1_000_000)
                         completion = dataclasses.replace(completion, provider_us=provider_us)
-                    # Before the slot is let go: every snapshot that shows the run ended
-                    # shows its prompt cached too, so the edge routes the conversation's
-                    # next turn here from the first snapshot it gets after the answer.
+                    # Before the slot is let go: the run's end (its load, or a snapshot)
+                    # that shows the slot free shows the prompt cached too, so the edge
+                    # routes the conversation's next turn here from that report on.
                     if spec.operation in PROMPTED:
                         served = completion.usage or Usage()  # none: the prompt is kept
                         blocks = spec.prompt_blocks
@@ -211,13 +209,13 @@ class RunExecutor:
             if slot_taken_at is not None:
                 meters.service_time.observe(loop.time() - slot_taken_at)
             runtime.publish_load(meters)  # the health, if this run changed it, is published
-            self._on_change()
 
     def _mark_unavailable(self, runtime: ProviderRuntime, detail: str) -> None:
         runtime.cache.forget()  # the engine is not there: nor is its cache
         if runtime.health.mark_unavailable(detail):
             logger.warning("provider {} unavailable: {}", runtime.config.id, detail)
             runtime.publish(self._metrics)
+            self._on_change()  # health: the edge hears of it in a snapshot
         assert runtime.health.state is Health.UNAVAILABLE
 
 
