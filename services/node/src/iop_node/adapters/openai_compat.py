@@ -305,21 +305,31 @@ async def _read_stream(
                     finish_reasons[delta.choice_index] = delta.finish_reason
                 await sink.delta(delta)
     finish = finish_reasons.get(0) or next(iter(finish_reasons.values()), "")
-    return Completion(finish_reason=finish, usage=_with_timings(usage, timings), result=None)
+    if timings is not None:
+        usage = _with_timings(usage, timings)
+    return Completion(finish_reason=finish, usage=usage, result=None)
 
 
 def _choice_delta(choice: Any, text_mode: bool) -> Delta | None:
     """One choice of a chunk as a ``Delta``; ``None`` when it carries nothing."""
+    # A chunk's fields as ``_str`` and ``_int`` read them, written out: a stream runs
+    # this for every chunk.
     if not isinstance(choice, dict):
         return None
-    index = _int(choice.get("index"))
-    finish = _str(choice.get("finish_reason"))
+    index = choice.get("index")
+    if type(index) is not int:
+        index = 0
+    finish = choice.get("finish_reason")
+    if not isinstance(finish, str):
+        finish = ""
     logprobs = choice.get("logprobs")
     # Forwarded as JSON, written once here (the chunk is parsed already): the edge
     # splices it into its chunk unparsed.
     logprobs_json = json_codec.dumps(logprobs) if logprobs else b""
     if text_mode:
-        text = _str(choice.get("text"))
+        text = choice.get("text")
+        if not isinstance(text, str):
+            text = ""
         if not text and not finish:
             return None
         return Delta(
@@ -328,9 +338,15 @@ def _choice_delta(choice: Any, text_mode: bool) -> Delta | None:
     body = choice.get("delta")
     if not isinstance(body, dict):
         body = {}
-    text = _str(body.get("content"))
-    role = _str(body.get("role"))
-    reasoning = _str(body.get("reasoning_content")) or _str(body.get("reasoning"))
+    text = body.get("content")
+    if not isinstance(text, str):
+        text = ""
+    role = body.get("role")
+    if not isinstance(role, str):
+        role = ""
+    reasoning = body.get("reasoning_content") or body.get("reasoning") or ""
+    if not isinstance(reasoning, str):
+        reasoning = _str(body.get("reasoning"))  # a stray non-string first: the other
     calls = body.get("tool_calls")
     tool_calls = (
         tuple(_tool_call(call, i) for i, call in enumerate(calls) if isinstance(call, dict))
@@ -391,12 +407,19 @@ def _read_result(body: bytes, operation: Operation, provider_us: int = 0) -> Com
 def _usage(value: Any) -> Usage | None:
     if not isinstance(value, dict):
         return None
-    prompt = _int(value.get("prompt_tokens"))
-    completion = _int(value.get("completion_tokens"))
-    total = _int(value.get("total_tokens")) or prompt + completion
+    # JSON's integers are exactly int (a bool, an int subclass, is not a count): ``_int``
+    prompt = value.get("prompt_tokens")
+    if type(prompt) is not int:
+        prompt = 0
+    completion = value.get("completion_tokens")
+    if type(completion) is not int:
+        completion = 0
+    total = value.get("total_tokens")
+    if type(total) is not int:
+        total = 0
     details = value.get("prompt_tokens_details")
     cached = _int(details.get("cached_tokens")) if isinstance(details, dict) else 0
-    return Usage(prompt, completion, total, cached_tokens=min(cached, prompt))
+    return Usage(prompt, completion, total or prompt + completion, min(cached, prompt))
 
 
 def _with_timings(usage: Usage | None, timings: Any) -> Usage | None:
