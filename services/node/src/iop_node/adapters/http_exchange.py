@@ -182,16 +182,6 @@ class Exchange(asyncio.Protocol):
         self.pending = True
         self.transport.write(request)
 
-    @property
-    def reusable(self) -> bool:
-        return (
-            self.complete
-            and not self.body
-            and self.transport is not None
-            and not self.transport.is_closing()
-            and self.keep_alive
-        )
-
     def close(self) -> None:
         if self._finishing is not None:
             self._finishing.cancel()
