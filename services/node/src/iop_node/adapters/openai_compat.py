@@ -196,7 +196,49 @@ class OpenAICompatAdapter:
         timeout = asyncio.timeout_at(spec.deadline)
         try:
             async with timeout:
-                return await self._execute(spec, sink)
+                url = self._base + _PATHS[spec.operation]
+                data = self._payload(spec)
+                began = time.perf_counter()  # the provider's time: the HTTP exchange, not our work
+                try:
+                    response = await self._http.request(
+                        "POST",
+                        url,
+                        body=data,
+                        headers=self._post_headers,
+                        connect_timeout_s=CONNECT_TIMEOUT_S,
+                    )
+                except ProviderHttpError as exc:
+                    # No response at all: refused, DNS, TLS, reset or connect timeout.
+                    raise ProviderUnavailable(f"{url}: {_describe(exc)}") from exc
+                try:
+                    if response.status >= 400:
+                        failure = await _http_failure(response, spec)
+                        response.release()  # read to the end (usually): the connection is reused
+                        raise failure
+                    if spec.stream and response.content_type != "application/json":
+                        completion = await _read_stream(response, spec, sink, self._max_answer)
+                    elif spec.stream:
+                        # A server that ignored ``stream`` answers with one JSON body: an error
+                        # object at best, and nothing we could replay as deltas otherwise.
+                        _read_result(await read_answer(response, self._max_answer), spec.operation)
+                        raise ProviderFailed(f"{url}: asked for a stream, got one JSON body")
+                    else:
+                        # At most a frame's worth, refused past it unparsed (``answer_read``).
+                        body = await read_answer(response, self._max_answer)
+                        provider_us = int((time.perf_counter() - began) * 1_000_000)
+                        completion = _read_result(body, spec.operation, provider_us)
+                except ProviderConnectionLost as exc:
+                    response.close()
+                    raise ProviderFailed(
+                        f"{url}: connection lost mid-response: {_describe(exc)}"
+                    ) from exc
+                except BaseException:
+                    # Cancellation, deadline, sink gone or a bad answer: drop the connection so
+                    # the provider stops generating (a pooled connection would keep the slot busy).
+                    response.close()
+                    raise
+                response.release()
+                return completion
         except TimeoutError:
             if timeout.expired():
                 raise ProviderTimeout(f"{self.name} run passed its deadline") from None
@@ -217,49 +259,6 @@ class OpenAICompatAdapter:
         )
         provider_us = int((time.perf_counter() - began) * 1_000_000)
         return Completion(usage=Usage(counted, 0, counted), provider_us=provider_us)
-
-    async def _execute(self, spec: ExecutionSpec, sink: EventSink) -> Completion:
-        url = self._base + _PATHS[spec.operation]
-        data = self._payload(spec)
-        began = time.perf_counter()  # the provider's time: the HTTP exchange, not our work
-        try:
-            response = await self._http.request(
-                "POST",
-                url,
-                body=data,
-                headers=self._post_headers,
-                connect_timeout_s=CONNECT_TIMEOUT_S,
-            )
-        except ProviderHttpError as exc:
-            # No response at all: refused, DNS, TLS, reset or connect timeout.
-            raise ProviderUnavailable(f"{url}: {_describe(exc)}") from exc
-        try:
-            if response.status >= 400:
-                failure = await _http_failure(response, spec)
-                response.release()  # read to the end (usually): the connection can be reused
-                raise failure
-            if spec.stream and response.content_type != "application/json":
-                completion = await _read_stream(response, spec, sink, self._max_answer)
-            elif spec.stream:
-                # A server that ignored ``stream`` answers with one JSON body: an error
-                # object at best, and nothing we could replay as deltas otherwise.
-                _read_result(await read_answer(response, self._max_answer), spec.operation)
-                raise ProviderFailed(f"{url}: asked for a stream, got one JSON body")
-            else:
-                # At most a frame's worth, refused past it unparsed (``answer_read``).
-                body = await read_answer(response, self._max_answer)
-                provider_us = int((time.perf_counter() - began) * 1_000_000)
-                completion = _read_result(body, spec.operation, provider_us)
-        except ProviderConnectionLost as exc:
-            response.close()
-            raise ProviderFailed(f"{url}: connection lost mid-response: {_describe(exc)}") from exc
-        except BaseException:
-            # Cancellation, deadline, sink gone or a bad answer: drop the connection so
-            # the provider stops generating (a pooled connection would keep the slot busy).
-            response.close()
-            raise
-        response.release()
-        return completion
 
     def _payload(self, spec: ExecutionSpec) -> bytes:
         """The upstream body: the edge's prepared bytes as they came, or (an older
