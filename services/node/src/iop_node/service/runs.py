@@ -210,7 +210,6 @@ class RunExecutor:
                 metrics.child(tokens, provider_id, "cached").inc(usage.cached_tokens)
             if slot_taken_at is not None:
                 meters.service_time.observe(loop.time() - slot_taken_at)
-            runtime.publish_load(meters)  # the health, if this run changed it, is published
             self._on_change()
 
     def _mark_unavailable(self, runtime: ProviderRuntime, detail: str) -> None:
