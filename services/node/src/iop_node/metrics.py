@@ -18,21 +18,11 @@ from iop_proto.loop_metrics import (
     Counter,
     Gauge,
     Histogram,
-    HistogramChild,
     Labelled,
 )
 
 _WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _SERVICE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
-
-
-@dataclass(frozen=True, slots=True)
-class ProviderMeters:
-    """One provider's series that every run writes: its queue wait and its service
-    time. (Its tokens appear with the first run that reports usage: ``child``.)"""
-
-    queue_wait: HistogramChild
-    service_time: HistogramChild
 
 
 class LoadGauge(Gauge):
@@ -72,8 +62,7 @@ class NodeMetrics:
     edge_connected: ClientGauge  # not per run: prometheus_client's
     gates: dict[str, AdmissionGate]
     """The admission gates the load gauges read, by provider."""
-    # (provider, metric, *other labels) -> the metric's child for them (``child``), or
-    # (provider, "meters") -> its ``ProviderMeters`` (``meters``).
+    # (provider, metric, *other labels) -> the metric's child for them (``child``)
     _children: dict[tuple[Any, ...], Any] = field(default_factory=dict, init=False, repr=False)
 
     @classmethod
@@ -154,18 +143,6 @@ class NodeMetrics:
         found = self._children.get(key)
         if found is None:
             found = self._children[key] = metric.labels(provider_id, *labels)
-        return found
-
-    def meters(self, provider_id: str) -> ProviderMeters:
-        """The provider's children that every run writes, looked up together and kept;
-        ``forget`` drops them with the provider."""
-        key = (provider_id, "meters")
-        found: ProviderMeters | None = self._children.get(key)
-        if found is None:
-            found = self._children[key] = ProviderMeters(
-                queue_wait=self.queue_wait.labels(provider_id),
-                service_time=self.service_time.labels(provider_id),
-            )
         return found
 
     def forget(self, provider_id: str) -> None:

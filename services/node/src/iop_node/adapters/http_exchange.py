@@ -286,7 +286,11 @@ class ProviderResponse:
         (within ``FINISH_S``; else it is closed)."""
         if not self._done:
             self._done = True
-            self._exchange.release()
+            exchange = self._exchange
+            if exchange.complete:  # read to its end: pooled now (``Exchange.release``)
+                exchange.pool.put_back(exchange)
+            else:
+                exchange.release()
 
     def close(self) -> None:
         """Drop the connection now (the engine sees the disconnect)."""

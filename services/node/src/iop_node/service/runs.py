@@ -65,7 +65,6 @@ class RunExecutor:
         received_ms = time.time_ns() // 1_000_000
         started_ms = 0
         outcome, code, message, completion = "failed", "", "", None
-        meters = self._metrics.meters(spec.provider_id)
         adapter = runtime.adapter  # a config change must not swap it mid-run
         gate = None if spec.operation is Operation.COUNT_TOKENS else runtime.gate
         slot_taken_at: float | None = None
@@ -84,7 +83,8 @@ class RunExecutor:
                         slot_taken_at = loop.time()
                         self._on_change()
                         scope.reschedule(spec.deadline)
-                        meters.queue_wait.observe(queue_wait_s)
+                        metrics = self._metrics
+                        metrics.child(metrics.queue_wait, spec.provider_id).observe(queue_wait_s)
                     started_ms = time.time_ns() // 1_000_000
                     await self._history.run_started(
                         RunRecord(
@@ -209,7 +209,8 @@ class RunExecutor:
                 metrics.child(tokens, provider_id, "completion").inc(usage.completion_tokens)
                 metrics.child(tokens, provider_id, "cached").inc(usage.cached_tokens)
             if slot_taken_at is not None:
-                meters.service_time.observe(loop.time() - slot_taken_at)
+                service_time = metrics.child(metrics.service_time, provider_id)
+                service_time.observe(loop.time() - slot_taken_at)
             self._on_change()
 
     def _mark_unavailable(self, runtime: ProviderRuntime, detail: str) -> None:
