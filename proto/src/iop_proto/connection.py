@@ -285,7 +285,7 @@ class Connection:
             try:
                 envelope = frames.next_frame()
                 while envelope is None:
-                    if frames.in_frame and self.frame_read_timeout:
+                    if frames.partial and self.frame_read_timeout:
                         data = await self._read_rest_of_frame(self.frame_read_timeout)
                     else:
                         data = await self._reader.read(READ_SIZE)
