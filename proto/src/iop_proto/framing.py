@@ -131,8 +131,8 @@ class FrameBuffer:
             self.partial = True
             return None
         self._pos = end
-        # The slice is the one copy (protobuf parses a bytearray as it parses bytes, and
-        # keeps nothing of it): no memoryview and bytes() calls per frame.
+        # The slice is the one copy: protobuf parses a bytearray as it parses bytes,
+        # and keeps nothing of it.
         return decode_payload(data[pos + HEADER.size : end])
 
     @property

@@ -311,8 +311,8 @@ async def _read_stream(
 
 def _choice_delta(choice: Any, text_mode: bool) -> Delta | None:
     """One choice of a chunk as a ``Delta``; ``None`` when it carries nothing."""
-    # A chunk's fields as ``_str`` and ``_int`` read them, written out: a stream runs
-    # this for every chunk.
+    # A chunk's fields are read as ``_str`` and ``_int`` read them: a null or a stray
+    # type is empty (or 0), never an error.
     if not isinstance(choice, dict):
         return None
     index = choice.get("index")
@@ -350,7 +350,7 @@ def _choice_delta(choice: Any, text_mode: bool) -> Delta | None:
     tool_calls = (
         tuple(_tool_call(call, i) for i, call in enumerate(calls) if isinstance(call, dict))
         if calls
-        else ()  # most chunks: no generator to build and run for nothing
+        else ()
     )
     if not (text or role or reasoning or tool_calls or finish):
         return None
