@@ -191,8 +191,8 @@ class Connection:
     def envelope(self, body: object, correlation_id: str = "") -> pb.Envelope:
         """Wrap a body in a new envelope (its id is known before it is sent).
 
-        The body goes in as a constructor argument (protobuf copies it in C), not
-        by ``getattr(envelope, field).CopyFrom(body)``: two Python calls fewer a send.
+        The body goes in as a constructor argument: protobuf copies it in, in C.
+        ``send`` builds its envelopes the same way, in place.
         """
         field = _BODY_FIELDS.get(type(body))
         if field is None:
@@ -208,17 +208,26 @@ class Connection:
     async def send(
         self, body: object, *, correlation_id: str = "", defer: bool = False
     ) -> pb.Envelope:
-        """Wrap a body message in an envelope, send it, and wait for drain.
+        """Wrap a body message in an envelope (or take an ``Envelope`` made already, by
+        ``envelope``), send it, and wait for drain; returns the envelope sent.
 
         ``defer``: leave with the other frames of this event-loop pass (see above).
         """
-        envelope = self.envelope(body, correlation_id)
-        await self.send_envelope(envelope, defer=defer)
-        return envelope
-
-    async def send_envelope(self, envelope: pb.Envelope, *, defer: bool = False) -> None:
         if self._closed.is_set() or self._writer.is_closing():
             raise ConnectionClosed(f"connection to {self.peer_name} is closed") from self._fault
+        if type(body) is pb.Envelope:
+            envelope = body
+        else:
+            field = _BODY_FIELDS.get(type(body))
+            if field is None:
+                raise TypeError(f"{type(body).__name__} is not an Envelope body")
+            oneof: dict[str, Any] = {field: body}  # the type checked just above
+            envelope = pb.Envelope(
+                message_id=f"{self._sender_id}-{next(self._ids)}",
+                correlation_id=correlation_id,
+                sent_at_unix_ms=time.time_ns() // 1_000_000,
+                **oneof,
+            )
         frame = encode_frame(envelope, self.max_frame_size)
         if defer:
             self._deferred.append(frame)
@@ -231,6 +240,11 @@ class Connection:
             self._writer.write(frame)
         # Returns at once unless the peer is behind (transport above its high-water mark).
         await self._writer.drain()
+        return envelope
+
+    async def send_envelope(self, envelope: pb.Envelope, *, defer: bool = False) -> None:
+        """Send an envelope made already (``envelope``: its id was needed first)."""
+        await self.send(envelope, defer=defer)
 
     def _running_loop(self) -> asyncio.AbstractEventLoop:
         """The loop the connection is used on, kept: on Python 3.11 every
@@ -253,16 +267,36 @@ class Connection:
     # ------------------------------------------------------------ receiving
 
     async def receive(self) -> pb.Envelope:
-        """The next non-heartbeat envelope.
+        """The next non-heartbeat envelope: one already read, or cut from what the
+        stream delivers next.
+
+        One ``read`` takes whatever has arrived, often several frames (a batch of
+        tokens, a run's start with its end), and ``FrameBuffer`` cuts them out: no
+        two exact-size reads per frame. A frame's payload must follow its header
+        within ``frame_read_timeout`` (``_read_rest_of_frame``).
 
         Raises the typed ``ProtocolError`` after closing on a bad frame, and
         ``ConnectionClosed`` once the connection is gone for any other reason.
         """
+        frames = self._frames
         while True:
             if self._closed.is_set():
                 raise self._closed_error()
             try:
-                envelope = await self._read_frame()
+                envelope = frames.next_frame()
+                while envelope is None:
+                    if frames.partial and self.frame_read_timeout:
+                        data = await self._read_rest_of_frame(self.frame_read_timeout)
+                    else:
+                        data = await self._reader.read(READ_SIZE)
+                    if not data:
+                        raise frames.end_of_stream()
+                    # Bytes are the sign of life, not whole frames: a large frame on a
+                    # slow link may take longer than the heartbeat verdict
+                    # (``frame_read_timeout`` bounds it).
+                    self._last_received = time.monotonic()
+                    frames.feed(data)
+                    envelope = frames.next_frame()
             except ProtocolError as fault:
                 if self._closed.is_set():  # our own close cut the read short
                     raise self._closed_error() from None
@@ -271,37 +305,13 @@ class Connection:
             except (ConnectionClosed, ConnectionError, OSError) as exc:
                 await self.close()
                 raise self._closed_error() from exc
+            self._frame_started = None
             kind = envelope.WhichOneof("body")
             if kind == "heartbeat":
                 continue
             if kind == "error":
                 self.peer_error = envelope.error
             return envelope
-
-    async def _read_frame(self) -> pb.Envelope:
-        """The next frame: one already read, or cut from what the stream delivers next.
-
-        One ``read`` takes whatever has arrived, often several frames (a batch of
-        tokens, a run's start with its end), and ``FrameBuffer`` cuts them out: no
-        two exact-size reads per frame. A frame's payload must follow its header
-        within ``frame_read_timeout`` (``_read_rest_of_frame``).
-        """
-        frames = self._frames
-        while True:
-            envelope = frames.next_frame()
-            if envelope is not None:
-                self._frame_started = None
-                return envelope
-            if frames.in_frame and self.frame_read_timeout:
-                data = await self._read_rest_of_frame(self.frame_read_timeout)
-            else:
-                data = await self._reader.read(READ_SIZE)
-            if not data:
-                raise frames.end_of_stream()
-            # Bytes are the sign of life, not whole frames: a large frame on a slow link
-            # may take longer than the heartbeat verdict (``frame_read_timeout`` bounds it).
-            self._last_received = time.monotonic()
-            frames.feed(data)
 
     async def _read_rest_of_frame(self, timeout_s: float) -> bytes:
         """Read on while a frame is incomplete, until ``timeout_s`` after its header came.
@@ -335,7 +345,7 @@ class Connection:
             self._frame_expired = False
 
     def _frame_overdue(self) -> None:
-        """The watchdog: cancel the read of a late frame (``_read_frame`` turns it into
+        """The watchdog: cancel the read of a late frame (``receive`` turns it into
         ``FrameReadTimeout``, as ``asyncio.timeout`` does). The reader itself is left
         alone: an exception set on it would also fail the writer's ``drain()``."""
         self._frame_watchdog = None

@@ -94,12 +94,15 @@ class FrameBuffer:
     before any payload is waited for.
     """
 
-    __slots__ = ("_data", "_max_frame_size", "_pos")
+    __slots__ = ("_data", "_max_frame_size", "_pos", "partial")
 
     def __init__(self, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE) -> None:
         self._data = bytearray()
         self._pos = 0  # where the next frame starts in _data
         self._max_frame_size = max_frame_size
+        self.partial = False
+        """Whether the last ``next_frame`` found a header without all of its payload
+        (``in_frame`` as of then: what a reader waits for next is the timed part)."""
 
     def feed(self, data: bytes) -> None:
         if self._pos == len(self._data):  # all consumed: start over, nothing to move
@@ -118,16 +121,18 @@ class FrameBuffer:
         """
         data, pos = self._data, self._pos
         if len(data) - pos < HEADER.size:
+            self.partial = False
             return None
         (length,) = HEADER.unpack_from(data, pos)
         if length > self._max_frame_size:
             raise FrameTooLarge(length, self._max_frame_size)
         end = pos + HEADER.size + length
         if len(data) < end:
+            self.partial = True
             return None
         self._pos = end
-        # The slice is the one copy (protobuf parses a bytearray as it parses bytes, and
-        # keeps nothing of it): no memoryview and bytes() calls per frame.
+        # The slice is the one copy: protobuf parses a bytearray as it parses bytes,
+        # and keeps nothing of it.
         return decode_payload(data[pos + HEADER.size : end])
 
     @property

@@ -3,19 +3,21 @@
 from __future__ import annotations
 
 import contextlib
+import operator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import CollectorRegistry
 from prometheus_client import Gauge as ClientGauge
+from prometheus_client.metrics_core import Metric
 
+from iop_node.domain.admission import AdmissionGate
 from iop_proto.loop_metrics import (
     Child,
     Counter,
     Gauge,
-    GaugeChild,
     Histogram,
-    HistogramChild,
     Labelled,
 )
 
@@ -23,46 +25,71 @@ _WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60
 _SERVICE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
 
-@dataclass(frozen=True, slots=True)
-class ProviderMeters:
-    """One provider's series that every run writes: its load (in flight, queued,
-    capacity), its queue wait and its service time. (Its tokens appear with the first
-    run that reports usage: ``child``.)"""
+class LoadGauge(Gauge):
+    """A provider's load (in flight, queued, capacity) as its admission gate holds it,
+    read when the metrics are scraped: the gate is the one count, always current, and
+    a run writes no gauge. Providers are watched from ``ProviderRuntime.publish`` on
+    (``NodeMetrics.gates``) until ``forget``."""
 
-    in_flight: GaugeChild
-    queued: GaugeChild
-    capacity: GaugeChild
-    queue_wait: HistogramChild
-    service_time: HistogramChild
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        read: Callable[[AdmissionGate], int],
+        gates: dict[str, AdmissionGate],
+        registry: CollectorRegistry,
+    ) -> None:
+        self._read = read
+        self._gates = gates
+        super().__init__(name, documentation, ["provider"], registry=registry)
+
+    def collect(self) -> Iterable[Metric]:
+        for provider_id, gate in self._gates.items():
+            self.labels(provider_id).set(self._read(gate))
+        return super().collect()
 
 
 @dataclass(frozen=True, slots=True)
 class NodeMetrics:
-    in_flight: Gauge
-    queued: Gauge
-    capacity: Gauge
+    in_flight: LoadGauge
+    queued: LoadGauge
+    capacity: LoadGauge
     health: Gauge
     queue_wait: Histogram
     service_time: Histogram
     runs: Counter
     tokens: Counter
     edge_connected: ClientGauge  # not per run: prometheus_client's
-    # (provider, metric, *other labels) -> the metric's child for them (``child``), or
-    # (provider, "meters") -> its ``ProviderMeters`` (``meters``).
+    gates: dict[str, AdmissionGate]
+    """The admission gates the load gauges read, by provider."""
+    # (provider, metric, *other labels) -> the metric's child for them (``child``)
     _children: dict[tuple[Any, ...], Any] = field(default_factory=dict, init=False, repr=False)
 
     @classmethod
     def create(cls, registry: CollectorRegistry) -> NodeMetrics:
         provider = ["provider"]
+        gates: dict[str, AdmissionGate] = {}
         return cls(
-            in_flight=Gauge(
-                "iop_node_provider_in_flight", "Runs executing", provider, registry=registry
+            in_flight=LoadGauge(
+                "iop_node_provider_in_flight",
+                "Runs executing",
+                operator.attrgetter("in_flight"),
+                gates,
+                registry,
             ),
-            queued=Gauge(
-                "iop_node_provider_queued", "Runs waiting for a slot", provider, registry=registry
+            queued=LoadGauge(
+                "iop_node_provider_queued",
+                "Runs waiting for a slot",
+                operator.attrgetter("queued"),
+                gates,
+                registry,
             ),
-            capacity=Gauge(
-                "iop_node_provider_capacity", "Configured slots", provider, registry=registry
+            capacity=LoadGauge(
+                "iop_node_provider_capacity",
+                "Configured slots",
+                operator.attrgetter("capacity"),
+                gates,
+                registry,
             ),
             health=Gauge(
                 "iop_node_provider_health",
@@ -102,6 +129,7 @@ class NodeMetrics:
                 "1 while registered with the edge",
                 registry=registry,
             ),
+            gates=gates,
         )
 
     def child(self, metric: Labelled[Child], provider_id: str, *labels: str) -> Child:
@@ -117,23 +145,9 @@ class NodeMetrics:
             found = self._children[key] = metric.labels(provider_id, *labels)
         return found
 
-    def meters(self, provider_id: str) -> ProviderMeters:
-        """The provider's children that every run writes, looked up together and kept;
-        ``forget`` drops them with the provider."""
-        key = (provider_id, "meters")
-        found: ProviderMeters | None = self._children.get(key)
-        if found is None:
-            found = self._children[key] = ProviderMeters(
-                in_flight=self.in_flight.labels(provider_id),
-                queued=self.queued.labels(provider_id),
-                capacity=self.capacity.labels(provider_id),
-                queue_wait=self.queue_wait.labels(provider_id),
-                service_time=self.service_time.labels(provider_id),
-            )
-        return found
-
     def forget(self, provider_id: str) -> None:
         """Drop a removed provider's series so a dashboard does not show ghosts."""
+        self.gates.pop(provider_id, None)
         for gauge in (self.in_flight, self.queued, self.capacity):
             with contextlib.suppress(KeyError):
                 gauge.remove(provider_id)

@@ -8,7 +8,7 @@ from iop_node.domain.admission import AdmissionGate
 from iop_node.domain.cache_account import DEFAULT_CACHE_PREFIXES, CacheAccount
 from iop_node.domain.health import Health, HealthTracker
 from iop_node.domain.provider import ProviderConfig
-from iop_node.metrics import NodeMetrics, ProviderMeters
+from iop_node.metrics import NodeMetrics
 from iop_node.ports import Adapter
 
 _STATES = tuple((state, state.value) for state in Health)
@@ -31,15 +31,9 @@ class ProviderRuntime:
     cache: CacheAccount = field(default_factory=lambda: CacheAccount(DEFAULT_CACHE_PREFIXES))
 
     def publish(self, metrics: NodeMetrics) -> None:
-        """Copy the live counters and the health into the metrics (on every change of them)."""
-        self.publish_load(metrics.meters(self.config.id))
+        """Show the provider in the metrics: its load (read from the gate at every
+        scrape) and its health (copied here, on every change of it)."""
         pid, current = self.config.id, self.health.state
+        metrics.gates[pid] = self.gate
         for state, name in _STATES:
             metrics.child(metrics.health, pid, name).set(1 if state is current else 0)
-
-    def publish_load(self, meters: ProviderMeters) -> None:
-        """Copy the live counters only: what every run changes (its health rarely does)."""
-        gate = self.gate
-        meters.in_flight.set(gate.in_flight)
-        meters.queued.set(gate.queued)
-        meters.capacity.set(gate.capacity)

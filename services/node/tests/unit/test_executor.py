@@ -256,6 +256,21 @@ async def test_a_cancelled_run_is_recorded_and_reraises() -> None:
     assert s.value("iop_node_provider_in_flight") == 0
 
 
+async def test_the_load_gauges_show_a_run_while_it_runs() -> None:
+    gate = asyncio.Event()
+    s = setup(Adapter(gate=gate))
+    task = asyncio.create_task(s.executor.execute_run(s.runtime, spec(), Channel()))
+    await s.history.a_run_started.wait()
+    # read at the scrape: the run holds its slot now, not only once it has ended
+    assert s.value("iop_node_provider_in_flight") == 1
+    assert s.value("iop_node_provider_capacity") == 1
+    gate.set()
+    await task
+    assert s.value("iop_node_provider_in_flight") == 0
+    s.metrics.forget("p1")
+    assert s.value("iop_node_provider_in_flight") is None
+
+
 @dataclass
 class GoneChannel(Channel):
     """The edge connection is gone: every send fails the way ``ConnectionChannel``'s do."""

@@ -122,6 +122,38 @@ async def test_one_connection_carries_request_after_request(client: ProviderHttp
         assert first.endswith(b"\r\n\r\n{}")
 
 
+async def test_each_request_carries_its_own_headers_length_and_body(client: ProviderHttp) -> None:
+    """A request's head is kept per method, URL and headers: what changes between two
+    requests (the headers, the body and its length, GET or POST) is what each sends."""
+    async with serve(keep_alive) as server:
+        url = server.url + "/v1/chat/completions"
+        await post(client, url, b"{}")
+        keyed = {**JSON, "Authorization": "Bearer k2"}
+        response = await client.request(
+            "POST", url, headers=keyed, body=b'{"a": 1}', connect_timeout_s=5
+        )
+        async with response:
+            await response.read()
+        response = await client.request(
+            "GET", server.url + "/v1/models", headers={}, connect_timeout_s=5
+        )
+        async with response:
+            await response.read()
+        await post(client, url, b"[]")
+        first, second, models, last = server.requests
+        assert b"Authorization" not in first
+        assert first.endswith(b"\r\n\r\n{}")
+        assert b"\r\nAuthorization: Bearer k2\r\n" in second
+        assert b"\r\nContent-Length: 8\r\n" in second
+        assert second.endswith(b'\r\n\r\n{"a": 1}')
+        assert models.startswith(b"GET /v1/models HTTP/1.1\r\n")
+        assert b"Content-Length" not in models
+        assert models.endswith(b"\r\n\r\n")
+        assert b"Authorization" not in last
+        assert last.endswith(b"\r\n\r\n[]")
+        assert b"\r\nUser-Agent: iop-node\r\n" in last
+
+
 async def test_chunked_and_close_delimited_bodies_are_read_whole(client: ProviderHttp) -> None:
     async def chunked(r: asyncio.StreamReader, w: asyncio.StreamWriter, s: Server) -> None:
         while await read_request(r, s) is not None:

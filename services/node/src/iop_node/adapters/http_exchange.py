@@ -133,7 +133,9 @@ class Exchange(asyncio.Protocol):
             return
         self.headers_done = True
         self.keep_alive = self._parser.should_keep_alive()
-        self._wake()
+        waiter = self._waiter  # as ``_wake``, in each parser callback the reader waits on
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     def on_body(self, body: bytes) -> None:
         if not self.pending:
@@ -148,13 +150,17 @@ class Exchange(asyncio.Protocol):
         if self.buffered > HIGH_WATER and not self.paused and self.transport is not None:
             self.paused = True
             self.transport.pause_reading()
-        self._wake()
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     def on_message_complete(self) -> None:
         if self.headers_done and self.pending:
             self.complete = True
             self.pending = False
-            self._wake()
+            waiter = self._waiter
+            if waiter is not None and not waiter.done():
+                waiter.set_result(None)
             if self._finishing is not None:
                 self._finishing.cancel()
                 self._finishing = None
@@ -181,16 +187,6 @@ class Exchange(asyncio.Protocol):
         self._reset()
         self.pending = True
         self.transport.write(request)
-
-    @property
-    def reusable(self) -> bool:
-        return (
-            self.complete
-            and not self.body
-            and self.transport is not None
-            and not self.transport.is_closing()
-            and self.keep_alive
-        )
 
     def close(self) -> None:
         if self._finishing is not None:
@@ -290,7 +286,11 @@ class ProviderResponse:
         (within ``FINISH_S``; else it is closed)."""
         if not self._done:
             self._done = True
-            self._exchange.release()
+            exchange = self._exchange
+            if exchange.complete:  # read to its end: pooled now (``Exchange.release``)
+                exchange.pool.put_back(exchange)
+            else:
+                exchange.release()
 
     def close(self) -> None:
         """Drop the connection now (the engine sees the disconnect)."""

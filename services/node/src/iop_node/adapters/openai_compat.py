@@ -196,7 +196,49 @@ class OpenAICompatAdapter:
         timeout = asyncio.timeout_at(spec.deadline)
         try:
             async with timeout:
-                return await self._execute(spec, sink)
+                url = self._base + _PATHS[spec.operation]
+                data = self._payload(spec)
+                began = time.perf_counter()  # the provider's time: the HTTP exchange, not our work
+                try:
+                    response = await self._http.request(
+                        "POST",
+                        url,
+                        body=data,
+                        headers=self._post_headers,
+                        connect_timeout_s=CONNECT_TIMEOUT_S,
+                    )
+                except ProviderHttpError as exc:
+                    # No response at all: refused, DNS, TLS, reset or connect timeout.
+                    raise ProviderUnavailable(f"{url}: {_describe(exc)}") from exc
+                try:
+                    if response.status >= 400:
+                        failure = await _http_failure(response, spec)
+                        response.release()  # read to the end (usually): the connection is reused
+                        raise failure
+                    if spec.stream and response.content_type != "application/json":
+                        completion = await _read_stream(response, spec, sink, self._max_answer)
+                    elif spec.stream:
+                        # A server that ignored ``stream`` answers with one JSON body: an error
+                        # object at best, and nothing we could replay as deltas otherwise.
+                        _read_result(await read_answer(response, self._max_answer), spec.operation)
+                        raise ProviderFailed(f"{url}: asked for a stream, got one JSON body")
+                    else:
+                        # At most a frame's worth, refused past it unparsed (``answer_read``).
+                        body = await read_answer(response, self._max_answer)
+                        provider_us = int((time.perf_counter() - began) * 1_000_000)
+                        completion = _read_result(body, spec.operation, provider_us)
+                except ProviderConnectionLost as exc:
+                    response.close()
+                    raise ProviderFailed(
+                        f"{url}: connection lost mid-response: {_describe(exc)}"
+                    ) from exc
+                except BaseException:
+                    # Cancellation, deadline, sink gone or a bad answer: drop the connection so
+                    # the provider stops generating (a pooled connection would keep the slot busy).
+                    response.close()
+                    raise
+                response.release()
+                return completion
         except TimeoutError:
             if timeout.expired():
                 raise ProviderTimeout(f"{self.name} run passed its deadline") from None
@@ -217,49 +259,6 @@ class OpenAICompatAdapter:
         )
         provider_us = int((time.perf_counter() - began) * 1_000_000)
         return Completion(usage=Usage(counted, 0, counted), provider_us=provider_us)
-
-    async def _execute(self, spec: ExecutionSpec, sink: EventSink) -> Completion:
-        url = self._base + _PATHS[spec.operation]
-        data = self._payload(spec)
-        began = time.perf_counter()  # the provider's time: the HTTP exchange, not our work
-        try:
-            response = await self._http.request(
-                "POST",
-                url,
-                body=data,
-                headers=self._post_headers,
-                connect_timeout_s=CONNECT_TIMEOUT_S,
-            )
-        except ProviderHttpError as exc:
-            # No response at all: refused, DNS, TLS, reset or connect timeout.
-            raise ProviderUnavailable(f"{url}: {_describe(exc)}") from exc
-        try:
-            if response.status >= 400:
-                failure = await _http_failure(response, spec)
-                response.release()  # read to the end (usually): the connection can be reused
-                raise failure
-            if spec.stream and response.content_type != "application/json":
-                completion = await _read_stream(response, spec, sink, self._max_answer)
-            elif spec.stream:
-                # A server that ignored ``stream`` answers with one JSON body: an error
-                # object at best, and nothing we could replay as deltas otherwise.
-                _read_result(await read_answer(response, self._max_answer), spec.operation)
-                raise ProviderFailed(f"{url}: asked for a stream, got one JSON body")
-            else:
-                # At most a frame's worth, refused past it unparsed (``answer_read``).
-                body = await read_answer(response, self._max_answer)
-                provider_us = int((time.perf_counter() - began) * 1_000_000)
-                completion = _read_result(body, spec.operation, provider_us)
-        except ProviderConnectionLost as exc:
-            response.close()
-            raise ProviderFailed(f"{url}: connection lost mid-response: {_describe(exc)}") from exc
-        except BaseException:
-            # Cancellation, deadline, sink gone or a bad answer: drop the connection so
-            # the provider stops generating (a pooled connection would keep the slot busy).
-            response.close()
-            raise
-        response.release()
-        return completion
 
     def _payload(self, spec: ExecutionSpec) -> bytes:
         """The upstream body: the edge's prepared bytes as they came, or (an older
@@ -305,21 +304,31 @@ async def _read_stream(
                     finish_reasons[delta.choice_index] = delta.finish_reason
                 await sink.delta(delta)
     finish = finish_reasons.get(0) or next(iter(finish_reasons.values()), "")
-    return Completion(finish_reason=finish, usage=_with_timings(usage, timings), result=None)
+    if timings is not None:
+        usage = _with_timings(usage, timings)
+    return Completion(finish_reason=finish, usage=usage, result=None)
 
 
 def _choice_delta(choice: Any, text_mode: bool) -> Delta | None:
     """One choice of a chunk as a ``Delta``; ``None`` when it carries nothing."""
+    # A chunk's fields are read as ``_str`` and ``_int`` read them: a null or a stray
+    # type is empty (or 0), never an error.
     if not isinstance(choice, dict):
         return None
-    index = _int(choice.get("index"))
-    finish = _str(choice.get("finish_reason"))
+    index = choice.get("index")
+    if type(index) is not int:
+        index = 0
+    finish = choice.get("finish_reason")
+    if not isinstance(finish, str):
+        finish = ""
     logprobs = choice.get("logprobs")
     # Forwarded as JSON, written once here (the chunk is parsed already): the edge
     # splices it into its chunk unparsed.
     logprobs_json = json_codec.dumps(logprobs) if logprobs else b""
     if text_mode:
-        text = _str(choice.get("text"))
+        text = choice.get("text")
+        if not isinstance(text, str):
+            text = ""
         if not text and not finish:
             return None
         return Delta(
@@ -328,14 +337,20 @@ def _choice_delta(choice: Any, text_mode: bool) -> Delta | None:
     body = choice.get("delta")
     if not isinstance(body, dict):
         body = {}
-    text = _str(body.get("content"))
-    role = _str(body.get("role"))
-    reasoning = _str(body.get("reasoning_content")) or _str(body.get("reasoning"))
+    text = body.get("content")
+    if not isinstance(text, str):
+        text = ""
+    role = body.get("role")
+    if not isinstance(role, str):
+        role = ""
+    reasoning = body.get("reasoning_content") or body.get("reasoning") or ""
+    if not isinstance(reasoning, str):
+        reasoning = _str(body.get("reasoning"))  # a stray non-string first: the other
     calls = body.get("tool_calls")
     tool_calls = (
         tuple(_tool_call(call, i) for i, call in enumerate(calls) if isinstance(call, dict))
         if calls
-        else ()  # most chunks: no generator to build and run for nothing
+        else ()
     )
     if not (text or role or reasoning or tool_calls or finish):
         return None
@@ -391,12 +406,19 @@ def _read_result(body: bytes, operation: Operation, provider_us: int = 0) -> Com
 def _usage(value: Any) -> Usage | None:
     if not isinstance(value, dict):
         return None
-    prompt = _int(value.get("prompt_tokens"))
-    completion = _int(value.get("completion_tokens"))
-    total = _int(value.get("total_tokens")) or prompt + completion
+    # JSON's integers are exactly int (a bool, an int subclass, is not a count): ``_int``
+    prompt = value.get("prompt_tokens")
+    if type(prompt) is not int:
+        prompt = 0
+    completion = value.get("completion_tokens")
+    if type(completion) is not int:
+        completion = 0
+    total = value.get("total_tokens")
+    if type(total) is not int:
+        total = 0
     details = value.get("prompt_tokens_details")
     cached = _int(details.get("cached_tokens")) if isinstance(details, dict) else 0
-    return Usage(prompt, completion, total, cached_tokens=min(cached, prompt))
+    return Usage(prompt, completion, total or prompt + completion, min(cached, prompt))
 
 
 def _with_timings(usage: Usage | None, timings: Any) -> Usage | None:

@@ -51,7 +51,7 @@ DEFAULT_LIMIT: Final = 100
 KEEPALIVE_S: Final = 15.0
 """How long an idle pooled connection is kept (aiohttp's default too)."""
 USER_AGENT: Final = b"iop-node"
-MAX_PLACES: Final = 1024  # parsed URLs kept
+MAX_PLACES: Final = 1024  # parsed URLs and their requests' heads kept
 CLOSE_S: Final = 2.0
 """How long ``aclose`` waits for the connections to close (a TLS one says goodbye)."""
 
@@ -108,10 +108,19 @@ class _Pool:
         self._notify()
 
     def put_back(self, exchange: Exchange) -> None:
-        if exchange.reusable:
+        transport = exchange.transport
+        if (
+            exchange.complete  # read to its end, all of it taken, and still open
+            and not exchange.body
+            and transport is not None
+            and not transport.is_closing()
+            and exchange.keep_alive
+        ):
             exchange.idle_since = asyncio.get_running_loop().time()
             self.idle.setdefault(exchange.origin, []).append(exchange)
-            self._notify()
+            changed = self._changed
+            if changed is not None and not changed.done():
+                changed.set_result(None)  # as ``_notify``
         else:
             exchange.close()
             self.forget(exchange)
@@ -179,7 +188,7 @@ class ProviderHttp:
         self._pool = _Pool(limit)
         self._tls = tls
         self._closed = False
-        self._places: dict[str, _Place] = {}
+        self._places: dict[tuple[object, ...], tuple[_Place, bytes]] = {}
 
     async def request(
         self,
@@ -198,13 +207,21 @@ class ProviderHttp:
         """
         if self._closed:
             raise ProviderConnectError("the node's HTTP client is closed")
-        place = self._places.get(url)
-        if place is None:
-            place = self._places[url] = _Place.of(url)
+        # An adapter sends the same headers to the same URLs run after run: the head
+        # up to its length is made once per (method, URL, headers) and kept.
+        key = (method, url, *headers.items())
+        known = self._places.get(key)
+        if known is None:
+            place = _Place.of(url)
+            known = self._places[key] = place, _request_head(method, place, headers)
             if len(self._places) > MAX_PLACES:  # engines' URLs are few; any others pass
                 self._places.clear()
+        place, head = known
         origin, scheme, host, port = place.origin, place.scheme, place.host, place.port
-        request = _request_head(method, place.target, place.netloc, headers, len(body)) + body
+        if body or method not in ("GET", "HEAD"):
+            request = b"%sContent-Length: %d\r\n\r\n%s" % (head, len(body), body)
+        else:
+            request = head + b"\r\n"
         while True:
             exchange = await self._pool.acquire(origin)
             reused = exchange is not None
@@ -275,15 +292,12 @@ class ProviderHttp:
             self._pool.abort_all()
 
 
-def _request_head(
-    method: str, target: str, host: str, headers: Mapping[str, str], length: int
-) -> bytes:
-    lines = [f"{method} {target} HTTP/1.1", f"Host: {host}"]
+def _request_head(method: str, place: _Place, headers: Mapping[str, str]) -> bytes:
+    """A request's head up to its length: each line ends, the blank line is to come."""
+    lines = [f"{method} {place.target} HTTP/1.1", f"Host: {place.netloc}"]
     for name, value in headers.items():
         if "\r" in value or "\n" in value or "\r" in name or "\n" in name:
             raise ValueError(f"header {name!r} holds a line break")
         lines.append(f"{name}: {value}")
-    if length or method not in ("GET", "HEAD"):
-        lines.append(f"Content-Length: {length}")
-    head = "\r\n".join(lines).encode("latin-1")
-    return head + b"\r\nUser-Agent: " + USER_AGENT + b"\r\n\r\n"
+    lines.append(f"User-Agent: {USER_AGENT.decode()}")
+    return ("\r\n".join(lines) + "\r\n").encode("latin-1")

@@ -1,7 +1,7 @@
 """Run history in one SQLite file, written by one background task in batches.
 
 The request path must never wait for a disk: ``run_started`` and
-``complete_run`` only queue the record in memory, keyed by run id
+``complete_run`` (both ``queue``) only queue the record in memory, keyed by run id
 (``iop_proto.sqlite.BatchedWriter``, the edge's run log's writer too), and the
 writer commits whatever is pending in one transaction per batch. A short run
 whose completion arrives before its start was written costs one row write.
@@ -160,13 +160,14 @@ class SqliteRunHistory(BatchedWriter[RunRecord]):
         history.start("run-history-writer")
         return history
 
-    async def run_started(self, record: RunRecord) -> None:
-        """Queue the start of a run; returns without waiting for the disk."""
+    async def queue(self, record: RunRecord) -> None:
+        """Queue a run's start, or its end (replacing its unwritten start); returns without
+        waiting for the disk. A start and an end are queued alike, told apart by
+        ``outcome`` (``_supersedes``): the history's two calls are this one."""
         self.put(record)
 
-    async def complete_run(self, record: RunRecord) -> None:
-        """Queue the end of a run (replacing its unwritten start); never waits for the disk."""
-        self.put(record)
+    run_started = queue
+    complete_run = queue
 
     async def recent(self, limit: int) -> list[RunRecord]:
         """The ``limit`` most recently received runs, newest first, unwritten ones included."""
@@ -201,7 +202,7 @@ class SqliteRunHistory(BatchedWriter[RunRecord]):
         return record.run_id
 
     def _row(self, record: RunRecord) -> tuple[object, ...]:
-        return _READ_COLUMNS(record)  # one C call for every column; a bool binds as 0/1
+        return _READ_COLUMNS(record)  # every column at once; a bool binds as 0/1
 
     def _supersedes(self, new: RunRecord, old: RunRecord) -> bool:
         """Anything may replace a record, except a start replacing an end."""

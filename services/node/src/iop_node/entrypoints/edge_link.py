@@ -235,7 +235,11 @@ class EdgeLink(Dialer):
             await asyncio.gather(snapshots, return_exceptions=True)
 
     async def _receive(self, conn: Connection) -> None:
-        async for envelope in conn:
+        while True:
+            try:
+                envelope = await conn.receive()
+            except ConnectionClosed:
+                return  # the edge closed the link: the dial loop takes over
             kind = envelope.WhichOneof("body")
             if kind == "run_request":
                 request = envelope.run_request

@@ -65,7 +65,6 @@ class RunExecutor:
         received_ms = time.time_ns() // 1_000_000
         started_ms = 0
         outcome, code, message, completion = "failed", "", "", None
-        meters = self._metrics.meters(spec.provider_id)
         adapter = runtime.adapter  # a config change must not swap it mid-run
         gate = None if spec.operation is Operation.COUNT_TOKENS else runtime.gate
         slot_taken_at: float | None = None
@@ -82,7 +81,8 @@ class RunExecutor:
                         queue_wait_s = await gate.acquire()
                         slot_taken_at = loop.time()
                         scope.reschedule(spec.deadline)
-                        meters.queue_wait.observe(queue_wait_s)
+                        metrics = self._metrics
+                        metrics.child(metrics.queue_wait, spec.provider_id).observe(queue_wait_s)
                     started_ms = time.time_ns() // 1_000_000
                     await self._history.run_started(
                         RunRecord(
@@ -207,8 +207,8 @@ class RunExecutor:
                 metrics.child(tokens, provider_id, "completion").inc(usage.completion_tokens)
                 metrics.child(tokens, provider_id, "cached").inc(usage.cached_tokens)
             if slot_taken_at is not None:
-                meters.service_time.observe(loop.time() - slot_taken_at)
-            runtime.publish_load(meters)  # the health, if this run changed it, is published
+                service_time = metrics.child(metrics.service_time, provider_id)
+                service_time.observe(loop.time() - slot_taken_at)
 
     def _mark_unavailable(self, runtime: ProviderRuntime, detail: str) -> None:
         runtime.cache.forget()  # the engine is not there: nor is its cache
