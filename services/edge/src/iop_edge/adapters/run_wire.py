@@ -2,9 +2,8 @@
 
 Run events in (``run_event``), run orders out (``run_request``), snapshots in
 (``provider_reports``, ``cache_report``), batch answers out (``lease_grant``,
-``line_result``). The run event conversion runs for every token: one ``WhichOneof``,
-plain field reads, one slotted dataclass; the delta's text is the string the message
-gave, not copied.
+``line_result``). A run event becomes one plain event of the kind the message holds
+(``WhichOneof``); the delta's text is the string the message gave, not copied.
 """
 
 from __future__ import annotations

@@ -49,9 +49,7 @@ LIFECYCLE_FLAGS = ("list_models", "load_model", "unload_model", "pull_model", "d
 # slot's versions only grow, so tuple comparison never reaches the slot itself.
 _Entry = tuple[float, int, int, "ProviderSlot"]
 
-# Module constants: an enum member's lookup through its class costs more than the rest
-# of the rule, which runs on every take and release.
-_CLOSED, _EJECTED = Phase.CLOSED, Phase.EJECTED
+_CLOSED, _EJECTED = Phase.CLOSED, Phase.EJECTED  # the phases ``standing`` tells apart
 
 FULL = 1.0
 """A ``standing`` at or above this is a candidate with no free slot (``in_flight >=
@@ -67,7 +65,6 @@ def standing(slot: ProviderSlot) -> float | None:
     capacity = slot.capacity
     if capacity <= 0 or not slot.connected or slot.health != AVAILABLE:
         return None
-    # Runs on every take and release: plain attribute reads, no properties.
     own, reported = slot.own_in_flight, slot.reported_in_flight
     phase = slot.outlier.phase
     if phase is not _CLOSED:
@@ -254,7 +251,6 @@ class ProviderSlot:
         self.version += 1
 
     def _reindex(self) -> None:
-        # Runs on every take and release.
         self.version = version = self.version + 1
         load = standing(self)
         usable = load is not None
