@@ -180,7 +180,6 @@ async def stack(llamacpp: str, tmp_path: Path) -> AsyncIterator[Stack]:
         port=0,
         edge_id="edge",
         registry=dispatcher.pool,
-        dispatcher=dispatcher,
         authorizer=Vouching(pb.NodeConfig(node_id="node-a", providers=[provider])),
         guard=PeerGuard(dispatcher, dispatcher.pool, metrics, None),
         metrics=metrics,

@@ -110,7 +110,7 @@ async def probe(waiters: int) -> dict[str, Any]:
     started = time.perf_counter()
     async with asyncio.timeout(120):
         for _ in range(waiters):
-            dispatcher.deliver(current, Completed())
+            dispatcher.runs[current].deliver(Completed())
             request = await link.sent.get()
             served.append(json.loads(request.body_json)["metadata"]["seq"])
             current = request.run_id

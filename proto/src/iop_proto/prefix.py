@@ -59,23 +59,20 @@ def prompt_text(body: Mapping[str, Any]) -> str:
     if tools:
         parts.append("tools:" + _canonical(tools))
     for message in messages:
-        if isinstance(message, Mapping):
-            parts.append(f"{message.get('role', '')}:{_content_text(message)}")
+        if not isinstance(message, Mapping):
+            continue
+        content = message.get("content")
+        if isinstance(content, str):
+            text = content
+        elif isinstance(content, list):
+            text = "".join(_part_text(part) for part in content)
+        else:
+            text = ""
+        calls = message.get("tool_calls")
+        if calls:  # an assistant turn that called tools renders the calls
+            text += _canonical(calls)
+        parts.append(f"{message.get('role', '')}:{text}")
     return _SEPARATOR.join(parts)
-
-
-def _content_text(message: Mapping[str, Any]) -> str:
-    content = message.get("content")
-    if isinstance(content, str):
-        text = content
-    elif isinstance(content, list):
-        text = "".join(_part_text(part) for part in content)
-    else:
-        text = ""
-    calls = message.get("tool_calls")
-    if calls:  # an assistant turn that called tools renders the calls
-        text += _canonical(calls)
-    return text
 
 
 def _part_text(part: object) -> str:

@@ -194,7 +194,6 @@ async def build(
             port=settings.node_listener.port,
             edge_id=settings.service_id,
             registry=providers,
-            dispatcher=dispatcher,
             authorizer=control_plane,
             guard=PeerGuard(dispatcher, providers, metrics, batches),
             metrics=metrics,

@@ -2,50 +2,82 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from iop_edge.domain.outliers import Phase
 from iop_edge.domain.pool import AVAILABLE, UNAVAILABLE, UNKNOWN, ProviderSlot
-from iop_proto import loop_metrics
 
 _HEALTH_STATES = (AVAILABLE, UNAVAILABLE, UNKNOWN)
 
 
-@dataclass(slots=True)
-class _ProviderSeries:
-    """A provider's gauge children and the values last set on them."""
+class _PoolCollector(Collector):
+    """The pool's gauges, read from the slots and the queues when Prometheus scrapes.
 
-    node_id: str
-    in_flight: loop_metrics.GaugeChild
-    health: tuple[loop_metrics.GaugeChild, ...]  # one per ``_HEALTH_STATES``
-    ejected: Gauge
-    last_in_flight: int = -1
-    last_state: str = ""
+    The pool keeps these values already (a slot's in-flight counts, health and outlier
+    phase; a queue's length), and they change several times per request: read at scrape
+    time, they are never out of step with the pool, and a provider or a model that left
+    the fleet leaves the metrics with it (what the registry and the dispatcher hold is
+    what is shown)."""
 
+    def __init__(self) -> None:
+        self.slots: Callable[[], Iterable[ProviderSlot]] = tuple
+        self.queues: Callable[[], Iterable[tuple[str, int]]] = tuple
 
-@dataclass(slots=True)
-class _QueueSeries:
-    gauge: loop_metrics.GaugeChild
-    last: int = -1
+    def describe(self) -> Iterable[GaugeMetricFamily]:
+        return self._families()
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        queued, in_flight, health, ejected = families = self._families()
+        for model_id, waiting in self.queues():
+            queued.add_metric((model_id,), waiting)
+        for slot in self.slots():
+            provider_id = slot.provider_id
+            in_flight.add_metric((provider_id, slot.node_id), slot.in_flight)
+            state = slot.health if slot.connected else UNAVAILABLE
+            for name in _HEALTH_STATES:
+                health.add_metric((provider_id, name), 1 if name == state else 0)
+            ejected.add_metric((provider_id,), 1 if slot.outlier.phase is Phase.EJECTED else 0)
+        return families
+
+    @staticmethod
+    def _families() -> list[GaugeMetricFamily]:
+        return [
+            GaugeMetricFamily(
+                "iop_edge_model_queued", "Requests waiting in a model's queue", labels=["model"]
+            ),
+            GaugeMetricFamily(
+                "iop_edge_provider_in_flight",
+                "Runs in flight on a provider",
+                labels=["provider", "node"],
+            ),
+            GaugeMetricFamily(
+                "iop_edge_provider_health",
+                "1 for the provider's current state (disconnected counts as unavailable)",
+                labels=["provider", "state"],
+            ),
+            GaugeMetricFamily(
+                "iop_edge_provider_ejected",
+                "1 while the provider is ejected from selection for failing run after run"
+                " (outlier ejection; 0 in selection or on trial)",
+                labels=["provider"],
+            ),
+        ]
 
 
 @dataclass(frozen=True, slots=True)
 class EdgeMetrics:
     """The edge's gauges and counters.
 
-    The dispatcher publishes a provider or a queue on every change, i.e. several
-    times per request: the labelled children are looked up once and kept (until
-    the provider or model leaves the fleet), and only values that moved are set.
-    Those three are ``loop_metrics`` gauges (an update is one call, no lock).
+    The pool's gauges (queued, in flight, health, ejected) are read from the registry's
+    slots and the dispatcher's queues at scrape time (``watch_slots``, ``watch_queues``);
+    the counters count events as they happen.
     """
 
-    queued: loop_metrics.Gauge
-    provider_in_flight: loop_metrics.Gauge
-    provider_health: loop_metrics.Gauge
-    provider_ejected: Gauge
     ejections: Counter
     nodes_connected: Gauge
     registrations: Counter
@@ -54,39 +86,14 @@ class EdgeMetrics:
     control_plane_connected: Gauge
     retries: Counter  # by model and the provider that failed (docs/ARCHITECTURE.md#failover)
     affinity: Counter  # by model and decision (docs/ARCHITECTURE.md#cache-affinity)
-    _providers: dict[str, _ProviderSeries] = field(default_factory=dict, init=False)
-    _queues: dict[str, _QueueSeries] = field(default_factory=dict, init=False)
+    _pool: _PoolCollector = field(default_factory=_PoolCollector, init=False)
+    _providers: set[str] = field(default_factory=set, init=False)  # ejections' labels
     _retried: set[tuple[str, str]] = field(default_factory=set, init=False)  # retries' labels
     _affine: set[tuple[str, str]] = field(default_factory=set, init=False)  # affinity's labels
 
     @classmethod
     def create(cls, registry: CollectorRegistry) -> EdgeMetrics:
-        return cls(
-            queued=loop_metrics.Gauge(
-                "iop_edge_model_queued",
-                "Requests waiting in a model's queue",
-                ["model"],
-                registry=registry,
-            ),
-            provider_in_flight=loop_metrics.Gauge(
-                "iop_edge_provider_in_flight",
-                "Runs in flight on a provider",
-                ["provider", "node"],
-                registry=registry,
-            ),
-            provider_health=loop_metrics.Gauge(
-                "iop_edge_provider_health",
-                "1 for the provider's current state (disconnected counts as unavailable)",
-                ["provider", "state"],
-                registry=registry,
-            ),
-            provider_ejected=Gauge(
-                "iop_edge_provider_ejected",
-                "1 while the provider is ejected from selection for failing run after run"
-                " (outlier ejection; 0 in selection or on trial)",
-                ["provider"],
-                registry=registry,
-            ),
+        metrics = cls(
             ejections=Counter(
                 "iop_edge_ejections",
                 "Outlier ejections of a provider from selection",
@@ -134,6 +141,16 @@ class EdgeMetrics:
                 registry=registry,
             ),
         )
+        registry.register(metrics._pool)
+        return metrics
+
+    def watch_slots(self, slots: Callable[[], Iterable[ProviderSlot]]) -> None:
+        """The pool's gauges of providers read ``slots()`` (the registry's) at each scrape."""
+        self._pool.slots = slots
+
+    def watch_queues(self, queues: Callable[[], Iterable[tuple[str, int]]]) -> None:
+        """``iop_edge_model_queued`` reads ``queues()`` (model id, waiting) at each scrape."""
+        self._pool.queues = queues
 
     def count_retry(self, model_id: str, failed_provider_id: str) -> None:
         """A run of ``model_id`` failed on ``failed_provider_id`` and is tried elsewhere."""
@@ -145,55 +162,26 @@ class EdgeMetrics:
         self._affine.add((model_id, decision))
         self.affinity.labels(model_id, decision).inc()
 
-    def publish_slot(self, slot: ProviderSlot) -> None:
-        series = self._providers.get(slot.provider_id)
-        if series is None or series.node_id != slot.node_id:
-            series = self._track_provider(slot.provider_id, slot.node_id)
-        own, reported = slot.own_in_flight, slot.reported_in_flight
-        in_flight = own if own > reported else reported
-        if in_flight != series.last_in_flight:
-            series.last_in_flight = in_flight
-            series.in_flight.set(in_flight)
-        state = slot.health if slot.connected else UNAVAILABLE
-        if state != series.last_state:
-            series.last_state = state
-            for name, child in zip(_HEALTH_STATES, series.health, strict=True):
-                child.set(1 if name == state else 0)
+    def track_provider(self, provider_id: str) -> None:
+        """The provider joined the fleet: its ejection counter starts at 0, for rate()."""
+        if provider_id not in self._providers:
+            self._providers.add(provider_id)
+            self.ejections.labels(provider_id)
 
-    def publish_outlier(self, slot: ProviderSlot) -> None:
-        """The provider's outlier state changed (each change once: entering ``EJECTED``
-        is one ejection)."""
-        series = self._providers.get(slot.provider_id)
-        if series is None or series.node_id != slot.node_id:
-            series = self._track_provider(slot.provider_id, slot.node_id)
-        ejected = slot.outlier.phase is Phase.EJECTED
-        series.ejected.set(1 if ejected else 0)
-        if ejected:
-            self.ejections.labels(slot.provider_id).inc()
-
-    def publish_queued(self, model_id: str, waiting: int) -> None:
-        series = self._queues.get(model_id)
-        if series is None:
-            series = self._queues[model_id] = _QueueSeries(self.queued.labels(model_id))
-        if waiting != series.last:
-            series.last = waiting
-            series.gauge.set(waiting)
+    def count_ejection(self, slot: ProviderSlot) -> None:
+        """The provider was ejected (each ejection once)."""
+        self.track_provider(slot.provider_id)
+        self.ejections.labels(slot.provider_id).inc()
 
     def forget_provider(self, provider_id: str) -> None:
         """The provider left the fleet: its series go from the registry."""
-        series = self._providers.pop(provider_id, None)
-        if series is not None:
-            self.provider_in_flight.remove(provider_id, series.node_id)
-            for name in _HEALTH_STATES:
-                self.provider_health.remove(provider_id, name)
-            self.provider_ejected.remove(provider_id)
+        if provider_id in self._providers:
+            self._providers.discard(provider_id)
             self.ejections.remove(provider_id)
         self._forget_retries(lambda labels: labels[1] == provider_id)
 
     def forget_model(self, model_id: str) -> None:
-        """The model left the fleet: its queue gauge goes from the registry."""
-        if self._queues.pop(model_id, None) is not None:
-            self.queued.remove(model_id)
+        """The model left the fleet: its counters' series go from the registry."""
         self._forget_retries(lambda labels: labels[0] == model_id)
         for labels in [labels for labels in self._affine if labels[0] == model_id]:
             self._affine.discard(labels)
@@ -203,20 +191,6 @@ class EdgeMetrics:
         for labels in [labels for labels in self._retried if gone(labels)]:
             self._retried.discard(labels)
             self.retries.remove(*labels)
-
-    def _track_provider(self, provider_id: str, node_id: str) -> _ProviderSeries:
-        old = self._providers.get(provider_id)
-        if old is not None:  # moved to another node: the old node's series goes
-            self.provider_in_flight.remove(provider_id, old.node_id)
-        series = self._providers[provider_id] = _ProviderSeries(
-            node_id,
-            self.provider_in_flight.labels(provider_id, node_id),
-            tuple(self.provider_health.labels(provider_id, name) for name in _HEALTH_STATES),
-            self.provider_ejected.labels(provider_id),
-        )
-        if old is None:
-            self.ejections.labels(provider_id)  # a 0 series from the start, for rate()
-        return series
 
 
 @dataclass(frozen=True, slots=True)

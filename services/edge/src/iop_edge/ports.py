@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from iop_edge.domain.cache_report import CacheReport
-from iop_edge.domain.events import Failed, RunEvent
+from iop_edge.domain.events import Accepted, Failed, RunEvent
 from iop_edge.domain.fleet import ApiKeyEntry, Fleet, ModelEntry, Operation
 from iop_edge.domain.leases import LeaseGrant, LineReply
 from iop_edge.domain.outliers import Phase
@@ -184,21 +184,34 @@ class QueueView(Protocol):
 
 
 class RunLink(Protocol):
-    """A run in flight, as the peer guard checks events against it."""
+    """A run in flight, as the peer guard checks events against it and the node
+    listener hands them to it."""
 
     @property
     def node_id(self) -> str: ...
+
+    @property
+    def provider_id(self) -> str:
+        """The provider of the attempt in flight (a run's end reports its load)."""
+        ...
 
     @property
     def link(self) -> object:
         """The connection the run was dispatched on (compared by identity)."""
         ...
 
+    def deliver(self, event: RunEvent | Accepted) -> None:
+        """An event of the attempt from its node."""
+        ...
+
 
 class RunView(Protocol):
-    """The runs in flight, by id (``Dispatcher``)."""
+    """The runs in flight (``Dispatcher``)."""
 
-    def run(self, run_id: str) -> RunLink | None: ...
+    @property
+    def runs(self) -> Mapping[str, RunLink]:
+        """By the id of the attempt on their node; read only."""
+        ...
 
 
 class Catalog(Protocol):

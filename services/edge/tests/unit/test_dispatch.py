@@ -250,7 +250,7 @@ async def test_a_provider_the_node_found_unreachable_is_skipped_at_once(
     run = await dispatcher.open_run(spec())
     assert run.provider_id == "a"
     failed = pb.RunError(code=pb.ERROR_CODE_PROVIDER_UNAVAILABLE, message="connection refused")
-    dispatcher.deliver(run.run_id, failed_event(failed))
+    dispatcher.runs[run.run_id].deliver(failed_event(failed))
     # no snapshot yet, but the next request already goes to the other provider
     assert [(await dispatcher.open_run(spec())).provider_id for _ in range(2)] == ["b", "b"]
 

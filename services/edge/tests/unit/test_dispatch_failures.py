@@ -442,7 +442,7 @@ async def test_output_lengths_past_the_models_cap_are_lowered_to_it() -> None:
 def test_the_run_body_is_measured_exactly_and_reads_back(
     body: dict[str, object], served: str
 ) -> None:
-    run_body = RunBody.encode(body)
+    run_body = RunBody(body)
     written = run_body.with_model(served)
     assert run_body.size_with(served) == len(written)
     assert json_codec.loads(written) == {**body, "model": served}

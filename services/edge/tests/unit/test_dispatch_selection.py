@@ -109,7 +109,8 @@ async def test_every_dispatch_chooses_what_the_scan_chooses(seed: int) -> None:
             complete(runs.pop(rng.randrange(len(runs))))
         elif action < 0.65 and runs:  # a provider's failure: counts for ejection
             run = runs.pop(rng.randrange(len(runs)))
-            dispatcher.deliver(run.attempt_id, Failed(ErrorCode.PROVIDER_ERROR, "500", 500))
+            if (ending := dispatcher.runs.get(run.attempt_id)) is not None:
+                ending.deliver(Failed(ErrorCode.PROVIDER_ERROR, "500", 500))
             await asyncio.sleep(0)  # a cooldown armed before may end now
         elif action < 0.8:
             if dispatcher.pool.link(node.node_id) is not None:
@@ -121,7 +122,8 @@ async def test_every_dispatch_chooses_what_the_scan_chooses(seed: int) -> None:
         elif action < 0.94 and runs:
             run = rng.choice(runs)
             failed = pb.RunError(code=pb.ERROR_CODE_PROVIDER_UNAVAILABLE, message="refused")
-            dispatcher.deliver(run.run_id, failed_event(failed))
+            if (failing := dispatcher.runs.get(run.run_id)) is not None:
+                failing.deliver(failed_event(failed))
         elif action >= 0.97:
             dispatcher.pool.apply_fleet(random_fleet(rng, step + 2))
         runs = [r for r in runs if not r.attempt_finished]
@@ -219,4 +221,28 @@ async def test_metrics_follow_the_pool_and_leave_with_the_fleet() -> None:
     assert value("iop_edge_provider_in_flight", provider="a", node="n") is None
     assert value("iop_edge_provider_health", provider="a", state="unavailable") is None
     assert value("iop_edge_model_queued", model="m") is None
+    assert value("iop_edge_provider_health", provider="b", state="unavailable") == 1
+
+
+async def test_the_pool_gauges_show_every_provider_and_model_of_the_fleet_as_it_is() -> None:
+    # Read from the pool at scrape time: a provider whose node never registered shows as
+    # unavailable with nothing in flight, a model nobody queued for as 0 waiting, and a
+    # node's snapshot shows at once, with no change of the pool published anywhere.
+    registry = CollectorRegistry()
+    dispatcher = Dispatch(EdgeMetrics.create(registry))
+    providers = [provider("a", "n", 2), provider("b", "silent", 1)]
+    dispatcher.pool.apply_fleet(make_fleet(1, providers, {"m": ["a", "b"]}))
+
+    def value(name: str, **labels: str) -> float | None:
+        return registry.get_sample_value(name, labels)
+
+    assert value("iop_edge_provider_health", provider="b", state="unavailable") == 1
+    assert value("iop_edge_provider_in_flight", provider="b", node="silent") == 0
+    assert value("iop_edge_provider_ejected", provider="b") == 0
+    assert value("iop_edge_model_queued", model="m") == 0
+    node = RecordingNodeLink("n")
+    state = pb.ProviderState(provider_id="a", health=pb.HEALTH_AVAILABLE, in_flight=2)
+    dispatcher.pool.node_connected(node, provider_reports([state]))
+    assert value("iop_edge_provider_in_flight", provider="a", node="n") == 2  # other edges'
+    assert value("iop_edge_provider_health", provider="a", state="available") == 1
     assert value("iop_edge_provider_health", provider="b", state="unavailable") == 1

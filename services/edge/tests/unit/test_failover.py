@@ -109,7 +109,9 @@ class Pool:
         """Events from provider ``pid``'s node for the last run it was sent."""
         run_id = self.last_order(pid).run_id
         for event in events:
-            assert self.dispatcher.deliver(run_id, event)
+            run = self.dispatcher.runs.get(run_id)
+            assert run is not None
+            run.deliver(event)
 
     def retries(self, failed_provider: str) -> float:
         labels = {"model": MODEL, "provider": failed_provider}
@@ -291,7 +293,9 @@ async def test_the_node_lost_fails_its_runs_over() -> None:
     await settle()
     assert len(pool.nodes["b"].sent) == 2
     for order in pool.nodes["b"].sent:
-        assert pool.dispatcher.deliver(order.run_id, Completed(finish_reason="stop"))
+        run = pool.dispatcher.runs.get(order.run_id)
+        assert run is not None
+        run.deliver(Completed(finish_reason="stop"))
     ends = [(await reader)[-1] for reader in readers]
     assert ends == [Completed(finish_reason="stop")] * 2
     assert pool.retries("a") == 1
@@ -345,7 +349,7 @@ async def test_a_retry_that_may_not_take_a_free_slot_lets_the_next_waiter_take_i
     second = await pool.dispatcher.open_run(spec())  # a
     assert [first.provider_id, on_b.provider_id, second.provider_id] == ["a", "b", "a"]
     reader = asyncio.create_task(read_all(first))
-    pool.dispatcher.deliver(pool.nodes["a"].sent[0].run_id, ERROR_503)
+    pool.dispatcher.runs[pool.nodes["a"].sent[0].run_id].deliver(ERROR_503)
     await settle()
     assert pool.dispatcher.queued(MODEL) == 1  # the retry, waiting for b
     newcomer = await asyncio.wait_for(pool.dispatcher.open_run(spec()), 1)

@@ -81,7 +81,9 @@ class Pool:
     def deliver(self, pid: str, *events: RunEvent) -> None:
         run_id = self.nodes[pid].sent[-1].run_id
         for event in events:
-            assert self.dispatcher.deliver(run_id, event)
+            run = self.dispatcher.runs.get(run_id)
+            assert run is not None
+            run.deliver(event)
 
     def provider_row(self, pid: str) -> dict[str, object]:
         return next(v for v in self.catalog.provider_views() if v["provider_id"] == pid)

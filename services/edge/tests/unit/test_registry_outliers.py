@@ -76,7 +76,8 @@ class Pool:
         return await self.dispatcher.open_run(spec)
 
     def end(self, run: RequestRun, event: Completed | Failed) -> None:
-        assert self.dispatcher.deliver(run.run_id, event)
+        assert run.run_id in self.dispatcher.runs
+        run.deliver(event)
 
     def row(self, provider_id: str) -> dict[str, object]:
         return next(r for r in self.catalog.provider_views() if r["provider_id"] == provider_id)

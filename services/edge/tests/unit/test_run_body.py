@@ -33,7 +33,7 @@ def test_a_prepared_body_is_what_the_node_would_send(
     body: dict[str, Any], provider_type: str, stream: bool
 ) -> None:
     operation = Operation.COMPLETIONS if "prompt" in body else Operation.CHAT_COMPLETIONS
-    run_body = RunBody.encode(body)
+    run_body = RunBody(body)
     sent, prepared, blocks = run_body.for_provider(provider_type, "served/é", operation, stream)
     named = {**body, "model": "served/é"}
     assert prepared is True
@@ -46,7 +46,7 @@ def test_a_prepared_body_is_what_the_node_would_send(
 
 def test_other_provider_types_get_the_clients_body_with_the_served_name() -> None:
     body = {"model": "public", "messages": [], "stream": True, "x_vendor": 1}
-    run_body = RunBody.encode(body)
+    run_body = RunBody(body)
     sent, prepared, blocks = run_body.for_provider(
         "mock", "served", Operation.CHAT_COMPLETIONS, True
     )
@@ -57,24 +57,20 @@ def test_other_provider_types_get_the_clients_body_with_the_served_name() -> Non
 
 def test_count_tokens_is_never_prepared() -> None:
     body = {"model": "public", "messages": [], "top_k": 1}
-    sent, prepared, _ = RunBody.encode(body).for_provider(
-        "vllm", "s", Operation.COUNT_TOKENS, False
-    )
+    sent, prepared, _ = RunBody(body).for_provider("vllm", "s", Operation.COUNT_TOKENS, False)
     assert prepared is False
     assert json_codec.loads(sent) == {**body, "model": "s"}
 
 
 def test_embeddings_are_prepared_without_streaming_switches() -> None:
     body = {"model": "public", "input": "x", "stream": False, "user": "u"}
-    sent, prepared, blocks = RunBody.encode(body).for_provider(
-        "vllm", "s", Operation.EMBEDDINGS, False
-    )
+    sent, prepared, blocks = RunBody(body).for_provider("vllm", "s", Operation.EMBEDDINGS, False)
     assert (prepared, blocks) == (True, ())
     assert json_codec.loads(sent) == {"model": "s", "input": "x", "user": "u"}
 
 
 def test_the_prompt_is_hashed_once_for_every_attempt() -> None:
-    run_body = RunBody.encode({"model": "m", "messages": LONG})
+    run_body = RunBody({"model": "m", "messages": LONG})
     first = run_body.prompt_blocks()
     assert first
     assert run_body.prompt_blocks() is first

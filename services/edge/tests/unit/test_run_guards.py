@@ -127,7 +127,8 @@ async def test_an_acknowledged_run_is_left_to_its_deadline() -> None:
     run = await dispatcher.open_run(spec())
     accepted = run_event(pb.RunEvent(run_id=run.run_id, accepted={}))
     assert accepted is ACCEPTED
-    assert dispatcher.deliver(run.run_id, accepted)
+    assert dispatcher.runs.get(run.run_id) is run
+    run.deliver(accepted)
     await asyncio.sleep(SHORT * 3)  # well past the ack timeout: nothing happens
     assert not run.attempt_finished
     assert not run.more_ready

@@ -191,7 +191,8 @@ class World:
                 }[kind]
                 if isinstance(event, Completed | Failed):
                     self.node_of(run).ended_here.add(run.attempt_id)
-                assert d.deliver(run.attempt_id, event)
+                assert d.runs.get(run.attempt_id) is run
+                run.deliver(event)
         elif kind == "cancel":
             if n < len(self.requests):
                 task = self.requests[n].task
@@ -240,7 +241,8 @@ class World:
                 run = self.live(index)
                 if run is not None:
                     self.node_of(run).ended_here.add(run.attempt_id)
-                    self.dispatcher.deliver(run.attempt_id, Completed(finish_reason="stop"))
+                    if (live := self.dispatcher.runs.get(run.attempt_id)) is not None:
+                        live.deliver(Completed(finish_reason="stop"))
             await settle()
             await asyncio.sleep(0.002)
         await self.dispatcher.fail_all("edge is stopping")

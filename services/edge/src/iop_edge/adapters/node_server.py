@@ -28,11 +28,10 @@ from iop_edge.adapters.node_status import NodeStatusBook
 from iop_edge.adapters.peer_guard import UNKNOWN_ROLE, PeerGuard
 from iop_edge.adapters.run_wire import provider_reports, run_event, run_request
 from iop_edge.adapters.worker_session import WorkerSession
-from iop_edge.domain.events import RunOrder
+from iop_edge.domain.events import Completed, Failed, RunOrder
 from iop_edge.errors import ControlPlaneUnavailable
 from iop_edge.metrics import EdgeMetrics
 from iop_edge.ports import BatchLeases
-from iop_edge.service.dispatch import Dispatcher
 from iop_edge.service.registry import ProviderRegistry
 from iop_proto.accept import StreamServer
 from iop_proto.connection import Connection, error_body
@@ -91,8 +90,9 @@ class NodeConnection:
 
 class NodeServer:
     """Accepts node connections over mTLS and keeps the registry's pool in step: a
-    registered connection is the registry's node link until it drops. Run events go
-    to the dispatcher, which owns the runs."""
+    registered connection is the registry's node link until it drops. A run event goes
+    to its run (the dispatcher's, found by the peer guard, which checks it is this
+    connection's)."""
 
     def __init__(
         self,
@@ -101,7 +101,6 @@ class NodeServer:
         port: int,
         edge_id: str,
         registry: ProviderRegistry,
-        dispatcher: Dispatcher,
         authorizer: Authorizer,
         guard: PeerGuard,
         metrics: EdgeMetrics,
@@ -119,7 +118,6 @@ class NodeServer:
         self.status = status or NodeStatusBook()
         self._edge_id = edge_id
         self._registry = registry
-        self._dispatcher = dispatcher
         self._authorizer = authorizer
         self._guard = guard
         self._metrics = metrics
@@ -405,15 +403,20 @@ class NodeServer:
                 await self._batches.connection_ended(worker_id, list(session.leases))
 
     async def _follow(self, node: NodeConnection) -> None:
-        registry, dispatcher, guard = self._registry, self._dispatcher, self._guard
+        registry, guard = self._registry, self._guard
         async for envelope in node.conn:
             kind = envelope.WhichOneof("body")
             if kind == "run_event":
                 event = envelope.run_event
-                guard.run_event(node, event)  # raises NotYours for another connection's run
-                converted = run_event(event)
-                if converted is not None:  # unknown run ids: ended here already, dropped
-                    dispatcher.deliver(event.run_id, converted)
+                run = guard.run_event(node, event)  # NotYours for another connection's run
+                if run is not None:  # else ended here already: dropped
+                    converted = run_event(event)
+                    if converted is not None:
+                        provider_id = run.provider_id  # the attempt's, before its end
+                        run.deliver(converted)
+                        if isinstance(converted, Completed | Failed) and converted.load is not None:
+                            # the node's count after the run: the one the pool keeps
+                            registry.apply_load(node.node_id, provider_id, converted.load)
             elif kind == "provider_snapshot":
                 snapshot = envelope.provider_snapshot
                 guard.snapshot(node, snapshot)

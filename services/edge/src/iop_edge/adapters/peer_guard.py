@@ -34,13 +34,13 @@ Registration refusals and TLS refusals are logged and counted here as well
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Set
+from collections.abc import Iterable, Mapping, Set
 from typing import Protocol
 
 from loguru import logger
 
 from iop_edge.metrics import EdgeMetrics
-from iop_edge.ports import BatchLeases, ProviderView, RunView
+from iop_edge.ports import BatchLeases, ProviderView, RunLink, RunView
 from iop_edge.service.runs import NodeLink
 from iop_proto.connection import Connection
 from iop_proto.errors import ProtocolError
@@ -94,19 +94,20 @@ class PeerGuard:
         metrics: EdgeMetrics,
         leases: BatchLeases | None,
     ) -> None:
-        self._runs = runs
+        self._runs: Mapping[str, RunLink] = runs.runs  # the dispatcher's, as they change
         self._providers = providers
         self._metrics = metrics
         self._leases = leases
 
     # ------------------------------------------------------------ nodes
 
-    def run_event(self, node: NodePeer, event: pb.RunEvent) -> None:
-        """Pass an event of this connection's run, or of a run unknown here (it ended at
-        the edge already: dispatch drops it); refuse one of another connection's run."""
-        run = self._runs.run(event.run_id)
+    def run_event(self, node: NodePeer, event: pb.RunEvent) -> RunLink | None:
+        """The run an event of this connection speaks of; ``None`` for a run unknown here
+        (it ended at the edge already: the event is dropped); refuse one of another
+        connection's run."""
+        run = self._runs.get(event.run_id)
         if run is None or run.link is node:
-            return
+            return run
         raise self._not_yours(
             node.conn,
             "node",

@@ -2,9 +2,9 @@
 
 Run events in (``run_event``, with the provider's load a run's end carries), run orders
 out (``run_request``), snapshots in (``provider_reports``, ``cache_report``), batch
-answers out (``lease_grant``, ``line_result``). The run event conversion runs for every
-token: one ``WhichOneof``, plain field reads, one slotted dataclass; the delta's text is
-the string the message gave, not copied.
+answers out (``lease_grant``, ``line_result``). A run event becomes one plain event of
+the kind the message holds (``WhichOneof``); the delta's text is the string the message
+gave, not copied.
 """
 
 from __future__ import annotations
@@ -59,38 +59,40 @@ def run_event(event: pb.RunEvent) -> RunEvent | Accepted | None:
     kind = event.WhichOneof("kind")
     if kind == "delta":
         d = event.delta
+        usage = None
+        if d.HasField("usage"):  # the last delta of a stream that asked for it
+            u = d.usage
+            usage = Usage(u.prompt_tokens, u.completion_tokens, u.total_tokens, u.cached_tokens)
         return Delta(
             d.text,
             d.choice_index,
             d.role,
             tuple(_tool_call(c) for c in d.tool_calls) if d.tool_calls else (),
             d.finish_reason,
-            _usage(d.usage) if d.HasField("usage") else None,
+            usage,
             d.reasoning_text,
             d.logprobs_json,
             d.provider_us,
         )
     if kind == "complete":
         c = event.complete
-        return Completed(
-            c.finish_reason,
-            _usage(c.usage) if c.HasField("usage") else None,
-            c.result_json,
-            c.provider_us,
-            _start(c.start) if c.HasField("start") else None,
-            _load(c.load) if c.HasField("load") else None,
-        )
+        usage = started = None
+        if c.HasField("usage"):
+            u = c.usage
+            usage = Usage(u.prompt_tokens, u.completion_tokens, u.total_tokens, u.cached_tokens)
+        if c.HasField("start"):  # a folded completion: the run's start rides along
+            s = c.start
+            started = Started(s.provider_id, s.target, s.queue_wait_ms)
+        load = _load(c.load) if c.HasField("load") else None
+        return Completed(c.finish_reason, usage, c.result_json, c.provider_us, started, load)
     if kind == "error":
         return failed(event.error)
     if kind == "start":
-        return _start(event.start)
+        s = event.start
+        return Started(s.provider_id, s.target, s.queue_wait_ms)
     if kind == "accepted":
         return ACCEPTED
     return None
-
-
-def _start(start: pb.RunStart) -> Started:
-    return Started(start.provider_id, start.target, start.queue_wait_ms)
 
 
 def failed(error: pb.RunError) -> Failed:
@@ -186,12 +188,6 @@ def line_result(reply: LineReply) -> pb.BatchLineResult:
         status_code=reply.status_code,
         response_json=reply.response_json,
         error_json=reply.error_json,
-    )
-
-
-def _usage(usage: pb.Usage) -> Usage:
-    return Usage(
-        usage.prompt_tokens, usage.completion_tokens, usage.total_tokens, usage.cached_tokens
     )
 
 

@@ -49,9 +49,7 @@ LIFECYCLE_FLAGS = ("list_models", "load_model", "unload_model", "pull_model", "d
 # slot's versions only grow, so tuple comparison never reaches the slot itself.
 _Entry = tuple[float, int, int, "ProviderSlot"]
 
-# Module constants: an enum member's lookup through its class costs more than the rest
-# of the rule, which runs on every take and release.
-_CLOSED, _EJECTED = Phase.CLOSED, Phase.EJECTED
+_CLOSED, _EJECTED = Phase.CLOSED, Phase.EJECTED  # the phases ``standing`` tells apart
 
 FULL = 1.0
 """A ``standing`` at or above this is a candidate with no free slot (``in_flight >=
@@ -67,7 +65,6 @@ def standing(slot: ProviderSlot) -> float | None:
     capacity = slot.capacity
     if capacity <= 0 or not slot.connected or slot.health != AVAILABLE:
         return None
-    # Runs on every take and release: plain attribute reads, no properties.
     own, reported = slot.own_in_flight, slot.reported_in_flight
     phase = slot.outlier.phase
     if phase is not _CLOSED:
@@ -115,7 +112,9 @@ class ProviderSlot:
     cache: CacheReport = field(default_factory=CacheReport)
     # The indexes this slot is in, with its position in each, and what they last saw.
     _indexes: list[tuple[ModelIndex, int]] = field(default_factory=list, init=False, repr=False)
-    _version: int = field(default=0, init=False, repr=False)
+    # Grows with every change selection depends on: an index entry of an older version is
+    # stale. Written only by the slot itself (``_reindex``, ``detach``).
+    version: int = field(default=0, init=False, repr=False)
     _usable: bool = field(default=False, init=False, repr=False)
 
     @property
@@ -136,22 +135,31 @@ class ProviderSlot:
         load = standing(self)
         return load is not None and load < FULL
 
-    @property
-    def version(self) -> int:
-        """Grows with every change selection depends on: an index entry of an older
-        version is stale."""
-        return self._version
-
     def take(self) -> None:
         self.own_in_flight += 1
         self._reindex()
 
-    def release(self) -> None:
+    def release(
+        self,
+        outcome: Completed | Failed | None = None,
+        now: float = 0.0,
+        policy: OutlierPolicy | None = None,
+        *,
+        drill: bool = False,
+    ) -> bool:
+        """A run of ours on this provider gave its place back. With a ``policy``, its
+        ``outcome`` is counted for outlier ejection as well (as ``record_outcome``), and
+        the slot moves in its indexes once for both; tells whether the provider was
+        ejected or closed its circuit by it."""
         if self.own_in_flight > 0:
             self.own_in_flight -= 1
         if self.reported_in_flight > 0:
             self.reported_in_flight -= 1
+        changed = policy is not None and self.outlier.record(
+            outcome, now, policy, drill=drill, room=self
+        )
         self._reindex()
+        return changed
 
     def update(
         self,
@@ -240,11 +248,10 @@ class ProviderSlot:
     def detach(self) -> None:
         """Leave every index (before they are rebuilt, or when the provider goes)."""
         self._indexes.clear()
-        self._version += 1
+        self.version += 1
 
     def _reindex(self) -> None:
-        # Runs on every take and release.
-        self._version = version = self._version + 1
+        self.version = version = self.version + 1
         load = standing(self)
         usable = load is not None
         if usable != self._usable:

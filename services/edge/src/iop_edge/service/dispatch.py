@@ -17,16 +17,14 @@ import asyncio
 import secrets
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from iop_edge.domain.affinity import AffinityPolicy, CacheAffinity, Preference
 from iop_edge.domain.events import (
     NOT_IMPLEMENTED,
-    Accepted,
     Completed,
     ErrorCode,
     Failed,
-    RunEvent,
     RunOrder,
 )
 from iop_edge.domain.fleet import Fleet, ModelEntry, Operation
@@ -95,10 +93,12 @@ class Dispatcher:
         self._max_frame_size = max_frame_size  # a run that cannot fit is refused (limits)
         self._queues: dict[str, ModelQueue[ProviderSlot | None]] = {}
         self._runs: dict[str, RequestRun] = {}  # by the id of the attempt on its node
+        self.runs: Mapping[str, RequestRun] = self._runs  # ``RunView``: read only
         self._waiting: set[RequestRun] = set()  # in a queue, or aside
         # Waiters that are a retry, with the providers they may not go back to.
         self._excluded: dict[asyncio.Future[ProviderSlot | None], frozenset[str]] = {}
         self._metrics = metrics
+        metrics.watch_queues(self._queue_lengths)
         registry.subscribe(self)
 
     # ------------------------------------------------------------ what the registry tells
@@ -125,28 +125,13 @@ class Dispatcher:
         for run in [r for r in self._runs.values() if r.link is link]:
             run.fail(ErrorCode.PROVIDER_UNAVAILABLE, f"node {link.node_id} lost: {reason}")
 
-    def deliver(self, run_id: str, event: RunEvent | Accepted) -> bool:
-        """Route a node's run event to its run; False for an unknown run id."""
-        run = self._runs.get(run_id)
-        if run is None:
-            return False
-        if not isinstance(event, Completed | Failed):
-            run.deliver(event)
-            return True
-        node_id, provider_id = run.node_id, run.provider_id
-        if isinstance(event, Failed):
-            if event.code is ErrorCode.PROVIDER_UNAVAILABLE:
-                self._registry.mark_unavailable(provider_id)
-            elif event.provider_status == NOT_IMPLEMENTED:  # before a failover chooses again
-                self._registry.refuse_operation(provider_id, run.spec.operation)
-        run.deliver(event)  # the run's end: the edge's slot is free again when it returns
-        if event.load is not None:  # the node's count after the run: the one to keep
-            self._registry.apply_load(node_id, provider_id, event.load)
-        return True
-
-    def run(self, run_id: str) -> RequestRun | None:
-        """The run whose attempt in flight has this id (``RunView``)."""
-        return self._runs.get(run_id)
+    def provider_failed(self, run: RequestRun, failed: Failed) -> None:
+        """The node says the run's provider failed it: what that tells of the provider is
+        booked before a failover chooses again (``RunOwner``)."""
+        if failed.code is ErrorCode.PROVIDER_UNAVAILABLE:
+            self._registry.mark_unavailable(run.provider_id)
+        elif failed.provider_status == NOT_IMPLEMENTED:
+            self._registry.refuse_operation(run.provider_id, run.spec.operation)
 
     # ------------------------------------------------------------ runs
 
@@ -167,7 +152,7 @@ class Dispatcher:
         # is clamped here, by the same rule.
         chat, _ = clamp_output_tokens(spec.operation, spec.body, model.max_output_tokens)
         check_answer_size(spec.operation, chat)
-        body = RunBody.encode(chat)
+        body = RunBody(chat)
         check_run_frame(body, model, self._max_frame_size)
         # The model's providers that do not offer the operation, which it may not go to;
         # when that is all of them, the request is refused before any queue.
@@ -225,12 +210,39 @@ class Dispatcher:
         loop = asyncio.get_running_loop()
         started = loop.time()
         spec = run.spec
+        index = self._registry.index(model.id)
+        if index is None:  # the fleet's models and the registry's indexes change together
+            raise NoProviderAvailable(f"No provider of '{model.id}' is available right now")
+        # The request's prompt prefix as block hashes (``iop_proto.prefix``) steers cache
+        # affinity when there is a choice for it to steer: a model with one provider
+        # hashes nothing for it. (Hashed once, by the body: the order carries them too.)
+        chain: Sequence[int] = ()
+        if (
+            len(index.members) > 1
+            and self._affinity.policy.enabled
+            and spec.operation in _CACHED_OPERATIONS
+        ):
+            chain = run.body.prompt_blocks()
         slotless = spec.operation is Operation.COUNT_TOKENS
-        chain = self._chain(spec, run.body)
         if slotless:
-            slot = self._least_loaded(model, exclude)
+            # Work that takes no slot and waits in no queue (the node asks the engine's
+            # tokenizer beside its generations): the least loaded usable provider.
+            least = index.least_loaded(exclude)
+            if least is None:
+                raise NoProviderAvailable(f"No provider of '{model.id}' is available right now")
+            slot = least
+        elif (
+            not self._waiting
+            and spec.session is None
+            and not chain
+            and (free := index.select(exclude)) is not None
+        ):
+            # Nobody waits (nobody to overtake) and nothing steers the choice: the rule's
+            # provider, at once; ``_acquire`` takes the same when it finds the same.
+            free.take()
+            slot = run.slot = free
         else:
-            slot = run.slot = await self._acquire(model, run, chain, exclude, deadline)
+            slot = run.slot = await self._acquire(model, index, run, chain, exclude, deadline)
         served = model.providers[slot.provider_id]
         entry = self._fleet.current.providers[slot.provider_id]
         if self._failing is not None:  # handed its slot just before fail_all: a 503 instead
@@ -283,29 +295,10 @@ class Dispatcher:
                 f"the provider, over this server's limit of {exc.maximum} bytes."
             ) from exc
 
-    def _least_loaded(self, model: ModelEntry, exclude: frozenset[str]) -> ProviderSlot:
-        """A provider for work that takes no slot and waits in no queue (``count_tokens``:
-        the node asks the engine's tokenizer beside its generations): the least loaded
-        usable one, free slot or not."""
-        index = self._registry.index(model.id)
-        slot = None if index is None else index.least_loaded(exclude)
-        if slot is None:
-            raise NoProviderAvailable(f"No provider of '{model.id}' is available right now")
-        return slot
-
-    def _chain(self, spec: RunSpec, body: RunBody) -> Sequence[int]:
-        """The request's prompt prefix as block hashes (``iop_proto.prefix``), when there
-        is a choice for it to steer: a model with one provider hashes nothing."""
-        if not self._affinity.policy.enabled or spec.operation not in _CACHED_OPERATIONS:
-            return ()
-        index = self._registry.index(spec.model)
-        if index is None or len(index.members) < 2:
-            return ()
-        return body.prompt_blocks()  # hashed once: the order carries them to the node
-
     async def _acquire(
         self,
         model: ModelEntry,
+        index: ModelIndex,
         run: RequestRun,
         chain: Sequence[int],
         exclude: frozenset[str],
@@ -316,8 +309,6 @@ class Dispatcher:
         spec = run.spec
         batch = spec.batch
         queue = self._queues[model.id]
-        index = self._registry.index(model.id)
-        assert index is not None  # the registry indexes every model of the fleet
         # FIFO: nobody overtakes a waiter of its own class (and batch waits behind all).
         # (With nobody waiting anywhere, nobody is overtaken.)
         overtakes = bool(self._waiting) and (len(queue) > 0 if batch else queue.interactive > 0)
@@ -329,7 +320,6 @@ class Dispatcher:
             if preference is not None:
                 if preference.slot.has_free_slot:
                     preference.slot.take()
-                    self._metrics.publish_slot(preference.slot)
                     self._metrics.count_affinity(model.id, preference.reason)
                     return preference.slot
                 # Batch lines never wait aside: they would go before interactive waiters.
@@ -345,7 +335,6 @@ class Dispatcher:
         slot = None if overtakes else index.select(exclude)
         if slot is not None:
             slot.take()
-            self._metrics.publish_slot(slot)
             return slot
         if not (index.any_usable_except(exclude) if exclude else index.any_usable):
             raise NoProviderAvailable(f"No provider of '{model.id}' is available right now")
@@ -368,15 +357,12 @@ class Dispatcher:
             queue.remove(waiter)
             self._excluded.pop(waiter, None)
             self._waiting.discard(run)
-            if self._queues.get(model.id) is queue:  # else the model was removed meanwhile
-                self._metrics.publish_queued(model.id, len(queue))
             self._check_idle()
 
         message = f"No provider of '{model.id}' had a free slot within {timeout_s * 1000:.0f} ms"
         run.wait(waiter, leave, (timeout_s, message))
         if self._excluded:  # a retry waiting ahead may leave a free slot to this one
             self._serve_queues((model.id,))
-        self._metrics.publish_queued(model.id, len(queue))
         slot = await waiter
         run.placed()
         assert slot is not None  # a queue hands slots (the run's end raises instead)
@@ -455,35 +441,34 @@ class Dispatcher:
                 if waiter.done():
                     continue
                 slot.take()
-                self._metrics.publish_slot(slot)
                 waiter.set_result(slot)
 
     def attempt_over(self, run: RequestRun, outcome: Completed | Failed) -> None:
         """The run's attempt ended: it leaves the runs in flight, its outcome is booked
         (before the slot is offered), its slot goes back."""
         self._runs.pop(run.attempt_id, None)
-        self._registry.record_outcome(run.provider_id, outcome, drill=run.spec.drill)
+        freed = self._registry.record_outcome(
+            run.provider_id, outcome, drill=run.spec.drill, release=run.slot is not None
+        )
         if run.unacknowledged:  # the node, not the provider, is in doubt
             self._registry.node_unresponsive(run.node_id, f"run {run.attempt_id} unacknowledged")
-        if run.slot is not None:
-            slot = self._registry.slot(run.provider_id)
-            if slot is not None:
-                self._release(slot)
+        if freed is not None and self._waiting:  # nobody waits: nothing to serve
+            self._serve_freed(freed)
         if self._became_idle is not None:
             self._check_idle()
 
     def release(self, slot: ProviderSlot) -> None:
         """A slot a run held without an attempt on it (``RunOwner``)."""
-        self._release(slot)
+        slot.release()
+        if self._waiting:
+            self._serve_freed(slot)
         self._check_idle()
 
-    def _release(self, slot: ProviderSlot) -> None:
-        slot.release()
-        self._metrics.publish_slot(slot)
-        if self._waiting:  # nobody waits (in a queue or aside): nothing to serve
-            if self._pinned:
-                self._serve_pinned(slot)
-            self._serve_queues(slot.model_ids())
+    def _serve_freed(self, slot: ProviderSlot) -> None:
+        """A place of ``slot`` went back: to whoever waits for it (aside or in a queue)."""
+        if self._pinned:
+            self._serve_pinned(slot)
+        self._serve_queues(slot.model_ids())
 
     def _serve_queues(self, model_ids: Iterable[str]) -> None:
         """Hand free slots to the heads of these models' queues, FIFO, interactive first."""
@@ -501,9 +486,7 @@ class Dispatcher:
                 if waiter is None or slot is None:
                     break
                 slot.take()
-                self._metrics.publish_slot(slot)
                 waiter.set_result(slot)
-            self._metrics.publish_queued(model_id, len(queue))
 
     def _servable(
         self, queue: ModelQueue[ProviderSlot | None], index: ModelIndex
@@ -558,6 +541,10 @@ class Dispatcher:
         self._failing = reason
         for run in list(self._runs.values()):
             await run.cancel(reason)
+
+    def _queue_lengths(self) -> list[tuple[str, int]]:
+        """Each model's waiters, for ``iop_edge_model_queued`` (read at scrape time)."""
+        return [(model_id, len(queue)) for model_id, queue in self._queues.items()]
 
     def queued(self, model_id: str) -> int:
         queue = self._queues.get(model_id)

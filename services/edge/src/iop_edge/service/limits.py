@@ -63,7 +63,7 @@ from iop_edge.errors import InvalidRequest, RequestTooLarge
 from iop_proto import json_codec
 from iop_proto.engine_fields import ALLOWED, STREAM_FIELDS, provider_body, stream_switches
 from iop_proto.framing import DEFAULT_MAX_FRAME_SIZE
-from iop_proto.prefix import body_blocks
+from iop_proto.prefix import block_hashes, prompt_text
 
 RUN_FRAME_HEADROOM: Final = 64 * 1024
 """Bytes of a frame kept free of the HTTP body: at least ``RUN_FRAME_OVERHEAD`` plus the
@@ -122,17 +122,14 @@ class RunBody:
 
     __slots__ = ("_blocks", "fields", "rest", "switches")
 
-    def __init__(self, fields: Mapping[str, Any], rest: bytes, switches: bytes) -> None:
-        self.fields = fields  # the body as a dict (not changed: the client's, clamped)
-        self.rest = rest  # the body without the per-provider fields, as a JSON object
-        self.switches = switches  # the client's own ``stream`` fields, as a JSON object
-        self._blocks: tuple[int, ...] | None = None
-
-    @classmethod
-    def encode(cls, body: Mapping[str, Any]) -> RunBody:
-        rest = json_codec.dumps({k: v for k, v in body.items() if k not in _PER_PROVIDER})
+    def __init__(self, body: Mapping[str, Any]) -> None:
+        self.fields = body  # the body as a dict (not changed: the client's, clamped)
+        # the body without the per-provider fields, as a JSON object
+        self.rest = json_codec.dumps({k: v for k, v in body.items() if k not in _PER_PROVIDER})
+        # the client's own ``stream`` fields, as a JSON object
         switches = {k: body[k] for k in STREAM_FIELDS if k in body}
-        return cls(body, rest, json_codec.dumps(switches) if switches else b"{}")
+        self.switches = json_codec.dumps(switches) if switches else b"{}"
+        self._blocks: tuple[int, ...] | None = None
 
     def with_model(self, served: str) -> bytes:
         """The client's body with ``model`` the served name (what a provider of a type
@@ -161,7 +158,7 @@ class RunBody:
         """The prompt's block hashes (``iop_proto.prefix``), hashed on first use, once:
         the same for cache affinity and for every attempt's order."""
         if self._blocks is None:
-            self._blocks = tuple(body_blocks(self.fields))
+            self._blocks = tuple(block_hashes(prompt_text(self.fields)))
         return self._blocks
 
     def size_with(self, served: str) -> int:
@@ -185,14 +182,19 @@ class RunBody:
             return b"".join(parts)
 
 
-def run_frame_bound(body: RunBody, served: str) -> int:
-    """The most bytes a frame carrying ``body`` to a provider serving ``served`` can take."""
-    return body.size_with(served) + SWITCHES_SLACK + len(served.encode()) + RUN_FRAME_OVERHEAD
-
-
 def check_run_frame(body: RunBody, model: ModelEntry, max_frame_size: int) -> None:
-    """``RequestTooLarge`` unless the run fits in a frame, whichever provider runs it."""
-    needed = max((run_frame_bound(body, served) for served in model.providers.values()), default=0)
+    """``RequestTooLarge`` unless the run fits in a frame, whichever provider runs it.
+
+    The most a frame carrying ``body`` to a provider serving ``served`` can take: the body
+    with the served name, the slack of that provider's streaming switches, the served name
+    again (the order's target) and the rest of the frame (``RUN_FRAME_OVERHEAD``)."""
+    largest = max(
+        (body.size_with(served) + len(served.encode()) for served in model.providers.values()),
+        default=None,
+    )
+    if largest is None:
+        return
+    needed = largest + SWITCHES_SLACK + RUN_FRAME_OVERHEAD
     if needed > max_frame_size:
         raise RequestTooLarge(
             f"The request is too large: it takes up to {needed} bytes on its way to the "

@@ -68,6 +68,7 @@ class ProviderRegistry:
         self._model_rank: dict[str, int] = {}  # fleet order, in which queues are served
         self._links: dict[str, NodeLink] = {}
         self._listener: PoolListener | None = None
+        metrics.watch_slots(self._slots.values)  # the pool's gauges, read at scrape time
 
     def subscribe(self, listener: PoolListener) -> None:
         """The one listener (the dispatcher) told of every change it must act on."""
@@ -107,6 +108,7 @@ class ProviderRegistry:
             slot = slots.get(entry.id)
             if slot is None:
                 slot = slots[entry.id] = ProviderSlot(entry.id, entry.node_id)
+                self._metrics.track_provider(entry.id)
             slot.node_id, slot.type, slot.category = entry.node_id, entry.type, entry.category
             slot.offer(entry.operations)  # what it refused is tried again under a new fleet
             # connected follows the node, also for a provider moved to another node
@@ -136,7 +138,6 @@ class ProviderRegistry:
             self._metrics.nodes_connected.set(len(self._links))
             for slot in self._slots_of_node(link.node_id):
                 slot.update(connected=False, reported_in_flight=0)
-                self._metrics.publish_slot(slot)
         if self._listener is not None:
             self._listener.link_lost(link, reason)
 
@@ -154,7 +155,6 @@ class ProviderRegistry:
             if state.cache is not None:
                 # Plain data for selection to read: it changes no load, so no index moves.
                 slot.cache = state.cache
-            self._metrics.publish_slot(slot)
             changed.update(slot.model_ids())
         if self._listener is not None:
             self._listener.slots_changed(sorted(changed, key=self._model_rank.__getitem__))
@@ -172,7 +172,6 @@ class ProviderRegistry:
             slot.cache = load.cache
         if load.in_flight != slot.reported_in_flight:
             slot.update(reported_in_flight=load.in_flight)
-            self._metrics.publish_slot(slot)
             if self._listener is not None:
                 self._listener.slots_changed(
                     sorted(slot.model_ids(), key=self._model_rank.__getitem__)
@@ -184,7 +183,6 @@ class ProviderRegistry:
         slot = self._slots.get(provider_id)
         if slot is not None and slot.health == AVAILABLE:
             slot.update(health=UNAVAILABLE)
-            self._metrics.publish_slot(slot)
 
     def refuse_operation(self, provider_id: str, operation: Operation) -> None:
         """The provider answered 501 for ``operation`` (it does not offer it, e.g. a
@@ -200,18 +198,33 @@ class ProviderRegistry:
             )
 
     def record_outcome(
-        self, provider_id: str, outcome: Completed | Failed | None, *, drill: bool = False
-    ) -> None:
+        self,
+        provider_id: str,
+        outcome: Completed | Failed | None,
+        *,
+        drill: bool = False,
+        release: bool = False,
+    ) -> ProviderSlot | None:
         """A run on the provider ended (``outcome``: its terminal event, ``None`` if it
-        never had one; ``drill``: its request asked for its failure): count it for outlier
-        ejection, and time the cooldown of an ejection it causes. A run lost with its
-        node's link is not counted: the link's state takes the provider out already, and
-        the provider may be fine."""
+        never had one; ``drill``: its request asked for its failure; ``release``: it held
+        one of the provider's places, which goes back now): count it for outlier ejection,
+        and time the cooldown of an ejection it causes. A run lost with its node's link is
+        not counted: the link's state takes the provider out already, and the provider may
+        be fine. Returns the slot when a place went back (its models' waiters may move)."""
         slot = self._slots.get(provider_id)
-        if slot is None or not slot.connected:
-            return
+        if slot is None:
+            return None
+        freed = slot if release else None
+        if not slot.connected:
+            if release:
+                slot.release()
+            return freed
         now = self._clock()
-        if not slot.record_outcome(outcome, now, self._outliers, drill=drill):
+        if release:
+            changed = slot.release(outcome, now, self._outliers, drill=drill)
+        else:
+            changed = slot.record_outcome(outcome, now, self._outliers, drill=drill)
+        if not changed:
             failures = slot.outlier.consecutive_failures
             if (
                 failures == self._outliers.consecutive_failures > 0
@@ -226,10 +239,10 @@ class ProviderRegistry:
                     failures,
                     self._outliers.max_ejection_percent,
                 )
-            return
+            return freed
         state = slot.outlier
-        self._metrics.publish_outlier(slot)
         if state.phase is Phase.EJECTED:
+            self._metrics.count_ejection(slot)
             delay = max(state.until - now, 0.0)
             logger.warning(
                 "provider {} ejected from selection for {:.3g}s after {} provider failures in"
@@ -244,12 +257,12 @@ class ProviderRegistry:
             self._cooldowns[provider_id] = loop.call_later(delay, self._end_cooldown, slot)
         else:
             logger.info("provider {} passed its trial run: back in selection", provider_id)
+        return freed
 
     def _end_cooldown(self, slot: ProviderSlot) -> None:
         self._cooldowns.pop(slot.provider_id, None)
         if self._slots.get(slot.provider_id) is not slot or not slot.end_ejection():
             return  # the provider left the fleet meanwhile
-        self._metrics.publish_outlier(slot)
         logger.info("provider {} cooldown over: its next run is a trial", slot.provider_id)
         if self._listener is not None:
             self._listener.slots_changed(sorted(slot.model_ids(), key=self._model_rank.__getitem__))
@@ -272,7 +285,6 @@ class ProviderRegistry:
             if slot.health == AVAILABLE:
                 slot.update(health=UNAVAILABLE)
                 slot.detail = f"node unresponsive: {reason}"
-                self._metrics.publish_slot(slot)
 
     def _slots_of_node(self, node_id: str) -> list[ProviderSlot]:
         return [slot for slot in self._slots.values() if slot.node_id == node_id]

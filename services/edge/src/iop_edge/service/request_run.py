@@ -82,6 +82,10 @@ class RunOwner(Protocol):
         """The run's attempt ended: its slot goes back, its outcome is booked."""
         ...
 
+    def provider_failed(self, run: RequestRun, failed: Failed) -> None:
+        """The node reported the attempt's failure (before the attempt is over)."""
+        ...
+
     def release(self, slot: ProviderSlot) -> None:
         """A slot the run held without an attempt on it goes back."""
         ...
@@ -352,6 +356,7 @@ class RequestRun:
             self._attempt_over(event, told=True)  # type: ignore[arg-type]
             self.end(event)  # type: ignore[arg-type]
         elif kind is Failed:
+            self._owner.provider_failed(self, event)  # type: ignore[arg-type]
             self._attempt_failed(event, told=True)  # type: ignore[arg-type]
         elif kind is not Accepted:
             self._events.append(event)  # type: ignore[arg-type]
