@@ -5,7 +5,8 @@ vLLM 0.32 caches prefixes by default, but puts ``usage.prompt_tokens_details.cac
 in its answers only when started with ``--enable-prompt-tokens-details``, which
 ``tools/vllm_server.py`` passes; without it this test fails (the node would report 0).
 The node here is ``NodeCore`` with the adapters ``bootstrap`` registers, fed run requests
-as the edge link feeds them, and read as the edge link reads it (``wire.provider_state``).
+as the edge link feeds them (converted by ``wire.run_order``), and read as the edge link
+reads it (``wire.provider_state``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from prometheus_client import CollectorRegistry
 
 from iop_node.adapters.provider_http import ProviderHttp
 from iop_node.bootstrap import ADAPTERS
+from iop_node.domain.events import Failed, Started
 from iop_node.domain.provider import ProviderConfig
 from iop_node.domain.runs import Completion, Delta
 from iop_node.entrypoints import wire
@@ -45,8 +47,9 @@ class Channel:
     ended: asyncio.Event = field(default_factory=asyncio.Event)
     completion: Completion | None = None
     failure: str = ""
+    first_token_ms: int = 0
 
-    async def started(self, provider_id: str, target: str, queue_wait_ms: int) -> None:
+    def started(self, event: Started) -> None:
         pass
 
     async def delta(self, delta: Delta) -> None:
@@ -56,17 +59,8 @@ class Channel:
         self.completion = completion
         self.ended.set()
 
-    async def failed(
-        self,
-        code: int,
-        message: str,
-        provider_status: int,
-        provider_us: int = 0,
-        *,
-        context_window: int = 0,
-        prompt_tokens: int = 0,
-    ) -> None:
-        self.failure = message
+    async def failed(self, failure: Failed) -> None:
+        self.failure = failure.message
         self.ended.set()
 
 
@@ -122,7 +116,7 @@ async def serve(core: NodeCore, run_id: str, body: dict[str, Any], stream: bool)
         include_usage=True,
     )
     channel = Channel()
-    assert core.start_run(request, channel)
+    assert core.start_run(wire.run_order(request), channel)  # converted as the link does
     async with asyncio.timeout(120):
         await channel.ended.wait()
     assert channel.completion is not None, channel.failure
