@@ -247,8 +247,8 @@ class Connection:
         await self.send(envelope, defer=defer)
 
     def _running_loop(self) -> asyncio.AbstractEventLoop:
-        """The loop the connection is used on, kept: on Python 3.11 every
-        ``asyncio.get_running_loop()`` is a ``getpid`` system call."""
+        """The loop the connection is used on, kept from its first use: a connection
+        belongs to one loop for its whole life."""
         loop = self._loop
         if loop is None:
             loop = self._loop = asyncio.get_running_loop()

@@ -13,8 +13,8 @@ from iop_edge.domain.fleet import Fleet
 class FleetHolder:
     """Implements ``FleetView``: the current fleet, empty until the first config.
 
-    ``current`` is a plain attribute, not a property: a request reads it about six
-    times, and a slot read is no Python call. Only ``replace`` assigns it.
+    ``current`` is a plain attribute, not a property: the fleet it holds is never
+    changed in place, so whoever reads it gets a whole fleet. Only ``replace`` assigns it.
     """
 
     __slots__ = ("current",)

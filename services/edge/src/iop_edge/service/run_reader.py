@@ -23,8 +23,8 @@ class RunSink(Protocol):
 
     def delta(self, event: Delta) -> Awaitable[None] | None:
         """Take one delta; what it returns (a write, say) is awaited before the next.
-        Not a coroutine itself: most deltas need no wait, and a coroutine per token
-        showed in the per-token cost."""
+        Not a coroutine itself: a sink that only keeps the delta, or batches it with
+        the next ones, has nothing to wait for; the reader awaits what it returns."""
         ...
 
     def restart(self) -> None:
