@@ -191,11 +191,6 @@ class RunLink(Protocol):
     def node_id(self) -> str: ...
 
     @property
-    def provider_id(self) -> str:
-        """The provider of the attempt in flight (a run's end reports its load)."""
-        ...
-
-    @property
     def link(self) -> object:
         """The connection the run was dispatched on (compared by identity)."""
         ...

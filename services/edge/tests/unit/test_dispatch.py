@@ -276,14 +276,14 @@ async def test_a_runs_end_carries_its_providers_load_and_cache_without_a_snapsho
     )
     assert isinstance(end, Completed)
     assert end == Completed(finish_reason="stop")  # the load is the provider's, not the run's
-    dispatcher.deliver(run.run_id, end)
+    run.deliver(end)
     assert (slot.own_in_flight, slot.reported_in_flight, slot.node_queued) == (0, 1, 2)
     assert slot.cache.held == {7: 3}
     assert slot.cache.prompt_tokens == 40
 
     run = await dispatcher.open_run(spec())
     error = pb.RunError(code=pb.ERROR_CODE_PROVIDER_ERROR, load=pb.ProviderLoad(in_flight=0))
-    dispatcher.deliver(run.run_id, failed_event(error))
+    run.deliver(failed_event(error))
     assert (slot.own_in_flight, slot.reported_in_flight, slot.node_queued) == (0, 0, 0)
     assert slot.cache.held == {7: 3}  # a load without a cache account leaves the report
 
@@ -298,5 +298,5 @@ async def test_a_runs_end_without_a_load_leaves_the_nodes_last_word(
     slot = dispatcher.pool.slot("a")
     assert slot is not None
     run = await dispatcher.open_run(spec())
-    dispatcher.deliver(run.run_id, Completed(finish_reason="stop"))
+    run.deliver(Completed(finish_reason="stop"))
     assert (slot.own_in_flight, slot.reported_in_flight, slot.node_queued) == (0, 0, 1)

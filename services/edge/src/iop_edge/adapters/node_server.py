@@ -28,7 +28,7 @@ from iop_edge.adapters.node_status import NodeStatusBook
 from iop_edge.adapters.peer_guard import UNKNOWN_ROLE, PeerGuard
 from iop_edge.adapters.run_wire import provider_reports, run_event, run_request
 from iop_edge.adapters.worker_session import WorkerSession
-from iop_edge.domain.events import Completed, Failed, RunOrder
+from iop_edge.domain.events import RunOrder
 from iop_edge.errors import ControlPlaneUnavailable
 from iop_edge.metrics import EdgeMetrics
 from iop_edge.ports import BatchLeases
@@ -412,11 +412,7 @@ class NodeServer:
                 if run is not None:  # else ended here already: dropped
                     converted = run_event(event)
                     if converted is not None:
-                        provider_id = run.provider_id  # the attempt's, before its end
                         run.deliver(converted)
-                        if isinstance(converted, Completed | Failed) and converted.load is not None:
-                            # the node's count after the run: the one the pool keeps
-                            registry.apply_load(node.node_id, provider_id, converted.load)
             elif kind == "provider_snapshot":
                 snapshot = envelope.provider_snapshot
                 guard.snapshot(node, snapshot)

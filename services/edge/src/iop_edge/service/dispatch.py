@@ -445,7 +445,8 @@ class Dispatcher:
 
     def attempt_over(self, run: RequestRun, outcome: Completed | Failed) -> None:
         """The run's attempt ended: it leaves the runs in flight, its outcome is booked
-        (before the slot is offered), its slot goes back."""
+        (before the slot is offered), its slot goes back, and then what the node's end
+        said of the provider's load (``ProviderLoad``) is the pool's."""
         self._runs.pop(run.attempt_id, None)
         freed = self._registry.record_outcome(
             run.provider_id, outcome, drill=run.spec.drill, release=run.slot is not None
@@ -454,6 +455,8 @@ class Dispatcher:
             self._registry.node_unresponsive(run.node_id, f"run {run.attempt_id} unacknowledged")
         if freed is not None and self._waiting:  # nobody waits: nothing to serve
             self._serve_freed(freed)
+        if outcome.load is not None:  # the node's count after the run: the one kept
+            self._registry.apply_load(run.node_id, run.provider_id, outcome.load)
         if self._became_idle is not None:
             self._check_idle()
 
