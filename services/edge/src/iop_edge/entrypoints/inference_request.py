@@ -33,24 +33,21 @@ async def read_json_body(request: web.BaseRequest) -> dict[str, Any]:
         raise InvalidRequest("The request body is empty; expected a JSON object.")
     if len(raw) > OFFLOAD_BYTES:
         return await parse_json_object(raw)
-    try:
-        body = json_codec.loads(raw, allow_nan=False, max_depth=MAX_JSON_DEPTH)
-    except (ValueError, RecursionError) as exc:
-        raise _unreadable(exc) from None
-    if not isinstance(body, dict):
-        raise InvalidRequest(NOT_AN_OBJECT)
-    return body
+    return _json_object(raw)
 
 
 async def parse_json_object(raw: bytes | str) -> dict[str, Any]:
-    """``raw`` (a body, or a WebSocket message) as a JSON object, with a body's checks."""
+    """``raw`` (a body, or a WebSocket message) as a JSON object, with a body's checks;
+    a large one parsed off the event loop."""
+    if len(raw) > OFFLOAD_BYTES:
+        return await asyncio.to_thread(_json_object, raw)
+    return _json_object(raw)
+
+
+def _json_object(raw: bytes | str) -> dict[str, Any]:
+    """The one parse of a body: JSON, no NaN, nested at most ``MAX_JSON_DEPTH``, an object."""
     try:
-        if len(raw) > OFFLOAD_BYTES:
-            body = await asyncio.to_thread(
-                json_codec.loads, raw, allow_nan=False, max_depth=MAX_JSON_DEPTH
-            )
-        else:
-            body = json_codec.loads(raw, allow_nan=False, max_depth=MAX_JSON_DEPTH)
+        body = json_codec.loads(raw, allow_nan=False, max_depth=MAX_JSON_DEPTH)
     except (ValueError, RecursionError) as exc:
         raise _unreadable(exc) from None
     if not isinstance(body, dict):

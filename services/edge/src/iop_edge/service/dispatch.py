@@ -231,16 +231,6 @@ class Dispatcher:
             if least is None:
                 raise NoProviderAvailable(f"No provider of '{model.id}' is available right now")
             slot = least
-        elif (
-            not self._waiting
-            and spec.session is None
-            and not chain
-            and (free := index.select(exclude)) is not None
-        ):
-            # Nobody waits (nobody to overtake) and nothing steers the choice: the rule's
-            # provider, at once; ``_acquire`` takes the same when it finds the same.
-            free.take()
-            slot = run.slot = free
         else:
             slot = run.slot = await self._acquire(model, index, run, chain, exclude, deadline)
         served = model.providers[slot.provider_id]

@@ -345,21 +345,18 @@ class RequestRun:
         self._acked = True
         if self._stall_s:
             self._last_event = self._loop.time()
-        kind = type(event)
-        if kind is Delta:
+        if isinstance(event, Delta):
             self._awaiting_first = False
-            self._events.append(event)  # type: ignore[arg-type]
-            reader = self._reader
-            if reader is not None and not reader.done():
-                reader.set_result(None)
-        elif kind is Completed:
-            self._attempt_over(event, told=True)  # type: ignore[arg-type]
-            self.end(event)  # type: ignore[arg-type]
-        elif kind is Failed:
-            self._owner.provider_failed(self, event)  # type: ignore[arg-type]
-            self._attempt_failed(event, told=True)  # type: ignore[arg-type]
-        elif kind is not Accepted:
-            self._events.append(event)  # type: ignore[arg-type]
+            self._events.append(event)
+            self._wake()
+        elif isinstance(event, Completed):
+            self._attempt_over(event, told=True)
+            self.end(event)
+        elif isinstance(event, Failed):
+            self._owner.provider_failed(self, event)
+            self._attempt_failed(event, told=True)
+        elif not isinstance(event, Accepted):
+            self._events.append(event)
             self._wake()
 
     def fail(self, code: ErrorCode, message: str) -> None:

@@ -133,9 +133,7 @@ class Exchange(asyncio.Protocol):
             return
         self.headers_done = True
         self.keep_alive = self._parser.should_keep_alive()
-        waiter = self._waiter  # as ``_wake``, in each parser callback the reader waits on
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+        self._wake()
 
     def on_body(self, body: bytes) -> None:
         if not self.pending:
@@ -150,17 +148,13 @@ class Exchange(asyncio.Protocol):
         if self.buffered > HIGH_WATER and not self.paused and self.transport is not None:
             self.paused = True
             self.transport.pause_reading()
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+        self._wake()
 
     def on_message_complete(self) -> None:
         if self.headers_done and self.pending:
             self.complete = True
             self.pending = False
-            waiter = self._waiter
-            if waiter is not None and not waiter.done():
-                waiter.set_result(None)
+            self._wake()
             if self._finishing is not None:
                 self._finishing.cancel()
                 self._finishing = None
