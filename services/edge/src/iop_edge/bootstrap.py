@@ -11,13 +11,11 @@ from loguru import logger
 from prometheus_client import CollectorRegistry
 
 from iop_edge import __version__
-from iop_edge.adapters.batch_store import SqliteBatchStore
 from iop_edge.adapters.control_plane import ControlPlaneClient
 from iop_edge.adapters.fleet_proto import fleet_from_proto
 from iop_edge.adapters.node_server import NodeServer
 from iop_edge.adapters.peer_guard import PeerGuard
-from iop_edge.adapters.sqlite_responses import ResponseLimits, SqliteResponseStore
-from iop_edge.adapters.sqlite_runlog import SqliteRunLog
+from iop_edge.adapters.stores import open_stores
 from iop_edge.console import add_console_routes
 from iop_edge.entrypoints.api_auth import KeySlots, access_mode
 from iop_edge.entrypoints.api_metrics import ApiMetrics
@@ -138,25 +136,9 @@ async def build(
 
     async with contextlib.AsyncExitStack() as stack:
         stack.callback(providers.close)  # last out: no cooldown timer outlives the edge
-        runlog = await SqliteRunLog.open(settings.history_db)
-        stack.push_async_callback(runlog.aclose)
+        stores = await open_stores(settings, stack)
+        runlog, response_store, batch_store = stores.runlog, stores.responses, stores.batches
         storage = settings.storage
-        response_store = await SqliteResponseStore.open(
-            settings.responses_db,
-            limits=ResponseLimits(
-                ttl_s=storage.responses_ttl_s,
-                quota_bytes=storage.responses_quota_bytes,
-                max_depth=storage.max_conversation_turns,
-                sweep_interval_s=storage.sweep_interval_s,
-            ),
-        )
-        stack.push_async_callback(response_store.aclose)
-        batch_store = await SqliteBatchStore.open(
-            settings.batch_db,
-            file_ttl_s=storage.files_ttl_s,
-            sweep_interval_s=storage.sweep_interval_s,
-        )
-        stack.push_async_callback(batch_store.aclose)
         batches = BatchService(
             batch_store,
             dispatcher,

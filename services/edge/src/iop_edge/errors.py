@@ -95,10 +95,11 @@ class StorageQuotaExceeded(EdgeError):
 
 
 class StorageUnavailable(EdgeError):
-    """What the answer would say is stored could not be committed: the client is told
-    so instead of being told it was kept."""
+    """What the answer would say is stored could not be committed, or the shared store
+    (PostgreSQL) cannot be reached now: the client is told so, and may retry."""
 
     status, type, code = 503, "server_error", "storage_unavailable"
+    retry_after_s = 2
 
 
 class LeaseLost(EdgeError):

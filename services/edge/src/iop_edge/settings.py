@@ -9,6 +9,7 @@ from pydantic import Field, model_validator
 from iop_edge.domain.affinity import AffinityPolicy
 from iop_edge.domain.outliers import OutlierPolicy
 from iop_proto.framing import DEFAULT_MAX_FRAME_SIZE
+from iop_proto.postgres import PostgresSettings
 from iop_proto.service import DrainingSettings
 from iop_proto.service.settings import FrozenModel
 
@@ -220,6 +221,11 @@ class EdgeSettings(DrainingSettings):
     control_plane: ControlPlaneAddress = ControlPlaneAddress()
     affinity: AffinitySettings = AffinitySettings()
     storage: StorageSettings = StorageSettings()
+    postgres: PostgresSettings | None = Field(
+        default=None,
+        description="the shared store of several edges (files, batches, stored responses, "
+        "the run log); unset: SQLite files beside this edge",
+    )
     config_cache: Path = Field(
         default=Path("var/edge/fleet-config.pb"),
         description="the last good fleet config, served while the control-plane is away",

@@ -21,6 +21,7 @@ from iop_edge.entrypoints.api_gate import api_gate
 from iop_edge.entrypoints.api_metrics import ApiMetrics
 from iop_edge.entrypoints.http_api import create_api_app
 from iop_edge.entrypoints.stop_gate import StopGate
+from iop_proto.postgres import StorageUnavailable as StoreDown
 from iop_proto.testing import loopback_app
 
 
@@ -61,7 +62,13 @@ async def gated(gate: StopGate, handled: list[str]) -> AsyncIterator[str]:
     app = web.Application(middlewares=[api_gate(OpenKeys(), stop_gate=gate)])
     app.router.add_post("/v1/chat/completions", ok)
     app.router.add_post("/v1/messages", ok)
+
+    async def store_down(request: web.Request) -> web.Response:
+        handled.append(request.path)
+        raise StoreDown("listing files: the PostgreSQL store is unreachable (password=x)")
+
     app.router.add_get("/broken", broken)
+    app.router.add_get("/v1/files", store_down)
     async with loopback_app(app) as port:
         yield f"http://127.0.0.1:{port}"
 
@@ -106,3 +113,15 @@ async def test_the_boundary_answers_every_error_in_its_api_s_shape() -> None:
             assert reply.status == 500
             assert (await reply.json())["error"]["type"] == "server_error"
     assert handled == ["/broken"]
+
+
+async def test_the_shared_store_down_is_a_retryable_503_that_hides_its_cause() -> None:
+    handled: list[str] = []
+    async with gated(StopGate(), handled) as url, aiohttp.ClientSession() as http:
+        async with http.get(f"{url}/v1/files") as reply:
+            assert reply.status == 503
+            assert reply.headers["Retry-After"] == "2"
+            error = (await reply.json())["error"]
+    assert error["code"] == "storage_unavailable"
+    assert "password" not in error["message"]
+    assert handled == ["/v1/files"]

@@ -23,9 +23,10 @@ from iop_edge.entrypoints.api_auth import OPEN_PATHS, check_open_access, is_loop
 from iop_edge.entrypoints.messages_dialect import is_anthropic_request, messages_error_response
 from iop_edge.entrypoints.openai_errors import error_response, from_http_exception
 from iop_edge.entrypoints.stop_gate import StopGate
-from iop_edge.errors import EdgeError, InvalidRequest
+from iop_edge.errors import EdgeError, InvalidRequest, StorageUnavailable
 from iop_edge.formats.errors import internal_error
 from iop_edge.ports import KeyRing
+from iop_proto.postgres import StorageUnavailable as StoreDown
 from iop_proto.service.logging import log_unexpected
 
 READ_TIMEOUT_S: Final = 30.0
@@ -80,15 +81,20 @@ def _error_answer(request: web.Request, exc: Exception) -> web.StreamResponse:
     """The error boundary: every error leaves as an OpenAI error object (an Anthropic
     one on the Messages API's paths: ``is_anthropic_request``).
 
-    ``EdgeError``s and aiohttp's own 4xx (unknown route, wrong method) are
-    expected, and so is input aiohttp cannot parse while a handler reads it (a
-    multipart part's malformed headers, a broken chunked body): that is the
-    client's fault, a 400. Anything else is a bug, logged once with its
-    traceback (bounded: ``log_unexpected``), answered 500.
+    ``EdgeError``s, the shared store down (a retryable 503), aiohttp's own 4xx
+    (unknown route, wrong method) are expected, and so is input aiohttp cannot
+    parse while a handler reads it (a multipart part's malformed headers, a
+    broken chunked body): that is the client's fault, a 400. Anything else is a
+    bug, logged once with its traceback (bounded: ``log_unexpected``), answered 500.
     """
     respond = messages_error_response if is_anthropic_request(request) else error_response
     if isinstance(exc, EdgeError):
         return respond(exc)
+    if isinstance(exc, StoreDown):
+        # The shared store is down: a storage API's answer, retryable; inference does not
+        # touch the store and is not affected. The cause is logged, not shown.
+        logger.warning("{} {}: {}", request.method, request.path, exc)
+        return respond(StorageUnavailable("The store is unavailable now; retry shortly."))
     if isinstance(exc, web.HTTPException):
         if exc.status < 400:
             raise exc  # a redirect is not an error

@@ -1,0 +1,60 @@
+"""The edge's stores, opened where the settings say: SQLite files beside this edge, or the
+PostgreSQL store every edge of a fleet shares (docs/ARCHITECTURE.md#shared-state).
+
+One function so the composition root names each store once and the choice of
+backend is made in one place; each store is closed by the exit stack it is given.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import asyncpg
+from loguru import logger
+
+from iop_edge.adapters.batch_store import SqliteBatchStore
+from iop_edge.adapters.sqlite_responses import ResponseLimits, SqliteResponseStore
+from iop_edge.adapters.sqlite_runlog import SqliteRunLog
+from iop_edge.batch_ports import BatchStore
+from iop_edge.ports import ResponseStore, RunLog
+from iop_edge.settings import EdgeSettings
+from iop_proto.postgres import open_pool
+
+
+@dataclass(frozen=True, slots=True)
+class EdgeStores:
+    runlog: RunLog
+    responses: ResponseStore
+    batches: BatchStore
+    pool: asyncpg.Pool | None  # the shared store's pool; None on SQLite
+
+
+async def open_stores(settings: EdgeSettings, stack: contextlib.AsyncExitStack) -> EdgeStores:
+    pool: asyncpg.Pool | None = None
+    if settings.postgres is not None:
+        pool = await open_pool(settings.postgres)
+        stack.push_async_callback(pool.close)
+        logger.info(
+            "shared store: PostgreSQL (pool of at most {})", settings.postgres.max_connections
+        )
+    storage = settings.storage
+    runlog = await SqliteRunLog.open(settings.history_db)
+    stack.push_async_callback(runlog.aclose)
+    responses = await SqliteResponseStore.open(
+        settings.responses_db,
+        limits=ResponseLimits(
+            ttl_s=storage.responses_ttl_s,
+            quota_bytes=storage.responses_quota_bytes,
+            max_depth=storage.max_conversation_turns,
+            sweep_interval_s=storage.sweep_interval_s,
+        ),
+    )
+    stack.push_async_callback(responses.aclose)
+    batches = await SqliteBatchStore.open(
+        settings.batch_db,
+        file_ttl_s=storage.files_ttl_s,
+        sweep_interval_s=storage.sweep_interval_s,
+    )
+    stack.push_async_callback(batches.aclose)
+    return EdgeStores(runlog, responses, batches, pool)
