@@ -1,0 +1,294 @@
+"""Two edges on one PostgreSQL behind a balancer, under load: one edge SIGKILLed, then
+PostgreSQL restarted.
+
+Every process is real: the control-plane, two edges sharing a real PostgreSQL 15
+cluster (Debian's server, ``iop_proto.testing_postgres``), two nodes with mock
+providers, a worker, and ``tools/tcp_balancer.py`` in front of the edges' HTTP ports, as
+``make run HA=1`` runs them. Clients speak to the balancer only, one connection per
+request (as a client whose kept-alive connection died opens a new one).
+
+Each request ends in one of: completed; failed with a clear error (an OpenAI error
+object, or the connection cut under it, which every HTTP client reports); lost (no
+answer within the deadline, or one that is neither). The invariants, not timings:
+nothing is lost, only requests in flight when the edge died may fail, and every
+request sent after it died completes on the other edge; PostgreSQL restarting costs
+inference nothing and storage calls answer 200 or a retryable 503.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import aiohttp
+import pytest
+import pytest_asyncio
+import yaml
+
+from iop_proto.testing import write_identity
+from iop_proto.testing_postgres import PostgresServer, why_postgres_cannot_run
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+Stack = Any
+MODEL = "ha-pool"
+BALANCER = Path(__file__).resolve().parents[2] / "tools" / "tcp_balancer.py"
+CONCURRENCY = 8
+REQUEST_DEADLINE_S = 60.0  # far beyond a request's ~0.2 s: only a real hang reaches it
+# Each provider takes every client at once (capacity) so no request waits on a queue
+# bound: a 429 here would be the test's load, not the fault under test.
+PROVIDER = {"capacity": CONCURRENCY, "max_queue": 64, "tokens_per_second": 100}
+BODY = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 20}
+
+
+@dataclass
+class Ha:
+    stack: Stack
+    postgres: PostgresServer
+    api_url: str  # the balancer's
+    edge_urls: dict[str, str]  # each edge's own API, for reads that must see both
+
+
+@dataclass
+class Sent:
+    started: float
+    ended: float = 0.0
+    outcome: Any = None
+
+
+@dataclass
+class Load:
+    """N requests through the balancer, ``CONCURRENCY`` at a time; each one's times."""
+
+    api_url: str
+    faults: SimpleNamespace
+    total: int
+    sent: list[Sent] = field(default_factory=list)
+    done: int = 0
+
+    async def run(self) -> None:
+        queue = iter(range(self.total))
+        connector = aiohttp.TCPConnector(force_close=True)  # a connection per request
+        async with aiohttp.ClientSession(connector=connector) as http:
+            await asyncio.gather(*(self.client(http, queue) for _ in range(CONCURRENCY)))
+
+    async def client(self, http: aiohttp.ClientSession, queue: Any) -> None:
+        for _ in queue:
+            record = Sent(time.monotonic())
+            self.sent.append(record)
+            record.outcome = await self.one(http)
+            record.ended = time.monotonic()
+            self.done += 1
+
+    async def one(self, http: aiohttp.ClientSession) -> Any:
+        outcome = self.faults.Outcome
+        try:
+            return await self.faults.stream_chat(http, self.api_url, BODY, REQUEST_DEADLINE_S)
+        except aiohttp.ContentTypeError as exc:  # an answer that is not an OpenAI error
+            return outcome("lost", exc.status, "not json")
+        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
+            return outcome("cut", 0, type(exc).__name__)  # the client was told: connection ended
+
+    async def until_done(self, count: int) -> None:
+        async with asyncio.timeout(120):
+            while self.done < count:  # noqa: ASYNC110 - progress of the clients' tasks
+                await asyncio.sleep(0.02)
+
+    def counts(self) -> dict[str, int]:
+        kinds = [s.outcome.kind for s in self.sent]
+        return {
+            "sent": len(self.sent),
+            "completed": kinds.count("completed"),
+            "failed": kinds.count("error") + kinds.count("cut"),
+            "lost": kinds.count("hung") + kinds.count("lost"),
+        }
+
+
+async def start_balancer(backends: list[str]) -> tuple[asyncio.subprocess.Process, str]:
+    """``tools/tcp_balancer.py`` on an ephemeral port; its URL from its ready line."""
+    args = [arg for backend in backends for arg in ("--backend", backend)]
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        str(BALANCER),
+        *("--listen", "127.0.0.1:0", "--rest", "1", *args),
+        stdout=asyncio.subprocess.PIPE,
+    )
+    assert process.stdout is not None
+    async with asyncio.timeout(30):
+        while line := (await process.stdout.readline()).decode():
+            if line.startswith("ready: balancer "):
+                asyncio.get_running_loop().create_task(drain(process.stdout))
+                return process, line.split()[-1]
+    raise AssertionError("the balancer exited before its ready line")
+
+
+async def drain(stream: asyncio.StreamReader) -> None:
+    while await stream.readline():
+        pass
+
+
+def second_edge(stack: Stack, root: Path) -> None:
+    """edge-b's settings: edge's, with its own identity, ports and local files."""
+    write_identity(stack.ca, root / "pki", "edge-b", "edge")
+    data = yaml.safe_load((root / "edge.yaml").read_text())
+    data["service_id"] = "edge-b"
+    data["admin"]["port"] = 0
+    data["http"]["port"] = 0
+    data["node_listener"]["port"] = 0
+    data["tls"] = {key: value.replace("/edge.", "/edge-b.") for key, value in data["tls"].items()}
+    for key in ("config_cache", "history_db", "responses_db", "batch_db"):
+        data[key] = str(root / f"edge-b-{Path(data[key]).name}")
+    (root / "edge-b.yaml").write_text(yaml.safe_dump(data))
+
+
+async def dial(stack: Stack, node: str, port: int) -> None:
+    """Point ``node`` at the edge whose node listener is ``port`` and start it again."""
+    path = stack.root / f"{node}.yaml"
+    await stack.stop(node)
+    data = yaml.safe_load(path.read_text())
+    data["edge"]["port"] = port
+    path.write_text(yaml.safe_dump(data))
+    await stack.start(node)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def ha(
+    tmp_path_factory: pytest.TempPathFactory,
+    start_stack_factory: Callable[..., Any],
+    faults: SimpleNamespace,
+) -> AsyncIterator[Ha]:
+    reason = why_postgres_cannot_run()
+    if reason is not None:
+        pytest.skip(reason)
+    postgres = PostgresServer.start()  # its own cluster: this module restarts it
+    try:
+        dsn = postgres.create_database()
+        root = tmp_path_factory.mktemp("ha")
+        fleet = faults.pool_fleet(MODEL, "ha", **PROVIDER)
+        async with start_stack_factory(root, fleet, {"postgres": {"dsn": dsn}}) as stack:
+            second_edge(stack, root)
+            edge_b = await stack.start("edge-b")
+            stack.pin_ports("edge-b")
+            # Each edge needs a node: node-b serves through edge-b (node-a stays on edge).
+            await dial(stack, "node-b", edge_b.ports["nodes"])
+            edges = {
+                "edge": stack.api_url,
+                "edge-b": f"http://127.0.0.1:{edge_b.ports['http']}/v1",
+            }
+            hosts = [url.removeprefix("http://").removesuffix("/v1") for url in edges.values()]
+            balancer, url = await start_balancer(hosts)
+            try:
+                yield Ha(stack, postgres, f"{url}/v1", edges)
+            finally:
+                balancer.send_signal(signal.SIGTERM)
+                await balancer.wait()
+    finally:
+        postgres.stop()
+
+
+# The provider each edge must have available before the load: its node dials it.
+SERVES = {"edge": "node-a-ha", "edge-b": "node-b-ha"}
+
+
+async def available_on_both(ha: Ha, faults: SimpleNamespace) -> None:
+    """Until each edge has its node's provider of the model available."""
+
+    async def check() -> bool:
+        for edge, url in ha.edge_urls.items():
+            rows = await faults.catalog(url, "providers")
+            health = {r["provider_id"]: r["health"] for r in rows}
+            if health.get(SERVES[edge]) != "available":
+                return False
+        return True
+
+    await faults.eventually(check, timeout_s=30)
+
+
+async def test_edge_sigkilled_under_load_loses_nothing(
+    ha: Ha, faults: SimpleNamespace, report: Callable[[str], None]
+) -> None:
+    await available_on_both(ha, faults)
+    load = Load(ha.api_url, faults, total=240)
+    running = asyncio.create_task(load.run())
+    await load.until_done(60)
+    killing = time.monotonic()
+    await ha.stack.stop("edge", signal.SIGKILL)  # returns once the process is reaped
+    dead = time.monotonic()
+    await running
+
+    in_flight = [s for s in load.sent if s.started < dead and s.ended > killing]
+    after = [s for s in load.sent if s.started > dead]
+    counts = load.counts()
+    report(
+        f"edge SIGKILLed under load: {counts} (in flight at the kill {len(in_flight)}, "
+        f"sent after it {len(after)}, all of which completed: "
+        f"{all(s.outcome.kind == 'completed' for s in after)})"
+    )
+    assert counts["sent"] == 240
+    assert counts["lost"] == 0, [s.outcome for s in load.sent if s.outcome.kind in ("hung", "lost")]
+    assert in_flight, "the kill landed while no request was running: nothing was tested"
+    failed = [s for s in load.sent if s.outcome.kind != "completed"]
+    assert all(s in in_flight for s in failed), [s.outcome for s in failed if s not in in_flight]
+    assert after, "no request was sent after the kill"
+    assert all(s.outcome.kind == "completed" for s in after), [
+        s.outcome for s in after if s.outcome.kind != "completed"
+    ]
+
+    # Back for the next test: the first edge again, on its ports; node-a dials it back.
+    await ha.stack.start("edge")
+    await ha.stack.wait_registered(("node-a",))
+
+
+async def storage_calls(ha: Ha, stop: asyncio.Event) -> list[tuple[int, str, str | None]]:
+    """List files through the balancer until ``stop``: (status, error code, Retry-After)."""
+    seen: list[tuple[int, str, str | None]] = []
+    connector = aiohttp.TCPConnector(force_close=True)
+    async with aiohttp.ClientSession(connector=connector) as http:
+        while not stop.is_set():
+            async with http.get(f"{ha.api_url}/files") as response:
+                body = await response.json()
+                code = body["error"]["code"] if response.status != 200 else ""
+                seen.append((response.status, code, response.headers.get("Retry-After")))
+            await asyncio.sleep(0.05)
+    return seen
+
+
+async def test_postgres_restarted_under_load(
+    ha: Ha, faults: SimpleNamespace, report: Callable[[str], None]
+) -> None:
+    await available_on_both(ha, faults)
+    load = Load(ha.api_url, faults, total=160)
+    running = asyncio.create_task(load.run())
+    stop = asyncio.Event()
+    polling = asyncio.create_task(storage_calls(ha, stop))
+    await load.until_done(30)
+    await asyncio.to_thread(ha.postgres.restart, 1.0)  # down (immediate), 1 s, up again
+    await running
+    stop.set()
+    storage = await polling
+
+    counts = load.counts()
+    statuses = {status: [s for s, *_ in storage].count(status) for status, *_ in storage}
+    report(f"PostgreSQL restarted under load: {counts}; storage calls by status {statuses}")
+    assert counts == {"sent": 160, "completed": 160, "failed": 0, "lost": 0}, [
+        s.outcome for s in load.sent if s.outcome.kind != "completed"
+    ]
+    assert storage, "no storage call was made during the load"
+    assert {status for status, *_ in storage} <= {200, 503}, storage
+    unavailable = [(code, retry) for status, code, retry in storage if status == 503]
+    assert all(code == "storage_unavailable" and retry for code, retry in unavailable)
+    # Once the server is back, the store answers again.
+    async with aiohttp.ClientSession() as http:
+
+        async def answers() -> bool:
+            async with http.get(f"{ha.api_url}/files") as response:
+                return response.status == 200
+
+        await faults.eventually(answers, timeout_s=30)
