@@ -141,7 +141,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(signum, stop.set)
-        await balancer.serve(*args.listen, stop)
+        host, port = args.listen
+        await balancer.serve(host, port, stop)
 
     asyncio.run(run())
     return 0
