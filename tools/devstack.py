@@ -27,6 +27,9 @@ With ``--vllm`` (``make run VLLM=1``) a real vLLM (``tools/vllm_server.py``, fro
 ``configs/fleet-vllm.yaml``: ``smollm2:135m`` served by llama.cpp on node-a and by vLLM
 on node-b, each under its own name, one public model id.
 
+With ``--ha`` (``make run HA=1``) the edge tier is doubled: PostgreSQL, two edges sharing
+it, and a balancer on the public port in front of them (``devstack_kit/ha.py``).
+
 This file is the command line; each job is a module of ``devstack_kit/`` (its
 ``__init__`` says which). The names tests and tools read (``SERVICES``, ``make_plan``,
 ``Backoff`` ...) are importable from here as before.
@@ -189,6 +192,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="also run vLLM (make vllm) and serve smollm2:135m from llama.cpp and vLLM "
         f"({VLLM_FLEET.relative_to(REPO)})",
     )
+    parser.add_argument(
+        "--ha",
+        action="store_true",
+        help="two edges on one PostgreSQL behind a balancer on the API port "
+        "(make run HA=1; devstack_kit/ha.py)",
+    )
     parser.add_argument("--ready-timeout", type=float, default=READY_TIMEOUT_S, help="seconds")
     parser.add_argument("--stop-timeout", type=float, default=STOP_TIMEOUT_S, help="seconds")
     parser.add_argument(
@@ -250,7 +259,7 @@ def issue_dev_tokens(plans: Sequence[Plan], opts: Options, console: Console) -> 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     opts = options_from(args)
-    plans = [make_plan(spec, opts) for spec in services(args.vllm)]
+    plans = [make_plan(spec, opts) for spec in services(args.vllm, args.ha)]
     console = Console([plan.name for plan in plans], color=wants_color())
     problems = preflight(plans, opts)
     if problems:

@@ -47,6 +47,7 @@ class Balancer:
     rest_s: float = 2.0
     _next: int = 0
     _tasks: set[asyncio.Task[None]] = field(default_factory=set)
+    _writers: set[asyncio.StreamWriter] = field(default_factory=set)
 
     def order(self) -> list[Backend]:
         """Round robin from the next backend, rested ones last (still tried: when every
@@ -70,17 +71,21 @@ class Balancer:
         task = asyncio.current_task()
         assert task is not None
         self._tasks.add(task)
+        self._writers.add(client_w)
         try:
             upstream = await self.connect()
             if upstream is None:
                 print("no backend accepted the connection; closing it", flush=True)
                 return
             up_r, up_w = upstream
+            self._writers.add(up_w)
             try:
                 await asyncio.gather(pipe(client_r, up_w), pipe(up_r, client_w))
             finally:
+                self._writers.discard(up_w)
                 await close(up_w)
         finally:
+            self._writers.discard(client_w)
             await close(client_w)
             self._tasks.discard(task)
 
@@ -93,9 +98,12 @@ class Balancer:
         async with server:
             await stop.wait()
             server.close()
-            for task in list(self._tasks):  # cut what is carried; clients see the end
-                task.cancel()
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+            # Cut what is carried (clients see their connection end), and let each
+            # connection's task end by itself: asyncio's server logs a cancelled one.
+            for writer in list(self._writers):
+                writer.transport.abort()
+            if self._tasks:
+                await asyncio.wait(self._tasks, timeout=5)
 
 
 async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

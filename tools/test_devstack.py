@@ -586,3 +586,39 @@ async def test_once_keys_exist_the_providers_are_read_from_the_edges_admin_metri
             assert await asyncio.wait_for(waiting, 5) == 2
     finally:
         await runner.cleanup()
+
+
+def test_with_ha_two_edges_share_postgres_behind_a_balancer_on_the_api_port(
+    tmp_path: Path,
+) -> None:
+    opts = options(tmp_path, 100)
+    plans = {
+        p.name: p for p in (devstack.make_plan(s, opts) for s in devstack.services(False, True))
+    }
+    assert list(plans) == [
+        *("llamacpp", "postgres", "control-plane", "edge", "edge-b"),
+        *("node-a", "node-b", "worker", "balancer"),
+    ]
+    postgres, edge, edge_b = plans["postgres"], plans["edge"], plans["edge-b"]
+    assert postgres.argv[2:] == (
+        *("--host", HOST, "--port", "5532", "--data", f"{tmp_path}/state/postgres/data"),
+    )
+    assert postgres.admin_url == f"postgresql://{HOST}:5532"
+    dsn = f"postgresql://iop@{HOST}:5532/iop"
+    for plan, http, nodes in ((edge, "8181", "7100"), (edge_b, "8182", "7101")):
+        assert plan.env["IOP_POSTGRES__DSN"] == dsn
+        assert plan.env["IOP_SERVICE_ID"] == plan.name
+        assert (plan.env["IOP_HTTP__PORT"], plan.env["IOP_NODE_LISTENER__PORT"]) == (http, nodes)
+        assert plan.env["IOP_TLS__CERT_FILE"].endswith(f"/{plan.name}.pem")
+    assert edge_b.env["IOP_ADMIN__PORT"] == "9205"
+    assert edge_b.env["IOP_BATCH_DB"] == f"{tmp_path}/state/edge-b-batches.db"
+    assert edge.env["IOP_BATCH_DB"] == f"{tmp_path}/state/edge-batches.db"
+    assert plans["node-a"].env["IOP_EDGE__PORT"] == "7100"
+    assert plans["node-b"].env["IOP_EDGE__PORT"] == "7101"  # each edge has a node from the start
+    assert plans["balancer"].argv[2:] == (
+        *("--listen", f"{HOST}:8180", "--backend", f"{HOST}:8181", "--backend", f"{HOST}:8182"),
+    )
+    assert devstack.api_root(list(plans.values()), opts) == f"http://{HOST}:8180"
+    # every port once: the preflight checks them all
+    ports = [port for plan in plans.values() for port in plan.spec.all_ports().values()]
+    assert len(ports) == len(set(ports))

@@ -33,6 +33,11 @@ class ServiceSpec:
     # {port} (``admin_port`` shifted). Empty: ``<--bin>/<script> --config <config>``.
     argv: tuple[str, ...] = ()
     port_role: str = "admin"  # what ``admin_port`` serves, for messages
+    scheme: str = "http"  # how ``admin_port`` is spoken to (postgresql: not polled over HTTP)
+    # Settings overrides that name dialled ports inside a value (a DSN): env name ->
+    # template formatted with {host} and the shifted ports of ``dials`` by their env names.
+    env_templates: Mapping[str, str] = field(default_factory=dict)
+    public_api: bool = False  # where clients point (the balancer of --ha); else the edge's
     ready_timeout_s: float | None = None  # its own bound on start-up; None: --ready-timeout
 
     def all_ports(self) -> dict[str, int]:
@@ -131,9 +136,15 @@ VLLM_FLEET = REPO / "configs" / "fleet-vllm.yaml"
 VLLM_MODEL = "var/vllm/smollm2-135m-instruct"  # what `make vllm` converts (the launcher's default)
 
 
-def services(vllm: bool) -> tuple[ServiceSpec, ...]:
-    """The stack's processes in start order; with vLLM, it comes right after llama.cpp."""
-    return (*SERVICES[:1], VLLM_SERVICE, *SERVICES[1:]) if vllm else SERVICES
+def services(vllm: bool, ha: bool = False) -> tuple[ServiceSpec, ...]:
+    """The stack's processes in start order; with vLLM, it comes right after llama.cpp;
+    with ``ha``, the fleet of ``devstack_kit.ha`` (PostgreSQL, two edges, a balancer)."""
+    chosen = (*SERVICES[:1], VLLM_SERVICE, *SERVICES[1:]) if vllm else SERVICES
+    if ha:
+        from .ha import ha_services  # it builds on this module's specs
+
+        chosen = ha_services(chosen)
+    return chosen
 
 
 CONTROL_PLANE = "iop-control-plane"
@@ -173,7 +184,7 @@ class Plan:
 
     @property
     def admin_url(self) -> str:
-        return f"http://{HOST}:{self.port}"
+        return f"{self.spec.scheme}://{HOST}:{self.port}"
 
 
 def cert_files(certs: Path, name: str) -> dict[str, Path]:
@@ -201,10 +212,26 @@ def child_env(spec: ServiceSpec, opts: Options) -> dict[str, str]:
         env[name] = str(port + opts.port_offset)
     for name, file_name in spec.state.items():
         env[name] = str(opts.state_dir / file_name)
+    for name, template in spec.env_templates.items():
+        env[name] = template.format(**format_fields(spec, opts))
     if spec.tls:
         for key, path in cert_files(certs, spec.name).items():
             env[f"IOP_TLS__{key}"] = str(path)
     return env
+
+
+def format_fields(spec: ServiceSpec, opts: Options) -> dict[str, object]:
+    """What ``argv`` and ``env_templates`` parts may name: {python}, {script}, {host},
+    {port}, {state} (the state directory) and each of ``dials`` by its env name, shifted."""
+    dials = {name: port + opts.port_offset for name, port in spec.dials.items()}
+    return {
+        "python": sys.executable,
+        "script": REPO / spec.script,
+        "host": HOST,
+        "port": spec.admin_port + opts.port_offset,
+        "state": opts.state_dir,
+        **dials,
+    }
 
 
 def make_plan(spec: ServiceSpec, opts: Options) -> Plan:
@@ -212,8 +239,7 @@ def make_plan(spec: ServiceSpec, opts: Options) -> Plan:
     config = None if spec.config is None else REPO / spec.config
     if spec.argv:
         program = REPO / spec.script
-        fields = {"python": sys.executable, "script": program, "host": HOST, "port": port}
-        argv = tuple(part.format(**fields) for part in spec.argv)
+        argv = tuple(part.format(**format_fields(spec, opts)) for part in spec.argv)
     else:
         program = opts.bin_dir / spec.script
         argv = (str(program), "--config", str(config))
@@ -233,6 +259,10 @@ def control_plane(plans: Sequence[Plan]) -> Plan:
 
 
 def api_root(plans: Sequence[Plan], opts: Options) -> str:
-    """Where the edge serves the OpenAI API and the catalog."""
+    """Where clients reach the OpenAI API and the catalog: the edge, or the balancer in
+    front of the edges (``--ha``)."""
+    public = next((p for p in plans if p.spec.public_api), None)
+    if public is not None:
+        return public.admin_url
     port = next(p.spec.ports[API_PORT_ENV] for p in plans if API_PORT_ENV in p.spec.ports)
     return f"http://{HOST}:{port + opts.port_offset}"

@@ -7,6 +7,8 @@ import socket
 from collections.abc import Sequence
 from pathlib import Path
 
+from iop_proto.testing_postgres import why_postgres_cannot_run
+
 from .plan import HOST, REPO, VLLM_MODEL, VLLM_SERVICE, Options, Plan, cert_files
 
 
@@ -108,7 +110,16 @@ def preflight(plans: Sequence[Plan], opts: Options) -> list[str]:
         + check_files(plans, opts)
         + check_pid_files(plans)
         + check_vllm(plans)
+        + check_postgres(plans)
     )
+
+
+def check_postgres(plans: Sequence[Plan]) -> list[str]:
+    """Debian's PostgreSQL server for --ha (``make run HA=1`` installs it where apt can)."""
+    if not any(plan.spec.scheme == "postgresql" for plan in plans):
+        return []
+    reason = why_postgres_cannot_run()
+    return [] if reason is None else [f"postgres: {reason}"]
 
 
 def check_vllm(plans: Sequence[Plan]) -> list[str]:

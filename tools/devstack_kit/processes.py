@@ -21,8 +21,9 @@ RESTART_MAX_S = 10.0  # the longest delay, however often it exits
 RESTART_STABLE_S = 30.0  # up this long, its next exit starts again from RESTART_FIRST_S
 LINE_LIMIT = 1 << 20
 # What a service logs once it serves: iop_proto.service.runner's "ready: edge admin
-# http://..." for the IOP services, tools/llama_server.py's "ready: llamacpp http://...".
-READY_LINE = re.compile(r"\bready: \S+ (?:admin )?http://\S+")
+# http://..." for the IOP services, tools/llama_server.py's "ready: llamacpp http://...",
+# tools/postgres_server.py's "ready: postgres postgresql://...".
+READY_LINE = re.compile(r"\bready: \S+ (?:admin )?(?:http|postgresql)://\S+")
 COLORS = ("36", "33", "32", "35", "34", "91", "92", "93", "94", "95")
 
 

@@ -25,6 +25,16 @@ async def cancel_all(tasks: Sequence[asyncio.Task[Any]]) -> None:
     await asyncio.gather(*tasks, return_exceptions=True)
 
 
+def readiness(child: Child, session: aiohttp.ClientSession) -> list[asyncio.Task[Any]]:
+    """What says ``child`` is ready: its ready line, or its health URL answering 200 (only
+    asked of a service spoken to over HTTP: PostgreSQL says so with its line)."""
+    goals: list[asyncio.Task[Any]] = [asyncio.create_task(child.ready.wait())]
+    if child.plan.spec.scheme == "http":
+        url = child.plan.admin_url + child.plan.spec.health_path
+        goals.append(asyncio.create_task(poll_health(session, url)))
+    return goals
+
+
 class Stack:
     """The children started so far, in start order, and how to stop them all."""
 
@@ -99,11 +109,7 @@ class Stack:
 
         A stop request also returns ``None``; the caller checks ``stop`` itself.
         """
-        url = child.plan.admin_url + child.plan.spec.health_path
-        goals = [
-            asyncio.create_task(poll_health(session, url)),
-            asyncio.create_task(child.ready.wait()),
-        ]
+        goals = readiness(child, session)
         within = self.ready_timeout(child.plan)
         done = await self.race(goals, stop, within)
         if not done:
@@ -202,12 +208,8 @@ class Stack:
     async def await_restarted(self, child: Child, stop: asyncio.Event) -> None:
         """Say when a restarted service is ready again; if it is not within
         ``--ready-timeout``, kill it, and its exit brings the next (later) restart."""
-        url = child.plan.admin_url + child.plan.spec.health_path
         async with aiohttp.ClientSession() as session:
-            goals = [
-                asyncio.create_task(poll_health(session, url)),
-                asyncio.create_task(child.ready.wait()),
-            ]
+            goals = readiness(child, session)
             within = self.ready_timeout(child.plan)
             done = await self.race(goals, stop, within, watching=[child])
         if stop.is_set() or child.exited in done:
