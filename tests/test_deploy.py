@@ -54,6 +54,11 @@ IDENTITIES = {  # compose service = certificate identity -> services/<name>
 NODES = sorted(name for name, service in IDENTITIES.items() if service == "node")
 ONE_SHOTS = {"iop-init", "llamacpp-model", "ollama-pull"}  # run to completion, then exit 0
 PROVIDERS = {"llamacpp", "llamacpp-upstream", "ollama", "vllm"}
+HA = {"postgres", "edge-1", "edge-2", "haproxy"}  # `--profile ha`: two edges on one PostgreSQL
+HA_EDGES = (
+    "edge-1",
+    "edge-2",
+)  # edges with the edge identity's certificate and settings of their own
 START_ORDER = {  # compose service -> the services it waits for (healthy, or completed)
     "control-plane": {"iop-init"},
     "edge": {"iop-init", "control-plane"},
@@ -63,6 +68,9 @@ START_ORDER = {  # compose service -> the services it waits for (healthy, or com
     "worker": {"iop-init", "edge"},
     "llamacpp-upstream": {"llamacpp-model"},
     "ollama-pull": {"ollama"},
+    "edge-1": {"iop-init", "control-plane", "postgres"},
+    "edge-2": {"iop-init", "control-plane", "postgres"},
+    "haproxy": {"edge-1", "edge-2"},
 }
 PROFILES = {  # compose service -> its profiles; every other service starts with a plain `up`
     "node-gpu": ["gpu"],
@@ -72,6 +80,7 @@ PROFILES = {  # compose service -> its profiles; every other service starts with
     "ollama-pull": ["ollama"],
     "llamacpp-model": ["llamacpp-upstream"],
     "llamacpp-upstream": ["llamacpp-upstream"],
+    **{name: ["ha"] for name in HA},
 }
 DEV_REFERENCE = {"node-gpu": "node-a"}  # configs/dev/ has no GPU node: compare with node-a's keys
 
@@ -159,7 +168,7 @@ def docker_engine() -> str | None:
 
 def test_compose_file_has_the_stack_and_no_version_key() -> None:
     assert "version" not in compose()
-    assert set(compose_services()) == set(IDENTITIES) | ONE_SHOTS | PROVIDERS
+    assert set(compose_services()) == set(IDENTITIES) | ONE_SHOTS | PROVIDERS | HA
 
 
 @pytest.mark.parametrize("identity", [*sorted(IDENTITIES), "iop-init"])
@@ -494,3 +503,85 @@ def test_docker_compose_config_renders() -> None:
                 timeout=60,
             )
             assert result.returncode == 0, f"{path.name} {profile}: {result.stderr}"
+
+
+# --- docker-compose.yml: `--profile ha` -------------------------------------------------------
+
+
+@pytest.mark.parametrize("edge", HA_EDGES)
+def test_compose_ha_edges_are_the_edge_with_a_shared_store_and_files_of_their_own(
+    edge: str,
+) -> None:
+    """Each HA edge: the edge image, edge.yaml's settings plus the postgres section naming the
+    postgres service, its own service id and volume, the edge identity's certificate."""
+    service = compose_services()[edge]
+    assert service["build"]["dockerfile"] == "services/edge/Dockerfile"
+    assert service["image"] == "iop-edge:latest"
+    assert "user" not in service  # the image's uid 10001
+    data = settings_yaml(edge)
+    settings = EdgeSettings.model_validate(data)
+    assert settings.service_id == edge
+    assert settings.postgres is not None
+    dsn = urlsplit(settings.postgres.dsn.get_secret_value())
+    assert (dsn.hostname, dsn.port, dsn.path) == ("postgres", 5432, "/iop")
+    plain = settings_yaml("edge")
+    assert {k: v for k, v in data.items() if k not in ("service_id", "postgres")} == {
+        k: v for k, v in plain.items() if k != "service_id"
+    }
+    mounts = volume_mounts(service)
+    assert ("certs", "/certs", True) in mounts
+    assert (f"./deploy/compose/{edge}.yaml", "/etc/iop/edge.yaml", True) in mounts
+    assert (f"{edge}-data", "/var/lib/iop/edge", False) in mounts
+    assert admin_port_of_healthcheck(service["healthcheck"]["test"]) == data["admin"]["port"]
+
+
+def test_compose_haproxy_balances_over_the_ha_edges_api_checking_their_admin_port() -> None:
+    services = compose_services()
+    haproxy = services["haproxy"]
+    assert haproxy["build"]["dockerfile"] == "deploy/haproxy/Dockerfile"
+    config = mounted_file(haproxy, "/etc/haproxy/haproxy.cfg").read_text()
+    servers = re.findall(r"^\s*server (\S+) (\S+):(\d+)", config, re.MULTILINE)
+    assert servers == [(edge, edge, str(settings_yaml(edge)["http"]["port"])) for edge in HA_EDGES]
+    check_port = re.search(r"default-server check port (\d+)", config)
+    assert check_port is not None
+    assert {int(check_port.group(1))} == {settings_yaml(edge)["admin"]["port"] for edge in HA_EDGES}
+    assert "option redispatch" in config  # a refused connection goes to the other edge
+    ports = published(haproxy)
+    assert list(ports) == [8080]
+    assert not ports[8080].startswith("127.0.0.1:")
+    health = re.search(r"bind :(\d+)\s+monitor-uri (\S+)", config)
+    assert health is not None
+    assert f"127.0.0.1:{health.group(1)}{health.group(2)}" in " ".join(
+        haproxy["healthcheck"]["test"]
+    )
+
+
+def test_compose_postgres_is_built_here_keeps_its_data_in_a_volume_and_is_not_published() -> None:
+    postgres = compose_services()["postgres"]
+    assert postgres["build"]["dockerfile"] == "deploy/postgres/Dockerfile"
+    assert postgres["image"] == "iop-postgres:latest"
+    assert ("postgres-data", "/var/lib/postgresql/data", False) in volume_mounts(postgres)
+    assert "ports" not in postgres  # only the edges on the compose network reach it
+    dockerfile = (ROOT / "deploy" / "postgres" / "Dockerfile").read_text()
+    assert "postgresql-15" in dockerfile  # Debian's server, the version the tests run
+    assert (ROOT / "deploy" / "postgres" / "entrypoint.sh").is_file()
+
+
+def test_haproxy_accepts_the_compose_config() -> None:
+    """HAProxy's own check of deploy/compose/haproxy.cfg, where Debian's haproxy is installed
+    (the edges' names need not resolve for `-c`: checked with them as local addresses)."""
+    haproxy = shutil.which("haproxy")
+    if haproxy is None:
+        pytest.skip("haproxy is not installed (apt-get install haproxy)")
+    config = (ROOT / "deploy" / "compose" / "haproxy.cfg").read_text()
+    for edge in HA_EDGES:
+        config = config.replace(f" {edge}:", " 127.0.0.1:")
+    result = subprocess.run(
+        [haproxy, "-c", "-f", "/dev/stdin"],
+        input=config,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
