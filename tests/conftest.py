@@ -32,6 +32,7 @@ from iop_proto.tls import TlsSettings
 ROLES = {
     "control-plane": "control-plane",
     "edge": "edge",
+    "edge-b": "edge",  # a second edge of the same fleet (tests/faults/test_several_edges.py)
     "node-a": "node",
     "node-b": "node",
     "node-fuzz": "node",  # in the fleet without providers: fault tests register as it
@@ -201,7 +202,12 @@ class Stack:
                 await asyncio.sleep(0.05)
 
 
-SCRIPTS = {"control-plane": "iop-control-plane", "edge": "iop-edge", "worker": "iop-worker"}
+SCRIPTS = {
+    "control-plane": "iop-control-plane",
+    "edge": "iop-edge",
+    "edge-b": "iop-edge",
+    "worker": "iop-worker",
+}
 PORT_KEYS = {"edges": "listen", "http": "http", "nodes": "node_listener"}
 """The settings section of each port a service reports (``RunningService.ports``)."""
 
