@@ -32,7 +32,8 @@ from iop_proto.tls import TlsSettings
 ROLES = {
     "control-plane": "control-plane",
     "edge": "edge",
-    "edge-b": "edge",  # a second edge on the same fleet (tests/faults/test_edge_ha.py)
+    "edge-b": "edge",  # a second edge of the same fleet (tests/faults/test_several_edges.py,
+    # test_edge_ha.py)
     "node-a": "node",
     "node-b": "node",
     "node-fuzz": "node",  # in the fleet without providers: fault tests register as it

@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import random
 import ssl
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -116,12 +117,15 @@ class DialSettings:
         settings: DialingService,
         register_timeout_s: float,
         max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
+        edge: EdgeAddress | None = None,
     ) -> DialSettings:
-        """From a service's settings: its id, ``edge`` and ``reconnect`` sections."""
+        """From a service's settings: its id, ``edge`` (or the ``edge`` given: one of its
+        ``edges``) and ``reconnect`` sections."""
+        edge = settings.edge if edge is None else edge
         return cls(
-            host=settings.edge.host,
-            port=settings.edge.port,
-            server_name=settings.edge.server_name,
+            host=edge.host,
+            port=edge.port,
+            server_name=edge.server_name,
             sender_id=settings.service_id,
             register_timeout_s=register_timeout_s,
             initial_delay_s=settings.reconnect.initial_s,
@@ -131,13 +135,19 @@ class DialSettings:
         )
 
 
+EdgesHeard = Callable[["Dialer", Sequence[pb.EdgeEndpoint]], None]
+"""Told each registration's and each push's list of edges (``iop_proto.edges.EdgeLinks``)."""
+
+
 class Dialer:
     """Keeps a service registered with the edge for as long as it runs.
 
     ``registered`` is set while a registration holds (readiness reads it);
-    ``registrations`` counts accepted ones. A subclass implements
-    ``_register_request`` and ``_serve``, and may override ``_accepted`` and
-    ``_disconnected``; a peer that is not the edge overrides ``_register``.
+    ``registrations`` counts accepted ones; ``edge_id`` is the id of the edge that
+    accepted the last one. A subclass implements ``_register_request`` and ``_serve``,
+    and may override ``_accepted`` and ``_disconnected``; a peer that is not the edge
+    overrides ``_register``. ``on_edges`` hears the edges the edge lists (the
+    registration's answer, then ``_heard_edges`` for each push a subclass receives).
     """
 
     def __init__(
@@ -149,6 +159,18 @@ class Dialer:
         self._stopping = asyncio.Event()
         self.registered = asyncio.Event()
         self.registrations = 0
+        self.edge_id = ""
+        self.on_edges: EdgesHeard | None = None
+
+    @property
+    def dial(self) -> DialSettings:
+        """Where this link dials."""
+        return self._dial
+
+    def _heard_edges(self, edges: Sequence[pb.EdgeEndpoint]) -> None:
+        """The edge listed the fleet's edges (empty: it knows of none)."""
+        if self.on_edges is not None:
+            self.on_edges(self, edges)
 
     # -- what a subclass says ------------------------------------------------------
 
@@ -187,7 +209,9 @@ class Dialer:
         if not response.accepted:
             logger.error("the edge refused the registration: {}", response.reason)
             return None
+        self.edge_id = response.edge_id
         detail = await self._accepted(conn, response)
+        self._heard_edges(response.edges)
         if response.heartbeat_interval_ms:
             conn.heartbeat_interval = response.heartbeat_interval_ms / 1000
         return f"with edge {response.edge_id or conn.peer_name}{detail}"
@@ -197,6 +221,14 @@ class Dialer:
     def stop(self) -> None:
         """Dial no more: the connection in hand ends when ``_serve`` returns."""
         self._stopping.set()
+
+    def resume(self) -> None:
+        """Undo ``stop`` while ``run`` still runs: it dials again after this connection."""
+        self._stopping.clear()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping.is_set()
 
     async def run(self) -> None:
         """Connect, serve, and reconnect with jittered exponential backoff, until stopped

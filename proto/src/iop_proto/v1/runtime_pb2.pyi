@@ -149,23 +149,25 @@ class Error(_message.Message):
     def __init__(self, code: _Optional[_Union[ErrorCode, str]] = ..., message: _Optional[str] = ..., run_id: _Optional[str] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("peer_id", "token", "version", "role", "providers", "acknowledges_runs")
+    __slots__ = ("peer_id", "token", "version", "role", "providers", "acknowledges_runs", "follows_edges")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     PROVIDERS_FIELD_NUMBER: _ClassVar[int]
     ACKNOWLEDGES_RUNS_FIELD_NUMBER: _ClassVar[int]
+    FOLLOWS_EDGES_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     token: str
     version: str
     role: PeerRole
     providers: _containers.RepeatedCompositeFieldContainer[ProviderState]
     acknowledges_runs: bool
-    def __init__(self, peer_id: _Optional[str] = ..., token: _Optional[str] = ..., version: _Optional[str] = ..., role: _Optional[_Union[PeerRole, str]] = ..., providers: _Optional[_Iterable[_Union[ProviderState, _Mapping]]] = ..., acknowledges_runs: _Optional[bool] = ...) -> None: ...
+    follows_edges: bool
+    def __init__(self, peer_id: _Optional[str] = ..., token: _Optional[str] = ..., version: _Optional[str] = ..., role: _Optional[_Union[PeerRole, str]] = ..., providers: _Optional[_Iterable[_Union[ProviderState, _Mapping]]] = ..., acknowledges_runs: _Optional[bool] = ..., follows_edges: _Optional[bool] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("accepted", "reason", "node_config", "heartbeat_interval_ms", "edge_id", "takes_folded_completions", "takes_provider_load")
+    __slots__ = ("accepted", "reason", "node_config", "heartbeat_interval_ms", "edge_id", "takes_folded_completions", "takes_provider_load", "edges")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     NODE_CONFIG_FIELD_NUMBER: _ClassVar[int]
@@ -173,6 +175,7 @@ class RegisterResponse(_message.Message):
     EDGE_ID_FIELD_NUMBER: _ClassVar[int]
     TAKES_FOLDED_COMPLETIONS_FIELD_NUMBER: _ClassVar[int]
     TAKES_PROVIDER_LOAD_FIELD_NUMBER: _ClassVar[int]
+    EDGES_FIELD_NUMBER: _ClassVar[int]
     accepted: bool
     reason: str
     node_config: NodeConfig
@@ -180,7 +183,20 @@ class RegisterResponse(_message.Message):
     edge_id: str
     takes_folded_completions: bool
     takes_provider_load: bool
-    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., node_config: _Optional[_Union[NodeConfig, _Mapping]] = ..., heartbeat_interval_ms: _Optional[int] = ..., edge_id: _Optional[str] = ..., takes_folded_completions: _Optional[bool] = ..., takes_provider_load: _Optional[bool] = ...) -> None: ...
+    edges: _containers.RepeatedCompositeFieldContainer[EdgeEndpoint]
+    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., node_config: _Optional[_Union[NodeConfig, _Mapping]] = ..., heartbeat_interval_ms: _Optional[int] = ..., edge_id: _Optional[str] = ..., takes_folded_completions: _Optional[bool] = ..., takes_provider_load: _Optional[bool] = ..., edges: _Optional[_Iterable[_Union[EdgeEndpoint, _Mapping]]] = ...) -> None: ...
+
+class EdgeEndpoint(_message.Message):
+    __slots__ = ("edge_id", "host", "port", "server_name")
+    EDGE_ID_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    SERVER_NAME_FIELD_NUMBER: _ClassVar[int]
+    edge_id: str
+    host: str
+    port: int
+    server_name: str
+    def __init__(self, edge_id: _Optional[str] = ..., host: _Optional[str] = ..., port: _Optional[int] = ..., server_name: _Optional[str] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ("monotonic_ms",)
@@ -453,14 +469,16 @@ class CancelRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class EdgeHello(_message.Message):
-    __slots__ = ("edge_id", "version", "known_config_version")
+    __slots__ = ("edge_id", "version", "known_config_version", "node_listener")
     EDGE_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     KNOWN_CONFIG_VERSION_FIELD_NUMBER: _ClassVar[int]
+    NODE_LISTENER_FIELD_NUMBER: _ClassVar[int]
     edge_id: str
     version: str
     known_config_version: int
-    def __init__(self, edge_id: _Optional[str] = ..., version: _Optional[str] = ..., known_config_version: _Optional[int] = ...) -> None: ...
+    node_listener: EdgeEndpoint
+    def __init__(self, edge_id: _Optional[str] = ..., version: _Optional[str] = ..., known_config_version: _Optional[int] = ..., node_listener: _Optional[_Union[EdgeEndpoint, _Mapping]] = ...) -> None: ...
 
 class ModelConfig(_message.Message):
     __slots__ = ("id", "display_name", "providers", "max_output_tokens", "retries", "context_window")
@@ -502,7 +520,7 @@ class ApiKeyPolicy(_message.Message):
     def __init__(self, key_id: _Optional[str] = ..., name: _Optional[str] = ..., key_hash: _Optional[str] = ..., models: _Optional[_Iterable[str]] = ..., max_concurrent: _Optional[int] = ..., operator: _Optional[bool] = ...) -> None: ...
 
 class FleetConfig(_message.Message):
-    __slots__ = ("version", "models", "nodes", "api_keys", "revoked_token_ids", "retired_node_ids", "accepts_node_status")
+    __slots__ = ("version", "models", "nodes", "api_keys", "revoked_token_ids", "retired_node_ids", "accepts_node_status", "edges")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MODELS_FIELD_NUMBER: _ClassVar[int]
     NODES_FIELD_NUMBER: _ClassVar[int]
@@ -510,6 +528,7 @@ class FleetConfig(_message.Message):
     REVOKED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     RETIRED_NODE_IDS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTS_NODE_STATUS_FIELD_NUMBER: _ClassVar[int]
+    EDGES_FIELD_NUMBER: _ClassVar[int]
     version: int
     models: _containers.RepeatedCompositeFieldContainer[ModelConfig]
     nodes: _containers.RepeatedCompositeFieldContainer[NodeConfig]
@@ -517,7 +536,8 @@ class FleetConfig(_message.Message):
     revoked_token_ids: _containers.RepeatedScalarFieldContainer[str]
     retired_node_ids: _containers.RepeatedScalarFieldContainer[str]
     accepts_node_status: bool
-    def __init__(self, version: _Optional[int] = ..., models: _Optional[_Iterable[_Union[ModelConfig, _Mapping]]] = ..., nodes: _Optional[_Iterable[_Union[NodeConfig, _Mapping]]] = ..., api_keys: _Optional[_Iterable[_Union[ApiKeyPolicy, _Mapping]]] = ..., revoked_token_ids: _Optional[_Iterable[str]] = ..., retired_node_ids: _Optional[_Iterable[str]] = ..., accepts_node_status: _Optional[bool] = ...) -> None: ...
+    edges: _containers.RepeatedCompositeFieldContainer[EdgeEndpoint]
+    def __init__(self, version: _Optional[int] = ..., models: _Optional[_Iterable[_Union[ModelConfig, _Mapping]]] = ..., nodes: _Optional[_Iterable[_Union[NodeConfig, _Mapping]]] = ..., api_keys: _Optional[_Iterable[_Union[ApiKeyPolicy, _Mapping]]] = ..., revoked_token_ids: _Optional[_Iterable[str]] = ..., retired_node_ids: _Optional[_Iterable[str]] = ..., accepts_node_status: _Optional[bool] = ..., edges: _Optional[_Iterable[_Union[EdgeEndpoint, _Mapping]]] = ...) -> None: ...
 
 class NodeStatus(_message.Message):
     __slots__ = ("node_id", "connected", "token_id", "since_unix_ms", "peer_address", "detail")

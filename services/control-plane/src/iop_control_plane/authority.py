@@ -53,6 +53,8 @@ class FleetAuthority:
         self._snapshot = pb.FleetConfig()
         self._digest = b""
         self._listeners: set[ChangeListener] = set()
+        # edge id -> (its session, where its nodes reach it): the edges listed to peers
+        self._edges: dict[str, tuple[object, pb.EdgeEndpoint]] = {}
 
     # ------------------------------------------------------------ state
 
@@ -164,6 +166,7 @@ class FleetAuthority:
             revoked_token_ids=self._revoked_token_ids,
             retired_node_ids=sorted(retired),
             accepts_node_status=True,
+            edges=[endpoint for _, (_, endpoint) in sorted(self._edges.items())],
         )
         digest = hashlib.sha256(content.SerializeToString(deterministic=True)).digest()
         if digest == self._digest:
@@ -226,8 +229,31 @@ class FleetAuthority:
             ]
         )
 
-    async def edge_lost(self, edge_id: str) -> None:
-        """The edge's link ended: what it reported as connected is no longer known."""
+    async def edge_joined(self, session: object, edge_id: str, endpoint: pb.EdgeEndpoint) -> None:
+        """An edge linked up and said where its nodes reach it: every edge lists it to its
+        nodes and workers from now on (docs/ARCHITECTURE.md#several-edges)."""
+        self._edges[edge_id] = (
+            session,
+            pb.EdgeEndpoint(
+                edge_id=edge_id,
+                host=endpoint.host,
+                port=endpoint.port,
+                server_name=endpoint.server_name,
+            ),
+        )
+        if self._rebuild():
+            logger.info("edge {} listed at {}:{}", edge_id, endpoint.host, endpoint.port)
+            await self._notify()
+
+    async def edge_lost(self, edge_id: str, session: object | None = None) -> None:
+        """The edge's link ended: what it reported as connected is no longer known, and it
+        is listed no more (unless a newer link of it, ``session`` not its, is up)."""
+        listed = self._edges.get(edge_id)
+        if listed is not None and (session is None or listed[0] is session):
+            del self._edges[edge_id]
+            if self._rebuild():
+                logger.info("edge {} no longer listed", edge_id)
+                await self._notify()
         await self._store.edge_lost(edge_id, datetime.now(UTC))
 
     def authorization_response(self, decision: Decision) -> pb.AuthorizeNodeResponse:

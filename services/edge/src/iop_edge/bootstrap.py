@@ -168,8 +168,6 @@ async def build(
             tls_files=settings.tls if settings.tls.enabled else None,
         )
         await control_plane.load_cache()
-        cp_task = asyncio.create_task(control_plane.run(), name="control-plane")
-        stack.push_async_callback(cancel_and_wait, cp_task)
 
         nodes = NodeServer(
             host=settings.node_listener.host,
@@ -189,6 +187,12 @@ async def build(
         nodes.status.subscribe(control_plane.report_nodes)
         await nodes.start()
         stack.push_async_callback(nodes.aclose)
+        if control_plane.config is not None:
+            await nodes.apply_fleet(control_plane.config)  # the cached list of edges
+        # Dialled once the node listener is bound: the hello says where it is.
+        control_plane.node_listener = node_listener_endpoint(settings, nodes.port)
+        cp_task = asyncio.create_task(control_plane.run(), name="control-plane")
+        stack.push_async_callback(cancel_and_wait, cp_task)
 
         gate = StopGate()
         app = create_api_app(
@@ -248,6 +252,27 @@ async def build(
         log_access_mode()  # from now on logged again whenever keys come or go
         admin.set_readiness(lambda: None if catalog.any_available() else "no provider is available")
         yield edge
+
+
+def node_listener_endpoint(settings: EdgeSettings, bound_port: int) -> pb.EdgeEndpoint | None:
+    """Where this edge's nodes and workers reach it, for the control-plane to list
+    (docs/ARCHITECTURE.md#several-edges); ``None``: the edge is not listed."""
+    listener = settings.node_listener
+    address = listener.advertised(bound_port)
+    if address is None:
+        logger.info(
+            "node_listener.advertise unset and host {} is a wildcard: this edge is not listed"
+            " to other edges' nodes and workers",
+            listener.host,
+        )
+        return None
+    host, port = address
+    return pb.EdgeEndpoint(
+        edge_id=settings.service_id,
+        host=host,
+        port=port,
+        server_name=listener.advertise_server_name or "",
+    )
 
 
 def reasoning_seal(settings: EdgeSettings) -> ReasoningSeal:

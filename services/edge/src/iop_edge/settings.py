@@ -82,6 +82,46 @@ class NodeListenerSettings(FrozenModel):
         gt=0,
         description="a peer that sends no register_request this long after its handshake is cut",
     )
+    advertise: str | None = Field(
+        default=None,
+        description=(
+            'where nodes and workers reach this listener, "host:port": the control-plane'
+            " lists it to every edge's nodes and workers, which dial it too"
+            " (docs/ARCHITECTURE.md#several-edges); unset: host and the bound port, unless"
+            " host is a wildcard (0.0.0.0, ::), then the edge is not listed"
+        ),
+    )
+    advertise_server_name: str | None = Field(
+        default=None,
+        description="the name this edge's certificate carries for that address; default: its host",
+    )
+
+    @model_validator(mode="after")
+    def _advertise_is_an_address(self) -> NodeListenerSettings:
+        if self.advertise is not None:
+            split_address(self.advertise)
+        return self
+
+    def advertised(self, bound_port: int) -> tuple[str, int] | None:
+        """The address nodes are told to dial, once the listener is bound (``None``: the
+        edge is not listed, no address of it is known to fit)."""
+        if self.advertise is not None:
+            return split_address(self.advertise)
+        if self.host in WILDCARDS:
+            return None
+        return self.host, bound_port
+
+
+WILDCARDS = frozenset({"", "0.0.0.0", "::", "[::]"})
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """``host:port`` (``[v6]:port`` too) as its host and port."""
+    host, colon, port = address.rpartition(":")
+    host = host.strip("[]")
+    if not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f'advertise {address!r} is not "host:port"')
+    return host, int(port)
 
 
 class ControlPlaneAddress(FrozenModel):

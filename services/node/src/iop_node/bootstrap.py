@@ -14,11 +14,13 @@ from iop_node import __version__
 from iop_node.adapters import cli, mock, ollama, openai_compat
 from iop_node.adapters.provider_http import ProviderHttp
 from iop_node.adapters.sqlite_history import SqliteRunHistory
-from iop_node.entrypoints.edge_link import EdgeLink
+from iop_node.entrypoints.edge_link import EdgeLink, Neighbours, drain
 from iop_node.metrics import NodeMetrics
 from iop_node.ports import AdapterContext, AdapterFactory
 from iop_node.service.providers import NodeCore, ProbeSettings
 from iop_node.settings import NodeSettings
+from iop_proto.dialer import DialSettings, LinkGauge
+from iop_proto.edges import EdgeLinks
 from iop_proto.framing import max_answer_bytes
 from iop_proto.service import AdminServer
 from iop_proto.tasks import cancel_and_wait
@@ -69,13 +71,32 @@ async def build(
         )
         stack.push_async_callback(core.aclose)
 
-        link = EdgeLink(settings, core, tls, token, metrics, __version__)
-        link_task = asyncio.create_task(link.run(), name="edge-link")
-        admin.fail_on_configuration_error(link_task)  # e.g. the edge's certificate does not fit
-        stack.push_async_callback(cancel_and_wait, link_task)
-        # First on the way out: runs in flight finish; shutdown_reserve_s is kept for closing
-        # the link, the adapters and the history.
-        stack.push_async_callback(link.drain, settings.drain_s)
+        draining = False
+        neighbours = Neighbours()
 
-        admin.set_readiness(lambda: None if link.registered.is_set() else "not registered")
+        def make_link(dial: DialSettings, gauge: LinkGauge) -> EdgeLink:
+            link = EdgeLink(dial, settings, core, tls, token, gauge, __version__, neighbours)
+            if draining:
+                link.begin_drain()  # an edge listed while the node stops hears it at once
+            return link
+
+        seeds = [
+            DialSettings.of(settings, settings.register_timeout_s, settings.max_frame_size, edge)
+            for edge in settings.seeds
+        ]
+        links = EdgeLinks(seeds, make_link, metrics.edge_connected, follow=settings.follow_edges)
+        links_task = asyncio.create_task(links.run(), name="edge-links")
+        admin.fail_on_configuration_error(links_task)  # e.g. the edge's certificate does not fit
+        stack.push_async_callback(cancel_and_wait, links_task)
+
+        async def drain_links() -> None:
+            # First on the way out: runs in flight finish; shutdown_reserve_s is kept for
+            # closing the links, the adapters and the history.
+            nonlocal draining
+            draining = True
+            await drain(links.links, core, settings.drain_s)
+
+        stack.push_async_callback(drain_links)
+
+        admin.set_readiness(lambda: None if links.registered.is_set() else "not registered")
         yield core

@@ -126,7 +126,7 @@ class NodeMetrics:
             ),
             edge_connected=ClientGauge(
                 "iop_node_edge_connected",
-                "1 while registered with the edge",
+                "Edges the node is registered with (1 while registered with its one edge)",
                 registry=registry,
             ),
             gates=gates,

@@ -7,6 +7,7 @@ from pathlib import Path
 from pydantic import Field, SecretStr, model_validator
 
 from iop_node.domain.cache_account import DEFAULT_CACHE_PREFIXES
+from iop_proto.edges import seed_edges
 from iop_proto.errors import SettingsError
 from iop_proto.framing import DEFAULT_MAX_FRAME_SIZE
 from iop_proto.service import DrainingSettings
@@ -46,6 +47,16 @@ class NodeSettings(DrainingSettings):
 
     service_id: str = "node"
     edge: EdgeAddress = EdgeAddress()
+    edges: tuple[EdgeAddress, ...] = Field(
+        default=(),
+        description="more edges to dial from the start, besides edge (or instead of it, "
+        "when edge is not set); the others are learnt from the edges (follow_edges)",
+    )
+    follow_edges: bool = Field(
+        default=True,
+        description="dial every edge the control-plane lists too (docs/ARCHITECTURE.md"
+        "#several-edges); false: only edge and edges",
+    )
     token_file: Path | None = Field(default=None, description="file holding the node token")
     token: SecretStr | None = Field(default=None, description="the node token (prefer token_file)")
     history_db: Path = Field(default=Path("var/node/history.db"), description="run history")
@@ -69,6 +80,12 @@ class NodeSettings(DrainingSettings):
         if self.token_file is None and self.token is None:
             raise ValueError("set token_file (or token): the node registers with a token")
         return self
+
+    @property
+    def seeds(self) -> tuple[EdgeAddress, ...]:
+        """The edges dialled from the start: ``edge`` (unless only ``edges`` is set) and
+        ``edges``, each address once."""
+        return seed_edges(self.edge, self.edges, "edge" in self.model_fields_set)
 
     def read_token(self) -> str:
         """The token, read at start so a missing file fails the start, not a registration."""

@@ -52,7 +52,7 @@ class WorkerMetrics:
             ),
             edge_connected=Gauge(
                 "iop_worker_edge_connected",
-                "1 while registered with the edge",
+                "Edges the worker is registered with (1 while registered with its one edge)",
                 registry=registry,
             ),
         )

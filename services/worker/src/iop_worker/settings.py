@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field, model_validator
 
+from iop_proto.edges import seed_edges
 from iop_proto.service import DrainingSettings
 from iop_proto.service.settings import FrozenModel
 
@@ -41,6 +42,16 @@ class WorkerSettings(DrainingSettings):
 
     service_id: str = "worker"
     edge: EdgeAddress = EdgeAddress()
+    edges: tuple[EdgeAddress, ...] = Field(
+        default=(),
+        description="more edges to dial from the start, besides edge (or instead of it, "
+        "when edge is not set); the others are learnt from the edges (follow_edges)",
+    )
+    follow_edges: bool = Field(
+        default=True,
+        description="dial every edge the control-plane lists too and lease from each "
+        "(docs/ARCHITECTURE.md#several-edges); false: only edge and edges",
+    )
     concurrency: int = Field(default=4, ge=1, description="lines of one batch in flight at once")
     poll_interval_s: float = Field(
         default=1.0, gt=0, description="wait before asking again when there is nothing to lease"
@@ -53,3 +64,9 @@ class WorkerSettings(DrainingSettings):
         default=10.0, gt=0, description="how long register, lease and renew answers may take"
     )
     reconnect: ReconnectSettings = ReconnectSettings()
+
+    @property
+    def seeds(self) -> tuple[EdgeAddress, ...]:
+        """The edges dialled from the start: ``edge`` (unless only ``edges`` is set) and
+        ``edges``, each address once."""
+        return seed_edges(self.edge, self.edges, "edge" in self.model_fields_set)

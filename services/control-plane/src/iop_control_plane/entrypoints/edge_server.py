@@ -51,15 +51,22 @@ class EdgeSession:
             hello.edge_hello.version or "?",
             hello.edge_hello.known_config_version,
         )
-        # Subscribe before sending so no change can fall between the two.
-        self.authority.subscribe(self.push)
+        listener = (
+            hello.edge_hello.node_listener if hello.edge_hello.HasField("node_listener") else None
+        )
         try:
+            if listener is not None and listener.host and listener.port:
+                # Listed before its first config: that config lists it too (the others
+                # hear of it in the push this sends them).
+                await self.authority.edge_joined(self, self.edge_id, listener)
+            # Subscribe before sending so no change can fall between the two.
+            self.authority.subscribe(self.push)
             await self.conn.send(self.authority.snapshot, correlation_id=hello.message_id)
             async for envelope in self.conn:
                 await self._answer(envelope)
         finally:
             self.authority.unsubscribe(self.push)
-            await self.authority.edge_lost(self.edge_id)
+            await self.authority.edge_lost(self.edge_id, self)
 
     async def _answer(self, envelope: pb.Envelope) -> None:
         kind = envelope.WhichOneof("body")

@@ -86,6 +86,9 @@ class ControlPlaneClient(Dialer):
         self._node_report = pb.NodeStatusReport()  # the latest, sent again on each connect
         self._report_task: asyncio.Task[None] | None = None  # at most one send pending
         self.config: pb.FleetConfig | None = None
+        self.node_listener: pb.EdgeEndpoint | None = None
+        """Where this edge's nodes and workers reach it, told in each hello (the
+        control-plane lists it to every edge's peers); ``None``: not listed."""
 
     # ------------------------------------------------------------ config
 
@@ -182,9 +185,12 @@ class ControlPlaneClient(Dialer):
     async def _register(self, conn: Connection) -> str | None:
         """Our hello, answered by the fleet config: the link is up once it is applied."""
         known = self.config.version if self.config else 0
-        await conn.send(
-            pb.EdgeHello(edge_id=self._edge_id, version=self._version, known_config_version=known)
+        hello = pb.EdgeHello(
+            edge_id=self._edge_id, version=self._version, known_config_version=known
         )
+        if self.node_listener is not None:
+            hello.node_listener.CopyFrom(self.node_listener)
+        await conn.send(hello)
         async with asyncio.timeout(HANDSHAKE_TIMEOUT_S):
             first = await conn.receive()
         if first.WhichOneof("body") != "fleet_config":

@@ -18,6 +18,7 @@ type).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ssl
 from collections.abc import Set
 from typing import Protocol
@@ -63,9 +64,11 @@ class NodeConnection:
         token_id: str,
         config: pb.NodeConfig,
         acknowledges_runs: bool = False,
+        follows_edges: bool = False,
     ) -> None:
         self.node_id = node_id
         self.acknowledges_runs = acknowledges_runs
+        self.follows_edges = follows_edges
         self.conn = conn
         self.token_id = token_id
         self.config = config
@@ -130,6 +133,8 @@ class NodeServer:
         self._register_timeout_s = register_timeout_s
         self._handshake_timeout_s = handshake_timeout_s
         self.workers: dict[str, set[WorkerSession]] = {}  # live connections by worker id
+        self._edges: list[pb.EdgeEndpoint] = []  # the fleet's edges, told to peers that follow
+        self._following_workers: set[Connection] = set()
         self._server: StreamServer | None = None
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -169,10 +174,13 @@ class NodeServer:
 
     async def apply_fleet(self, config: pb.FleetConfig) -> None:
         """Push changed node configs; drop retired nodes and those admitted with a now
-        revoked token."""
+        revoked token; tell the peers that follow the edges a changed list of them."""
         revoked = set(config.revoked_token_ids)
         retired = set(config.retired_node_ids)
         configs = {node.node_id: node for node in config.nodes}
+        edges = list(config.edges)
+        edges_changed = edges != self._edges
+        self._edges = edges
         for node in self._nodes():
             if node.node_id in retired:
                 logger.warning("node {}: retired, disconnecting it", node.node_id)
@@ -183,13 +191,21 @@ class NodeServer:
                 await node.conn.close(error_body(pb.ERROR_CODE_UNAUTHENTICATED, "token revoked"))
                 continue
             new = configs.get(node.node_id, pb.NodeConfig(node_id=node.node_id))
-            if new != node.config:
+            tell_edges = edges_changed and node.follows_edges
+            if new != node.config or tell_edges:
                 node.configure(new)
                 update = pb.RegisterResponse(accepted=True, node_config=new, edge_id=self._edge_id)
+                if node.follows_edges:
+                    update.edges.extend(edges)
                 try:
                     await node.conn.send(update)
                 except ConnectionClosed:
                     continue
+        if edges_changed:
+            update = pb.RegisterResponse(accepted=True, edge_id=self._edge_id, edges=edges)
+            for conn in list(self._following_workers):
+                with contextlib.suppress(ConnectionClosed):
+                    await conn.send(update)
 
     # ------------------------------------------------------------ connections
 
@@ -284,6 +300,7 @@ class NodeServer:
             answer.token_id,
             answer.node_config,
             request.acknowledges_runs,
+            request.follows_edges,
         )
         previous = self._registry.link(node.node_id)
         if isinstance(previous, NodeConnection):
@@ -298,6 +315,7 @@ class NodeServer:
                 edge_id=self._edge_id,
                 takes_folded_completions=True,
                 takes_provider_load=True,
+                edges=self._edges if request.follows_edges else (),
             ),
             correlation_id=first.message_id,
         )
@@ -368,6 +386,7 @@ class NodeServer:
                 accepted=True,
                 heartbeat_interval_ms=int(self._heartbeat_interval_s * 1000),
                 edge_id=self._edge_id,
+                edges=self._edges if request.follows_edges else (),
             ),
             correlation_id=first.message_id,
         )
@@ -389,10 +408,13 @@ class NodeServer:
             await self._batches.worker_registered(worker_id)
         session = WorkerSession(worker_id, conn, self._batches, self._guard)
         live.add(session)
+        if request.follows_edges:
+            self._following_workers.add(conn)
         logger.info("worker {} registered", worker_id)
         try:
             await session.serve()
         finally:
+            self._following_workers.discard(conn)
             live.discard(session)
             if not live and self.workers.get(worker_id) is live:
                 del self.workers[worker_id]

@@ -1,10 +1,15 @@
-"""The node's link to the edge: dial, register, serve runs, report state, reconnect.
+"""The node's link to an edge: dial, register, serve runs, report state, reconnect.
 
 The node dials the edge (never the reverse) so nodes can sit behind NAT; the
 dial, register and reconnect loop is ``iop_proto.dialer.Dialer``, the worker's
 too. After any loss the link cancels the runs the edge can no longer receive
 (the provider calls are aborted and their slots freed), and the loop waits a
 jittered, growing delay and registers again.
+
+A node keeps one such link per edge (``iop_proto.edges.EdgeLinks``: the edges of its
+settings and those the edges list). They share the core: one capacity gate and FIFO
+per provider whichever edge a run came from, so the node's queue is the order across
+edges; each link's runs are its own (cancelled by its edge, or when it is lost).
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import asyncio
 import contextlib
 import ssl
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from loguru import logger
 
@@ -21,12 +26,11 @@ from iop_node.domain.events import Failed, Started
 from iop_node.domain.runs import Completion, Delta
 from iop_node.entrypoints import wire
 from iop_node.errors import AnswerTooLarge, RunCancelled
-from iop_node.metrics import NodeMetrics
 from iop_node.runtime import ProviderRuntime
 from iop_node.service.providers import NodeCore
 from iop_node.settings import NodeSettings
 from iop_proto.connection import Connection
-from iop_proto.dialer import Dialer, DialSettings
+from iop_proto.dialer import Dialer, DialSettings, LinkGauge
 from iop_proto.errors import ConnectionClosed, FrameTooLarge, UnexpectedMessage
 from iop_proto.v1 import runtime_pb2 as pb
 
@@ -177,29 +181,58 @@ class ConnectionChannel:
                 self._changed()
 
 
+class Neighbours:
+    """The node's live edge links, told of each other's runs.
+
+    A run that takes or lets go of a slot changes what every edge must see of its
+    provider: the edge that sent it reads the run's end's load (or asks for a snapshot),
+    the others hear of it only in a snapshot, sent when this tells their link (coalesced
+    like any change, ``SNAPSHOT_MIN_GAP_S``). With one edge it tells nobody.
+    """
+
+    def __init__(self) -> None:
+        self._links: list[asyncio.Event] = []  # each live link's "send a snapshot"
+
+    def join(self, dirty: asyncio.Event) -> None:
+        self._links.append(dirty)
+
+    def leave(self, dirty: asyncio.Event) -> None:
+        with contextlib.suppress(ValueError):
+            self._links.remove(dirty)
+
+    def changed(self, but: asyncio.Event | None = None) -> None:
+        for dirty in self._links:
+            if dirty is not but:
+                dirty.set()
+
+
 class EdgeLink(Dialer):
-    """Keeps the node registered with the edge for as long as it runs."""
+    """Keeps the node registered with one edge for as long as it runs (``EdgeLinks``
+    keeps one for each edge). Its runs are the core's runs of this link: its edge
+    cancels only those, and losing it cancels only those."""
 
     def __init__(
         self,
+        dial: DialSettings,
         settings: NodeSettings,
         core: NodeCore,
         tls: ssl.SSLContext | None,
         token: str,
-        metrics: NodeMetrics,
+        gauge: LinkGauge,
         version: str,
+        neighbours: Neighbours | None = None,
     ) -> None:
-        dial = DialSettings.of(settings, settings.register_timeout_s, settings.max_frame_size)
-        super().__init__(dial, tls, metrics.edge_connected)
+        super().__init__(dial, tls, gauge)
+        self._neighbours = neighbours or Neighbours()
         self._settings = settings
         self._core = core
         self._token = token
         self._version = version
+        self._link = f"{dial.host}:{dial.port}"
         self._dirty = asyncio.Event()
         self._draining = False
         self._folds = False  # the edge takes folded completions (its registration says)
         self._loads = False  # the edge reads a run's end's load (its registration says)
-        core.on_change(self._dirty.set)
 
     def _register_request(self) -> pb.RegisterRequest:
         return pb.RegisterRequest(
@@ -209,6 +242,7 @@ class EdgeLink(Dialer):
             role=pb.PEER_ROLE_NODE,
             providers=self._provider_states(),
             acknowledges_runs=True,
+            follows_edges=self._settings.follow_edges,
         )
 
     async def _accepted(self, conn: Connection, response: pb.RegisterResponse) -> str:
@@ -219,18 +253,28 @@ class EdgeLink(Dialer):
         return f" ({len(response.node_config.providers)} providers)"
 
     async def _disconnected(self) -> None:
-        if self._core.runs_in_flight:
-            logger.warning("cancelling {} runs of the lost connection", self._core.runs_in_flight)
-        await self._core.cancel_all(EDGE_GONE)
+        if runs := self._core.runs_of(self._link):
+            logger.warning("cancelling {} runs of the lost connection to {}", runs, self._link)
+        await self._core.cancel_all(EDGE_GONE, link=self._link)
 
     async def _apply(self, config: pb.NodeConfig) -> None:
         await self._core.apply_config([wire.provider_config(p) for p in config.providers])
 
+    def _others_changed(self) -> None:
+        self._neighbours.changed(but=self._dirty)
+
+    def _all_changed(self) -> None:
+        self._neighbours.changed()
+
     async def _serve(self, conn: Connection) -> None:
+        self._core.on_change(self._dirty.set)
+        self._neighbours.join(self._dirty)
         snapshots = asyncio.create_task(self._send_snapshots(conn), name="snapshots")
         try:
             await self._receive(conn)
         finally:
+            self._neighbours.leave(self._dirty)
+            self._core.off_change(self._dirty.set)
             snapshots.cancel()
             await asyncio.gather(snapshots, return_exceptions=True)
 
@@ -244,23 +288,31 @@ class EdgeLink(Dialer):
             if kind == "run_request":
                 request = envelope.run_request
                 if self._loads:
+                    # this edge reads the run's end's load; the others learn of the slot
+                    # in a snapshot
                     runtime = self._core.providers.get(request.provider_id)
                     channel = ConnectionChannel(
-                        conn, request.run_id, fold=self._folds, runtime=runtime
+                        conn,
+                        request.run_id,
+                        fold=self._folds,
+                        runtime=runtime,
+                        changed=self._others_changed,
                     )
                 else:
                     channel = ConnectionChannel(
-                        conn, request.run_id, fold=self._folds, changed=self._dirty.set
+                        conn, request.run_id, fold=self._folds, changed=self._all_changed
                     )
-                if self._core.start_run(wire.run_order(request), channel):
+                if self._core.start_run(wire.run_order(request), channel, self._link):
                     channel.accepted()
             elif kind == "cancel_request":
                 cancel = envelope.cancel_request
                 why = cancel.reason or "no reason given"
-                self._core.cancel(cancel.run_id, f"cancelled by the edge: {why}")
+                self._core.cancel(cancel.run_id, f"cancelled by the edge: {why}", self._link)
             elif kind == "register_response":
-                # the edge pushes config changes the same way it answered the registration
+                # the edge pushes config changes (and the list of edges) the same way it
+                # answered the registration
                 await self._apply(envelope.register_response.node_config)
+                self._heard_edges(envelope.register_response.edges)
             elif kind == "error":
                 logger.warning("edge reported: {}", envelope.error.message)
             else:
@@ -299,22 +351,29 @@ class EdgeLink(Dialer):
                 state.detail = STOPPING
         return states
 
-    async def drain(self, timeout_s: float) -> None:
-        """The node is stopping: the edge is told to send no more runs, those in flight finish.
+    def begin_drain(self) -> None:
+        """The node is stopping: this edge is told to send no more runs.
 
         Every provider is reported unavailable at once (the next snapshot, within
         ``SNAPSHOT_MIN_GAP_S``), so the edge routes new requests elsewhere; runs that
-        arrive before it has heard are served like the others. Whatever still runs
-        after ``timeout_s`` is cancelled when the link closes, each with its error.
+        arrive before it has heard are served like the others (``drain``).
         """
         self._draining = True
         self._dirty.set()
-        if self._core.runs_in_flight:
-            logger.info(
-                "stopping: waiting up to {:.0f}s for {} runs in flight",
-                timeout_s,
-                self._core.runs_in_flight,
-            )
-        left = await self._core.wait_for_runs(timeout_s)
-        if left:
-            logger.warning("stopping: {} runs did not finish in time and are cancelled", left)
+
+
+async def drain(links: Sequence[EdgeLink], core: NodeCore, timeout_s: float) -> None:
+    """The node is stopping: every edge is told to send no more runs, those in flight
+    finish. Whatever still runs after ``timeout_s`` is cancelled when its link closes,
+    each with its error."""
+    for link in links:
+        link.begin_drain()
+    if core.runs_in_flight:
+        logger.info(
+            "stopping: waiting up to {:.0f}s for {} runs in flight",
+            timeout_s,
+            core.runs_in_flight,
+        )
+    left = await core.wait_for_runs(timeout_s)
+    if left:
+        logger.warning("stopping: {} runs did not finish in time and are cancelled", left)

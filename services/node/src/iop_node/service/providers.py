@@ -82,7 +82,7 @@ class NodeCore:
         self.providers: dict[str, ProviderRuntime] = {}
         self._probe_tasks: dict[str, asyncio.Task[None]] = {}
         self._last_probe_ms: dict[str, int] = {}
-        self._runs: dict[str, asyncio.Task[None]] = {}
+        self._runs: dict[tuple[str, str], asyncio.Task[None]] = {}  # by (link, run id)
         self._retiring: set[asyncio.Task[None]] = set()
         self._listeners: list[Callable[[], None]] = []
         self._executor = RunExecutor(history, metrics, self._changed)
@@ -92,6 +92,11 @@ class NodeCore:
     def on_change(self, listener: Callable[[], None]) -> None:
         """Called (synchronously, cheaply) whenever a provider's state may have changed."""
         self._listeners.append(listener)
+
+    def off_change(self, listener: Callable[[], None]) -> None:
+        """Stop calling ``listener`` (a link that ended)."""
+        with contextlib.suppress(ValueError):
+            self._listeners.remove(listener)
 
     def _changed(self) -> None:
         for listener in self._listeners:
@@ -235,10 +240,15 @@ class NodeCore:
 
     # ------------------------------------------------------------ runs
 
-    def start_run(self, order: RunOrder, channel: RunChannel) -> bool:
-        """Start a run in its own task; an order that cannot run fails on its channel."""
+    def start_run(self, order: RunOrder, channel: RunChannel, link: str = "") -> bool:
+        """Start a run in its own task; an order that cannot run fails on its channel.
+
+        ``link``: the edge link it came on. Runs are known by link and run id, so two
+        edges' ids never meet, and an edge can cancel only its own runs.
+        """
         run_id = order.run_id
-        if run_id in self._runs:
+        key = (link, run_id)
+        if key in self._runs:
             logger.warning("duplicate run id {} ignored", run_id)
             return False
         runtime = self.providers.get(order.provider_id)
@@ -258,26 +268,27 @@ class NodeCore:
             task = loop.create_task(
                 self._executor.execute_run(runtime, spec, channel), name=f"run:{run_id}"
             )
-        self._runs[run_id] = task
-        task.add_done_callback(lambda _: self._runs.pop(run_id, None))
+        self._runs[key] = task
+        task.add_done_callback(lambda _: self._runs.pop(key, None))
         return True
 
-    def cancel(self, run_id: str, reason: str = "cancelled") -> bool:
-        """Cancel one run; its history records ``reason``."""
-        task = self._runs.get(run_id)
+    def cancel(self, run_id: str, reason: str = "cancelled", link: str = "") -> bool:
+        """Cancel one run of ``link``; its history records ``reason``."""
+        task = self._runs.get((link, run_id))
         if task is None:
             return False
         task.cancel(reason)
         return True
 
-    async def cancel_all(self, reason: str = "cancelled") -> None:
-        """Cancel every run (the edge connection is gone) and wait until they let go.
+    async def cancel_all(self, reason: str = "cancelled", link: str | None = None) -> None:
+        """Cancel every run (of ``link`` only, when given: that edge connection is gone)
+        and wait until they let go; another link's runs are not touched.
 
         Each is recorded ``cancelled`` with ``reason``: the same record a run gets that
         found the connection gone itself while sending, when the link passes the
         channel's reason (``EDGE_GONE``).
         """
-        tasks = list(self._runs.values())
+        tasks = [task for (of, _), task in self._runs.items() if link is None or of == link]
         for task in tasks:
             task.cancel(reason)
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -285,6 +296,10 @@ class NodeCore:
     @property
     def runs_in_flight(self) -> int:
         return len(self._runs)
+
+    def runs_of(self, link: str) -> int:
+        """Runs in flight that came on ``link``."""
+        return sum(1 for of, _ in self._runs if of == link)
 
     async def wait_for_runs(self, timeout_s: float) -> int:
         """Wait until no run is left (runs started meanwhile included) or ``timeout_s``

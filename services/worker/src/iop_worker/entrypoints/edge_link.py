@@ -15,17 +15,17 @@ from __future__ import annotations
 import asyncio
 import ssl
 from collections import deque
+from collections.abc import Callable, Sequence
 
 from loguru import logger
 
 from iop_proto.connection import Connection
-from iop_proto.dialer import Dialer, DialSettings, code_name
+from iop_proto.dialer import Dialer, DialSettings, LinkGauge, code_name
 from iop_proto.errors import ConnectionClosed, UnexpectedMessage
 from iop_proto.v1 import runtime_pb2 as pb
 from iop_worker.batch_runner import BatchRunner
 from iop_worker.domain.batches import Lease, LineResult
 from iop_worker.errors import EdgeLinkLost, EdgeRefused, LeaseLost
-from iop_worker.metrics import WorkerMetrics
 from iop_worker.settings import WorkerSettings
 
 # Error codes with which the edge says a lease is gone (cancelled, expired, taken over).
@@ -45,8 +45,10 @@ class EdgeSession:
         worker_id: str,
         answer_timeout_s: float,
         line_timeout_s: float,
+        edges_heard: Callable[[Sequence[pb.EdgeEndpoint]], None] | None = None,
     ) -> None:
         self._conn = conn
+        self._edges_heard = edges_heard
         self._worker_id = worker_id
         self._answer_timeout_s = answer_timeout_s
         self._line_timeout_s = line_timeout_s
@@ -166,6 +168,10 @@ class EdgeSession:
         if kind == "error":
             error = envelope.error
             logger.warning("the edge reported {}: {}", code_name(error.code), error.message)
+        elif kind == "register_response" and not correlation_id:
+            # a push: the edges the control-plane lists now
+            if self._edges_heard is not None:
+                self._edges_heard(envelope.register_response.edges)
         elif kind in _ANSWERS:
             logger.debug("dropped a late {} (its request gave up waiting)", kind)
         else:
@@ -179,34 +185,29 @@ class EdgeSession:
 
 
 class EdgeLink(Dialer):
-    """Keeps the worker registered with the edge, and the batch runner fed, until stopped."""
+    """Keeps the worker registered with one edge, and the batch runner fed from it, until
+    stopped (``EdgeLinks`` keeps one for each edge: one lease loop per edge)."""
 
     def __init__(
         self,
+        dial: DialSettings,
         settings: WorkerSettings,
         runner: BatchRunner,
         tls: ssl.SSLContext | None,
-        metrics: WorkerMetrics,
+        gauge: LinkGauge,
         version: str,
     ) -> None:
-        # the answer timeout bounds the dial and the registration's answer too
-        super().__init__(
-            DialSettings.of(settings, settings.answer_timeout_s), tls, metrics.edge_connected
-        )
+        super().__init__(dial, tls, gauge)
         self._settings = settings
         self._runner = runner
         self._version = version
-
-    def stop(self) -> None:
-        """Finish gracefully: no new lines or leases, lines in flight end, then disconnect."""
-        super().stop()
-        self._runner.stop()
 
     def _register_request(self) -> pb.RegisterRequest:
         return pb.RegisterRequest(
             peer_id=self._settings.service_id,
             role=pb.PEER_ROLE_WORKER,
             version=self._version,
+            follows_edges=self._settings.follow_edges,
         )
 
     async def _serve(self, conn: Connection) -> None:
@@ -220,6 +221,7 @@ class EdgeLink(Dialer):
             worker_id=self._settings.service_id,
             answer_timeout_s=self._settings.answer_timeout_s,
             line_timeout_s=self._settings.request_timeout_s,
+            edges_heard=self._heard_edges,
         )
         reader = asyncio.create_task(session.read(), name="edge-reader")
         runner = asyncio.create_task(self._runner.run(session), name="batch-runner")

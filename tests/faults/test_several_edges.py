@@ -1,0 +1,190 @@
+"""Two edges serve one fleet (docs/ARCHITECTURE.md#several-edges), every process real.
+
+The stack's nodes and worker are configured with the first edge only; they learn the
+second from the list the control-plane gives every edge, and link to it too. SIGKILL
+the first edge: requests through the second keep completing (only those the first
+carried are lost), and the nodes' links to the first come back when it does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+from collections.abc import AsyncIterator
+from types import SimpleNamespace
+from typing import Any
+
+import aiohttp
+import pytest
+import pytest_asyncio
+import yaml
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+Stack = Any
+NODES = ("node-a", "node-b")
+HELLO = [{"role": "user", "content": "hello"}]
+SLOW_TOKENS = 100  # at 50 tokens a second: a stream of two seconds, to be cut mid-way
+
+
+def provider(node: str) -> dict[str, object]:
+    return {
+        "id": f"{node}-pair",
+        "type": "mock",
+        "category": "local_inference",
+        "models": [f"pair-{node[-1]}"],
+        "capacity": 4,
+        "max_queue": 16,
+        "queue_timeout_ms": 20_000,
+        "request_timeout_ms": 30_000,
+        "tokens_per_second": 50,
+    }
+
+
+FLEET = {
+    "models": [{"id": "pair", "providers": {f"{n}-pair": f"pair-{n[-1]}" for n in NODES}}],
+    "nodes": [{"id": n, "providers": [provider(n)]} for n in NODES],
+}
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def edges(
+    tmp_path_factory: pytest.TempPathFactory, start_stack_factory: Any
+) -> AsyncIterator[SimpleNamespace]:
+    """The stack (control-plane, edge, two nodes, a worker) and a second edge, edge-b."""
+    root = tmp_path_factory.mktemp("edges")
+    async with start_stack_factory(root, FLEET) as stack:
+        first = yaml.safe_load((root / "edge.yaml").read_text())
+        settings = {k: v for k, v in first.items() if k not in ("service_id", "admin", "tls")}
+        settings["http"] = {**settings["http"], "port": 0}
+        settings["node_listener"] = {**settings["node_listener"], "port": 0}
+        for key in ("config_cache", "history_db", "responses_db", "batch_db"):
+            settings[key] = str(root / f"edge-b-{key}")
+        stack.settings_file("edge-b", settings)
+        second = await stack.start("edge-b")
+        stack.pin_ports("edge-b")
+        yield SimpleNamespace(
+            stack=stack,
+            api_a=stack.api_url,
+            api_b=f"http://127.0.0.1:{second.ports['http']}/v1",
+        )
+
+
+async def metric(http: aiohttp.ClientSession, admin_url: str, name: str) -> float | None:
+    """The sum of ``name``'s samples on a service's metrics page (``None``: none there)."""
+    async with http.get(f"{admin_url}/metrics") as response:
+        text = await response.text()
+    samples = [
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith((f"{name} ", f"{name}{{"))
+    ]
+    return sum(samples) if samples else None
+
+
+async def connected_nodes(http: aiohttp.ClientSession, api_url: str) -> set[str]:
+    catalog = api_url.replace("/v1", "/iop/v1/catalog/providers")
+    with contextlib.suppress(aiohttp.ClientError):
+        async with http.get(catalog) as response:
+            if response.status == 200:
+                rows = (await response.json())["data"]
+                return {row["node_id"] for row in rows if row["connected"]}
+    return set()
+
+
+async def linked_to_both(http: aiohttp.ClientSession, edges: SimpleNamespace) -> bool:
+    """Each node and the worker registered with both edges, and each edge sees both nodes."""
+    stack = edges.stack
+    for peer, name in (*((n, "iop_node_edge_connected") for n in NODES), ("worker", None)):
+        gauge = name or "iop_worker_edge_connected"
+        if await metric(http, stack.services[peer].admin_url, gauge) != 2:
+            return False
+    for api in (edges.api_a, edges.api_b):
+        if await connected_nodes(http, api) != set(NODES):
+            return False
+    return True
+
+
+async def chat(http: aiohttp.ClientSession, api_url: str, text: str) -> dict[str, Any]:
+    body = {"model": "pair", "messages": [{"role": "user", "content": text}], "max_tokens": 4}
+    async with http.post(f"{api_url}/chat/completions", json=body) as response:
+        assert response.status == 200, await response.text()
+        return dict(await response.json())
+
+
+async def test_nodes_and_the_worker_given_one_edge_link_to_both(
+    edges: SimpleNamespace, faults: SimpleNamespace
+) -> None:
+    async with aiohttp.ClientSession() as http:
+        await faults.eventually(lambda: linked_to_both(http, edges), 30)
+    # the settings name the first edge alone: the second was learnt from its list
+    node = yaml.safe_load((edges.stack.root / "node-a.yaml").read_text())
+    assert "edges" not in node
+    assert node["edge"]["port"] == edges.stack.node_port
+
+
+async def test_a_request_through_each_edge_completes(
+    edges: SimpleNamespace, faults: SimpleNamespace
+) -> None:
+    async with aiohttp.ClientSession() as http:
+        await faults.eventually(lambda: linked_to_both(http, edges), 30)
+        for api in (edges.api_a, edges.api_b):
+            answer = await chat(http, api, "hello")
+            assert answer["choices"][0]["finish_reason"] in ("stop", "length")
+            streamed = await faults.stream_chat(
+                http, api, {"model": "pair", "messages": HELLO, "max_tokens": 4}, 30
+            )
+            assert streamed.kind == "completed", streamed
+
+
+async def test_killing_one_edge_costs_only_its_requests_and_it_is_linked_again(
+    edges: SimpleNamespace, faults: SimpleNamespace, report: Any
+) -> None:
+    stack = edges.stack
+    slow = {
+        "model": "pair",
+        "messages": [{"role": "user", "content": "long"}],
+        "max_tokens": SLOW_TOKENS,
+        "iop_mock": {"fill": True},
+    }
+
+    async def through(api: str) -> Any:
+        try:
+            return await faults.stream_chat(http, api, slow, 60)
+        except aiohttp.ClientError as exc:  # the edge died under the stream
+            return faults.Outcome("error", 0, type(exc).__name__)
+
+    async with aiohttp.ClientSession() as http:
+        await faults.eventually(lambda: linked_to_both(http, edges), 30)
+        via_a = [asyncio.create_task(through(edges.api_a)) for _ in range(3)]
+        via_b = [asyncio.create_task(through(edges.api_b)) for _ in range(3)]
+
+        async def both_carrying() -> bool:
+            in_flight = 0.0
+            for node in NODES:
+                admin = stack.services[node].admin_url
+                runs = await metric(http, admin, "iop_node_provider_in_flight")
+                in_flight += runs or 0
+            return in_flight >= 6
+
+        await faults.eventually(both_carrying, 30)
+        await stack.stop("edge", signal.SIGKILL)
+
+        # while the first edge is away, the second keeps serving
+        during = [await chat(http, edges.api_b, f"during {i}") for i in range(5)]
+        outcomes_b = await asyncio.gather(*via_b)
+        outcomes_a = await asyncio.gather(*via_a)
+        assert [o.kind for o in outcomes_b] == ["completed"] * 3, outcomes_b
+        assert len(during) == 5
+        assert all(o.kind != "completed" for o in outcomes_a), outcomes_a  # lost with it
+
+        await stack.start("edge")  # the same ports: the nodes' seeds
+        await faults.eventually(lambda: linked_to_both(http, edges), 30)
+        answer = await chat(http, edges.api_a, "back")
+        assert answer["choices"][0]["finish_reason"] in ("stop", "length")
+    report(
+        f"through edge-b: {len(outcomes_b) + len(during)} sent, "
+        f"{sum(o.kind == 'completed' for o in outcomes_b) + len(during)} completed; "
+        f"through the killed edge: {len(outcomes_a)} in flight, all ended with an error"
+    )
