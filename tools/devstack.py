@@ -52,6 +52,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from devstack_kit.fleet import fleet_providers, shift_endpoints, write_fleet
+from devstack_kit.ha import ha_line
 from devstack_kit.health import POLL_INTERVAL_S, describe_providers, poll_providers
 from devstack_kit.plan import (
     API_PORT_ENV,
@@ -87,6 +88,7 @@ __all__ = [
     "control_plane",
     "describe_providers",
     "fleet_providers",
+    "ha_line",
     "main",
     "make_plan",
     "poll_providers",
@@ -148,6 +150,8 @@ async def run(
             failure, available = await stack.wait_providers(catalog, providers, stop, metrics)
         if failure is None and not stop.is_set():
             console.say(ports_line(plans))
+            if (edges := ha_line(plans)) is not None:
+                console.say(edges)
             console.write(up_line(root, available))
             await stack.supervise(stop)
         if failure is not None:

@@ -15,10 +15,12 @@ import dataclasses
 import importlib.util
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from types import ModuleType
@@ -28,6 +30,7 @@ import pytest
 from aiohttp import web
 
 from iop_proto.testing import port_offsets, port_taken
+from iop_proto.testing_postgres import why_postgres_cannot_run
 
 TOOLS = Path(__file__).resolve().parent
 REPO = TOOLS.parent
@@ -179,16 +182,18 @@ async def launch(*args: str, run_dir: Path) -> AsyncIterator[Devstack]:
 
 
 @contextlib.asynccontextmanager
-async def launch_up(*args: str, run_dir: Path) -> AsyncIterator[tuple[Devstack, int, str]]:
+async def launch_up(
+    *args: str, run_dir: Path, ports: list[int] = ALL_PORTS
+) -> AsyncIterator[tuple[Devstack, int, str]]:
     """``launch`` on a block of ports free right now, once up: (the stack, its port
     offset, its ``IOP is up`` line). The ports are given up front, so a start that lost
     one to another process meanwhile is tried again on the next offset."""
-    for offset in port_offsets(ALL_PORTS):
+    for offset in port_offsets(ports):
         async with launch("--port-offset", str(offset), *args, run_dir=run_dir) as stack:
             up = await stack.read_up()
             if up is None:
                 await stack.finish(STOP_TIMEOUT_S)
-                if any(port_taken(port + offset) for port in ALL_PORTS):
+                if any(port_taken(port + offset) for port in ports):
                     continue
                 pytest.fail(f"devstack ended before it was up; output:\n{stack.output}")
             yield stack, offset, up
@@ -619,6 +624,84 @@ def test_with_ha_two_edges_share_postgres_behind_a_balancer_on_the_api_port(
         *("--listen", f"{HOST}:8180", "--backend", f"{HOST}:8181", "--backend", f"{HOST}:8182"),
     )
     assert devstack.api_root(list(plans.values()), opts) == f"http://{HOST}:8180"
+    assert devstack.ha_line(list(plans.values())) == (
+        f"behind the balancer: edge API http://{HOST}:8181 (nodes and workers dial "
+        f"{HOST}:7100), edge-b API http://{HOST}:8182 (nodes and workers dial {HOST}:7101); "
+        f"their shared store {dsn}"
+    )
+    assert devstack.ha_line([devstack.make_plan(s, opts) for s in devstack.SERVICES]) is None
     # every port once: the preflight checks them all
     ports = [port for plan in plans.values() for port in plan.spec.all_ports().values()]
     assert len(ports) == len(set(ports))
+
+
+HA_PORTS: list[int] = [
+    port for spec in devstack.services(False, True) for port in spec.all_ports().values()
+]
+
+
+@pytest.fixture
+def ha_dirs(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
+    """Certificates with edge-b's, and a state directory the postgres account can reach
+    (outside pytest's root-only tree: it keeps its cluster there); skips without PostgreSQL."""
+    if (reason := why_postgres_cannot_run()) is not None:
+        pytest.skip(reason)
+    certs = tmp_path / "certs"
+    devcerts = [sys.executable, str(TOOLS / "devcerts.py"), "--out", str(certs)]
+    subprocess.run([*devcerts, "--dev", "--identity", "edge-b:edge"], check=True)
+    state = Path(tempfile.mkdtemp(prefix="iop-devstack-ha-"))
+    state.chmod(0o755)
+    try:
+        yield certs, state
+    finally:
+        shutil.rmtree(state, ignore_errors=True)
+
+
+async def line_seen(stack: Devstack, text: str) -> None:
+    """Until the stack (followed) has printed a line containing ``text``."""
+    while not any(text in line for line in stack.lines):  # noqa: ASYNC110 - another process
+        await asyncio.sleep(devstack.POLL_INTERVAL_S)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+async def test_with_ha_an_edge_killed_leaves_the_api_answering_through_the_other(
+    tmp_path: Path, ha_dirs: tuple[Path, Path]
+) -> None:
+    """``make run HA=1``: PostgreSQL, two edges, the balancer on the API port. SIGKILL of
+    the first edge: every request through the API port meanwhile answers 200 (the other
+    edge has both nodes), the edge is started again, and the rest keep their pids."""
+    if (reason := llamacpp_missing()) is not None:
+        pytest.skip(f"the stack's llama.cpp server cannot run: {reason}")
+    certs, state = ha_dirs
+    run_dir = tmp_path / "run"
+    args = ("--ha", "--certs", str(certs), "--state-dir", str(state))
+    connector = aiohttp.TCPConnector(force_close=True)  # a connection per request
+    async with (
+        launch_up(*args, run_dir=run_dir, ports=HA_PORTS) as (stack, offset, up),
+        aiohttp.ClientSession(connector=connector) as session,
+    ):
+        api = f"http://{HOST}:{8080 + offset}"
+        assert up.startswith(f"IOP is up: OpenAI API {api}/v1")
+        assert any("| behind the balancer: edge API " in line for line in stack.lines)
+        stack.follow()
+        before = stack.pid_files()
+        os.kill(before["edge"], signal.SIGKILL)
+        async with asyncio.timeout(RESTARTED_WITHIN_S * 3):
+            await line_seen(stack, "edge exited (killed by SIGKILL)")
+            back = asyncio.Event()
+            clients = asyncio.create_task(chat_until(session, api, back))
+            await line_seen(stack, "edge is ready again")
+            back.set()
+            statuses = await clients
+        after = stack.pid_files()
+        stack.proc.send_signal(signal.SIGTERM)
+        code = await stack.finish(STOP_TIMEOUT_S)
+
+    print(f"\nstatuses through the balancer while the edge was down {statuses}")
+    assert statuses == [200] * len(statuses)
+    assert after.pop("edge") != before.pop("edge")
+    assert after == before
+    assert code == 0, stack.output
+    assert [pid for pid in stack.pids if not process_gone(pid)] == []
+    assert list(run_dir.glob("*.pid")) == []

@@ -32,7 +32,6 @@ import pytest
 import pytest_asyncio
 import yaml
 
-from iop_proto.testing import write_identity
 from iop_proto.testing_postgres import PostgresServer, why_postgres_cannot_run
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -135,27 +134,15 @@ async def drain(stream: asyncio.StreamReader) -> None:
 
 
 def second_edge(stack: Stack, root: Path) -> None:
-    """edge-b's settings: edge's, with its own identity, ports and local files."""
-    write_identity(stack.ca, root / "pki", "edge-b", "edge")
-    data = yaml.safe_load((root / "edge.yaml").read_text())
-    data["service_id"] = "edge-b"
-    data["admin"]["port"] = 0
-    data["http"]["port"] = 0
-    data["node_listener"]["port"] = 0
-    data["tls"] = {key: value.replace("/edge.", "/edge-b.") for key, value in data["tls"].items()}
+    """edge-b's settings: edge's (the same store and control-plane), with its own identity,
+    ports and local files."""
+    first = yaml.safe_load((root / "edge.yaml").read_text())
+    settings = {k: v for k, v in first.items() if k not in ("service_id", "admin", "tls")}
+    settings["http"] = {**settings["http"], "port": 0}
+    settings["node_listener"] = {**settings["node_listener"], "port": 0}
     for key in ("config_cache", "history_db", "responses_db", "batch_db"):
-        data[key] = str(root / f"edge-b-{Path(data[key]).name}")
-    (root / "edge-b.yaml").write_text(yaml.safe_dump(data))
-
-
-async def dial(stack: Stack, node: str, port: int) -> None:
-    """Point ``node`` at the edge whose node listener is ``port`` and start it again."""
-    path = stack.root / f"{node}.yaml"
-    await stack.stop(node)
-    data = yaml.safe_load(path.read_text())
-    data["edge"]["port"] = port
-    path.write_text(yaml.safe_dump(data))
-    await stack.start(node)
+        settings[key] = str(root / f"edge-b-{Path(first[key]).name}")
+    stack.settings_file("edge-b", settings)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -176,8 +163,6 @@ async def ha(
             second_edge(stack, root)
             edge_b = await stack.start("edge-b")
             stack.pin_ports("edge-b")
-            # Each edge needs a node: node-b serves through edge-b (node-a stays on edge).
-            await dial(stack, "node-b", edge_b.ports["nodes"])
             edges = {
                 "edge": stack.api_url,
                 "edge-b": f"http://127.0.0.1:{edge_b.ports['http']}/v1",
@@ -193,18 +178,18 @@ async def ha(
         postgres.stop()
 
 
-# The provider each edge must have available before the load: its node dials it.
-SERVES = {"edge": "node-a-ha", "edge-b": "node-b-ha"}
+PROVIDERS = ("node-a-ha", "node-b-ha")
 
 
 async def available_on_both(ha: Ha, faults: SimpleNamespace) -> None:
-    """Until each edge has its node's provider of the model available."""
+    """Until each edge has both nodes' providers available: the nodes, given the first edge
+    alone, learnt the second from the control-plane's list and dialled it too."""
 
     async def check() -> bool:
-        for edge, url in ha.edge_urls.items():
+        for url in ha.edge_urls.values():
             rows = await faults.catalog(url, "providers")
             health = {r["provider_id"]: r["health"] for r in rows}
-            if health.get(SERVES[edge]) != "available":
+            if any(health.get(provider) != "available" for provider in PROVIDERS):
                 return False
         return True
 
@@ -241,9 +226,9 @@ async def test_edge_sigkilled_under_load_loses_nothing(
         s.outcome for s in after if s.outcome.kind != "completed"
     ]
 
-    # Back for the next test: the first edge again, on its ports; node-a dials it back.
+    # Back for the next test: the first edge again, on its ports; the nodes dial it back.
     await ha.stack.start("edge")
-    await ha.stack.wait_registered(("node-a",))
+    await available_on_both(ha, faults)
 
 
 async def storage_calls(ha: Ha, stop: asyncio.Event) -> list[tuple[int, str, str | None]]:

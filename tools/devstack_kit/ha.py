@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from .plan import ServiceSpec
+from .plan import HOST, Plan, ServiceSpec
 
 PUBLIC_PORT = 8080  # where `make run` serves the API; with HA the balancer takes it
 POSTGRES_PORT = 5432
@@ -91,3 +91,17 @@ def ha_services(base: Sequence[ServiceSpec]) -> tuple[ServiceSpec, ...]:
         else:
             chosen.append(spec)
     return (*chosen, BALANCER)
+
+
+def ha_line(plans: Sequence[Plan]) -> str | None:
+    """What runs where behind the balancer (``None`` without one): each edge's API and node
+    listener, and the store they share, for the line after ``ports:``."""
+    edges = [p for p in plans if "IOP_POSTGRES__DSN" in p.env]
+    if not edges or not any(p.spec.public_api for p in plans):
+        return None
+    where = ", ".join(
+        f"{p.name} API http://{HOST}:{p.env['IOP_HTTP__PORT']} "
+        f"(nodes and workers dial {HOST}:{p.env['IOP_NODE_LISTENER__PORT']})"
+        for p in edges
+    )
+    return f"behind the balancer: {where}; their shared store {edges[0].env['IOP_POSTGRES__DSN']}"
