@@ -3,7 +3,11 @@
 Kept apart from ``ports.py`` only because it is large; ``BatchService`` depends
 on this, never on SQLite. Every method is one atomic step: the service's
 invariants (a line is finished once, a finalizing batch takes no result)
-are enforced by the store, not by the order of the service's calls.
+are enforced by the store, not by the order of the service's calls. Several
+edges may share one store (``adapters/pg_batch_store.py``), so a step that
+acts on a lease or a batch's end is conditional on the state it was decided
+from, and says whether it took effect: the edge's own lock orders its own
+calls only.
 """
 
 from __future__ import annotations
@@ -97,18 +101,33 @@ class BatchStore(Protocol):
     async def status_counts(self) -> dict[str, int]: ...
 
     async def set_lease(
-        self, batch_id: str, lease_id: str, owner: str, expires_at: float, now: int
-    ) -> None: ...
+        self, batch_id: str, lease_id: str, owner: str, expires_at: float, now: float
+    ) -> bool:
+        """Hand the batch to ``owner`` under ``lease_id``; False (nothing changed) unless it
+        is runnable, not finalizing, and its lease is free or expired at ``now``."""
+        ...
 
-    async def extend_lease(self, batch_id: str, expires_at: float) -> None: ...
+    async def extend_lease(self, batch_id: str, lease_id: str, expires_at: float) -> bool:
+        """False (nothing changed) when ``lease_id`` no longer holds the batch."""
+        ...
 
-    async def free_lease(self, batch_id: str, not_before: float | None = None) -> None: ...
+    async def free_lease(
+        self, batch_id: str, lease_id: str, not_before: float | None = None
+    ) -> None:
+        """Nobody holds the batch (``not_before``: nobody may lease it before then); nothing
+        when ``lease_id`` no longer holds it."""
+        ...
 
     async def free_leases_of(self, owner: str) -> int: ...
 
-    async def mark_cancelling(self, batch_id: str, now: int) -> None: ...
+    async def mark_cancelling(self, batch_id: str, now: int) -> None:
+        """``cancelling``, unless the batch is frozen or ended meanwhile."""
+        ...
 
-    async def begin_finalize(self, batch_id: str, terminal: str, now: int) -> None: ...
+    async def begin_finalize(self, batch_id: str, terminal: str, now: int) -> bool:
+        """Freeze the batch to end as ``terminal`` (no lease, no more line results); False
+        (nothing changed) when it is frozen or ended already."""
+        ...
 
     async def end_batch(
         self,
@@ -117,8 +136,9 @@ class BatchStore(Protocol):
         now: int,
         output: tuple[FileRecord, bytes] | None,
         error: tuple[FileRecord, bytes] | None,
-    ) -> None:
-        """The result files (their contents made durable first) and the final status."""
+    ) -> bool:
+        """The result files (their contents made durable first) and the final status;
+        False (nothing stored) when the batch is not finalizing (another call ended it)."""
         ...
 
     async def get_line(self, batch_id: str, index: int) -> LineRecord | None: ...

@@ -1,13 +1,16 @@
-"""The batch store against real files: contents streamed to disk, kept consistent, migrated.
+"""The batch store against real storage: contents streamed, kept consistent, migrated.
 
-A file's content lives beside the database (``<db>.files/``), its row in SQLite.
-These tests read what is on disk with their own eyes (``os.stat``, a raw
-``sqlite3`` connection) and measure with ``tracemalloc`` what an upload and a
-download hold in memory.
+On SQLite a file's content lives beside the database (``<db>.files/``), its row
+in SQLite; on PostgreSQL both are rows (contents as chunks). The tests that take
+``store`` run on both backends (``batch_backend``); the rest are SQLite's own.
+They read what is stored with their own eyes (``os.stat``, a raw ``sqlite3``
+connection, the backend's rows) and measure with ``tracemalloc`` what an upload
+and a download hold in memory.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sqlite3
 import stat
@@ -22,6 +25,7 @@ from prometheus_client import CollectorRegistry
 from iop_edge.adapters.batch_files import ContentDir
 from iop_edge.adapters.batch_schema import SCHEMA_VERSION
 from iop_edge.adapters.batch_store import SqliteBatchStore
+from iop_edge.adapters.pg_batch_store import PostgresBatchStore
 from iop_edge.domain.batches import FileRecord
 from iop_edge.domain.fleet import ApiKeyEntry
 from iop_edge.errors import InvalidRequest, NotFound, StorageQuotaExceeded
@@ -60,8 +64,21 @@ class Unused:
         raise AssertionError(f"unexpected call: {name}")
 
 
+Backend = Any  # conftest's BatchBackend (a conftest cannot be imported)
+Store = SqliteBatchStore | PostgresBatchStore
+
+
 @pytest.fixture
-async def store(tmp_path: Path) -> AsyncIterator[SqliteBatchStore]:
+async def store(batch_backend: Backend) -> AsyncIterator[Store]:
+    opened = await batch_backend.open()
+    try:
+        yield opened
+    finally:
+        await opened.aclose()
+
+
+@pytest.fixture
+async def sqlite_store(tmp_path: Path) -> AsyncIterator[SqliteBatchStore]:
     opened = await SqliteBatchStore.open(tmp_path / "state" / "batches.db")
     try:
         yield opened
@@ -69,7 +86,13 @@ async def store(tmp_path: Path) -> AsyncIterator[SqliteBatchStore]:
         await opened.aclose()
 
 
-def service(store: SqliteBatchStore, max_file_bytes: int = 64 * MIB) -> BatchService:
+async def read_all(handle: Any) -> bytes:
+    """A stored content read to its end, off the event loop (as the port requires)."""
+    with handle:
+        return bytes(await asyncio.to_thread(handle.read))
+
+
+def service(store: Store, max_file_bytes: int = 64 * MIB) -> BatchService:
     return BatchService(
         store, Unused(), Unused(), CollectorRegistry(), max_file_bytes=max_file_bytes
     )
@@ -84,8 +107,9 @@ def file_id(n: int) -> str:
 
 
 async def test_an_upload_reaches_the_disk_as_it_arrives_and_exists_only_once_stored(
-    store: SqliteBatchStore,
+    sqlite_store: SqliteBatchStore,
 ) -> None:
+    store = sqlite_store
     upload = await store.begin_upload(file_id(1))
     partial = store.contents.partial_path(file_id(1))
     await upload.write(b"a" * 100_000)
@@ -103,7 +127,7 @@ async def test_an_upload_reaches_the_disk_as_it_arrives_and_exists_only_once_sto
 
 
 async def test_an_upload_past_the_limit_is_refused_at_once_and_leaves_nothing(
-    store: SqliteBatchStore,
+    store: Store, batch_backend: Backend
 ) -> None:
     batches = service(store, max_file_bytes=2500)
     written: list[int] = []
@@ -118,11 +142,11 @@ async def test_an_upload_past_the_limit_is_refused_at_once_and_leaves_nothing(
         await send()
     assert caught.value.param == "file"
     assert written == [1000, 2000]  # the third chunk passed the limit: nothing more was read
-    assert list(store.contents.path.iterdir()) == []
+    assert await batch_backend.leftovers(store) == []
     assert await store.list_files(None, None, None, 10, True) == []
 
 
-async def test_an_upload_not_stored_leaves_nothing(store: SqliteBatchStore) -> None:
+async def test_an_upload_not_stored_leaves_nothing(store: Store, batch_backend: Backend) -> None:
     batches = service(store)
 
     async def send() -> None:
@@ -132,10 +156,10 @@ async def test_an_upload_not_stored_leaves_nothing(store: SqliteBatchStore) -> N
 
     with pytest.raises(InvalidRequest):
         await send()
-    assert list(store.contents.path.iterdir()) == []
+    assert await batch_backend.leftovers(store) == []
 
 
-async def test_upload_and_download_hold_a_chunk_not_the_file(store: SqliteBatchStore) -> None:
+async def test_upload_and_download_hold_a_chunk_not_the_file(store: Store) -> None:
     batches = service(store)
     tracemalloc.start()
     try:
@@ -157,7 +181,7 @@ async def test_upload_and_download_hold_a_chunk_not_the_file(store: SqliteBatchS
     assert download_peak < 6 * MIB, download_peak
 
 
-async def test_creating_a_batch_reads_its_file_a_line_at_a_time(store: SqliteBatchStore) -> None:
+async def test_creating_a_batch_reads_its_file_a_line_at_a_time(store: Store) -> None:
     batches = service(store)
     body = {"model": "m", "messages": [{"role": "user", "content": "z" * 2000}]}
     lines = [
@@ -182,7 +206,9 @@ async def test_creating_a_batch_reads_its_file_a_line_at_a_time(store: SqliteBat
     assert (await store.get_line(batch["id"], 9_999)) is not None
 
 
-async def test_a_download_in_progress_survives_a_delete(store: SqliteBatchStore) -> None:
+async def test_a_download_in_progress_survives_a_delete(
+    store: Store, batch_backend: Backend
+) -> None:
     batches = service(store)
     async with batches.receive_file() as upload:
         await upload.write(b"1" * (3 * MIB))
@@ -193,7 +219,7 @@ async def test_a_download_in_progress_survives_a_delete(store: SqliteBatchStore)
     await batches.delete_file(created["id"])
     rest = [chunk async for chunk in chunks]
     assert len(first) + sum(map(len, rest)) == 3 * MIB
-    assert not store.contents.content_path(created["id"]).exists()
+    assert await batch_backend.content_removed(store, created["id"])
     with pytest.raises(NotFound):
         await batches.file_content(created["id"])
 
@@ -269,11 +295,9 @@ async def test_a_version_1_store_is_migrated_with_everything_owned_by_nobody(
         raw.close()
 
 
-async def test_files_expire_then_the_sweep_removes_them(tmp_path: Path) -> None:
+async def test_files_expire_then_the_sweep_removes_them(batch_backend: Backend) -> None:
     now = [1000.0]
-    store = await SqliteBatchStore.open(
-        tmp_path / "batches.db", file_ttl_s=100, clock=lambda: now[0]
-    )
+    store = await batch_backend.open(lambda: now[0], file_ttl_s=100)
     try:
         for n, created in ((1, 950), (2, 1000)):
             upload = await store.begin_upload(file_id(n))
@@ -286,16 +310,14 @@ async def test_files_expire_then_the_sweep_removes_them(tmp_path: Path) -> None:
         assert [f.id for f in listed] == [file_id(2)]
         assert await store.owned_bytes("key_a") == 20  # charged until the sweep
         assert await store.sweep_files() == 1
-        assert not store.contents.content_path(file_id(1)).exists()
+        assert await batch_backend.content_removed(store, file_id(1))
         assert await store.owned_bytes("key_a") == 10
         assert await store.get_file(file_id(2)) is not None
     finally:
         await store.aclose()
 
 
-async def test_an_upload_past_the_key_s_quota_is_refused_as_it_arrives(
-    store: SqliteBatchStore,
-) -> None:
+async def test_an_upload_past_the_key_s_quota_is_refused_as_it_arrives(store: Store) -> None:
     batches = BatchService(store, Unused(), Unused(), CollectorRegistry(), file_quota_bytes=2500)
 
     async def send(key: ApiKeyEntry, chunks: int) -> None:

@@ -1,4 +1,8 @@
-"""``BatchService`` over a real SQLite store, with a fake ``RunService`` and a fake clock.
+"""``BatchService`` over a real store, with a fake ``RunService`` and a fake clock.
+
+Every test that takes ``h`` runs on both backends (``batch_backend``: a SQLite
+file and a real PostgreSQL database): the store's contract, checked through the
+service that depends on it.
 
 The fake dispatch answers by model: ``good`` completes, ``broken`` fails at the
 provider, ``busy`` finds no room (transient), ``slow`` waits for the test.
@@ -22,6 +26,7 @@ from prometheus_client import CollectorRegistry
 
 from iop_edge.adapters.batch_schema import SCHEMA_VERSION, BatchStoreError
 from iop_edge.adapters.batch_store import SqliteBatchStore
+from iop_edge.adapters.pg_batch_store import PostgresBatchStore
 from iop_edge.adapters.run_wire import run_event
 from iop_edge.domain.events import Failed, RunEvent
 from iop_edge.domain.fleet import ApiKeyEntry, ModelEntry, Operation
@@ -194,9 +199,11 @@ class FakeCatalog:
         return True
 
 
+Backend = Any  # conftest's BatchBackend (a conftest cannot be imported)
+
+
 class Harness:
-    def __init__(self, path: Path, store: SqliteBatchStore, clock: FakeClock) -> None:
-        self.path = path
+    def __init__(self, store: SqliteBatchStore | PostgresBatchStore, clock: FakeClock) -> None:
         self.store = store
         self.clock = clock
         self.runs = FakeRuns()
@@ -246,10 +253,10 @@ class Harness:
 
 
 @contextlib.asynccontextmanager
-async def opened(path: Path, clock: FakeClock) -> AsyncIterator[Harness]:
-    store = await SqliteBatchStore.open(path)
+async def opened(backend: Backend, clock: FakeClock) -> AsyncIterator[Harness]:
+    store = await backend.open()
     try:
-        yield Harness(path, store, clock)
+        yield Harness(store, clock)
     finally:
         await store.aclose()
 
@@ -260,8 +267,8 @@ def clock() -> FakeClock:
 
 
 @pytest.fixture
-async def h(tmp_path: Path, clock: FakeClock) -> AsyncIterator[Harness]:
-    async with opened(tmp_path / "state" / "batches.db", clock) as harness:
+async def h(batch_backend: Backend, clock: FakeClock) -> AsyncIterator[Harness]:
+    async with opened(batch_backend, clock) as harness:
         yield harness
 
 
@@ -321,10 +328,13 @@ async def test_an_upload_needs_purpose_batch_and_a_modest_size(h: Harness) -> No
     assert (caught.value.param, caught.value.status) == ("file", 400)
 
 
-async def test_the_store_file_is_owner_only_and_versioned(h: Harness) -> None:
-    assert stat.S_IMODE(h.path.stat().st_mode) == 0o600
-    assert stat.S_IMODE(h.path.parent.stat().st_mode) == 0o700
-    raw = sqlite3.connect(h.path)
+async def test_the_store_file_is_owner_only_and_versioned(tmp_path: Path) -> None:
+    path = tmp_path / "state" / "batches.db"
+    store = await SqliteBatchStore.open(path)
+    await store.aclose()
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+    raw = sqlite3.connect(path)
     try:
         assert raw.execute("PRAGMA user_version").fetchone() == (SCHEMA_VERSION,)
         assert raw.execute("PRAGMA journal_mode").fetchone() == ("wal",)
@@ -952,6 +962,7 @@ async def test_a_line_in_flight_when_its_batch_ends_is_stopped_and_not_stored(
     batch = await h.batch([request("a"), request("s", model="slow")])
     grant = await h.service.lease("w1")
     await h.service.run_line(grant.lease_id, 0)
+    h.runs.started.clear()  # line 0 set it: wait for line 1's own start
     call = asyncio.create_task(h.service.run_line(grant.lease_id, 1))
     async with asyncio.timeout(WAIT):
         await h.runs.started.wait()
@@ -1044,14 +1055,15 @@ async def test_a_line_waiting_for_a_slot_when_its_batch_ends_stops_in_the_queue(
 # ---------------------------------------------------------------- crashes
 
 
-async def test_the_store_survives_a_restart_mid_batch(tmp_path: Path, clock: FakeClock) -> None:
-    path = tmp_path / "batches.db"
-    async with opened(path, clock) as before:
+async def test_the_store_survives_a_restart_mid_batch(
+    batch_backend: Backend, clock: FakeClock
+) -> None:
+    async with opened(batch_backend, clock) as before:
         batch = await before.batch(three())
         grant = await before.service.lease("w1")
         first = await before.service.run_line(grant.lease_id, 0)
     clock.advance(TTL + 1)  # the old lease dies with the old process
-    async with opened(path, clock) as after:
+    async with opened(batch_backend, clock) as after:
         resumed = await after.service.lease("w2")
         assert (resumed.batch_id, resumed.next_line) == (batch["id"], 1)
         assert await after.service.run_line(resumed.lease_id, 0) == LineReply(
@@ -1069,15 +1081,14 @@ async def test_the_store_survives_a_restart_mid_batch(tmp_path: Path, clock: Fak
 
 
 async def test_a_finalize_cut_short_is_finished_by_the_next_lease(
-    tmp_path: Path, clock: FakeClock
+    batch_backend: Backend, clock: FakeClock
 ) -> None:
-    path = tmp_path / "batches.db"
-    async with opened(path, clock) as before:
+    async with opened(batch_backend, clock) as before:
         batch = await before.batch([request("a")])
         grant = await before.service.lease("w1")
         await run_all(before, grant)
         await before.store.begin_finalize(batch["id"], "completed", int(clock()))  # then: crash
-    async with opened(path, clock) as after:
+    async with opened(batch_backend, clock) as after:
         assert (await after.service.get_batch(batch["id"]))["status"] == "finalizing"
         assert (await after.service.lease("w2")).batch_id == ""
         done = await after.service.get_batch(batch["id"])

@@ -9,6 +9,7 @@ from typing import Any, Final
 
 from iop_edge.domain.batches import (
     CANCELLED,
+    CANCELLING,
     COMPLETED,
     DONE,
     EXPIRED,
@@ -22,16 +23,25 @@ from iop_edge.domain.batches import (
     LineResult,
 )
 
-BATCH_SELECT: Final = f"""SELECT b.id, b.input_file_id, b.endpoint, b.completion_window,
+
+def batch_select(batches: str, lines: str) -> str:
+    """The ``SELECT`` of a batch row and its line counts, over tables of these names
+    (SQLite's ``batches``/``batch_lines``, PostgreSQL's ``edge_``-prefixed ones)."""
+    return f"""SELECT b.id, b.input_file_id, b.endpoint, b.completion_window,
     b.metadata, b.status, b.created_at, b.in_progress_at, b.finalizing_at, b.completed_at,
     b.failed_at, b.expired_at, b.cancelling_at, b.cancelled_at, b.expires_at,
     b.output_file_id, b.error_file_id, b.errors, b.total_lines,
-    (SELECT COUNT(*) FROM batch_lines l WHERE l.batch_id = b.id AND l.state = '{DONE}'),
-    (SELECT COUNT(*) FROM batch_lines l WHERE l.batch_id = b.id AND l.state = '{LINE_FAILED}'),
+    (SELECT COUNT(*) FROM {lines} l WHERE l.batch_id = b.id AND l.state = '{DONE}'),
+    (SELECT COUNT(*) FROM {lines} l WHERE l.batch_id = b.id AND l.state = '{LINE_FAILED}'),
     b.lease_id, b.lease_owner, b.lease_expires_at, b.finalize_as, b.owner
-    FROM batches b"""
+    FROM {batches} b"""
+
+
+BATCH_SELECT: Final = batch_select("batches", "batch_lines")
 FILE_SELECT: Final = "SELECT id, filename, purpose, bytes, created_at, owner FROM files"
 RUNNABLE_SQL: Final = ", ".join(f"'{status}'" for status in RUNNABLE)
+UNENDED_SQL: Final = f"{RUNNABLE_SQL}, '{CANCELLING}'"
+"""A batch that may still be cancelled or frozen: running, waiting, or cancelling."""
 LEASE_FREE: Final = "(b.lease_expires_at IS NULL OR b.lease_expires_at <= :now)"
 LINE_COLUMNS: Final = (
     "batch_id, line_number, custom_id, body, state, status_code, response, error, "

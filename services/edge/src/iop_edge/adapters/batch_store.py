@@ -44,6 +44,7 @@ from iop_edge.adapters.batch_rows import (
     LINE_COLUMNS,
     RUNNABLE_SQL,
     TIMESTAMP_OF,
+    UNENDED_SQL,
     batch_record,
     file_row,
     json_text,
@@ -324,30 +325,37 @@ class SqliteBatchStore:
         return counts
 
     async def set_lease(
-        self, batch_id: str, lease_id: str, owner: str, expires_at: float, now: int
-    ) -> None:
-        """Hand the batch to a worker; a validating batch starts here."""
+        self, batch_id: str, lease_id: str, owner: str, expires_at: float, now: float
+    ) -> bool:
+        """Hand the batch to a worker, if it is still free at ``now``; a validating batch
+        starts here."""
         async with self._write() as db:
-            await db.execute(
+            cursor = await db.execute(
                 f"""UPDATE batches SET lease_id = ?, lease_owner = ?, lease_expires_at = ?,
                     status = '{IN_PROGRESS}', in_progress_at = COALESCE(in_progress_at, ?)
-                WHERE id = ?""",
-                (lease_id, owner, expires_at, now, batch_id),
+                WHERE id = ? AND status IN ({RUNNABLE_SQL}) AND finalize_as IS NULL
+                AND (lease_expires_at IS NULL OR lease_expires_at <= ?)""",
+                (lease_id, owner, expires_at, int(now), batch_id, now),
             )
+            return cursor.rowcount > 0
 
-    async def extend_lease(self, batch_id: str, expires_at: float) -> None:
+    async def extend_lease(self, batch_id: str, lease_id: str, expires_at: float) -> bool:
         async with self._write() as db:
-            await db.execute(
-                "UPDATE batches SET lease_expires_at = ? WHERE id = ?", (expires_at, batch_id)
+            cursor = await db.execute(
+                "UPDATE batches SET lease_expires_at = ? WHERE id = ? AND lease_id = ?",
+                (expires_at, batch_id, lease_id),
             )
+            return cursor.rowcount > 0
 
-    async def free_lease(self, batch_id: str, not_before: float | None = None) -> None:
+    async def free_lease(
+        self, batch_id: str, lease_id: str, not_before: float | None = None
+    ) -> None:
         """Nobody holds the batch; ``not_before`` keeps it from being leased until then."""
         async with self._write() as db:
             await db.execute(
                 """UPDATE batches SET lease_id = NULL, lease_owner = NULL, lease_expires_at = ?
-                WHERE id = ?""",
-                (not_before, batch_id),
+                WHERE id = ? AND lease_id = ?""",
+                (not_before, batch_id, lease_id),
             )
 
     async def free_leases_of(self, owner: str) -> int:
@@ -363,22 +371,24 @@ class SqliteBatchStore:
     async def mark_cancelling(self, batch_id: str, now: int) -> None:
         async with self._write() as db:
             await db.execute(
-                f"UPDATE batches SET status = '{CANCELLING}', cancelling_at = ? WHERE id = ?",
+                f"""UPDATE batches SET status = '{CANCELLING}', cancelling_at = ?
+                WHERE id = ? AND finalize_as IS NULL AND status IN ({UNENDED_SQL})""",
                 (now, batch_id),
             )
 
-    async def begin_finalize(self, batch_id: str, terminal: str, now: int) -> None:
+    async def begin_finalize(self, batch_id: str, terminal: str, now: int) -> bool:
         """From here the batch takes no lease and no line result; a normal end shows
         ``finalizing`` (a cancel or an expiry keeps its status until the end)."""
         status = "status = ?, finalizing_at = ?," if terminal == COMPLETED else ""
         params: tuple[Any, ...] = (FINALIZING, now) if terminal == COMPLETED else ()
         async with self._write() as db:
-            await db.execute(
+            cursor = await db.execute(
                 f"""UPDATE batches SET {status} finalize_as = ?,
                     lease_id = NULL, lease_owner = NULL, lease_expires_at = NULL
-                WHERE id = ?""",
+                WHERE id = ? AND finalize_as IS NULL AND status IN ({UNENDED_SQL})""",
                 (*params, terminal, batch_id),
             )
+            return cursor.rowcount > 0
 
     async def end_batch(
         self,
@@ -387,20 +397,23 @@ class SqliteBatchStore:
         now: int,
         output: tuple[FileRecord, bytes] | None,
         error: tuple[FileRecord, bytes] | None,
-    ) -> None:
+    ) -> bool:
         """The result files and the final status, in one transaction (so a crash leaves
-        the batch to be finalized again, never with half its files). Their contents
-        are written (durably) first; if the transaction fails they are removed, and
-        a crash leaves them to the next open's sweep."""
+        the batch to be finalized again, never with half its files), only while the
+        batch is finalizing. Their contents are written (durably) first; if the
+        transaction fails or ends nothing they are removed, and a crash leaves them to
+        the next open's sweep."""
         files = [file for file in (output, error) if file is not None]
         for record, content in files:
             await asyncio.to_thread(self.contents.write, record.id, content)
+        ended = False
         try:
-            await self._end_batch(batch_id, terminal, now, output, error)
-        except BaseException:
-            for record, _ in files:
-                await asyncio.to_thread(self.contents.remove, record.id)
-            raise
+            ended = await self._end_batch(batch_id, terminal, now, output, error)
+        finally:
+            if not ended:
+                for record, _ in files:
+                    await asyncio.to_thread(self.contents.remove, record.id)
+        return ended
 
     async def _end_batch(
         self,
@@ -409,16 +422,13 @@ class SqliteBatchStore:
         now: int,
         output: tuple[FileRecord, bytes] | None,
         error: tuple[FileRecord, bytes] | None,
-    ) -> None:
+    ) -> bool:
         async with self._write() as db:
-            for file in (output, error):
-                if file is not None:
-                    await db.execute(INSERT_FILE, file_row(file[0]))
-            await db.execute(
+            cursor = await db.execute(
                 f"""UPDATE batches SET status = ?, {TIMESTAMP_OF[terminal]} = ?,
                     output_file_id = ?, error_file_id = ?, finalize_as = NULL,
                     lease_id = NULL, lease_owner = NULL, lease_expires_at = NULL
-                WHERE id = ?""",
+                WHERE id = ? AND finalize_as IS NOT NULL""",
                 (
                     terminal,
                     now,
@@ -427,6 +437,12 @@ class SqliteBatchStore:
                     batch_id,
                 ),
             )
+            if cursor.rowcount == 0:
+                return False  # ended already (by another edge's finalize): store nothing
+            for file in (output, error):
+                if file is not None:
+                    await db.execute(INSERT_FILE, file_row(file[0]))
+            return True
 
     # -- lines ---------------------------------------------------------------
 

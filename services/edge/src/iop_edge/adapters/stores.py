@@ -14,6 +14,7 @@ import asyncpg
 from loguru import logger
 
 from iop_edge.adapters.batch_store import SqliteBatchStore
+from iop_edge.adapters.pg_batch_store import PostgresBatchStore
 from iop_edge.adapters.sqlite_responses import ResponseLimits, SqliteResponseStore
 from iop_edge.adapters.sqlite_runlog import SqliteRunLog
 from iop_edge.batch_ports import BatchStore
@@ -51,10 +52,16 @@ async def open_stores(settings: EdgeSettings, stack: contextlib.AsyncExitStack) 
         ),
     )
     stack.push_async_callback(responses.aclose)
-    batches = await SqliteBatchStore.open(
-        settings.batch_db,
-        file_ttl_s=storage.files_ttl_s,
-        sweep_interval_s=storage.sweep_interval_s,
-    )
-    stack.push_async_callback(batches.aclose)
+    batches: BatchStore
+    if pool is not None:
+        batches = await PostgresBatchStore.open(
+            pool, file_ttl_s=storage.files_ttl_s, sweep_interval_s=storage.sweep_interval_s
+        )
+    else:
+        batches = await SqliteBatchStore.open(
+            settings.batch_db,
+            file_ttl_s=storage.files_ttl_s,
+            sweep_interval_s=storage.sweep_interval_s,
+        )
+    stack.push_async_callback(batches.aclose)  # before the pool's close: it runs first
     return EdgeStores(runlog, responses, batches, pool)

@@ -5,7 +5,11 @@ twice; a worker that goes quiet loses its lease at expiry and the next worker
 resumes at the first unfinished line. A line already finished is answered
 from storage, never run again, and the same line asked twice at once shares
 one run. Lease changes (lease, renew, release, cancel) are serialised by one
-lock (one edge process owns the store); line runs are not, they go concurrently.
+lock within this edge; line runs are not, they go concurrently. Several edges
+may share the store (PostgreSQL): there the store's steps are conditional
+(a lease is set only while free, renewed or freed only by its holder, a batch
+frozen and ended once), so what one edge decided from a stale read changes
+nothing the other did.
 
 The end of a batch is two steps: ``begin_finalize`` freezes it (no lease, no
 more line results, its runs stopped), then the result files and the final
@@ -92,7 +96,7 @@ class BatchWork:
             for lease_id in lease_ids:
                 batch = await self._store.batch_by_lease(lease_id)
                 if batch is not None and batch.lease_owner == worker_id:
-                    await self._store.free_lease(batch.id)
+                    await self._store.free_lease(batch.id, lease_id)
                     freed += 1
         if freed:
             logger.info(
@@ -109,17 +113,20 @@ class BatchWork:
         async with self._lock:
             now = self._clock()
             due = await self._claim_due(now)
-            batch = await self._store.leasable(now)
-            if batch is not None:
-                self._count_expiry(batch)
+            # Another edge may lease the batch found between the read and the write: the
+            # store then refuses, that batch's lease is live, and the next read skips it.
+            while (batch := await self._store.leasable(now)) is not None:
                 lease_id = new_id("lease_")
                 expires_at = now + self._ttl_s
-                await self._store.set_lease(batch.id, lease_id, worker_id, expires_at, int(now))
+                if not await self._store.set_lease(batch.id, lease_id, worker_id, expires_at, now):
+                    continue
+                self._count_expiry(batch)
                 grant = await self._grant(batch, lease_id, expires_at)
                 # The lease id at DEBUG only: it is the handle a worker's connection acts
                 # on its batch with (``PeerGuard`` also checks who holds it).
                 logger.info("batch {}: leased to {}", batch.id, worker_id)
                 logger.debug("batch {}: lease {}", batch.id, lease_id)
+                break
         await self._finalize(due)
         await self.refresh_metrics()
         return grant
@@ -133,11 +140,12 @@ class BatchWork:
             now = self._clock()
             if now < batch.expires_at:
                 expires_at = now + self._ttl_s
-                await self._store.extend_lease(batch.id, expires_at)
+                if not await self._store.extend_lease(batch.id, lease_id, expires_at):
+                    raise LeaseLost(f"lease {lease_id} was taken over by another worker")
                 self._metrics.lease_renewals.inc()
                 return await self._grant(batch, lease_id, expires_at)
-            await self._begin_finalize(batch.id, EXPIRED)
-            due.append((batch.id, EXPIRED))
+            if await self._begin_finalize(batch.id, EXPIRED):
+                due.append((batch.id, EXPIRED))
         await self._finalize(due)
         await self.refresh_metrics()
         raise LeaseLost(f"batch {batch.id} passed its completion window and has expired")
@@ -159,9 +167,9 @@ class BatchWork:
             else:
                 terminal = None
                 rest = self._clock() + self._retry_delay_s if finished else None
-                await self._store.free_lease(batch.id, rest)
-            if terminal is not None:
-                await self._begin_finalize(batch.id, terminal)
+                await self._store.free_lease(batch.id, lease_id, rest)
+            if terminal is not None and not await self._begin_finalize(batch.id, terminal):
+                terminal = None  # frozen or ended meanwhile, by another edge
         if terminal is not None:
             await self._finalize([(batch.id, terminal)])
         await self.refresh_metrics()
@@ -193,9 +201,10 @@ class BatchWork:
                 if batch.status != CANCELLING:
                     await self._store.mark_cancelling(batch_id, self._now())
                 cancelled.append(batch_id)
-                if at_once or not self._lease_live(batch):
+                if (at_once or not self._lease_live(batch)) and await self._begin_finalize(
+                    batch_id, CANCELLED
+                ):
                     self._count_expiry(batch)
-                    await self._begin_finalize(batch_id, CANCELLED)
                     due.append((batch_id, CANCELLED))
         await self._finalize(due)
         if cancelled:
@@ -297,17 +306,20 @@ class BatchWork:
                     self._finalizing.add(batch.id)
                     due.append((batch.id, batch.finalize_as))
                 continue
-            self._count_expiry(batch)
             terminal = CANCELLED if batch.status == CANCELLING else EXPIRED
-            await self._begin_finalize(batch.id, terminal)
-            due.append((batch.id, terminal))
+            if await self._begin_finalize(batch.id, terminal):
+                self._count_expiry(batch)
+                due.append((batch.id, terminal))
         return due
 
-    async def _begin_finalize(self, batch_id: str, terminal: str) -> None:
-        """Freeze the batch (no lease, no more line results) and stop its runs."""
-        await self._store.begin_finalize(batch_id, terminal, self._now())
+    async def _begin_finalize(self, batch_id: str, terminal: str) -> bool:
+        """Freeze the batch (no lease, no more line results) and stop its runs; False
+        when it was frozen or ended already (by another edge sharing the store)."""
+        if not await self._store.begin_finalize(batch_id, terminal, self._now()):
+            return False
         self._finalizing.add(batch_id)
         await self._runner.cancel_batch(batch_id, f"the batch is {terminal}")
+        return True
 
     async def _finalize(self, due: list[tuple[str, str]]) -> None:
         """Write result files and end each batch. One that fails stays frozen and is
@@ -341,8 +353,10 @@ class BatchWork:
             else None
             for kind, c in (("output", output), ("error", errors))
         ]
-        await self._store.end_batch(batch_id, terminal, now, files[0], files[1])
-        logger.info("batch {}: {} ({} lines)", batch_id, terminal, len(lines))
+        if await self._store.end_batch(batch_id, terminal, now, files[0], files[1]):
+            logger.info("batch {}: {} ({} lines)", batch_id, terminal, len(lines))
+        else:  # another edge sharing the store finished the same finalize first
+            logger.info("batch {}: ended by another edge", batch_id)
 
     async def refresh_metrics(self) -> None:
         """Publish the batches-by-status gauge (after every change; call once at start)."""

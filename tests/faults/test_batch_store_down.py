@@ -1,0 +1,98 @@
+"""The edge's files and batches on PostgreSQL, and the server stopped under it: the storage
+APIs answer a retryable 503, inference keeps answering, and after the server is back
+the batch made before the outage runs to its end.
+
+A real stack (control-plane, edge, two nodes with mock providers, a worker) as
+processes; the edge's ``postgres`` section points at the test's throwaway
+PostgreSQL server, which the test stops and starts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import asyncpg
+
+from iop_proto.testing_postgres import PostgresServer
+
+CHAT = "/v1/chat/completions"
+
+
+def jsonl(count: int) -> bytes:
+    lines = [
+        {
+            "custom_id": f"r{n}",
+            "method": "POST",
+            "url": CHAT,
+            "body": {"model": "pool", "messages": [{"role": "user", "content": "hi"}]},
+        }
+        for n in range(count)
+    ]
+    return "".join(json.dumps(line) + "\n" for line in lines).encode()
+
+
+async def test_storage_answers_503_while_postgres_is_down_and_inference_goes_on(
+    tmp_path: Path, start_stack_factory: Any, faults: Any, postgres_server: PostgresServer
+) -> None:
+    dsn = postgres_server.create_database()
+    fleet = faults.pool_fleet("pool", "mock")
+    edge = {"postgres": {"dsn": dsn, "connect_timeout_s": 2, "command_timeout_s": 5}}
+    async with start_stack_factory(tmp_path, fleet, edge) as stack:
+        api = stack.api_url
+        async with aiohttp.ClientSession() as http:
+            form = aiohttp.FormData()
+            form.add_field("purpose", "batch")
+            form.add_field("file", jsonl(3), filename="in.jsonl")
+            async with http.post(f"{api}/files", data=form) as reply:
+                assert reply.status == 200, await reply.text()
+                file_id = (await reply.json())["id"]
+            body = {"input_file_id": file_id, "endpoint": CHAT, "completion_window": "24h"}
+            async with http.post(f"{api}/batches", json=body) as reply:
+                assert reply.status == 200, await reply.text()
+                batch_id = (await reply.json())["id"]
+            stored = await asyncpg.connect(dsn)
+            try:  # in the shared store, not in a file beside the edge
+                assert (
+                    await stored.fetchval(
+                        "SELECT COUNT(*) FROM edge_batch_lines WHERE batch_id = $1", batch_id
+                    )
+                    == 3
+                )
+            finally:
+                await stored.close()
+
+            await asyncio.to_thread(postgres_server.down)
+            try:
+                async with http.get(f"{api}/files") as reply:
+                    assert reply.status == 503
+                    assert reply.headers["Retry-After"]
+                    error = (await reply.json())["error"]
+                    assert error["code"] == "storage_unavailable"
+                    assert "PostgreSQL" not in error["message"]  # the cause is logged only
+                chat = {"model": "pool", "messages": [{"role": "user", "content": "hi"}]}
+                for _ in range(3):
+                    async with http.post(f"{api}/chat/completions", json=chat) as reply:
+                        assert reply.status == 200, await reply.text()
+                        answer = await reply.json()
+                        assert answer["choices"][0]["message"]["content"]
+            finally:
+                await asyncio.to_thread(postgres_server.up)
+
+            async def ended() -> bool:
+                async with http.get(f"{api}/batches/{batch_id}") as reply:
+                    return reply.status == 200 and (await reply.json())["status"] == "completed"
+
+            await faults.eventually(ended, timeout_s=60)  # the worker carries on after it
+            async with http.get(f"{api}/batches/{batch_id}") as reply:
+                done = await reply.json()
+            assert done["request_counts"] == {"total": 3, "completed": 3, "failed": 0}
+            async with http.get(f"{api}/files/{done['output_file_id']}/content") as reply:
+                assert reply.status == 200
+                ids = [json.loads(line)["custom_id"] for line in (await reply.text()).splitlines()]
+            assert sorted(ids) == ["r0", "r1", "r2"]
+            async with http.get(f"{api}/files/{file_id}") as reply:
+                assert reply.status == 200  # nothing committed before the outage was lost
