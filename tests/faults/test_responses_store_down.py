@@ -11,8 +11,10 @@ from typing import Any
 
 import aiohttp
 import asyncpg
+import yaml
 
 from iop_edge.adapters.postgres_responses import PostgresResponseStore
+from iop_proto.testing import running_service
 from iop_proto.testing_postgres import PostgresServer
 
 MODEL = "pg-mock"
@@ -113,3 +115,68 @@ async def test_with_the_store_down_store_true_is_a_retryable_503_and_the_rest_se
             assert "one" in said  # the first turn's input, read from the chain
             assert "three" in said
     report(f"stored {kept}; refused store:true with 503 while down; continued after")
+
+
+async def test_a_response_stored_through_one_edge_continues_on_another(
+    tmp_path: Path, start_stack_factory: Any, faults: Any, postgres_dsn: str
+) -> None:
+    fleet = faults.pool_fleet(MODEL, "pg")
+    async with start_stack_factory(tmp_path, fleet, {"postgres": {"dsn": postgres_dsn}}) as stack:
+        key_a = {"Authorization": f"Bearer {await stack.issue_key('a')}"}
+        key_b = {"Authorization": f"Bearer {await stack.issue_key('b')}"}
+        # A second edge process on the same database (its own ports and files, the same
+        # identity): it reaches the control-plane and the store, no node dials it.
+        settings = yaml.safe_load((tmp_path / "edge.yaml").read_text())
+        for section in ("http", "node_listener", "admin"):
+            settings[section]["port"] = 0
+        for name in ("config_cache", "history_db", "responses_db", "batch_db"):
+            settings[name] = str(tmp_path / f"edge-b-{Path(settings[name]).name}")
+        (tmp_path / "edge-b.yaml").write_text(yaml.safe_dump(settings))
+        async with (
+            running_service("iop-edge", tmp_path / "edge-b.yaml") as edge_b,
+            aiohttp.ClientSession() as http,
+        ):
+            url_a, url_b = stack.api_url, f"http://127.0.0.1:{edge_b.ports['http']}/v1"
+            body = {"model": MODEL, "input": "one"}
+            async with http.post(f"{url_a}/responses", json=body, headers=key_a) as reply:
+                assert reply.status == 200
+                kept = await reply.json()
+
+            async def served_by_b() -> bool:  # once edge B has the keys from the control-plane
+                async with http.get(f"{url_b}/responses/{kept['id']}", headers=key_a) as reply:
+                    return reply.status == 200 and (await reply.json()) == kept
+
+            await faults.eventually(served_by_b, timeout_s=30)
+            async with http.get(f"{url_b}/responses/{kept['id']}", headers=key_b) as reply:
+                assert reply.status == 404  # another key's: on no edge
+
+            # node-b moves to edge B, which can then run a turn: it continues A's.
+            await stack.stop("node-b")
+            node_b = yaml.safe_load((tmp_path / "node-b.yaml").read_text())
+            node_b["edge"]["port"] = edge_b.ports["nodes"]
+            (tmp_path / "node-b.yaml").write_text(yaml.safe_dump(node_b))
+            await stack.start("node-b")
+            catalog = url_b.replace("/v1", "/iop/v1/catalog/providers")
+
+            async def b_has_a_provider() -> bool:
+                async with http.get(catalog, headers=key_a) as reply:
+                    rows = (await reply.json())["data"] if reply.status == 200 else []
+                return any(row["connected"] for row in rows)
+
+            await faults.eventually(b_has_a_provider, timeout_s=30)
+            body = {"model": MODEL, "input": "three", "previous_response_id": kept["id"]}
+            async with http.post(f"{url_b}/responses", json=body, headers=key_a) as reply:
+                assert reply.status == 200
+                second = await reply.json()
+            async with http.post(f"{url_b}/responses", json=body, headers=key_b) as reply:
+                assert reply.status == 404  # another key cannot continue it on either edge
+            items = f"{url_a}/responses/{second['id']}/input_items"
+            async with http.get(items, headers=key_a) as reply:
+                assert reply.status == 200
+                said = json.dumps((await reply.json())["data"])
+            assert "one" in said  # the turn made on A, read back on A through B's turn
+            assert "three" in said
+            async with http.delete(f"{url_b}/responses/{kept['id']}", headers=key_a) as reply:
+                assert reply.status == 200
+            async with http.get(f"{url_a}/responses/{kept['id']}", headers=key_a) as reply:
+                assert reply.status == 404  # deleted through B: gone on A too
