@@ -350,7 +350,8 @@ class ResponseStore(Protocol):
 
     def admit(self, key_id: str, incoming: int) -> None:
         """Raise ``StorageQuotaExceeded`` when storing ``incoming`` more bytes would take
-        ``key_id`` over its quota (checked before a ``store: true`` request runs)."""
+        ``key_id`` over its quota (checked before a ``store: true`` request runs); on
+        PostgreSQL, ``StorageUnavailable`` while the store is known to be down."""
         ...
 
     async def keep(self, response: StoredResponse) -> None:

@@ -15,7 +15,12 @@ transaction and nothing is held in an edge's memory first.
 
 Outages: every call that reaches the server raises ``StorageUnavailable`` while
 it cannot be reached (the API answers a retryable 503); nothing committed is
-lost. ``admit`` is synchronous (checked before a ``store: true`` request runs),
+lost. Once a call has found it down, ``admit`` refuses ``store: true`` requests
+with the same error before they run (no model's work is spent on an answer the
+store could not keep), and checks in the background whether it is back: the
+first call that reaches it again lifts that.
+
+Quota: ``admit`` is synchronous (checked before a ``store: true`` request runs),
 so it reads each key's bytes from memory: refreshed from the table when the
 store opens, after each ``keep``/``delete`` of that key on this edge, and for
 every key every ``usage_refresh_s``; a key writing through several edges at
@@ -25,8 +30,9 @@ once may overshoot its quota by what those edges admit within that window.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Final
 
 import asyncpg
@@ -39,7 +45,7 @@ from iop_edge.adapters.sqlite_responses import (
 )
 from iop_edge.errors import StorageQuotaExceeded
 from iop_edge.ports import StoredResponse
-from iop_proto.postgres import apply_migrations, reachable
+from iop_proto.postgres import StorageUnavailable, apply_migrations, reachable
 from iop_proto.tasks import cancel_and_wait
 
 COMPONENT: Final = "edge-responses"
@@ -132,6 +138,8 @@ class PostgresResponseStore:
         self._usage_refresh_s = usage_refresh_s
         self._usage: dict[str, int] = {}  # bytes per key, as last read from the table
         self._tasks: list[asyncio.Task[None]] = []
+        self._outage: str | None = None  # why the last call found the server down
+        self._probe: asyncio.Task[None] | None = None
         self._closed = False
 
     @classmethod
@@ -160,9 +168,8 @@ class PostgresResponseStore:
     async def aclose(self) -> None:
         """Stop the sweep and the refresh; idempotent. The pool stays open (the caller's)."""
         self._closed = True
-        tasks, self._tasks = self._tasks, []
-        for task in tasks:
-            await cancel_and_wait(task)
+        tasks, self._tasks, self._probe = [*self._tasks, self._probe], [], None
+        await cancel_and_wait(*tasks)
 
     def check_open(self) -> None:
         if self._closed:
@@ -171,6 +178,10 @@ class PostgresResponseStore:
     # -- ResponseStore -------------------------------------------------------------
 
     def admit(self, key_id: str, incoming: int) -> None:
+        if self._outage is not None:
+            if not self._closed and (self._probe is None or self._probe.done()):
+                self._probe = asyncio.create_task(self._probe_once(), name="edge-response-probe")
+            raise StorageUnavailable(self._outage)
         quota = self.limits.quota_bytes
         used = self._usage.get(key_id, 0)
         if quota and used + incoming > quota:
@@ -186,7 +197,7 @@ class PostgresResponseStore:
 
     async def keep(self, response: StoredResponse) -> None:
         self.check_open()
-        with reachable("storing a response"):
+        with self._reach("storing a response"):
             async with self._pool.acquire() as connection:
                 await connection.execute(_INSERT, *_row(response))
                 used = await connection.fetchval(_KEY_USAGE, response.key_id)
@@ -194,7 +205,7 @@ class PostgresResponseStore:
 
     async def get(self, response_id: str, key_id: str) -> StoredResponse | None:
         self.check_open()
-        with reachable("reading a stored response"):
+        with self._reach("reading a stored response"):
             row = await self._pool.fetchrow(_SELECT, response_id)
         if row is None:
             return None
@@ -203,7 +214,7 @@ class PostgresResponseStore:
 
     async def chain(self, response_id: str, key_id: str) -> list[StoredResponse] | None:
         self.check_open()
-        with reachable("reading a conversation"):
+        with self._reach("reading a conversation"):
             rows = await self._pool.fetch(_CHAIN, response_id, self.max_depth)
         links = [_stored(row) for row in rows]
         if not links or not self._live(links[0], key_id):
@@ -223,7 +234,7 @@ class PostgresResponseStore:
             return False
         # Marked deleted, then the row goes at once unless a later turn continues from
         # it (then it stays, not found, until a sweep finds nothing continuing from it).
-        with reachable("deleting a stored response"):
+        with self._reach("deleting a stored response"):
             async with self._pool.acquire() as connection:
                 async with connection.transaction():
                     await connection.execute(_MARK_DELETED, response_id, max(1, int(self._clock())))
@@ -246,7 +257,7 @@ class PostgresResponseStore:
         created_before = now - ttl - PURGE_GRACE_S if ttl else -1
         removed = 0
         while True:
-            with reachable("sweeping stored responses"):
+            with self._reach("sweeping stored responses"):
                 rows = await self._pool.fetch(_SWEEP, deleted_before, created_before, _SWEEP_CHUNK)
             removed += len(rows)
             if len(rows) < _SWEEP_CHUNK:
@@ -259,9 +270,13 @@ class PostgresResponseStore:
 
     async def refresh_usage(self) -> None:
         """Read every key's bytes from the table (other edges' turns included)."""
-        with reachable("reading the stored responses' usage"):
+        with self._reach("reading the stored responses' usage"):
             rows = await self._pool.fetch(_USAGE)
         self._usage = {str(key_id): int(used) for key_id, used in rows if used}
+
+    async def _probe_once(self) -> None:
+        with contextlib.suppress(StorageUnavailable):
+            await self.refresh_usage()  # reaching the server lifts the outage
 
     async def _sweep_forever(self) -> None:
         while True:
@@ -280,6 +295,17 @@ class PostgresResponseStore:
                 logger.warning("response store: usage not refreshed: {}", exc)
 
     # -- internals -----------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _reach(self, what: str) -> Iterator[None]:
+        """``reachable``, noting whether the server answered (``admit`` reads it)."""
+        try:
+            with reachable(what):
+                yield
+        except StorageUnavailable as exc:
+            self._outage = str(exc)
+            raise
+        self._outage = None
 
     def _set_usage(self, key_id: str, used: int) -> None:
         if used > 0:
