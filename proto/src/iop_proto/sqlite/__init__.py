@@ -12,11 +12,12 @@ from iop_proto.sqlite.files import (
     statement_migrations,
     transaction,
 )
-from iop_proto.sqlite.writer import BatchedWriter, WriterTuning
+from iop_proto.sqlite.writer import BatchedWriter, QueuedWriter, WriterTuning
 
 __all__ = [
     "BatchedWriter",
     "Migration",
+    "QueuedWriter",
     "WriterTuning",
     "open_database",
     "prepare_file",

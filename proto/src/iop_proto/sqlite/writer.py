@@ -58,8 +58,10 @@ class WriterTuning:
             raise ValueError("max_batch and max_pending must be at least 1")
 
 
-class BatchedWriter(Generic[R]):
-    """The queue, the writer task and its retries; subclasses say what a record is.
+class QueuedWriter(Generic[R]):
+    """The queue, the writer task and its retries; subclasses say what a record is
+    and where a batch is committed (``_commit``: SQLite in ``BatchedWriter``, a
+    PostgreSQL pool in the edge's shared run log).
 
     A subclass sets ``what`` (the file's name in logs), ``noun`` (a record's),
     ``statement`` (run with ``executemany`` for each batch), ``error`` and
@@ -78,13 +80,15 @@ class BatchedWriter(Generic[R]):
     error: ClassVar[type[Exception]] = RuntimeError
     closed_error: ClassVar[type[Exception]] = RuntimeError
 
-    def __init__(self, db: aiosqlite.Connection, path: Path, tuning: WriterTuning) -> None:
-        """Wire the state; ``start`` starts the writer (a subclass may read first)."""
+    def __init__(self, path: Path | str, tuning: WriterTuning) -> None:
+        """Wire the state; ``start`` starts the writer (a subclass may read first).
+
+        ``path`` names where records go, in logs and errors.
+        """
         self.path = path
         self.writes = 0
         self.failed_writes = 0
         self.dropped = 0
-        self._db = db
         self._flush_interval_s = tuning.flush_interval_s
         self._max_batch = tuning.max_batch
         self._max_pending = tuning.max_pending
@@ -105,6 +109,13 @@ class BatchedWriter(Generic[R]):
         self._closed = False
 
     # -- what a subclass says ------------------------------------------------------
+
+    async def _commit(self, rows: list[tuple[object, ...]]) -> None:
+        """Run ``statement`` for each of ``rows`` in one transaction; raise if it failed."""
+        raise NotImplementedError
+
+    async def _close_backend(self) -> None:
+        """Release what ``_commit`` writes to, once the writer has stopped."""
 
     def _key(self, record: R) -> str:
         """The record's id: a record put again under the same id replaces the unwritten one."""
@@ -222,7 +233,7 @@ class BatchedWriter(Generic[R]):
             logger.error("{} {}: writer stopped; pending records lost", self.what, self.path)
         finally:
             await self._stop_writer()
-            await self._db.close()
+            await self._close_backend()
 
     # -- internals ---------------------------------------------------------------
 
@@ -315,10 +326,8 @@ class BatchedWriter(Generic[R]):
         batch = {key: self._pending.pop(key) for key in oldest}
         self._in_flight = batch
         try:
-            async with self._write_lock, transaction(self._db):
-                await self._db.executemany(
-                    self.statement, [self._row(r) for _, r in batch.values()]
-                )
+            async with self._write_lock:
+                await self._commit([self._row(r) for _, r in batch.values()])
         except asyncio.CancelledError:
             self._restore(batch)
             raise
@@ -372,3 +381,21 @@ class BatchedWriter(Generic[R]):
         await cancel_and_wait(writer)
         self._fail_waiters(list(self._waiters), "the writer has stopped")
         self._notify()
+
+
+class BatchedWriter(QueuedWriter[R]):
+    """A ``QueuedWriter`` committing to one aiosqlite connection, which it closes."""
+
+    path: Path
+
+    def __init__(self, db: aiosqlite.Connection, path: Path, tuning: WriterTuning) -> None:
+        """Wire the state; ``start`` starts the writer (a subclass may read first)."""
+        super().__init__(path, tuning)
+        self._db = db
+
+    async def _commit(self, rows: list[tuple[object, ...]]) -> None:
+        async with transaction(self._db):
+            await self._db.executemany(self.statement, rows)
+
+    async def _close_backend(self) -> None:
+        await self._db.close()

@@ -293,7 +293,8 @@ class EdgeRunRecord:
 
 
 class RunLog(Protocol):
-    """The edge's run history (SQLite), written off the request path, once per run."""
+    """The edge's run history (SQLite, or PostgreSQL shared by edges), written off the
+    request path, once per run."""
 
     def record(self, record: EdgeRunRecord) -> None:
         """Queue one finished run. Synchronous, so it cannot suspend: callers rely on it
@@ -339,8 +340,8 @@ class StoredResponse:
 
 
 class ResponseStore(Protocol):
-    """Stored Responses (SQLite), each readable only by the key that made it, until it
-    expires or is deleted."""
+    """Stored Responses (SQLite, or PostgreSQL shared by edges), each readable only by the
+    key that made it, until it expires or is deleted."""
 
     @property
     def max_depth(self) -> int:
@@ -349,7 +350,8 @@ class ResponseStore(Protocol):
 
     def admit(self, key_id: str, incoming: int) -> None:
         """Raise ``StorageQuotaExceeded`` when storing ``incoming`` more bytes would take
-        ``key_id`` over its quota (checked before a ``store: true`` request runs)."""
+        ``key_id`` over its quota (checked before a ``store: true`` request runs); on
+        PostgreSQL, ``StorageUnavailable`` while the store is known to be down."""
         ...
 
     async def keep(self, response: StoredResponse) -> None:

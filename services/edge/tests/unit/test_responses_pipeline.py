@@ -31,9 +31,10 @@ from iop_edge.entrypoints.api_dialect import DROPPED_TOOLS_HEADER
 from iop_edge.entrypoints.api_metrics import ApiMetrics
 from iop_edge.entrypoints.http_api import create_api_app, load_openapi
 from iop_edge.errors import EdgeError, from_failure
-from iop_edge.ports import AttemptRecord, EdgeRunRecord, RunSpec
+from iop_edge.ports import AttemptRecord, EdgeRunRecord, RunSpec, StoredResponse
 from iop_edge.testing import MemoryResponseStore
 from iop_proto import json_codec
+from iop_proto.postgres import StorageUnavailable as StoreDown
 from iop_proto.testing import loopback_app
 
 MODEL = "m"
@@ -125,8 +126,9 @@ class Edge:
 
 
 @contextlib.asynccontextmanager
-async def serve() -> AsyncIterator[Edge]:
-    service, store, runlog = Service(), Store(), RunLog()
+async def serve(store: Store | None = None) -> AsyncIterator[Edge]:
+    service, runlog = Service(), RunLog()
+    store = Store() if store is None else store
     app = create_api_app(
         service,
         Catalog(),  # type: ignore[arg-type]  # only model() is used on this path
@@ -206,6 +208,49 @@ async def test_the_run_is_a_chat_completion_and_the_answer_a_response(edge: Edge
     assert response.usage is not None
     assert response.usage.total_tokens == 3
     assert edge.runlog.records[0].run_id == "run1"
+
+
+class DownStore(MemoryResponseStore):
+    """The shared store unreachable: every keep raises what ``reachable`` raises."""
+
+    async def keep(self, response: StoredResponse) -> None:
+        raise StoreDown("storing a response: the PostgreSQL store is unreachable")
+
+
+async def test_an_answer_the_store_cannot_keep_is_a_retryable_error_never_a_completion() -> None:
+    async with serve(DownStore()) as edge:
+        said = Delta(text="hel", role="assistant")
+        edge.service.events = [Started("p1"), said, Completed("stop")]
+        with pytest.raises(openai.APIStatusError) as info:
+            await edge.sdk.responses.create(model=MODEL, input="hi")
+        assert info.value.status_code == 503
+        assert info.value.code == "storage_unavailable"
+
+        # Streamed: the status line is out, so the stream ends with why, never saying it was
+        # stored (before: response.completed held back, then an internal error).
+        stream = await edge.sdk.responses.create(model=MODEL, input="hi", stream=True)
+        events: list[Any] = []
+
+        async def read() -> None:
+            async for event in stream:
+                events.append(event)
+
+        with pytest.raises(openai.APIError, match="could not be stored"):
+            await read()
+        types = [event.type for event in events]
+        assert "response.output_text.delta" in types
+        assert "response.completed" not in types
+        assert edge.store.rows == {}
+        streamed = edge.runlog.records[-1]
+        assert (streamed.outcome, streamed.status, streamed.error_code) == (
+            "failed",
+            200,
+            "storage_unavailable",
+        )
+
+        # store: false needs no store: answered as usual.
+        answer = await edge.sdk.responses.create(model=MODEL, input="hi", store=False)
+        assert answer.output_text == "hel"
 
 
 async def test_max_output_tokens_past_the_cap_is_clamped_and_a_bad_one_named(edge: Edge) -> None:

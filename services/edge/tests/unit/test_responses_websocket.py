@@ -25,6 +25,7 @@ from iop_edge.errors import EdgeError, from_failure
 from iop_edge.formats.reasoning_seal import ReasoningSeal
 from iop_edge.ports import AttemptRecord, EdgeRunRecord, RunSpec
 from iop_edge.testing import MemoryResponseStore
+from iop_proto.postgres import StorageUnavailable as StoreDown
 from iop_proto.testing import loopback_app
 
 MODEL = "m"
@@ -117,12 +118,15 @@ class Edge:
 
 
 @contextlib.asynccontextmanager
-async def serve(idle_timeout_s: float = 60.0) -> AsyncIterator[Edge]:
+async def serve(
+    idle_timeout_s: float = 60.0, store: MemoryResponseStore | None = None
+) -> AsyncIterator[Edge]:
     service, slots, runlog = Service(), KeySlots(), RunLog()
     metrics = ApiMetrics.create(CollectorRegistry())
     inference = InferenceRoutes(service, Catalog(), Keys(), runlog, metrics, slots)  # type: ignore[arg-type]
+    store = MemoryResponseStore() if store is None else store
     sockets = ResponsesWebSocket(
-        inference, MemoryResponseStore(), ReasoningSeal.generate(), Keys(), 1024, idle_timeout_s
+        inference, store, ReasoningSeal.generate(), Keys(), 1024, idle_timeout_s
     )
     app = web.Application()
     app.router.add_get("/v1/responses", sockets.serve)
@@ -203,6 +207,31 @@ async def test_shutdown_closes_the_sockets_left_with_1001() -> None:
         message = await ws.receive(timeout=5)
         assert message.type is aiohttp.WSMsgType.CLOSE
         assert message.data == WSCloseCode.GOING_AWAY
+
+
+class DownStore(MemoryResponseStore):
+    """The shared store known to be down: ``admit`` refuses as PostgreSQL's store does."""
+
+    def admit(self, key_id: str, incoming: int) -> None:
+        raise StoreDown("storing responses: the PostgreSQL store is unreachable")
+
+
+async def test_the_store_down_is_a_retryable_error_event_and_the_socket_goes_on() -> None:
+    async with serve(store=DownStore()) as edge, aiohttp.ClientSession() as http:
+        ws = await http.ws_connect(edge.url, headers=HEADERS)
+        await ws.send_json({"type": "response.create", "model": MODEL, "input": "x"})
+        error = await ws.receive_json(timeout=5)
+        assert (error["type"], error["status"], error["code"]) == (
+            "error",
+            503,
+            "storage_unavailable",
+        )
+        assert edge.service.runs == []  # refused before it ran
+        await ws.send_json(
+            {"type": "response.create", "model": MODEL, "input": "y", "store": False}
+        )
+        assert (await ws.receive_json(timeout=5))["type"] == "response.created"
+        await ws.close()
 
 
 def test_a_connection_keeps_its_last_responses_only() -> None:

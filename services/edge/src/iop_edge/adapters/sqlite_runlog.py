@@ -29,10 +29,10 @@ SCHEMA_VERSION = 4
 
 # The record's fields, in order, are the table's columns (the round-trip test holds
 # the two together when EdgeRunRecord grows a field).
-_COLUMNS = tuple(field.name for field in dataclasses.fields(EdgeRunRecord))
-_COLUMN_LIST = ", ".join(_COLUMNS)
-_READ_COLUMNS = operator.attrgetter(*_COLUMNS)
-_ATTEMPTS = _COLUMNS.index("attempts")
+COLUMNS = tuple(field.name for field in dataclasses.fields(EdgeRunRecord))
+_COLUMN_LIST = ", ".join(COLUMNS)
+_READ_COLUMNS = operator.attrgetter(*COLUMNS)
+_ATTEMPTS = COLUMNS.index("attempts")
 
 _SCHEMA = (
     """CREATE TABLE IF NOT EXISTS runs (
@@ -75,7 +75,7 @@ _MIGRATIONS = {
 
 
 # REPLACE: a run id recorded twice (a retried write, a repeated record) keeps the last.
-_INSERT = f"INSERT OR REPLACE INTO runs ({_COLUMN_LIST}) VALUES ({', '.join('?' * len(_COLUMNS))})"
+_INSERT = f"INSERT OR REPLACE INTO runs ({_COLUMN_LIST}) VALUES ({', '.join('?' * len(COLUMNS))})"
 
 BUSY_TIMEOUT_S = 5.0  # how long one write waits for another connection's lock, then fails
 
@@ -88,8 +88,9 @@ class RunLogClosed(RunLogError, RuntimeError):
     """The run log was used after ``aclose()``."""
 
 
-def _record(row: Iterable[object]) -> EdgeRunRecord:
-    values: dict[str, Any] = dict(zip(_COLUMNS, row, strict=True))
+def run_from_row(row: Iterable[object]) -> EdgeRunRecord:
+    """A row of the ``runs`` table (SQLite's or PostgreSQL's) as the record it holds."""
+    values: dict[str, Any] = dict(zip(COLUMNS, row, strict=True))
     values["stream"] = bool(values["stream"])
     values["attempts"] = tuple(AttemptRecord(**a) for a in json_codec.loads(values["attempts"]))
     return EdgeRunRecord(**values)
@@ -159,28 +160,33 @@ class SqliteRunLog(BatchedWriter[EdgeRunRecord]):
             )
             parameters = (key_id, limit)
         rows = await self._db.execute_fetchall(query, parameters)
-        merged = self.latest(map(_record, rows), memory)
+        merged = self.latest(map(run_from_row, rows), memory)
         return sorted(merged, key=lambda r: (r.received_ms, r.run_id), reverse=True)[:limit]
 
     def _key(self, record: EdgeRunRecord) -> str:
         return record.run_id
 
     def _row(self, record: EdgeRunRecord) -> tuple[object, ...]:
-        # The record's fields in the table's order (a bool binds as 0/1); the attempts
-        # are JSON text, each with the fields of ``AttemptRecord``.
-        row = list(_READ_COLUMNS(record))
-        row[_ATTEMPTS] = json_codec.dumps(
-            [
-                {
-                    "run_id": a.run_id,
-                    "provider_id": a.provider_id,
-                    "node_id": a.node_id,
-                    "outcome": a.outcome,
-                    "error_code": a.error_code,
-                    "started_ms": a.started_ms,
-                    "duration_ms": a.duration_ms,
-                }
-                for a in record.attempts
-            ]
-        ).decode()
-        return tuple(row)
+        return run_row(record)
+
+
+def run_row(record: EdgeRunRecord) -> tuple[object, ...]:
+    """The record's fields in the table's order (a bool binds as SQLite's 0/1 or
+    PostgreSQL's boolean); the attempts are JSON text, each with the fields of
+    ``AttemptRecord``."""
+    row = list(_READ_COLUMNS(record))
+    row[_ATTEMPTS] = json_codec.dumps(
+        [
+            {
+                "run_id": a.run_id,
+                "provider_id": a.provider_id,
+                "node_id": a.node_id,
+                "outcome": a.outcome,
+                "error_code": a.error_code,
+                "started_ms": a.started_ms,
+                "duration_ms": a.duration_ms,
+            }
+            for a in record.attempts
+        ]
+    ).decode()
+    return tuple(row)

@@ -15,6 +15,8 @@ from loguru import logger
 
 from iop_edge.adapters.batch_store import SqliteBatchStore
 from iop_edge.adapters.pg_batch_store import PostgresBatchStore
+from iop_edge.adapters.postgres_responses import PostgresResponseStore
+from iop_edge.adapters.postgres_runlog import PostgresRunLog
 from iop_edge.adapters.sqlite_responses import ResponseLimits, SqliteResponseStore
 from iop_edge.adapters.sqlite_runlog import SqliteRunLog
 from iop_edge.batch_ports import BatchStore
@@ -40,18 +42,26 @@ async def open_stores(settings: EdgeSettings, stack: contextlib.AsyncExitStack) 
             "shared store: PostgreSQL (pool of at most {})", settings.postgres.max_connections
         )
     storage = settings.storage
-    runlog = await SqliteRunLog.open(settings.history_db)
-    stack.push_async_callback(runlog.aclose)
-    responses = await SqliteResponseStore.open(
-        settings.responses_db,
-        limits=ResponseLimits(
-            ttl_s=storage.responses_ttl_s,
-            quota_bytes=storage.responses_quota_bytes,
-            max_depth=storage.max_conversation_turns,
-            sweep_interval_s=storage.sweep_interval_s,
-        ),
+    limits = ResponseLimits(
+        ttl_s=storage.responses_ttl_s,
+        quota_bytes=storage.responses_quota_bytes,
+        max_depth=storage.max_conversation_turns,
+        sweep_interval_s=storage.sweep_interval_s,
     )
-    stack.push_async_callback(responses.aclose)
+    runlog: RunLog
+    responses: ResponseStore
+    if pool is not None:
+        shared_runlog = await PostgresRunLog.open(pool)
+        stack.push_async_callback(shared_runlog.aclose)
+        shared_responses = await PostgresResponseStore.open(pool, limits=limits)
+        stack.push_async_callback(shared_responses.aclose)
+        runlog, responses = shared_runlog, shared_responses
+    else:
+        sqlite_runlog = await SqliteRunLog.open(settings.history_db)
+        stack.push_async_callback(sqlite_runlog.aclose)
+        sqlite_responses = await SqliteResponseStore.open(settings.responses_db, limits=limits)
+        stack.push_async_callback(sqlite_responses.aclose)
+        runlog, responses = sqlite_runlog, sqlite_responses
     batches: BatchStore
     if pool is not None:
         batches = await PostgresBatchStore.open(

@@ -270,11 +270,19 @@ class InferenceRoutes:
                     await response.prepare(request)
                     if writer.opening is not None:
                         pending.append(writer.opening())
-                pending.append(writer.closing(end))
-                if (
-                    writer.settle is not None
-                ):  # what the last events say is stored is committed first
-                    await writer.settle()
+                closing = writer.closing(end)
+                # What the last events say is stored is committed before they leave.
+                if writer.settle is not None:
+                    try:
+                        await writer.settle()
+                    except EdgeError as unsettled:
+                        # Not stored (the store down): the stream must not say it was, so
+                        # it ends with why instead of its closing events.
+                        trace.failed(unsettled, status=200)
+                        await response.write(b"".join(pending))
+                        await _end_with_error(response, writer, unsettled)
+                        return response
+                pending.append(closing)
                 await response.write(b"".join(pending))
                 await response.write_eof()
                 return response

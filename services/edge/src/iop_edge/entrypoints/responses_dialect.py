@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final, Protocol
 
 from aiohttp import web
+from loguru import logger
 
 from iop_edge.domain.events import Completed, Delta
 from iop_edge.domain.fleet import ApiKeyEntry, Operation
@@ -39,6 +40,7 @@ from iop_edge.formats.responses_request import ResponsesRequest, chat_body, read
 from iop_edge.formats.responses_stream import ResponseEventStream
 from iop_edge.ports import ResponseStore, RunSpec, StoredResponse
 from iop_proto import json_codec
+from iop_proto.postgres import StorageUnavailable as StoreDown
 from iop_proto.service.logging import log_unexpected
 
 CHAT_PARAMS: Final = {
@@ -232,8 +234,12 @@ class ResponsesDialect:
             try:
                 await store.keep(record)
             except Exception as exc:
-                # Not acknowledged as stored: the client gets an error instead.
-                log_unexpected(exc, "could not store response {}", record.response_id)
+                # Not acknowledged as stored: the client gets an error instead. The shared
+                # store down is an outage, said in one line; anything else, a bug.
+                if isinstance(exc, StoreDown):
+                    logger.warning("could not store response {}: {}", record.response_id, exc)
+                else:
+                    log_unexpected(exc, "could not store response {}", record.response_id)
                 raise StorageUnavailable(
                     "The response could not be stored; try again, or send store: false."
                 ) from None

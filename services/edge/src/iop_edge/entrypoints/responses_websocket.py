@@ -31,6 +31,7 @@ from collections.abc import Awaitable, MutableMapping
 from typing import Any, Final
 
 from aiohttp import WSCloseCode, WSMsgType, web
+from loguru import logger
 
 from iop_edge.domain.events import Usage
 from iop_edge.domain.fleet import ApiKeyEntry
@@ -39,13 +40,14 @@ from iop_edge.entrypoints.inference_request import parse_json_object
 from iop_edge.entrypoints.inference_routes import InferenceRoutes
 from iop_edge.entrypoints.responses_compact import ResponsesOrCompaction
 from iop_edge.entrypoints.responses_dialect import ResponseDraft, ResponsesDialect, with_ids
-from iop_edge.errors import AuthenticationFailed, EdgeError, InvalidRequest
+from iop_edge.errors import AuthenticationFailed, EdgeError, InvalidRequest, StorageUnavailable
 from iop_edge.formats.errors import internal_error
 from iop_edge.formats.reasoning_seal import ReasoningSeal
 from iop_edge.formats.responses_output import response_object, usage_object
 from iop_edge.formats.responses_stream import ResponseEventStream
 from iop_edge.ports import KeyRing, ResponseStore
 from iop_proto import json_codec
+from iop_proto.postgres import StorageUnavailable as StoreDown
 from iop_proto.service.logging import log_unexpected
 
 IDLE_TIMEOUT_S: Final = 600.0
@@ -291,6 +293,9 @@ class _Connection:
             await work
         except EdgeError as exc:
             await self._error(exc)
+        except StoreDown as exc:  # the shared store down: retryable, as api_gate answers it
+            logger.warning("a WebSocket response: {}", exc)
+            await self._error(StorageUnavailable("The store is unavailable now; retry shortly."))
         except ConnectionResetError:
             pass  # the client left while its error was written
         except Exception as exc:

@@ -1,4 +1,6 @@
-"""The edge's SQLite run log against real database files: batched, never in the caller's way."""
+"""The edge's run log against real databases, batched and never in the caller's way: the
+same contract on a SQLite file and on a real PostgreSQL (``backend``), and what only one
+of them has (a file's modes, locks and old versions; PostgreSQL's outages)."""
 
 from __future__ import annotations
 
@@ -11,9 +13,11 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
+import asyncpg
 import pytest
 from loguru import logger
 
+from iop_edge.adapters.postgres_runlog import PostgresRunLog
 from iop_edge.adapters.sqlite_runlog import (
     SCHEMA_VERSION,
     RunLogClosed,
@@ -21,6 +25,7 @@ from iop_edge.adapters.sqlite_runlog import (
     SqliteRunLog,
 )
 from iop_edge.ports import AttemptRecord, EdgeRunRecord, RunLog
+from iop_proto.testing_postgres import PostgresServer
 
 T0 = 1_740_830_400_000  # 2025-03-01 12:00 UTC in Unix milliseconds
 
@@ -56,16 +61,17 @@ _ATTEMPTS = [f.name for f in dataclasses.fields(EdgeRunRecord)].index("attempts"
 
 
 def as_row(record: EdgeRunRecord) -> tuple[Any, ...]:
-    """A record as its row: the bool as 0/1, the attempts as JSON text."""
+    """A record as its row: the bool as 0/1 (equal to PostgreSQL's True), the attempts
+    as JSON text (keys sorted: PostgreSQL's jsonb orders them its own way)."""
     plain = dataclasses.replace(record, stream=1)
     values = [getattr(plain, f.name) for f in dataclasses.fields(EdgeRunRecord)]
-    values[_ATTEMPTS] = json.dumps([dataclasses.asdict(a) for a in record.attempts])
+    values[_ATTEMPTS] = json.dumps([dataclasses.asdict(a) for a in record.attempts], sort_keys=True)
     return tuple(values)
 
 
 def parsed(row: tuple[Any, ...]) -> tuple[Any, ...]:
     values = list(row)
-    values[_ATTEMPTS] = json.dumps(json.loads(values[_ATTEMPTS]))
+    values[_ATTEMPTS] = json.dumps(json.loads(values[_ATTEMPTS]), sort_keys=True)
     return tuple(values)
 
 
@@ -83,8 +89,80 @@ def db_path(tmp_path: Path) -> Path:
     return tmp_path / "state" / "edge" / "runs.db"  # neither directory exists yet
 
 
+Log = SqliteRunLog | PostgresRunLog
+
+
+class SqliteBackend:
+    """Each ``open`` opens the one file again, as an edge restarting does."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    async def open(self, **tuning: Any) -> Log:
+        return await SqliteRunLog.open(self.path, **tuning)
+
+    async def committed(self) -> list[tuple[Any, ...]]:
+        return rows(self.path)
+
+    async def aclose(self) -> None:
+        pass
+
+
+class PostgresBackend:
+    """Each ``open`` is another edge on the one database: a pool and a log of its own."""
+
+    def __init__(self, dsn: str) -> None:
+        self.dsn = dsn
+        self.pools: list[asyncpg.Pool] = []
+
+    async def open(self, **tuning: Any) -> Log:
+        pool = await asyncpg.create_pool(self.dsn, min_size=1, max_size=4, timeout=5)
+        assert pool is not None
+        self.pools.append(pool)
+        return await PostgresRunLog.open(pool, **tuning)
+
+    async def committed(self) -> list[tuple[Any, ...]]:
+        """What another connection reads from the table: committed rows only."""
+        connection = await asyncpg.connect(self.dsn)
+        try:
+            found = await connection.fetch("SELECT * FROM edge_runs ORDER BY run_id")
+        finally:
+            await connection.close()
+        return [tuple(row) for row in found]
+
+    async def aclose(self) -> None:
+        for pool in self.pools:
+            await pool.close()
+
+
+Backend = SqliteBackend | PostgresBackend
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+async def backend(request: pytest.FixtureRequest, db_path: Path) -> AsyncIterator[Backend]:
+    """The contract's tests run on both; ``postgres`` on a fresh database of a real server."""
+    opened: Backend
+    if request.param == "sqlite":
+        opened = SqliteBackend(db_path)
+    else:
+        opened = PostgresBackend(request.getfixturevalue("postgres_dsn"))
+    try:
+        yield opened
+    finally:
+        await opened.aclose()
+
+
 @pytest.fixture
-async def runlog(db_path: Path) -> AsyncIterator[SqliteRunLog]:
+async def runlog(backend: Backend) -> AsyncIterator[Log]:
+    opened = await backend.open()
+    try:
+        yield opened
+    finally:
+        await opened.aclose()
+
+
+@pytest.fixture
+async def sqlite_runlog(db_path: Path) -> AsyncIterator[SqliteRunLog]:
     opened = await SqliteRunLog.open(db_path)
     try:
         yield opened
@@ -101,9 +179,9 @@ def log() -> Iterator[list[str]]:
 
 
 async def test_open_creates_a_private_wal_database_with_a_versioned_schema(
-    runlog: SqliteRunLog, db_path: Path, tmp_path: Path
+    sqlite_runlog: SqliteRunLog, db_path: Path, tmp_path: Path
 ) -> None:
-    store: RunLog = runlog  # the port, satisfied
+    store: RunLog = sqlite_runlog  # the port, satisfied
     assert await store.recent(10) == []
     paths = (tmp_path / "state", tmp_path / "state" / "edge", db_path)
     assert await asyncio.to_thread(lambda: [stat.S_IMODE(p.stat().st_mode) for p in paths]) == [
@@ -122,17 +200,15 @@ async def test_open_creates_a_private_wal_database_with_a_versioned_schema(
     assert columns == [field.name for field in dataclasses.fields(EdgeRunRecord)]
 
 
-async def test_one_record_is_one_row_with_every_field(runlog: SqliteRunLog, db_path: Path) -> None:
+async def test_one_record_is_one_row_with_every_field(runlog: Log, backend: Backend) -> None:
     runlog.record(run("r1"))
     await runlog.flush()
 
     assert runlog.writes == 1
-    assert [parsed(row) for row in rows(db_path)] == [as_row(run("r1"))]
+    assert [parsed(row) for row in await backend.committed()] == [as_row(run("r1"))]
 
 
-async def test_recent_lists_newest_first_including_unwritten_records(
-    runlog: SqliteRunLog,
-) -> None:
+async def test_recent_lists_newest_first_including_unwritten_records(runlog: Log) -> None:
     for n in (0, 1, 2):
         runlog.record(run(f"r{n}", T0 + n))
     await runlog.flush()
@@ -152,13 +228,13 @@ async def test_recent_lists_newest_first_including_unwritten_records(
     assert await runlog.recent(0) == []
 
 
-async def test_a_record_survives_a_reopen_with_every_field(db_path: Path) -> None:
-    first = await SqliteRunLog.open(db_path)
+async def test_a_record_survives_a_reopen_with_every_field(backend: Backend) -> None:
+    first = await backend.open()
     first.record(run("r1", T0))
     first.record(run("r2", T0 + 1))
     await first.aclose()  # writes what is pending
 
-    second = await SqliteRunLog.open(db_path)
+    second = await backend.open()
     try:
         assert await second.recent(10) == [run("r2", T0 + 1), run("r1", T0)]
     finally:
@@ -222,21 +298,21 @@ async def test_aclose_gives_up_on_a_locked_database_after_its_timeout(
 
 
 async def test_ten_thousand_records_are_written_in_a_few_batches(
-    runlog: SqliteRunLog, db_path: Path
+    runlog: Log, backend: Backend
 ) -> None:
     for n in range(10_000):
         runlog.record(run(f"r{n:05}", T0 + n))
     await runlog.flush()
 
     assert runlog.writes <= 25  # 10,000 / max_batch 500 = 20
-    assert len(rows(db_path)) == 10_000
+    assert len(await backend.committed()) == 10_000
     assert (await runlog.recent(1))[0].run_id == "r09999"
 
 
 async def test_pending_records_are_bounded_dropping_the_oldest(
-    db_path: Path, log: list[str]
+    backend: Backend, log: list[str]
 ) -> None:
-    runlog = await SqliteRunLog.open(db_path, max_pending=10)
+    runlog = await backend.open(max_pending=10)
     try:
         for n in range(12):  # no await yields to the writer, so all of these stay pending
             runlog.record(run(f"r{n:02}", T0 + n))
@@ -245,11 +321,11 @@ async def test_pending_records_are_bounded_dropping_the_oldest(
         await runlog.aclose()
 
     assert runlog.dropped == 2  # one line for the first, one for the second excess record
-    assert [row[0] for row in rows(db_path)] == [f"r{n:02}" for n in range(2, 12)]
+    assert [row[0] for row in await backend.committed()] == [f"r{n:02}" for n in range(2, 12)]
     assert sum("unwritten run record(s) dropped" in line for line in log) == 2
 
 
-async def test_after_aclose_every_call_raises(runlog: SqliteRunLog) -> None:
+async def test_after_aclose_every_call_raises(runlog: Log) -> None:
     await runlog.aclose()
     await runlog.aclose()  # idempotent
 
@@ -277,7 +353,7 @@ async def test_a_schema_from_a_newer_edge_is_refused_and_left_alone(db_path: Pat
         raw.close()
 
 
-async def test_recent_of_one_key_lists_only_that_key_s_runs(runlog: SqliteRunLog) -> None:
+async def test_recent_of_one_key_lists_only_that_key_s_runs(runlog: Log) -> None:
     for n, key_id in enumerate(("key_a", "key_b", "key_a", "")):
         runlog.record(run(f"r{n}", T0 + n, key_id))
     await runlog.flush()
@@ -374,3 +450,96 @@ async def test_a_version_3_file_gains_the_cached_tokens_column(db_path: Path) ->
         assert raw.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
     finally:
         raw.close()
+
+
+# -- PostgreSQL: the table, and its outages ---------------------------------------
+
+
+@pytest.fixture
+async def postgres(postgres_dsn: str) -> AsyncIterator[PostgresBackend]:
+    opened = PostgresBackend(postgres_dsn)
+    try:
+        yield opened
+    finally:
+        await opened.aclose()
+
+
+async def test_the_table_has_a_column_per_field_and_every_edge_s_runs(
+    postgres: PostgresBackend,
+) -> None:
+    edge_a, edge_b = await asyncio.gather(postgres.open(), postgres.open())  # migrate once
+    try:
+        edge_a.record(run("a1", T0))
+        edge_b.record(run("b1", T0 + 1))
+        await asyncio.gather(edge_a.flush(), edge_b.flush())
+        assert [r.run_id for r in await edge_a.recent(10)] == ["b1", "a1"]
+        connection = await asyncpg.connect(postgres.dsn)
+        try:
+            columns = await connection.fetch(
+                "SELECT column_name FROM information_schema.columns"
+                " WHERE table_name = 'edge_runs' ORDER BY ordinal_position"
+            )
+        finally:
+            await connection.close()
+        assert [c[0] for c in columns] == [
+            field.name for field in dataclasses.fields(EdgeRunRecord)
+        ]
+    finally:
+        await edge_a.aclose()
+        await edge_b.aclose()
+
+
+async def test_records_made_while_the_server_is_down_are_written_once_it_is_back(
+    postgres_server: PostgresServer, postgres: PostgresBackend
+) -> None:
+    runlog = await postgres.open(retry_delay_s=0.05)
+    failed = asyncio.Event()
+    failures: list[str] = []
+
+    def on_error(message: str) -> None:
+        failures.append(message)
+        failed.set()
+
+    handler = logger.add(on_error, level="ERROR", format="{message}")
+    try:
+        runlog.record(run("r0", T0))
+        await runlog.flush()
+        await asyncio.to_thread(postgres_server.down)
+        try:
+            for n in (1, 2, 3):  # synchronous: each returns at once, the server down or not
+                runlog.record(run(f"r{n}", T0 + n))
+            assert [r.run_id for r in runlog.unwritten()] == ["r1", "r2", "r3"]
+            flushed = asyncio.create_task(runlog.flush())
+            async with asyncio.timeout(30):
+                await failed.wait()  # the writer tried, was refused, and said so
+            assert not flushed.done()
+            assert "writing 3 run record(s) failed" in failures[0]
+            assert "StorageUnavailable" in failures[0]  # with the traceback
+            assert runlog.unwritten() != []  # kept for a retry, not dropped
+        finally:
+            await asyncio.to_thread(postgres_server.up)
+        async with asyncio.timeout(60):  # the writer's next retry gets through
+            await flushed
+        assert runlog.failed_writes >= 1
+        assert runlog.dropped == 0
+        assert [row[0] for row in await postgres.committed()] == ["r0", "r1", "r2", "r3"]
+        assert [r.run_id for r in await runlog.recent(10)] == ["r3", "r2", "r1", "r0"]
+    finally:
+        logger.remove(handler)
+        await runlog.aclose()
+
+
+async def test_aclose_gives_up_on_a_server_that_stays_down_after_its_timeout(
+    postgres_server: PostgresServer, postgres: PostgresBackend, log: list[str]
+) -> None:
+    runlog = await postgres.open(retry_delay_s=0.05)
+    await asyncio.to_thread(postgres_server.down)
+    try:
+        runlog.record(run("r1"))
+        async with asyncio.timeout(30):
+            await runlog.aclose(timeout_s=0.5)
+    finally:
+        await asyncio.to_thread(postgres_server.up)
+
+    assert runlog.writes == 0
+    assert any("1 run record(s) not written within 0.5s of shutdown" in line for line in log)
