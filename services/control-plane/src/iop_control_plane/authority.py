@@ -19,13 +19,14 @@ from loguru import logger
 
 from iop_control_plane.adapters.fleet_file import load_fleet_file
 from iop_control_plane.adapters.fleet_proto import models_to_proto, node_config_to_proto
-from iop_control_plane.domain.authorization import Decision, authorize
+from iop_control_plane.domain.authorization import Decision, Refusal, authorize
 from iop_control_plane.domain.credentials import hash_secret
 from iop_control_plane.domain.fleet import FleetSpec, ParsedFleet
 from iop_control_plane.domain.nodes import NodeState
 from iop_control_plane.errors import FleetConfigError
 from iop_control_plane.metrics import ControlPlaneMetrics
 from iop_control_plane.ports import CredentialStore
+from iop_proto.postgres import StorageUnavailable
 from iop_proto.v1 import runtime_pb2 as pb
 
 ChangeListener = Callable[[pb.FleetConfig], Awaitable[None]]
@@ -135,8 +136,11 @@ class FleetAuthority:
         return True
 
     async def _load_credentials(self, marker: int | None = None) -> None:
-        self._store_marker = marker if marker is not None else await self._store.change_marker()
-        self._api_keys = [
+        """Read tokens, keys and retirements; nothing is replaced unless all were read,
+        so a store lost halfway leaves the old tables and the old marker (retried)."""
+        if marker is None:
+            marker = await self._store.change_marker()
+        api_keys = [
             pb.ApiKeyPolicy(
                 key_id=key.key_id,
                 name=key.name,
@@ -148,10 +152,14 @@ class FleetAuthority:
             for key in await self._store.list_api_keys()
             if not key.revoked
         ]
-        self._revoked_token_ids = sorted(
+        revoked_token_ids = sorted(
             token.token_id for token in await self._store.list_node_tokens() if token.revoked
         )
-        self._retired = frozenset(await self._store.retired_nodes())
+        retired = frozenset(await self._store.retired_nodes())
+        self._store_marker = marker
+        self._api_keys = api_keys
+        self._revoked_token_ids = revoked_token_ids
+        self._retired = retired
 
     def _rebuild(self) -> bool:
         """Rebuild the snapshot; the version moves only when the content changed."""
@@ -191,13 +199,28 @@ class FleetAuthority:
     # ------------------------------------------------------------ authorization
 
     async def authorize(self, request: pb.AuthorizeNodeRequest) -> Decision:
-        """Decide a node registration an edge forwards, and count the outcome."""
-        token = (
-            await self._store.find_node_token(hash_secret(request.token)) if request.token else None
-        )
-        decision = authorize(
-            request.node_id, request.certificate_identity, token, self.fleet, self._retired
-        )
+        """Decide a node registration an edge forwards, and count the outcome.
+
+        With the shared store down, the node is refused as "retry later" rather than
+        the edge's link failing: the edge keeps its session and its config.
+        """
+        try:
+            token = (
+                await self._store.find_node_token(hash_secret(request.token))
+                if request.token
+                else None
+            )
+        except StorageUnavailable as exc:
+            logger.warning("node {}: {}", request.node_id or "?", exc)
+            decision = Decision(
+                node=None,
+                refusal=Refusal.STORE_UNAVAILABLE,
+                reason="the control-plane's store is unreachable; retry later",
+            )
+        else:
+            decision = authorize(
+                request.node_id, request.certificate_identity, token, self.fleet, self._retired
+            )
         reason = decision.refusal.value if decision.refusal else "accepted"
         self._metrics.authorizations.labels(
             result="accepted" if decision.accepted else "refused", reason=reason
@@ -209,25 +232,31 @@ class FleetAuthority:
         return decision
 
     async def record_node_status(self, edge_id: str, report: pb.NodeStatusReport) -> None:
-        """Keep what an edge reports of its node connections, for ``node list``."""
+        """Keep what an edge reports of its node connections, for ``node list``.
+
+        Lost while the shared store is down: an edge sends its whole report again on
+        its next change and on each reconnect, and the link matters more than the list.
+        """
         now = datetime.now(UTC)
-        await self._store.record_node_states(
-            [
-                NodeState(
-                    node_id=status.node_id,
-                    edge_id=edge_id,
-                    connected=status.connected,
-                    token_id=status.token_id,
-                    since=datetime.fromtimestamp(status.since_unix_ms / 1000, UTC)
-                    if status.since_unix_ms
-                    else None,
-                    peer_address=status.peer_address,
-                    detail=status.detail,
-                    reported_at=now,
-                )
-                for status in report.nodes
-            ]
-        )
+        states = [
+            NodeState(
+                node_id=status.node_id,
+                edge_id=edge_id,
+                connected=status.connected,
+                token_id=status.token_id,
+                since=datetime.fromtimestamp(status.since_unix_ms / 1000, UTC)
+                if status.since_unix_ms
+                else None,
+                peer_address=status.peer_address,
+                detail=status.detail,
+                reported_at=now,
+            )
+            for status in report.nodes
+        ]
+        try:
+            await self._store.record_node_states(states)
+        except StorageUnavailable as exc:
+            logger.warning("node states of edge {} not recorded: {}", edge_id, exc)
 
     async def edge_joined(self, session: object, edge_id: str, endpoint: pb.EdgeEndpoint) -> None:
         """An edge linked up and said where its nodes reach it: every edge lists it to its
@@ -254,7 +283,10 @@ class FleetAuthority:
             if self._rebuild():
                 logger.info("edge {} no longer listed", edge_id)
                 await self._notify()
-        await self._store.edge_lost(edge_id, datetime.now(UTC))
+        try:
+            await self._store.edge_lost(edge_id, datetime.now(UTC))
+        except StorageUnavailable as exc:
+            logger.warning("edge {} lost; its nodes' states not updated: {}", edge_id, exc)
 
     def authorization_response(self, decision: Decision) -> pb.AuthorizeNodeResponse:
         if decision.node is None:

@@ -11,12 +11,13 @@ from pathlib import Path
 from loguru import logger
 from prometheus_client import CollectorRegistry
 
-from iop_control_plane.adapters.sqlite_store import SqliteCredentialStore
+from iop_control_plane.adapters.stores import open_store
 from iop_control_plane.authority import FleetAuthority
 from iop_control_plane.entrypoints.admin_routes import add_fleet_routes
 from iop_control_plane.entrypoints.edge_server import EdgeServer
 from iop_control_plane.metrics import ControlPlaneMetrics
 from iop_control_plane.settings import ControlPlaneSettings
+from iop_proto.postgres import StorageUnavailable
 from iop_proto.service import AdminServer
 from iop_proto.tasks import cancel_and_wait
 from iop_proto.tls import server_context
@@ -36,13 +37,28 @@ class ControlPlane:
 
 
 async def _watch_credentials(authority: FleetAuthority, interval_s: float) -> None:
-    """Notice tokens and keys the CLI issued or revoked (another process, same database)."""
+    """Notice tokens and keys the CLI issued or revoked (another process, same database;
+    on PostgreSQL, any host's CLI, and so every control-plane on it).
+
+    While the shared store is down the served configuration stays as it was (edges
+    keep it, and keep their links); the outage is logged once, and its end once.
+    """
+    outage: StorageUnavailable | None = None
     while True:
         await asyncio.sleep(interval_s)
         try:
             await authority.refresh_credentials()
+        except StorageUnavailable as exc:
+            if outage is None:
+                logger.warning("{}; serving config version {} meanwhile", exc, authority.version)
+            outage = exc
+            continue
         except Exception:
             logger.exception("refreshing credentials failed; will retry")
+            continue
+        if outage is not None:
+            logger.info("the credential store is reachable again")
+            outage = None
 
 
 def _write_pid_file(path: Path) -> None:
@@ -64,8 +80,14 @@ async def build(
     metrics = ControlPlaneMetrics.create(registry)
     tls = server_context(settings.tls) if settings.tls.enabled else None
     async with contextlib.AsyncExitStack() as stack:
-        store = await SqliteCredentialStore.open(settings.database)
+        store = await open_store(settings)
         stack.push_async_callback(store.aclose)
+        if settings.postgres is not None:
+            logger.info(
+                "credential store: PostgreSQL, shared with every control-plane on it "
+                "(pool of at most {})",
+                settings.postgres.max_connections,
+            )
 
         authority = FleetAuthority(settings.fleet_file, store, metrics)
         await authority.start()

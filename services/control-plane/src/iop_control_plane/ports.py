@@ -91,3 +91,11 @@ class CredentialStore(Protocol):
     async def edge_lost(self, edge_id: str, now: datetime) -> None:
         """The edge's link ended: the nodes it reported connected are no longer known."""
         ...
+
+
+class OpenedCredentialStore(CredentialStore, Protocol):
+    """A store the composition root or the CLI opened, and closes when done."""
+
+    async def aclose(self) -> None:
+        """Release the file or the pool; idempotent."""
+        ...

@@ -7,6 +7,7 @@ from pathlib import Path
 from pydantic import Field
 
 from iop_proto.framing import DEFAULT_MAX_FRAME_SIZE
+from iop_proto.postgres import PostgresSettings
 from iop_proto.service import ServiceSettings
 from iop_proto.service.settings import FrozenModel
 
@@ -27,6 +28,11 @@ class ControlPlaneSettings(ServiceSettings):
         default=Path("var/control-plane/credentials.db"),
         description="SQLite file of node tokens and API keys (hashed)",
     )
+    postgres: PostgresSettings | None = Field(
+        default=None,
+        description="the store every control-plane of a fleet shares (tokens, keys, "
+        "retirements, node states); unset: the SQLite `database` beside this one",
+    )
     pid_file: Path | None = Field(
         default=None,
         description="where the running server writes its pid for `config reload`; "
@@ -41,7 +47,8 @@ class ControlPlaneSettings(ServiceSettings):
         default=0.25,
         gt=0,
         description=(
-            "how often to notice token/key changes made by the CLI (one cheap PRAGMA each);"
+            "how often to notice token/key changes made by the CLI (one cheap PRAGMA, or"
+            " one read of PostgreSQL's version row, each);"
             " a revoked key's requests end at the edge within this plus the push, under 1 s"
         ),
     )

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from loguru import logger
 
-from iop_control_plane.adapters.sqlite_store import SqliteCredentialStore
 from iop_control_plane.domain.credentials import hash_secret
 from iop_control_plane.entrypoints.cli import add_commands, run_command
+from iop_control_plane.ports import OpenedCredentialStore
 
 TOKEN = re.compile(r"iopnt_[A-Za-z0-9_-]{43}")
 KEY = re.compile(r"sk-iop-[A-Za-z0-9_-]{43}")
@@ -37,23 +37,31 @@ class Run:
 
 
 class Logs:
-    """Every log record, stdlib (aiosqlite's debug lines included) and loguru, at any level."""
+    """Every log record, stdlib (aiosqlite's debug lines included) and loguru, at any level,
+    and on PostgreSQL what the server logged meanwhile (every statement, with its values)."""
 
-    def __init__(self, caplog: pytest.LogCaptureFixture) -> None:
+    def __init__(self, caplog: pytest.LogCaptureFixture, server_log: Path | None) -> None:
         self._caplog = caplog
         self._loguru: list[str] = []
+        self._server_log = server_log
+        self._server_log_start = server_log.stat().st_size if server_log else 0
 
     def sink(self, message: object) -> None:
         self._loguru.append(str(message))
 
     def text(self) -> str:
-        return "\n".join([*self._loguru, *(r.getMessage() for r in self._caplog.records)])
+        server = ""
+        if self._server_log is not None:
+            with self._server_log.open("rb") as log:
+                log.seek(self._server_log_start)
+                server = log.read().decode(errors="replace")
+        return "\n".join([*self._loguru, *(r.getMessage() for r in self._caplog.records), server])
 
 
 @pytest.fixture
-def logs(caplog: pytest.LogCaptureFixture) -> Iterator[Logs]:
+def logs(caplog: pytest.LogCaptureFixture, server_log: Path | None) -> Iterator[Logs]:
     caplog.set_level(logging.DEBUG)
-    captured = Logs(caplog)
+    captured = Logs(caplog, server_log)
     sink = logger.add(captured.sink, level="TRACE")
     try:
         yield captured
@@ -61,14 +69,14 @@ def logs(caplog: pytest.LogCaptureFixture) -> Iterator[Logs]:
         logger.remove(sink)
 
 
-async def _run(store: SqliteCredentialStore, *argv: str) -> Run:
+async def _run(store: OpenedCredentialStore, *argv: str) -> Run:
     out, err = io.StringIO(), io.StringIO()
     code = await run_command(_parser().parse_args(argv), store, out, err)
     return Run(code, out.getvalue(), err.getvalue())
 
 
 async def test_token_issue_prints_the_secret_once_and_stores_its_hash(
-    store: SqliteCredentialStore, logs: Logs
+    store: OpenedCredentialStore, logs: Logs
 ) -> None:
     run = await _run(store, "token", "issue", "--node", "gpu-1")
     assert run.code == 0
@@ -97,12 +105,12 @@ async def test_token_issue_prints_the_secret_once_and_stores_its_hash(
             "revoked_at": None,
         }
     ]
-    assert "INSERT INTO" in logs.text()  # the capture works: aiosqlite logged the statement
+    assert "INSERT INTO" in logs.text()  # the capture works: aiosqlite or the server logged it
     assert secrets[0] not in logs.text()
 
 
 async def test_key_issue_prints_the_secret_once_with_its_policy(
-    store: SqliteCredentialStore, logs: Logs
+    store: OpenedCredentialStore, logs: Logs
 ) -> None:
     run = await _run(
         store,
@@ -135,12 +143,12 @@ async def test_key_issue_prints_the_secret_once_with_its_policy(
     assert entry["max_concurrent"] == 4
     assert secrets[0] not in json.dumps(entry)
     assert key.secret_hash not in json.dumps(entry)
-    assert "INSERT INTO" in logs.text()  # the capture works: aiosqlite logged the statement
+    assert "INSERT INTO" in logs.text()  # the capture works: aiosqlite or the server logged it
     assert secrets[0] not in logs.text()
 
 
 async def test_an_operator_key_is_issued_and_listed_as_one(
-    store: SqliteCredentialStore,
+    store: OpenedCredentialStore,
 ) -> None:
     issued = await _run(store, "key", "issue", "--name", "console", "--operator")
     assert issued.code == 0
@@ -157,7 +165,7 @@ async def test_an_operator_key_is_issued_and_listed_as_one(
 
 
 async def test_key_without_policy_allows_every_model_without_limit(
-    store: SqliteCredentialStore,
+    store: OpenedCredentialStore,
 ) -> None:
     assert (await _run(store, "key", "issue", "--name", "ops")).code == 0
     [key] = await store.list_api_keys()
@@ -168,7 +176,7 @@ async def test_key_without_policy_allows_every_model_without_limit(
 
 
 async def test_revoke_marks_the_listing_and_a_repeat_is_harmless(
-    store: SqliteCredentialStore,
+    store: OpenedCredentialStore,
 ) -> None:
     await _run(store, "token", "issue", "--node", "gpu-1")
     [token] = await store.list_node_tokens()
@@ -196,7 +204,7 @@ async def test_revoke_marks_the_listing_and_a_repeat_is_harmless(
     ],
 )
 async def test_revoking_an_unknown_id_fails_on_stderr(
-    store: SqliteCredentialStore, argv: tuple[str, ...], unknown: str
+    store: OpenedCredentialStore, argv: tuple[str, ...], unknown: str
 ) -> None:
     run = await _run(store, *argv)
     assert run.code == 1
@@ -205,7 +213,7 @@ async def test_revoking_an_unknown_id_fails_on_stderr(
 
 
 async def test_an_empty_node_id_fails_without_storing_anything(
-    store: SqliteCredentialStore,
+    store: OpenedCredentialStore,
 ) -> None:
     run = await _run(store, "token", "issue", "--node", " ")
     assert run.code == 1
@@ -214,7 +222,7 @@ async def test_an_empty_node_id_fails_without_storing_anything(
     assert await store.list_node_tokens() == []
 
 
-async def test_empty_listings_say_so(store: SqliteCredentialStore) -> None:
+async def test_empty_listings_say_so(store: OpenedCredentialStore) -> None:
     assert "No node tokens" in (await _run(store, "token", "list")).out
     assert "No API keys" in (await _run(store, "key", "list")).out
     assert json.loads((await _run(store, "key", "list", "--json")).out) == []
@@ -241,14 +249,14 @@ def test_bad_arguments_are_refused_by_the_parser(
 
 
 async def test_run_command_refuses_args_without_a_credential_command(
-    store: SqliteCredentialStore,
+    store: OpenedCredentialStore,
 ) -> None:
     with pytest.raises(ValueError, match="credential command"):
         await run_command(argparse.Namespace(command="serve"), store, io.StringIO())
 
 
 async def test_token_issue_to_a_file_prints_only_where_it_went(
-    store: SqliteCredentialStore, tmp_path: Path, logs: Logs
+    store: OpenedCredentialStore, tmp_path: Path, logs: Logs
 ) -> None:
     path = tmp_path / "gpu-1.token"
     run = await _run(store, "token", "issue", "--node", "gpu-1", "--output", str(path))
@@ -281,7 +289,7 @@ async def test_token_issue_to_a_file_prints_only_where_it_went(
 
 
 async def test_token_issue_to_a_missing_directory_stores_nothing(
-    store: SqliteCredentialStore, tmp_path: Path
+    store: OpenedCredentialStore, tmp_path: Path
 ) -> None:
     run = await _run(store, "token", "issue", "--node", "n", "--output", str(tmp_path / "no/t"))
     assert run.code == 1
@@ -289,7 +297,7 @@ async def test_token_issue_to_a_missing_directory_stores_nothing(
     assert await store.list_node_tokens() == []
 
 
-async def test_every_credential_command_speaks_json(store: SqliteCredentialStore) -> None:
+async def test_every_credential_command_speaks_json(store: OpenedCredentialStore) -> None:
     issued = json.loads((await _run(store, "token", "issue", "--node", "n1", "--json")).out)
     assert TOKEN.fullmatch(issued["token"])
     assert issued["node_id"] == "n1"

@@ -13,11 +13,11 @@ from typing import Any
 import pytest
 import yaml
 
-from iop_control_plane.adapters.sqlite_store import SqliteCredentialStore
 from iop_control_plane.domain.credentials import hash_secret
 from iop_control_plane.domain.nodes import NodeState
 from iop_control_plane.entrypoints import node_commands
 from iop_control_plane.entrypoints.main import _parser
+from iop_control_plane.ports import OpenedCredentialStore
 
 FLEET = {
     "models": [{"id": "m", "providers": {"gpu-1-mock": "m"}}],
@@ -38,7 +38,7 @@ def context(tmp_path: Path) -> node_commands.NodeContext:
 
 
 async def run(
-    store: SqliteCredentialStore, context: node_commands.NodeContext, *argv: str
+    store: OpenedCredentialStore, context: node_commands.NodeContext, *argv: str
 ) -> tuple[int, str, str]:
     out, err = io.StringIO(), io.StringIO()
     args = _parser().parse_args(["node", *argv])
@@ -47,7 +47,7 @@ async def run(
 
 
 async def run_json(
-    store: SqliteCredentialStore, context: node_commands.NodeContext, *argv: str
+    store: OpenedCredentialStore, context: node_commands.NodeContext, *argv: str
 ) -> Any:
     code, out, err = await run(store, context, *argv, "--json")
     assert code == 0, err
@@ -72,7 +72,7 @@ def expected_settings(node_id: str, edge: dict[str, object], token_file: str) ->
 
 
 async def test_add_writes_the_token_file_and_prints_only_the_node_settings_file(
-    store: SqliteCredentialStore, context: node_commands.NodeContext, tmp_path: Path
+    store: OpenedCredentialStore, context: node_commands.NodeContext, tmp_path: Path
 ) -> None:
     path = tmp_path / "gpu-1.token"
     code, out, err = await run(
@@ -96,7 +96,7 @@ async def test_add_writes_the_token_file_and_prints_only_the_node_settings_file(
 
 
 async def test_add_writes_the_node_settings_file_with_the_node_host_s_paths(
-    store: SqliteCredentialStore, context: node_commands.NodeContext, tmp_path: Path
+    store: OpenedCredentialStore, context: node_commands.NodeContext, tmp_path: Path
 ) -> None:
     config = tmp_path / "gpu-1.yaml"
     argv = ["add", "gpu-1", "--output", str(tmp_path / "t"), "--config-output", str(config)]
@@ -128,7 +128,7 @@ async def test_add_writes_the_node_settings_file_with_the_node_host_s_paths(
 
 
 async def test_add_writes_no_settings_file_without_the_edge(
-    store: SqliteCredentialStore, context: node_commands.NodeContext, tmp_path: Path
+    store: OpenedCredentialStore, context: node_commands.NodeContext, tmp_path: Path
 ) -> None:
     config = tmp_path / "gpu-1.yaml"
     argv = ["add", "gpu-1", "--output", str(tmp_path / "t"), "--config-output", str(config)]
@@ -140,7 +140,7 @@ async def test_add_writes_no_settings_file_without_the_edge(
 
 
 async def test_add_of_a_node_the_fleet_lacks_says_what_to_add(
-    store: SqliteCredentialStore, context: node_commands.NodeContext, tmp_path: Path
+    store: OpenedCredentialStore, context: node_commands.NodeContext, tmp_path: Path
 ) -> None:
     added = await run_json(store, context, "add", "gpu-2", "--output", str(tmp_path / "t"))
     assert added["in_fleet_file"] is False
@@ -158,7 +158,7 @@ async def test_add_of_a_node_the_fleet_lacks_says_what_to_add(
 
 
 async def test_add_refuses_to_overwrite_a_token_file(
-    store: SqliteCredentialStore, context: node_commands.NodeContext, tmp_path: Path
+    store: OpenedCredentialStore, context: node_commands.NodeContext, tmp_path: Path
 ) -> None:
     path = tmp_path / "t"
     path.write_text("iopnt_in_use\n")
@@ -170,7 +170,7 @@ async def test_add_refuses_to_overwrite_a_token_file(
 
 
 async def test_retire_revokes_every_token_and_add_admits_the_node_again(
-    store: SqliteCredentialStore, context: node_commands.NodeContext, tmp_path: Path
+    store: OpenedCredentialStore, context: node_commands.NodeContext, tmp_path: Path
 ) -> None:
     for name in ("a", "b"):
         await run_json(store, context, "add", "gpu-1", "--output", str(tmp_path / name))
@@ -196,7 +196,7 @@ async def test_retire_revokes_every_token_and_add_admits_the_node_again(
 
 
 async def test_retire_of_an_unknown_node_fails(
-    store: SqliteCredentialStore, context: node_commands.NodeContext
+    store: OpenedCredentialStore, context: node_commands.NodeContext
 ) -> None:
     code, _, err = await run(store, context, "retire", "nobody")
     assert code == 1
@@ -205,7 +205,7 @@ async def test_retire_of_an_unknown_node_fails(
 
 
 async def test_list_shows_the_state_an_edge_reported(
-    store: SqliteCredentialStore, context: node_commands.NodeContext, tmp_path: Path
+    store: OpenedCredentialStore, context: node_commands.NodeContext, tmp_path: Path
 ) -> None:
     now = datetime.now(UTC)
     await run_json(store, context, "add", "gpu-1", "--output", str(tmp_path / "t"))

@@ -26,6 +26,7 @@ class Refusal(StrEnum):
     OTHER_NODE = "token_of_another_node"
     UNKNOWN_NODE = "node_not_in_fleet"
     RETIRED = "node_retired"
+    STORE_UNAVAILABLE = "storage_unavailable"  # the shared store is down: retry later
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,7 +8,9 @@ iop-control-plane --config FILE node add|retire|list node lifecycle (node_comman
 iop-control-plane config check FLEET_FILE            validate without applying
 
 Every command but `config check FILE` runs on the control-plane's host: it opens the
-server's database and signals the server through its pid file.
+server's database and signals the server through its pid file. With a `postgres`
+section the store is shared: the commands run on any host with the same settings, and
+every control-plane on that store sees the change within `credentials_poll_s`.
 """
 
 from __future__ import annotations
@@ -21,12 +23,13 @@ from typing import TextIO
 
 from iop_control_plane import __version__
 from iop_control_plane.adapters.fleet_file import load_fleet_file
-from iop_control_plane.adapters.sqlite_store import SqliteCredentialStore
+from iop_control_plane.adapters.stores import open_store
 from iop_control_plane.bootstrap import build
 from iop_control_plane.entrypoints import cli, node_commands
-from iop_control_plane.errors import FleetConfigError
+from iop_control_plane.errors import CredentialError, FleetConfigError
 from iop_control_plane.settings import ControlPlaneSettings
 from iop_proto.errors import SettingsError
+from iop_proto.postgres import StorageUnavailable
 from iop_proto.service import load_settings, run_service
 from iop_proto.service.runner import EXIT_BAD_SETTINGS, EXIT_FAILED, EXIT_OK
 
@@ -81,12 +84,25 @@ def reload_server(settings: ControlPlaneSettings, out: TextIO, err: TextIO) -> i
 
 
 async def _run_credential_command(args: argparse.Namespace, settings: ControlPlaneSettings) -> int:
-    store = await SqliteCredentialStore.open(settings.database)
+    """One command against the store the server uses (its SQLite file, or the shared
+    PostgreSQL store, where every running control-plane sees the change)."""
+    try:
+        store = await open_store(settings)
+    except (StorageUnavailable, CredentialError) as exc:
+        print(f"iop-control-plane: {exc}", file=sys.stderr)
+        return EXIT_FAILED
     try:
         if node_commands.is_node_command(args):
-            context = node_commands.NodeContext(settings.fleet_file, settings.resolved_pid_file)
+            context = node_commands.NodeContext(
+                settings.fleet_file,
+                settings.resolved_pid_file,
+                shared_store=settings.postgres is not None,
+            )
             return await node_commands.run_command(args, store, context, sys.stdout, sys.stderr)
         return await cli.run_command(args, store, sys.stdout)
+    except StorageUnavailable as exc:
+        print(f"iop-control-plane: {exc}; nothing was changed after it", file=sys.stderr)
+        return EXIT_FAILED
     finally:
         await store.aclose()
 

@@ -63,6 +63,7 @@ class NodeContext:
 
     fleet_file: Path
     pid_file: Path
+    shared_store: bool = False  # PostgreSQL: every control-plane on it sees the change
 
 
 def signal_reload(pid_file: Path) -> int | None:
@@ -241,6 +242,12 @@ async def retire_node(
     print(f"Retired node {node_id!r}{again}; revoked {len(revoked)} token(s).", file=out)
     if pid is not None:
         print(f"Reload signalled to pid {pid}: edges drop the node and its providers.", file=out)
+    elif context.shared_store:
+        print(
+            "Every control-plane on the shared store applies this within its "
+            "credentials_poll_s: edges drop the node and its providers.",
+            file=out,
+        )
     else:
         print(
             f"No running control-plane found through {context.pid_file}: "
