@@ -109,7 +109,6 @@ async def build(
     body_limit = max_body_bytes(settings.max_frame_size)  # what a node link can carry
     catalog = PoolCatalog(fleet_holder, providers, dispatcher)
     keys = FleetKeyRing(fleet_holder)
-    key_slots = KeySlots()
     nodes: NodeServer | None = None
     keys_were_open: bool | None = None
     http = settings.http
@@ -138,6 +137,7 @@ async def build(
         stack.callback(providers.close)  # last out: no cooldown timer outlives the edge
         stores = await open_stores(settings, stack)
         runlog, response_store, batch_store = stores.runlog, stores.responses, stores.batches
+        key_slots = KeySlots(stores.key_slots)  # where keys' slots are counted: the stores say
         storage = settings.storage
         batches = BatchService(
             batch_store,

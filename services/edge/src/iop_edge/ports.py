@@ -256,6 +256,30 @@ class KeyRing(Protocol):
 
 
 @dataclass(frozen=True, slots=True)
+class KeySlot:
+    """One slot of an API key's ``max_concurrent``, held by one request."""
+
+    key_id: str
+    slot_id: str
+
+
+class KeyConcurrency(Protocol):
+    """Where an API key's requests in progress are counted against its ``max_concurrent``
+    (docs/ARCHITECTURE.md#limits-and-affinity-across-edges): in this edge alone, or in
+    the store every edge of the fleet shares, so that N edges hold a key to its limit,
+    not to N times it."""
+
+    async def acquire(self, key_id: str, limit: int) -> KeySlot | None:
+        """A slot of ``key_id`` when fewer than ``limit`` are held; ``None`` when not."""
+        ...
+
+    async def release(self, slot: KeySlot) -> None:
+        """Give ``slot`` back; called exactly once per slot ``acquire`` gave, and never
+        raises (a slot that cannot be given back now frees itself later)."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
 class AttemptRecord:
     """One attempt of a run: its own run id on one provider (docs/ARCHITECTURE.md#failover)."""
 

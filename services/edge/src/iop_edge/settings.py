@@ -291,6 +291,14 @@ class EdgeSettings(DrainingSettings):
     batch_lease_ttl_s: float = Field(
         default=30.0, gt=0, description="a worker that stops renewing loses its batch after this"
     )
+    key_slot_ttl_s: float = Field(
+        default=30.0,
+        gt=0,
+        description=(
+            "with postgres: an API key's slot held by an edge that stops renewing it (killed,"
+            " cut off) frees itself after this; edges renew every third of it"
+        ),
+    )
     heartbeat_interval_s: float = Field(
         default=2.0,
         gt=0,

@@ -133,7 +133,7 @@ class World:
             request.outcomes.append(exc)
             return
         try:
-            with self.slots.hold(request.key, run):
+            async with self.slots.hold(request.key, run):
                 await run.open()
                 async for event in run:
                     request.seen.append(event)

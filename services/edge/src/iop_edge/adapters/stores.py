@@ -15,12 +15,14 @@ from loguru import logger
 
 from iop_edge.adapters.batch_store import SqliteBatchStore
 from iop_edge.adapters.pg_batch_store import PostgresBatchStore
+from iop_edge.adapters.pg_key_slots import PostgresKeyConcurrency
 from iop_edge.adapters.postgres_responses import PostgresResponseStore
 from iop_edge.adapters.postgres_runlog import PostgresRunLog
 from iop_edge.adapters.sqlite_responses import ResponseLimits, SqliteResponseStore
 from iop_edge.adapters.sqlite_runlog import SqliteRunLog
 from iop_edge.batch_ports import BatchStore
-from iop_edge.ports import ResponseStore, RunLog
+from iop_edge.ports import KeyConcurrency, ResponseStore, RunLog
+from iop_edge.service.key_slots import LocalKeyConcurrency
 from iop_edge.settings import EdgeSettings
 from iop_proto.postgres import open_pool
 
@@ -31,6 +33,9 @@ class EdgeStores:
     responses: ResponseStore
     batches: BatchStore
     pool: asyncpg.Pool | None  # the shared store's pool; None on SQLite
+    # API keys' requests in progress: in the shared store, so a key's limit holds across
+    # edges; in this process without one (no cost beyond a count per key)
+    key_slots: KeyConcurrency
 
 
 async def open_stores(settings: EdgeSettings, stack: contextlib.AsyncExitStack) -> EdgeStores:
@@ -74,4 +79,11 @@ async def open_stores(settings: EdgeSettings, stack: contextlib.AsyncExitStack) 
             sweep_interval_s=storage.sweep_interval_s,
         )
     stack.push_async_callback(batches.aclose)  # before the pool's close: it runs first
-    return EdgeStores(runlog, responses, batches, pool)
+    key_slots: KeyConcurrency = LocalKeyConcurrency()
+    if pool is not None:
+        shared = await PostgresKeyConcurrency.open(
+            pool, settings.service_id, settings.key_slot_ttl_s
+        )
+        stack.push_async_callback(shared.aclose)
+        key_slots = shared
+    return EdgeStores(runlog, responses, batches, pool, key_slots)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import ipaddress
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
 from typing import Final
 
 from aiohttp import web
@@ -25,7 +25,8 @@ from iop_edge.errors import (
     LoopbackOnly,
     TooManyConcurrent,
 )
-from iop_edge.ports import KeyRing, RunEvents
+from iop_edge.ports import KeyConcurrency, KeyRing, KeySlot, RunEvents
+from iop_edge.service.key_slots import LocalKeyConcurrency
 
 KEY_REVOKED: Final = "The API key of this request was revoked; the request was ended."
 OPEN_PATHS: Final = frozenset({"/healthz", "/readyz"})
@@ -110,35 +111,38 @@ def access_mode(keys_open: bool, allow_open: bool, host: str) -> str:
 
 class KeySlots:
     """Requests in progress per API key, as their runs: counted against each key's
-    ``max_concurrent``, and ended when their key leaves the fleet (``apply_keys``).
+    ``max_concurrent`` where the limit holds (``KeyConcurrency``: this edge alone by
+    default, the store every edge shares when there is one), and ended when their key
+    leaves the fleet (``apply_keys``).
 
-    Touched twice per request (start and end), never in between; acquire and
-    release never await, so the counts are exact on one event loop.
+    Touched twice per request (start and end), never in between. Only a key with a
+    limit asks ``KeyConcurrency``; each slot it gives is given back exactly once, on
+    whichever way the request ends.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, concurrency: KeyConcurrency | None = None) -> None:
+        self._concurrency = concurrency if concurrency is not None else LocalKeyConcurrency()
         self._held: dict[str, set[RunEvents]] = {}
         self._present: frozenset[str] = frozenset()
         self._revoked: set[str] = set()  # left the fleet since: refused if a request arrives
 
     def held(self, key_id: str) -> int:
+        """Requests of ``key_id`` in progress on this edge."""
         return len(self._held.get(key_id, ()))
 
     def check_room(self, key: ApiKeyEntry | None) -> None:
-        """``TooManyConcurrent`` (429) now when ``key`` has no slot left.
+        """``TooManyConcurrent`` (429) now when ``key`` has no slot left on this edge.
 
         Called before a request's body is read: a key flooding the edge is refused for the
         cost of its headers, not of parsing what it sent. ``hold`` decides again (a slot
-        may be taken meanwhile); this only answers early what it would answer later.
+        may be taken meanwhile, or on another edge); this only answers early what it
+        would answer later.
         """
         if key is not None and 0 < key.max_concurrent <= self.held(key.key_id):
-            raise TooManyConcurrent(
-                f"Too many concurrent requests for this API key "
-                f"(limit {key.max_concurrent}); retry when one has finished."
-            )
+            raise _too_many(key)
 
-    @contextlib.contextmanager
-    def hold(self, key: ApiKeyEntry | None, run: RunEvents) -> Iterator[None]:
+    @contextlib.asynccontextmanager
+    async def hold(self, key: ApiKeyEntry | None, run: RunEvents) -> AsyncIterator[None]:
         """One slot of ``key`` for ``run`` during the block; ``TooManyConcurrent`` (429)
         when none is left. A revocation meanwhile ends the run (``KeyRevoked``, 401, or
         an error event once its stream started): nothing else is cancelled."""
@@ -148,15 +152,26 @@ class KeySlots:
         if key.key_id in self._revoked:
             # authenticated a moment before the revocation arrived (its body was still coming)
             raise KeyRevoked(KEY_REVOKED)
-        self.check_room(key)
-        runs = self._held.setdefault(key.key_id, set())
-        runs.add(run)
+        slot: KeySlot | None = None
+        if key.max_concurrent > 0:
+            self.check_room(key)
+            slot = await self._concurrency.acquire(key.key_id, key.max_concurrent)
+            if slot is None:
+                raise _too_many(key)
         try:
-            yield
+            if key.key_id in self._revoked:  # revoked while the slot was being taken
+                raise KeyRevoked(KEY_REVOKED)
+            runs = self._held.setdefault(key.key_id, set())
+            runs.add(run)
+            try:
+                yield
+            finally:
+                runs.discard(run)
+                if not runs and self._held.get(key.key_id) is runs:
+                    del self._held[key.key_id]
         finally:
-            runs.discard(run)
-            if not runs and self._held.get(key.key_id) is runs:
-                del self._held[key.key_id]
+            if slot is not None:
+                await self._concurrency.release(slot)
 
     async def apply_keys(self, present: frozenset[str]) -> int:
         """The fleet's keys are now ``present``: end every request of a key that is not.
@@ -174,3 +189,10 @@ class KeySlots:
             ended += len(runs)
             logger.warning("API key {} revoked: ended its {} request(s)", key_id, len(runs))
         return ended
+
+
+def _too_many(key: ApiKeyEntry) -> TooManyConcurrent:
+    return TooManyConcurrent(
+        f"Too many concurrent requests for this API key "
+        f"(limit {key.max_concurrent}); retry when one has finished."
+    )

@@ -222,15 +222,16 @@ class InferenceRoutes:
             # A request without a key (an open API) holds no key's slot; the in-flight
             # gauge is its own context manager: one more for the block.
             held = self._slots.hold(key, run) if key is not None else _NO_KEY
-            with held, series.in_flight:
-                opened_at = time.monotonic()
-                await run.open()  # the run ends itself on a failure here
-                trace.edge_wait_s = time.monotonic() - opened_at  # the model's queue
-                trace.run, trace.run_id = run, run.run_id
-                if spec.stream:
-                    response = web.StreamResponse(headers=SSE_HEADERS) if out is None else out
-                    return await self._stream(request, dialect, asked, run, trace, response)
-                return await self._collect(dialect, asked, run, trace)
+            async with held:
+                with series.in_flight:
+                    opened_at = time.monotonic()
+                    await run.open()  # the run ends itself on a failure here
+                    trace.edge_wait_s = time.monotonic() - opened_at  # the model's queue
+                    trace.run, trace.run_id = run, run.run_id
+                    if spec.stream:
+                        response = web.StreamResponse(headers=SSE_HEADERS) if out is None else out
+                        return await self._stream(request, dialect, asked, run, trace, response)
+                    return await self._collect(dialect, asked, run, trace)
         except BaseException as exc:
             if not run.ended:
                 reason = (
