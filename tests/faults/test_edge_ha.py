@@ -18,6 +18,7 @@ inference nothing and storage calls answer 200 or a retryable 503.
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import sys
 import time
@@ -31,6 +32,7 @@ import aiohttp
 import pytest
 import pytest_asyncio
 import yaml
+from openai import AsyncOpenAI
 
 from iop_proto.testing_postgres import PostgresServer, why_postgres_cannot_run
 
@@ -231,16 +233,33 @@ async def test_edge_sigkilled_under_load_loses_nothing(
     await available_on_both(ha, faults)
 
 
-async def storage_calls(ha: Ha, stop: asyncio.Event) -> list[tuple[int, str, str | None]]:
-    """List files through the balancer until ``stop``: (status, error code, Retry-After)."""
-    seen: list[tuple[int, str, str | None]] = []
+@dataclass
+class StorageCall:
+    status: int
+    code: str  # the error's code; "" on 200
+    retry_after: str | None
+    file_id: str = ""  # what a 200 committed
+    content: bytes = b""
+
+
+async def storage_calls(ha: Ha, stop: asyncio.Event) -> list[StorageCall]:
+    """Upload small files through the balancer until ``stop``: each call's answer."""
+    seen: list[StorageCall] = []
     connector = aiohttp.TCPConnector(force_close=True)
     async with aiohttp.ClientSession(connector=connector) as http:
         while not stop.is_set():
-            async with http.get(f"{ha.api_url}/files") as response:
+            content = f'{{"n": {len(seen)}}}\n'.encode()
+            form = aiohttp.FormData()
+            form.add_field("purpose", "batch")
+            form.add_field("file", content, filename=f"f{len(seen)}.jsonl")
+            async with http.post(f"{ha.api_url}/files", data=form) as response:
                 body = await response.json()
-                code = body["error"]["code"] if response.status != 200 else ""
-                seen.append((response.status, code, response.headers.get("Retry-After")))
+                call = StorageCall(response.status, "", response.headers.get("Retry-After"))
+                if response.status == 200:
+                    call.file_id, call.content = body["id"], content
+                else:
+                    call.code = body["error"]["code"]
+                seen.append(call)
             await asyncio.sleep(0.05)
     return seen
 
@@ -252,24 +271,29 @@ async def test_postgres_restarted_under_load(
     load = Load(ha.api_url, faults, total=160)
     running = asyncio.create_task(load.run())
     stop = asyncio.Event()
-    polling = asyncio.create_task(storage_calls(ha, stop))
+    uploading = asyncio.create_task(storage_calls(ha, stop))
     await load.until_done(30)
     await asyncio.to_thread(ha.postgres.restart, 1.0)  # down (immediate), 1 s, up again
     await running
     stop.set()
-    storage = await polling
+    storage = await uploading
 
     counts = load.counts()
-    statuses = {status: [s for s, *_ in storage].count(status) for status, *_ in storage}
-    report(f"PostgreSQL restarted under load: {counts}; storage calls by status {statuses}")
+    statuses = {c.status: sum(1 for d in storage if d.status == c.status) for c in storage}
+    committed = [c for c in storage if c.status == 200]
+    report(
+        f"PostgreSQL restarted under load: {counts}; file uploads by status {statuses}, "
+        f"{len(committed)} committed"
+    )
     assert counts == {"sent": 160, "completed": 160, "failed": 0, "lost": 0}, [
         s.outcome for s in load.sent if s.outcome.kind != "completed"
     ]
     assert storage, "no storage call was made during the load"
-    assert {status for status, *_ in storage} <= {200, 503}, storage
-    unavailable = [(code, retry) for status, code, retry in storage if status == 503]
-    assert all(code == "storage_unavailable" and retry for code, retry in unavailable)
-    # Once the server is back, the store answers again.
+    assert {c.status for c in storage} <= {200, 503}, storage
+    unavailable = [c for c in storage if c.status == 503]
+    assert all(c.code == "storage_unavailable" and c.retry_after for c in unavailable)
+    # Once the server is back, the store answers again, and every upload that answered 200
+    # is there, whole, through either edge.
     async with aiohttp.ClientSession() as http:
 
         async def answers() -> bool:
@@ -277,3 +301,102 @@ async def test_postgres_restarted_under_load(
                 return response.status == 200
 
         await faults.eventually(answers, timeout_s=30)
+        for url in ha.edge_urls.values():
+            for call in committed:
+                async with http.get(f"{url}/files/{call.file_id}/content") as response:
+                    assert response.status == 200, (url, call.file_id)
+                    assert await response.read() == call.content
+
+
+async def respond(http: aiohttp.ClientSession, api_url: str, body: dict[str, Any]) -> Any:
+    async with http.post(f"{api_url}/responses", json={"model": MODEL, **body}) as reply:
+        answer = await reply.json()
+        assert reply.status == 200, answer
+        return answer
+
+
+async def test_a_response_chain_continues_on_the_other_edge_when_its_edge_is_killed(
+    ha: Ha, faults: SimpleNamespace, report: Callable[[str], None]
+) -> None:
+    await available_on_both(ha, faults)
+    connector = aiohttp.TCPConnector(force_close=True)
+    async with aiohttp.ClientSession(connector=connector) as http:
+        first = await respond(http, ha.edge_urls["edge"], {"input": "one"})
+        await ha.stack.stop("edge", signal.SIGKILL)
+        # Through the balancer: only edge-b is left to continue what the dead edge stored.
+        second = await respond(
+            http, ha.api_url, {"input": "two", "previous_response_id": first["id"]}
+        )
+        async with http.get(f"{ha.api_url}/responses/{second['id']}/input_items") as reply:
+            assert reply.status == 200
+            said = json.dumps((await reply.json())["data"])
+        assert "one" in said  # the first turn, read from the chain the dead edge stored
+        assert "two" in said
+        await ha.stack.start("edge")
+        await available_on_both(ha, faults)
+        readable = {}
+        for edge, url in ha.edge_urls.items():
+            for response in (first, second):
+                async with http.get(f"{url}/responses/{response['id']}") as reply:
+                    readable[(edge, response["id"])] = reply.status
+    report(f"a chain across an edge kill: stored responses read from either edge {readable}")
+    assert set(readable.values()) == {200}
+
+
+LINES = 40
+ENDED = ("completed", "failed", "expired", "cancelled")
+
+
+async def test_a_batch_completes_exactly_once_per_custom_id_across_an_edge_kill(
+    ha: Ha, faults: SimpleNamespace, report: Callable[[str], None]
+) -> None:
+    await available_on_both(ha, faults)
+    async with AsyncOpenAI(base_url=ha.api_url, api_key="x", max_retries=5) as sdk:
+        lines = [
+            {
+                "custom_id": f"ha-{i}",
+                "method": "POST",
+                "url": "/v1/chat/completions",
+                "body": {
+                    "model": MODEL,
+                    "messages": [{"role": "user", "content": f"line {i}"}],
+                    "max_tokens": 1,
+                    "iop_mock": {"delay_ms": 200},
+                },
+            }
+            for i in range(LINES)
+        ]
+        data = "".join(json.dumps(line) + "\n" for line in lines).encode()
+        upload = await sdk.files.create(file=("batch.jsonl", data), purpose="batch")
+        batch = await sdk.batches.create(
+            input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        async with asyncio.timeout(60):
+            while True:
+                got = await sdk.batches.retrieve(batch.id)
+                done = got.request_counts.completed if got.request_counts else 0
+                if done >= LINES // 4:
+                    break
+                await asyncio.sleep(0.05)
+        await ha.stack.stop("edge", signal.SIGKILL)  # mid-batch: the worker's lease and lines
+        async with asyncio.timeout(120):
+            while (got := await sdk.batches.retrieve(batch.id)).status not in ENDED:  # noqa: ASYNC110 - another process
+                await asyncio.sleep(0.2)
+        assert got.output_file_id
+        output = (await sdk.files.content(got.output_file_id)).text.splitlines()
+        errors: list[str] = []
+        if got.error_file_id:
+            errors = (await sdk.files.content(got.error_file_id)).text.splitlines()
+    ids = [json.loads(line)["custom_id"] for line in output + errors if line]
+    counts = got.request_counts
+    assert counts is not None
+    report(
+        f"batch across an edge kill: {got.status}, total {counts.total}, completed "
+        f"{counts.completed}, failed {counts.failed}; output lines {len(output)}, error lines "
+        f"{len(errors)}, distinct custom_ids {len(set(ids))} (done {done} at the kill)"
+    )
+    assert sorted(ids) == sorted(f"ha-{i}" for i in range(LINES))  # each exactly once
+    assert got.status == "completed", (got.status, got.errors)
+    assert (counts.total, counts.completed, counts.failed) == (LINES, LINES, 0)
+    await ha.stack.start("edge")
+    await available_on_both(ha, faults)
