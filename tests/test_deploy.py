@@ -524,9 +524,15 @@ def test_compose_ha_edges_are_the_edge_with_a_shared_store_and_files_of_their_ow
     assert settings.postgres is not None
     dsn = urlsplit(settings.postgres.dsn.get_secret_value())
     assert (dsn.hostname, dsn.port, dsn.path) == ("postgres", 5432, "/iop")
+    # Listed to the nodes and the worker at its compose name, checked against the edge
+    # identity's certificate (DNS:edge), which it presents.
+    assert settings.node_listener.advertised(7000) == (edge, 7000)
+    assert settings.node_listener.advertise_server_name == "edge"
+    assert settings.tls.cert_file == Path("/certs/edge.pem")
     plain = settings_yaml("edge")
-    assert {k: v for k, v in data.items() if k not in ("service_id", "postgres")} == {
-        k: v for k, v in plain.items() if k != "service_id"
+    ours = {"service_id", "postgres", "node_listener"}
+    assert {k: v for k, v in data.items() if k not in ours} == {
+        k: v for k, v in plain.items() if k not in ours
     }
     mounts = volume_mounts(service)
     assert ("certs", "/certs", True) in mounts
