@@ -198,10 +198,18 @@ async def available_on_both(ha: Ha, faults: SimpleNamespace) -> None:
     await faults.eventually(check, timeout_s=30)
 
 
+@pytest_asyncio.fixture(autouse=True, loop_scope="module")
+async def both_edges(ha: Ha, faults: SimpleNamespace) -> None:
+    """Each test starts with both edges serving: one a test killed is started again on its
+    ports (the nodes dial it back), whether that test passed or not."""
+    if ha.stack.services["edge"].process.returncode is not None:
+        await ha.stack.start("edge")
+    await available_on_both(ha, faults)
+
+
 async def test_edge_sigkilled_under_load_loses_nothing(
     ha: Ha, faults: SimpleNamespace, report: Callable[[str], None]
 ) -> None:
-    await available_on_both(ha, faults)
     load = Load(ha.api_url, faults, total=240)
     running = asyncio.create_task(load.run())
     await load.until_done(60)
@@ -227,10 +235,6 @@ async def test_edge_sigkilled_under_load_loses_nothing(
     assert all(s.outcome.kind == "completed" for s in after), [
         s.outcome for s in after if s.outcome.kind != "completed"
     ]
-
-    # Back for the next test: the first edge again, on its ports; the nodes dial it back.
-    await ha.stack.start("edge")
-    await available_on_both(ha, faults)
 
 
 @dataclass
@@ -267,7 +271,6 @@ async def storage_calls(ha: Ha, stop: asyncio.Event) -> list[StorageCall]:
 async def test_postgres_restarted_under_load(
     ha: Ha, faults: SimpleNamespace, report: Callable[[str], None]
 ) -> None:
-    await available_on_both(ha, faults)
     load = Load(ha.api_url, faults, total=160)
     running = asyncio.create_task(load.run())
     stop = asyncio.Event()
@@ -318,7 +321,6 @@ async def respond(http: aiohttp.ClientSession, api_url: str, body: dict[str, Any
 async def test_a_response_chain_continues_on_the_other_edge_when_its_edge_is_killed(
     ha: Ha, faults: SimpleNamespace, report: Callable[[str], None]
 ) -> None:
-    await available_on_both(ha, faults)
     connector = aiohttp.TCPConnector(force_close=True)
     async with aiohttp.ClientSession(connector=connector) as http:
         first = await respond(http, ha.edge_urls["edge"], {"input": "one"})
@@ -350,7 +352,6 @@ ENDED = ("completed", "failed", "expired", "cancelled")
 async def test_a_batch_completes_exactly_once_per_custom_id_across_an_edge_kill(
     ha: Ha, faults: SimpleNamespace, report: Callable[[str], None]
 ) -> None:
-    await available_on_both(ha, faults)
     async with AsyncOpenAI(base_url=ha.api_url, api_key="x", max_retries=5) as sdk:
         lines = [
             {
@@ -398,5 +399,3 @@ async def test_a_batch_completes_exactly_once_per_custom_id_across_an_edge_kill(
     assert sorted(ids) == sorted(f"ha-{i}" for i in range(LINES))  # each exactly once
     assert got.status == "completed", (got.status, got.errors)
     assert (counts.total, counts.completed, counts.failed) == (LINES, LINES, 0)
-    await ha.stack.start("edge")
-    await available_on_both(ha, faults)
