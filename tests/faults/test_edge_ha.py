@@ -1,5 +1,5 @@
-"""Two edges on one PostgreSQL behind a balancer, under load: one edge SIGKILLed, then
-PostgreSQL restarted.
+"""Two edges on one PostgreSQL behind a balancer: one edge SIGKILLed under load,
+PostgreSQL restarted under load, a response chain and a batch across an edge kill.
 
 Every process is real: the control-plane, two edges sharing a real PostgreSQL 15
 cluster (Debian's server, ``iop_proto.testing_postgres``), two nodes with mock
@@ -12,7 +12,11 @@ object, or the connection cut under it, which every HTTP client reports); lost (
 answer within the deadline, or one that is neither). The invariants, not timings:
 nothing is lost, only requests in flight when the edge died may fail, and every
 request sent after it died completes on the other edge; PostgreSQL restarting costs
-inference nothing and storage calls answer 200 or a retryable 503.
+inference nothing, storage calls answer 200 or a retryable 503 and every upload that
+answered 200 is there after; a ``previous_response_id`` made on the killed edge continues
+on the other; a batch's lines end exactly once per ``custom_id`` across the kill. The
+nodes and the worker are given the first edge only and learn the second from the
+control-plane's list of edges.
 """
 
 from __future__ import annotations
