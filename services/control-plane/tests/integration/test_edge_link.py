@@ -336,3 +336,40 @@ async def test_sigterm_tells_each_edge_it_is_stopping_and_exits_0(
             await asyncio.wait_for(edge.conn.receive(), 10)
     assert await asyncio.wait_for(control_plane.service.process.wait(), 30) == 0
     await control_plane.service.wait_for_line("stopped control-plane")
+
+
+async def test_the_fleet_lists_the_edges_linked_now_with_their_node_listeners(
+    control_plane: ControlPlane,
+) -> None:
+    """docs/ARCHITECTURE.md#several-edges: an edge that says where its node listener is
+    is listed in every edge's config (its own first one included) until its link ends;
+    one that does not say is not listed."""
+
+    async def hello(
+        edge: EdgeClient, edge_id: str, listener: pb.EdgeEndpoint | None
+    ) -> list[tuple[str, str, int, str]]:
+        said = pb.EdgeHello(edge_id=edge_id, version="test")
+        if listener is not None:
+            said.node_listener.CopyFrom(listener)
+        sent = await edge.conn.send(said)
+        answer = await asyncio.wait_for(edge.conn.receive(), 10)
+        assert answer.correlation_id == sent.message_id
+        return [(e.edge_id, e.host, e.port, e.server_name) for e in answer.fleet_config.edges]
+
+    def listed(config: pb.FleetConfig) -> list[str]:
+        return [e.edge_id for e in config.edges]
+
+    a_at = pb.EdgeEndpoint(host="10.0.0.1", port=7000)
+    b_at = pb.EdgeEndpoint(host="10.0.0.2", port=7001, server_name="edge-b.example")
+    async with control_plane.edge() as a:
+        assert await hello(a, "edge-a", a_at) == [("edge-a", "10.0.0.1", 7000, "")]
+        async with control_plane.edge() as b:
+            assert await hello(b, "edge-b", b_at) == [
+                ("edge-a", "10.0.0.1", 7000, ""),
+                ("edge-b", "10.0.0.2", 7001, "edge-b.example"),
+            ]
+            assert listed(await a.next_push()) == ["edge-a", "edge-b"]  # a hears of b
+            async with control_plane.edge() as c:
+                assert [e[0] for e in await hello(c, "edge-c", None)] == ["edge-a", "edge-b"]
+        # edge-b's link ended: it is listed no more (edge-c was never listed)
+        assert listed(await a.next_push()) == ["edge-a"]
