@@ -79,7 +79,7 @@ class Edge:
 
 
 def settings(dsn: str) -> PostgresSettings:
-    return PostgresSettings(dsn=SecretStr(dsn), max_connections=6, connect_timeout_s=2)
+    return PostgresSettings(dsn=SecretStr(dsn), max_connections=6, connect_timeout_s=15)
 
 
 @pytest.fixture
@@ -87,7 +87,12 @@ async def edges(postgres_dsn: str) -> AsyncIterator[tuple[Edge, Edge]]:
     """Two edges on one database, started at once (their migrations meet at the lock)."""
     clock = Clock()
     pools = [await open_pool(settings(postgres_dsn)) for _ in range(2)]
-    stores = await asyncio.gather(*(PostgresBatchStore.open(p, clock=clock) for p in pools))
+    stores = await asyncio.gather(
+        *(
+            PostgresBatchStore.open(pool, clock=clock, edge_id=f"edge-{name}")
+            for pool, name in zip(pools, "ab", strict=True)
+        )
+    )
     made = []
     for pool, store in zip(pools, stores, strict=True):
         registry = CollectorRegistry()
@@ -147,6 +152,24 @@ async def test_a_lease_is_held_by_one_worker_at_a_time_across_two_edges(
     assert await a.service.lease_holder(taken.lease_id) == "w-other"
     await holder.service.release(first.lease_id, finished=True)  # stale: changes nothing
     assert await b.service.lease_holder(taken.lease_id) == "w-other"
+
+
+async def test_a_worker_registering_again_frees_only_the_leases_that_edge_granted(
+    edges: tuple[Edge, Edge],
+) -> None:
+    """A worker dials every edge: registering with B (B restarted, say) must not free the
+    lease A granted it on a connection that still lives."""
+    a, b = edges
+    first, second = await new_batch(a), await new_batch(a)
+    via_a = await a.service.lease("w1")
+    via_b = await b.service.lease("w1")
+    assert (via_a.batch_id, via_b.batch_id) == (first, second)
+    await b.service.worker_registered("w1")
+    assert await a.service.lease_holder(via_a.lease_id) == "w1"  # A's grant: untouched
+    assert await b.service.lease_holder(via_b.lease_id) is None  # B's own: freed
+    await a.service.worker_registered("w1")
+    assert await a.service.lease_holder(via_a.lease_id) is None
+    assert (await b.service.lease("w2")).batch_id == first
 
 
 async def test_the_store_grants_a_free_batch_once_to_concurrent_edges(

@@ -78,6 +78,8 @@ class PostgresBatchStore(PgFileStore):
     """Make it with ``await PostgresBatchStore.open(pool)``; the caller must ``aclose()`` it
     (the pool is the caller's, and outlives the store)."""
 
+    edge_id = "edge"
+
     @classmethod
     async def open(
         cls,
@@ -86,11 +88,15 @@ class PostgresBatchStore(PgFileStore):
         file_ttl_s: int = 0,
         sweep_interval_s: float = 3600.0,
         clock: Callable[[], float] = time.time,
+        edge_id: str = "edge",
     ) -> PostgresBatchStore:
         """Bring the schema up to date and remove what crashes left (dead uploads,
-        deleted contents past their grace); then sweep every ``sweep_interval_s``."""
+        deleted contents past their grace); then sweep every ``sweep_interval_s``.
+        ``edge_id``: this edge's ``service_id``, recorded with the leases it grants
+        (each edge sharing the store needs its own)."""
         version = await apply_migrations(pool, COMPONENT, STEPS)
         store = cls(pool, file_ttl_s, clock)
+        store.edge_id = edge_id
         purged = await purge_contents(pool, clock())
         logger.info(
             "batch store: PostgreSQL, schema {}; {} stale contents removed", version, purged
@@ -208,7 +214,7 @@ class PostgresBatchStore(PgFileStore):
         return (
             await self._execute(
                 "leasing a batch",
-                f"""UPDATE edge_batches b SET lease_id = $2, lease_owner = $3,
+                f"""UPDATE edge_batches b SET lease_id = $2, lease_owner = $3, lease_edge = $7,
                 lease_expires_at = $4, status = '{IN_PROGRESS}',
                 in_progress_at = COALESCE(in_progress_at, $5)
             WHERE id = $6 AND status IN ({RUNNABLE_SQL}) AND finalize_as IS NULL
@@ -219,6 +225,7 @@ class PostgresBatchStore(PgFileStore):
                 expires_at,
                 int(now),
                 batch_id,
+                self.edge_id,
             )
             == 1
         )
@@ -248,12 +255,16 @@ class PostgresBatchStore(PgFileStore):
         )
 
     async def free_leases_of(self, owner: str) -> int:
+        """Free the leases this edge granted ``owner``: they died with its connections to
+        this edge. Leases another edge granted it stay that edge's to free (the worker
+        may be connected there still), or expire."""
         return await self._execute(
             "freeing a worker's leases",
             """UPDATE edge_batches SET lease_id = NULL, lease_owner = NULL,
                 lease_expires_at = NULL
-            WHERE lease_owner = $1""",
+            WHERE lease_owner = $1 AND lease_edge = $2""",
             owner,
+            self.edge_id,
         )
 
     async def mark_cancelling(self, batch_id: str, now: int) -> None:
