@@ -336,6 +336,34 @@ async def test_what_a_crash_left_is_purged_after_its_grace(edges: tuple[Edge, Ed
     assert await b.pool.fetchval("SELECT COUNT(*) FROM edge_file_chunks") == 0
 
 
+async def test_batches_are_stored_from_big_files_with_a_pool_of_one_connection(
+    postgres_dsn: str,
+) -> None:
+    """Storing a batch holds a transaction while its input file is read from a thread: the
+    reading goes through that transaction's connection, never waits for a second one
+    (with the pool's every connection held by such transactions, none would come)."""
+    pool = await open_pool(PostgresSettings(dsn=SecretStr(postgres_dsn), max_connections=1))
+    store = await PostgresBatchStore.open(pool)
+    try:
+        service = BatchService(store, NoRuns(), NoModels(), CollectorRegistry())
+        content = jsonl(25_000)
+        assert len(content) > 3 * MIB  # four chunks
+        async with service.receive_file() as upload:
+            await upload.write(content)
+            file = await service.create_file(upload, "in.jsonl", "batch")
+        async with asyncio.timeout(60):  # a reader waiting for the pool would wait 120 s
+            made = await asyncio.gather(
+                *(service.create_batch(file["id"], CHAT, "24h", None) for _ in range(3))
+            )
+        assert [m["request_counts"]["total"] for m in made] == [25_000] * 3
+        line = await store.get_line(made[2]["id"], 24_999)
+        assert line is not None
+        assert line.custom_id == "r24999"
+    finally:
+        await store.aclose()
+        await pool.close()
+
+
 async def test_a_store_from_a_newer_edge_is_refused(postgres_dsn: str) -> None:
     pool = await open_pool(settings(postgres_dsn))
     try:

@@ -42,7 +42,7 @@ from iop_edge.adapters.batch_rows import (
     line_record,
     new_line_row,
 )
-from iop_edge.adapters.pg_batch_files import INSERT_FILE, purge_contents, write_content
+from iop_edge.adapters.pg_batch_files import INSERT_FILE, LENT, purge_contents, write_content
 from iop_edge.adapters.pg_batch_schema import COMPONENT, STEPS
 from iop_edge.adapters.pg_file_store import PgFileStore, count_of
 from iop_edge.domain.batches import (
@@ -115,8 +115,9 @@ class PostgresBatchStore(PgFileStore):
         results: Mapping[int, LineResult] | None = None,
     ) -> None:
         """The batch and all its lines in one transaction; ``lines`` is read a block at a
-        time in a thread (it may read a stored file: ``PgContentReader`` fetches its
-        chunks on other pooled connections while this one holds the transaction)."""
+        time in a thread. It may read a stored file: its reader then fetches the chunks
+        through this transaction's connection (lent for the wait), so storing a batch
+        takes one connection however many are stored at once."""
         done = results or {}
         source = iter(lines)
         async with self._transaction("storing a batch") as connection:
@@ -138,12 +139,16 @@ class PostgresBatchStore(PgFileStore):
                 batch.total,
                 batch.owner,
             )
-            while block := await asyncio.to_thread(_take, source, INSERT_BLOCK):
-                await connection.executemany(
-                    f"INSERT INTO edge_batch_lines ({LINE_COLUMNS}, finished_at) "
-                    "VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)",
-                    [new_line_row(batch, line, done.get(line.index)) for line in block],
-                )
+            lent = LENT.set(connection)  # the reader's chunks come through this transaction
+            try:
+                while block := await asyncio.to_thread(_take, source, INSERT_BLOCK):
+                    await connection.executemany(
+                        f"INSERT INTO edge_batch_lines ({LINE_COLUMNS}, finished_at) "
+                        "VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)",
+                        [new_line_row(batch, line, done.get(line.index)) for line in block],
+                    )
+            finally:
+                LENT.reset(lent)
 
     async def get_batch(self, batch_id: str) -> BatchRecord | None:
         rows = await self._fetch("reading a batch", f"{BATCH_SELECT} WHERE b.id = $1", batch_id)
