@@ -40,7 +40,7 @@ async def test_storage_answers_503_while_postgres_is_down_and_inference_goes_on(
 ) -> None:
     dsn = postgres_server.create_database()
     fleet = faults.pool_fleet("pool", "mock")
-    edge = {"postgres": {"dsn": dsn, "connect_timeout_s": 2, "command_timeout_s": 5}}
+    edge = {"postgres": {"dsn": dsn, "connect_timeout_s": 5, "command_timeout_s": 10}}
     async with start_stack_factory(tmp_path, fleet, edge) as stack:
         api = stack.api_url
         async with aiohttp.ClientSession() as http:

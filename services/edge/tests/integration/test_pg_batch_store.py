@@ -79,7 +79,7 @@ class Edge:
 
 
 def settings(dsn: str) -> PostgresSettings:
-    return PostgresSettings(dsn=SecretStr(dsn), max_connections=6, connect_timeout_s=2)
+    return PostgresSettings(dsn=SecretStr(dsn), max_connections=6, connect_timeout_s=15)
 
 
 @pytest.fixture
@@ -87,7 +87,12 @@ async def edges(postgres_dsn: str) -> AsyncIterator[tuple[Edge, Edge]]:
     """Two edges on one database, started at once (their migrations meet at the lock)."""
     clock = Clock()
     pools = [await open_pool(settings(postgres_dsn)) for _ in range(2)]
-    stores = await asyncio.gather(*(PostgresBatchStore.open(p, clock=clock) for p in pools))
+    stores = await asyncio.gather(
+        *(
+            PostgresBatchStore.open(pool, clock=clock, edge_id=f"edge-{name}")
+            for pool, name in zip(pools, "ab", strict=True)
+        )
+    )
     made = []
     for pool, store in zip(pools, stores, strict=True):
         registry = CollectorRegistry()
@@ -147,6 +152,24 @@ async def test_a_lease_is_held_by_one_worker_at_a_time_across_two_edges(
     assert await a.service.lease_holder(taken.lease_id) == "w-other"
     await holder.service.release(first.lease_id, finished=True)  # stale: changes nothing
     assert await b.service.lease_holder(taken.lease_id) == "w-other"
+
+
+async def test_a_worker_registering_again_frees_only_the_leases_that_edge_granted(
+    edges: tuple[Edge, Edge],
+) -> None:
+    """A worker dials every edge: registering with B (B restarted, say) must not free the
+    lease A granted it on a connection that still lives."""
+    a, b = edges
+    first, second = await new_batch(a), await new_batch(a)
+    via_a = await a.service.lease("w1")
+    via_b = await b.service.lease("w1")
+    assert (via_a.batch_id, via_b.batch_id) == (first, second)
+    await b.service.worker_registered("w1")
+    assert await a.service.lease_holder(via_a.lease_id) == "w1"  # A's grant: untouched
+    assert await b.service.lease_holder(via_b.lease_id) is None  # B's own: freed
+    await a.service.worker_registered("w1")
+    assert await a.service.lease_holder(via_a.lease_id) is None
+    assert (await b.service.lease("w2")).batch_id == first
 
 
 async def test_the_store_grants_a_free_batch_once_to_concurrent_edges(
@@ -311,6 +334,34 @@ async def test_what_a_crash_left_is_purged_after_its_grace(edges: tuple[Edge, Ed
     clock.now += 3600
     assert await b.store.purge_contents() == 1
     assert await b.pool.fetchval("SELECT COUNT(*) FROM edge_file_chunks") == 0
+
+
+async def test_batches_are_stored_from_big_files_with_a_pool_of_one_connection(
+    postgres_dsn: str,
+) -> None:
+    """Storing a batch holds a transaction while its input file is read from a thread: the
+    reading goes through that transaction's connection, never waits for a second one
+    (with the pool's every connection held by such transactions, none would come)."""
+    pool = await open_pool(PostgresSettings(dsn=SecretStr(postgres_dsn), max_connections=1))
+    store = await PostgresBatchStore.open(pool)
+    try:
+        service = BatchService(store, NoRuns(), NoModels(), CollectorRegistry())
+        content = jsonl(25_000)
+        assert len(content) > 3 * MIB  # four chunks
+        async with service.receive_file() as upload:
+            await upload.write(content)
+            file = await service.create_file(upload, "in.jsonl", "batch")
+        async with asyncio.timeout(60):  # a reader waiting for the pool would wait 120 s
+            made = await asyncio.gather(
+                *(service.create_batch(file["id"], CHAT, "24h", None) for _ in range(3))
+            )
+        assert [m["request_counts"]["total"] for m in made] == [25_000] * 3
+        line = await store.get_line(made[2]["id"], 24_999)
+        assert line is not None
+        assert line.custom_id == "r24999"
+    finally:
+        await store.aclose()
+        await pool.close()
 
 
 async def test_a_store_from_a_newer_edge_is_refused(postgres_dsn: str) -> None:

@@ -17,7 +17,9 @@ touches a connection itself: for each chunk it hands a coroutine to the loop
 (``asyncio.run_coroutine_threadsafe``) and waits on its future; the coroutine
 acquires a pooled connection for one ``SELECT`` and gives it back. One chunk is
 in memory at a time, no connection is held between reads, and read on the
-loop's own thread it refuses (waiting there would deadlock the loop).
+loop's own thread it refuses (waiting there would deadlock the loop). A
+coroutine that holds a connection and waits for a reader (storing a batch's
+lines from its input file) lends it that connection (``LENT``).
 
 Deleting: a file's row goes at once; its content is marked 'deleted' and
 removed by ``purge_contents`` after ``DELETED_GRACE_S``, so a download in
@@ -31,6 +33,7 @@ import bisect
 import contextlib
 import io
 from collections.abc import Callable
+from contextvars import ContextVar
 from typing import TYPE_CHECKING, Final, TypeAlias
 
 import asyncpg
@@ -54,6 +57,13 @@ DELETED_GRACE_S: Final = 3600.0
 """How long a deleted (or expired) file's content stays readable for downloads in progress."""
 READ_TIMEOUT_S: Final = 120.0
 """The most a reader thread waits for one chunk (a pool wait plus one ``SELECT``)."""
+
+LENT: Final[ContextVar[Connection | None]] = ContextVar("iop_edge_pg_lent", default=None)
+"""A connection a coroutine holds and lends to the readers it drives from a thread while
+it waits for them (``PostgresBatchStore.insert_batch``: its transaction reads the input
+file's chunks itself). Without it that reading needs a second connection while the
+first is held: with every pooled connection held by such a transaction, none is left
+for their readers and they all wait out ``READ_TIMEOUT_S``."""
 
 INSERT_FILE: Final = """INSERT INTO edge_files (id, filename, purpose, bytes, created_at, owner)
     VALUES ($1, $2, $3, $4, $5, $6)"""
@@ -249,16 +259,18 @@ class PgContentReader(io.RawIOBase):
             running = None  # a thread: the one place a reader may wait on the loop
         if running is self._loop:
             raise RuntimeError("read a stored file off the event loop (asyncio.to_thread)")
-        future = asyncio.run_coroutine_threadsafe(self._select(seq), self._loop)
-        return future.result(timeout=READ_TIMEOUT_S)
+        # The caller's context (``asyncio.to_thread`` runs us in a copy of it) may lend
+        # the connection its coroutine holds and waits with.
+        coroutine = self._select(seq, LENT.get())
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(READ_TIMEOUT_S)
 
-    async def _select(self, seq: int) -> bytes:
+    async def _select(self, seq: int, lent: Connection | None) -> bytes:
+        sql = "SELECT data FROM edge_file_chunks WHERE file_id = $1 AND seq = $2"
         with reachable("reading a file"):
-            data = await self._pool.fetchval(
-                "SELECT data FROM edge_file_chunks WHERE file_id = $1 AND seq = $2",
-                self._file_id,
-                seq,
-            )
+            if lent is not None:
+                data = await lent.fetchval(sql, self._file_id, seq)
+            else:
+                data = await self._pool.fetchval(sql, self._file_id, seq)
         if data is None:
             raise OSError(f"file {self._file_id}: chunk {seq} is gone")
         return bytes(data)

@@ -9,7 +9,9 @@ never edit a released one.
 Why the columns are what they are: ``batches.seq`` and ``files.seq`` are the
 insertion order SQLite's ``seq``/``rowid`` give (lists and cursors page by
 them); ``metadata`` and ``errors`` stay JSON text so ``batch_rows`` maps a row
-of either backend; ``lease_expires_at`` is a float like the clock that sets it.
+of either backend; ``lease_expires_at`` is a float like the clock that sets it;
+``lease_edge`` is the edge that granted the lease (a worker that registers again
+with one edge frees only the leases that edge granted it).
 """
 
 from __future__ import annotations
@@ -70,13 +72,14 @@ CREATE TABLE edge_batches (
     total_lines       INTEGER NOT NULL,
     lease_id          TEXT UNIQUE,
     lease_owner       TEXT,
+    lease_edge        TEXT,
     lease_expires_at  DOUBLE PRECISION,
     finalize_as       TEXT,
     owner             TEXT
 );
 CREATE INDEX edge_batches_status ON edge_batches (status, seq);
 CREATE INDEX edge_batches_owner ON edge_batches (owner, seq);
-CREATE INDEX edge_batches_lease_owner ON edge_batches (lease_owner);
+CREATE INDEX edge_batches_lease_owner ON edge_batches (lease_owner, lease_edge);
 
 CREATE TABLE edge_batch_lines (
     batch_id     TEXT NOT NULL,

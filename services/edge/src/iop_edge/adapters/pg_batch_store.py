@@ -42,7 +42,7 @@ from iop_edge.adapters.batch_rows import (
     line_record,
     new_line_row,
 )
-from iop_edge.adapters.pg_batch_files import INSERT_FILE, purge_contents, write_content
+from iop_edge.adapters.pg_batch_files import INSERT_FILE, LENT, purge_contents, write_content
 from iop_edge.adapters.pg_batch_schema import COMPONENT, STEPS
 from iop_edge.adapters.pg_file_store import PgFileStore, count_of
 from iop_edge.domain.batches import (
@@ -78,6 +78,8 @@ class PostgresBatchStore(PgFileStore):
     """Make it with ``await PostgresBatchStore.open(pool)``; the caller must ``aclose()`` it
     (the pool is the caller's, and outlives the store)."""
 
+    edge_id = "edge"
+
     @classmethod
     async def open(
         cls,
@@ -86,11 +88,15 @@ class PostgresBatchStore(PgFileStore):
         file_ttl_s: int = 0,
         sweep_interval_s: float = 3600.0,
         clock: Callable[[], float] = time.time,
+        edge_id: str = "edge",
     ) -> PostgresBatchStore:
         """Bring the schema up to date and remove what crashes left (dead uploads,
-        deleted contents past their grace); then sweep every ``sweep_interval_s``."""
+        deleted contents past their grace); then sweep every ``sweep_interval_s``.
+        ``edge_id``: this edge's ``service_id``, recorded with the leases it grants
+        (each edge sharing the store needs its own)."""
         version = await apply_migrations(pool, COMPONENT, STEPS)
         store = cls(pool, file_ttl_s, clock)
+        store.edge_id = edge_id
         purged = await purge_contents(pool, clock())
         logger.info(
             "batch store: PostgreSQL, schema {}; {} stale contents removed", version, purged
@@ -109,8 +115,9 @@ class PostgresBatchStore(PgFileStore):
         results: Mapping[int, LineResult] | None = None,
     ) -> None:
         """The batch and all its lines in one transaction; ``lines`` is read a block at a
-        time in a thread (it may read a stored file: ``PgContentReader`` fetches its
-        chunks on other pooled connections while this one holds the transaction)."""
+        time in a thread. It may read a stored file: its reader then fetches the chunks
+        through this transaction's connection (lent for the wait), so storing a batch
+        takes one connection however many are stored at once."""
         done = results or {}
         source = iter(lines)
         async with self._transaction("storing a batch") as connection:
@@ -132,12 +139,16 @@ class PostgresBatchStore(PgFileStore):
                 batch.total,
                 batch.owner,
             )
-            while block := await asyncio.to_thread(_take, source, INSERT_BLOCK):
-                await connection.executemany(
-                    f"INSERT INTO edge_batch_lines ({LINE_COLUMNS}, finished_at) "
-                    "VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)",
-                    [new_line_row(batch, line, done.get(line.index)) for line in block],
-                )
+            lent = LENT.set(connection)  # the reader's chunks come through this transaction
+            try:
+                while block := await asyncio.to_thread(_take, source, INSERT_BLOCK):
+                    await connection.executemany(
+                        f"INSERT INTO edge_batch_lines ({LINE_COLUMNS}, finished_at) "
+                        "VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)",
+                        [new_line_row(batch, line, done.get(line.index)) for line in block],
+                    )
+            finally:
+                LENT.reset(lent)
 
     async def get_batch(self, batch_id: str) -> BatchRecord | None:
         rows = await self._fetch("reading a batch", f"{BATCH_SELECT} WHERE b.id = $1", batch_id)
@@ -208,7 +219,7 @@ class PostgresBatchStore(PgFileStore):
         return (
             await self._execute(
                 "leasing a batch",
-                f"""UPDATE edge_batches b SET lease_id = $2, lease_owner = $3,
+                f"""UPDATE edge_batches b SET lease_id = $2, lease_owner = $3, lease_edge = $7,
                 lease_expires_at = $4, status = '{IN_PROGRESS}',
                 in_progress_at = COALESCE(in_progress_at, $5)
             WHERE id = $6 AND status IN ({RUNNABLE_SQL}) AND finalize_as IS NULL
@@ -219,6 +230,7 @@ class PostgresBatchStore(PgFileStore):
                 expires_at,
                 int(now),
                 batch_id,
+                self.edge_id,
             )
             == 1
         )
@@ -248,12 +260,16 @@ class PostgresBatchStore(PgFileStore):
         )
 
     async def free_leases_of(self, owner: str) -> int:
+        """Free the leases this edge granted ``owner``: they died with its connections to
+        this edge. Leases another edge granted it stay that edge's to free (the worker
+        may be connected there still), or expire."""
         return await self._execute(
             "freeing a worker's leases",
             """UPDATE edge_batches SET lease_id = NULL, lease_owner = NULL,
                 lease_expires_at = NULL
-            WHERE lease_owner = $1""",
+            WHERE lease_owner = $1 AND lease_edge = $2""",
             owner,
+            self.edge_id,
         )
 
     async def mark_cancelling(self, batch_id: str, now: int) -> None:

@@ -70,7 +70,10 @@ async def open_stores(settings: EdgeSettings, stack: contextlib.AsyncExitStack) 
     batches: BatchStore
     if pool is not None:
         batches = await PostgresBatchStore.open(
-            pool, file_ttl_s=storage.files_ttl_s, sweep_interval_s=storage.sweep_interval_s
+            pool,
+            file_ttl_s=storage.files_ttl_s,
+            sweep_interval_s=storage.sweep_interval_s,
+            edge_id=settings.service_id,
         )
     else:
         batches = await SqliteBatchStore.open(
