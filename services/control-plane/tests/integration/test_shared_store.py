@@ -28,7 +28,13 @@ from iop_control_plane.adapters.postgres_store import PostgresCredentialStore
 from iop_control_plane.domain.credentials import new_api_key
 from iop_proto.connection import Connection
 from iop_proto.postgres import PostgresSettings
-from iop_proto.testing import RunningService, open_client, running_service, write_identity
+from iop_proto.testing import (
+    RunningService,
+    open_client,
+    refused_port,
+    running_service,
+    write_identity,
+)
 from iop_proto.testing_postgres import PostgresServer
 from iop_proto.tls import TlsSettings, client_context
 from iop_proto.v1 import runtime_pb2 as pb
@@ -271,3 +277,35 @@ async def test_postgresql_down_keeps_edges_and_config_and_later_changes_still_pr
         assert (await edge_a.authorize("node-a", token)).accepted  # the same link, all along
     for plane in planes:
         await asyncio.wait_for(plane.service.wait_for_line("reachable again"), DEADLINE_S)
+
+
+async def test_a_control_plane_whose_store_is_unreachable_does_not_start(tmp_path: Path) -> None:
+    """It cannot check a token without its store: one line saying so, exit 1, no secret."""
+    fleet_file = tmp_path / "fleet.yaml"
+    fleet_file.write_text(yaml.safe_dump(FLEET))
+    with refused_port() as port:
+        settings_file = tmp_path / "cp.yaml"
+        settings_file.write_text(
+            yaml.safe_dump(
+                {
+                    "fleet_file": str(fleet_file),
+                    "postgres": {"dsn": f"postgresql://iop:{PASSWORD}@127.0.0.1:{port}/iop"},
+                    "admin": {"host": "127.0.0.1", "port": 0},
+                    "listen": {"host": "127.0.0.1", "port": 0},
+                    "tls": {"enabled": False},
+                }
+            )
+        )
+        process = await asyncio.create_subprocess_exec(
+            str(Path(sys.executable).parent / "iop-control-plane"),
+            "--config",
+            str(settings_file),
+            stderr=asyncio.subprocess.PIPE,
+        )
+        _, err = await asyncio.wait_for(process.communicate(), 60)
+    log = err.decode()
+    assert process.returncode == 1, log
+    assert "the PostgreSQL store is unreachable" in log
+    assert "starts once its store answers" in log
+    assert "Traceback" not in log
+    assert PASSWORD not in log
