@@ -17,6 +17,7 @@ from iop_control_plane.entrypoints.admin_routes import add_fleet_routes
 from iop_control_plane.entrypoints.edge_server import EdgeServer
 from iop_control_plane.metrics import ControlPlaneMetrics
 from iop_control_plane.settings import ControlPlaneSettings
+from iop_proto.errors import IopError
 from iop_proto.postgres import StorageUnavailable
 from iop_proto.service import AdminServer
 from iop_proto.tasks import cancel_and_wait
@@ -80,7 +81,11 @@ async def build(
     metrics = ControlPlaneMetrics.create(registry)
     tls = server_context(settings.tls) if settings.tls.enabled else None
     async with contextlib.AsyncExitStack() as stack:
-        store = await open_store(settings)
+        try:
+            store = await open_store(settings)
+        except StorageUnavailable as exc:
+            # One line, no traceback: nothing to debug, PostgreSQL must be reachable first.
+            raise IopError(f"{exc}; the control-plane starts once its store answers") from None
         stack.push_async_callback(store.aclose)
         if settings.postgres is not None:
             logger.info(

@@ -3,6 +3,7 @@ the end-to-end run with one is tests/e2e/test_node_lifecycle.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import stat
@@ -193,6 +194,23 @@ async def test_retire_revokes_every_token_and_add_admits_the_node_again(
     added = await run_json(store, context, "add", "gpu-1", "--output", str(tmp_path / "c"))
     assert added["was_retired"] is True
     assert await store.retired_nodes() == {}
+
+
+async def test_retire_says_which_control_planes_apply_it(
+    store: OpenedCredentialStore, context: node_commands.NodeContext, tmp_path: Path
+) -> None:
+    """No server on this host: with its own SQLite file it applies the retirement when it
+    starts; with the shared PostgreSQL store every running control-plane applies it."""
+    await run_json(store, context, "add", "gpu-1", "--output", str(tmp_path / "t"))
+    code, out, _ = await run(store, context, "retire", "gpu-1")
+    assert code == 0
+    assert "No running control-plane found" in out
+    assert "it applies this when it starts" in out
+    shared = dataclasses.replace(context, shared_store=True)
+    code, out, _ = await run(store, shared, "retire", "gpu-1")
+    assert code == 0
+    assert "No running control-plane found" not in out
+    assert "Every control-plane on the shared store applies this" in out
 
 
 async def test_retire_of_an_unknown_node_fails(
