@@ -135,8 +135,9 @@ class EdgeMetrics:
             affinity=Counter(
                 "iop_edge_affinity_decisions",
                 "Requests steered by cache affinity, by model and decision: session or prefix"
-                " (sent to the provider holding it), waited (got it after a wait), wait_expired"
-                " (the wait ran out: the seed's rule chose)",
+                " (sent to the provider holding it), rendezvous (a new session's provider, the"
+                " same on every edge), waited (got it after a wait), wait_expired (the wait ran"
+                " out: the seed's rule chose)",
                 ["model", "decision"],
                 registry=registry,
             ),

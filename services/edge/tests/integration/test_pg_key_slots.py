@@ -199,3 +199,32 @@ async def test_a_share_is_never_below_one_slot(postgres_server: PostgresServer, 
         # 1 // 3 and 3 // 3 both give one slot: a key is never shut out by the outage.
         assert first is not None
         assert second is None
+
+
+async def test_a_request_that_leaves_while_its_slot_is_taken_leaves_none_behind(
+    postgres_dsn: str,
+) -> None:
+    async with edge(postgres_dsn, "edge-a") as a:
+        blocker = await asyncpg.connect(postgres_dsn)
+        try:
+            # Another edge's acquire of the same key holds the key's lock: a's waits on it.
+            await blocker.execute(
+                "SELECT pg_advisory_lock(hashtext('iop_key_slots'), hashtext('k'))"
+            )
+            taking = asyncio.create_task(a.acquire("k", LIMIT))
+            async with asyncio.timeout(WAIT_S):
+                while not await blocker.fetchval(  # noqa: ASYNC110 - the server's state
+                    "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+                ):
+                    await asyncio.sleep(0.05)
+            taking.cancel()  # the client went away
+            with pytest.raises(asyncio.CancelledError):
+                await taking
+            await blocker.execute(
+                "SELECT pg_advisory_unlock(hashtext('iop_key_slots'), hashtext('k'))"
+            )
+        finally:
+            await blocker.close()
+        await a.renew()
+        assert await rows(postgres_dsn) == 0
+        assert len(await granted(a, LIMIT + 1)) == LIMIT  # every slot still there to take

@@ -140,6 +140,11 @@ class PostgresKeyConcurrency:
                 # A row the server inserted before the error is never renewed: it frees
                 # itself after the TTL.
                 self._lost(str(exc))
+            except asyncio.CancelledError:
+                # The request left while the store answered: if the row was inserted
+                # anyway, the next renewal deletes it.
+                self._gone.add(slot_id)
+                raise
             else:
                 return self._hold(key_id, slot_id) if granted else None
         if self._per_key.get(key_id, 0) >= max(1, limit // self._edges):

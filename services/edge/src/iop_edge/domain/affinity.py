@@ -15,7 +15,9 @@ in order:
    and surviving an edge's restart) or, when longer, by this edge's own record of what
    it sent where (``PrefixIndex``: prompts still in flight, or not yet reported). Ties go
    to the node's word, then to the lower load, then to the fleet file's order.
-3. Nothing to reuse: no preference.
+3. Nothing to reuse: no preference; but a session this edge has never placed starts on
+   its rendezvous provider (``rendezvous``, within its bounded load), so every edge
+   starts it on the same one.
 
 **Bounded load** (consistent hashing with bounded loads, Mirrokni et al.): a provider
 is preferred only while taking the request keeps it within ``load_factor`` times its
@@ -47,10 +49,12 @@ from dataclasses import dataclass
 
 from iop_edge.domain.pool import ProviderSlot, standing
 from iop_edge.domain.prefix_index import PrefixIndex
+from iop_edge.domain.rendezvous import ranked
 from iop_proto.prefix import BLOCK_CHARS, longest_match
 
 SESSION = "session"
 PREFIX = "prefix"
+RENDEZVOUS = "rendezvous"
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,6 +173,35 @@ class CacheAffinity:
         if chosen is None or best is None:
             return None
         return self._preference(chosen, PREFIX, -best[0])
+
+    def rendezvous(
+        self,
+        members: Sequence[ProviderSlot],
+        session: str | None,
+        now: float,
+        exclude: Container[str] = (),
+    ) -> Preference | None:
+        """Where a session this edge has never placed starts, when ``prefer`` has nothing
+        to reuse: its rendezvous provider (``domain.rendezvous``) among the candidates
+        within their bounded load, the same whichever edge the turn reaches; ``None``
+        for a session this edge remembers (its table decides) or nothing to choose.
+
+        It is never waited for (nothing is cached there yet): without a free slot the
+        seed's rule decides, and the session is remembered where it lands."""
+        if not self.policy.enabled or session is None or self.sessions.get(session, now):
+            return None
+        candidates = [
+            slot
+            for slot in members
+            if slot.provider_id not in exclude and standing(slot) is not None
+        ]
+        if len(candidates) < 2:
+            return None
+        within = self._within_bound(candidates)
+        for slot in ranked(session, candidates):
+            if slot.provider_id in within:
+                return Preference(slot, RENDEZVOUS, 0, 0.0)
+        return None
 
     def placed(
         self,

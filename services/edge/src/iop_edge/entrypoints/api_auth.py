@@ -9,10 +9,8 @@ every request it still holds ended at once.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import ipaddress
-from collections.abc import AsyncIterator
 from typing import Final
 
 from aiohttp import web
@@ -141,14 +139,14 @@ class KeySlots:
         if key is not None and 0 < key.max_concurrent <= self.held(key.key_id):
             raise _too_many(key)
 
-    @contextlib.asynccontextmanager
-    async def hold(self, key: ApiKeyEntry | None, run: RunEvents) -> AsyncIterator[None]:
-        """One slot of ``key`` for ``run`` during the block; ``TooManyConcurrent`` (429)
-        when none is left. A revocation meanwhile ends the run (``KeyRevoked``, 401, or
-        an error event once its stream started): nothing else is cancelled."""
-        if key is None:
-            yield
-            return
+    def hold(self, key: ApiKeyEntry | None, run: RunEvents) -> KeyHold:
+        """One slot of ``key`` for ``run`` during the ``async with`` block;
+        ``TooManyConcurrent`` (429) when none is left. A revocation meanwhile ends the run
+        (``KeyRevoked``, 401, or an error event once its stream started): nothing else is
+        cancelled."""
+        return KeyHold(self, key, run)
+
+    async def _enter(self, key: ApiKeyEntry, run: RunEvents) -> KeySlot | None:
         if key.key_id in self._revoked:
             # authenticated a moment before the revocation arrived (its body was still coming)
             raise KeyRevoked(KEY_REVOKED)
@@ -158,20 +156,20 @@ class KeySlots:
             slot = await self._concurrency.acquire(key.key_id, key.max_concurrent)
             if slot is None:
                 raise _too_many(key)
-        try:
             if key.key_id in self._revoked:  # revoked while the slot was being taken
-                raise KeyRevoked(KEY_REVOKED)
-            runs = self._held.setdefault(key.key_id, set())
-            runs.add(run)
-            try:
-                yield
-            finally:
-                runs.discard(run)
-                if not runs and self._held.get(key.key_id) is runs:
-                    del self._held[key.key_id]
-        finally:
-            if slot is not None:
                 await self._concurrency.release(slot)
+                raise KeyRevoked(KEY_REVOKED)
+        self._held.setdefault(key.key_id, set()).add(run)
+        return slot
+
+    async def _leave(self, key: ApiKeyEntry, run: RunEvents, slot: KeySlot | None) -> None:
+        runs = self._held.get(key.key_id)
+        if runs is not None:
+            runs.discard(run)
+            if not runs:
+                del self._held[key.key_id]
+        if slot is not None:
+            await self._concurrency.release(slot)
 
     async def apply_keys(self, present: frozenset[str]) -> int:
         """The fleet's keys are now ``present``: end every request of a key that is not.
@@ -196,3 +194,23 @@ def _too_many(key: ApiKeyEntry) -> TooManyConcurrent:
         f"Too many concurrent requests for this API key "
         f"(limit {key.max_concurrent}); retry when one has finished."
     )
+
+
+class KeyHold:
+    """``KeySlots.hold``: the slot is taken on entry and given back on exit, once, on
+    every way out of the block (a plain class: it is on every keyed request's path)."""
+
+    __slots__ = ("_key", "_owner", "_run", "_slot")
+
+    def __init__(self, owner: KeySlots, key: ApiKeyEntry | None, run: RunEvents) -> None:
+        self._owner, self._key, self._run = owner, key, run
+        self._slot: KeySlot | None = None
+
+    async def __aenter__(self) -> None:
+        if self._key is not None:
+            self._slot = await self._owner._enter(self._key, self._run)
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        if self._key is not None:
+            slot, self._slot = self._slot, None
+            await self._owner._leave(self._key, self._run, slot)

@@ -304,9 +304,13 @@ class Dispatcher:
         overtakes = bool(self._waiting) and (len(queue) > 0 if batch else queue.interactive > 0)
         if not overtakes and (spec.session is not None or chain):
             loop = asyncio.get_running_loop()
+            now = loop.time()
             preference = self._affinity.prefer(
-                model.id, index.members, spec.session, chain, loop.time(), exclude
+                model.id, index.members, spec.session, chain, now, exclude
             )
+            if preference is None and spec.session is not None:
+                # A new session: where every edge would start it (nothing to reuse yet).
+                preference = self._affinity.rendezvous(index.members, spec.session, now, exclude)
             if preference is not None:
                 if preference.slot.has_free_slot:
                     preference.slot.take()
