@@ -191,15 +191,22 @@ async def available_on_both(ha: Ha, faults: SimpleNamespace) -> None:
     """Until each edge has both nodes' providers available: the nodes, given the first edge
     alone, learnt the second from the control-plane's list and dialled it too."""
 
-    async def check() -> bool:
-        for url in ha.edge_urls.values():
-            rows = await faults.catalog(url, "providers")
-            health = {r["provider_id"]: r["health"] for r in rows}
-            if any(health.get(provider) != "available" for provider in PROVIDERS):
-                return False
-        return True
+    seen: dict[str, dict[str, str]] = {}
 
-    await faults.eventually(check, timeout_s=30)
+    async def check() -> bool:
+        for edge, url in ha.edge_urls.items():
+            rows = await faults.catalog(url, "providers")
+            seen[edge] = {r["provider_id"]: r["health"] for r in rows}
+        return all(
+            health.get(provider) == "available"
+            for health in seen.values()
+            for provider in PROVIDERS
+        )
+
+    try:
+        await faults.eventually(check, timeout_s=30)
+    except TimeoutError:
+        raise AssertionError(f"not every edge has both providers available: {seen}") from None
 
 
 @pytest_asyncio.fixture(autouse=True, loop_scope="module")
@@ -356,7 +363,9 @@ ENDED = ("completed", "failed", "expired", "cancelled")
 async def test_a_batch_completes_exactly_once_per_custom_id_across_an_edge_kill(
     ha: Ha, faults: SimpleNamespace, report: Callable[[str], None]
 ) -> None:
-    async with AsyncOpenAI(base_url=ha.api_url, api_key="x", max_retries=5) as sdk:
+    # Made and watched through the edge that is then killed; read back through the balancer.
+    first = AsyncOpenAI(base_url=ha.edge_urls["edge"], api_key="x", max_retries=0)
+    async with first, AsyncOpenAI(base_url=ha.api_url, api_key="x", max_retries=5) as sdk:
         lines = [
             {
                 "custom_id": f"ha-{i}",
@@ -372,13 +381,13 @@ async def test_a_batch_completes_exactly_once_per_custom_id_across_an_edge_kill(
             for i in range(LINES)
         ]
         data = "".join(json.dumps(line) + "\n" for line in lines).encode()
-        upload = await sdk.files.create(file=("batch.jsonl", data), purpose="batch")
-        batch = await sdk.batches.create(
+        upload = await first.files.create(file=("batch.jsonl", data), purpose="batch")
+        batch = await first.batches.create(
             input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
         )
         async with asyncio.timeout(60):
             while True:
-                got = await sdk.batches.retrieve(batch.id)
+                got = await first.batches.retrieve(batch.id)
                 done = got.request_counts.completed if got.request_counts else 0
                 if done >= LINES // 4:
                     break
