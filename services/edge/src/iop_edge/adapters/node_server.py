@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ssl
-from collections.abc import Set
+from collections.abc import Awaitable, Set
 from typing import Protocol
 
 from loguru import logger
@@ -37,6 +37,7 @@ from iop_edge.service.registry import ProviderRegistry
 from iop_proto.accept import StreamServer
 from iop_proto.connection import Connection, error_body
 from iop_proto.errors import ConnectionClosed, ProtocolError, UnexpectedMessage
+from iop_proto.postgres import StorageUnavailable as StoreDown
 from iop_proto.tls import TlsRefused
 from iop_proto.v1 import runtime_pb2 as pb
 
@@ -405,7 +406,7 @@ class NodeServer:
                 len(live),
             )
         else:
-            await self._batches.worker_registered(worker_id)
+            await self._free_leases(self._batches.worker_registered(worker_id))
         session = WorkerSession(worker_id, conn, self._batches, self._guard)
         live.add(session)
         if request.follows_edges:
@@ -422,7 +423,18 @@ class NodeServer:
             task = asyncio.current_task()
             # Not when the edge stops (the task is cancelled): the next start frees them.
             if session.leases and not (task and task.cancelling()):
-                await self._batches.connection_ended(worker_id, list(session.leases))
+                await self._free_leases(
+                    self._batches.connection_ended(worker_id, list(session.leases))
+                )
+
+    @staticmethod
+    async def _free_leases(freeing: Awaitable[None]) -> None:
+        """Free a worker's leases early; with the shared store down they are left to
+        expire (their TTL), and the worker is served meanwhile."""
+        try:
+            await freeing
+        except StoreDown as exc:
+            logger.warning("leases left to expire: {}", exc)
 
     async def _follow(self, node: NodeConnection) -> None:
         registry, guard = self._registry, self._guard

@@ -5,7 +5,9 @@ waits for a provider. When the worker's connection drops, its lines in flight
 are cancelled and the leases granted on it are freed (``NodeServer``), so a
 worker (this one, dialling back, or another) resumes from the first unfinished
 line. A worker acts only on leases granted on this connection: ``PeerGuard``
-checks every lease operation before it is answered.
+checks every lease operation before it is answered. The shared store down
+(``StorageUnavailable``, on PostgreSQL) is expected: the request is answered
+with an error the worker retries after, and the connection stays up.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Awaitable, Set
+from typing import Final
 
 from loguru import logger
 
@@ -23,8 +26,11 @@ from iop_edge.errors import EdgeError
 from iop_edge.ports import BatchLeases
 from iop_proto.connection import Connection, error_body
 from iop_proto.errors import ConnectionClosed, UnexpectedMessage
+from iop_proto.postgres import StorageUnavailable as StoreDown
 from iop_proto.service.logging import log_unexpected
 from iop_proto.v1 import runtime_pb2 as pb
+
+_STORE_DOWN: Final = "the edge's store is unavailable now; retry shortly"
 
 
 class WorkerSession:
@@ -47,7 +53,10 @@ class WorkerSession:
     async def serve(self) -> None:
         try:
             async for envelope in self.conn:
-                await self._answer(envelope)
+                try:
+                    await self._answer(envelope)
+                except StoreDown as exc:  # from the guard's check, or a release
+                    await self._unavailable(envelope, exc)
         finally:
             for task in list(self._lines):
                 task.cancel()
@@ -97,6 +106,9 @@ class WorkerSession:
         except EdgeError as exc:
             code = pb.ERROR_CODE_NOT_FOUND if exc.status == 404 else pb.ERROR_CODE_PERMISSION_DENIED
             body = error_body(code, exc.message)
+        except StoreDown as exc:
+            logger.warning("worker {}: a request not answered: {}", self.worker_id, exc)
+            body = error_body(pb.ERROR_CODE_INTERNAL, _STORE_DOWN)
         except Exception as exc:
             # Per-request boundary: the worker gets an answer (it would wait for one), and
             # the session goes on serving its other requests.
@@ -104,3 +116,15 @@ class WorkerSession:
             body = error_body(pb.ERROR_CODE_INTERNAL, "the edge failed to answer")
         with contextlib.suppress(ConnectionClosed):
             await self.conn.send(body, correlation_id=reply_to)
+
+    async def _unavailable(self, envelope: pb.Envelope, exc: StoreDown) -> None:
+        """The store failed before a request was answered: an error to the request that
+        waits for an answer (a release waits for none: its lease expires instead)."""
+        kind = envelope.WhichOneof("body")
+        logger.warning("worker {}: {} not answered: {}", self.worker_id, kind, exc)
+        if kind != "lease_release":
+            with contextlib.suppress(ConnectionClosed):
+                await self.conn.send(
+                    error_body(pb.ERROR_CODE_INTERNAL, _STORE_DOWN),
+                    correlation_id=envelope.message_id,
+                )
