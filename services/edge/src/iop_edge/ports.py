@@ -264,10 +264,10 @@ class KeySlot:
 
 
 class KeyConcurrency(Protocol):
-    """Where an API key's requests in progress are counted against its ``max_concurrent``
-    (docs/ARCHITECTURE.md#limits-and-affinity-across-edges): in this edge alone, or in
-    the store every edge of the fleet shares, so that N edges hold a key to its limit,
-    not to N times it."""
+    """API keys' slots of ``max_concurrent`` in the store every edge of the fleet shares,
+    so that N edges hold a key to its limit, not to N times it
+    (docs/ARCHITECTURE.md#limits-and-affinity-across-edges). Without one, each edge's
+    ``KeySlots`` counts alone."""
 
     async def acquire(self, key_id: str, limit: int) -> KeySlot | None:
         """A slot of ``key_id`` when fewer than ``limit`` are held; ``None`` when not."""

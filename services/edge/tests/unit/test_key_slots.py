@@ -1,5 +1,5 @@
-"""``KeySlots`` over the ``KeyConcurrency`` port: a slot is given back exactly once per
-slot taken, on every way a request ends; only keys with a limit ask the port."""
+"""``KeySlots`` with a shared ``KeyConcurrency`` store: a slot is given back exactly once
+per slot taken, on every way a request ends; only keys with a limit ask the store."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ from iop_edge.domain.fleet import ApiKeyEntry
 from iop_edge.entrypoints.api_auth import KeySlots
 from iop_edge.errors import KeyRevoked, TooManyConcurrent
 from iop_edge.ports import KeySlot
-from iop_edge.service.key_slots import LocalKeyConcurrency
 
 
 class Recording:
@@ -129,14 +128,11 @@ async def test_a_revocation_while_the_slot_is_taken_gives_it_back_and_refuses() 
     assert slots.held("k") == 0
 
 
-async def test_the_local_count_is_per_key_and_exact() -> None:
-    local = LocalKeyConcurrency()
-    first = await local.acquire("k", 2)
-    second = await local.acquire("k", 2)
-    assert first is not None
-    assert second is not None
-    assert await local.acquire("k", 2) is None
-    assert await local.acquire("other", 1) is not None
-    await local.release(first)
-    assert local.held("k") == 1
-    assert await local.acquire("k", 2) is not None
+async def test_without_a_shared_store_this_edge_counts_alone() -> None:
+    slots = KeySlots()
+    async with slots.hold(LIMITED, Run()), slots.hold(LIMITED, Run()):
+        assert slots.held("k") == 2
+        with pytest.raises(TooManyConcurrent):
+            async with slots.hold(LIMITED, Run()):
+                pytest.fail("not reached")
+    assert slots.held("k") == 0

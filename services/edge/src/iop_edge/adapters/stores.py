@@ -22,7 +22,6 @@ from iop_edge.adapters.sqlite_responses import ResponseLimits, SqliteResponseSto
 from iop_edge.adapters.sqlite_runlog import SqliteRunLog
 from iop_edge.batch_ports import BatchStore
 from iop_edge.ports import KeyConcurrency, ResponseStore, RunLog
-from iop_edge.service.key_slots import LocalKeyConcurrency
 from iop_edge.settings import EdgeSettings
 from iop_proto.postgres import open_pool
 
@@ -33,9 +32,9 @@ class EdgeStores:
     responses: ResponseStore
     batches: BatchStore
     pool: asyncpg.Pool | None  # the shared store's pool; None on SQLite
-    # API keys' requests in progress: in the shared store, so a key's limit holds across
-    # edges; in this process without one (no cost beyond a count per key)
-    key_slots: KeyConcurrency
+    # API keys' slots in the shared store, so a key's limit holds across edges; None on
+    # SQLite: each edge counts its own (KeySlots)
+    key_slots: KeyConcurrency | None
 
 
 async def open_stores(settings: EdgeSettings, stack: contextlib.AsyncExitStack) -> EdgeStores:
@@ -82,7 +81,7 @@ async def open_stores(settings: EdgeSettings, stack: contextlib.AsyncExitStack) 
             sweep_interval_s=storage.sweep_interval_s,
         )
     stack.push_async_callback(batches.aclose)  # before the pool's close: it runs first
-    key_slots: KeyConcurrency = LocalKeyConcurrency()
+    key_slots: KeyConcurrency | None = None
     if pool is not None:
         shared = await PostgresKeyConcurrency.open(
             pool, settings.service_id, settings.key_slot_ttl_s

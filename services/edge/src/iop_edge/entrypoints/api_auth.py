@@ -24,7 +24,6 @@ from iop_edge.errors import (
     TooManyConcurrent,
 )
 from iop_edge.ports import KeyConcurrency, KeyRing, KeySlot, RunEvents
-from iop_edge.service.key_slots import LocalKeyConcurrency
 
 KEY_REVOKED: Final = "The API key of this request was revoked; the request was ended."
 OPEN_PATHS: Final = frozenset({"/healthz", "/readyz"})
@@ -109,17 +108,17 @@ def access_mode(keys_open: bool, allow_open: bool, host: str) -> str:
 
 class KeySlots:
     """Requests in progress per API key, as their runs: counted against each key's
-    ``max_concurrent`` where the limit holds (``KeyConcurrency``: this edge alone by
-    default, the store every edge shares when there is one), and ended when their key
-    leaves the fleet (``apply_keys``).
+    ``max_concurrent``, and ended when their key leaves the fleet (``apply_keys``).
 
-    Touched twice per request (start and end), never in between. Only a key with a
-    limit asks ``KeyConcurrency``; each slot it gives is given back exactly once, on
-    whichever way the request ends.
+    The count is this edge's own (the runs it holds), exact on one event loop, and costs
+    nothing more. With ``shared`` (the store every edge of the fleet shares,
+    ``KeyConcurrency``) a key with a limit also takes a slot there, so the limit holds
+    across edges; each slot taken is given back exactly once, whichever way the request
+    ends.
     """
 
-    def __init__(self, concurrency: KeyConcurrency | None = None) -> None:
-        self._concurrency = concurrency if concurrency is not None else LocalKeyConcurrency()
+    def __init__(self, shared: KeyConcurrency | None = None) -> None:
+        self._shared = shared
         self._held: dict[str, set[RunEvents]] = {}
         self._present: frozenset[str] = frozenset()
         self._revoked: set[str] = set()  # left the fleet since: refused if a request arrives
@@ -133,7 +132,7 @@ class KeySlots:
 
         Called before a request's body is read: a key flooding the edge is refused for the
         cost of its headers, not of parsing what it sent. ``hold`` decides again (a slot
-        may be taken meanwhile, or on another edge); this only answers early what it
+        may be taken meanwhile, here or on another edge); this only answers early what it
         would answer later.
         """
         if key is not None and 0 < key.max_concurrent <= self.held(key.key_id):
@@ -146,30 +145,32 @@ class KeySlots:
         cancelled."""
         return KeyHold(self, key, run)
 
-    async def _enter(self, key: ApiKeyEntry, run: RunEvents) -> KeySlot | None:
+    def _enter(self, key: ApiKeyEntry) -> KeyConcurrency | None:
+        """Admit ``key`` on this edge; the shared store when it must be asked too."""
         if key.key_id in self._revoked:
             # authenticated a moment before the revocation arrived (its body was still coming)
             raise KeyRevoked(KEY_REVOKED)
-        slot: KeySlot | None = None
-        if key.max_concurrent > 0:
-            self.check_room(key)
-            slot = await self._concurrency.acquire(key.key_id, key.max_concurrent)
-            if slot is None:
-                raise _too_many(key)
-            if key.key_id in self._revoked:  # revoked while the slot was being taken
-                await self._concurrency.release(slot)
-                raise KeyRevoked(KEY_REVOKED)
-        self._held.setdefault(key.key_id, set()).add(run)
+        self.check_room(key)
+        return self._shared if key.max_concurrent > 0 else None
+
+    async def _take(self, shared: KeyConcurrency, key: ApiKeyEntry) -> KeySlot:
+        slot = await shared.acquire(key.key_id, key.max_concurrent)
+        if slot is None:
+            raise _too_many(key)  # held on other edges
+        if key.key_id in self._revoked:  # revoked while the slot was being taken
+            await shared.release(slot)
+            raise KeyRevoked(KEY_REVOKED)
         return slot
 
-    async def _leave(self, key: ApiKeyEntry, run: RunEvents, slot: KeySlot | None) -> None:
-        runs = self._held.get(key.key_id)
+    def _add(self, key_id: str, run: RunEvents) -> None:
+        self._held.setdefault(key_id, set()).add(run)
+
+    def _remove(self, key_id: str, run: RunEvents) -> None:
+        runs = self._held.get(key_id)
         if runs is not None:
             runs.discard(run)
             if not runs:
-                del self._held[key.key_id]
-        if slot is not None:
-            await self._concurrency.release(slot)
+                del self._held[key_id]
 
     async def apply_keys(self, present: frozenset[str]) -> int:
         """The fleet's keys are now ``present``: end every request of a key that is not.
@@ -198,7 +199,8 @@ def _too_many(key: ApiKeyEntry) -> TooManyConcurrent:
 
 class KeyHold:
     """``KeySlots.hold``: the slot is taken on entry and given back on exit, once, on
-    every way out of the block (a plain class: it is on every keyed request's path)."""
+    every way out of the block. A plain class on every keyed request's path: without a
+    shared store nothing in it awaits."""
 
     __slots__ = ("_key", "_owner", "_run", "_slot")
 
@@ -207,10 +209,21 @@ class KeyHold:
         self._slot: KeySlot | None = None
 
     async def __aenter__(self) -> None:
-        if self._key is not None:
-            self._slot = await self._owner._enter(self._key, self._run)
+        key = self._key
+        if key is None:
+            return
+        owner = self._owner
+        shared = owner._enter(key)
+        if shared is not None:
+            self._slot = await owner._take(shared, key)
+        owner._add(key.key_id, self._run)
 
     async def __aexit__(self, *exc_info: object) -> None:
-        if self._key is not None:
-            slot, self._slot = self._slot, None
-            await self._owner._leave(self._key, self._run, slot)
+        key = self._key
+        if key is None:
+            return
+        owner = self._owner
+        owner._remove(key.key_id, self._run)
+        slot, self._slot = self._slot, None
+        if slot is not None and owner._shared is not None:
+            await owner._shared.release(slot)
