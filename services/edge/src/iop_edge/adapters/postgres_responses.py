@@ -38,12 +38,12 @@ from typing import Final
 import asyncpg
 from loguru import logger
 
+from iop_edge.adapters.response_rows import check_quota
 from iop_edge.adapters.sqlite_responses import (
     PURGE_GRACE_S,
     ResponseLimits,
     ResponseStoreClosed,
 )
-from iop_edge.errors import StorageQuotaExceeded
 from iop_edge.ports import StoredResponse
 from iop_proto.postgres import StorageUnavailable, apply_migrations, reachable
 from iop_proto.tasks import cancel_and_wait
@@ -182,14 +182,7 @@ class PostgresResponseStore:
             if not self._closed and (self._probe is None or self._probe.done()):
                 self._probe = asyncio.create_task(self._probe_once(), name="edge-response-probe")
             raise StorageUnavailable(self._outage)
-        quota = self.limits.quota_bytes
-        used = self._usage.get(key_id, 0)
-        if quota and used + incoming > quota:
-            raise StorageQuotaExceeded(
-                f"This API key's stored responses take {used} bytes of its {quota}-byte"
-                " storage quota; delete stored responses, or send store: false.",
-                param="store",
-            )
+        check_quota(self._usage.get(key_id, 0), incoming, self.limits.quota_bytes)
 
     def usage(self, key_id: str) -> int:
         """The bytes ``key_id``'s rows take, as ``admit`` counts them (last read)."""

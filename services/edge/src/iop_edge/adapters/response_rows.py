@@ -19,6 +19,8 @@ from typing import Final
 
 import aiosqlite
 
+from iop_edge.errors import StorageQuotaExceeded
+
 SCHEMA_VERSION: Final = 2
 """Kept in ``PRAGMA user_version``; bump it with a migration when the table changes."""
 
@@ -104,3 +106,14 @@ async def migrate(db: aiosqlite.Connection, version: int) -> None:
     if version == 1:
         for statement in _FROM_V1:
             await db.execute(statement)
+
+
+def check_quota(used: int, incoming: int, quota: int) -> None:
+    """``admit``'s rule on both backends: ``incoming`` more bytes must fit the key's
+    ``quota`` (0: no quota) beside the ``used`` it already has."""
+    if quota and used + incoming > quota:
+        raise StorageQuotaExceeded(
+            f"This API key's stored responses take {used} bytes of its {quota}-byte"
+            " storage quota; delete stored responses, or send store: false.",
+            param="store",
+        )

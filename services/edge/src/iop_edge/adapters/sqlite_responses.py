@@ -47,9 +47,9 @@ from iop_edge.adapters.response_rows import (
     SCHEMA_VERSION,
     SELECT,
     USAGE,
+    check_quota,
     migrate,
 )
-from iop_edge.errors import StorageQuotaExceeded
 from iop_edge.ports import StoredResponse
 from iop_proto.sqlite import BatchedWriter, WriterTuning, open_database, transaction
 from iop_proto.tasks import cancel_and_wait
@@ -153,14 +153,7 @@ class SqliteResponseStore(BatchedWriter[StoredResponse]):
     # -- ResponseStore -------------------------------------------------------------
 
     def admit(self, key_id: str, incoming: int) -> None:
-        quota = self.limits.quota_bytes
-        used = self._usage.get(key_id, 0)
-        if quota and used + incoming > quota:
-            raise StorageQuotaExceeded(
-                f"This API key's stored responses take {used} bytes of its {quota}-byte"
-                " storage quota; delete stored responses, or send store: false.",
-                param="store",
-            )
+        check_quota(self._usage.get(key_id, 0), incoming, self.limits.quota_bytes)
 
     def usage(self, key_id: str) -> int:
         """The bytes ``key_id``'s rows take, as ``admit`` counts them."""
