@@ -55,6 +55,13 @@ class Operation(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     OPERATION_COMPLETIONS: _ClassVar[Operation]
     OPERATION_EMBEDDINGS: _ClassVar[Operation]
     OPERATION_COUNT_TOKENS: _ClassVar[Operation]
+
+class BudgetPeriod(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    BUDGET_PERIOD_UNSPECIFIED: _ClassVar[BudgetPeriod]
+    BUDGET_PERIOD_DAY: _ClassVar[BudgetPeriod]
+    BUDGET_PERIOD_WEEK: _ClassVar[BudgetPeriod]
+    BUDGET_PERIOD_MONTH: _ClassVar[BudgetPeriod]
 ERROR_CODE_UNSPECIFIED: ErrorCode
 ERROR_CODE_BAD_FRAME: ErrorCode
 ERROR_CODE_FRAME_TOO_LARGE: ErrorCode
@@ -89,6 +96,10 @@ OPERATION_CHAT_COMPLETIONS: Operation
 OPERATION_COMPLETIONS: Operation
 OPERATION_EMBEDDINGS: Operation
 OPERATION_COUNT_TOKENS: Operation
+BUDGET_PERIOD_UNSPECIFIED: BudgetPeriod
+BUDGET_PERIOD_DAY: BudgetPeriod
+BUDGET_PERIOD_WEEK: BudgetPeriod
+BUDGET_PERIOD_MONTH: BudgetPeriod
 
 class Envelope(_message.Message):
     __slots__ = ("message_id", "correlation_id", "sent_at_unix_ms", "register_request", "register_response", "heartbeat", "provider_snapshot", "run_request", "run_event", "cancel_request", "error", "edge_hello", "fleet_config", "authorize_node_request", "authorize_node_response", "node_status_report", "lease_request", "lease_grant", "lease_renew", "lease_release", "batch_line_request", "batch_line_result")
@@ -504,20 +515,52 @@ class ModelConfig(_message.Message):
     def __init__(self, id: _Optional[str] = ..., display_name: _Optional[str] = ..., providers: _Optional[_Mapping[str, str]] = ..., max_output_tokens: _Optional[int] = ..., retries: _Optional[int] = ..., context_window: _Optional[int] = ...) -> None: ...
 
 class ApiKeyPolicy(_message.Message):
-    __slots__ = ("key_id", "name", "key_hash", "models", "max_concurrent", "operator")
+    __slots__ = ("key_id", "name", "key_hash", "models", "max_concurrent", "operator", "limits", "model_limits", "weight", "priority")
     KEY_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     KEY_HASH_FIELD_NUMBER: _ClassVar[int]
     MODELS_FIELD_NUMBER: _ClassVar[int]
     MAX_CONCURRENT_FIELD_NUMBER: _ClassVar[int]
     OPERATOR_FIELD_NUMBER: _ClassVar[int]
+    LIMITS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_LIMITS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     key_id: str
     name: str
     key_hash: str
     models: _containers.RepeatedScalarFieldContainer[str]
     max_concurrent: int
     operator: bool
-    def __init__(self, key_id: _Optional[str] = ..., name: _Optional[str] = ..., key_hash: _Optional[str] = ..., models: _Optional[_Iterable[str]] = ..., max_concurrent: _Optional[int] = ..., operator: _Optional[bool] = ...) -> None: ...
+    limits: KeyLimits
+    model_limits: _containers.RepeatedCompositeFieldContainer[ModelKeyLimits]
+    weight: int
+    priority: int
+    def __init__(self, key_id: _Optional[str] = ..., name: _Optional[str] = ..., key_hash: _Optional[str] = ..., models: _Optional[_Iterable[str]] = ..., max_concurrent: _Optional[int] = ..., operator: _Optional[bool] = ..., limits: _Optional[_Union[KeyLimits, _Mapping]] = ..., model_limits: _Optional[_Iterable[_Union[ModelKeyLimits, _Mapping]]] = ..., weight: _Optional[int] = ..., priority: _Optional[int] = ...) -> None: ...
+
+class KeyLimits(_message.Message):
+    __slots__ = ("requests_per_minute", "input_tokens_per_minute", "output_tokens_per_minute", "token_budget", "budget_period", "max_concurrent")
+    REQUESTS_PER_MINUTE_FIELD_NUMBER: _ClassVar[int]
+    INPUT_TOKENS_PER_MINUTE_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKENS_PER_MINUTE_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_PERIOD_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONCURRENT_FIELD_NUMBER: _ClassVar[int]
+    requests_per_minute: int
+    input_tokens_per_minute: int
+    output_tokens_per_minute: int
+    token_budget: int
+    budget_period: BudgetPeriod
+    max_concurrent: int
+    def __init__(self, requests_per_minute: _Optional[int] = ..., input_tokens_per_minute: _Optional[int] = ..., output_tokens_per_minute: _Optional[int] = ..., token_budget: _Optional[int] = ..., budget_period: _Optional[_Union[BudgetPeriod, str]] = ..., max_concurrent: _Optional[int] = ...) -> None: ...
+
+class ModelKeyLimits(_message.Message):
+    __slots__ = ("model", "limits")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    LIMITS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    limits: KeyLimits
+    def __init__(self, model: _Optional[str] = ..., limits: _Optional[_Union[KeyLimits, _Mapping]] = ...) -> None: ...
 
 class FleetConfig(_message.Message):
     __slots__ = ("version", "models", "nodes", "api_keys", "revoked_token_ids", "retired_node_ids", "accepts_node_status", "edges")

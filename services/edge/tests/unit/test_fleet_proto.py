@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 from iop_edge.adapters.fleet_proto import fleet_from_proto
-from iop_edge.domain.fleet import DEFAULT_MAX_OUTPUT_TOKENS, DEFAULT_RETRIES
+from iop_edge.domain.fleet import (
+    DEFAULT_MAX_OUTPUT_TOKENS,
+    DEFAULT_RETRIES,
+    NO_LIMITS,
+    BudgetPeriod,
+    KeyLimits,
+)
 from iop_proto.v1 import runtime_pb2 as pb
 
 
@@ -42,3 +48,32 @@ def test_a_models_context_window_is_taken_and_zero_when_unset() -> None:
     )
     models = fleet_from_proto(config).models
     assert [models[m].context_window for m in ("known", "older-control-plane")] == [8192, 0]
+
+
+def test_a_keys_limits_weight_and_priority_are_taken_and_default_when_unset() -> None:
+    config = pb.FleetConfig(
+        api_keys=[
+            pb.ApiKeyPolicy(
+                key_id="a",
+                key_hash="ha",
+                limits=pb.KeyLimits(
+                    requests_per_minute=5, token_budget=9, budget_period=pb.BUDGET_PERIOD_DAY
+                ),
+                model_limits=[pb.ModelKeyLimits(model="m", limits=pb.KeyLimits(max_concurrent=2))],
+                weight=3,
+                priority=-1,
+            ),
+            pb.ApiKeyPolicy(key_id="b", key_hash="hb", limits=pb.KeyLimits(token_budget=4)),
+            pb.ApiKeyPolicy(key_id="c", key_hash="hc"),
+        ]
+    )
+    keys = fleet_from_proto(config).api_keys
+    assert keys["ha"].limits == KeyLimits(
+        requests_per_minute=5, token_budget=9, budget_period=BudgetPeriod.DAY
+    )
+    assert keys["ha"].model_limits == {"m": KeyLimits(max_concurrent=2)}
+    assert (keys["ha"].weight, keys["ha"].priority) == (3, -1)
+    assert keys["hb"].limits.budget_period is BudgetPeriod.MONTH  # unset period: a month
+    assert keys["hc"].limits == NO_LIMITS
+    assert keys["hc"].limits.unlimited
+    assert (keys["hc"].weight, keys["hc"].priority, keys["hc"].model_limits) == (1, 0, {})

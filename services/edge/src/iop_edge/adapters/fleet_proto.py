@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from typing import Final
+
 from iop_edge.domain.fleet import (
     DEFAULT_MAX_OUTPUT_TOKENS,
     DEFAULT_RETRIES,
     PUBLIC_OPERATIONS,
     ApiKeyEntry,
+    BudgetPeriod,
     Fleet,
+    KeyLimits,
     ModelEntry,
     Operation,
     ProviderEntry,
@@ -67,6 +71,10 @@ def fleet_from_proto(config: pb.FleetConfig) -> Fleet:
             models=frozenset(k.models),
             max_concurrent=k.max_concurrent,
             operator=k.operator,
+            limits=key_limits(k.limits),
+            model_limits={m.model: key_limits(m.limits) for m in k.model_limits},
+            weight=max(1, k.weight),
+            priority=k.priority,
         )
         for k in config.api_keys
     }
@@ -76,4 +84,23 @@ def fleet_from_proto(config: pb.FleetConfig) -> Fleet:
         providers=providers,
         api_keys=keys,
         revoked_token_ids=frozenset(config.revoked_token_ids),
+    )
+
+
+_BUDGET_PERIODS: Final = {
+    pb.BUDGET_PERIOD_DAY: BudgetPeriod.DAY,
+    pb.BUDGET_PERIOD_WEEK: BudgetPeriod.WEEK,
+    pb.BUDGET_PERIOD_MONTH: BudgetPeriod.MONTH,
+}
+
+
+def key_limits(limits: pb.KeyLimits) -> KeyLimits:
+    """A key's limits as the edge holds them; an unset period is a month (the proto's word)."""
+    return KeyLimits(
+        requests_per_minute=limits.requests_per_minute,
+        input_tokens_per_minute=limits.input_tokens_per_minute,
+        output_tokens_per_minute=limits.output_tokens_per_minute,
+        token_budget=limits.token_budget,
+        budget_period=_BUDGET_PERIODS.get(limits.budget_period, BudgetPeriod.MONTH),
+        max_concurrent=limits.max_concurrent,
     )

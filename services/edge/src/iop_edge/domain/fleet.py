@@ -87,6 +87,43 @@ class ProviderEntry:
     operations: frozenset[Operation] = ALL_OPERATIONS  # what it offers (the fleet file's word)
 
 
+class BudgetPeriod(StrEnum):
+    """The period a key's token budget renews over (calendar periods, UTC)."""
+
+    DAY = "day"
+    WEEK = "week"
+    MONTH = "month"
+
+
+@dataclass(frozen=True, slots=True)
+class KeyLimits:
+    """How much a key (or a key on one model) may use; 0 in a field = no limit of that kind.
+
+    ``max_concurrent`` is read for per-model limits only: the key's own stays
+    ``ApiKeyEntry.max_concurrent`` (the field it had before rates existed).
+    """
+
+    requests_per_minute: int = 0
+    input_tokens_per_minute: int = 0
+    output_tokens_per_minute: int = 0
+    token_budget: int = 0  # input + output tokens per budget_period
+    budget_period: BudgetPeriod = BudgetPeriod.MONTH
+    max_concurrent: int = 0
+
+    @property
+    def unlimited(self) -> bool:
+        return not (
+            self.requests_per_minute
+            or self.input_tokens_per_minute
+            or self.output_tokens_per_minute
+            or self.token_budget
+            or self.max_concurrent
+        )
+
+
+NO_LIMITS = KeyLimits()
+
+
 @dataclass(frozen=True, slots=True)
 class ApiKeyEntry:
     """An API key's policy; the key itself is never known to the edge, only its sha256."""
@@ -97,6 +134,10 @@ class ApiKeyEntry:
     models: frozenset[str]  # empty = every model
     max_concurrent: int  # 0 = unlimited
     operator: bool = False  # sees and acts on every key's files, batches and runs
+    limits: KeyLimits = NO_LIMITS  # the whole key's rates and budget
+    model_limits: Mapping[str, KeyLimits] = field(default_factory=dict)  # on top, per model
+    weight: int = 1  # its share of turns in a model's queue (at least 1)
+    priority: int = 0  # higher is served first; 0 = the interactive default
 
     def allows(self, model: str) -> bool:
         return not self.models or model in self.models
