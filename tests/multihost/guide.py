@@ -5,13 +5,18 @@ The guide marks each shell block it wants run with a comment just above the fenc
     <!-- test: host=2 step=first -->            run on host 2 as part of step "first"
     <!-- test: host=all step=first run=no ... --> shown, counted, not run (installs)
     <!-- test: host=2 step=first run=background -->  a long-running program (a provider)
-    <!-- test: vars -->                          HOST1..HOST3: the test sets its own
+    <!-- test: vars -->                          HOST1..HOST4: the test sets its own
+
+``host=all`` is every IOP host (1 to 3); host 4 runs only Debian's PostgreSQL and HAProxy
+(the last section), whose units ``debian_units`` stands in for.
 
 A step is run block by block, in the guide's order. Only what a real host has and a test
 host has not is rewritten (the guide's last section lists it): the three hosts share one
 file system, so ``/etc/iop``, ``/var/lib/iop`` and ``/etc/systemd/system`` become a
 directory per host and ``/opt/iop`` the virtualenv running the tests; the test runs as
-root and creates no user, so ``sudo`` / ``sudo -u iop`` go and the owner ``iop`` is root;
+root and creates no user, so ``sudo`` / ``sudo -u iop`` go and the owner ``iop`` is root
+(``sudo -u postgres`` becomes ``runuser -u postgres --``: that account exists, and the
+database server accepts its commands only as it);
 ``systemctl`` and ``scp`` lines are carried out here (the unit's ExecStart in the host's
 namespace; a copy to the host of the address). Everything else is run as written, by
 bash in the host's namespace, from a checkout of the repository (one per host).
@@ -23,12 +28,14 @@ import asyncio
 import contextlib
 import re
 import shlex
+import signal
 import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from debian_units import DebianPostgres, Haproxy
 from netns import Host, Network
 
 from iop_proto.testing import RunningService, running_service, stop_service
@@ -40,6 +47,10 @@ _TAG = re.compile(r"<!-- test: (?P<tag>[^>]*?)\s*-->\s*\n```(?:sh|bash)\n(?P<bod
 _HEREDOC = re.compile(r"<<-?\s*'?(\w+)'?")
 _ONLY = re.compile(r"#\s*hosts?\s+([\d, ]+)\s*$")  # "# host 1", "# hosts 2, 3": who runs it
 _SUDO = re.compile(r"\bsudo (?:-u \S+ )?")
+_SUDO_POSTGRES = re.compile(r"\bsudo -u postgres ")
+# Where a host keeps what the guide writes (each a directory of the host's own)
+_HOST_PATHS = ("/etc/systemd/system", "/etc/iop", "/var/lib/iop", "/etc/postgresql", "/etc/haproxy")
+_ALL = (1, 2, 3)  # host=all: the IOP hosts
 _VAR = re.compile(r"^(HOST\d)=\S+", re.M)
 # A host's own directory where a settings file names it (not inside a path already rewritten)
 _HOST_DIR = re.compile(r"(?<![\w.-])(/etc/iop|/var/lib/iop)(?=/|\b)")
@@ -97,7 +108,7 @@ def parse(text: str) -> tuple[list[Block], list[str]]:
             variables = _VAR.findall(match["body"])
             continue
         host = fields["host"]
-        hosts = (1, 2, 3) if host == "all" else (int(host),)
+        hosts = _ALL if host == "all" else (int(host),)
         mode = fields.get("run", "run")
         blocks.append(Block(hosts, fields["step"], mode, _commands(match["body"], hosts)))
     return blocks, variables
@@ -111,15 +122,18 @@ class HostFiles:
     root: Path
 
     def rewrite(self, text: str) -> str:
-        text = text.replace("/etc/systemd/system", str(self.root / "etc/systemd/system"))
-        text = text.replace("/etc/iop", str(self.root / "etc/iop"))
-        text = text.replace("/var/lib/iop", str(self.root / "var/lib/iop"))
+        for path in _HOST_PATHS:
+            text = text.replace(path, str(self.root) + path)
         text = text.replace("/opt/iop", sys.prefix)
+        text = _SUDO_POSTGRES.sub("runuser -u postgres -- ", text)
         text = _SUDO.sub("", text)
         return text.replace("-o iop -g iop ", "").replace("iop:iop", "root:root")
 
     def rewrite_settings(self, text: str) -> str:
-        """A settings file copied here: the paths it names, on this host."""
+        """A settings file copied here: the paths it names, on this host (a path the
+        sending host's commands wrote as its own included: a real host's are the same)."""
+        sender = re.compile(re.escape(str(self.root.parent)) + r"/host\d+(?=/etc/iop|/var/lib/iop)")
+        text = sender.sub(str(self.root), text)
         return _HOST_DIR.sub(lambda m: str(self.root) + m.group(1), text)
 
     @property
@@ -141,6 +155,8 @@ class Guide:
     _stacks: dict[tuple[int, str], contextlib.AsyncExitStack] = field(default_factory=dict)
     _background: list[asyncio.subprocess.Process] = field(default_factory=list)
     _files: dict[int, HostFiles] = field(default_factory=dict)
+    _postgres: dict[int, DebianPostgres] = field(default_factory=dict)
+    _haproxy: dict[int, Haproxy] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.blocks, variables = parse(GUIDE.read_text())
@@ -153,6 +169,7 @@ class Guide:
             for name in _CHECKOUT:
                 (files.checkout / name).symlink_to(ROOT / name)
             self._files[host.number] = files
+            self._postgres[host.number] = DebianPostgres(host, files.root)
 
     @property
     def variables(self) -> dict[str, str]:
@@ -183,12 +200,25 @@ class Guide:
         printed: list[str] = []
         for block in self.steps(step):
             if block.mode == "no":
+                await self._installed(block)
                 continue
             for command in block.commands:
                 for number in command.hosts:
                     printed.append(await self._one(block, command, number))
         self.durations[step] = time.monotonic() - started
         return "".join(printed)
+
+    async def _installed(self, block: Block) -> None:
+        """What a Debian package the block installs leaves on the host: PostgreSQL's
+        cluster, started; HAProxy's /etc/haproxy (the IOP packages leave nothing the
+        checkout's virtualenv lacks)."""
+        for command in block.commands:
+            packages = command.text.split("apt-get install", 1)[-1].split()
+            for number in command.hosts if "apt-get install" in command.text else ():
+                if "haproxy" in packages:
+                    (self.files(number).root / "etc/haproxy").mkdir(parents=True, exist_ok=True)
+                if "postgresql" in packages:
+                    await self._postgres[number].install()
 
     async def _one(self, block: Block, command: Command, number: int) -> str:
         files = self.files(number)
@@ -214,7 +244,7 @@ class Guide:
             "-c",
             script,
             cwd=files.checkout,
-            env={**self.environment, **self.variables},
+            env={**self.environment, **self.variables, **self._postgres[files.host.number].env},
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
         )
@@ -254,7 +284,9 @@ class Guide:
             return
         for unit in units:
             key = (files.host.number, unit.removesuffix(".service"))
-            if action in ("start", "restart") or (action == "enable" and now):
+            if key[1] in ("postgresql", "haproxy"):
+                await self._debian_unit(files, key[1], action, now)
+            elif action in ("start", "restart") or (action == "enable" and now):
                 if action == "restart":
                     await self.stop(*key)
                 await self._start_unit(files, key[1])
@@ -262,6 +294,36 @@ class Guide:
                 await self.stop(*key)
             else:
                 raise GuideError(f"the test cannot carry out 'systemctl {' '.join(words)}'")
+
+    async def _debian_unit(self, files: HostFiles, unit: str, action: str, now: bool) -> None:
+        number = files.host.number
+        if action == "enable" and now:
+            action = "start"
+        if action not in ("start", "stop", "restart"):
+            raise GuideError(f"the test cannot carry out 'systemctl {action} {unit}'")
+        if unit == "postgresql":
+            await self._postgres[number].control(action)
+            return
+        running = self._haproxy.pop(number, None)
+        if running is not None:
+            await running.stop()
+        if action != "stop":
+            self._haproxy[number] = Haproxy(files.host, files.root / "etc/haproxy/haproxy.cfg")
+            await self._haproxy[number].start()
+
+    def haproxy_log(self, number: int) -> str:
+        """What host ``number``'s HAProxy printed (its checks' verdicts, a line a connection)."""
+        running = self._haproxy.get(number)
+        return "".join(running.log) if running is not None else ""
+
+    async def kill(self, number: int, unit: str) -> int | None:
+        """SIGKILL a unit the guide started on host ``number`` (a host's sudden death, as
+        far as that service goes); its exit code."""
+        service = self.services.pop((number, unit))
+        code = await stop_service(service, signal.SIGKILL)
+        await self._stacks.pop((number, unit)).aclose()
+        self.exits[(number, unit)] = code
+        return code
 
     async def _start_unit(self, files: HostFiles, unit: str) -> None:
         script, config, env = _read_unit(files, unit)
@@ -293,13 +355,20 @@ class Guide:
         (receiver,) = [f for f in self._files.values() if f.host.address == address]
         for source in sources:
             into = _copy(files.checkout, Path(files.rewrite(source)), receiver.rewrite(path))
-            if into.suffix == ".yaml":
+            if into.suffix in (".yaml", ".env"):
                 into.write_text(receiver.rewrite_settings(into.read_text()))
 
     async def close(self) -> None:
+        for haproxy in self._haproxy.values():
+            with contextlib.suppress(Exception):
+                await haproxy.stop()
         for number, unit in reversed(list(self._stacks)):
             with contextlib.suppress(Exception):
                 await self.stop(number, unit)
+        for postgres in self._postgres.values():
+            if postgres.installed:
+                with contextlib.suppress(Exception):
+                    await postgres.control("stop")
         for process in self._background:
             if process.returncode is None:
                 process.kill()

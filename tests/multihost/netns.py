@@ -1,4 +1,4 @@
-"""Three test hosts made from Linux network namespaces, joined by a bridge in a fourth.
+"""Test hosts made from Linux network namespaces, joined by a bridge in one more.
 
 Each host is a namespace with one interface (``eth0``, 10.77.0.<n>/24) whose veth peer is a
 port of a bridge living in its own namespace, so the hosts reach each other and nothing
@@ -113,7 +113,7 @@ def _kill_leftovers(namespace: str) -> None:
 
 
 @contextlib.contextmanager
-def three_hosts(count: int = 3) -> Iterator[Network]:
+def make_hosts(count: int) -> Iterator[Network]:
     """Make ``count`` hosts on one bridge; remove them all on exit."""
     reason = unavailable_reason()
     if reason is not None:

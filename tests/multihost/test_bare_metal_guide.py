@@ -1,14 +1,17 @@
-"""docs/deploy-bare-metal.md, followed on three hosts: each step is the guide's own commands.
+"""docs/deploy-bare-metal.md, followed on four hosts: each step is the guide's own commands.
 
 The hosts are network namespaces on one bridge (``netns``); ``guide`` runs the blocks the
 guide marks, on the host each names. The tests run in the guide's order and share one
 fleet: first completion (a client on host 1 -> the edge -> node-a on host 2 -> a real
 llama.cpp), node-b added on host 3 while it runs, its provider's served name changed (the
-catalog follows), node-b retired, and host 2's link cut without a word (node-a's provider
-leaves selection within the failure-detection bound).
+catalog follows), node-b retired, host 2's link cut without a word (node-a's provider
+leaves selection within the failure-detection bound), then the last section: a second
+edge on host 2, both edges on host 4's PostgreSQL behind its HAProxy, and host 1's edge
+SIGKILLed under load through the balancer.
 
 What the test itself looks at (the catalog, the run log, tokens) it reads from host 1,
-the only place an operator could: addresses exist only between the namespaces.
+the only place an operator could: addresses exist only between the namespaces (host 3
+stands for a client elsewhere once the balancer is up).
 """
 
 from __future__ import annotations
@@ -16,17 +19,23 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
+import shutil
+import signal
 import sys
+import tempfile
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 import pytest_asyncio
 from cryptography import x509
-from guide import ROOT, Guide
-from netns import SUBNET, Host, Network
+from guide import Guide
+from hostapi import available, catalog, chat, control_plane_cli, eventually, http, node_list, record
+from netns import SUBNET, Network
 
 from iop_proto.testing import running_service
 
@@ -34,100 +43,25 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 # README "Failure detection": heartbeats every 2 s, a peer silent for 3 of them is dead.
 HEARTBEAT_DEADLINE_S = 6.0
-POLL_S = 0.25
 # What the test's own look adds to the measured moment: one poll, and starting a process
 # in the namespace to make it.
 MEASURE_SLACK_S = 1.0
 # The issue's figures for the way before this guide (docs only, three hosts, a fast reader).
 BEFORE_STEPS, BEFORE_SECONDS = 24, 210
-FIGURES = ROOT / "var" / "multihost" / "figures.json"
-
-_FETCH = """
-import json, sys, urllib.error, urllib.request
-method, url, body = sys.argv[1], sys.argv[2], sys.argv[3]
-request = urllib.request.Request(url, data=body.encode() or None, method=method,
-                                 headers={"Content-Type": "application/json"})
-try:
-    with urllib.request.urlopen(request, timeout=60) as answer:
-        print(json.dumps([answer.status, json.loads(answer.read() or b"null")]))
-except urllib.error.HTTPError as error:
-    print(json.dumps([error.code, json.loads(error.read() or b"null")]))
-"""
-
-
-async def http(host: Host, method: str, path: str, body: object = None) -> tuple[int, Any]:
-    """A request to the edge's API on ``host`` (127.0.0.1:8080 there), from inside it."""
-    process = await asyncio.create_subprocess_exec(
-        *host.wrapper,
-        sys.executable,
-        "-c",
-        _FETCH,
-        method,
-        f"http://127.0.0.1:8080{path}",
-        "" if body is None else json.dumps(body),
-        stdout=asyncio.subprocess.PIPE,
-    )
-    out, _ = await process.communicate()
-    status, answer = json.loads(out)
-    return int(status), answer
-
-
-async def catalog(host: Host, kind: str) -> dict[str, dict[str, Any]]:
-    status, answer = await http(host, "GET", f"/iop/v1/catalog/{kind}")
-    assert status == 200, answer
-    key = "provider_id" if kind == "providers" else "id"
-    return {entry[key]: entry for entry in answer["data"]}
-
-
-async def eventually(
-    check: Callable[[], Awaitable[bool]], within_s: float, seen: object = None
-) -> float:
-    """Poll ``check`` until true; the seconds it took. Fails after ``within_s``, showing
-    ``seen`` (what the check last saw, where it keeps that)."""
-    started = time.monotonic()
-    while not await check():
-        assert time.monotonic() - started < within_s, f"not so within {within_s} s: {seen}"
-        await asyncio.sleep(POLL_S)
-    return time.monotonic() - started
-
-
-def available(host: Host, model: str, provider: str) -> Callable[[], Awaitable[bool]]:
-    async def check() -> bool:
-        entry = (await catalog(host, "models")).get(model)
-        return entry is not None and provider in entry["available_providers"]
-
-    return check
-
-
-async def chat(host: Host, model: str) -> tuple[int, Any]:
-    body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
-    return await http(host, "POST", "/v1/chat/completions", body)
-
-
-def control_plane_cli(guide: Guide, *args: str) -> str:
-    """The control-plane's CLI on host 1, with the settings file the guide wrote there."""
-    settings = guide.files(1).root / "etc/iop/control-plane.yaml"
-    return " ".join([f"{sys.prefix}/bin/iop-control-plane", "--config", str(settings), *args])
-
-
-def node_list(guide: Guide) -> str:
-    return control_plane_cli(guide, "node", "list", "--json")
-
-
-def record(figures: dict[str, Any]) -> None:
-    FIGURES.parent.mkdir(parents=True, exist_ok=True)
-    known = json.loads(FIGURES.read_text()) if FIGURES.exists() else {}
-    FIGURES.write_text(json.dumps({**known, **figures}, indent=2) + "\n")
-    print(f"\n[multihost] {figures}")
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def guide(network: Network, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Guide]:
-    running = Guide(network, tmp_path_factory.mktemp("hosts"), dict(os.environ))
+async def guide(network: Network) -> AsyncIterator[Guide]:
+    # Outside pytest's root-only temporary tree: host 4's PostgreSQL runs as the postgres
+    # account, which must reach its cluster's directories there.
+    base = Path(tempfile.mkdtemp(prefix="iop-multihost-"))
+    os.chmod(base, 0o711)
+    running = Guide(network, base, dict(os.environ))
     try:
         yield running
     finally:
         await running.close()
+        shutil.rmtree(base, ignore_errors=True)
 
 
 async def test_first_completion_on_three_hosts_following_the_guide(guide: Guide) -> None:
@@ -318,3 +252,217 @@ async def test_the_edge_reissued_with_another_name_takes_its_nodes_back(guide: G
     await eventually(available(host1, "smollm2:135m", "node-a-llamacpp"), 40)
     status, answer = await chat(host1, "smollm2:135m")
     assert status == 200, answer
+
+
+# --- Two edge hosts and one PostgreSQL host ----------------------------------------------
+
+MODEL, PROVIDER = "smollm2:135m", "node-a-llamacpp"
+LOAD_CLIENT = Path(__file__).with_name("load_client.py")
+LOAD_TOTAL, LOAD_CONCURRENCY, KILL_AFTER = 80, 4, 20
+
+
+def issued_key(printed: str) -> str:
+    """The key `key issue` printed, the line after its "Issued API key" line."""
+    lines = printed.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("Issued API key"))
+    return next(line.strip() for line in lines[start + 1 :] if line.strip())
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def clients_key(guide: Guide) -> str:
+    """The guide's last section, run: both edges on host 4's PostgreSQL behind its HAProxy;
+    the API key it issued for clients."""
+    guide.network.mend(2)  # whatever the tests before left cut
+    key = issued_key(await guide.run("ha"))
+    for number in (1, 2):  # node-a, told of edge-2 by the control-plane, dialled it too
+        await eventually(available(guide.network.host(number), MODEL, PROVIDER, key), 60)
+    # HAProxy sends to an edge once its checks pass (rise 2, a second apart), which an
+    # edge that just started may not have yet: until it has served through each.
+    host3, balancer = guide.network.host(3), guide.network.host(4).address
+
+    async def both_served() -> bool:
+        await chat(host3, MODEL, to=balancer, key=key)
+        return {"edge-1", "edge-2"} <= {c.edge for c in connections(guide.haproxy_log(4))}
+
+    await eventually(both_served, 30, guide)
+    return key
+
+
+@dataclass(frozen=True)
+class Connection:
+    """One client connection as HAProxy logged it when it ended (``option tcplog``)."""
+
+    edge: str  # the server that carried it
+    answered_bytes: int  # what the edge sent back: 0 for one cut before any answer
+    redispatched: bool  # "+" on its retries: refused by one edge, carried by the other
+
+
+# "api edges/edge-1 1/0/267 901 -- 5/5/4/2/+1 0/0": timers, bytes, state, counts/retries
+_TCPLOG = re.compile(r" edges/(edge-\d) [-\d]+/[-\d]+/[-\d]+ (\d+) \S+ (?:[-\d]+/){4}(\+?)\d+ ")
+
+
+def connections(haproxy_log: str) -> list[Connection]:
+    return [
+        Connection(edge, int(answered), bool(plus))
+        for edge, answered, plus in _TCPLOG.findall(haproxy_log)
+    ]
+
+
+async def test_two_edges_on_one_postgresql_following_the_guide(
+    guide: Guide, clients_key: str
+) -> None:
+    host3, balancer = guide.network.host(3), guide.network.host(4).address
+    for number in (1, 2):
+        edge = guide.services[(number, "iop-edge")]
+        await edge.wait_for_line("shared store: PostgreSQL")
+    # The worker, given host 1's edge only, learnt of edge-2 and joined it too.
+    await guide.services[(2, "iop-edge")].wait_for_line("worker worker registered")
+    # A client on host 3 reaches the pool through host 4, with the key; without it, refused.
+    status, answer = await chat(host3, MODEL, to=balancer, key=clients_key)
+    assert status == 200, (answer, guide.haproxy_log(4))
+    assert answer["choices"][0]["message"]["content"]
+    status, answer = await chat(host3, MODEL, to=balancer)
+    assert status == 401, answer
+    record(
+        {
+            "edge_tier": {
+                "manual_steps": guide.manual_commands("ha"),
+                "manual_steps_without_the_install": guide.manual_commands("ha", installs=False),
+                "seconds_of_the_setup_commands": round(guide.durations["ha"], 1),
+            }
+        }
+    )
+
+
+async def load(guide: Guide, key: str, on_progress: Any) -> list[dict[str, Any]]:
+    """``load_client.py`` on host 3 through host 4's balancer; ``on_progress(ended)`` is
+    awaited after each request ends; every request's line."""
+    url = f"http://{guide.network.host(4).address}:8080/v1"
+    argv = (url, key, MODEL, str(LOAD_TOTAL), str(LOAD_CONCURRENCY))
+    process = await asyncio.create_subprocess_exec(
+        *guide.network.host(3).wrapper,
+        *(sys.executable, str(LOAD_CLIENT), *argv),
+        stdout=asyncio.subprocess.PIPE,
+    )
+    assert process.stdout is not None
+    ended: list[dict[str, Any]] = []
+    async with asyncio.timeout(240):
+        while line := await process.stdout.readline():
+            ended.append(json.loads(line))
+            await on_progress(len(ended))
+        assert await process.wait() == 0
+    return ended
+
+
+async def test_an_edge_host_killed_under_load_through_the_balancer(
+    guide: Guide, clients_key: str
+) -> None:
+    """Host 1's edge SIGKILLed while a client on host 3 sends through host 4: nothing is
+    lost, only requests in flight at the kill may fail (each with a clear error), every
+    request sent after it completes on edge-2; what edge 1 stored, edge-2 reads."""
+    host1, host2, host3 = (guide.network.host(n) for n in (1, 2, 3))
+    balancer = guide.network.host(4).address
+    # Made on host 1's edge, before it dies: a stored response, and a file.
+    status, first = await http(
+        host1,
+        "POST",
+        "/v1/responses",
+        {"model": MODEL, "input": "one", "max_output_tokens": 8},
+        key=clients_key,
+    )
+    assert status == 200, first
+    content = '{"n": 1}\n'
+    upload = guide.files(1).root / "upload.jsonl"
+    upload.write_text(content)
+    uploaded = json.loads(
+        await guide.shell(
+            1,
+            f"curl -sf -H 'Authorization: Bearer {clients_key}' -F purpose=batch "
+            f"-F file=@{upload} http://127.0.0.1:8080/v1/files",
+        )
+    )
+
+    moments: dict[str, float] = {}
+
+    async def kill_when_due(ended: int) -> None:
+        if ended == KILL_AFTER:
+            moments["killing"] = time.monotonic()
+            moments["code"] = await guide.kill(1, "iop-edge") or 0
+            moments["dead"] = time.monotonic()
+
+    logged_before = len(guide.haproxy_log(4))
+    sent = await load(guide, clients_key, kill_when_due)
+    carried = connections(guide.haproxy_log(4)[logged_before:])
+    killing, dead = moments["killing"], moments["dead"]
+    kinds = [s["kind"] for s in sent]
+    counts = {
+        "sent": len(sent),
+        "completed": kinds.count("completed"),
+        "failed": kinds.count("error") + kinds.count("cut"),
+        "lost": kinds.count("lost"),
+    }
+    in_flight = [s for s in sent if s["started"] < dead and s["ended"] > killing]
+    after = [s for s in sent if s["started"] > dead]
+    failed = [s for s in sent if s["kind"] != "completed"]
+    assert moments["code"] == -signal.SIGKILL
+    assert counts["sent"] == LOAD_TOTAL
+    assert counts["lost"] == 0, [s for s in sent if s["kind"] == "lost"]
+    assert in_flight, "the kill landed while no request was running: nothing was tested"
+    assert all(s in in_flight for s in failed), [s for s in failed if s not in in_flight]
+    # and they are the ones HAProxy was carrying on the killed edge: cut before any answer.
+    cut_on_edge_1 = [c for c in carried if c.edge == "edge-1" and c.answered_bytes == 0]
+    assert len(failed) == len(cut_on_edge_1), (failed, carried)
+    assert all(c.answered_bytes > 0 for c in carried if c.edge == "edge-2"), carried
+    assert after, "no request was sent after the kill"
+    assert all(s["kind"] == "completed" for s in after), [s for s in after if s not in failed]
+
+    # What host 1's edge stored, read on edge-2 (host 2's own API) and through the balancer.
+    readable: dict[str, int] = {}
+    for where, host, to in (("edge-2", host2, "127.0.0.1"), ("balancer", host3, balancer)):
+        status, _ = await http(host, "GET", f"/v1/responses/{first['id']}", to=to, key=clients_key)
+        readable[f"response via {where}"] = status
+    status, second = await http(
+        host3,
+        "POST",
+        "/v1/responses",
+        {
+            "model": MODEL,
+            "input": "two",
+            "previous_response_id": first["id"],
+            "max_output_tokens": 8,
+        },
+        to=balancer,
+        key=clients_key,
+    )
+    readable["chain continued via balancer"] = status
+    assert status == 200, second
+    status, items = await http(
+        host2, "GET", f"/v1/responses/{second['id']}/input_items", key=clients_key
+    )
+    said = json.dumps(items)
+    assert status == 200, items
+    assert "one" in said, items  # the first turn, stored by the edge that died
+    assert "two" in said, items
+    stored = await guide.shell(
+        2,
+        f"curl -sf -H 'Authorization: Bearer {clients_key}' "
+        f"http://127.0.0.1:8080/v1/files/{uploaded['id']}/content",
+    )
+    readable["file via edge-2"] = 200 if stored == content else 0
+    record(
+        {
+            "edge_killed_under_load": {
+                **counts,
+                "in_flight_at_the_kill": len(in_flight),
+                "sent_after_the_kill": len(after),
+                "failed_outcomes": sorted({f"{s['kind']} {s['detail']}" for s in failed}),
+                "cut_on_edge_1_by_haproxy_log": len(cut_on_edge_1),
+                "carried_by": {
+                    edge: sum(1 for c in carried if c.edge == edge) for edge in ("edge-1", "edge-2")
+                },
+                "refused_by_edge_1_and_redispatched": sum(1 for c in carried if c.redispatched),
+                "made_on_edge_1_read_on_edge_2": readable,
+            }
+        }
+    )
+    assert set(readable.values()) == {200}, readable
