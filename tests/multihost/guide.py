@@ -37,6 +37,7 @@ from pathlib import Path
 
 from debian_units import DebianPostgres, Haproxy
 from netns import Host, Network
+from unit_files import read_unit
 
 from iop_proto.testing import RunningService, running_service, stop_service
 
@@ -326,7 +327,7 @@ class Guide:
         return code
 
     async def _start_unit(self, files: HostFiles, unit: str) -> None:
-        script, config, env = _read_unit(files, unit)
+        script, config, env = read_unit(files.root, files.rewrite, unit)
         stack = contextlib.AsyncExitStack()
         service = running_service(
             script, config, env=env, ready_timeout=60, wrapper=files.host.wrapper
@@ -375,20 +376,6 @@ class Guide:
             await process.wait()
 
 
-def _read_unit(files: HostFiles, unit: str) -> tuple[str, Path, dict[str, str]]:
-    """The console script, settings file and environment the installed unit starts."""
-    path = files.root / "etc/systemd/system" / f"{unit}.service"
-    settings = _unit_service_section(path.read_text())
-    argv = shlex.split(files.rewrite(settings["ExecStart"]))
-    script = Path(argv[0])
-    assert script.parent == Path(sys.prefix) / "bin", argv
-    assert argv[1:2] == ["--config"], argv
-    assert len(argv) == 3, argv
-    env_file = Path(files.rewrite(settings.get("EnvironmentFile", "-").lstrip("-")))
-    env = _environment_file(env_file.read_text()) if env_file.is_file() else {}
-    return script.name, Path(argv[2]), env
-
-
 def _copy(cwd: Path, source: Path, target: str) -> Path:
     """scp's copy: into a directory when the target ends with '/', keeping the mode; the
     file written."""
@@ -398,20 +385,3 @@ def _copy(cwd: Path, source: Path, target: str) -> Path:
     into.write_bytes(source.read_bytes())
     into.chmod(source.stat().st_mode & 0o777)
     return into
-
-
-def _unit_service_section(text: str) -> dict[str, str]:
-    section, found = "", {}
-    for line in text.splitlines():
-        line = line.strip()
-        if line.startswith("["):
-            section = line
-        elif section == "[Service]" and "=" in line and not line.startswith("#"):
-            key, value = line.split("=", 1)
-            found[key] = value
-    return found
-
-
-def _environment_file(text: str) -> dict[str, str]:
-    pairs = (line.split("=", 1) for line in text.splitlines() if "=" in line)
-    return {k.strip(): v.strip().strip('"') for k, v in pairs if not k.lstrip().startswith("#")}

@@ -19,20 +19,17 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import re
 import shutil
 import signal
-import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
 import pytest_asyncio
 from cryptography import x509
+from edge_tier import LOAD_TOTAL, MODEL, PROVIDER, connections, issued_key, load
 from guide import Guide
 from hostapi import available, catalog, chat, control_plane_cli, eventually, http, node_list, record
 from netns import SUBNET, Network
@@ -256,16 +253,7 @@ async def test_the_edge_reissued_with_another_name_takes_its_nodes_back(guide: G
 
 # --- Two edge hosts and one PostgreSQL host ----------------------------------------------
 
-MODEL, PROVIDER = "smollm2:135m", "node-a-llamacpp"
-LOAD_CLIENT = Path(__file__).with_name("load_client.py")
-LOAD_TOTAL, LOAD_CONCURRENCY, KILL_AFTER = 80, 4, 20
-
-
-def issued_key(printed: str) -> str:
-    """The key `key issue` printed, the line after its "Issued API key" line."""
-    lines = printed.splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith("Issued API key"))
-    return next(line.strip() for line in lines[start + 1 :] if line.strip())
+KILL_AFTER = 20  # requests ended before host 1's edge is killed
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -286,26 +274,6 @@ async def clients_key(guide: Guide) -> str:
 
     await eventually(both_served, 30, guide)
     return key
-
-
-@dataclass(frozen=True)
-class Connection:
-    """One client connection as HAProxy logged it when it ended (``option tcplog``)."""
-
-    edge: str  # the server that carried it
-    answered_bytes: int  # what the edge sent back: 0 for one cut before any answer
-    redispatched: bool  # "+" on its retries: refused by one edge, carried by the other
-
-
-# "api edges/edge-1 1/0/267 901 -- 5/5/4/2/+1 0/0": timers, bytes, state, counts/retries
-_TCPLOG = re.compile(r" edges/(edge-\d) [-\d]+/[-\d]+/[-\d]+ (\d+) \S+ (?:[-\d]+/){4}(\+?)\d+ ")
-
-
-def connections(haproxy_log: str) -> list[Connection]:
-    return [
-        Connection(edge, int(answered), bool(plus))
-        for edge, answered, plus in _TCPLOG.findall(haproxy_log)
-    ]
 
 
 async def test_two_edges_on_one_postgresql_following_the_guide(
@@ -332,26 +300,6 @@ async def test_two_edges_on_one_postgresql_following_the_guide(
             }
         }
     )
-
-
-async def load(guide: Guide, key: str, on_progress: Any) -> list[dict[str, Any]]:
-    """``load_client.py`` on host 3 through host 4's balancer; ``on_progress(ended)`` is
-    awaited after each request ends; every request's line."""
-    url = f"http://{guide.network.host(4).address}:8080/v1"
-    argv = (url, key, MODEL, str(LOAD_TOTAL), str(LOAD_CONCURRENCY))
-    process = await asyncio.create_subprocess_exec(
-        *guide.network.host(3).wrapper,
-        *(sys.executable, str(LOAD_CLIENT), *argv),
-        stdout=asyncio.subprocess.PIPE,
-    )
-    assert process.stdout is not None
-    ended: list[dict[str, Any]] = []
-    async with asyncio.timeout(240):
-        while line := await process.stdout.readline():
-            ended.append(json.loads(line))
-            await on_progress(len(ended))
-        assert await process.wait() == 0
-    return ended
 
 
 async def test_an_edge_host_killed_under_load_through_the_balancer(
