@@ -11,9 +11,10 @@ The guide marks each shell block it wants run with a comment just above the fenc
 (the last section), whose units ``debian_units`` stands in for.
 
 A step is run block by block, in the guide's order. Only what a real host has and a test
-host has not is rewritten (the guide's last section lists it): the three hosts share one
-file system, so ``/etc/iop``, ``/var/lib/iop`` and ``/etc/systemd/system`` become a
-directory per host and ``/opt/iop`` the virtualenv running the tests; the test runs as
+host has not is rewritten (the guide's last section lists it): the hosts share one file
+system, so ``/etc/iop``, ``/var/lib/iop``, ``/etc/postgresql``, ``/etc/haproxy`` and
+``/etc/systemd/system`` become a directory per host and ``/opt/iop`` the virtualenv
+running the tests; the test runs as
 root and creates no user, so ``sudo`` / ``sudo -u iop`` go and the owner ``iop`` is root
 (``sudo -u postgres`` becomes ``runuser -u postgres --``: that account exists, and the
 database server accepts its commands only as it);
