@@ -31,6 +31,7 @@ from iop_edge.service.batches import BatchService
 from iop_edge.service.catalog import FleetKeyRing, PoolCatalog
 from iop_edge.service.dispatch import Dispatcher
 from iop_edge.service.fleet_holder import FleetHolder
+from iop_edge.service.key_rates import KeyRates
 from iop_edge.service.limits import max_body_bytes
 from iop_edge.service.registry import ProviderRegistry
 from iop_edge.service.runs import RunGuards
@@ -206,6 +207,7 @@ async def build(
             batches=batches,
             read_timeout_s=settings.http.read_timeout_s,
             key_slots=key_slots,
+            key_rates=KeyRates(stores.key_rates, stores.key_slots),
             allow_open=settings.http.allow_open,
             cors_origins=settings.http.cors_origins,
             min_body_rate=settings.http.min_body_rate,

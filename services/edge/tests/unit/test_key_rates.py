@@ -1,0 +1,172 @@
+"""Limits per key as arithmetic (domain.key_rates) and in this edge's memory
+(MemoryKeyRates), driven by a clock the test holds: rates hold over any sliding minute,
+a stream that passes the output limit finishes and the next request waits, the budget
+stops the key for the rest of its calendar period, and the headers say the same."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+from iop_edge.domain.fleet import BudgetPeriod, KeyLimits
+from iop_edge.domain.key_rates import (
+    BUDGET,
+    INPUT,
+    OUTPUT,
+    REQUESTS,
+    period_bounds,
+    scopes_of,
+)
+from iop_edge.entrypoints.rate_headers import anthropic_headers, duration, openai_headers
+from iop_edge.service.key_rates import estimate_input_tokens
+from iop_edge.service.memory_key_rates import MemoryKeyRates
+
+T0 = datetime(2026, 12, 3, 22, 0, 0, tzinfo=UTC).timestamp()  # a Thursday
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = T0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def test_requests_per_minute_hold_over_any_sliding_minute() -> None:
+    clock = Clock()
+    rates = MemoryKeyRates(clock)
+    scopes = scopes_of(KeyLimits(requests_per_minute=3), {}, "m")
+    admitted = []
+    for _ in range(240):  # one attempt every 0.5 s for two minutes
+        _, refusal = await rates.admit("k", scopes, 1)
+        if refusal is None:
+            admitted.append(clock.now)
+        clock.now += 0.5
+    for start in admitted:  # every minute starting at an admission holds at most 3
+        assert sum(1 for t in admitted if start <= t < start + 60) <= 3
+    assert len(admitted) == 6  # and the limit is reached: 3 a minute
+
+
+async def test_a_refusal_says_when_and_takes_nothing() -> None:
+    clock = Clock()
+    rates = MemoryKeyRates(clock)
+    scopes = scopes_of(KeyLimits(requests_per_minute=2, input_tokens_per_minute=100), {}, "m")
+    assert (await rates.admit("k", scopes, 10))[1] is None
+    clock.now += 20
+    assert (await rates.admit("k", scopes, 10))[1] is None
+    clock.now += 10
+    found, refusal = await rates.admit("k", scopes, 10)
+    assert refusal is not None
+    assert (refusal.kind, refusal.limit) == (REQUESTS, 2)
+    assert refusal.retry_after_s == 30  # the first request leaves the minute then
+    shown = {g.kind: g for g in found}
+    assert (shown[REQUESTS].remaining, shown[INPUT].remaining) == (0, 80)  # nothing taken
+
+
+async def test_a_stream_past_the_output_limit_finishes_and_the_next_request_waits() -> None:
+    clock = Clock()
+    rates = MemoryKeyRates(clock)
+    scopes = scopes_of(KeyLimits(output_tokens_per_minute=100), {}, "m")
+    for _ in range(3):  # 40 tokens each: the third passes the limit, counted whole
+        assert (await rates.admit("k", scopes, 5))[1] is None
+        rates.charge("k", scopes, 0, 40)
+        clock.now += 1
+    found, refusal = await rates.admit("k", scopes, 5)
+    assert refusal is not None
+    assert refusal.kind == OUTPUT
+    assert refusal.retry_after_s == 57  # 60 s after the first stream's tokens
+    assert {g.kind: g.remaining for g in found} == {OUTPUT: 0}
+    clock.now += 58
+    assert (await rates.admit("k", scopes, 5))[1] is None
+
+
+async def test_the_budget_stops_the_key_until_its_period_ends() -> None:
+    clock = Clock()
+    rates = MemoryKeyRates(clock)
+    limits = KeyLimits(token_budget=100, budget_period=BudgetPeriod.DAY)
+    scopes = scopes_of(limits, {}, "m")
+    used = 0
+    while True:
+        _, refusal = await rates.admit("k", scopes, 10)
+        if refusal is not None:
+            break
+        rates.charge("k", scopes, 2, 30)  # the engine said 12 prompt tokens, 30 out
+        used += 42
+        clock.now += 60
+    assert refusal.kind == BUDGET
+    assert 100 <= used < 100 + 42  # at most one request past the budget
+    assert refusal.retry_after_s == period_bounds(BudgetPeriod.DAY, clock.now)[1] - clock.now
+    clock.now = period_bounds(BudgetPeriod.DAY, clock.now)[1]  # the next day
+    assert (await rates.admit("k", scopes, 10))[1] is None
+
+
+def test_periods_are_utc_calendar_days_weeks_and_months() -> None:
+    assert period_bounds(BudgetPeriod.DAY, T0) == (
+        datetime(2026, 12, 3, tzinfo=UTC).timestamp(),
+        datetime(2026, 12, 4, tzinfo=UTC).timestamp(),
+    )
+    assert period_bounds(BudgetPeriod.WEEK, T0)[0] == datetime(2026, 11, 30, tzinfo=UTC).timestamp()
+    assert period_bounds(BudgetPeriod.MONTH, T0) == (
+        datetime(2026, 12, 1, tzinfo=UTC).timestamp(),
+        datetime(2027, 1, 1, tzinfo=UTC).timestamp(),
+    )
+
+
+async def test_a_model_limit_holds_on_top_of_the_keys() -> None:
+    rates = MemoryKeyRates(Clock())
+    key = KeyLimits(requests_per_minute=10)
+    per_model = {"small": KeyLimits(requests_per_minute=1)}
+    assert (await rates.admit("k", scopes_of(key, per_model, "small"), 1))[1] is None
+    found, refusal = await rates.admit("k", scopes_of(key, per_model, "small"), 1)
+    assert refusal is not None
+    assert (refusal.scope, refusal.limit) == ("small", 1)
+    assert {g.kind: g.remaining for g in found} == {REQUESTS: 0}  # the tighter of the two
+    found, refusal = await rates.admit("k", scopes_of(key, per_model, "large"), 1)
+    assert refusal is None
+    assert {g.kind: g.remaining for g in found} == {REQUESTS: 8}
+
+
+async def test_headers_show_the_standing_in_each_apis_words() -> None:
+    clock = Clock()
+    rates = MemoryKeyRates(clock)
+    limits = KeyLimits(requests_per_minute=5, input_tokens_per_minute=1000,
+                       output_tokens_per_minute=300, token_budget=5000)  # fmt: skip
+    found, _ = await rates.admit("k", scopes_of(limits, {}, "m"), 100)
+    openai = openai_headers(found)
+    assert openai["x-ratelimit-limit-requests"] == "5"
+    assert openai["x-ratelimit-remaining-requests"] == "4"
+    assert openai["x-ratelimit-reset-requests"] == "1m0s"
+    assert (openai["x-ratelimit-limit-tokens"], openai["x-ratelimit-remaining-tokens"]) == (
+        "300",
+        "300",
+    )  # the output bucket: less left than the input's 900
+    assert openai["x-iop-budget-remaining"] == "4900"
+    anthropic = anthropic_headers(found, now=T0)
+    assert anthropic["anthropic-ratelimit-requests-remaining"] == "4"
+    assert anthropic["anthropic-ratelimit-requests-reset"] == "2026-12-03T22:01:00Z"
+    assert anthropic["anthropic-ratelimit-input-tokens-remaining"] == "900"
+    assert anthropic["anthropic-ratelimit-output-tokens-limit"] == "300"
+    assert anthropic["anthropic-ratelimit-tokens-remaining"] == "300"
+    assert anthropic["x-iop-budget-reset"] == "2027-01-01T00:00:00Z"
+
+
+def test_durations_read_as_openais() -> None:
+    assert [duration(s) for s in (0.02, 1, 1.5, 360, 3723)] == [
+        "20ms",
+        "1s",
+        "1.5s",
+        "6m0s",
+        "1h2m3s",
+    ]
+
+
+def test_the_input_estimate_reads_the_prompts_text() -> None:
+    body = {"messages": [{"role": "user", "content": "x" * 400}], "max_tokens": 10**6}
+    assert estimate_input_tokens(body) == 101  # the role's 4 letters count too
+    assert estimate_input_tokens({"prompt": ""}) == 1
+
+
+async def test_edges_cut_off_together_each_count_their_share() -> None:
+    rates = MemoryKeyRates(Clock(), share=lambda: 2)
+    scopes = scopes_of(KeyLimits(requests_per_minute=5), {}, "m")
+    results = [(await rates.admit("k", scopes, 1))[1] is None for _ in range(5)]
+    assert results == [True, True, False, False, False]  # 5 // 2
