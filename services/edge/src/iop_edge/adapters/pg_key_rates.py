@@ -225,10 +225,14 @@ class PostgresKeyRates:
             await asyncio.sleep(FLUSH_S)
             rounds += 1
             try:
-                await self.flush()
-                if rounds % round(PRESENCE_TTL_S / 3 / FLUSH_S) == 0:
+                down = time.monotonic() < self._down_until
+                if down or rounds % round(PRESENCE_TTL_S / 3 / FLUSH_S) == 0:
                     await self._renew_presence()
+                    if down:  # the store answers again: ask it from now on
+                        logger.info("key rates: the shared store is back; limits hold across edges")
+                        self._down_until = 0.0
                     await self._prune()
+                await self.flush()
             except StorageUnavailable as exc:
                 self._lost(str(exc))
             except Exception as exc:  # the loop outlives one bad round
