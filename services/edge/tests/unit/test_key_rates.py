@@ -7,7 +7,9 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
-from iop_edge.domain.fleet import BudgetPeriod, KeyLimits
+import pytest
+
+from iop_edge.domain.fleet import NO_LIMITS, ApiKeyEntry, BudgetPeriod, KeyLimits
 from iop_edge.domain.key_rates import (
     BUDGET,
     INPUT,
@@ -17,7 +19,8 @@ from iop_edge.domain.key_rates import (
     scopes_of,
 )
 from iop_edge.entrypoints.rate_headers import anthropic_headers, duration, openai_headers
-from iop_edge.service.key_rates import estimate_input_tokens
+from iop_edge.errors import TooManyConcurrent
+from iop_edge.service.key_rates import KeyRates, estimate_input_tokens, limited
 from iop_edge.service.memory_key_rates import MemoryKeyRates
 
 T0 = datetime(2026, 12, 3, 22, 0, 0, tzinfo=UTC).timestamp()  # a Thursday
@@ -170,3 +173,46 @@ async def test_edges_cut_off_together_each_count_their_share() -> None:
     scopes = scopes_of(KeyLimits(requests_per_minute=5), {}, "m")
     results = [(await rates.admit("k", scopes, 1))[1] is None for _ in range(5)]
     assert results == [True, True, False, False, False]  # 5 // 2
+
+
+def keyed(limits: KeyLimits, **model_limits: KeyLimits) -> ApiKeyEntry:
+    return ApiKeyEntry("k", "k", "hash", frozenset(), 0, limits=limits, model_limits=model_limits)
+
+
+async def test_a_models_max_concurrent_holds_and_is_given_back() -> None:
+    rates = KeyRates(MemoryKeyRates(Clock()))
+    key = keyed(NO_LIMITS, small=KeyLimits(max_concurrent=1))
+    assert limited(key)
+    first = await rates.admit(key, "small", {"messages": []})
+    with pytest.raises(TooManyConcurrent, match="'small'"):
+        await rates.admit(key, "small", {"messages": []})
+    other = await rates.admit(key, "large", {"messages": []})  # another model: not held
+    await first.close()
+    await first.close()  # once
+    again = await rates.admit(key, "small", {"messages": []})
+    await again.close()
+    await other.close()
+
+
+async def test_a_meter_counts_the_stream_and_corrects_the_estimate_once() -> None:
+    clock = Clock()
+    store = MemoryKeyRates(clock)
+    rates = KeyRates(store)
+    key = keyed(KeyLimits(input_tokens_per_minute=1000, output_tokens_per_minute=1000))
+    body = {"messages": [{"role": "user", "content": "x" * 396}]}  # 100 tokens, estimated
+    meter = await rates.admit(key, "m", body)
+    assert meter.refused is None
+    for _ in range(40):
+        meter.output()
+    meter.settle(prompt_tokens=30, completion_tokens=41, ran=True)
+    meter.settle(prompt_tokens=30, completion_tokens=41, ran=True)  # once
+    await meter.close()
+    later = await rates.admit(key, "m", {"messages": []})
+    shown = {g.kind: g.remaining for g in later.gauges}
+    assert shown == {INPUT: 1000 - 30 - 1, OUTPUT: 1000 - 41}
+    never_ran = await rates.admit(key, "m", body)
+    never_ran.settle(0, 0, ran=False)  # refused by the queue: the estimate is given back
+    assert {g.kind: g.remaining for g in (await rates.admit(key, "m", {})).gauges}[INPUT] == (
+        1000 - 30 - 1 - 1  # the first, the later one's estimate, this one's: none of its 100
+    )
+    assert not limited(keyed(NO_LIMITS))
