@@ -60,7 +60,7 @@ async def test_a_refusal_says_when_and_takes_nothing() -> None:
     found, refusal = await rates.admit("k", scopes, 10)
     assert refusal is not None
     assert (refusal.kind, refusal.limit) == (REQUESTS, 2)
-    assert refusal.retry_after_s == 30  # the first request leaves the minute then
+    assert refusal.retry_after_s == 31  # the first request leaves the minute then
     shown = {g.kind: g for g in found}
     assert (shown[REQUESTS].remaining, shown[INPUT].remaining) == (0, 80)  # nothing taken
 
@@ -76,7 +76,7 @@ async def test_a_stream_past_the_output_limit_finishes_and_the_next_request_wait
     found, refusal = await rates.admit("k", scopes, 5)
     assert refusal is not None
     assert refusal.kind == OUTPUT
-    assert refusal.retry_after_s == 57  # 60 s after the first stream's tokens
+    assert refusal.retry_after_s == 58  # 61 s after the first stream's tokens
     assert {g.kind: g.remaining for g in found} == {OUTPUT: 0}
     clock.now += 58
     assert (await rates.admit("k", scopes, 5))[1] is None
@@ -137,7 +137,7 @@ async def test_headers_show_the_standing_in_each_apis_words() -> None:
     openai = openai_headers(found)
     assert openai["x-ratelimit-limit-requests"] == "5"
     assert openai["x-ratelimit-remaining-requests"] == "4"
-    assert openai["x-ratelimit-reset-requests"] == "1m0s"
+    assert openai["x-ratelimit-reset-requests"] == "1m1s"
     assert (openai["x-ratelimit-limit-tokens"], openai["x-ratelimit-remaining-tokens"]) == (
         "300",
         "300",
@@ -145,7 +145,7 @@ async def test_headers_show_the_standing_in_each_apis_words() -> None:
     assert openai["x-iop-budget-remaining"] == "4900"
     anthropic = anthropic_headers(found, now=T0)
     assert anthropic["anthropic-ratelimit-requests-remaining"] == "4"
-    assert anthropic["anthropic-ratelimit-requests-reset"] == "2026-12-03T22:01:00Z"
+    assert anthropic["anthropic-ratelimit-requests-reset"] == "2026-12-03T22:01:01Z"
     assert anthropic["anthropic-ratelimit-input-tokens-remaining"] == "900"
     assert anthropic["anthropic-ratelimit-output-tokens-limit"] == "300"
     assert anthropic["anthropic-ratelimit-tokens-remaining"] == "300"
@@ -216,3 +216,20 @@ async def test_a_meter_counts_the_stream_and_corrects_the_estimate_once() -> Non
         1000 - 30 - 1 - 1  # the first, the later one's estimate, this one's: none of its 100
     )
     assert not limited(keyed(NO_LIMITS))
+
+
+async def test_no_sixty_seconds_hold_more_than_the_limit_across_a_seconds_edge() -> None:
+    """A burst at the end of a second, and another 59.01 s later: counted per second,
+    the first is still in the minute then (held 60 to 61 s, never less than 60)."""
+    clock = Clock()
+    rates = MemoryKeyRates(clock)
+    scopes = scopes_of(KeyLimits(requests_per_minute=3), {}, "m")
+    clock.now = T0 + 0.99
+    for _ in range(3):
+        assert (await rates.admit("k", scopes, 1))[1] is None
+    clock.now = T0 + 60.0
+    _, refusal = await rates.admit("k", scopes, 1)
+    assert refusal is not None
+    assert refusal.retry_after_s == 1.0
+    clock.now = T0 + 61.0
+    assert (await rates.admit("k", scopes, 1))[1] is None

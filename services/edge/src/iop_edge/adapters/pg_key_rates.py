@@ -163,7 +163,7 @@ class PostgresKeyRates:
             )
             rows = await conn.fetch(
                 "SELECT scope, kind, slot, amount FROM iop_key_rates WHERE key_id = $1"
-                " AND (slot > $2 OR kind = $3)",
+                " AND (slot >= $2 OR kind = $3)",
                 key_id,
                 math.floor(now) - key_rates.WINDOW_S,
                 key_rates.BUDGET,

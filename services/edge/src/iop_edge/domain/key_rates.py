@@ -92,13 +92,23 @@ def limit_of(limits: KeyLimits, kind: str) -> int:
 
 
 def _slots(counts: Counts, scope: str, kind: str, now: float) -> list[tuple[int, float]]:
-    """The minute's slots of one rate, oldest first."""
+    """The minute's slots of one rate, oldest first: this second and the 60 before it.
+
+    A count made during second ``s`` is held until ``s + 61``: between 60 and 61 s after
+    it was made, never less, so no 60 seconds ever hold more than the limit (counting
+    only the 59 whole seconds before this one would let a burst at the end of a second
+    and another 59.01 s later both through)."""
     oldest = math.floor(now) - WINDOW_S
     return sorted(
         (slot, amount)
         for (s, k, slot), amount in counts.items()
-        if s == scope and k == kind and slot > oldest
+        if s == scope and k == kind and slot >= oldest
     )
+
+
+def _leaves(slot: int, now: float) -> float:
+    """Seconds until a slot's count leaves the minute."""
+    return max(0.0, slot + WINDOW_S + 1 - now)
 
 
 def _wait(slots: list[tuple[int, float]], over: float, now: float) -> float:
@@ -107,8 +117,8 @@ def _wait(slots: list[tuple[int, float]], over: float, now: float) -> float:
     for slot, amount in slots:
         freed += amount
         if freed >= over:
-            return max(0.0, slot + WINDOW_S - now)
-    return float(WINDOW_S)
+            return _leaves(slot, now)
+    return float(WINDOW_S + 1)
 
 
 def admit(
@@ -173,7 +183,7 @@ def gauges(counts: Counts, scopes: Scopes, now: float) -> tuple[Gauge, ...]:
                 continue
             slots = _slots(counts, scope, kind, now)
             used = sum(amount for _, amount in slots)
-            reset = max(0.0, slots[-1][0] + WINDOW_S - now) if slots else 0.0
+            reset = _leaves(slots[-1][0], now) if slots else 0.0
             _keep(shown, Gauge(kind, limit, max(0, math.floor(limit - used)), reset))
         if limits.token_budget:
             start, end = period_bounds(limits.budget_period, now)
@@ -193,7 +203,7 @@ def expired(slot_key: tuple[str, str, int], now: float) -> bool:
     _, kind, slot = slot_key
     if kind == BUDGET:
         return slot < now - OLDEST_PERIOD_S
-    return slot <= math.floor(now) - WINDOW_S
+    return slot < math.floor(now) - WINDOW_S
 
 
 def _keep(shown: dict[str, Gauge], gauge: Gauge) -> None:
