@@ -11,6 +11,7 @@ words, and counts the prompt's words as its input tokens.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -149,3 +150,47 @@ async def test_a_key_without_limits_gets_no_rate_limit_headers(stack: Stack) -> 
         status, headers, _ = await post(stack, secret, chat(2))
         assert status == 200
         assert not [name for name in headers if "ratelimit" in name.lower()]
+
+
+async def test_batch_lines_count_in_their_owners_budget(stack: Stack) -> None:
+    """A batch's lines count their tokens in the owner's budget (not its rates): once
+    it is used up, the remaining lines fail with ``insufficient_quota``, and the key's
+    next interactive request is refused the same way."""
+    budget, lines = 120, 12  # each line: 2 prompt words, 20 answer words
+    secret = await stack.issue_key("batch-budget", "--budget", str(budget), "--rpm", "1")
+    async with openai.AsyncOpenAI(base_url=stack.api_url, api_key=secret, max_retries=0) as sdk:
+        body = b"".join(
+            json.dumps(
+                {
+                    "custom_id": f"line-{i}",
+                    "method": "POST",
+                    "url": "/v1/chat/completions",
+                    "body": chat(20, words=f"line {i}"),
+                }
+            ).encode()
+            + b"\n"
+            for i in range(lines)
+        )
+        upload = await sdk.files.create(file=("batch.jsonl", body), purpose="batch")
+        batch = await sdk.batches.create(
+            input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        async with asyncio.timeout(120):
+            while batch.status not in ("completed", "failed", "expired", "cancelled"):
+                await asyncio.sleep(0.2)
+                batch = await sdk.batches.retrieve(batch.id)
+        assert batch.status == "completed"
+        done = (await sdk.files.content(batch.output_file_id or "")).text.splitlines()
+        failed = (await sdk.files.content(batch.error_file_id or "")).text.splitlines()
+    used = sum(
+        json.loads(line)["response"]["body"]["usage"]["total_tokens"] for line in done if line
+    )
+    codes = {json.loads(line)["response"]["body"]["error"]["code"] for line in failed if line}
+    print(f"\nbatch of {lines} lines, budget {budget}: {len(done)} done ({used} tokens)")
+    assert len(done) > 1  # more than the key's rate of 1 a minute: rates do not hold lines
+    assert len(done) + len(failed) == lines
+    assert codes == {"insufficient_quota"}
+    assert budget <= used < budget + 22 * 4  # passed by at most the lines in flight (4)
+    status, _, raw = await post(stack, secret, chat(2))
+    assert status == 429
+    assert json.loads(raw)["error"]["code"] == "insufficient_quota"

@@ -71,7 +71,11 @@ async def measure(rpm: int, seconds: float, clients: int) -> None:
                     *(client(http, stack.api_url, secret, until, seen) for _ in range(clients))
                 )
     admitted = sorted(at for at, status, _, _ in seen if status == 200)
-    most = max((sum(1 for t in admitted if a <= t < a + 60) for a in admitted), default=0)
+    most, first = 0, 0
+    for last, at in enumerate(admitted):  # the most admitted in any 60 s (two pointers)
+        while admitted[first] <= at - 60:
+            first += 1
+        most = max(most, last - first + 1)
     statuses = Counter(f"{status} {code}".strip() for _, status, code, _ in seen)
     print(f"key limit: {limit}; {clients} clients for {seconds:.0f} s")
     print(f"answers: {dict(statuses)}")

@@ -12,11 +12,12 @@ request's ``Meter``: the deltas of a stream are counted on it as they go out, an
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Final
 
-from iop_edge.domain.fleet import ApiKeyEntry
+from iop_edge.domain.fleet import ApiKeyEntry, KeyLimits
 from iop_edge.domain.key_rates import BUDGET, REQUESTS, Gauge, Refusal, Scopes, scopes_of
 from iop_edge.errors import EdgeError, QuotaExceeded, RateLimited, TooManyConcurrent
 from iop_edge.ports import KeyConcurrency, KeyRateStore, KeySlot
@@ -200,3 +201,45 @@ def _refused(refusal: Refusal, model: str) -> RateLimited | QuotaExceeded:
 
 def _tokens(kind: str) -> str:
     return f"{kind.replace('_', ' ')} per minute"
+
+
+class LineBudget:
+    """Batch lines against their owner's token budget (docs/ARCHITECTURE.md#limits-per-key).
+
+    A line counts its tokens in its owner's budget, as the same request over HTTP would,
+    and a line whose owner's budget is used up fails (429 ``insufficient_quota``, in the
+    batch's error file). It is not held to the key's rates per minute nor to its models'
+    concurrency: lines are backfill, paced by the pool and the batch share, and a
+    nightly batch must not be refused for going as fast as idle capacity lets it.
+    """
+
+    def __init__(self, rates: KeyRates, key_of: Callable[[str], ApiKeyEntry | None]) -> None:
+        """``key_of``: the fleet's key of an owner's ``key_id`` (``None``: gone or none)."""
+        self._rates = rates
+        self._key_of = key_of
+
+    async def admit(self, owner: str | None, model: str, body: Mapping[str, Any]) -> Meter | None:
+        """The line's meter (``None`` when its owner has no budget);
+        ``QuotaExceeded`` when the budget is used up."""
+        key = self._key_of(owner) if owner else None
+        if key is None:
+            return None
+        budgeted = _budget_only(key)
+        if budgeted is None:
+            return None
+        meter = await self._rates.admit(budgeted, model, body)
+        if meter.refused is not None:
+            raise meter.refused
+        return meter
+
+
+def _budget_only(key: ApiKeyEntry) -> ApiKeyEntry | None:
+    """``key`` with its budgets only (on the key and per model); ``None`` without one."""
+
+    def budget(limits: KeyLimits) -> KeyLimits:
+        return KeyLimits(token_budget=limits.token_budget, budget_period=limits.budget_period)
+
+    per_model = {m: budget(v) for m, v in key.model_limits.items() if v.token_budget}
+    if not key.limits.token_budget and not per_model:
+        return None
+    return dataclasses.replace(key, limits=budget(key.limits), model_limits=per_model)
