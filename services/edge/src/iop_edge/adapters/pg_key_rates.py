@@ -92,7 +92,7 @@ class PostgresKeyRates:
         await apply_migrations(pool, COMPONENT, STEPS)
         store = cls(pool, edge_id)
         with contextlib.suppress(StorageUnavailable):
-            await store._renew_presence()
+            await store.renew_presence()
         store._flusher = asyncio.create_task(store._flush_forever(), name="key-rate-flush")
         return store
 
@@ -178,7 +178,9 @@ class PostgresKeyRates:
                     counts[slot] = counts.get(slot, 0.0) + amount
         return key_rates.gauges(counts, scopes, now), refusal
 
-    async def _renew_presence(self) -> None:
+    async def renew_presence(self) -> None:
+        """Say this edge is alive, and count the edges that are (each one's share of a
+        limit while the store is down); ``StorageUnavailable`` when it cannot be reached."""
         with reachable("renewing the key rates' edges"):
             async with asyncio.timeout(STATEMENT_TIMEOUT_S):
                 edges = await self._pool.fetchval(
@@ -227,7 +229,7 @@ class PostgresKeyRates:
             try:
                 down = time.monotonic() < self._down_until
                 if down or rounds % round(PRESENCE_TTL_S / 3 / FLUSH_S) == 0:
-                    await self._renew_presence()
+                    await self.renew_presence()
                     if down:  # the store answers again: ask it from now on
                         logger.info("key rates: the shared store is back; limits hold across edges")
                         self._down_until = 0.0
