@@ -152,7 +152,7 @@ class FleetAuthority:
                 models=list(key.models),
                 max_concurrent=key.max_concurrent,
                 operator=key.operator,
-                limits=limits_to_proto(key.limits),
+                limits=None if key.limits.unlimited else limits_to_proto(key.limits),
                 model_limits=[
                     pb.ModelKeyLimits(model=model, limits=limits_to_proto(entry))
                     for model, entry in key.model_limits

@@ -9,6 +9,7 @@ from datetime import UTC, datetime
 
 import pytest
 
+from iop_edge.adapters.fleet_proto import fleet_from_proto
 from iop_edge.domain.fleet import NO_LIMITS, ApiKeyEntry, BudgetPeriod, KeyLimits
 from iop_edge.domain.key_rates import (
     BUDGET,
@@ -22,6 +23,7 @@ from iop_edge.entrypoints.rate_headers import anthropic_headers, duration, opena
 from iop_edge.errors import TooManyConcurrent
 from iop_edge.service.key_rates import KeyRates, estimate_input_tokens, limited
 from iop_edge.service.memory_key_rates import MemoryKeyRates
+from iop_proto.v1 import runtime_pb2 as pb
 
 T0 = datetime(2026, 12, 3, 22, 0, 0, tzinfo=UTC).timestamp()  # a Thursday
 
@@ -233,3 +235,20 @@ async def test_no_sixty_seconds_hold_more_than_the_limit_across_a_seconds_edge()
     assert refusal.retry_after_s == 1.0
     clock.now = T0 + 61.0
     assert (await rates.admit("k", scopes, 1))[1] is None
+
+
+def test_a_key_sent_without_limits_is_told_unlimited_by_identity() -> None:
+    """The hot path's one check for a key without limits (``limited``): the fleet gives
+    every such key the one ``NO_LIMITS``."""
+    config = pb.FleetConfig(
+        api_keys=[
+            pb.ApiKeyPolicy(key_id="free", key_hash="a"),
+            pb.ApiKeyPolicy(
+                key_id="rated", key_hash="b", limits=pb.KeyLimits(requests_per_minute=1)
+            ),
+        ]
+    )
+    keys = {k.key_id: k for k in fleet_from_proto(config).api_keys.values()}
+    assert keys["free"].limits is NO_LIMITS
+    assert not limited(keys["free"])
+    assert limited(keys["rated"])

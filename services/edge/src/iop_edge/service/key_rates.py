@@ -17,7 +17,7 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any, Final
 
-from iop_edge.domain.fleet import ApiKeyEntry, KeyLimits
+from iop_edge.domain.fleet import NO_LIMITS, ApiKeyEntry, KeyLimits
 from iop_edge.domain.key_rates import BUDGET, REQUESTS, Gauge, Refusal, Scopes, scopes_of
 from iop_edge.errors import EdgeError, QuotaExceeded, RateLimited, TooManyConcurrent
 from iop_edge.ports import KeyConcurrency, KeyRateStore, KeySlot
@@ -45,8 +45,9 @@ def estimate_input_tokens(body: Mapping[str, Any]) -> int:
 
 
 def limited(key: ApiKeyEntry) -> bool:
-    """Whether ``key`` has anything ``KeyRates`` holds it to."""
-    return not key.limits.unlimited or bool(key.model_limits)
+    """Whether ``key`` may have anything ``KeyRates`` holds it to: a key without limits
+    carries the one ``NO_LIMITS`` (``fleet_proto``), so asking costs two reads."""
+    return key.limits is not NO_LIMITS or bool(key.model_limits)
 
 
 class KeyRates:
