@@ -11,6 +11,7 @@ one control-plane, one database. Each request holds its provider for a few secon
 from __future__ import annotations
 
 import asyncio
+import json
 import sqlite3
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -191,6 +192,112 @@ async def test_one_key_runs_at_most_its_limit_at_once_across_two_edges(edges: Tw
     assert peak == LIMIT  # the limit is reached: every slot was used at once
 
 
+async def until_each_edge_renewed_knowing_the_other(dsn: str) -> None:
+    """Until each edge has renewed after both were alive: each now counts two edges."""
+    query = "SELECT edge_id, expires_at FROM iop_key_slot_edges WHERE expires_at > now()"
+    connection = await asyncpg.connect(dsn)
+    try:
+        async with asyncio.timeout(30):
+            while len(seen := dict(await connection.fetch(query))) < 2:  # noqa: ASYNC110
+                await asyncio.sleep(0.1)
+            while True:
+                now = dict(await connection.fetch(query))
+                if all(now.get(edge) not in (None, at) for edge, at in seen.items()):
+                    return
+                await asyncio.sleep(0.1)
+    finally:
+        await connection.close()
+
+
+# ------------------------------------------------ rates per key across edges (issue 32)
+
+RPM = 20
+
+
+async def quick(
+    http: aiohttp.ClientSession, api_url: str, secret: str, max_tokens: int = 2
+) -> tuple[int, int]:
+    """A short streamed request: its status and the tokens it streamed."""
+    body = {
+        "model": "pool",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": max_tokens,
+        "stream": True,
+    }
+    headers = {"Authorization": f"Bearer {secret}"}
+    async with http.post(f"{api_url}/chat/completions", json=body, headers=headers) as answer:
+        raw = await answer.read()
+    tokens = 0
+    for line in raw.decode().splitlines():
+        if line.startswith("data: {"):
+            for choice in json.loads(line[6:]).get("choices", []):
+                tokens += bool(choice.get("delta", {}).get("content"))
+    return answer.status, tokens
+
+
+async def counted_output(dsn: str, key_id: str) -> float:
+    """The key's output tokens of the last minute in the shared store."""
+    connection = await asyncpg.connect(dsn)
+    try:
+        return float(
+            await connection.fetchval(
+                "SELECT coalesce(sum(amount), 0) FROM iop_key_rates"
+                " WHERE key_id = $1 AND scope = '' AND kind = 'output_tokens'",
+                key_id,
+            )
+        )
+    finally:
+        await connection.close()
+
+
+async def test_requests_per_minute_hold_across_two_edges(edges: TwoEdges) -> None:
+    """A burst of a key's requests over both edges at once: the edges admit the key's
+    requests per minute between them, not each (counted in the shared store)."""
+    secret = await edges.stack.issue_key("rpm-shared", "--rpm", str(RPM))
+    await until_served(edges.urls[1], secret)
+    async with aiohttp.ClientSession() as http:
+        answers = await asyncio.gather(
+            *(quick(http, url, secret) for url in edges.urls for _ in range(RPM))
+        )
+    statuses = [status for status, _ in answers]
+    first, second = statuses[:RPM].count(200), statuses[RPM:].count(200)
+    print(
+        f"\nrpm {RPM}, {2 * RPM} requests at once over two edges: admitted {first} + {second}"
+        f" = {first + second}, refused {statuses.count(429)}"
+    )
+    assert set(statuses) <= {200, 429}, statuses
+    assert first + second == RPM  # within the issue's 10%: exactly (one lock per key)
+    assert first > 0
+    assert second > 0  # both edges served the key: one count between them
+
+
+async def test_output_tokens_per_minute_hold_across_two_edges(edges: TwoEdges) -> None:
+    """Streams of one key alternating between the edges until one is refused: the
+    output the key got is its limit, plus the one stream admitted below it that
+    finishes. Each turn waits until the store holds the tokens streamed (each edge adds
+    them within its flush, 0.5 s): this is the bound once they are flushed."""
+    limit, each = 200, 25
+    secret = await edges.stack.issue_key("otpm-shared", "--output-tpm", str(limit))
+    await until_served(edges.urls[1], secret)
+    listed = json.loads(await edges.stack.control_plane_cli("key", "list", "--json"))
+    [key_id] = [key["key_id"] for key in listed if key["name"] == "otpm-shared"]
+    served = 0
+    async with aiohttp.ClientSession() as http:
+        for turn in range(40):
+            status, tokens = await quick(http, edges.urls[turn % 2], secret, each)
+            if status == 429:
+                break
+            assert status == 200
+            served += tokens
+            async with asyncio.timeout(10):  # the edge's flush: the other edge sees it then
+                while await counted_output(edges.dsn, key_id) < served:  # noqa: ASYNC110
+                    await asyncio.sleep(0.05)
+    print(f"\noutput tpm {limit} over two edges: {served} tokens streamed before a 429")
+    assert status == 429
+    assert limit <= served <= limit + each  # the stream admitted below the limit finishes
+
+
+# Last: the store goes down and up (an edge's rates count alone for a while after).
 async def test_with_the_store_down_both_edges_serve_the_key_on_their_shares(
     edges: TwoEdges,
 ) -> None:
@@ -210,20 +317,3 @@ async def test_with_the_store_down_both_edges_serve_the_key_on_their_shares(
     # Inference goes on; each edge holds the key to its share, 4 // 2: the limit holds.
     assert first.count(200) == second.count(200) == LIMIT // 2
     assert peak <= LIMIT
-
-
-async def until_each_edge_renewed_knowing_the_other(dsn: str) -> None:
-    """Until each edge has renewed after both were alive: each now counts two edges."""
-    query = "SELECT edge_id, expires_at FROM iop_key_slot_edges WHERE expires_at > now()"
-    connection = await asyncpg.connect(dsn)
-    try:
-        async with asyncio.timeout(30):
-            while len(seen := dict(await connection.fetch(query))) < 2:  # noqa: ASYNC110
-                await asyncio.sleep(0.1)
-            while True:
-                now = dict(await connection.fetch(query))
-                if all(now.get(edge) not in (None, at) for edge, at in seen.items()):
-                    return
-                await asyncio.sleep(0.1)
-    finally:
-        await connection.close()

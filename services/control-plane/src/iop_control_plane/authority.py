@@ -18,7 +18,11 @@ from pathlib import Path
 from loguru import logger
 
 from iop_control_plane.adapters.fleet_file import load_fleet_file
-from iop_control_plane.adapters.fleet_proto import models_to_proto, node_config_to_proto
+from iop_control_plane.adapters.fleet_proto import (
+    limits_to_proto,
+    models_to_proto,
+    node_config_to_proto,
+)
 from iop_control_plane.domain.authorization import Decision, Refusal, authorize
 from iop_control_plane.domain.credentials import hash_secret
 from iop_control_plane.domain.fleet import FleetSpec, ParsedFleet
@@ -148,6 +152,13 @@ class FleetAuthority:
                 models=list(key.models),
                 max_concurrent=key.max_concurrent,
                 operator=key.operator,
+                limits=None if key.limits.unlimited else limits_to_proto(key.limits),
+                model_limits=[
+                    pb.ModelKeyLimits(model=model, limits=limits_to_proto(entry))
+                    for model, entry in key.model_limits
+                ],
+                weight=key.weight,
+                priority=key.priority,
             )
             for key in await self._store.list_api_keys()
             if not key.revoked

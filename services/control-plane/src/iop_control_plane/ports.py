@@ -58,6 +58,12 @@ class CredentialStore(Protocol):
         """
         ...
 
+    async def update_api_key(self, key: ApiKey) -> ApiKey:
+        """Store ``key``'s policy (models, max_concurrent, limits, weight, priority) over the
+        stored key of its id and return what is stored; ``CredentialError`` if the id is
+        unknown or the key revoked (a revoked key stays as it was when revoked)."""
+        ...
+
     async def change_marker(self) -> int:
         """A number that differs once anyone, in any process, has committed a change.
 

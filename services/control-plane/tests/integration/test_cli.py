@@ -311,3 +311,44 @@ async def test_every_credential_command_speaks_json(store: OpenedCredentialStore
     assert key["models"] == []
     gone = json.loads((await _run(store, "key", "revoke", key["key_id"], "--json")).out)
     assert gone["revoked_at"] is not None
+
+
+async def test_a_keys_limits_are_issued_updated_per_model_and_listed(
+    store: OpenedCredentialStore,
+) -> None:
+    issue = await _run(
+        store, "key", "issue", "--name", "agent", "--rpm", "60", "--output-tpm", "2000",
+        "--budget", "100000", "--budget-period", "day", "--weight", "2", "--priority", "1",
+    )  # fmt: skip
+    assert issue.code == 0, issue.err
+    assert "rpm=60 otpm=2000 budget=100000/day" in issue.out
+    [key] = await store.list_api_keys()
+    assert (key.limits.requests_per_minute, key.limits.token_budget) == (60, 100_000)
+    assert (key.weight, key.priority) == (2, 1)
+
+    for argv in (
+        ("--rpm", "0", "--input-tpm", "500"),  # 0 removes the rpm; the rest stays
+        ("--model", "qwen", "--rpm", "5", "--max-concurrent", "1"),
+        ("--model", "llama", "--output-tpm", "100"),
+        ("--model", "llama", "--clear"),
+        ("--priority", "-2"),
+    ):
+        run = await _run(store, "key", "update", key.key_id, *argv)
+        assert run.code == 0, (argv, run.err)
+    [entry] = json.loads((await _run(store, "key", "list", "--json")).out)
+    assert entry["limits"] == {
+        "input_tokens_per_minute": 500,
+        "output_tokens_per_minute": 2000,
+        "token_budget": 100_000,
+        "budget_period": "day",
+    }
+    assert entry["model_limits"] == {"qwen": {"requests_per_minute": 5, "max_concurrent": 1}}
+    assert (entry["weight"], entry["priority"], entry["max_concurrent"]) == (2, -2, 0)
+    listing = (await _run(store, "key", "list")).out
+    assert "itpm=500 otpm=2000 budget=100000/day; qwen: rpm=5 concurrent=1" in listing
+
+    unknown = await _run(store, "key", "update", "key_00000000", "--rpm", "1")
+    assert (unknown.code, "no API key" in unknown.err) == (1, True)
+    await _run(store, "key", "revoke", key.key_id)
+    revoked = await _run(store, "key", "update", key.key_id, "--rpm", "1")
+    assert (revoked.code, "revoked" in revoked.err) == (1, True)

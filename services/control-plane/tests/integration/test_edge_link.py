@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import json
 import re
 import signal
 import sys
@@ -302,6 +303,30 @@ async def test_an_operator_key_is_pushed_with_its_flag(control_plane: ControlPla
         push = await edge.next_push()
     [policy] = push.api_keys
     assert (policy.name, policy.operator) == ("console", True)
+
+
+async def test_a_keys_limits_are_pushed_to_the_edges(control_plane: ControlPlane) -> None:
+    """Limits per key (issue 32) reach the edges in the fleet configuration, and a
+    ``key update`` pushes them again."""
+    async with control_plane.edge() as edge:
+        await edge.hello()
+        out, _ = await control_plane.cli(
+            "key", "issue", "--name", "app", "--rpm", "30", "--budget", "900",
+            "--budget-period", "week", "--weight", "4", "--priority", "2", "--json",
+        )  # fmt: skip
+        await edge.next_push()
+        key_id = json.loads(out)["key_id"]
+        await control_plane.cli("key", "update", key_id, "--model", "mock-small", "--rpm", "3")
+        push = await edge.next_push()
+    [policy] = push.api_keys
+    assert policy.limits.requests_per_minute == 30
+    assert (policy.limits.token_budget, policy.limits.budget_period) == (
+        900,
+        pb.BUDGET_PERIOD_WEEK,
+    )
+    assert (policy.weight, policy.priority) == (4, 2)
+    [per_model] = policy.model_limits
+    assert (per_model.model, per_model.limits.requests_per_minute) == ("mock-small", 3)
 
 
 async def test_a_node_certificate_is_refused(control_plane: ControlPlane) -> None:

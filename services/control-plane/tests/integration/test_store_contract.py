@@ -7,12 +7,14 @@ journal mode, its file permissions, its migrations); nothing was dropped.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 
 import pytest
 
 from iop_control_plane.domain.credentials import hash_secret, new_api_key, new_node_token
+from iop_control_plane.domain.key_limits import BudgetPeriod, KeyLimits
 from iop_control_plane.domain.nodes import NodeState
 from iop_control_plane.errors import CredentialError
 from iop_control_plane.ports import CredentialStore, OpenedCredentialStore
@@ -207,3 +209,31 @@ async def test_nodes_are_retired_admitted_and_their_states_kept(
     assert states["node-d"] == other  # another edge's nodes are left as they were
     # Connection states are not configuration: no reload, no push for them.
     assert await store.change_marker() == admitted
+
+
+async def test_a_keys_limits_are_kept_and_updated(store: OpenedCredentialStore) -> None:
+    """Limits per key (issue 32): the key's own, per model, weight and priority, stored as
+    issued, changed by ``update_api_key``, and never on a revoked or unknown key."""
+    limits = KeyLimits(requests_per_minute=60, token_budget=10_000, budget_period=BudgetPeriod.DAY)
+    issued = new_api_key("team-a", [], 2, NOW, limits=limits, weight=3, priority=5)
+    await store.add_api_key(issued.key)
+    assert await store.find_api_key(issued.key.secret_hash) == issued.key
+    per_model = KeyLimits(output_tokens_per_minute=500, max_concurrent=1)
+    wanted = dataclasses.replace(
+        issued.key,
+        limits=KeyLimits(input_tokens_per_minute=1000),
+        model_limits=(("qwen", per_model),),
+        weight=1,
+        priority=-1,
+        max_concurrent=4,
+    )
+    assert await store.update_api_key(wanted) == wanted
+    assert await store.list_api_keys() == [wanted]
+    ghost = new_api_key("ghost", [], 0, NOW).key
+    with pytest.raises(CredentialError, match="no API key"):
+        await store.update_api_key(ghost)
+    await store.revoke_api_key(wanted.key_id, NOW)
+    with pytest.raises(CredentialError, match="revoked"):
+        await store.update_api_key(issued.key)
+    [kept] = await store.list_api_keys()
+    assert (kept.limits, kept.model_limits) == (wanted.limits, wanted.model_limits)

@@ -17,6 +17,7 @@ from iop_edge.adapters.node_server import NodeServer
 from iop_edge.adapters.peer_guard import PeerGuard
 from iop_edge.adapters.stores import open_stores
 from iop_edge.console import add_console_routes
+from iop_edge.domain.fleet import ApiKeyEntry
 from iop_edge.entrypoints.api_auth import KeySlots, access_mode
 from iop_edge.entrypoints.api_metrics import ApiMetrics
 from iop_edge.entrypoints.http_api import (
@@ -31,6 +32,7 @@ from iop_edge.service.batches import BatchService
 from iop_edge.service.catalog import FleetKeyRing, PoolCatalog
 from iop_edge.service.dispatch import Dispatcher
 from iop_edge.service.fleet_holder import FleetHolder
+from iop_edge.service.key_rates import KeyRates, LineBudget
 from iop_edge.service.limits import max_body_bytes
 from iop_edge.service.registry import ProviderRegistry
 from iop_edge.service.runs import RunGuards
@@ -139,6 +141,15 @@ async def build(
         runlog, response_store, batch_store = stores.runlog, stores.responses, stores.batches
         key_slots = KeySlots(stores.key_slots)  # where keys' slots are counted: the stores say
         storage = settings.storage
+        # Keys' rates and budgets, counted where the stores say; batch lines count in
+        # their owner's budget (docs/ARCHITECTURE.md#limits-per-key).
+        key_rates = KeyRates(stores.key_rates, stores.key_slots)
+
+        def key_of(key_id: str) -> ApiKeyEntry | None:
+            return next(
+                (k for k in fleet_holder.current.api_keys.values() if k.key_id == key_id), None
+            )
+
         batches = BatchService(
             batch_store,
             dispatcher,
@@ -148,6 +159,7 @@ async def build(
             max_body_bytes=body_limit,
             mock_drills=settings.mock_drills,
             file_quota_bytes=storage.files_quota_bytes,
+            line_budget=LineBudget(key_rates, key_of),
         )
         await batches.refresh_metrics()
 
@@ -206,6 +218,7 @@ async def build(
             batches=batches,
             read_timeout_s=settings.http.read_timeout_s,
             key_slots=key_slots,
+            key_rates=key_rates,
             allow_open=settings.http.allow_open,
             cors_origins=settings.http.cors_origins,
             min_body_rate=settings.http.min_body_rate,

@@ -140,6 +140,30 @@ class TooManyConcurrent(QueueFull):
     code = "concurrency_limit_exceeded"
 
 
+class RateLimited(EdgeError):
+    """A key's requests or tokens per minute are used up (docs/ARCHITECTURE.md#limits-per-key):
+    OpenAI's ``rate_limit_exceeded`` whose ``type`` says which (``requests`` or ``tokens``);
+    on the Messages API a ``rate_limit_error``. ``Retry-After`` says when it would pass."""
+
+    status, type, code = 429, "requests", "rate_limit_exceeded"
+
+    def __init__(self, message: str, *, kind: str, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.type = kind
+        self.retry_after_s = retry_after_s
+
+
+class QuotaExceeded(EdgeError):
+    """A key's token budget for its period is used up: OpenAI's ``insufficient_quota``
+    (429; retrying will not help before the period ends, which ``Retry-After`` says)."""
+
+    status, type, code = 429, "insufficient_quota", "insufficient_quota"
+
+    def __init__(self, message: str, *, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 class NoProviderAvailable(EdgeError):
     status, type, code = 503, "server_error", "no_provider_available"
 

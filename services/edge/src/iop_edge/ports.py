@@ -14,6 +14,7 @@ from typing import Any, Protocol
 from iop_edge.domain.cache_report import CacheReport
 from iop_edge.domain.events import Accepted, Failed, RunEvent
 from iop_edge.domain.fleet import ApiKeyEntry, Fleet, ModelEntry, Operation
+from iop_edge.domain.key_rates import Gauge, Refusal, Scopes
 from iop_edge.domain.leases import LeaseGrant, LineReply
 from iop_edge.domain.outliers import Phase
 from iop_edge.errors import EdgeError
@@ -276,6 +277,25 @@ class KeyConcurrency(Protocol):
     async def release(self, slot: KeySlot) -> None:
         """Give ``slot`` back; called exactly once per slot ``acquire`` gave, and never
         raises (a slot that cannot be given back now frees itself later)."""
+        ...
+
+
+class KeyRateStore(Protocol):
+    """Where API keys' rates and budgets are counted (docs/ARCHITECTURE.md#limits-per-key):
+    this edge's memory, or the store every edge of the fleet shares. Both apply
+    ``domain.key_rates`` to what they hold; ``scopes`` are the limits a request is held to
+    (the key's, the key's on its model), read from the fleet at each call."""
+
+    async def admit(
+        self, key_id: str, scopes: Scopes, input_tokens: int
+    ) -> tuple[tuple[Gauge, ...], Refusal | None]:
+        """Take one request and ``input_tokens`` (an estimate) unless a limit refuses;
+        the standing after it (for the headers), and the refusal when there is one."""
+        ...
+
+    def charge(self, key_id: str, scopes: Scopes, input_tokens: int, output_tokens: int) -> None:
+        """Count tokens used beyond what was taken (negative: the estimate was high).
+        Never waits: a shared store writes them within its flush interval."""
         ...
 
 

@@ -24,6 +24,8 @@ from iop_edge.entrypoints.responses_websocket import RecentResponses, ResponsesW
 from iop_edge.errors import EdgeError, from_failure
 from iop_edge.formats.reasoning_seal import ReasoningSeal
 from iop_edge.ports import AttemptRecord, EdgeRunRecord, RunSpec
+from iop_edge.service.key_rates import KeyRates
+from iop_edge.service.memory_key_rates import MemoryKeyRates
 from iop_edge.testing import MemoryResponseStore
 from iop_proto.postgres import StorageUnavailable as StoreDown
 from iop_proto.testing import loopback_app
@@ -123,7 +125,8 @@ async def serve(
 ) -> AsyncIterator[Edge]:
     service, slots, runlog = Service(), KeySlots(), RunLog()
     metrics = ApiMetrics.create(CollectorRegistry())
-    inference = InferenceRoutes(service, Catalog(), Keys(), runlog, metrics, slots)  # type: ignore[arg-type]
+    rates = KeyRates(MemoryKeyRates())
+    inference = InferenceRoutes(service, Catalog(), Keys(), runlog, metrics, slots, rates)  # type: ignore[arg-type]
     store = MemoryResponseStore() if store is None else store
     sockets = ResponsesWebSocket(
         inference, store, ReasoningSeal.generate(), Keys(), 1024, idle_timeout_s

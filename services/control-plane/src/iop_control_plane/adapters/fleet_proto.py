@@ -11,6 +11,7 @@ from collections.abc import Set
 from typing import Any, Final
 
 from iop_control_plane.domain.fleet import Category, FleetSpec, NodeSpec, ProviderSpec
+from iop_control_plane.domain.key_limits import BudgetPeriod, KeyLimits
 from iop_proto.v1 import runtime_pb2 as pb
 
 CATEGORY_TO_PROTO: Final[dict[Category, pb.ProviderCategory]] = {
@@ -18,6 +19,25 @@ CATEGORY_TO_PROTO: Final[dict[Category, pb.ProviderCategory]] = {
     "cli": pb.PROVIDER_CATEGORY_CLI,
     "local_inference": pb.PROVIDER_CATEGORY_LOCAL_INFERENCE,
 }
+
+
+BUDGET_PERIOD_TO_PROTO: Final[dict[BudgetPeriod, pb.BudgetPeriod]] = {
+    BudgetPeriod.DAY: pb.BUDGET_PERIOD_DAY,
+    BudgetPeriod.WEEK: pb.BUDGET_PERIOD_WEEK,
+    BudgetPeriod.MONTH: pb.BUDGET_PERIOD_MONTH,
+}
+
+
+def limits_to_proto(limits: KeyLimits) -> pb.KeyLimits:
+    """A key's (or a key's per-model) limits as the edges get them."""
+    return pb.KeyLimits(
+        requests_per_minute=limits.requests_per_minute,
+        input_tokens_per_minute=limits.input_tokens_per_minute,
+        output_tokens_per_minute=limits.output_tokens_per_minute,
+        token_budget=limits.token_budget,
+        budget_period=BUDGET_PERIOD_TO_PROTO[limits.budget_period],
+        max_concurrent=limits.max_concurrent,
+    )
 
 
 def settings_json(provider: ProviderSpec) -> bytes:

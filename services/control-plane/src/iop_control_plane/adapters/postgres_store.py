@@ -26,7 +26,8 @@ from typing import Any
 
 import asyncpg
 
-from iop_control_plane.domain.credentials import ApiKey, NodeToken, as_utc
+from iop_control_plane.domain.credentials import ApiKey, NodeToken, as_utc, updated_key
+from iop_control_plane.domain.key_limits import dump_limits, load_limits
 from iop_control_plane.domain.nodes import NodeState
 from iop_control_plane.errors import CredentialError
 from iop_proto.postgres import PostgresSettings, apply_migrations, open_pool, reachable
@@ -87,6 +88,13 @@ STEPS: tuple[str, ...] = (
     CREATE TRIGGER cp_retired_nodes_changed AFTER INSERT OR UPDATE OR DELETE ON cp_retired_nodes
         FOR EACH ROW EXECUTE FUNCTION cp_changed();
     """,
+    # 2: limits per key (domain.key_limits, the same JSON text as the SQLite store's),
+    # weight and priority
+    """
+    ALTER TABLE cp_api_keys ADD COLUMN limits TEXT NOT NULL DEFAULT '{}';
+    ALTER TABLE cp_api_keys ADD COLUMN weight INTEGER NOT NULL DEFAULT 1 CHECK (weight >= 1);
+    ALTER TABLE cp_api_keys ADD COLUMN priority INTEGER NOT NULL DEFAULT 0;
+    """,
 )
 """The schema, one SQL script per version (``apply_migrations``); append, never edit.
 
@@ -95,7 +103,10 @@ revocation) fires none, so the marker does not move for it. ``cp_node_states`` h
 none: edges' reports are not part of the pushed configuration."""
 
 _TOKEN_COLUMNS = "token_id, node_id, secret_hash, created_at, revoked_at"
-_KEY_COLUMNS = "key_id, name, secret_hash, models, max_concurrent, created_at, revoked_at, operator"
+_KEY_COLUMNS = (
+    "key_id, name, secret_hash, models, max_concurrent, created_at, revoked_at, operator,"
+    " limits, weight, priority"
+)
 
 
 def _optional_utc(moment: datetime | None) -> datetime | None:
@@ -113,6 +124,7 @@ def _token(row: asyncpg.Record) -> NodeToken:
 
 
 def _key(row: asyncpg.Record) -> ApiKey:
+    limits, model_limits = load_limits(row["limits"])
     return ApiKey(
         key_id=row["key_id"],
         name=row["name"],
@@ -122,6 +134,10 @@ def _key(row: asyncpg.Record) -> ApiKey:
         created_at=row["created_at"],
         revoked_at=row["revoked_at"],
         operator=row["operator"],
+        limits=limits,
+        model_limits=model_limits,
+        weight=row["weight"],
+        priority=row["priority"],
     )
 
 
@@ -223,7 +239,8 @@ class PostgresCredentialStore:
     async def add_api_key(self, key: ApiKey) -> None:
         await self._execute(
             "storing an API key",
-            f"INSERT INTO cp_api_keys ({_KEY_COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
+            f"INSERT INTO cp_api_keys ({_KEY_COLUMNS})"
+            " VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)",
             key.key_id,
             key.name,
             key.secret_hash,
@@ -232,7 +249,29 @@ class PostgresCredentialStore:
             as_utc(key.created_at),
             _optional_utc(key.revoked_at),
             key.operator,
+            dump_limits(key.limits, key.model_limits),
+            key.weight,
+            key.priority,
         )
+
+    async def update_api_key(self, key: ApiKey) -> ApiKey:
+        await self._execute(
+            "updating an API key",
+            "UPDATE cp_api_keys SET models = $1, max_concurrent = $2, limits = $3, weight = $4,"
+            " priority = $5 WHERE key_id = $6 AND revoked_at IS NULL",
+            list(key.models),
+            key.max_concurrent,
+            dump_limits(key.limits, key.model_limits),
+            key.weight,
+            key.priority,
+            key.key_id,
+        )
+        rows = await self._fetch(
+            "reading an API key",
+            f"SELECT {_KEY_COLUMNS} FROM cp_api_keys WHERE key_id = $1",
+            key.key_id,
+        )
+        return updated_key(key, [_key(row) for row in rows])
 
     async def find_api_key(self, secret_hash: str) -> ApiKey | None:
         rows = await self._fetch(

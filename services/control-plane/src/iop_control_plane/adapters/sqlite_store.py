@@ -17,12 +17,13 @@ from typing import Any
 
 import aiosqlite
 
-from iop_control_plane.domain.credentials import ApiKey, NodeToken, as_utc
+from iop_control_plane.domain.credentials import ApiKey, NodeToken, as_utc, updated_key
+from iop_control_plane.domain.key_limits import dump_limits, load_limits
 from iop_control_plane.domain.nodes import NodeState
 from iop_control_plane.errors import CredentialError
 from iop_proto.sqlite import open_database, statement_migrations
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 """Kept in ``PRAGMA user_version``; bump it with a migration when the tables change."""
 
 BUSY_TIMEOUT_S = 5.0
@@ -63,7 +64,10 @@ _SCHEMA = (
         max_concurrent INTEGER NOT NULL CHECK (max_concurrent >= 0),
         created_at     TEXT NOT NULL,
         revoked_at     TEXT,
-        operator       INTEGER NOT NULL DEFAULT 0
+        operator       INTEGER NOT NULL DEFAULT 0,
+        limits         TEXT NOT NULL DEFAULT '{}',
+        weight         INTEGER NOT NULL DEFAULT 1 CHECK (weight >= 1),
+        priority       INTEGER NOT NULL DEFAULT 0
     )""",
     "CREATE UNIQUE INDEX IF NOT EXISTS api_keys_secret_hash ON api_keys (secret_hash)",
     *_NODE_TABLES,
@@ -75,12 +79,21 @@ _MIGRATIONS: dict[int, tuple[str, ...]] = {
     1: ("ALTER TABLE api_keys ADD COLUMN operator INTEGER NOT NULL DEFAULT 0",),
     # version 2 -> 3: retired nodes and the connection states edges report (node list)
     2: _NODE_TABLES,
+    # version 3 -> 4: limits per key (domain.key_limits), weight and priority
+    3: (
+        "ALTER TABLE api_keys ADD COLUMN limits TEXT NOT NULL DEFAULT '{}'",
+        "ALTER TABLE api_keys ADD COLUMN weight INTEGER NOT NULL DEFAULT 1 CHECK (weight >= 1)",
+        "ALTER TABLE api_keys ADD COLUMN priority INTEGER NOT NULL DEFAULT 0",
+    ),
 }
 """The statements that bring a file at version ``v`` (the key) to ``v + 1``."""
 
 _STATE_ROWS_PER_STATEMENT = 500  # 8 values a row, well under SQLite's 32766 variables
 _TOKEN_COLUMNS = "token_id, node_id, secret_hash, created_at, revoked_at"
-_KEY_COLUMNS = "key_id, name, secret_hash, models, max_concurrent, created_at, revoked_at, operator"
+_KEY_COLUMNS = (
+    "key_id, name, secret_hash, models, max_concurrent, created_at, revoked_at, operator,"
+    " limits, weight, priority"
+)
 
 
 def _to_text(moment: datetime) -> str:
@@ -111,6 +124,7 @@ def _token_from_row(row: sqlite3.Row) -> NodeToken:
 
 
 def _key_from_row(row: sqlite3.Row) -> ApiKey:
+    limits, model_limits = load_limits(row["limits"])
     return ApiKey(
         key_id=row["key_id"],
         name=row["name"],
@@ -120,6 +134,10 @@ def _key_from_row(row: sqlite3.Row) -> ApiKey:
         created_at=_from_text(row["created_at"]),
         revoked_at=_from_optional_text(row["revoked_at"]),
         operator=bool(row["operator"]),
+        limits=limits,
+        model_limits=model_limits,
+        weight=row["weight"],
+        priority=row["priority"],
     )
 
 
@@ -211,7 +229,7 @@ class SqliteCredentialStore:
 
     async def add_api_key(self, key: ApiKey) -> None:
         await self._write(
-            f"INSERT INTO api_keys ({_KEY_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            f"INSERT INTO api_keys ({_KEY_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (
                 key.key_id,
                 key.name,
@@ -221,6 +239,9 @@ class SqliteCredentialStore:
                 _to_text(key.created_at),
                 _to_optional_text(key.revoked_at),
                 int(key.operator),
+                dump_limits(key.limits, key.model_limits),
+                key.weight,
+                key.priority,
             ),
         )
 
@@ -243,6 +264,24 @@ class SqliteCredentialStore:
         if not rows:
             raise CredentialError(f"no API key with id {key_id!r}")
         return _key_from_row(rows[0])
+
+    async def update_api_key(self, key: ApiKey) -> ApiKey:
+        await self._write(
+            "UPDATE api_keys SET models = ?, max_concurrent = ?, limits = ?, weight = ?,"
+            " priority = ? WHERE key_id = ? AND revoked_at IS NULL",
+            (
+                json.dumps(list(key.models)),
+                key.max_concurrent,
+                dump_limits(key.limits, key.model_limits),
+                key.weight,
+                key.priority,
+                key.key_id,
+            ),
+        )
+        rows = await self._fetch(
+            f"SELECT {_KEY_COLUMNS} FROM api_keys WHERE key_id = ?", (key.key_id,)
+        )
+        return updated_key(key, [_key_from_row(row) for row in rows])
 
     async def change_marker(self) -> int:
         # Both terms only grow, so their sum moves whenever either does.

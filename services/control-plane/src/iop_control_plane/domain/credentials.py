@@ -18,6 +18,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
+from iop_control_plane.domain.key_limits import NO_LIMITS, KeyLimits, ModelLimits
 from iop_control_plane.errors import CredentialError
 
 NODE_TOKEN_PREFIX = "iopnt_"
@@ -72,7 +73,9 @@ class ApiKey:
 
     ``models`` empty means every model; ``max_concurrent`` 0 means no limit. An
     ``operator`` key sees every key's runs, files and batches at the edge (the
-    console's key); it is still bound by ``models`` for inference.
+    console's key); it is still bound by ``models`` for inference. ``limits``,
+    ``model_limits``, ``weight`` and ``priority``: what the edge holds the key to
+    (``domain.key_limits``; docs/ARCHITECTURE.md#limits-per-key).
     """
 
     key_id: str
@@ -83,6 +86,14 @@ class ApiKey:
     created_at: datetime
     revoked_at: datetime | None = None
     operator: bool = False
+    limits: KeyLimits = NO_LIMITS
+    model_limits: ModelLimits = ()
+    weight: int = 1  # its share of turns in a model's queue
+    priority: int = 0  # higher is served first
+
+    def __post_init__(self) -> None:
+        if self.weight < 1:
+            raise CredentialError(f"weight must be 1 or more (got {self.weight})")
 
     @property
     def revoked(self) -> bool:
@@ -137,6 +148,9 @@ def new_api_key(
     now: datetime,
     *,
     operator: bool = False,
+    limits: KeyLimits = NO_LIMITS,
+    weight: int = 1,
+    priority: int = 0,
 ) -> IssuedKey:
     """Make an API key named ``name`` limited to ``models`` (none: all) and ``max_concurrent``;
     ``operator`` lets it see every key's work at the edge.
@@ -168,5 +182,19 @@ def new_api_key(
         max_concurrent=max_concurrent,
         created_at=as_utc(now),
         operator=operator,
+        limits=limits,
+        weight=weight,
+        priority=priority,
     )
     return IssuedKey(key=key, plaintext=plaintext)
+
+
+def updated_key(asked: ApiKey, stored: list[ApiKey]) -> ApiKey:
+    """What a store's ``update_api_key`` returns: the stored key (``stored``, read after
+    the update: none or one), or ``CredentialError`` saying why ``asked`` was not stored."""
+    if not stored:
+        raise CredentialError(f"no API key with id {asked.key_id!r}")
+    [key] = stored
+    if key.revoked:
+        raise CredentialError(f"API key {asked.key_id} is revoked; issue a new one")
+    return key

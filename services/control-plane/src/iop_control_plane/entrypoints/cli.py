@@ -1,7 +1,8 @@
 """The operator's credential commands: issue, revoke and list node tokens and API keys.
 
     token issue --node ID [--output FILE [--force]]   token revoke TOKEN_ID   token list
-    key issue --name NAME [--models a,b] [--max-concurrent N] [--operator]
+    key issue --name NAME [--models a,b] [--max-concurrent N] [--operator] [limits]
+    key update KEY_ID [--model M] [limits]       (limits: see ``key_limits_cli``)
     key revoke KEY_ID              key list                   (each takes --json)
 
 A secret is printed once, by the command that issues it, and goes nowhere else:
@@ -30,6 +31,8 @@ from iop_control_plane.domain.credentials import (
     new_api_key,
     new_node_token,
 )
+from iop_control_plane.domain.key_limits import NO_LIMITS, KeyLimits
+from iop_control_plane.entrypoints import key_limits_cli
 from iop_control_plane.entrypoints.output import json_time as _json_time
 from iop_control_plane.entrypoints.output import print_json, write_secret_file
 from iop_control_plane.entrypoints.output import show_time as _show_time
@@ -177,16 +180,29 @@ async def issue_key(
     max_concurrent: int = 0,
     *,
     operator: bool = False,
+    limits: KeyLimits = NO_LIMITS,
+    weight: int = 1,
+    priority: int = 0,
     err: TextIO | None = None,
     now: datetime | None = None,
     as_json: bool = False,
 ) -> int:
     """Issue an API key and print its plaintext, the one time it is ever shown.
 
-    ``operator``: the key sees every key's runs, files and batches at the edge.
+    ``operator``: the key sees every key's runs, files and batches at the edge;
+    ``limits``, ``weight``, ``priority``: what the edge holds it to.
     """
     try:
-        issued = new_api_key(name, models, max_concurrent, _when(now), operator=operator)
+        issued = new_api_key(
+            name,
+            models,
+            max_concurrent,
+            _when(now),
+            operator=operator,
+            limits=limits,
+            weight=weight,
+            priority=priority,
+        )
         await store.add_api_key(issued.key)
     except CredentialError as exc:
         return _fail(err, exc)
@@ -198,7 +214,8 @@ async def issue_key(
         f"Issued API key {key.key_id} named {key.name!r} "
         f"(models: {_show_models(key.models)}; "
         f"max concurrent: {_show_limit(key.max_concurrent)}"
-        f"{'; operator' if key.operator else ''}):",
+        f"{'; operator' if key.operator else ''}; "
+        f"limits: {key_limits_cli.show_limits(key)}):",
         file=out,
     )
     print(f"\n{issued.plaintext}\n", file=out)
@@ -239,7 +256,36 @@ def _key_json(key: ApiKey) -> dict[str, Any]:
         "operator": key.operator,
         "created_at": _json_time(key.created_at),
         "revoked_at": _json_time(key.revoked_at),
+        **key_limits_cli.limits_json(key),
     }
+
+
+async def update_key(
+    store: CredentialStore,
+    out: TextIO,
+    args: argparse.Namespace,
+    *,
+    err: TextIO | None = None,
+) -> int:
+    """Change the policy of the key ``args.key_id`` as ``args`` (``key update``) say, and
+    print what is stored now. Two updates of one key at once: the last one stands."""
+    try:
+        found = [key for key in await store.list_api_keys() if key.key_id == args.key_id]
+        if not found:
+            raise CredentialError(f"no API key with id {args.key_id!r}")
+        key = await store.update_api_key(key_limits_cli.updated(found[0], args))
+    except CredentialError as exc:
+        return _fail(err, exc)
+    if args.json:
+        print_json(_key_json(key), out)
+        return EXIT_OK
+    print(
+        f"Updated API key {key.key_id} ({key.name!r}): limits {key_limits_cli.show_limits(key)};"
+        f" max concurrent {_show_limit(key.max_concurrent)}; weight {key.weight};"
+        f" priority {key.priority}",
+        file=out,
+    )
+    return EXIT_OK
 
 
 async def list_keys(store: CredentialStore, out: TextIO, *, as_json: bool = False) -> int:
@@ -257,12 +303,24 @@ async def list_keys(store: CredentialStore, out: TextIO, *, as_json: bool = Fals
                 _show_models(k.models),
                 _show_limit(k.max_concurrent),
                 "yes" if k.operator else "no",
+                key_limits_cli.show_limits(k),
+                f"{k.weight}/{k.priority}",
                 _show_time(k.created_at),
                 _show_time(k.revoked_at),
             ]
             for k in keys
         ]
-        headers = ["ID", "NAME", "MODELS", "MAX_CONCURRENT", "OPERATOR", "CREATED", "REVOKED"]
+        headers = [
+            "ID",
+            "NAME",
+            "MODELS",
+            "MAX_CONCURRENT",
+            "OPERATOR",
+            "LIMITS",
+            "WEIGHT/PRIORITY",
+            "CREATED",
+            "REVOKED",
+        ]
         print(_table(headers, rows), file=out)
     return EXIT_OK
 
@@ -320,9 +378,18 @@ async def _run_key_issue(
         args.models,
         args.max_concurrent,
         operator=args.operator,
+        limits=key_limits_cli.limits_from_args(args),
+        weight=args.weight,
+        priority=args.priority,
         err=err,
         as_json=args.json,
     )
+
+
+async def _run_key_update(
+    args: argparse.Namespace, store: CredentialStore, out: TextIO, err: TextIO
+) -> int:
+    return await update_key(store, out, args, err=err)
 
 
 async def _run_key_revoke(
@@ -383,8 +450,12 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
         action="store_true",
         help="an operator key: sees every key's runs, files and batches (the console's key)",
     )
+    key_limits_cli.add_limit_flags(issue, update=False)
     _json_flag(issue)
     issue.set_defaults(**{_HANDLER: _run_key_issue})
+    update = key_limits_cli.add_update_parser(key_actions)
+    _json_flag(update)
+    update.set_defaults(**{_HANDLER: _run_key_update})
     revoke = key_actions.add_parser("revoke", help="revoke an API key")
     revoke.add_argument("key_id", metavar="KEY_ID", help="as shown by 'key list'")
     _json_flag(revoke)

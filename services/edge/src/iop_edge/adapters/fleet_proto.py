@@ -7,6 +7,7 @@ from typing import Final
 from iop_edge.domain.fleet import (
     DEFAULT_MAX_OUTPUT_TOKENS,
     DEFAULT_RETRIES,
+    NO_LIMITS,
     PUBLIC_OPERATIONS,
     ApiKeyEntry,
     BudgetPeriod,
@@ -71,7 +72,8 @@ def fleet_from_proto(config: pb.FleetConfig) -> Fleet:
             models=frozenset(k.models),
             max_concurrent=k.max_concurrent,
             operator=k.operator,
-            limits=key_limits(k.limits),
+            # unset: none, and the one NO_LIMITS, so a key without limits is told by identity
+            limits=key_limits(k.limits) if k.HasField("limits") else NO_LIMITS,
             model_limits={m.model: key_limits(m.limits) for m in k.model_limits},
             weight=max(1, k.weight),
             priority=k.priority,

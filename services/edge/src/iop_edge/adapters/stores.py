@@ -15,13 +15,15 @@ from loguru import logger
 
 from iop_edge.adapters.batch_store import SqliteBatchStore
 from iop_edge.adapters.pg_batch_store import PostgresBatchStore
+from iop_edge.adapters.pg_key_rates import PostgresKeyRates
 from iop_edge.adapters.pg_key_slots import PostgresKeyConcurrency
 from iop_edge.adapters.postgres_responses import PostgresResponseStore
 from iop_edge.adapters.postgres_runlog import PostgresRunLog
 from iop_edge.adapters.sqlite_responses import ResponseLimits, SqliteResponseStore
 from iop_edge.adapters.sqlite_runlog import SqliteRunLog
 from iop_edge.batch_ports import BatchStore
-from iop_edge.ports import KeyConcurrency, ResponseStore, RunLog
+from iop_edge.ports import KeyConcurrency, KeyRateStore, ResponseStore, RunLog
+from iop_edge.service.memory_key_rates import MemoryKeyRates
 from iop_edge.settings import EdgeSettings
 from iop_proto.postgres import open_pool
 
@@ -35,6 +37,9 @@ class EdgeStores:
     # API keys' slots in the shared store, so a key's limit holds across edges; None on
     # SQLite: each edge counts its own (KeySlots)
     key_slots: KeyConcurrency | None
+    # API keys' rates and budgets: in the shared store, so they hold across edges; in
+    # this edge's memory on SQLite (docs/ARCHITECTURE.md#limits-per-key)
+    key_rates: KeyRateStore
 
 
 async def open_stores(settings: EdgeSettings, stack: contextlib.AsyncExitStack) -> EdgeStores:
@@ -88,4 +93,9 @@ async def open_stores(settings: EdgeSettings, stack: contextlib.AsyncExitStack) 
         )
         stack.push_async_callback(shared.aclose)
         key_slots = shared
-    return EdgeStores(runlog, responses, batches, pool, key_slots)
+    key_rates: KeyRateStore = MemoryKeyRates()
+    if pool is not None:
+        shared_rates = await PostgresKeyRates.open(pool, settings.service_id)
+        stack.push_async_callback(shared_rates.aclose)
+        key_rates = shared_rates
+    return EdgeStores(runlog, responses, batches, pool, key_slots, key_rates)

@@ -34,7 +34,9 @@ from iop_edge.formats.errors import error_payload
 from iop_edge.formats.reasoning_seal import ReasoningSeal
 from iop_edge.ports import Catalog, KeyRing, ResponseStore, RunLog, RunService
 from iop_edge.service.batches import BatchService
+from iop_edge.service.key_rates import KeyRates
 from iop_edge.service.limits import DEFAULT_MAX_BODY_BYTES
+from iop_edge.service.memory_key_rates import MemoryKeyRates
 from iop_proto.service.http_site import canned_response
 
 MAX_BODY_BYTES: Final = DEFAULT_MAX_BODY_BYTES
@@ -74,6 +76,7 @@ def create_api_app(
     batches: BatchService | None = None,
     read_timeout_s: float = READ_TIMEOUT_S,
     key_slots: KeySlots | None = None,
+    key_rates: KeyRates | None = None,
     allow_open: bool = False,
     min_body_rate: int = MIN_BODY_RATE,
     stop_gate: StopGate | None = None,
@@ -96,6 +99,8 @@ def create_api_app(
     the runner's ``keepalive_timeout`` bounds the headers).
     ``key_slots``: the requests in progress per key, which the fleet updates end
     when their key is revoked (``bootstrap`` shares it; default: a new one).
+    ``key_rates``: where keys' rates and budgets are counted (``bootstrap`` picks the
+    store; default: this edge's memory).
     ``allow_open``: serve every client while no keys are configured (by default,
     only loopback ones: ``check_open_access``).
     ``min_body_rate``: bytes a second a body still arriving must grow by (``api_gate``).
@@ -125,8 +130,9 @@ def create_api_app(
     if cors is not None:
         cors.mark_responses(app)
     slots = key_slots if key_slots is not None else KeySlots()
+    rates = key_rates if key_rates is not None else KeyRates(MemoryKeyRates())
     inference = InferenceRoutes(
-        service, catalog, keys, runlog, metrics, slots, mock_drills=mock_drills
+        service, catalog, keys, runlog, metrics, slots, rates, mock_drills=mock_drills
     )
     inference.register(app)
     register_messages(app, inference, catalog)

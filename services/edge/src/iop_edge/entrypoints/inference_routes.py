@@ -30,12 +30,14 @@ from iop_edge.domain import drills
 from iop_edge.domain.drills import asks_drill, may_drill
 from iop_edge.domain.events import Completed, Delta
 from iop_edge.domain.fleet import ApiKeyEntry, Operation
+from iop_edge.domain.key_rates import Gauge
 from iop_edge.domain.session_key import session_key
 from iop_edge.entrypoints.api_auth import KeySlots, authenticate
 from iop_edge.entrypoints.api_dialect import Dialect, DialectRequest, StreamWriter
 from iop_edge.entrypoints.api_metrics import ApiMetrics
 from iop_edge.entrypoints.inference_request import read_json_body
 from iop_edge.entrypoints.openai_dialect import OpenAIDialect
+from iop_edge.entrypoints.rate_headers import anthropic_headers, openai_headers
 from iop_edge.entrypoints.run_trace import OVERHEAD_HEADER, RunTrace
 from iop_edge.errors import (
     EdgeError,
@@ -46,6 +48,7 @@ from iop_edge.errors import (
 )
 from iop_edge.formats.errors import internal_error
 from iop_edge.ports import Catalog, KeyRing, RunEvents, RunLog, RunService
+from iop_edge.service.key_rates import KeyRates, Meter, limited
 from iop_edge.service.limits import CLAMP_HEADER, clamp_output_tokens
 from iop_edge.service.run_reader import Collector, follow
 from iop_proto.service.logging import log_unexpected
@@ -91,6 +94,7 @@ class InferenceRoutes:
         runlog: RunLog,
         metrics: ApiMetrics,
         slots: KeySlots,
+        rates: KeyRates,
         *,
         mock_drills: bool = False,
     ) -> None:
@@ -102,6 +106,7 @@ class InferenceRoutes:
         self._runlog = runlog
         self._metrics = metrics
         self._slots = slots
+        self._rates = rates
         self._mock_drills = mock_drills
 
     def register(self, app: web.Application) -> None:
@@ -193,7 +198,7 @@ class InferenceRoutes:
         if entry is None:
             raise ModelNotFound(f"The model '{spec.model}' does not exist.", param="model")
         trace.model = spec.model
-        trace.series = series = self._metrics.models[spec.model]
+        trace.series = self._metrics.models[spec.model]
         # What the pipeline adds to the dialect's run, made into one new spec at the end.
         changes: dict[str, Any] = {}
         scope = key.key_id if key is not None else ""
@@ -217,6 +222,33 @@ class InferenceRoutes:
         if changes:
             spec = dataclasses.replace(spec, **changes)
             asked = dataclasses.replace(asked, spec=spec)
+        meter: Meter | None = None
+        if key is not None and limited(key) and spec.operation in RATED:
+            # Before the run is admitted: a refused request never takes a queue place.
+            meter = await self._rates.admit(key, spec.model, spec.body)
+            trace.headers.update(rate_headers(request, meter.gauges))
+            if meter.refused is not None:
+                raise meter.refused
+        try:
+            return await self._admitted(request, dialect, trace, key, asked, out, meter)
+        finally:
+            if meter is not None:
+                meter.settle(trace.prompt_tokens, trace.completion_tokens, trace.run is not None)
+                await meter.close()
+
+    async def _admitted(
+        self,
+        request: web.Request,
+        dialect: Dialect,
+        trace: RunTrace,
+        key: ApiKeyEntry | None,
+        asked: DialectRequest,
+        out: Out | None,
+        meter: Meter | None,
+    ) -> Out | web.StreamResponse:
+        """Run an admitted request: its run under the key's slot, streamed or collected."""
+        spec = asked.spec
+        series = trace.series if trace.series is not None else self._metrics.models[spec.model]
         run = self._service.admit(spec)
         try:
             # A request without a key (an open API) holds no key's slot; the in-flight
@@ -230,7 +262,9 @@ class InferenceRoutes:
                     trace.run, trace.run_id = run, run.run_id
                     if spec.stream:
                         response = web.StreamResponse(headers=SSE_HEADERS) if out is None else out
-                        return await self._stream(request, dialect, asked, run, trace, response)
+                        return await self._stream(
+                            request, dialect, asked, run, trace, response, meter
+                        )
                     return await self._collect(dialect, asked, run, trace)
         except BaseException as exc:
             if not run.ended:
@@ -251,6 +285,7 @@ class InferenceRoutes:
         run: RunEvents,
         trace: RunTrace,
         response: Out,
+        meter: Meter | None = None,
     ) -> Out:
         """Relay the run as SSE, each event as it arrives; the status line waits for the
         first delta, so a run that fails before producing anything still gets a real
@@ -259,7 +294,7 @@ class InferenceRoutes:
         response.headers["X-Request-Id"] = run.run_id
         response.headers.update(trace.headers)
         writer = dialect.stream_writer(asked, run.run_id, trace.created)
-        sink = _SseSink(request, response, writer, run, trace)
+        sink = _SseSink(request, response, writer, run, trace, meter)
         try:
             end = await follow(run, sink)
             pending = sink.pending
@@ -349,6 +384,7 @@ class _SseSink:
 
     __slots__ = (
         "_events",
+        "_meter",
         "_request",
         "_response",
         "_trace",
@@ -365,8 +401,10 @@ class _SseSink:
         writer: StreamWriter,
         events: RunEvents,
         trace: RunTrace,
+        meter: Meter | None = None,
     ) -> None:
         self._request = request
+        self._meter = meter  # a limited key's: each delta counts as an output token
         self._response = response
         self._events = events
         self._trace = trace
@@ -380,6 +418,8 @@ class _SseSink:
         delta is what sends the status line (``_first``)."""
 
     def delta(self, event: Delta) -> Awaitable[None] | None:
+        if self._meter is not None:
+            self._meter.output()
         response = self._response
         if not response.prepared:
             return self._first(event)
@@ -417,4 +457,15 @@ async def _end_with_error(response: StreamOut, writer: StreamWriter, error: Edge
 
 
 CHAT: Final = Operation.CHAT_COMPLETIONS
+RATED: Final = frozenset({CHAT, Operation.COMPLETIONS, Operation.EMBEDDINGS})
+"""The operations a key's rates and budget count (counting tokens runs no model)."""
+
+
+def rate_headers(request: web.BaseRequest, gauges: tuple[Gauge, ...]) -> dict[str, str]:
+    """The limiter's standing in the headers of the API the request came on."""
+    if request.path.startswith("/v1/messages"):
+        return anthropic_headers(gauges)
+    return openai_headers(gauges)
+
+
 _NO_KEY: Final = contextlib.nullcontext()

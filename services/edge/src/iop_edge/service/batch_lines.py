@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from iop_edge.domain.batches import DONE, ENDPOINTS, LINE_FAILED, LineRecord, LineResult
 from iop_edge.domain.drills import asks_drill
-from iop_edge.domain.events import Completed
+from iop_edge.domain.events import Completed, Usage
 from iop_edge.errors import (
     EdgeError,
     InvalidRequest,
@@ -37,6 +37,7 @@ from iop_edge.errors import (
 from iop_edge.formats.errors import error_payload, internal_error
 from iop_edge.formats.openai import RENDER_OFFLOAD_BYTES, dumps, render_result
 from iop_edge.ports import Catalog, RunEvents, RunService, RunSpec
+from iop_edge.service.key_rates import LineBudget
 from iop_edge.service.run_reader import Collector, follow
 from iop_proto.service.logging import log_unexpected
 
@@ -53,20 +54,32 @@ class LineOutcome:
 class LineRunner:
     """Runs lines and knows which runs are in flight, so a batch that ends can stop them."""
 
-    def __init__(self, runs: RunService, catalog: Catalog, clock: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        runs: RunService,
+        catalog: Catalog,
+        clock: Callable[[], float],
+        budget: LineBudget | None = None,
+    ) -> None:
+        """``budget``: lines count against their owner's token budget (none: they don't)."""
         self._runs = runs
         self._catalog = catalog
         self._clock = clock
+        self._budget = budget
         self._live: dict[str, set[RunEvents]] = {}  # batch id -> its lines' runs
 
-    async def run(self, endpoint: str, line: LineRecord, result_id: str) -> LineOutcome:
+    async def run(
+        self, endpoint: str, line: LineRecord, result_id: str, owner: str | None = None
+    ) -> LineOutcome:
         """Dispatch the line and wait for its end; never raises an ``EdgeError``.
+        ``owner``: the batch's key, whose budget the line counts in.
 
         The line's run is known to its batch from admission on, before it waits for a
         slot: a batch that ends meanwhile ends it wherever it is (``cancel_batch``)."""
+        usage: list[Usage | None] = [None]  # the run's, once it completed
         try:
             spec = self._spec(endpoint, line)
-            run = self._runs.admit(spec)
+            meter = await self._budget.admit(owner, spec.model, spec.body) if self._budget else None
         except EdgeError as exc:
             return _failure(exc, "", result_id)
         except Exception as exc:
@@ -74,11 +87,33 @@ class LineRunner:
             # file; left pending it would hold up its batch.
             log_unexpected(exc, "batch {} line {} could not be run", line.batch_id, line.index)
             return _failure(internal_error(), "", result_id)
+        if meter is None:
+            return await self._run(spec, line, result_id, usage)
+        try:
+            return await self._run(spec, line, result_id, usage)
+        finally:
+            done = usage[0]
+            if done is None:  # never completed: its input estimate is given back
+                meter.settle(0, 0, ran=False)
+            else:
+                meter.settle(done.prompt_tokens, done.completion_tokens, ran=True)
+            await meter.close()
+
+    async def _run(
+        self, spec: RunSpec, line: LineRecord, result_id: str, usage: list[Usage | None]
+    ) -> LineOutcome:
+        try:
+            run = self._runs.admit(spec)
+        except EdgeError as exc:
+            return _failure(exc, "", result_id)
+        except Exception as exc:
+            log_unexpected(exc, "batch {} line {} could not be run", line.batch_id, line.index)
+            return _failure(internal_error(), "", result_id)
         live = self._live.setdefault(line.batch_id, set())
         live.add(run)
         try:
             await run.open()  # at batch priority, maybe after a wait in the queue
-            body = await self._collect(spec, run)
+            body = await self._collect(spec, run, usage)
         except EdgeError as exc:
             return _failure(exc, run.run_id, result_id)
         except asyncio.CancelledError:
@@ -125,14 +160,16 @@ class LineRunner:
             drill=asks_drill(body),  # refused at the batch's creation unless allowed then
         )
 
-    async def _collect(self, spec: RunSpec, run: RunEvents) -> str:
-        """The run's OpenAI response body (public model id), or its error raised."""
+    async def _collect(self, spec: RunSpec, run: RunEvents, usage: list[Usage | None]) -> str:
+        """The run's OpenAI response body (public model id), or its error raised; its
+        usage in ``usage``."""
         collector = Collector()
         end = await follow(run, collector)
         if end is None:
             raise ProviderFailed("the run ended without a result")
         if not isinstance(end, Completed):
             raise run.error(end)
+        usage[0] = end.usage if end.usage is not None else Usage()
         render = functools.partial(
             render_result,
             spec.operation,
