@@ -87,10 +87,12 @@ async def start_edges(
     postgres_dsn: str | None = None,
     edge_extra: Mapping[str, Any] | None = None,
     keys: Mapping[str, int] | None = None,
+    node_extra: Mapping[str, Any] | None = None,
 ) -> AsyncIterator[tuple[EdgesStack, dict[str, str]]]:
     """``count`` edges, one node dialling all of them, and a balancer per entry of
     ``balancers`` (name -> indexes of the edges it spreads over); yields the stack and
-    the secrets of ``keys`` (name -> max_concurrent), once every edge serves the models."""
+    the secrets of ``keys`` (name -> max_concurrent), once every edge serves the models.
+    ``edge_extra``, ``node_extra``: more of the edges' and the node's settings."""
     secrets = await add_api_keys(root / "cp.db", keys or {}) if keys else {}
     extra = dict(edge_extra or {})
     extra.setdefault("batch_db", str(root / "edge-batches.db"))
@@ -127,6 +129,7 @@ async def start_edges(
                     "token": core.tokens[NODE_ID],
                     "history_db": str(root / "node-history.db"),
                     "probes": {"interval_s": 2.0},
+                    **(node_extra or {}),
                 },
             )
             stack.node = await exits.enter_async_context(
