@@ -13,8 +13,8 @@ What must hold (the issue's "within 10%" of 4 is less than one request):
 - the engine never answers more of the key's requests at once than the limit, before,
   during and after the kill;
 - the limit is used: the mean at the engine is at least 90% of it while demand exceeds
-  it (each request holds the engine for 2 s, so the path's own milliseconds do not
-  count against the mean on a busy machine);
+  it, at the engine and in the store (each request holds the engine for 4 s, so the
+  path's own milliseconds, a hundred or two on a busy machine, do not sink the mean);
 - the killed edge's slots are freed in the store within its TTL (give or take a renewal
   round and a loaded machine), the engine is back at the limit, and the edge started
   again serves the key under the same limit.
@@ -36,7 +36,7 @@ SCRIPT = REPO / "tools" / "hardening" / "limits_sustained.py"
 LIMIT = 4
 TTL_S = 3.0
 ARGS = [
-    "--limit", str(LIMIT), "--clients", "16", "--hold-ms", "2000", "--steady-s", "20",
+    "--limit", str(LIMIT), "--clients", "16", "--hold-ms", "4000", "--steady-s", "24",
     "--ttl", str(TTL_S), "--after-s", "8",
 ]  # fmt: skip
 
@@ -65,7 +65,9 @@ def test_a_keys_limit_holds_and_is_used_across_two_edges_under_load_and_churn(
     steady, churn = figures["steady"], figures["churn"]
 
     assert steady["peak"] <= LIMIT
+    assert steady["store_peak"] <= LIMIT  # the slots held in PostgreSQL, sampled
     assert steady["mean"] >= 0.9 * LIMIT, steady
+    assert steady["store_mean"] >= 0.9 * LIMIT, steady
 
     assert churn["from_kill_until_freed"]["peak"] <= LIMIT
     assert churn["slots_freed_after_s"] <= TTL_S + 3, churn  # one TTL, and a busy machine's lag
@@ -73,9 +75,14 @@ def test_a_keys_limit_holds_and_is_used_across_two_edges_under_load_and_churn(
     assert churn["engine_back_at_limit_after_s"] <= churn["slots_freed_after_s"] + 1.5, churn
     after = churn["after_restart"]
     assert after["peak"] <= LIMIT
+    assert after["store_peak"] <= LIMIT
     assert after["mean"] >= 0.9 * LIMIT, after
 
     requests = figures["requests"]
     assert requests["ok"] > 0
     assert requests["refused_429"] > 0  # demand exceeded the limit all along
-    assert requests["other"] == {}  # nothing but 200, 429 and the killed edge's cut connections
+    # nothing but 200, 429 and the killed edge's cut connections, but for a 503 or two
+    # while edge-2 starts again: the balancer (no health check) sends it requests once it
+    # listens, before its node has linked to it again
+    assert set(requests["other"]) <= {503}, requests
+    assert sum(requests["other"].values()) == churn["other_while_edge_2_started"], figures

@@ -68,6 +68,8 @@ class Load:
     other: dict[int, int] = field(default_factory=dict)
     served_s: list[float] = field(default_factory=list)  # each 200's latency at the client
     samples: list[tuple[float, float, float]] = field(default_factory=list)  # (t, now, integral)
+    held: list[tuple[float, int]] = field(default_factory=list)  # (t, slots live in the store)
+    other_at: list[float] = field(default_factory=list)  # when each answer of ``other`` came
 
 
 async def stats(http: aiohttp.ClientSession, engine: str, reset: bool = False) -> dict[str, Any]:
@@ -101,24 +103,41 @@ async def client(url: str, secret: str, model: str, load: Load, stop: asyncio.Ev
                 await asyncio.sleep(RETRY_S * (1 + random.random()))
             else:
                 load.other[status] = load.other.get(status, 0) + 1
+                load.other_at.append(time.monotonic())
                 await asyncio.sleep(RETRY_S * 5)
 
 
-async def sampler(engine: str, load: Load, stop: asyncio.Event) -> None:
-    async with aiohttp.ClientSession() as http:
-        while not stop.is_set():
-            now = await stats(http, engine)
-            load.samples.append((time.monotonic(), now["now"], now["integral"]))
-            await asyncio.sleep(SAMPLE_S)
+async def sampler(engine: str, dsn: str, load: Load, stop: asyncio.Event) -> None:
+    """The engine's gauge and the key's live slots in the store, every ``SAMPLE_S``: the
+    store's count is the limit as the edges see it, without the path's milliseconds."""
+    connection = await asyncpg.connect(dsn)
+    try:
+        async with aiohttp.ClientSession() as http:
+            while not stop.is_set():
+                now = await stats(http, engine)
+                load.samples.append((time.monotonic(), now["now"], now["integral"]))
+                held = await connection.fetchval(
+                    "SELECT count(*) FROM iop_key_slots WHERE expires_at > now()"
+                )
+                load.held.append((time.monotonic(), int(held)))
+                await asyncio.sleep(SAMPLE_S)
+    finally:
+        await connection.close()
+
+
+def held_between(load: Load, since: float, until: float) -> dict[str, float]:
+    """The most slots the store held at once in the samples, and their mean."""
+    counts = [n for t, n in load.held if since <= t <= until] or [0]
+    return {"store_peak": max(counts), "store_mean": sum(counts) / len(counts)}
 
 
 @contextlib.asynccontextmanager
 async def loaded(
-    url: str, secret: str, model: str, clients: int, engine: str
+    url: str, secret: str, model: str, clients: int, engine: str, dsn: str
 ) -> AsyncIterator[Load]:
     load, stop = Load(), asyncio.Event()
     tasks = [asyncio.create_task(client(url, secret, model, load, stop)) for _ in range(clients)]
-    tasks.append(asyncio.create_task(sampler(engine, load, stop)))
+    tasks.append(asyncio.create_task(sampler(engine, dsn, load, stop)))
     try:
         yield load
     finally:
@@ -200,11 +219,14 @@ async def churn(
             "s": end["seconds"],
         }
         back_s = back_at(load, killed, time.monotonic(), args.limit)
+        starting = time.monotonic()
         async with running_service("iop-edge", settings, ready_timeout=60) as again:
             restarted = time.monotonic()
             await wait_served(stack.edge_urls[1], [args.model], 60, secret)
             served_s = time.monotonic() - restarted
+            started = time.monotonic()
             after = await window(http, engine, args.after_s)
+            after.update(held_between(load, started, time.monotonic()))
             again.process.send_signal(signal.SIGTERM)
             await again.process.wait()
     return {
@@ -214,6 +236,11 @@ async def churn(
         "from_kill_until_freed": during,
         "edge_2_serving_again_after_s": served_s,
         "after_restart": after,
+        # answers other than 200 and 429 from edge-2's start until it served the model:
+        # the balancer sends it requests once it listens, before its node linked again
+        "other_while_edge_2_started": sum(
+            starting <= t <= restarted + served_s for t in load.other_at
+        ),
     }
 
 
@@ -251,10 +278,12 @@ async def drive(
 ) -> dict[str, Any]:
     url = f"{stack.balancers['balancer']}/v1/chat/completions"
     result: dict[str, Any] = {"settings": {k: v for k, v in vars(args).items() if k != "json"}}
-    async with loaded(url, secret, args.model, args.clients, engine) as load:
+    async with loaded(url, secret, args.model, args.clients, engine, dsn) as load:
         async with aiohttp.ClientSession() as http:
             await asyncio.sleep(1.0)  # every client in its loop
+            started = time.monotonic()
             result["steady"] = await window(http, engine, args.steady_s)
+            result["steady"].update(held_between(load, started, time.monotonic()))
         if args.churn:
             result["churn"] = await churn(stack, dsn, args, secret, load, engine)
     served = sorted(load.served_s) or [float("nan")]
@@ -276,7 +305,8 @@ def report(result: dict[str, Any], limit: int) -> None:
         f" over two edges): engine peak {steady['peak']}, mean {steady['mean']:.2f}"
         f" ({steady['mean'] / limit:.0%} of the limit; each slot's cycle costs"
         f" {steady['cycle_overhead_ms']:.0f} ms beyond the engine's"
-        f" {result['settings']['hold_ms']} ms)"
+        f" {result['settings']['hold_ms']} ms); slots held in the store: peak"
+        f" {steady['store_peak']}, mean {steady['store_mean']:.2f}"
     )
     if "churn" in result:
         c = result["churn"]
@@ -292,7 +322,9 @@ def report(result: dict[str, Any], limit: int) -> None:
         )
         print(
             f"edge-2 started again (serving after {c['edge_2_serving_again_after_s']:.1f} s):"
-            f" next {after['s']:.0f} s peak {after['peak']}, mean {after['mean']:.2f}"
+            f" next {after['s']:.0f} s peak {after['peak']}, mean {after['mean']:.2f};"
+            f" in the store peak {after['store_peak']}, mean {after['store_mean']:.2f};"
+            f" {c['other_while_edge_2_started']} answer(s) neither 200 nor 429 while it started"
         )
     print(f"requests: {result['requests']}")
 
