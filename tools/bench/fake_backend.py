@@ -252,7 +252,11 @@ async def serving(
     defaults: Behaviour, models: tuple[str, ...], port: int = 0
 ) -> AsyncIterator[int]:
     """Serve on 127.0.0.1 (``port`` 0: a free one); yields the port."""
-    runner = web.AppRunner(FakeBackend(defaults, models).app(), access_log=None)
+    # handler_cancellation: a request whose client went away ends here too, as it does in
+    # a real engine (vLLM aborts it): the concurrency it counts is what is still wanted.
+    runner = web.AppRunner(
+        FakeBackend(defaults, models).app(), access_log=None, handler_cancellation=True
+    )
     await runner.setup()
     try:
         site = web.TCPSite(runner, "127.0.0.1", port, backlog=1024)
