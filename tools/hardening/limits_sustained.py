@@ -20,6 +20,10 @@ so demand always exceeds the limit.
    the engine is back at the limit (mean over half a second >= 0.9 x limit); then
    edge-2 started again on its ports, and the same figures for ``--after-s`` more.
 
+``--per-edge``: the edges without the shared store (each counts the key alone, as before
+adapters/pg_key_slots.py), the steady phase only: what the figures look like when the
+limit does not hold across edges.
+
     .venv/bin/python tools/hardening/limits_sustained.py [--limit 4] [--clients 16] \\
         [--hold-ms 500] [--steady-s 20] [--ttl 3] [--after-s 8] [--json OUT]
 """
@@ -70,6 +74,7 @@ class Load:
     samples: list[tuple[float, float, float]] = field(default_factory=list)  # (t, now, integral)
     held: list[tuple[float, int]] = field(default_factory=list)  # (t, slots live in the store)
     other_at: list[float] = field(default_factory=list)  # when each answer of ``other`` came
+    other_bodies: list[str] = field(default_factory=list)  # the first few of them, to read
 
 
 async def stats(http: aiohttp.ClientSession, engine: str, reset: bool = False) -> dict[str, Any]:
@@ -89,7 +94,7 @@ async def client(url: str, secret: str, model: str, load: Load, stop: asyncio.Ev
             started = time.monotonic()
             try:
                 async with http.post(url, json=body, headers=headers) as response:
-                    await response.read()
+                    answer = await response.read()
                     status = response.status
             except (aiohttp.ClientError, TimeoutError):
                 load.errors += 1  # the killed edge's: its connections are cut
@@ -104,25 +109,30 @@ async def client(url: str, secret: str, model: str, load: Load, stop: asyncio.Ev
             else:
                 load.other[status] = load.other.get(status, 0) + 1
                 load.other_at.append(time.monotonic())
+                if len(load.other_bodies) < 5:
+                    load.other_bodies.append(f"{status}: {answer[:300].decode(errors='replace')}")
                 await asyncio.sleep(RETRY_S * 5)
 
 
-async def sampler(engine: str, dsn: str, load: Load, stop: asyncio.Event) -> None:
-    """The engine's gauge and the key's live slots in the store, every ``SAMPLE_S``: the
-    store's count is the limit as the edges see it, without the path's milliseconds."""
-    connection = await asyncpg.connect(dsn)
+async def sampler(engine: str, dsn: str | None, load: Load, stop: asyncio.Event) -> None:
+    """The engine's gauge and the key's live slots in the store (with ``--per-edge``,
+    none), every ``SAMPLE_S``: the store's count is the limit as the edges see it,
+    without the path's milliseconds."""
+    connection = await asyncpg.connect(dsn) if dsn is not None else None
     try:
         async with aiohttp.ClientSession() as http:
             while not stop.is_set():
                 now = await stats(http, engine)
                 load.samples.append((time.monotonic(), now["now"], now["integral"]))
-                held = await connection.fetchval(
-                    "SELECT count(*) FROM iop_key_slots WHERE expires_at > now()"
-                )
-                load.held.append((time.monotonic(), int(held)))
+                if connection is not None:
+                    held = await connection.fetchval(
+                        "SELECT count(*) FROM iop_key_slots WHERE expires_at > now()"
+                    )
+                    load.held.append((time.monotonic(), int(held)))
                 await asyncio.sleep(SAMPLE_S)
     finally:
-        await connection.close()
+        if connection is not None:
+            await connection.close()
 
 
 def held_between(load: Load, since: float, until: float) -> dict[str, float]:
@@ -133,7 +143,7 @@ def held_between(load: Load, since: float, until: float) -> dict[str, float]:
 
 @contextlib.asynccontextmanager
 async def loaded(
-    url: str, secret: str, model: str, clients: int, engine: str, dsn: str
+    url: str, secret: str, model: str, clients: int, engine: str, dsn: str | None
 ) -> AsyncIterator[Load]:
     load, stop = Load(), asyncio.Event()
     tasks = [asyncio.create_task(client(url, secret, model, load, stop)) for _ in range(clients)]
@@ -238,6 +248,8 @@ async def churn(
         "after_restart": after,
         # answers other than 200 and 429 from edge-2's start until it served the model:
         # the balancer sends it requests once it listens, before its node linked again
+        "other_since_kill_s": [round(t - killed, 2) for t in load.other_at if t >= killed],
+        "edge_2_started_since_kill_s": starting - killed,
         "other_while_edge_2_started": sum(
             starting <= t <= restarted + served_s for t in load.other_at
         ),
@@ -263,7 +275,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                     [provider],
                     count=2,
                     balancers={"balancer": [0, 1]},
-                    postgres_dsn=dsn,
+                    postgres_dsn=None if args.per_edge else dsn,
                     edge_extra={"key_slot_ttl_s": args.ttl},
                     node_extra={"reconnect": {"initial_s": 0.1, "max_s": 0.5}},
                     keys={"limited": args.limit},
@@ -278,18 +290,20 @@ async def drive(
 ) -> dict[str, Any]:
     url = f"{stack.balancers['balancer']}/v1/chat/completions"
     result: dict[str, Any] = {"settings": {k: v for k, v in vars(args).items() if k != "json"}}
-    async with loaded(url, secret, args.model, args.clients, engine, dsn) as load:
+    store = None if args.per_edge else dsn
+    async with loaded(url, secret, args.model, args.clients, engine, store) as load:
         async with aiohttp.ClientSession() as http:
             await asyncio.sleep(1.0)  # every client in its loop
             started = time.monotonic()
             result["steady"] = await window(http, engine, args.steady_s)
             result["steady"].update(held_between(load, started, time.monotonic()))
-        if args.churn:
+        if args.churn and not args.per_edge:
             result["churn"] = await churn(stack, dsn, args, secret, load, engine)
     served = sorted(load.served_s) or [float("nan")]
     result["requests"] = {
         "ok": load.ok, "refused_429": load.refused, "errors": load.errors, "other": load.other,
         "served_p50_ms": served[len(served) // 2] * 1000,
+        "other_bodies": load.other_bodies,
     }  # fmt: skip
     # what each slot's cycle costs beyond the engine's hold, from the steady mean: the
     # path to the engine and back, the slot's take and give-back, the next client's turn
@@ -307,6 +321,7 @@ def report(result: dict[str, Any], limit: int) -> None:
         f" {steady['cycle_overhead_ms']:.0f} ms beyond the engine's"
         f" {result['settings']['hold_ms']} ms); slots held in the store: peak"
         f" {steady['store_peak']}, mean {steady['store_mean']:.2f}"
+        + (" (edges without the shared store)" if result["settings"]["per_edge"] else "")
     )
     if "churn" in result:
         c = result["churn"]
@@ -338,6 +353,11 @@ def main() -> None:
     parser.add_argument("--ttl", type=float, default=3.0, help="the edges' key_slot_ttl_s")
     parser.add_argument("--after-s", type=float, default=8.0)
     parser.add_argument("--no-churn", dest="churn", action="store_false")
+    parser.add_argument(
+        "--per-edge",
+        action="store_true",
+        help="edges without the shared store (each counts the key alone: the limit x 2); no churn",
+    )
     parser.add_argument("--json", type=Path, default=None, help="write the figures here")
     args = parser.parse_args()
     args.model = f"fake-d{args.hold_ms}"  # the fake engine's hold, by the model's name
