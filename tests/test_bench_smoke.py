@@ -24,8 +24,10 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 RUN = REPO / "tools" / "bench" / "run.py"
 HOPS = REPO / "tools" / "bench" / "hops.py"
-SCENARIOS = {"overhead", "sweep", "streaming", "floor", "scale", "realmodel", "vllm", "agents"}
-TIMEOUT_S = 100  # the run stops itself after 80 s; this is the backstop
+SCENARIOS = {
+    "overhead", "sweep", "streaming", "floor", "scale", "edges", "realmodel", "vllm", "agents",
+}  # fmt: skip
+TIMEOUT_S = 115  # the run stops itself after 95 s; this is the backstop
 HOPS_TIMEOUT_S = 60  # about 12 s on 2 shared cores
 
 pytestmark = pytest.mark.slow
@@ -74,6 +76,14 @@ def test_tiny_run_writes_every_scenario(tmp_path: Path) -> None:
     floor = results["scenarios"]["floor"]["data"]["targets"]
     assert set(floor) == {"direct", "design", "libraries", "iop"}
     assert all(row["c64_done"] > 0 and row["c64_failed"] == 0 for row in floor.values())
+    # every way through one edge and two served (half the client's workers on each edge,
+    # or through a balancer: any failure shows), and the model predicted each way
+    edges = results["scenarios"]["edges"]["data"]
+    ways = {"1 edge", "1 edge + balancer", "2 edges + balancer", "2 edges, client spreads"}
+    for level in edges["sqlite"].values():
+        assert set(level) == ways
+        assert all(row["done"] > 0 and row["failed"] == 0 for row in level.values())
+    assert all(set(fit["predicted_rps"]) == ways for fit in edges["model"].values())
 
 
 def test_hops_reports_the_path_of_a_stream(tmp_path: Path) -> None:

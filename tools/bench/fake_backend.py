@@ -13,6 +13,11 @@ unchanged (a vendor field in the body might be dropped by some):
 A stream has ``max_tokens`` content chunks (each ``"x "``), then a finish chunk, a
 usage chunk when ``stream_options.include_usage`` asks for one, and ``[DONE]``.
 
+It counts the requests it is answering at once, as an engine's own gauge would:
+``GET /stats`` gives the count now, its peak and its time integral since the last
+``POST /stats/reset`` (the mean concurrency over a window is the integral's growth
+over the window's length); tools/hardening/limits_sustained.py reads them.
+
 Run: ``python tools/bench/fake_backend.py [--port 0]``; it prints
 ``fake backend on http://127.0.0.1:PORT`` when it listens, and stops on SIGTERM.
 """
@@ -71,11 +76,55 @@ class Behaviour:
         )
 
 
+class Concurrency:
+    """Requests being answered at once: now, the peak and the time integral since ``reset``.
+
+    Every change first adds ``now x elapsed`` to the integral, so the integral is exact
+    (not sampled): a request of one millisecond counts as much as it lasted.
+    """
+
+    __slots__ = ("_changed", "integral", "now", "peak", "since")
+
+    def __init__(self) -> None:
+        self.now = 0
+        self.reset()
+
+    def reset(self) -> None:
+        self.since = self._changed = time.monotonic()
+        self.integral = 0.0
+        self.peak = self.now
+
+    def _settle(self) -> None:
+        at = time.monotonic()
+        self.integral += self.now * (at - self._changed)
+        self._changed = at
+
+    def enter(self) -> None:
+        self._settle()
+        self.now += 1
+        self.peak = max(self.peak, self.now)
+
+    def leave(self) -> None:
+        self._settle()
+        self.now -= 1
+
+    def stats(self) -> dict[str, float]:
+        self._settle()
+        return {
+            "now": self.now,
+            "peak": self.peak,
+            "integral": self.integral,
+            "seconds": self._changed - self.since,
+            "clock": self._changed,
+        }
+
+
 class FakeBackend:
     """The handlers; one instance per server."""
 
     def __init__(self, defaults: Behaviour, models: tuple[str, ...]) -> None:
         self._defaults = defaults
+        self.concurrency = Concurrency()
         self._models = _dumps(
             {
                 "object": "list",
@@ -88,7 +137,16 @@ class FakeBackend:
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_get("/stats", self.stats)
+        app.router.add_post("/stats/reset", self.reset)
         return app
+
+    async def stats(self, request: web.Request) -> web.Response:
+        return web.Response(body=_dumps(self.concurrency.stats()), content_type="application/json")
+
+    async def reset(self, request: web.Request) -> web.Response:
+        self.concurrency.reset()
+        return await self.stats(request)
 
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(text="ok")
@@ -97,6 +155,13 @@ class FakeBackend:
         return web.Response(body=self._models, content_type="application/json")
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
+        self.concurrency.enter()
+        try:
+            return await self._chat(request)
+        finally:
+            self.concurrency.leave()
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
         body = _loads(await request.read())
         model = str(body.get("model") or "fake")
         behaviour = self._defaults.for_model(model)
@@ -187,7 +252,11 @@ async def serving(
     defaults: Behaviour, models: tuple[str, ...], port: int = 0
 ) -> AsyncIterator[int]:
     """Serve on 127.0.0.1 (``port`` 0: a free one); yields the port."""
-    runner = web.AppRunner(FakeBackend(defaults, models).app(), access_log=None)
+    # handler_cancellation: a request whose client went away ends here too, as it does in
+    # a real engine (vLLM aborts it): the concurrency it counts is what is still wanted.
+    runner = web.AppRunner(
+        FakeBackend(defaults, models).app(), access_log=None, handler_cancellation=True
+    )
     await runner.setup()
     try:
         site = web.TCPSite(runner, "127.0.0.1", port, backlog=1024)

@@ -1,6 +1,6 @@
-"""Run the IOP benchmarks (overhead, sweep, streaming, floor, scale, real models, agents).
+"""Run the IOP benchmarks (overhead, sweep, streaming, floor, scale, edges, real models, agents).
 
-    tools/bench/run.py --quick  --out var/bench/results.json   # make bench (~4 min + agents)
+    tools/bench/run.py --quick  --out var/bench/results.json   # make bench (~6 min + agents)
     tools/bench/run.py --full   --out ...                      # make bench-full
     tools/bench/run.py --tiny   --out ...                      # CI smoke: seconds, no LiteLLM
 
@@ -33,7 +33,7 @@ from typing import Any
 # Run as a script (``tools/bench/run.py``): tools/ holds the ``bench`` package.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench import agents, floor, overhead, realmodel, scale, streaming, sweep, vllm_pool
+from bench import agents, edges, floor, overhead, realmodel, scale, streaming, sweep, vllm_pool
 from bench.agent_load import Workload
 from bench.backends import (
     SMOLLM2,
@@ -51,7 +51,9 @@ from bench.results import PEERS, Row, ScenarioResult, render
 from bench.routers import ROUTERS, SMG, start_router
 from bench.stack import ProviderSpec, start_iop
 
-SCENARIOS = ("overhead", "sweep", "streaming", "floor", "scale", "realmodel", "vllm", "agents")
+SCENARIOS = (
+    "overhead", "sweep", "streaming", "floor", "scale", "edges", "realmodel", "vllm", "agents",
+)  # fmt: skip
 GATEWAY_SCENARIOS = ("overhead", "sweep", "streaming", "realmodel", "vllm")
 PEER_SCENARIOS = ("overhead", "sweep", "streaming")  # the ones with a column per peer
 FAKE_MODEL = "fake"
@@ -67,6 +69,7 @@ class Profile:
     streaming: streaming.Settings
     floor: floor.Settings
     scale: scale.Settings
+    edges: edges.Settings
     realmodel: realmodel.Settings
     vllm: vllm_pool.Settings | None  # None: not run in this mode (vLLM takes a minute to start)
     agents: agents.Settings | None  # None: not run in this mode (minutes of real prefill)
@@ -89,12 +92,13 @@ PROFILES = {
             providers=1000, nodes=100, decisions=200, queue_waiters=200,
             registration_nodes=3, providers_per_node=2,
         ),
+        edges.Settings(levels=(4,), seconds=0.2, rounds=1, postgres=False),
         realmodel.Settings(rounds=1, tokens=4),
         None,
         None,
         litellm=False,
         routers=True,  # they start in well under a second: the smoke run covers them
-        run_timeout_s=80,
+        run_timeout_s=95,  # 80 before the edges scenario, which takes about 10 s here
     ),
     "quick": Profile(
         "quick",
@@ -109,6 +113,7 @@ PROFILES = {
             providers=1000, nodes=100, decisions=20_000, queue_waiters=10_000,
             registration_nodes=100,
         ),
+        edges.Settings(levels=(16, 64), seconds=3.0, rounds=2, postgres=True),
         realmodel.Settings(rounds=12, tokens=64),
         vllm_pool.Settings(rounds=6, tokens=64, pool_seconds=20.0, pool_streams=5),
         agents.Settings(
@@ -133,6 +138,7 @@ PROFILES = {
             providers=1000, nodes=100, decisions=50_000, queue_waiters=10_000,
             registration_nodes=100,
         ),
+        edges.Settings(levels=(16, 64), seconds=8.0, rounds=3, postgres=True),
         realmodel.Settings(rounds=20, tokens=128),
         vllm_pool.Settings(rounds=12, tokens=128, pool_seconds=60.0, pool_streams=5),
         agents.Settings(
@@ -387,10 +393,11 @@ async def main(
                             report.results[name] = ScenarioResult(
                                 name, status="failed", reason=f"{type(exc).__name__}: {exc}"
                             )
-                # The floor and scale scenarios start stacks of their own: after the
+                # The floor, scale and edges scenarios start stacks of their own: after the
                 # gateways stopped, so the machine is quiet for them.
                 await report.scenario("floor", lambda: floor.run(root / "floor", profile.floor))
                 await report.scenario("scale", lambda: scale.run(root / "scale", profile.scale))
+                await report.scenario("edges", lambda: edges.run(root / "edges", profile.edges))
                 await _agents(report, root / "agents", agents_targets, agents_loads)
         except TimeoutError:
             for name in SCENARIOS:
@@ -469,7 +476,7 @@ def cli() -> int:
     mode = parser.add_mutually_exclusive_group()
     for name, help_text in (
         ("tiny", "a handful of requests per scenario (the CI smoke run)"),
-        ("quick", "the default: about 4 minutes on 2 cores, plus the agents scenario"),
+        ("quick", "the default: about 6 minutes on 2 cores, plus the agents scenario"),
         ("full", "more requests and longer rounds"),
     ):
         mode.add_argument(

@@ -10,7 +10,8 @@ script before and after.
    and give back its slot (``KeySlots.hold``), the inference path's part of this work.
 
 (The limit itself across two real edges: ``tests/e2e/test_key_limit_across_edges.py``,
-run with ``-s``, prints it.)
+run with ``-s``, prints it; under sustained load and through an edge's SIGKILL:
+``limits_sustained.py``.)
 
     .venv/bin/python tools/hardening/limits_across_edges.py [--sessions 300]
 """
