@@ -1,0 +1,87 @@
+"""Who used what: the public APIs a run is made through, a key's usage in a window, and
+the windows a key's limits are measured over (docs/ARCHITECTURE.md#usage-per-key).
+
+Pure: the run log's adapters add up the rows, the usage service lays them beside each
+key's limits.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Iterable
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Final
+
+from iop_edge.domain.fleet import BudgetPeriod
+
+
+class Api(StrEnum):
+    """The public API a run was asked through (the run log's ``api``, the metrics' label).
+
+    Responses and Messages run as chat completions on every provider (the run log's
+    ``operation``); this says which door the client came in by. A batch line is
+    ``batch`` whatever its endpoint.
+    """
+
+    CHAT_COMPLETIONS = "chat_completions"
+    COMPLETIONS = "completions"
+    EMBEDDINGS = "embeddings"
+    RESPONSES = "responses"
+    MESSAGES = "messages"  # Anthropic's, ``count_tokens`` included
+    BATCH = "batch"
+
+
+ERROR_OUTCOMES: Final = ("failed", "rejected")
+"""Outcomes counted as errors: the edge or the provider failed the request, or the edge
+turned it away (a limit, validation). A client that left (``cancelled``) is not one."""
+
+MINUTE_MS: Final = 60_000
+
+
+@dataclass(frozen=True, slots=True)
+class UsageRow:
+    """What one key did with one model through one API in a window (sums of runs)."""
+
+    key_id: str
+    model: str
+    api: str
+    requests: int = 0
+    errors: int = 0
+    input_tokens: int = 0
+    output_tokens: int = 0
+
+    def plus(self, other: UsageRow) -> UsageRow:
+        return UsageRow(
+            self.key_id,
+            self.model,
+            self.api,
+            self.requests + other.requests,
+            self.errors + other.errors,
+            self.input_tokens + other.input_tokens,
+            self.output_tokens + other.output_tokens,
+        )
+
+
+def merge_rows(rows: Iterable[UsageRow]) -> list[UsageRow]:
+    """Rows of the same key, model and API added into one, in first-seen order."""
+    merged: dict[tuple[str, str, str], UsageRow] = {}
+    for row in rows:
+        group = (row.key_id, row.model, row.api)
+        seen = merged.get(group)
+        merged[group] = row if seen is None else seen.plus(row)
+    return list(merged.values())
+
+
+def period_start_ms(period: BudgetPeriod | None, now_ms: int) -> int:
+    """The start of the calendar period holding ``now_ms`` (UTC; weeks start on Monday,
+    as ISO 8601's), in Unix ms; ``None``: the trailing minute (the per-minute limits')."""
+    if period is None:
+        return now_ms - MINUTE_MS
+    now = datetime.datetime.fromtimestamp(now_ms / 1000, tz=datetime.UTC)
+    day = now.replace(hour=0, minute=0, second=0, microsecond=0)
+    if period is BudgetPeriod.WEEK:
+        day -= datetime.timedelta(days=day.weekday())
+    elif period is BudgetPeriod.MONTH:
+        day = day.replace(day=1)
+    return int(day.timestamp() * 1000)
