@@ -27,6 +27,7 @@ from iop_edge.entrypoints.http_api import (
 from iop_edge.entrypoints.stop_gate import StopGate
 from iop_edge.formats.reasoning_seal import ReasoningSeal, parse_key
 from iop_edge.metrics import EdgeMetrics
+from iop_edge.ports import EdgeRunRecord
 from iop_edge.service.batches import BatchService
 from iop_edge.service.catalog import FleetKeyRing, PoolCatalog
 from iop_edge.service.dispatch import Dispatcher
@@ -139,6 +140,13 @@ async def build(
         runlog, response_store, batch_store = stores.runlog, stores.responses, stores.batches
         key_slots = KeySlots(stores.key_slots)  # where keys' slots are counted: the stores say
         storage = settings.storage
+        api_metrics = ApiMetrics.create(registry)
+
+        def account_line(record: EdgeRunRecord) -> None:
+            """A batch line's run, recorded and counted as an HTTP request's run is."""
+            api_metrics.count(record)
+            runlog.record(record)
+
         batches = BatchService(
             batch_store,
             dispatcher,
@@ -148,6 +156,7 @@ async def build(
             max_body_bytes=body_limit,
             mock_drills=settings.mock_drills,
             file_quota_bytes=storage.files_quota_bytes,
+            account=account_line,
         )
         await batches.refresh_metrics()
 
@@ -200,7 +209,7 @@ async def build(
             catalog,
             keys,
             runlog,
-            ApiMetrics.create(registry),
+            api_metrics,
             openapi=load_openapi(),
             max_body_bytes=body_limit,
             batches=batches,

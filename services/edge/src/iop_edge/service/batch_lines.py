@@ -36,7 +36,8 @@ from iop_edge.errors import (
 )
 from iop_edge.formats.errors import error_payload, internal_error
 from iop_edge.formats.openai import RENDER_OFFLOAD_BYTES, dumps, render_result
-from iop_edge.ports import Catalog, RunEvents, RunService, RunSpec
+from iop_edge.ports import Catalog, EdgeRunRecord, RunEvents, RunService, RunSpec
+from iop_edge.service.line_trace import LineTrace
 from iop_edge.service.run_reader import Collector, follow
 from iop_proto.service.logging import log_unexpected
 
@@ -50,24 +51,52 @@ class LineOutcome:
     transient: bool  # not stored: the line stays pending and is run again
 
 
+Account = Callable[[EdgeRunRecord], None]
+"""Where a line's run is recorded when it ends: the run log and the request metrics."""
+
+
 class LineRunner:
     """Runs lines and knows which runs are in flight, so a batch that ends can stop them."""
 
-    def __init__(self, runs: RunService, catalog: Catalog, clock: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        runs: RunService,
+        catalog: Catalog,
+        clock: Callable[[], float],
+        account: Account | None = None,
+    ) -> None:
+        """``account``: each line's run, once ended (``LineTrace``); none: not recorded."""
         self._runs = runs
         self._catalog = catalog
         self._clock = clock
+        self._account = account
         self._live: dict[str, set[RunEvents]] = {}  # batch id -> its lines' runs
 
-    async def run(self, endpoint: str, line: LineRecord, result_id: str) -> LineOutcome:
-        """Dispatch the line and wait for its end; never raises an ``EdgeError``.
+    async def run(
+        self, endpoint: str, line: LineRecord, result_id: str, owner: str | None = None
+    ) -> LineOutcome:
+        """Dispatch the line and wait for its end; never raises an ``EdgeError``; its run
+        is accounted for under the batch's ``owner`` (a key id) on every way out."""
+        trace = LineTrace(owner or "")
+        try:
+            return await self._run(endpoint, line, result_id, trace)
+        finally:
+            if self._account is not None:
+                try:  # synchronous: a worker gone (a cancellation) cannot cut it short
+                    self._account(trace.record())
+                except Exception as exc:
+                    log_unexpected(exc, "batch {} line {}: not recorded", line.batch_id, line.index)
 
-        The line's run is known to its batch from admission on, before it waits for a
+    async def _run(
+        self, endpoint: str, line: LineRecord, result_id: str, trace: LineTrace
+    ) -> LineOutcome:
+        """The line's run is known to its batch from admission on, before it waits for a
         slot: a batch that ends meanwhile ends it wherever it is (``cancel_batch``)."""
         try:
-            spec = self._spec(endpoint, line)
-            run = self._runs.admit(spec)
+            trace.spec = spec = self._spec(endpoint, line)
+            trace.run = run = self._runs.admit(spec)
         except EdgeError as exc:
+            trace.failed(exc)
             return _failure(exc, "", result_id)
         except Exception as exc:
             # Per-line boundary: a line the edge cannot run fails alone, into the error
@@ -78,16 +107,20 @@ class LineRunner:
         live.add(run)
         try:
             await run.open()  # at batch priority, maybe after a wait in the queue
-            body = await self._collect(spec, run)
+            trace.opened()
+            body = await self._collect(spec, run, trace)
         except EdgeError as exc:
+            trace.failed(exc)
             return _failure(exc, run.run_id, result_id)
         except asyncio.CancelledError:
             # The worker is gone (its connection dropped): free the provider slot.
+            trace.abandoned()
             await asyncio.shield(run.cancel("the batch line was abandoned"))
             raise
         except Exception as exc:
             # Per-line boundary: one line's bug must not take the worker's session down.
             log_unexpected(exc, "batch {} line {} failed in the edge", line.batch_id, line.index)
+            trace.crashed()
             await asyncio.shield(run.cancel("edge failed"))
             return _failure(internal_error(), run.run_id, result_id)
         finally:
@@ -125,7 +158,7 @@ class LineRunner:
             drill=asks_drill(body),  # refused at the batch's creation unless allowed then
         )
 
-    async def _collect(self, spec: RunSpec, run: RunEvents) -> str:
+    async def _collect(self, spec: RunSpec, run: RunEvents, trace: LineTrace) -> str:
         """The run's OpenAI response body (public model id), or its error raised."""
         collector = Collector()
         end = await follow(run, collector)
@@ -133,6 +166,7 @@ class LineRunner:
             raise ProviderFailed("the run ended without a result")
         if not isinstance(end, Completed):
             raise run.error(end)
+        trace.completed(end)
         render = functools.partial(
             render_result,
             spec.operation,
