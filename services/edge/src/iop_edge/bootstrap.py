@@ -35,6 +35,7 @@ from iop_edge.service.fleet_holder import FleetHolder
 from iop_edge.service.limits import max_body_bytes
 from iop_edge.service.registry import ProviderRegistry
 from iop_edge.service.runs import RunGuards
+from iop_edge.service.usage import UsageReport
 from iop_edge.settings import EdgeSettings
 from iop_proto.service import AdminServer
 from iop_proto.service.http_site import CappedSite
@@ -222,6 +223,7 @@ async def build(
             responses=response_store,
             reasoning_seal=reasoning_seal(settings),
             mock_drills=settings.mock_drills,
+            usage=UsageReport(fleet_holder, runlog, key_slots.held),
         )
         add_console_routes(app)  # the read-only operator page (before setup locks the routes)
         # handler_cancellation: a client that disconnects cancels its handler, which

@@ -85,3 +85,50 @@ def period_start_ms(period: BudgetPeriod | None, now_ms: int) -> int:
     elif period is BudgetPeriod.MONTH:
         day = day.replace(day=1)
     return int(day.timestamp() * 1000)
+
+
+@dataclass(frozen=True, slots=True)
+class Counts:
+    """Runs and tokens added up (of one window, key, API or model)."""
+
+    requests: int = 0
+    errors: int = 0
+    input_tokens: int = 0
+    output_tokens: int = 0
+
+    def __add__(self, other: Counts) -> Counts:
+        return Counts(
+            self.requests + other.requests,
+            self.errors + other.errors,
+            self.input_tokens + other.input_tokens,
+            self.output_tokens + other.output_tokens,
+        )
+
+    @property
+    def tokens(self) -> int:
+        """Input and output together: what a token budget counts."""
+        return self.input_tokens + self.output_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class WindowUsage:
+    """One key's usage in one window: in all, by API and by model."""
+
+    total: Counts
+    by_api: dict[str, Counts]
+    by_model: dict[str, Counts]
+
+
+def window_usage(rows: Iterable[UsageRow], key_id: str) -> WindowUsage:
+    """``key_id``'s rows of one window, added up in all, by API and by model."""
+    total = Counts()
+    by_api: dict[str, Counts] = {}
+    by_model: dict[str, Counts] = {}
+    for row in rows:
+        if row.key_id != key_id:
+            continue
+        counts = Counts(row.requests, row.errors, row.input_tokens, row.output_tokens)
+        total += counts
+        by_api[row.api] = by_api.get(row.api, Counts()) + counts
+        by_model[row.model] = by_model.get(row.model, Counts()) + counts
+    return WindowUsage(total, by_api, by_model)

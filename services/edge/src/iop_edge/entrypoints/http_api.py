@@ -28,6 +28,7 @@ from iop_edge.entrypoints.messages_dialect import (
 )
 from iop_edge.entrypoints.responses_routes import ResponsesRoutes
 from iop_edge.entrypoints.stop_gate import StopGate
+from iop_edge.entrypoints.usage_routes import UsageRoutes
 from iop_edge.errors import InvalidRequest, ModelNotFound, TooManyConnections
 from iop_edge.formats import anthropic
 from iop_edge.formats.errors import error_payload
@@ -35,6 +36,7 @@ from iop_edge.formats.reasoning_seal import ReasoningSeal
 from iop_edge.ports import Catalog, KeyRing, ResponseStore, RunLog, RunService
 from iop_edge.service.batches import BatchService
 from iop_edge.service.limits import DEFAULT_MAX_BODY_BYTES
+from iop_edge.service.usage import UsageReport
 from iop_proto.service.http_site import canned_response
 
 MAX_BODY_BYTES: Final = DEFAULT_MAX_BODY_BYTES
@@ -81,6 +83,7 @@ def create_api_app(
     responses: ResponseStore | None = None,
     reasoning_seal: ReasoningSeal | None = None,
     mock_drills: bool = False,
+    usage: UsageReport | None = None,
 ) -> web.Application:
     """The API application; serve it with ``web.AppRunner(app, handler_cancellation=True)``.
 
@@ -108,6 +111,7 @@ def create_api_app(
     ``reasoning_seal``: seals the reasoning a Responses client keeps as
     ``encrypted_content`` (default: a new random key, opened by this app only).
     ``mock_drills``: the mock's failure drills from every caller, not operator keys only.
+    ``usage``: when given, each key's usage against its limits at ``/iop/v1/usage``.
     """
     middlewares = [
         api_gate(
@@ -136,6 +140,8 @@ def create_api_app(
     ReadRoutes(catalog, keys, runlog, openapi).register(app)
     if batches is not None:
         BatchRoutes(batches, keys).register(app)
+    if usage is not None:
+        UsageRoutes(usage, keys).register(app)
     return app
 
 
