@@ -1233,6 +1233,7 @@ async def test_health_readiness_and_openapi(edge: Edge, http: aiohttp.ClientSess
         "/iop/v1/catalog/providers",
         "/iop/v1/catalog/models",
         "/iop/v1/runs",
+        "/iop/v1/usage",
         "/healthz",
         "/readyz",
         "/openapi.json",
