@@ -334,7 +334,9 @@ def parser() -> argparse.ArgumentParser:
 
     top = argparse.ArgumentParser(
         prog="iopctl",
-        description="Read the IOP edge's provider and model catalog, its run history and each key's usage.",
+        description=(
+            "Read the IOP edge's provider and model catalog, its run history and each key's usage."
+        ),
         parents=[shared(True)],
     )
     commands = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
