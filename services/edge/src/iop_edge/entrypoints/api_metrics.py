@@ -73,7 +73,7 @@ class TokenSeries:
     cached: CounterChild
 
 
-RequestLabels = tuple[str, str, str, str, str]  # model, status, provider, key, api
+RequestLabels = tuple[str, int, str, str, str]  # model, status, provider, key, api
 TokenLabels = tuple[str, str, str, str]  # model, provider, key, api
 
 
@@ -115,7 +115,7 @@ class ApiMetrics:
         """One ended run, an HTTP request's or a batch line's, in the request and token
         counters, under the labels its record gives (tokens: completed runs only)."""
         model, provider, key, api = record.model, record.provider_id, record.key_id, record.api
-        self.requests_by[model, str(record.status), provider, key, api].inc()
+        self.requests_by[model, record.status, provider, key, api].inc()
         if record.outcome == "completed" and provider:
             tokens = self.tokens_by[model, provider, key, api]
             tokens.prompt.inc(record.prompt_tokens)
@@ -131,7 +131,8 @@ class ApiMetrics:
         )
 
     def _request_series(self, labels: RequestLabels) -> CounterChild:
-        return self.requests.labels(*labels)
+        model, status, provider, key, api = labels
+        return self.requests.labels(model, str(status), provider, key, api)
 
     def _overhead_series(self, labels: tuple[str, bool]) -> HistogramChild:
         operation, stream = labels
