@@ -97,7 +97,7 @@ class LineTrace:
             status=self.status,
             error_code=self.error_code,
             received_ms=self.received_ms,
-            queue_wait_ms=round((waited_until - self.received_at) * 1000) if run else 0,
+            queue_wait_ms=round((waited_until - self.received_at) * 1000) if run is not None else 0,
             duration_ms=max(1, round((ended_at - self.received_at) * 1000)),
             prompt_tokens=usage.prompt_tokens if usage is not None else 0,
             completion_tokens=usage.completion_tokens if usage is not None else 0,
