@@ -563,6 +563,27 @@ async def test_the_table_has_a_column_per_field_and_every_edge_s_runs(
         await edge_b.aclose()
 
 
+async def test_usage_adds_up_every_edge_s_runs(postgres: PostgresBackend) -> None:
+    """Two edges on one database: each one's usage is the fleet's, its own unwritten
+    runs included (the other edge's count once written)."""
+    edge_a, edge_b = await asyncio.gather(postgres.open(), postgres.open())
+    try:
+        edge_a.record(used("a1", T0, "key_a", "messages"))
+        edge_b.record(used("b1", T0 + 1, "key_a", "messages", "failed"))
+        await edge_b.flush()
+        edge_a.record(used("a2", T0 + 2, "key_a", "batch"))  # A's, unwritten
+        expected = [
+            UsageRow("key_a", "llama3", "messages", 2, 1, 24, 68),
+            UsageRow("key_a", "llama3", "batch", 1, 0, 12, 34),
+        ]
+        assert sorted(await edge_a.usage(T0), key=str) == sorted(expected, key=str)
+        await edge_a.flush()
+        assert sorted(await edge_b.usage(T0, "key_a"), key=str) == sorted(expected, key=str)
+    finally:
+        await edge_a.aclose()
+        await edge_b.aclose()
+
+
 async def test_a_step_1_table_gains_the_api_column_and_keeps_its_runs(
     postgres: PostgresBackend,
 ) -> None:
