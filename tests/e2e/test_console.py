@@ -163,6 +163,12 @@ async def test_console_shows_the_fleet_and_a_run_live(edge_url: str, page: Page)
     await expect(run_row.locator('[data-testid="run-provider"]')).to_have_text("node-a-solo")
     await expect(run_row.locator('[data-testid="run-outcome"]')).to_contain_text("completed")
     await expect(solo.locator('[data-testid="in-flight"]')).to_have_text("0", timeout=WAIT_MS)
+    # The usage view: the open API's runs (no key), by API, and no limit to show.
+    usage = page.locator('[data-testid="usage-row"][data-key-id=""]')
+    await expect(usage.locator('[data-testid="usage-by-api"]')).to_contain_text(
+        "chat_completions", timeout=WAIT_MS
+    )
+    await expect(usage.locator('[data-testid="usage-rpm"]')).to_contain_text("/ unlimited")
     await page.screenshot(path=ARTIFACTS / "console.png", full_page=True)
 
     assert await page.evaluate("window.__sameDocument") is True
@@ -175,6 +181,7 @@ async def test_console_shows_the_fleet_and_a_run_live(edge_url: str, page: Page)
         "/iop/v1/catalog/providers",
         "/iop/v1/catalog/models",
         "/iop/v1/runs?limit=20",
+        "/iop/v1/usage",
     }
 
 

@@ -28,6 +28,7 @@ from iop_edge.entrypoints.http_api import (
 from iop_edge.entrypoints.stop_gate import StopGate
 from iop_edge.formats.reasoning_seal import ReasoningSeal, parse_key
 from iop_edge.metrics import EdgeMetrics
+from iop_edge.ports import EdgeRunRecord
 from iop_edge.service.batches import BatchService
 from iop_edge.service.catalog import FleetKeyRing, PoolCatalog
 from iop_edge.service.dispatch import Dispatcher
@@ -36,6 +37,7 @@ from iop_edge.service.key_rates import KeyRates, LineBudget
 from iop_edge.service.limits import max_body_bytes
 from iop_edge.service.registry import ProviderRegistry
 from iop_edge.service.runs import RunGuards
+from iop_edge.service.usage import UsageReport
 from iop_edge.settings import EdgeSettings
 from iop_proto.service import AdminServer
 from iop_proto.service.http_site import CappedSite
@@ -150,6 +152,13 @@ async def build(
                 (k for k in fleet_holder.current.api_keys.values() if k.key_id == key_id), None
             )
 
+        api_metrics = ApiMetrics.create(registry)
+
+        def account_line(record: EdgeRunRecord) -> None:
+            """A batch line's run, recorded and counted as an HTTP request's run is."""
+            api_metrics.count(record)
+            runlog.record(record)
+
         batches = BatchService(
             batch_store,
             dispatcher,
@@ -160,6 +169,7 @@ async def build(
             mock_drills=settings.mock_drills,
             file_quota_bytes=storage.files_quota_bytes,
             line_budget=LineBudget(key_rates, key_of),
+            account=account_line,
         )
         await batches.refresh_metrics()
 
@@ -212,7 +222,7 @@ async def build(
             catalog,
             keys,
             runlog,
-            ApiMetrics.create(registry),
+            api_metrics,
             openapi=load_openapi(),
             max_body_bytes=body_limit,
             batches=batches,
@@ -226,6 +236,7 @@ async def build(
             responses=response_store,
             reasoning_seal=reasoning_seal(settings),
             mock_drills=settings.mock_drills,
+            usage=UsageReport(fleet_holder, runlog, key_slots.held),
         )
         add_console_routes(app)  # the read-only operator page (before setup locks the routes)
         # handler_cancellation: a client that disconnects cancels its handler, which

@@ -17,6 +17,7 @@ from iop_edge.domain.fleet import ApiKeyEntry, Fleet, ModelEntry, Operation
 from iop_edge.domain.key_rates import Gauge, Refusal, Scopes
 from iop_edge.domain.leases import LeaseGrant, LineReply
 from iop_edge.domain.outliers import Phase
+from iop_edge.domain.usage import UsageRow
 from iop_edge.errors import EdgeError
 
 
@@ -334,6 +335,7 @@ class EdgeRunRecord:
     key_id: str = ""  # the API key that asked; "" while the API is open (no keys)
     attempts: tuple[AttemptRecord, ...] = ()  # every attempt, oldest first; () = not dispatched
     cached_tokens: int = 0  # of prompt_tokens, served from the engine's prompt cache
+    api: str = ""  # the public API it came through (domain.usage.Api); "" = recorded before
 
 
 class RunLog(Protocol):
@@ -347,6 +349,11 @@ class RunLog(Protocol):
 
     async def recent(self, limit: int, key_id: str | None = None) -> list[EdgeRunRecord]:
         """The ``limit`` newest runs, newest first; only ``key_id``'s when it is given."""
+        ...
+
+    async def usage(self, since_ms: int, key_id: str | None = None) -> list[UsageRow]:
+        """The runs received since ``since_ms`` (Unix ms), added up by key, model and
+        API, unwritten ones included; only ``key_id``'s when it is given."""
         ...
 
 

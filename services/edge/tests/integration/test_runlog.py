@@ -17,14 +17,16 @@ import asyncpg
 import pytest
 from loguru import logger
 
-from iop_edge.adapters.postgres_runlog import PostgresRunLog
+from iop_edge.adapters.postgres_runlog import COMPONENT, STEPS, PostgresRunLog
 from iop_edge.adapters.sqlite_runlog import (
     SCHEMA_VERSION,
     RunLogClosed,
     RunLogError,
     SqliteRunLog,
 )
+from iop_edge.domain.usage import UsageRow
 from iop_edge.ports import AttemptRecord, EdgeRunRecord, RunLog
+from iop_proto.postgres import apply_migrations
 from iop_proto.testing_postgres import PostgresServer
 
 T0 = 1_740_830_400_000  # 2025-03-01 12:00 UTC in Unix milliseconds
@@ -54,6 +56,7 @@ def run(run_id: str, received_ms: int = T0, key_id: str = "key_1") -> EdgeRunRec
             AttemptRecord(run_id, "ollama-1", "node-a", "failed", "provider_error", T0 + 5, 890),
         ),
         cached_tokens=9,
+        api="responses",
     )
 
 
@@ -365,6 +368,44 @@ async def test_recent_of_one_key_lists_only_that_key_s_runs(runlog: Log) -> None
     assert [r.run_id for r in await runlog.recent(10)] == ["r9", "r3", "r2", "r1", "r0"]
 
 
+def used(
+    run_id: str, received_ms: int, key_id: str, api: str, outcome: str = "completed", **more: Any
+) -> EdgeRunRecord:
+    """A run of ``key_id`` through ``api``: 12 tokens in, 34 out (``run``'s)."""
+    return dataclasses.replace(run(run_id, received_ms, key_id), api=api, outcome=outcome, **more)
+
+
+async def test_usage_adds_up_each_key_s_runs_by_model_and_api_since_a_time(runlog: Log) -> None:
+    runlog.record(used("old", T0 - 1, "key_a", "messages"))  # before the window
+    runlog.record(used("a1", T0, "key_a", "chat_completions"))
+    runlog.record(used("a2", T0 + 1, "key_a", "chat_completions", "failed"))
+    runlog.record(used("a3", T0 + 2, "key_a", "chat_completions", "rejected", prompt_tokens=0))
+    runlog.record(used("a4", T0 + 3, "key_a", "batch", "cancelled", model="qwen"))
+    runlog.record(used("b1", T0 + 4, "key_b", "responses", completion_tokens=1))
+    await runlog.flush()
+    # In memory only: a new run, and a new version of one already written (counted once).
+    runlog.record(used("b2", T0 + 5, "key_b", "responses", completion_tokens=1))
+    runlog.record(used("a1", T0, "key_a", "chat_completions", completion_tokens=100))
+
+    rows = {(r.key_id, r.model, r.api): r for r in await runlog.usage(T0)}
+    assert rows == {
+        ("key_a", "llama3", "chat_completions"): UsageRow(
+            "key_a", "llama3", "chat_completions", 3, 2, 24, 168
+        ),
+        ("key_a", "qwen", "batch"): UsageRow("key_a", "qwen", "batch", 1, 0, 12, 34),
+        ("key_b", "llama3", "responses"): UsageRow("key_b", "llama3", "responses", 2, 0, 24, 2),
+    }
+    assert await runlog.usage(T0 + 4, key_id="key_b") == [
+        UsageRow("key_b", "llama3", "responses", 2, 0, 24, 2)
+    ]
+    assert await runlog.usage(T0 + 6) == []
+    # Once all is written the sums are the same: nothing counted twice, nothing lost.
+    await runlog.flush()
+    assert {(r.key_id, r.model, r.api): r for r in await runlog.usage(T0)} == rows
+    (every,) = [r for r in await runlog.usage(T0 - 1) if r.api == "messages"]
+    assert every == UsageRow("key_a", "llama3", "messages", 1, 0, 12, 34)
+
+
 V1_TABLE = """CREATE TABLE runs (
     run_id TEXT PRIMARY KEY, model TEXT NOT NULL, provider_id TEXT NOT NULL,
     node_id TEXT NOT NULL, operation TEXT NOT NULL, stream INTEGER NOT NULL,
@@ -389,14 +430,14 @@ async def test_a_version_1_file_is_migrated_and_keeps_its_runs(db_path: Path) ->
     try:
         migrated.record(run("new", T0 + 1, "key_a"))
         await migrated.flush()
-        old_run = dataclasses.replace(run("old"), key_id="", attempts=(), cached_tokens=0)
+        old_run = dataclasses.replace(run("old"), key_id="", attempts=(), cached_tokens=0, api="")
         assert await migrated.recent(10) == [run("new", T0 + 1, "key_a"), old_run]
         assert [r.run_id for r in await migrated.recent(10, key_id="key_a")] == ["new"]
     finally:
         await migrated.aclose()
     raw = sqlite3.connect(db_path)
     try:
-        assert raw.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 4
+        assert raw.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 5
     finally:
         raw.close()
 
@@ -417,7 +458,7 @@ async def test_a_version_2_file_gains_the_attempts_column(db_path: Path) -> None
     try:
         migrated.record(run("new", T0 + 1))
         await migrated.flush()
-        old_run = dataclasses.replace(run("old"), attempts=(), cached_tokens=0)
+        old_run = dataclasses.replace(run("old"), attempts=(), cached_tokens=0, api="")
         assert await migrated.recent(10) == [run("new", T0 + 1), old_run]
     finally:
         await migrated.aclose()
@@ -440,9 +481,42 @@ async def test_a_version_3_file_gains_the_cached_tokens_column(db_path: Path) ->
     try:
         migrated.record(run("new", T0 + 1))
         await migrated.flush()
-        old_run = dataclasses.replace(run("old"), cached_tokens=0)
+        old_run = dataclasses.replace(run("old"), cached_tokens=0, api="")
         assert await migrated.recent(10) == [run("new", T0 + 1), old_run]
         assert (await migrated.recent(1))[0].cached_tokens == 9
+    finally:
+        await migrated.aclose()
+    raw = sqlite3.connect(db_path)
+    try:
+        assert raw.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+    finally:
+        raw.close()
+
+
+async def test_a_version_4_file_gains_the_api_column(db_path: Path) -> None:
+    """Runs recorded before the API was recorded say '' (their operation cannot tell a
+    Responses or Messages run from a chat completion); new ones keep theirs."""
+    db_path.parent.mkdir(parents=True)
+    raw = sqlite3.connect(db_path)
+    raw.execute(V1_TABLE)
+    raw.execute("ALTER TABLE runs ADD COLUMN key_id TEXT NOT NULL DEFAULT ''")
+    raw.execute("ALTER TABLE runs ADD COLUMN attempts TEXT NOT NULL DEFAULT '[]'")
+    raw.execute("ALTER TABLE runs ADD COLUMN cached_tokens INTEGER NOT NULL DEFAULT 0")
+    old = as_row(run("old"))[:-1]
+    raw.execute(f"INSERT INTO runs VALUES ({', '.join('?' * len(old))})", old)
+    raw.execute("PRAGMA user_version = 4")
+    raw.commit()
+    raw.close()
+
+    migrated = await SqliteRunLog.open(db_path)
+    try:
+        migrated.record(run("new", T0 + 1))
+        await migrated.flush()
+        assert await migrated.recent(10) == [
+            run("new", T0 + 1),
+            dataclasses.replace(run("old"), api=""),
+        ]
+        assert {r.api for r in await migrated.usage(T0)} == {"", "responses"}
     finally:
         await migrated.aclose()
     raw = sqlite3.connect(db_path)
@@ -487,6 +561,55 @@ async def test_the_table_has_a_column_per_field_and_every_edge_s_runs(
     finally:
         await edge_a.aclose()
         await edge_b.aclose()
+
+
+async def test_usage_adds_up_every_edge_s_runs(postgres: PostgresBackend) -> None:
+    """Two edges on one database: each one's usage is the fleet's, its own unwritten
+    runs included (the other edge's count once written)."""
+    edge_a, edge_b = await asyncio.gather(postgres.open(), postgres.open())
+    try:
+        edge_a.record(used("a1", T0, "key_a", "messages"))
+        edge_b.record(used("b1", T0 + 1, "key_a", "messages", "failed"))
+        await edge_b.flush()
+        edge_a.record(used("a2", T0 + 2, "key_a", "batch"))  # A's, unwritten
+        expected = [
+            UsageRow("key_a", "llama3", "messages", 2, 1, 24, 68),
+            UsageRow("key_a", "llama3", "batch", 1, 0, 12, 34),
+        ]
+        assert sorted(await edge_a.usage(T0), key=str) == sorted(expected, key=str)
+        await edge_a.flush()
+        assert sorted(await edge_b.usage(T0, "key_a"), key=str) == sorted(expected, key=str)
+    finally:
+        await edge_a.aclose()
+        await edge_b.aclose()
+
+
+async def test_a_step_1_table_gains_the_api_column_and_keeps_its_runs(
+    postgres: PostgresBackend,
+) -> None:
+    """A database an edge of the previous release made (step 1): its rows say ''."""
+    pool = await asyncpg.create_pool(postgres.dsn, min_size=1, max_size=2, timeout=5)
+    assert pool is not None
+    postgres.pools.append(pool)
+    assert await apply_migrations(pool, COMPONENT, STEPS[:1]) == 1
+    old = as_row(run("old"))[:-1]
+    await pool.execute(
+        f"INSERT INTO edge_runs VALUES ({', '.join(f'${n}' for n in range(1, len(old) + 1))})",
+        *(True if n == 5 else v for n, v in enumerate(old)),
+    )
+    upgraded = await postgres.open()
+    try:
+        upgraded.record(run("new", T0 + 1))
+        await upgraded.flush()
+        assert await upgraded.recent(10) == [
+            run("new", T0 + 1),
+            dataclasses.replace(run("old"), api=""),
+        ]
+        assert await pool.fetchval(
+            "SELECT version FROM iop_schema_versions WHERE component = $1", COMPONENT
+        ) == len(STEPS)
+    finally:
+        await upgraded.aclose()
 
 
 async def test_records_made_while_the_server_is_down_are_written_once_it_is_back(

@@ -42,7 +42,7 @@ from iop_edge.errors import (
     from_failure,
 )
 from iop_edge.formats.errors import error_payload
-from iop_edge.ports import RunSpec
+from iop_edge.ports import AttemptRecord, EdgeRunRecord, RunSpec
 from iop_edge.service.batches import BatchService
 from iop_proto.v1 import runtime_pb2 as pb
 
@@ -122,7 +122,8 @@ class FakeRun:
                 }
             ],
         }
-        complete = pb.RunComplete(result_json=json.dumps(result).encode())
+        usage = pb.Usage(prompt_tokens=7, completion_tokens=self.spec.body["n"] + 1)
+        complete = pb.RunComplete(result_json=json.dumps(result).encode(), usage=usage)
         yield pb.RunEvent(run_id=self.run_id, complete=complete)
 
     async def cancel(self, reason: str, error: EdgeError | None = None) -> None:
@@ -134,6 +135,9 @@ class FakeRun:
     @property
     def ended(self) -> bool:
         return self._cancelled.is_set()
+
+    def attempt_records(self) -> tuple[AttemptRecord, ...]:
+        return ()  # one attempt, on the provider it names
 
     def error(self, failed: Failed) -> EdgeError:
         return from_failure(failed)
@@ -208,6 +212,7 @@ class Harness:
         self.clock = clock
         self.runs = FakeRuns()
         self.registry = CollectorRegistry()
+        self.accounted: list[EdgeRunRecord] = []  # each line's run, once ended
         self.service = BatchService(
             store,
             self.runs,
@@ -217,6 +222,7 @@ class Harness:
             clock=clock,
             max_file_bytes=10_000,
             max_body_bytes=1_000,
+            account=self.accounted.append,
         )
 
     def metric(self, name: str, **labels: str) -> float:
@@ -636,6 +642,44 @@ async def test_a_batch_runs_to_completion_with_output_and_error_files(h: Harness
     assert h.metric("iop_edge_batches", status="in_progress") == 0
     with pytest.raises(LeaseLost):
         await h.service.run_line(grant.lease_id, 0)
+
+
+async def test_each_line_s_run_is_recorded_under_the_batch_s_owner_and_the_batch_api(
+    h: Harness,
+) -> None:
+    """The run log and the metrics count a batch's lines as runs of the key that owns
+    the batch, on the API ``batch``: every try, done, failed, without room or abandoned."""
+    lines = [*three(), request("d", model="busy"), request("e", model="slow")]
+    await h.batch(lines, key=KEY_A)
+    grant = await h.service.lease("w1")
+    for n in range(4):
+        await h.service.run_line(grant.lease_id, n)
+    h.runs.started.clear()  # set by the lines before
+    call = asyncio.create_task(h.service.run_line(grant.lease_id, 4))
+    async with asyncio.timeout(WAIT):
+        await h.runs.started.wait()
+    call.cancel()  # the worker's connection dropped
+    with pytest.raises(asyncio.CancelledError):
+        await call
+
+    assert {(r.key_id, r.api, r.stream) for r in h.accounted} == {("key_a", "batch", False)}
+    assert [(r.model, r.outcome, r.status, r.error_code) for r in h.accounted] == [
+        ("good", "completed", 200, ""),
+        ("", "rejected", 404, "model_not_found"),  # never a run, and no model label
+        ("broken", "failed", 502, "provider_error"),
+        ("busy", "rejected", 503, "queue_timeout"),  # no room: run again later
+        ("slow", "cancelled", 499, "worker_gone"),
+    ]
+    done = h.accounted[0]
+    assert (done.run_id, done.provider_id, done.node_id) == ("run-1", "p1", "n1")
+    assert (done.prompt_tokens, done.completion_tokens, done.operation) == (
+        7,
+        2,
+        "chat_completions",
+    )
+    assert h.accounted[1].run_id.startswith("req-")
+    assert len({r.run_id for r in h.accounted}) == 5  # five rows in the run log
+    assert all(r.duration_ms >= 1 and r.received_ms > 0 for r in h.accounted)
 
 
 async def test_only_non_empty_result_files_are_written(h: Harness) -> None:

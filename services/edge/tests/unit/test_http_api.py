@@ -908,8 +908,10 @@ async def test_one_record_per_request(edge: Edge, http: aiohttp.ClientSession) -
     assert records[0].ttft_ms == 0  # a non-streaming run sent no delta
     assert records[2].model == ""
     assert records[2].run_id.startswith("req-")
-    assert edge.metric("iop_edge_requests_total", model=CHAT, status="200") == 2
-    assert edge.metric("iop_edge_requests_total", model="", status="404") == 1
+    requests = "iop_edge_requests_total"
+    api = {"key": "", "api": "chat_completions"}  # the API is open: no key
+    assert edge.metric(requests, model=CHAT, status="200", provider="p1", **api) == 2
+    assert edge.metric(requests, model="", status="404", provider="", **api) == 1
     assert edge.metric("iop_edge_requests_in_flight", model=CHAT) == 0
     assert edge.metric("iop_edge_queue_wait_seconds_count", model=CHAT) == 2
 
@@ -933,9 +935,10 @@ async def test_cached_tokens_reach_the_sdk_the_record_and_the_metrics(edge: Edge
     (record,) = await edge.runlog.wait_for(1)
     assert (record.prompt_tokens, record.cached_tokens) == (40, 32)
     tokens = "iop_edge_tokens_total"
-    assert edge.metric(tokens, model=CHAT, provider="p1", kind="prompt") == 40
-    assert edge.metric(tokens, model=CHAT, provider="p1", kind="completion") == 2
-    assert edge.metric(tokens, model=CHAT, provider="p1", kind="cached") == 32
+    api = {"key": "", "api": "chat_completions"}  # the API is open: no key
+    assert edge.metric(tokens, model=CHAT, provider="p1", kind="prompt", **api) == 40
+    assert edge.metric(tokens, model=CHAT, provider="p1", kind="completion", **api) == 2
+    assert edge.metric(tokens, model=CHAT, provider="p1", kind="cached", **api) == 32
 
 
 async def test_a_folded_completion_is_answered_and_recorded_as_three_events_are(
@@ -1230,6 +1233,7 @@ async def test_health_readiness_and_openapi(edge: Edge, http: aiohttp.ClientSess
         "/iop/v1/catalog/providers",
         "/iop/v1/catalog/models",
         "/iop/v1/runs",
+        "/iop/v1/usage",
         "/healthz",
         "/readyz",
         "/openapi.json",

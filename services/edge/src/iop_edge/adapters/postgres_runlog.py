@@ -20,6 +20,7 @@ from typing import Final
 import asyncpg
 from loguru import logger
 
+from iop_edge.adapters.runlog_usage import SUMS, in_window, usage_rows
 from iop_edge.adapters.sqlite_runlog import (
     COLUMNS,
     RunLogClosed,
@@ -27,6 +28,7 @@ from iop_edge.adapters.sqlite_runlog import (
     run_from_row,
     run_row,
 )
+from iop_edge.domain.usage import UsageRow
 from iop_edge.ports import EdgeRunRecord
 from iop_proto.postgres import apply_migrations, reachable
 from iop_proto.sqlite import QueuedWriter, WriterTuning
@@ -58,6 +60,8 @@ STEPS: Final = (
     );
     CREATE INDEX edge_runs_received ON edge_runs (received_ms, run_id);
     CREATE INDEX edge_runs_key_received ON edge_runs (key_id, received_ms, run_id);""",
+    # 2: the public API of each run (domain.usage.Api); runs recorded before say ''.
+    "ALTER TABLE edge_runs ADD COLUMN api TEXT NOT NULL DEFAULT ''",
 )
 """Versioned steps (``iop_proto.postgres.apply_migrations``); append, never edit."""
 
@@ -76,6 +80,12 @@ _RECENT_OF_KEY: Final = (
     f"SELECT {_COLUMN_LIST} FROM edge_runs WHERE key_id = $1"
     " ORDER BY received_ms DESC, run_id DESC LIMIT $2"
 )
+
+_USAGE: Final = (
+    f"SELECT key_id, model, api, {SUMS} FROM edge_runs"
+    " WHERE received_ms >= $1 AND NOT (run_id = ANY($2::text[]))"
+)
+_GROUPED: Final = " GROUP BY key_id, model, api"
 
 
 class PostgresRunLog(QueuedWriter[EdgeRunRecord]):
@@ -137,6 +147,23 @@ class PostgresRunLog(QueuedWriter[EdgeRunRecord]):
                 rows = await self._pool.fetch(_RECENT_OF_KEY, key_id, limit)
         merged = self.latest(map(run_from_row, rows), memory)
         return sorted(merged, key=lambda r: (r.received_ms, r.run_id), reverse=True)[:limit]
+
+    async def usage(self, since_ms: int, key_id: str | None = None) -> list[UsageRow]:
+        """The runs of every edge received since ``since_ms``, added up by key, model and
+        API, this edge's unwritten ones included (``runlog_usage``); only ``key_id``'s
+        when it is given. Raises ``StorageUnavailable`` while the server cannot be reached.
+        """
+        self.check_open()
+        memory = in_window(self.unwritten(), since_ms, key_id)
+        unwritten = [r.run_id for r in memory]
+        with reachable("reading the run log"):
+            if key_id is None:
+                rows = await self._pool.fetch(_USAGE + _GROUPED, since_ms, unwritten)
+            else:
+                rows = await self._pool.fetch(
+                    _USAGE + " AND key_id = $3" + _GROUPED, since_ms, unwritten, key_id
+                )
+        return usage_rows(rows, memory)
 
     async def _commit(self, rows: list[tuple[object, ...]]) -> None:
         with reachable("writing the run log"):

@@ -20,11 +20,13 @@ from typing import Any
 
 from loguru import logger
 
+from iop_edge.adapters.runlog_usage import SUMS, in_window, usage_rows
+from iop_edge.domain.usage import UsageRow
 from iop_edge.ports import AttemptRecord, EdgeRunRecord
 from iop_proto import json_codec
 from iop_proto.sqlite import BatchedWriter, WriterTuning, open_database, statement_migrations
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 """Kept in ``PRAGMA user_version``; bump it with a migration when the table changes."""
 
 # The record's fields, in order, are the table's columns (the round-trip test holds
@@ -53,7 +55,8 @@ _SCHEMA = (
         completion_tokens INTEGER NOT NULL,
         key_id            TEXT NOT NULL DEFAULT '',
         attempts          TEXT NOT NULL DEFAULT '[]',
-        cached_tokens     INTEGER NOT NULL DEFAULT 0
+        cached_tokens     INTEGER NOT NULL DEFAULT 0,
+        api               TEXT NOT NULL DEFAULT ''
     )""",
     # "recent" walks this backwards; run_id breaks ties in the same millisecond.
     "CREATE INDEX IF NOT EXISTS runs_received ON runs (received_ms, run_id)",
@@ -71,6 +74,9 @@ _MIGRATIONS = {
     # 3 -> 4: the prompt tokens the engine served from its cache; runs recorded before
     # say 0 (unknown then)
     3: ("ALTER TABLE runs ADD COLUMN cached_tokens INTEGER NOT NULL DEFAULT 0",),
+    # 4 -> 5: the public API of each run (domain.usage.Api); runs recorded before say ''
+    # (their operation cannot tell a Responses or Messages run from a chat completion)
+    4: ("ALTER TABLE runs ADD COLUMN api TEXT NOT NULL DEFAULT ''",),
 }
 
 
@@ -162,6 +168,21 @@ class SqliteRunLog(BatchedWriter[EdgeRunRecord]):
         rows = await self._db.execute_fetchall(query, parameters)
         merged = self.latest(map(run_from_row, rows), memory)
         return sorted(merged, key=lambda r: (r.received_ms, r.run_id), reverse=True)[:limit]
+
+    async def usage(self, since_ms: int, key_id: str | None = None) -> list[UsageRow]:
+        """The runs received since ``since_ms``, added up by key, model and API, unwritten
+        ones included (``runlog_usage``); only ``key_id``'s when it is given."""
+        self.check_open()
+        memory = in_window(self.unwritten(), since_ms, key_id)
+        unwritten = json_codec.dumps([r.run_id for r in memory]).decode()
+        query = (
+            f"SELECT key_id, model, api, {SUMS} FROM runs WHERE received_ms >= ?"
+            + ("" if key_id is None else " AND key_id = ?")
+            + " AND run_id NOT IN (SELECT value FROM json_each(?)) GROUP BY key_id, model, api"
+        )
+        parameters = (since_ms, unwritten) if key_id is None else (since_ms, key_id, unwritten)
+        rows = await self._db.execute_fetchall(query, parameters)
+        return usage_rows(rows, memory)
 
     def _key(self, record: EdgeRunRecord) -> str:
         return record.run_id

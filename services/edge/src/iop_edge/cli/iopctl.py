@@ -2,7 +2,8 @@
 
 Read-only (docs/ARCHITECTURE.md#catalog), like the web console: it reads only the
 documented endpoints
-``/iop/v1/catalog/providers``, ``/iop/v1/catalog/models`` and ``/iop/v1/runs``,
+``/iop/v1/catalog/providers``, ``/iop/v1/catalog/models``, ``/iop/v1/runs`` and
+``/iop/v1/usage``,
 with the same Bearer key as the API. ``--json`` prints an endpoint's ``data`` so
 scripts never parse the tables; the live commands (``runs --tail``, ``watch``)
 print one JSON document per line instead.
@@ -23,6 +24,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Final, TextIO
 
 import aiohttp
+
+from iop_edge.cli.usage_view import usage_screen
 
 DEFAULT_URL: Final = "http://127.0.0.1:8080"
 REQUEST_TIMEOUT_S: Final = 10.0
@@ -50,7 +53,7 @@ class EdgeClient:
         if key:
             self._headers["Authorization"] = f"Bearer {key}"
 
-    async def data(self, path: str, **query: int) -> list[Row]:
+    async def data(self, path: str, **query: int | str) -> list[Row]:
         try:
             async with self._session.get(
                 f"{self.url}{path}", params=query, headers=self._headers
@@ -225,6 +228,12 @@ async def _tail(client: EdgeClient, args: argparse.Namespace, out: TextIO, err: 
         fresh = [r for r in runs if _run_key(r) not in seen]
 
 
+async def cmd_usage(client: EdgeClient, args: argparse.Namespace, out: TextIO, err: TextIO) -> None:
+    query = {} if args.of is None else {"key": args.of}
+    views = await client.data("/iop/v1/usage", **query)
+    _print(out, views if args.json else usage_screen(views, table))
+
+
 async def cmd_watch(client: EdgeClient, args: argparse.Namespace, out: TextIO, err: TextIO) -> None:
     providers = await client.data("/iop/v1/catalog/providers")
     models = await client.data("/iop/v1/catalog/models")
@@ -325,7 +334,9 @@ def parser() -> argparse.ArgumentParser:
 
     top = argparse.ArgumentParser(
         prog="iopctl",
-        description="Read the IOP edge's provider and model catalog and its run history.",
+        description=(
+            "Read the IOP edge's provider and model catalog, its run history and each key's usage."
+        ),
         parents=[shared(True)],
     )
     commands = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -337,6 +348,12 @@ def parser() -> argparse.ArgumentParser:
     runs.add_argument("--tail", action="store_true", help="keep printing new runs (Ctrl-C stops)")
     runs.add_argument(
         "--interval", type=_positive_float, default=1.0, help="seconds between polls with --tail"
+    )
+    usage = commands.add_parser(
+        "usage", parents=sub, help="each key's use against its limits, and by API"
+    )
+    usage.add_argument(
+        "of", nargs="?", metavar="KEY", help="one key, by its id or name (default: every key)"
     )
     watch = commands.add_parser("watch", parents=sub, help="a live table (Ctrl-C stops)")
     watch.add_argument("--interval", type=_positive_float, default=1.0, help="seconds (default 1)")
@@ -361,6 +378,7 @@ COMMANDS: Final = {
     "providers": cmd_providers,
     "models": cmd_models,
     "runs": cmd_runs,
+    "usage": cmd_usage,
     "watch": cmd_watch,
 }
 

@@ -2,7 +2,7 @@
 
 The page holds no data and no key. Its script reads the documented, key-protected
 endpoints (``/iop/v1/catalog/providers``, ``/iop/v1/catalog/models``,
-``/iop/v1/runs``) with the key the operator typed, so the console is exactly as
+``/iop/v1/runs``, ``/iop/v1/usage``) with the key the operator typed, so the console is exactly as
 protected as the API and can never show more than the API would. The page itself
 is not behind the key because a browser cannot send a Bearer header when it
 navigates; there is nothing in it to protect.

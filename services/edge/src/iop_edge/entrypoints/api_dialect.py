@@ -22,6 +22,7 @@ from loguru import logger
 
 from iop_edge.domain.events import Completed, Delta
 from iop_edge.domain.fleet import ApiKeyEntry, Operation
+from iop_edge.domain.usage import Api
 from iop_edge.errors import EdgeError
 from iop_edge.ports import RunSpec
 
@@ -93,6 +94,11 @@ class Dialect(Protocol):
     @property
     def operation(self) -> Operation:
         """The operation of the runs it makes (what the run log and metrics record)."""
+        ...
+
+    @property
+    def api(self) -> Api:
+        """The public API it serves: the run log's ``api``, the metrics' ``api`` label."""
         ...
 
     def read(self, body: dict[str, Any]) -> DialectRequest:

@@ -13,6 +13,7 @@ from typing import Final, TypeVar
 
 from prometheus_client import CollectorRegistry
 
+from iop_edge.ports import EdgeRunRecord
 from iop_proto.loop_metrics import (
     Counter,
     CounterChild,
@@ -58,7 +59,6 @@ class ModelSeries:
     ttft: HistogramChild
     duration: HistogramChild
     in_flight: GaugeChild
-    requests: SeriesCache[int, CounterChild]  # by the HTTP status the client got
 
 
 TOKEN_KINDS: Final = ("prompt", "completion", "cached")
@@ -73,50 +73,76 @@ class TokenSeries:
     cached: CounterChild
 
 
+RequestLabels = tuple[str, int, str, str, str]  # model, status, provider, key, api
+TokenLabels = tuple[str, str, str, str]  # model, provider, key, api
+
+
 @dataclass(frozen=True, slots=True)
 class ApiMetrics:
-    """Per-model request metrics of ``/v1/chat/completions``, ``/completions``, ``/embeddings``.
+    """Per-model request metrics of every inference API, and of batch lines.
 
-    ``models``, ``overheads`` and ``tokens_by`` hold the series a request updates, by
-    their labels: ``models[model]`` (a catalog id or ``""``), ``overheads[operation,
-    stream]`` and ``tokens_by[model, provider_id]`` (a provider of the fleet), so every
-    label set stays bounded.
+    ``models``, ``overheads``, ``requests_by`` and ``tokens_by`` hold the series a
+    request updates, by their labels: ``models[model]`` (a catalog id or ``""``),
+    ``overheads[operation, stream]``, ``requests_by[model, status, provider, key, api]``
+    and ``tokens_by[model, provider, key, api]``, so every label set stays bounded:
+    models and providers are the fleet's, ``api`` one of ``domain.usage.Api``, and
+    ``key`` a key id of the fleet, set only once the caller authenticated (``""`` before,
+    and while the API is open): a client cannot add a series by inventing a key.
+    Keys are issued by an operator, a few to a few hundred, each using a few models and
+    APIs, so the product stays in the thousands of series at the worst.
     """
 
-    requests: Counter  # by model and the HTTP status the client got (499: it left)
+    requests: Counter  # by model, HTTP status the client got (499: it left), provider, key, api
     queue_wait: Histogram  # edge queue + node queue, for runs that started
     ttft: Histogram  # request received -> first delta
     duration: Histogram  # request received -> last byte (or the error)
     in_flight: Gauge  # requests past validation, not yet answered
     overhead: Histogram  # x-iop-overhead-ms, by operation and stream (see RunTrace.overhead)
-    tokens: Counter  # by model, provider and kind: prompt, completion, cached (of prompt)
+    tokens: Counter  # by model, provider, kind (prompt, completion, cached), key and api
     models: SeriesCache[str, ModelSeries] = field(init=False)
     overheads: SeriesCache[tuple[str, bool], HistogramChild] = field(init=False)
-    tokens_by: SeriesCache[tuple[str, str], TokenSeries] = field(init=False)
+    requests_by: SeriesCache[RequestLabels, CounterChild] = field(init=False)
+    tokens_by: SeriesCache[TokenLabels, TokenSeries] = field(init=False)
 
     def __post_init__(self) -> None:
         # frozen: the caches are made once, here, each reading this object's metrics
         object.__setattr__(self, "models", SeriesCache(self._model_series))
         object.__setattr__(self, "overheads", SeriesCache(self._overhead_series))
         object.__setattr__(self, "tokens_by", SeriesCache(self._token_series))
+        object.__setattr__(self, "requests_by", SeriesCache(self._request_series))
+
+    def count(self, record: EdgeRunRecord) -> None:
+        """One ended run, an HTTP request's or a batch line's, in the request and token
+        counters, under the labels its record gives (tokens: completed runs only)."""
+        model, provider, key, api = record.model, record.provider_id, record.key_id, record.api
+        self.requests_by[model, record.status, provider, key, api].inc()
+        if record.outcome == "completed" and provider:
+            tokens = self.tokens_by[model, provider, key, api]
+            tokens.prompt.inc(record.prompt_tokens)
+            tokens.completion.inc(record.completion_tokens)
+            tokens.cached.inc(record.cached_tokens)
 
     def _model_series(self, model: str) -> ModelSeries:
-        requests = self.requests
         return ModelSeries(
             queue_wait=self.queue_wait.labels(model),
             ttft=self.ttft.labels(model),
             duration=self.duration.labels(model),
             in_flight=self.in_flight.labels(model),
-            requests=SeriesCache(lambda status: requests.labels(model, str(status))),
         )
+
+    def _request_series(self, labels: RequestLabels) -> CounterChild:
+        model, status, provider, key, api = labels
+        return self.requests.labels(model, str(status), provider, key, api)
 
     def _overhead_series(self, labels: tuple[str, bool]) -> HistogramChild:
         operation, stream = labels
         return self.overhead.labels(operation, "true" if stream else "false")
 
-    def _token_series(self, labels: tuple[str, str]) -> TokenSeries:
-        model, provider_id = labels
-        return TokenSeries(*(self.tokens.labels(model, provider_id, kind) for kind in TOKEN_KINDS))
+    def _token_series(self, labels: TokenLabels) -> TokenSeries:
+        model, provider_id, key, api = labels
+        return TokenSeries(
+            *(self.tokens.labels(model, provider_id, kind, key, api) for kind in TOKEN_KINDS)
+        )
 
     @classmethod
     def create(cls, registry: CollectorRegistry) -> ApiMetrics:
@@ -124,8 +150,11 @@ class ApiMetrics:
         return cls(
             requests=Counter(
                 "iop_edge_requests",
-                "Inference requests answered, by model and HTTP status",
-                ["model", "status"],
+                "Inference requests answered (batch lines too), by model, HTTP status, the"
+                ' provider that served it ("" if none did), the API key\'s id ("" if none)'
+                " and the API (chat_completions, completions, embeddings, responses,"
+                " messages, batch)",
+                ["model", "status", "provider", "key", "api"],
                 registry=registry,
             ),
             queue_wait=Histogram(
@@ -166,8 +195,9 @@ class ApiMetrics:
             tokens=Counter(
                 "iop_edge_tokens",
                 "Tokens of completed runs, by model, provider and kind: prompt, completion,"
-                " and cached (the prompt tokens the engine served from its prompt cache)",
-                ["model", "provider", "kind"],
+                " and cached (the prompt tokens the engine served from its prompt cache);"
+                " and by the API key's id and the API, as iop_edge_requests",
+                ["model", "provider", "kind", "key", "api"],
                 registry=registry,
             ),
         )

@@ -28,6 +28,7 @@ from iop_edge.entrypoints.messages_dialect import (
 )
 from iop_edge.entrypoints.responses_routes import ResponsesRoutes
 from iop_edge.entrypoints.stop_gate import StopGate
+from iop_edge.entrypoints.usage_routes import UsageRoutes
 from iop_edge.errors import InvalidRequest, ModelNotFound, TooManyConnections
 from iop_edge.formats import anthropic
 from iop_edge.formats.errors import error_payload
@@ -37,6 +38,7 @@ from iop_edge.service.batches import BatchService
 from iop_edge.service.key_rates import KeyRates
 from iop_edge.service.limits import DEFAULT_MAX_BODY_BYTES
 from iop_edge.service.memory_key_rates import MemoryKeyRates
+from iop_edge.service.usage import UsageReport
 from iop_proto.service.http_site import canned_response
 
 MAX_BODY_BYTES: Final = DEFAULT_MAX_BODY_BYTES
@@ -84,6 +86,7 @@ def create_api_app(
     responses: ResponseStore | None = None,
     reasoning_seal: ReasoningSeal | None = None,
     mock_drills: bool = False,
+    usage: UsageReport | None = None,
 ) -> web.Application:
     """The API application; serve it with ``web.AppRunner(app, handler_cancellation=True)``.
 
@@ -113,6 +116,7 @@ def create_api_app(
     ``reasoning_seal``: seals the reasoning a Responses client keeps as
     ``encrypted_content`` (default: a new random key, opened by this app only).
     ``mock_drills``: the mock's failure drills from every caller, not operator keys only.
+    ``usage``: when given, each key's usage against its limits at ``/iop/v1/usage``.
     """
     middlewares = [
         api_gate(
@@ -142,6 +146,8 @@ def create_api_app(
     ReadRoutes(catalog, keys, runlog, openapi).register(app)
     if batches is not None:
         BatchRoutes(batches, keys).register(app)
+    if usage is not None:
+        UsageRoutes(usage, keys).register(app)
     return app
 
 

@@ -120,7 +120,7 @@ class InferenceRoutes:
 
     async def _serve(self, request: web.Request, dialect: Dialect) -> web.StreamResponse:
         """Answer one request and account for it, on every path out."""
-        trace = RunTrace(dialect.operation)
+        trace = RunTrace(dialect.operation, dialect.api)
         try:
             key = authenticate(request, self._keys)
             if key is not None:
@@ -156,7 +156,7 @@ class InferenceRoutes:
         written to ``out``: the pipeline of ``route`` but for the transport. An error
         before the first byte is raised (an ``EdgeError``) for the caller to answer in
         its own framing; the run is accounted for on every path, as ``route``'s are."""
-        trace = RunTrace(dialect.operation)
+        trace = RunTrace(dialect.operation, dialect.api)
         if key is not None:
             trace.key_id = key.key_id
         try:

@@ -33,6 +33,7 @@ from aiohttp import web
 
 from iop_edge.domain.events import Completed, Delta
 from iop_edge.domain.fleet import Operation
+from iop_edge.domain.usage import Api
 from iop_edge.entrypoints.api_dialect import DialectRequest, dropped_tools_headers
 from iop_edge.entrypoints.openai_errors import MethodNotAllowed
 from iop_edge.errors import EdgeError
@@ -116,6 +117,7 @@ class MessagesDialect:
     """Implements ``Dialect`` for ``POST /v1/messages``, streamed or not."""
 
     operation: Final = CHAT
+    api: Final = Api.MESSAGES
 
     def read(self, body: dict[str, Any]) -> DialectRequest:
         chat = chat_body(body)
@@ -156,6 +158,7 @@ class CountTokensDialect:
     """Implements ``Dialect`` for ``POST /v1/messages/count_tokens``: never streamed."""
 
     operation: Final = Operation.COUNT_TOKENS  # what the run log says, however it was counted
+    api: Final = Api.MESSAGES
 
     def __init__(self, catalog: Catalog) -> None:
         self._catalog = catalog

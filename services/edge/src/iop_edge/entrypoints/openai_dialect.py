@@ -16,6 +16,7 @@ from aiohttp import web
 
 from iop_edge.domain.events import Completed, Delta
 from iop_edge.domain.fleet import Operation
+from iop_edge.domain.usage import Api
 from iop_edge.entrypoints.api_dialect import DialectRequest
 from iop_edge.entrypoints.openai_errors import error_response
 from iop_edge.errors import EdgeError, InvalidRequest
@@ -30,10 +31,11 @@ from iop_edge.ports import RunSpec
 class OpenAIDialect:
     """Implements ``Dialect`` for one of OpenAI's three inference operations."""
 
-    __slots__ = ("operation",)
+    __slots__ = ("api", "operation")
 
     def __init__(self, operation: Operation) -> None:
         self.operation = operation
+        self.api = Api(operation.value)  # each of OpenAI's three is an API of its own
 
     def read(self, body: dict[str, Any]) -> DialectRequest:
         """The run ``body`` asks for. Only what the edge itself needs is checked (model, the

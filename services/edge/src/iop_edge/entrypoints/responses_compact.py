@@ -31,6 +31,7 @@ from aiohttp import web
 
 from iop_edge.domain.events import Completed, Delta
 from iop_edge.domain.fleet import ApiKeyEntry, Operation
+from iop_edge.domain.usage import Api
 from iop_edge.entrypoints.api_dialect import DialectRequest, StreamWriter
 from iop_edge.entrypoints.responses_dialect import ResponseDraft, ResponsesDialect, with_ids
 from iop_edge.errors import EdgeError, InvalidRequest
@@ -72,6 +73,7 @@ class CompactDialect:
     ``ResponsesOrCompaction``, for compaction turns)."""
 
     operation = Operation.CHAT_COMPLETIONS
+    api = Api.RESPONSES
 
     def __init__(self, responses: ResponsesDialect) -> None:
         self._responses = responses  # its reading, and previous_response_id
@@ -160,6 +162,7 @@ class ResponsesOrCompaction:
     response (``ResponsesDialect``)."""
 
     operation = Operation.CHAT_COMPLETIONS
+    api = Api.RESPONSES
 
     def __init__(self, responses: ResponsesDialect) -> None:
         self._responses = responses

@@ -30,6 +30,7 @@ from loguru import logger
 
 from iop_edge.domain.events import Completed, Delta
 from iop_edge.domain.fleet import ApiKeyEntry, Operation
+from iop_edge.domain.usage import Api
 from iop_edge.entrypoints.api_dialect import DialectRequest, dropped_tools_headers
 from iop_edge.entrypoints.inference_request import OFFLOAD_BYTES
 from iop_edge.entrypoints.openai_errors import error_response
@@ -88,6 +89,7 @@ class ResponsesDialect:
     """Implements ``Dialect`` for ``POST /v1/responses``."""
 
     operation = Operation.CHAT_COMPLETIONS  # what every provider runs, and the run log says
+    api = Api.RESPONSES
 
     def __init__(
         self, store: ResponseStore, seal: ReasoningSeal, recall: Recall | None = None

@@ -12,6 +12,7 @@ import uuid
 
 from iop_edge.domain.events import Completed, Started
 from iop_edge.domain.fleet import Operation
+from iop_edge.domain.usage import Api
 from iop_edge.entrypoints.api_metrics import ApiMetrics, ModelSeries
 from iop_edge.errors import EdgeError
 from iop_edge.ports import EdgeRunRecord, RunEvents, RunLog
@@ -26,6 +27,7 @@ class RunTrace:
     """The mutable facts of one request; times from ``time.monotonic()``."""
 
     __slots__ = (
+        "api",
         "cached_tokens",
         "completion_tokens",
         "created",
@@ -52,10 +54,11 @@ class RunTrace:
         "stream",
     )
 
-    def __init__(self, operation: Operation) -> None:
-        """The trace of a request received now."""
+    def __init__(self, operation: Operation, api: Api) -> None:
+        """The trace of a request received now, through ``api``."""
         now = time.time()
         self.operation = operation
+        self.api = api
         self.received_ms = int(now * 1000)  # Unix ms, for the record
         self.received_at = time.monotonic()  # for durations
         self.created = int(now)  # Unix s, the ``created`` of OpenAI objects
@@ -151,7 +154,6 @@ class RunTrace:
         operation = self.operation.value
         status = self.status or 500
         series = self.series if self.series is not None else metrics.models[self.model]
-        series.requests[status].inc()
         series.duration.observe(ended_at - received_at)
         queue_wait_ms = round(self.edge_wait_s * 1000) + self.node_wait_ms
         if self.run_id:
@@ -173,11 +175,6 @@ class RunTrace:
         else:
             provider_id = node_id = ""  # never dispatched
         outcome = self.outcome or "failed"
-        if outcome == "completed" and provider_id:
-            tokens = metrics.tokens_by[self.model, provider_id]
-            tokens.prompt.inc(self.prompt_tokens)
-            tokens.completion.inc(self.completion_tokens)
-            tokens.cached.inc(self.cached_tokens)
         record = EdgeRunRecord(
             run_id=self.run_id or self.request_id,
             model=self.model,
@@ -197,7 +194,9 @@ class RunTrace:
             key_id=self.key_id,
             attempts=attempts,
             cached_tokens=self.cached_tokens,
+            api=self.api.value,
         )
+        metrics.count(record)  # requests and tokens by model, provider, key and API
         try:
             # Synchronous (record() only queues), so even a second cancellation (server
             # shutdown) cannot cut it short: no shield (and no task per request) needed.

@@ -36,8 +36,9 @@ from iop_edge.errors import (
 )
 from iop_edge.formats.errors import error_payload, internal_error
 from iop_edge.formats.openai import RENDER_OFFLOAD_BYTES, dumps, render_result
-from iop_edge.ports import Catalog, RunEvents, RunService, RunSpec
+from iop_edge.ports import Catalog, EdgeRunRecord, RunEvents, RunService, RunSpec
 from iop_edge.service.key_rates import LineBudget
+from iop_edge.service.line_trace import LineTrace
 from iop_edge.service.run_reader import Collector, follow
 from iop_proto.service.logging import log_unexpected
 
@@ -51,6 +52,10 @@ class LineOutcome:
     transient: bool  # not stored: the line stays pending and is run again
 
 
+Account = Callable[[EdgeRunRecord], None]
+"""Where a line's run is recorded when it ends: the run log and the request metrics."""
+
+
 class LineRunner:
     """Runs lines and knows which runs are in flight, so a batch that ends can stop them."""
 
@@ -60,27 +65,43 @@ class LineRunner:
         catalog: Catalog,
         clock: Callable[[], float],
         budget: LineBudget | None = None,
+        account: Account | None = None,
     ) -> None:
-        """``budget``: lines count against their owner's token budget (none: they don't)."""
+        """``budget``: lines count against their owner's token budget (none: they don't).
+        ``account``: each line's run, once ended (``LineTrace``); none: not recorded."""
         self._runs = runs
         self._catalog = catalog
         self._clock = clock
         self._budget = budget
+        self._account = account
         self._live: dict[str, set[RunEvents]] = {}  # batch id -> its lines' runs
 
     async def run(
         self, endpoint: str, line: LineRecord, result_id: str, owner: str | None = None
     ) -> LineOutcome:
-        """Dispatch the line and wait for its end; never raises an ``EdgeError``.
-        ``owner``: the batch's key, whose budget the line counts in.
-
-        The line's run is known to its batch from admission on, before it waits for a
-        slot: a batch that ends meanwhile ends it wherever it is (``cancel_batch``)."""
-        usage: list[Usage | None] = [None]  # the run's, once it completed
+        """Dispatch the line and wait for its end; never raises an ``EdgeError``; its run
+        is accounted for under the batch's ``owner`` (a key id) on every way out, and
+        counts in that key's token budget."""
+        trace = LineTrace(owner or "")
         try:
-            spec = self._spec(endpoint, line)
+            return await self._budgeted(endpoint, line, result_id, owner, trace)
+        finally:
+            if self._account is not None:
+                try:  # synchronous: a worker gone (a cancellation) cannot cut it short
+                    self._account(trace.record())
+                except Exception as exc:
+                    log_unexpected(exc, "batch {} line {}: not recorded", line.batch_id, line.index)
+
+    async def _budgeted(
+        self, endpoint: str, line: LineRecord, result_id: str, owner: str | None, trace: LineTrace
+    ) -> LineOutcome:
+        """The line run within its owner's budget: admitted against it, and settled with
+        the run's real usage (an estimate given back when it never completed)."""
+        try:
+            trace.spec = spec = self._spec(endpoint, line)
             meter = await self._budget.admit(owner, spec.model, spec.body) if self._budget else None
         except EdgeError as exc:
+            trace.failed(exc)
             return _failure(exc, "", result_id)
         except Exception as exc:
             # Per-line boundary: a line the edge cannot run fails alone, into the error
@@ -88,41 +109,50 @@ class LineRunner:
             log_unexpected(exc, "batch {} line {} could not be run", line.batch_id, line.index)
             return _failure(internal_error(), "", result_id)
         if meter is None:
-            return await self._run(spec, line, result_id, usage)
+            return await self._run(spec, line, result_id, trace)
         try:
-            return await self._run(spec, line, result_id, usage)
+            return await self._run(spec, line, result_id, trace)
         finally:
-            done = usage[0]
-            if done is None:  # never completed: its input estimate is given back
+            if trace.end is None:  # never completed: its input estimate is given back
                 meter.settle(0, 0, ran=False)
             else:
+                done = trace.end.usage or Usage()
                 meter.settle(done.prompt_tokens, done.completion_tokens, ran=True)
             await meter.close()
 
     async def _run(
-        self, spec: RunSpec, line: LineRecord, result_id: str, usage: list[Usage | None]
+        self, spec: RunSpec, line: LineRecord, result_id: str, trace: LineTrace
     ) -> LineOutcome:
+        """The line's run is known to its batch from admission on, before it waits for a
+        slot: a batch that ends meanwhile ends it wherever it is (``cancel_batch``)."""
         try:
-            run = self._runs.admit(spec)
+            trace.run = run = self._runs.admit(spec)
         except EdgeError as exc:
+            trace.failed(exc)
             return _failure(exc, "", result_id)
         except Exception as exc:
+            # Per-line boundary: a line the edge cannot run fails alone, into the error
+            # file; left pending it would hold up its batch.
             log_unexpected(exc, "batch {} line {} could not be run", line.batch_id, line.index)
             return _failure(internal_error(), "", result_id)
         live = self._live.setdefault(line.batch_id, set())
         live.add(run)
         try:
             await run.open()  # at batch priority, maybe after a wait in the queue
-            body = await self._collect(spec, run, usage)
+            trace.opened()
+            body = await self._collect(spec, run, trace)
         except EdgeError as exc:
+            trace.failed(exc)
             return _failure(exc, run.run_id, result_id)
         except asyncio.CancelledError:
             # The worker is gone (its connection dropped): free the provider slot.
+            trace.abandoned()
             await asyncio.shield(run.cancel("the batch line was abandoned"))
             raise
         except Exception as exc:
             # Per-line boundary: one line's bug must not take the worker's session down.
             log_unexpected(exc, "batch {} line {} failed in the edge", line.batch_id, line.index)
+            trace.crashed()
             await asyncio.shield(run.cancel("edge failed"))
             return _failure(internal_error(), run.run_id, result_id)
         finally:
@@ -160,16 +190,15 @@ class LineRunner:
             drill=asks_drill(body),  # refused at the batch's creation unless allowed then
         )
 
-    async def _collect(self, spec: RunSpec, run: RunEvents, usage: list[Usage | None]) -> str:
-        """The run's OpenAI response body (public model id), or its error raised; its
-        usage in ``usage``."""
+    async def _collect(self, spec: RunSpec, run: RunEvents, trace: LineTrace) -> str:
+        """The run's OpenAI response body (public model id), or its error raised."""
         collector = Collector()
         end = await follow(run, collector)
         if end is None:
             raise ProviderFailed("the run ended without a result")
         if not isinstance(end, Completed):
             raise run.error(end)
-        usage[0] = end.usage if end.usage is not None else Usage()
+        trace.completed(end)
         render = functools.partial(
             render_result,
             spec.operation,

@@ -51,7 +51,7 @@ from iop_edge.formats.openai import dumps
 from iop_edge.metrics import BatchMetrics
 from iop_edge.ports import Catalog, RunService
 from iop_edge.service.batch_file_io import FileContent, Upload, physical_lines, quota_exceeded
-from iop_edge.service.batch_lines import LineRunner
+from iop_edge.service.batch_lines import Account, LineRunner
 from iop_edge.service.batch_work import BatchWork
 from iop_edge.service.key_rates import LineBudget
 from iop_edge.service.limits import DEFAULT_MAX_BODY_BYTES
@@ -83,13 +83,15 @@ class BatchService:
         mock_drills: bool = False,
         file_quota_bytes: int = 0,
         line_budget: LineBudget | None = None,
+        account: Account | None = None,
     ) -> None:
         """``max_body_bytes``: a line's body over it fails alone (413), as it would over HTTP.
         ``mock_drills``: lines of every key may ask the mock for a failure drill, not only
         an operator key's (domain/drills.py); another key's such line fails alone (400).
         ``file_quota_bytes``: the most a key's files may take together (0: no quota);
         an upload that would pass it is refused as it arrives.
-        ``line_budget``: lines count against their owner's token budget."""
+        ``line_budget``: lines count against their owner's token budget.
+        ``account``: where each line's run is recorded (the run log and the metrics)."""
         self.max_file_bytes = max_file_bytes
         self.file_quota_bytes = file_quota_bytes
         self._max_body_bytes = max_body_bytes
@@ -99,7 +101,7 @@ class BatchService:
         self._clock = clock
         self._work = BatchWork(
             store,
-            LineRunner(runs, catalog, clock, line_budget),
+            LineRunner(runs, catalog, clock, line_budget, account),
             self._metrics,
             lease_ttl_s=lease_ttl_s,
             clock=clock,

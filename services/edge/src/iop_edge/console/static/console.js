@@ -12,7 +12,9 @@
     providers: "v1/catalog/providers",
     models: "v1/catalog/models",
     runs: `v1/runs?limit=${RUNS_LIMIT}`,
+    usage: "v1/usage",
   };
+  const USAGE_COLUMNS = 8;
 
   class Unauthorized extends Error {}
 
@@ -343,16 +345,95 @@
     $("runs").replaceChildren(...rows);
   }
 
-  function render(providers, models, runs) {
+  // "used / limit"; a limit of 0 is no limit, shown as such. Past the limit: a warning.
+  function against(used, limit, testid) {
+    const over = limit > 0 && used >= limit;
+    return el(
+      "td",
+      { class: over ? "num stat-warn" : "num", "data-testid": testid },
+      `${used} / ${limit > 0 ? limit : "unlimited"}`,
+    );
+  }
+
+  function byApi(split) {
+    const parts = Object.entries(split).map(([api, c]) =>
+      el("span", { class: "tag", "data-testid": "usage-api", "data-api": api || "unknown" },
+        `${api || "(unknown)"} ${c.requests} · ${c.tokens}`),
+    );
+    return parts.length ? parts : el("span", { class: "muted" }, "—");
+  }
+
+  function renderUsage(keys) {
+    const rows = [];
+    for (const k of keys) {
+      const limits = k.limits || {};
+      const name = k.name || (k.in_fleet ? "" : k.key_id ? "not in the fleet" : "no key (open API)");
+      const period = k.period;
+      rows.push(
+        el(
+          "tr",
+          { "data-testid": "usage-row", "data-key-id": k.key_id },
+          el(
+            "td",
+            {},
+            el("span", { class: "mono" }, k.key_id || "—"),
+            el("div", { class: "muted small" }, [name, k.operator ? "operator" : ""].filter(Boolean).join(" · ")),
+          ),
+          against(k.minute.requests, limits.requests_per_minute || 0, "usage-rpm"),
+          against(k.minute.input_tokens, limits.input_tokens_per_minute || 0, "usage-input-tpm"),
+          against(k.minute.output_tokens, limits.output_tokens_per_minute || 0, "usage-output-tpm"),
+          against(k.in_flight, k.max_concurrent, "usage-in-flight"),
+          el(
+            "td",
+            { class: "num", "data-testid": "usage-today" },
+            `${k.day.requests} · ${k.day.tokens} · ${k.day.errors}`,
+          ),
+          el(
+            "td",
+            { class: "num", "data-testid": "usage-budget" },
+            `${period.tokens} / ${limits.token_budget > 0 ? limits.token_budget : "unlimited"} (${period.period})`,
+          ),
+          el("td", { "data-testid": "usage-by-api" }, byApi(k.day.by_api)),
+        ),
+      );
+      for (const m of k.models) {
+        rows.push(
+          el(
+            "tr",
+            { class: "muted", "data-testid": "usage-model-row", "data-model-id": m.model },
+            el("td", { class: "mono small" }, `  ${m.model}`),
+            against(m.minute.requests, m.limits.requests_per_minute, "usage-rpm"),
+            against(m.minute.input_tokens, m.limits.input_tokens_per_minute, "usage-input-tpm"),
+            against(m.minute.output_tokens, m.limits.output_tokens_per_minute, "usage-output-tpm"),
+            el("td", { class: "num" }, m.limits.max_concurrent > 0 ? `max ${m.limits.max_concurrent}` : "—"),
+            el("td", {}, ""),
+            el(
+              "td",
+              { class: "num" },
+              `${m.period.tokens} / ${m.limits.token_budget > 0 ? m.limits.token_budget : "unlimited"} (${m.period.period})`,
+            ),
+            el("td", {}, ""),
+          ),
+        );
+      }
+    }
+    if (!rows.length) {
+      rows.push(el("tr", {}, el("td", { colspan: USAGE_COLUMNS, class: "muted" }, "No keys.")));
+    }
+    $("usage").replaceChildren(...rows);
+  }
+
+  function render(providers, models, runs, usage) {
     const modelsById = new Map(models.map((m) => [m.id, m]));
     renderSummary(providers, models);
     renderModels(providers, models, modelsById);
     renderNodes(providers, modelsById);
+    renderUsage(usage);
     renderRuns(runs);
   }
 
   function clearData() {
-    for (const id of ["summary", "models", "nodes", "runs"]) $(id).replaceChildren();
+    for (const id of ["summary", "models", "nodes", "usage", "runs"]) $(id).replaceChildren();
   }
 
   function setStatus(kind, text) {
@@ -381,13 +462,14 @@
     }
     polling = true;
     try {
-      const [providers, models, runs] = await Promise.all([
+      const [providers, models, runs, usage] = await Promise.all([
         getData(ENDPOINTS.providers),
         getData(ENDPOINTS.models),
         getData(ENDPOINTS.runs),
+        getData(ENDPOINTS.usage),
       ]);
       setAuthMessage("");
-      render(providers, models, runs);
+      render(providers, models, runs, usage);
       setStatus("live", `live · updated ${clock(Date.now())}`);
     } catch (error) {
       if (error instanceof Unauthorized) {
