@@ -108,7 +108,12 @@ def chat(api: str, key: str, model: str) -> dict[str, Any]:
     assert completion.usage is not None
     assert completion.usage.prompt_tokens > 0
     assert completion.usage.completion_tokens > 0
-    run: dict[str, Any] = get_json(f"{api}/iop/v1/runs?limit=1", key)["data"][0]
+    # The run log is written behind the answer (a queue flushed every fraction of a second).
+    deadline = time.monotonic() + 30
+    while not (runs := get_json(f"{api}/iop/v1/runs?limit=1", key)["data"]):
+        assert time.monotonic() < deadline, "the run is not in the edge's run log"
+        time.sleep(0.25)
+    run: dict[str, Any] = runs[0]
     return run
 
 
