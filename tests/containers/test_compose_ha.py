@@ -309,7 +309,7 @@ def test_an_edge_killed_under_load_loses_no_request(ha: Ha) -> None:
     lost; only requests sent before HAProxy marked the edge down may fail (those it carried,
     and those dispatched to it in the seconds its health check takes to see a dead
     container, which answers nothing), every one sent after completes; what the dead edge
-    stored is read through HAProxy from the edge left. Last in the file: edge-1 stays down."""
+    stored is read through HAProxy from the edge left. Last in the file: it kills edge-1."""
     status, made = on_edge(ha, "edge-1", "POST", "/v1/responses", {"model": MODEL, "input": "hi"})
     assert status == 200, made
     load, kill = asyncio.run(load_across_a_kill(ha, "edge-1"))
