@@ -263,3 +263,14 @@ async def test_a_stream_writes_each_event_as_a_chunk() -> None:
         raw.split(b"\r\n\r\n", 1)[1]
         == b"".join(b"9\r\ndata: %d\n\n\r\n" % n for n in range(3)) + b"0\r\n\r\n"
     )
+
+
+async def test_a_body_the_parser_refuses_is_400_and_the_connection_closes() -> None:
+    async with serve() as served, connect(served.port) as (reader, writer):
+        head = b"POST /v1/echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+        writer.write(head + b"2\r\n{}\r\nzz\r\n")
+        answer = await read_answer(reader)
+        assert await asyncio.wait_for(reader.read(), 10) == b""
+    assert answer.status == 400
+    assert answer.headers["connection"] == "close"
+    assert "could not be read" in json.loads(answer.body)["error"]["message"]

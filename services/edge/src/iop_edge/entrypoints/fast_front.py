@@ -108,6 +108,7 @@ class _Connection(asyncio.Protocol):
         self._write_paused = False
         self._drain: asyncio.Future[None] | None = None
         self._closing = False  # ends with the request in progress
+        self._broken = False  # its parser refused the body: nothing more is read
         self._idle_close = False
 
     # asyncio.Protocol
@@ -123,9 +124,9 @@ class _Connection(asyncio.Protocol):
             self._inner.data_received(data)
             return
         request = self._request
-        if request is not None and (request.is_eof() or self._closing):
+        if request is not None and request.is_eof():
             if self._closing:
-                return  # a body answered already, or one the parser gave up on: dropped
+                return  # the connection ends with its answer: nothing more is read
             self._pending += data  # answered in order: it waits for the answer in progress
             if len(self._pending) > MAX_PENDING_BYTES and self.transport is not None:
                 self.transport.pause_reading()
@@ -239,6 +240,12 @@ class _Connection(asyncio.Protocol):
     # serving
 
     def _feed(self, data: bytes) -> None:
+        if self._closing:
+            # the rest of a body answered already: read to its end (``on_message_complete``
+            # closes), kept nowhere
+            with contextlib.suppress(httptools.HttpParserError, httptools.HttpParserUpgrade):
+                self._parser.feed_data(data)
+            return
         self._raw += data  # kept until the request is read: aiohttp's if handed over
         self._stop = None
         try:
@@ -251,7 +258,7 @@ class _Connection(asyncio.Protocol):
                 self._hand_over()  # aiohttp answers a head it refuses, in its own way
             else:
                 self._request.fail(BadHttpMessage(str(exc)))
-                self._closing = True
+                self._closing = self._broken = True  # nothing more can be read
             return
         if self._stop == "hand over":
             self._hand_over()
@@ -290,7 +297,7 @@ class _Connection(asyncio.Protocol):
     def _answered(self, request: FastRequest, keep_alive: bool) -> None:
         if not keep_alive or self._idle_close or self.transport is None:
             self._closing = True
-            if request.is_eof() or self.transport is None:
+            if request.is_eof() or self._broken or self.transport is None:
                 self.close()
             else:
                 self._timer = asyncio.get_running_loop().call_later(LINGER_S, self.close)
