@@ -274,3 +274,14 @@ async def test_a_body_the_parser_refuses_is_400_and_the_connection_closes() -> N
     assert answer.status == 400
     assert answer.headers["connection"] == "close"
     assert "could not be read" in json.loads(answer.body)["error"]["message"]
+
+
+async def test_a_request_whose_first_bytes_follow_another_in_one_read_is_read_whole() -> None:
+    second = post("/v1/echo", b'{"n": 2}')
+    async with serve() as served, connect(served.port) as (reader, writer):
+        writer.write(post("/v1/echo", b'{"n": 1}') + second[:2])
+        first = await read_answer(reader)
+        writer.write(second[2:])
+        answer = await read_answer(reader)
+    assert json.loads(first.body)["body"] == {"n": 1}
+    assert json.loads(answer.body)["body"] == {"n": 2}

@@ -19,6 +19,9 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 CHUNK_END: Final = b"0\r\n\r\n"
+CLOSING: Final = "Cannot write to closing transport"
+"""aiohttp's words: a write to a connection that closed is a ``ConnectionResetError``,
+which the pipeline reads as a client gone."""
 
 
 class Connection(Protocol):
@@ -26,6 +29,9 @@ class Connection(Protocol):
 
     @property
     def transport(self) -> asyncio.Transport | None: ...
+
+    @property
+    def write_paused(self) -> bool: ...
 
     async def drained(self) -> None:
         """Return once the transport takes more (``ConnectionResetError``: it closed)."""
@@ -44,6 +50,7 @@ class FastRequest:
         "_max_bytes",
         "_waiter",
         "body_exists",
+        "content",
         "headers",
         "keep_alive",
         "method",
@@ -72,6 +79,7 @@ class FastRequest:
         self.body_exists = "Transfer-Encoding" in headers or (
             length is not None and length.strip() != "0"
         )
+        self.content = self  # the body's progress (``api_request.BodyProgress``) is its own
         self.total_bytes = 0
         self._max_bytes = max_bytes
         self._chunks: list[bytes] = []
@@ -81,31 +89,22 @@ class FastRequest:
         self._waiter: asyncio.Future[None] | None = None
 
     @property
-    def content(self) -> FastRequest:
-        """The body's progress (``api_request.BodyProgress``): the request keeps it."""
-        return self
-
-    @property
     def transport(self) -> asyncio.Transport | None:
         return self._connection.transport
 
     def is_eof(self) -> bool:
         return self._complete
 
-    @property
-    def too_large(self) -> bool:
-        return self.total_bytes > self._max_bytes
-
     async def read(self) -> bytes:
         """The whole body, once: ``web.HTTPRequestEntityTooLarge`` as soon as it passes the
         limit (as aiohttp's ``read``), the parser's error for a body it could not read."""
-        while not (self._complete or self._error is not None or self.too_large):
+        while not (self._complete or self._error is not None or self.total_bytes > self._max_bytes):
             self._waiter = asyncio.get_running_loop().create_future()
             try:
                 await self._waiter
             finally:
                 self._waiter = None
-        if self.too_large:
+        if self.total_bytes > self._max_bytes:
             raise web.HTTPRequestEntityTooLarge(
                 max_size=self._max_bytes, actual_size=self.total_bytes
             )
@@ -119,15 +118,16 @@ class FastRequest:
     def feed(self, data: bytes) -> None:
         """More of the body; past the limit it is counted, not kept."""
         self.total_bytes += len(data)
-        if self.too_large:
-            self._chunks.clear()
-            self._wake()
-        else:
+        if self.total_bytes <= self._max_bytes:
             self._chunks.append(data)
+            return
+        self._chunks.clear()
+        self._wake()
 
     def finish(self) -> None:
         self._complete = True
-        self._wake()
+        if self._waiter is not None:
+            self._wake()
 
     def fail(self, error: Exception) -> None:
         self._error = error
@@ -155,7 +155,9 @@ class FastStream:
         self.keep_alive = request.keep_alive
 
     async def prepare(self, request: Any) -> None:
-        transport = self._writable()
+        transport = self._connection.transport
+        if transport is None or transport.is_closing():
+            raise ConnectionResetError(CLOSING)
         # the stream starts once the body was read: a connection that still has some of it
         # unread ends with the answer
         self.keep_alive = self.keep_alive and self._request.is_eof()
@@ -168,27 +170,28 @@ class FastStream:
     async def write(self, data: bytes) -> None:
         if not data:
             return
-        self._writable().write(b"%x\r\n%b\r\n" % (len(data), data))
-        await self._connection.drained()
+        connection = self._connection
+        transport = connection.transport
+        if transport is None or transport.is_closing():
+            raise ConnectionResetError(CLOSING)
+        transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+        if connection.write_paused:
+            await connection.drained()
 
     async def write_eof(self, data: bytes = b"") -> None:
         if self.finished:
             return
-        transport = self._writable()
+        connection = self._connection
+        transport = connection.transport
+        if transport is None or transport.is_closing():
+            raise ConnectionResetError(CLOSING)
         if data:
             transport.write(b"%x\r\n%b\r\n%b" % (len(data), data, CHUNK_END))
         else:
             transport.write(CHUNK_END)
         self.finished = True
-        await self._connection.drained()
-
-    def _writable(self) -> asyncio.Transport:
-        """The transport, or ``ConnectionResetError`` once it closes (as aiohttp's writer:
-        the pipeline reads it as a client gone)."""
-        transport = self._connection.transport
-        if transport is None or transport.is_closing():
-            raise ConnectionResetError("Cannot write to closing transport")
-        return transport
+        if connection.write_paused:
+            await connection.drained()
 
 
 def whole_answer(response: web.StreamResponse, keep_alive: bool) -> bytes:
@@ -211,6 +214,7 @@ def whole_answer(response: web.StreamResponse, keep_alive: bool) -> bytes:
     return head + body
 
 
+_date_cache: tuple[int, str] = (0, "")
 _FRAMING: Final = frozenset({"content-length", "transfer-encoding", "connection"})
 
 
@@ -224,7 +228,11 @@ def response_head(
         if name.lower() not in _FRAMING:
             lines.append(f"{name}: {value}\r\n")
     lines.append(framing)
-    lines.append(f"Date: {_date()}\r\n")
+    global _date_cache
+    now = int(time.time())
+    if _date_cache[0] != now:  # the Date header, made once a second
+        _date_cache = (now, formatdate(now, usegmt=True))
+    lines.append(f"Date: {_date_cache[1]}\r\n")
     if not keep_alive:
         lines.append("Connection: close\r\n")
     lines.append("\r\n")
@@ -232,15 +240,3 @@ def response_head(
     if text.count("\n") != len(lines) or text.count("\r") != len(lines):
         raise ValueError("Newline or carriage return character detected in a header")
     return text.encode("utf-8")
-
-
-_date_cache: tuple[int, str] = (0, "")
-
-
-def _date() -> str:
-    """The ``Date`` header's value, made once a second."""
-    global _date_cache
-    now = int(time.time())
-    if _date_cache[0] != now:
-        _date_cache = (now, formatdate(now, usegmt=True))
-    return _date_cache[1]

@@ -105,7 +105,7 @@ class _Connection(asyncio.Protocol):
         self._stop: str | None = None  # why a callback stopped the parser
         self._timer: asyncio.TimerHandle | None = None
         self._reading_paused = False
-        self._write_paused = False
+        self.write_paused = False
         self._drain: asyncio.Future[None] | None = None
         self._closing = False  # ends with the request in progress
         self._broken = False  # its parser refused the body: nothing more is read
@@ -142,12 +142,12 @@ class _Connection(asyncio.Protocol):
     def pause_writing(self) -> None:
         if self._inner is not None:
             self._inner.pause_writing()
-        self._write_paused = True
+        self.write_paused = True
 
     def resume_writing(self) -> None:
         if self._inner is not None:
             self._inner.resume_writing()
-        self._write_paused = False
+        self.write_paused = False
         self._release_drain(None)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -162,7 +162,7 @@ class _Connection(asyncio.Protocol):
         self.transport = None
 
     async def drained(self) -> None:
-        if not self._write_paused:
+        if not self.write_paused:
             return
         if self.transport is None:
             raise ConnectionResetError("Connection lost")
@@ -184,10 +184,9 @@ class _Connection(asyncio.Protocol):
 
     def on_message_begin(self) -> None:
         if self._request is not None:
-            self._stop = "overrun"  # a request pipelined in the same bytes: it waits
+            # a request pipelined in the same bytes (its first byte is enough): it waits
+            self._stop = "overrun"
             raise _Stop
-        self._url = b""
-        self._head = []
 
     def on_url(self, url: bytes) -> None:
         self._url += url
@@ -213,7 +212,8 @@ class _Connection(asyncio.Protocol):
         if "Expect" in headers or (front.cors and "Origin" in headers):
             self._stop = "hand over"  # 100-continue, CORS marks: aiohttp's
             raise _Stop
-        self._cancel_timer()
+        if self._timer is not None:
+            self._timer.cancel()
         transport = self.transport
         peer = transport.get_extra_info("peername") if transport is not None else None
         request = FastRequest(
@@ -303,7 +303,8 @@ class _Connection(asyncio.Protocol):
                 self._timer = asyncio.get_running_loop().call_later(LINGER_S, self.close)
             return
         self._request = None
-        self._parser = httptools.HttpRequestParser(self)
+        self._parser = httptools.HttpRequestParser(self)  # each request's own, from its start
+        self._url, self._head = b"", []
         self._arm_header_timer()
         if self._reading_paused and self.transport is not None:
             self._reading_paused = False
@@ -320,7 +321,7 @@ class _Connection(asyncio.Protocol):
         raw, self._raw = bytes(self._raw), bytearray()
         assert self.transport is not None  # bytes arrived on it just now
         inner.connection_made(self.transport)
-        if self._write_paused:
+        if self.write_paused:
             inner.pause_writing()
         if raw:
             inner.data_received(raw)
