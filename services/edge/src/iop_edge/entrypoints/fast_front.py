@@ -84,7 +84,8 @@ class ApiFront:
         if tasks:
             await asyncio.wait(tasks, timeout=timeout_s)
         for connection in list(self._connections):
-            connection.close()
+            if not connection.handed_over:
+                connection.close()
 
 
 class _Connection(asyncio.Protocol):
@@ -169,6 +170,11 @@ class _Connection(asyncio.Protocol):
         if self._drain is None:
             self._drain = asyncio.get_running_loop().create_future()
         await asyncio.shield(self._drain)
+
+    @property
+    def handed_over(self) -> bool:
+        """aiohttp's connection now (its runner closes it)."""
+        return self._inner is not None
 
     def close(self) -> None:
         if self.transport is not None:
