@@ -439,8 +439,12 @@ class NodeServer:
             logger.warning("leases left to expire: {}", exc)
 
     async def _follow(self, node: NodeConnection) -> None:
-        registry, guard = self._registry, self._guard
-        async for envelope in node.conn:
+        registry, guard, conn = self._registry, self._guard, node.conn
+        while True:
+            try:
+                envelope = await conn.receive()
+            except ConnectionClosed:
+                return  # the node closed the link cleanly; protocol faults still raise
             kind = envelope.WhichOneof("body")
             if kind == "run_event":
                 event = envelope.run_event
