@@ -65,6 +65,15 @@ async def test_node_killed_mid_stream(
         async with asyncio.timeout(15):
             for _ in range(8):
                 await streaming.acquire()
+
+        async def starts_on_disk() -> bool:
+            # The node's history writes a run's start within its flush interval, not at
+            # once: killed before that, a run leaves nothing for the restart to mark.
+            with sqlite3.connect(stack.root / "node-a-history.db") as db:
+                running = db.execute("SELECT COUNT(*) FROM runs WHERE outcome = 'running'")
+                return bool(running.fetchone()[0] >= 1)
+
+        await eventually(starts_on_disk)
         await stack.stop("node-a", signal.SIGKILL)
         outcomes = await asyncio.gather(*clients)
 
