@@ -21,9 +21,15 @@ class Outcome:
 
 
 async def stream_chat(
-    http: aiohttp.ClientSession, api_url: str, body: dict[str, Any], timeout_s: float
+    http: aiohttp.ClientSession,
+    api_url: str,
+    body: dict[str, Any],
+    timeout_s: float,
+    on_start: Callable[[], None] | None = None,
 ) -> Outcome:
-    """One streaming request; an answer must end complete or with an OpenAI error."""
+    """One streaming request; an answer must end complete or with an OpenAI error.
+    ``on_start``: called once the stream's status line is in (the edge sends it with the
+    first delta: the run is streaming)."""
     try:
         async with asyncio.timeout(timeout_s):
             async with http.post(f"{api_url}/chat/completions", json={**body, "stream": True}) as r:
@@ -31,6 +37,8 @@ async def stream_chat(
                     payload = await r.json()
                     assert "error" in payload, payload  # an OpenAI-style error object
                     return Outcome("error", r.status, payload["error"].get("code") or "")
+                if on_start is not None:
+                    on_start()
                 finished = False
                 async for raw in r.content:
                     line = raw.decode().strip()

@@ -43,9 +43,14 @@ async def test_node_killed_mid_stream(
 ) -> None:
     catalog, eventually, stream_chat = faults.catalog, faults.eventually, faults.stream_chat
     body = {"model": "pool", "messages": [{"role": "user", "content": "go"}], "max_tokens": 30}
+    streaming = asyncio.Semaphore(0)  # released by each stream that got its first delta
     async with aiohttp.ClientSession() as http:
         clients = [
-            asyncio.create_task(stream_chat(http, stack.api_url, body, REQUEST_TIMEOUT_S + 5))
+            asyncio.create_task(
+                stream_chat(
+                    http, stack.api_url, body, REQUEST_TIMEOUT_S + 5, on_start=streaming.release
+                )
+            )
             for _ in range(20)
         ]
 
@@ -54,6 +59,21 @@ async def test_node_killed_mid_stream(
             return all(r["in_flight"] == 4 for r in rows)
 
         await eventually(both_busy)
+        # The runs in flight have streamed (a run fails over only before its first delta,
+        # so one killed earlier would finish on node-b): eight streams, each node's four,
+        # started before any queued one can (a slot frees only when a stream ends).
+        async with asyncio.timeout(15):
+            for _ in range(8):
+                await streaming.acquire()
+
+        async def starts_on_disk() -> bool:
+            # The node's history writes a run's start within its flush interval, not at
+            # once: killed before that, a run leaves nothing for the restart to mark.
+            with sqlite3.connect(stack.root / "node-a-history.db") as db:
+                running = db.execute("SELECT COUNT(*) FROM runs WHERE outcome = 'running'")
+                return bool(running.fetchone()[0] >= 1)
+
+        await eventually(starts_on_disk)
         await stack.stop("node-a", signal.SIGKILL)
         outcomes = await asyncio.gather(*clients)
 

@@ -15,10 +15,11 @@ raises the typed error: it never takes the process down. A frame whose header
 arrived must be complete within ``frame_read_timeout``: silence between frames
 is for the heartbeats to judge, half a frame held open is a fault.
 
-Frames sent with ``defer=True`` (a stream's tokens) wait for the end of the
-event loop's current pass and leave together: the tokens one provider read
-produced cost one TLS record and one system call, not one each. Any other send
-takes the waiting frames along, in order.
+Frames sent with ``defer=True`` (a stream's tokens, the edge's run requests) wait
+for the end of the event loop's current pass and leave together: the tokens one
+provider read produced, or the requests one pass dispatched, cost one TLS record
+and one system call, not one each. Any other send takes the waiting frames along,
+in order.
 """
 
 from __future__ import annotations

@@ -75,7 +75,11 @@ class CappedSite(web.BaseSite):
         backlog: int = DEFAULT_BACKLOG,
         refusal: bytes = DEFAULT_REFUSAL,
         refusal_linger_s: float = REFUSAL_LINGER_S,
+        protocol_factory: Callable[[Callable[[], asyncio.Protocol]], Callable[[], asyncio.Protocol]]
+        | None = None,
     ) -> None:
+        """``protocol_factory``: given the runner's protocol factory, the one connections
+        get instead (a front that hands some of them on to aiohttp's protocol)."""
         if max_connections < 1:
             raise ValueError(f"max_connections must be at least 1, not {max_connections}")
         super().__init__(runner, backlog=backlog)
@@ -87,6 +91,7 @@ class CappedSite(web.BaseSite):
         self.refused = 0  # since start
         self._refusal = refusal
         self._refusal_linger_s = refusal_linger_s
+        self._protocol_factory = protocol_factory
         self._room = asyncio.Event()
         self._listener: socket.socket | None = None
         self._accepting: asyncio.Task[None] | None = None
@@ -126,6 +131,9 @@ class CappedSite(web.BaseSite):
         loop = asyncio.get_running_loop()
         server = self._runner.server
         assert server is not None  # BaseSite: the runner was set up
+        factory: Callable[[], asyncio.Protocol] = server
+        if self._protocol_factory is not None:
+            factory = self._protocol_factory(server)
         since_yield = 0
         full_logged = False
         try:
@@ -160,7 +168,7 @@ class CappedSite(web.BaseSite):
                 if full_logged and self.open_connections < self.max_connections // 2:
                     full_logged = False  # the next time it fills is news again
                 self.open_connections += 1
-                task = asyncio.create_task(self._hand_over(sock, server))
+                task = asyncio.create_task(self._hand_over(sock, factory))
                 self._handing_over.add(task)
                 task.add_done_callback(self._handing_over.discard)
         finally:

@@ -291,34 +291,35 @@ class QueuedWriter(Generic[R]):
             self._drains -= 1
 
     async def _write_forever(self) -> None:
-        """The one task that writes: gather, commit a batch, repeat; back off on failure."""
+        """The one task that writes: gather, commit a batch, repeat; back off on failure.
+
+        Records gather for ``flush_interval_s`` (less if a flush is waiting) before the
+        first batch and before each batch that follows a full one's commit while fewer
+        than ``max_batch`` wait: under steady traffic one transaction per interval, not
+        one per record (each a thread round trip, a commit, GIL handoffs). A retry after
+        a failed write gathers nothing: its pause was the wait.
+        """
         failures = 0
         while True:
             await self._wake.wait()
-            # Let a burst of records arrive before writing, unless a flush is waiting.
-            await self._gather()
+            gather = True
             while self._pending:
+                if gather:
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(self._flush_interval_s):
+                            await self._urgent.wait()
                 if await self._write_batch():
                     failures = 0
-                    if self._pending and len(self._pending) < self._max_batch:
-                        # What arrived while that batch was written gathers for the next
-                        # one too: under steady traffic one transaction per interval, not
-                        # one per record (each a thread round trip, a commit, GIL handoffs).
-                        await self._gather()
+                    gather = len(self._pending) < self._max_batch
                     continue
                 failures += 1
+                gather = False
                 delay = min(self._retry_delay_s * 2 ** min(failures - 1, 16), MAX_RETRY_DELAY_S)
                 # Not cut short by flush(): a refusing disk must not turn into a busy loop.
                 await asyncio.sleep(delay)
             # No await since the loop condition: nothing can have arrived in between.
             self._wake.clear()
             self._urgent.clear()
-
-    async def _gather(self) -> None:
-        """Wait ``flush_interval_s`` for more records, or less if a flush is waiting."""
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(self._flush_interval_s):
-                await self._urgent.wait()
 
     async def _write_batch(self) -> bool:
         """Commit the oldest pending records in one transaction; False if that failed."""

@@ -21,6 +21,7 @@ from iop_edge.domain.fleet import ApiKeyEntry
 from iop_edge.entrypoints.api_auth import KeySlots, access_mode
 from iop_edge.entrypoints.api_metrics import ApiMetrics
 from iop_edge.entrypoints.http_api import (
+    API_FRONT,
     connection_limit_refusal,
     create_api_app,
     load_openapi,
@@ -253,6 +254,11 @@ async def build(
         )
         await runner.setup()
         stack.push_async_callback(runner.cleanup)
+        # The inference routes are served by the API's own HTTP/1.1 front, every other
+        # request handed to the runner's aiohttp protocol (entrypoints/fast_front.py); its
+        # connections close after the drain, before aiohttp's.
+        front = app[API_FRONT]
+        stack.push_async_callback(front.shutdown, settings.shutdown_reserve_s / 2)
         # At most http.max_connections served at once; more are answered a canned 503, and
         # past that wait in the kernel's backlog: a flood of clients cannot hold the loop
         # (the node links' heartbeats share it) for longer than that many requests take
@@ -264,6 +270,7 @@ async def build(
             max_connections=http.max_connections,
             backlog=http.backlog,
             refusal=connection_limit_refusal(http.max_connections),
+            protocol_factory=front.protocol_factory,
         )
         await site.start()
         # First on the way out: stop accepting, drain, fail what is left (then the rest).

@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,7 +29,7 @@ from iop_edge.domain.events import Failed, RunEvent
 from iop_edge.domain.fleet import ApiKeyEntry, ModelEntry, Operation
 from iop_edge.entrypoints.api_auth import KeySlots
 from iop_edge.entrypoints.api_metrics import ApiMetrics
-from iop_edge.entrypoints.http_api import create_api_app, load_openapi
+from iop_edge.entrypoints.http_api import API_FRONT, create_api_app, load_openapi
 from iop_edge.entrypoints.stop_gate import StopGate
 from iop_edge.errors import (
     EdgeError,
@@ -40,6 +40,7 @@ from iop_edge.errors import (
     from_failure,
 )
 from iop_edge.ports import AttemptRecord, EdgeRunRecord, RunSpec
+from iop_proto.service.http_site import CappedSite
 from iop_proto.v1 import runtime_pb2 as pb
 
 
@@ -321,13 +322,38 @@ async def serve(
     )
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
+    front = app[API_FRONT]
     try:
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        host, port = runner.addresses[0][:2]
+        if SERVED_BY["front"] == "aiohttp":
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+            host, port = runner.addresses[0][:2]
+        else:  # bootstrap's wiring: the inference front, the rest handed to aiohttp
+            capped = CappedSite(
+                runner,
+                "127.0.0.1",
+                0,
+                max_connections=1000,
+                protocol_factory=front.protocol_factory,
+            )
+            await capped.start()
+            host, port = "127.0.0.1", capped.port
         yield Edge(f"http://{host}:{port}", service, catalog, runlog, registry, slots)
     finally:
+        await front.shutdown(1.0)
         await runner.cleanup()
+
+
+SERVED_BY = {"front": "aiohttp"}
+
+
+@pytest.fixture(autouse=True, params=["aiohttp", "front"])
+def served_by(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Every test here twice: aiohttp's server alone, and the public port's front
+    (``fast_front``) that serves the inference routes and hands the rest to aiohttp."""
+    SERVED_BY["front"] = request.param
+    yield request.param
+    SERVED_BY["front"] = "aiohttp"
 
 
 @pytest.fixture

@@ -86,7 +86,9 @@ class NodeConnection:
         self._configured.update(provider.id for provider in config.providers)
 
     async def send_run(self, order: RunOrder) -> None:
-        await self.conn.send(run_request(order), correlation_id=order.run_id)
+        # Deferred: the runs dispatched in one event-loop pass leave in one TLS write (a
+        # cancel sent later takes them along first, so the node never sees it before them).
+        await self.conn.send(run_request(order), correlation_id=order.run_id, defer=True)
 
     async def send_cancel(self, run_id: str, reason: str) -> None:
         await self.conn.send(pb.CancelRequest(run_id=run_id, reason=reason), correlation_id=run_id)
@@ -437,8 +439,12 @@ class NodeServer:
             logger.warning("leases left to expire: {}", exc)
 
     async def _follow(self, node: NodeConnection) -> None:
-        registry, guard = self._registry, self._guard
-        async for envelope in node.conn:
+        registry, guard, conn = self._registry, self._guard, node.conn
+        while True:
+            try:
+                envelope = await conn.receive()
+            except ConnectionClosed:
+                return  # the node closed the link cleanly; protocol faults still raise
             kind = envelope.WhichOneof("body")
             if kind == "run_event":
                 event = envelope.run_event

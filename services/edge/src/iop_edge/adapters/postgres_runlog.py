@@ -173,5 +173,4 @@ class PostgresRunLog(QueuedWriter[EdgeRunRecord]):
     def _key(self, record: EdgeRunRecord) -> str:
         return record.run_id
 
-    def _row(self, record: EdgeRunRecord) -> tuple[object, ...]:
-        return run_row(record)
+    _row = staticmethod(run_row)  # the row SQLite's run log writes too

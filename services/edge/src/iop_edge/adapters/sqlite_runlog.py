@@ -102,6 +102,28 @@ def run_from_row(row: Iterable[object]) -> EdgeRunRecord:
     return EdgeRunRecord(**values)
 
 
+def run_row(record: EdgeRunRecord) -> tuple[object, ...]:
+    """The record's fields in the table's order (a bool binds as SQLite's 0/1 or
+    PostgreSQL's boolean); the attempts are JSON text, each with the fields of
+    ``AttemptRecord``."""
+    row = list(_READ_COLUMNS(record))
+    row[_ATTEMPTS] = json_codec.dumps(
+        [
+            {
+                "run_id": a.run_id,
+                "provider_id": a.provider_id,
+                "node_id": a.node_id,
+                "outcome": a.outcome,
+                "error_code": a.error_code,
+                "started_ms": a.started_ms,
+                "duration_ms": a.duration_ms,
+            }
+            for a in record.attempts
+        ]
+    ).decode()
+    return tuple(row)
+
+
 class SqliteRunLog(BatchedWriter[EdgeRunRecord]):
     """A ``RunLog`` on one aiosqlite connection; make it with ``await open(path)``."""
 
@@ -187,27 +209,4 @@ class SqliteRunLog(BatchedWriter[EdgeRunRecord]):
     def _key(self, record: EdgeRunRecord) -> str:
         return record.run_id
 
-    def _row(self, record: EdgeRunRecord) -> tuple[object, ...]:
-        return run_row(record)
-
-
-def run_row(record: EdgeRunRecord) -> tuple[object, ...]:
-    """The record's fields in the table's order (a bool binds as SQLite's 0/1 or
-    PostgreSQL's boolean); the attempts are JSON text, each with the fields of
-    ``AttemptRecord``."""
-    row = list(_READ_COLUMNS(record))
-    row[_ATTEMPTS] = json_codec.dumps(
-        [
-            {
-                "run_id": a.run_id,
-                "provider_id": a.provider_id,
-                "node_id": a.node_id,
-                "outcome": a.outcome,
-                "error_code": a.error_code,
-                "started_ms": a.started_ms,
-                "duration_ms": a.duration_ms,
-            }
-            for a in record.attempts
-        ]
-    ).decode()
-    return tuple(row)
+    _row = staticmethod(run_row)  # the row PostgreSQL's run log writes too

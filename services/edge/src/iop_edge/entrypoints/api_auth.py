@@ -13,10 +13,10 @@ import functools
 import ipaddress
 from typing import Final
 
-from aiohttp import web
 from loguru import logger
 
 from iop_edge.domain.fleet import ApiKeyEntry
+from iop_edge.entrypoints.api_request import ApiRequest
 from iop_edge.errors import (
     AuthenticationFailed,
     KeyRevoked,
@@ -30,7 +30,7 @@ OPEN_PATHS: Final = frozenset({"/healthz", "/readyz"})
 """Probes carry no data: load balancers reach them from anywhere, keys or not."""
 
 
-def authenticate(request: web.BaseRequest, keys: KeyRing) -> ApiKeyEntry | None:
+def authenticate(request: ApiRequest, keys: KeyRing) -> ApiKeyEntry | None:
     """The caller's key policy; ``None`` when the API is open (no keys configured).
 
     The key comes as ``Authorization: Bearer <key>`` (OpenAI's clients) or as

@@ -12,7 +12,9 @@ CORS preflights, when origins are configured, are answered before this
 from __future__ import annotations
 
 import asyncio
-from typing import Final
+import functools
+from collections.abc import Awaitable, Callable
+from typing import Final, TypeVar
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
@@ -20,6 +22,7 @@ from aiohttp.typedefs import Handler, Middleware
 from loguru import logger
 
 from iop_edge.entrypoints.api_auth import OPEN_PATHS, check_open_access, is_loopback
+from iop_edge.entrypoints.api_request import ApiRequest
 from iop_edge.entrypoints.messages_dialect import is_anthropic_request, messages_error_response
 from iop_edge.entrypoints.openai_errors import error_response, from_http_exception
 from iop_edge.entrypoints.stop_gate import StopGate
@@ -44,40 +47,78 @@ def api_gate(
     read_timeout_s: float = READ_TIMEOUT_S,
     min_body_rate: int = MIN_BODY_RATE,
 ) -> Middleware:
-    """The middleware for ``keys``: see the module's docstring for what it checks.
+    """The middleware for ``keys``: see the module's docstring for what it checks
+    (``ApiGate``'s arguments)."""
+    return ApiGate(
+        keys,
+        allow_open=allow_open,
+        stop_gate=stop_gate,
+        read_timeout_s=read_timeout_s,
+        min_body_rate=min_body_rate,
+    ).middleware()
+
+
+Answer = TypeVar("Answer")
+
+
+class ApiGate:
+    """The rules every request crosses, for either HTTP front (``api_request``): aiohttp's
+    through ``middleware``, the inference front (``fast_front``) through ``serve``.
 
     ``allow_open``: serve every client while no keys are configured (by default, only
     loopback ones: ``check_open_access``; the probes, ``OPEN_PATHS``, serve anyone).
     ``stop_gate``: once closed, each request gets a 503 and its connection closes.
     ``read_timeout_s``, ``min_body_rate``: a client whose body, not yet complete, grew by
     less than ``min_body_rate`` bytes a second over ``read_timeout_s`` is cut
-    (``_BodyWatchdog``; the runner's ``keepalive_timeout`` bounds the headers).
+    (``_BodyWatchdog``; the header read timeout bounds the headers).
     """
-    gate = stop_gate if stop_gate is not None else StopGate()
 
-    @web.middleware
-    async def api_gate(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if gate.closed:
-            return gate.refusal(request.path)
+    def __init__(
+        self,
+        keys: KeyRing,
+        *,
+        allow_open: bool = False,
+        stop_gate: StopGate | None = None,
+        read_timeout_s: float = READ_TIMEOUT_S,
+        min_body_rate: int = MIN_BODY_RATE,
+    ) -> None:
+        self._keys = keys
+        self._allow_open = allow_open
+        self.stop_gate = stop_gate if stop_gate is not None else StopGate()
+        self._read_timeout_s = read_timeout_s
+        self._min_body_rate = min_body_rate
+
+    def middleware(self) -> Middleware:
+        @web.middleware
+        async def api_gate(request: web.Request, handler: Handler) -> web.StreamResponse:
+            return await self.serve(request, functools.partial(handler, request))
+
+        return api_gate
+
+    async def serve(
+        self, request: ApiRequest, handler: Callable[[], Awaitable[Answer]]
+    ) -> Answer | web.StreamResponse:
+        """``handler``'s answer to ``request``, or the gate's own (a refusal, an error)."""
+        if self.stop_gate.closed:
+            return self.stop_gate.refusal(request.path)
         try:
             # a loopback client is served whatever the rule says (is_loopback: cached)
+            keys = self._keys
             remote = request.remote
             if keys.open and not is_loopback(remote) and request.path not in OPEN_PATHS:
-                check_open_access(remote, keys, allow_open)
+                check_open_access(remote, keys, self._allow_open)
             if not request.body_exists or request.content.is_eof():
-                return await handler(request)
-            watchdog = _BodyWatchdog(request, read_timeout_s, min_body_rate)
+                return await handler()
+            watchdog = _BodyWatchdog(request, self._read_timeout_s, self._min_body_rate)
             try:
-                return await handler(request)
+                return await handler()
             finally:
                 watchdog.cancel()
         except Exception as exc:  # CancelledError is no Exception: it passes through
             return _error_answer(request, exc)
 
-    return api_gate
 
-
-def _error_answer(request: web.Request, exc: Exception) -> web.StreamResponse:
+def _error_answer(request: ApiRequest, exc: Exception) -> web.StreamResponse:
     """The error boundary: every error leaves as an OpenAI error object (an Anthropic
     one on the Messages API's paths: ``is_anthropic_request``).
 
@@ -120,7 +161,7 @@ class _BodyWatchdog:
     any client that leaves.
     """
 
-    def __init__(self, request: web.Request, window_s: float, min_rate: int) -> None:
+    def __init__(self, request: ApiRequest, window_s: float, min_rate: int) -> None:
         self._request = request
         self._window_s = window_s
         self._min_bytes = window_s * min_rate

@@ -17,11 +17,12 @@ from aiohttp import web
 
 from iop_edge.domain.fleet import ApiKeyEntry, ModelEntry
 from iop_edge.entrypoints.api_auth import KeySlots, authenticate
-from iop_edge.entrypoints.api_gate import MIN_BODY_RATE, READ_TIMEOUT_S, api_gate
+from iop_edge.entrypoints.api_gate import MIN_BODY_RATE, READ_TIMEOUT_S, ApiGate
 from iop_edge.entrypoints.api_metrics import ApiMetrics
 from iop_edge.entrypoints.batch_routes import BatchRoutes
 from iop_edge.entrypoints.cors import CorsPolicy
-from iop_edge.entrypoints.inference_routes import InferenceRoutes
+from iop_edge.entrypoints.fast_front import ApiFront
+from iop_edge.entrypoints.inference_routes import HotRoutes, InferenceRoutes
 from iop_edge.entrypoints.messages_dialect import (
     is_anthropic_request,
     register_messages,
@@ -45,6 +46,8 @@ MAX_BODY_BYTES: Final = DEFAULT_MAX_BODY_BYTES
 """Chat requests carry base64 images and long contexts: aiohttp's 1 MiB default is too small.
 The limit follows from the node link's frame limit (``iop_edge.service.limits``): what is read here
 can be carried to a node; ``bootstrap`` derives it from the ``max_frame_size`` setting."""
+API_FRONT: Final = web.AppKey("api_front", ApiFront)
+"""The app's inference front (``fast_front``): ``bootstrap`` serves the public port through it."""
 RUNS_DEFAULT_LIMIT: Final = 50
 RUNS_MAX_LIMIT: Final = 1000
 
@@ -88,7 +91,8 @@ def create_api_app(
     mock_drills: bool = False,
     usage: UsageReport | None = None,
 ) -> web.Application:
-    """The API application; serve it with ``web.AppRunner(app, handler_cancellation=True)``.
+    """The API application; serve it with ``web.AppRunner(app, handler_cancellation=True)``,
+    through ``app[API_FRONT]``'s protocol for the inference routes (``bootstrap``).
 
     ``handler_cancellation=True`` is required, not a tuning knob: it is how
     aiohttp tells a handler that its client disconnected while nothing was being
@@ -118,15 +122,14 @@ def create_api_app(
     ``mock_drills``: the mock's failure drills from every caller, not operator keys only.
     ``usage``: when given, each key's usage against its limits at ``/iop/v1/usage``.
     """
-    middlewares = [
-        api_gate(
-            keys,
-            allow_open=allow_open,
-            stop_gate=stop_gate,
-            read_timeout_s=read_timeout_s,
-            min_body_rate=min_body_rate,
-        )
-    ]
+    gate = ApiGate(
+        keys,
+        allow_open=allow_open,
+        stop_gate=stop_gate,
+        read_timeout_s=read_timeout_s,
+        min_body_rate=min_body_rate,
+    )
+    middlewares = [gate.middleware()]
     cors = CorsPolicy(cors_origins) if cors_origins else None
     if cors is not None:
         cors.install_preflight(middlewares)
@@ -138,7 +141,15 @@ def create_api_app(
     inference = InferenceRoutes(
         service, catalog, keys, runlog, metrics, slots, rates, mock_drills=mock_drills
     )
-    inference.register(app)
+    hot: HotRoutes = {}
+    inference.register(app, hot)
+    app[API_FRONT] = ApiFront(
+        gate,
+        hot,
+        max_body_bytes=max_body_bytes,
+        header_timeout_s=read_timeout_s,
+        cors=cors is not None,
+    )
     register_messages(app, inference, catalog)
     if responses is not None:
         seal = reasoning_seal if reasoning_seal is not None else ReasoningSeal.generate()

@@ -10,6 +10,7 @@ from typing import Any, Final
 
 from aiohttp import web
 
+from iop_edge.entrypoints.api_request import ApiRequest
 from iop_edge.errors import InvalidRequest, RequestTooLarge
 from iop_edge.service.limits import MAX_JSON_DEPTH
 from iop_proto import json_codec
@@ -19,7 +20,7 @@ OFFLOAD_BYTES: Final = 256 * 1024
 long contexts, embeddings) would otherwise hold the event loop for milliseconds."""
 
 
-async def read_json_body(request: web.BaseRequest) -> dict[str, Any]:
+async def read_json_body(request: ApiRequest) -> dict[str, Any]:
     """The body as a JSON object, parsed once; ``InvalidRequest`` (400/413) otherwise.
 
     Its size is bounded by the app's body limit and its nesting here, at parse time

@@ -21,7 +21,7 @@ import dataclasses
 import functools
 import time
 from collections.abc import Awaitable, MutableMapping
-from typing import Any, Final, Protocol, TypeVar
+from typing import Any, Final, Protocol, TypeVar, cast
 
 from aiohttp import web
 from aiohttp.typedefs import Handler
@@ -35,6 +35,7 @@ from iop_edge.domain.session_key import session_key
 from iop_edge.entrypoints.api_auth import KeySlots, authenticate
 from iop_edge.entrypoints.api_dialect import Dialect, DialectRequest, StreamWriter
 from iop_edge.entrypoints.api_metrics import ApiMetrics
+from iop_edge.entrypoints.api_request import ApiRequest
 from iop_edge.entrypoints.inference_request import read_json_body
 from iop_edge.entrypoints.openai_dialect import OpenAIDialect
 from iop_edge.entrypoints.rate_headers import anthropic_headers, openai_headers
@@ -66,7 +67,10 @@ class StreamOut(Protocol):
     @property
     def headers(self) -> MutableMapping[str, str]: ...
 
-    async def prepare(self, request: web.BaseRequest) -> Any: ...
+    async def prepare(self, request: Any) -> Any:
+        """Send the status line and headers (``request``: the one answered; aiohttp's
+        ``StreamResponse`` takes its ``web.BaseRequest``)."""
+        ...
 
     async def write(self, data: bytes) -> None: ...
 
@@ -74,6 +78,18 @@ class StreamOut(Protocol):
 
 
 Out = TypeVar("Out", bound=StreamOut)
+
+
+class HotRoute(Protocol):
+    """An inference endpoint as the inference front (``fast_front``) calls it: the request,
+    and where its stream goes; the answer is that stream (written), or a whole response."""
+
+    def __call__(
+        self, request: ApiRequest, *, out: StreamOut
+    ) -> Awaitable[StreamOut | web.StreamResponse]: ...
+
+
+HotRoutes = dict[str, HotRoute]
 
 
 SSE_HEADERS: Final = {
@@ -109,17 +125,24 @@ class InferenceRoutes:
         self._rates = rates
         self._mock_drills = mock_drills
 
-    def register(self, app: web.Application) -> None:
-        app.router.add_post("/v1/chat/completions", self.route(OpenAIDialect(CHAT)))
-        app.router.add_post("/v1/completions", self.route(OpenAIDialect(Operation.COMPLETIONS)))
-        app.router.add_post("/v1/embeddings", self.route(OpenAIDialect(Operation.EMBEDDINGS)))
+    def register(self, app: web.Application, hot: HotRoutes | None = None) -> None:
+        """The endpoints on ``app``; in ``hot`` too, for the inference front (``fast_front``)."""
+        for path, operation in OPENAI_PATHS.items():
+            dialect = OpenAIDialect(operation)
+            app.router.add_post(path, self.route(dialect))
+            if hot is not None:
+                hot[path] = functools.partial(self._serve, dialect=dialect)
 
     def route(self, dialect: Dialect) -> Handler:
         """The handler of one API's endpoint: this pipeline in ``dialect``'s wire."""
-        return functools.partial(self._serve, dialect=dialect)
+        # with no ``out`` every answer is aiohttp's: a stream is a ``StreamResponse`` of its own
+        return cast(Handler, functools.partial(self._serve, dialect=dialect))
 
-    async def _serve(self, request: web.Request, dialect: Dialect) -> web.StreamResponse:
-        """Answer one request and account for it, on every path out."""
+    async def _serve(
+        self, request: ApiRequest, dialect: Dialect, out: StreamOut | None = None
+    ) -> StreamOut | web.StreamResponse:
+        """Answer one request and account for it, on every path out (``out``: where a
+        stream goes; ``None``: an aiohttp ``StreamResponse`` of its own)."""
         trace = RunTrace(dialect.operation, dialect.api)
         try:
             key = authenticate(request, self._keys)
@@ -127,7 +150,7 @@ class InferenceRoutes:
                 trace.key_id = key.key_id
                 self._slots.check_room(key)  # a key at its limit costs no body parsing
             body = await read_json_body(request)
-            return await self._run(request, dialect, trace, key, body, None)
+            return await self._run(request, dialect, trace, key, body, out)
         except EdgeError as exc:
             trace.failed(exc, status=exc.status)
             response = dialect.error_response(exc)
@@ -146,7 +169,7 @@ class InferenceRoutes:
 
     async def serve_stream(
         self,
-        request: web.Request,
+        request: ApiRequest,
         dialect: Dialect,
         body: dict[str, Any],
         key: ApiKeyEntry | None,
@@ -175,7 +198,7 @@ class InferenceRoutes:
 
     async def _run(
         self,
-        request: web.Request,
+        request: ApiRequest,
         dialect: Dialect,
         trace: RunTrace,
         key: ApiKeyEntry | None,
@@ -238,7 +261,7 @@ class InferenceRoutes:
 
     async def _admitted(
         self,
-        request: web.Request,
+        request: ApiRequest,
         dialect: Dialect,
         trace: RunTrace,
         key: ApiKeyEntry | None,
@@ -279,7 +302,7 @@ class InferenceRoutes:
 
     async def _stream(
         self,
-        request: web.Request,
+        request: ApiRequest,
         dialect: Dialect,
         asked: DialectRequest,
         run: RunEvents,
@@ -396,7 +419,7 @@ class _SseSink:
 
     def __init__(
         self,
-        request: web.Request,
+        request: ApiRequest,
         response: StreamOut,
         writer: StreamWriter,
         events: RunEvents,
@@ -461,11 +484,16 @@ RATED: Final = frozenset({CHAT, Operation.COMPLETIONS, Operation.EMBEDDINGS})
 """The operations a key's rates and budget count (counting tokens runs no model)."""
 
 
-def rate_headers(request: web.BaseRequest, gauges: tuple[Gauge, ...]) -> dict[str, str]:
+def rate_headers(request: ApiRequest, gauges: tuple[Gauge, ...]) -> dict[str, str]:
     """The limiter's standing in the headers of the API the request came on."""
     if request.path.startswith("/v1/messages"):
         return anthropic_headers(gauges)
     return openai_headers(gauges)
 
 
+OPENAI_PATHS: Final = {
+    "/v1/chat/completions": CHAT,
+    "/v1/completions": Operation.COMPLETIONS,
+    "/v1/embeddings": Operation.EMBEDDINGS,
+}
 _NO_KEY: Final = contextlib.nullcontext()

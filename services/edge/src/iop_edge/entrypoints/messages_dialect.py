@@ -35,6 +35,7 @@ from iop_edge.domain.events import Completed, Delta
 from iop_edge.domain.fleet import Operation
 from iop_edge.domain.usage import Api
 from iop_edge.entrypoints.api_dialect import DialectRequest, dropped_tools_headers
+from iop_edge.entrypoints.api_request import ApiRequest
 from iop_edge.entrypoints.openai_errors import MethodNotAllowed
 from iop_edge.errors import EdgeError
 from iop_edge.formats.anthropic import (
@@ -73,7 +74,7 @@ _ANTHROPIC_PREFIXES: Final = (MESSAGES_PATH, MODELS_PATH)
 """Where ``is_anthropic_request`` can be true: the paths it knows start with these."""
 
 
-def is_anthropic_request(request: web.BaseRequest) -> bool:
+def is_anthropic_request(request: ApiRequest) -> bool:
     """A request answered in Anthropic's shapes: the Messages API, and the models
     asked for by an Anthropic client (Claude Code lists them to check its model)."""
     path = request.path

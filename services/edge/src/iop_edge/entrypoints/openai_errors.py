@@ -12,6 +12,7 @@ import json
 
 from aiohttp import web
 
+from iop_edge.entrypoints.api_request import ApiRequest
 from iop_edge.errors import EdgeError, RequestTooLarge
 from iop_edge.formats.errors import error_payload
 
@@ -43,7 +44,7 @@ def error_response(exc: EdgeError) -> web.Response:
     return response
 
 
-def from_http_exception(request: web.BaseRequest, exc: web.HTTPException) -> EdgeError:
+def from_http_exception(request: ApiRequest, exc: web.HTTPException) -> EdgeError:
     """An aiohttp routing/body exception as the ``EdgeError`` the client should see."""
     where = f"{request.method} {request.path}"
     if isinstance(exc, web.HTTPNotFound):

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from collections.abc import AsyncIterator
 from types import TracebackType
 from typing import Final, Protocol
 
@@ -249,12 +248,11 @@ class ProviderResponse:
         self._exchange = exchange
         self._done = False
 
-    def iter_any(self) -> AsyncIterator[bytes]:
+    def __aiter__(self) -> ProviderResponse:
         """The body's bytes as they arrive; ``ProviderConnectionLost`` if it is cut off."""
         return self
 
-    def __aiter__(self) -> ProviderResponse:
-        return self
+    iter_any = __aiter__  # aiohttp's name for the same reading (``content.iter_any()``)
 
     async def __anext__(self) -> bytes:
         exchange = self._exchange

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import ssl
 import time
 from collections.abc import Callable, Sequence
@@ -260,12 +261,6 @@ class EdgeLink(Dialer):
     async def _apply(self, config: pb.NodeConfig) -> None:
         await self._core.apply_config([wire.provider_config(p) for p in config.providers])
 
-    def _others_changed(self) -> None:
-        self._neighbours.changed(but=self._dirty)
-
-    def _all_changed(self) -> None:
-        self._neighbours.changed()
-
     async def _serve(self, conn: Connection) -> None:
         self._core.on_change(self._dirty.set)
         self._neighbours.join(self._dirty)
@@ -296,11 +291,11 @@ class EdgeLink(Dialer):
                         request.run_id,
                         fold=self._folds,
                         runtime=runtime,
-                        changed=self._others_changed,
+                        changed=functools.partial(self._neighbours.changed, self._dirty),
                     )
                 else:
                     channel = ConnectionChannel(
-                        conn, request.run_id, fold=self._folds, changed=self._all_changed
+                        conn, request.run_id, fold=self._folds, changed=self._neighbours.changed
                     )
                 if self._core.start_run(wire.run_order(request), channel, self._link):
                     channel.accepted()
