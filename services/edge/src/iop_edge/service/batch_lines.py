@@ -8,7 +8,9 @@ room for it (queue full, queue timeout, no provider available) or the run was
 cancelled from the edge's side (edge stopping, batch cancelled, worker gone):
 nothing is stored, the line stays pending and runs again later. A batch line
 waits behind every interactive request, so under load it may time out in the
-queue; that must delay the batch, never fail its lines.
+queue; that must delay the batch, never fail its lines. A line whose run is preempted
+(its slot given to an interactive request: ``service/backfill.py``) goes back in the
+queue here, at once; nothing of the cancelled run was stored.
 
 The OpenAI wire shapes come from the HTTP layer's pure formatting modules, so a
 line's body is exactly what the same request would have returned over HTTP.
@@ -25,11 +27,13 @@ from dataclasses import dataclass
 from iop_edge.domain.batches import DONE, ENDPOINTS, LINE_FAILED, LineRecord, LineResult
 from iop_edge.domain.drills import asks_drill
 from iop_edge.domain.events import Completed
+from iop_edge.domain.queue import Share
 from iop_edge.errors import (
     EdgeError,
     InvalidRequest,
     ModelNotFound,
     NoProviderAvailable,
+    Preempted,
     ProviderFailed,
     QueueFull,
     QueueTimeout,
@@ -59,13 +63,25 @@ class LineRunner:
         self._clock = clock
         self._live: dict[str, set[RunEvents]] = {}  # batch id -> its lines' runs
 
-    async def run(self, endpoint: str, line: LineRecord, result_id: str) -> LineOutcome:
+    async def run(
+        self, endpoint: str, line: LineRecord, result_id: str, owner: str = ""
+    ) -> LineOutcome:
         """Dispatch the line and wait for its end; never raises an ``EdgeError``.
+        ``owner``: the batch's key, whose turn the line takes among batch lines.
 
         The line's run is known to its batch from admission on, before it waits for a
-        slot: a batch that ends meanwhile ends it wherever it is (``cancel_batch``)."""
+        slot: a batch that ends meanwhile ends it wherever it is (``cancel_batch``). A
+        preempted run is dispatched again, as a new run, until the line has an end."""
+        while (outcome := await self._run_once(endpoint, line, result_id, owner)) is None:
+            pass
+        return outcome
+
+    async def _run_once(
+        self, endpoint: str, line: LineRecord, result_id: str, owner: str
+    ) -> LineOutcome | None:
+        """One run of the line; ``None``: it was preempted, and must run again."""
         try:
-            spec = self._spec(endpoint, line)
+            spec = self._spec(endpoint, line, owner)
             run = self._runs.admit(spec)
         except EdgeError as exc:
             return _failure(exc, "", result_id)
@@ -79,6 +95,8 @@ class LineRunner:
         try:
             await run.open()  # at batch priority, maybe after a wait in the queue
             body = await self._collect(spec, run)
+        except Preempted:
+            return None
         except EdgeError as exc:
             return _failure(exc, run.run_id, result_id)
         except asyncio.CancelledError:
@@ -103,7 +121,7 @@ class LineRunner:
         for run in list(self._live.get(batch_id, ())):
             await run.cancel(reason)
 
-    def _spec(self, endpoint: str, line: LineRecord) -> RunSpec:
+    def _spec(self, endpoint: str, line: LineRecord, owner: str) -> RunSpec:
         body = json.loads(line.body_json)
         model = body.get("model")
         if not isinstance(model, str) or not model:
@@ -122,6 +140,7 @@ class LineRunner:
             stream=False,
             include_usage=False,
             batch=True,
+            share=Share(key=owner),
             drill=asks_drill(body),  # refused at the batch's creation unless allowed then
         )
 

@@ -248,7 +248,9 @@ class BatchWork:
             raise NotFound(f"Batch {batch.id} has no line {index}", param="line_number")
         if line.result is not None:
             return line, line.result
-        outcome = await self._runner.run(batch.endpoint, line, new_id("batch_req_"))
+        outcome = await self._runner.run(
+            batch.endpoint, line, new_id("batch_req_"), batch.owner or ""
+        )
         if outcome.transient:
             return line, outcome.result
         if await self._store.finish_line(batch.id, index, outcome.result, self._now()):
