@@ -123,6 +123,15 @@ async def queued(http: aiohttp.ClientSession, stack: Stack, model: str) -> int:
     return int(float(found.group(1))) if found else 0
 
 
+async def preemptions(stack: Stack, model: str) -> int:
+    """``iop_edge_batch_preemptions_total`` of ``model`` (0 where the edge has none)."""
+    async with session() as http, http.get(f"{stack.edge_admin}/metrics") as response:
+        text = await response.text()
+    pattern = rf'^iop_edge_batch_preemptions_total\{{model="{model}"\}} (\S+)$'
+    found = re.search(pattern, text, re.MULTILINE)
+    return int(float(found.group(1))) if found else 0
+
+
 async def until(check: Callable[[], Awaitable[bool]], timeout_s: float = 60) -> None:
     """Poll another process's state until ``check`` holds."""
     async with asyncio.timeout(timeout_s):
@@ -326,6 +335,7 @@ async def backfill_scenario(
         "beside_batch": beside,
         "ttft_p50_ratio": round(beside["ttft_p50_ms"] / max(alone["ttft_p50_ms"], 1e-3), 2),
         "lines_done_while_interactive": during["completed"],
+        "batch_runs_preempted": await preemptions(stack, "backfill"),
         "batch_status": state["status"],
         "batch_counts": state["request_counts"],
         "output_lines": len(ids),

@@ -53,8 +53,11 @@ def spec(share: Share = NO_SHARE, *, batch: bool = False) -> RunSpec:
     )
 
 
-def wired(capacity: int, backfill: Backfill | None = None) -> tuple[Dispatch, RecordingNodeLink]:
-    dispatcher = Dispatch(EdgeMetrics.create(CollectorRegistry()), backfill=backfill)
+def wired(
+    capacity: int, backfill: Backfill | None = None, registry: CollectorRegistry | None = None
+) -> tuple[Dispatch, RecordingNodeLink]:
+    metrics = EdgeMetrics.create(registry or CollectorRegistry())
+    dispatcher = Dispatch(metrics, backfill=backfill)
     dispatcher.pool.apply_fleet(fleet(capacity))
     node = RecordingNodeLink("node-a")
     states = [pb.ProviderState(provider_id="a", health=pb.HEALTH_AVAILABLE)]
@@ -137,7 +140,8 @@ async def test_batch_lines_hold_at_most_their_share_and_interactive_starts_at_on
 
 
 async def test_an_interactive_request_preempts_the_newest_batch_line() -> None:
-    dispatcher, _ = wired(capacity=2, backfill=Backfill(1.0, preempt=True))
+    registry = CollectorRegistry()
+    dispatcher, _ = wired(capacity=2, backfill=Backfill(1.0, preempt=True), registry=registry)
     older = await dispatcher.open_run(spec(batch=True))
     newer = await dispatcher.open_run(spec(batch=True))
     interactive = await asyncio.wait_for(dispatcher.open_run(spec()), 1)
@@ -148,6 +152,8 @@ async def test_an_interactive_request_preempts_the_newest_batch_line() -> None:
     assert isinstance(end, Failed)
     assert isinstance(newer.error(end), Preempted)
     assert dispatcher.pool.slot("a").in_flight == 2  # the batch line's slot, handed on
+    preempted = registry.get_sample_value("iop_edge_batch_preemptions_total", {"model": MODEL})
+    assert preempted == 1
     complete(older)
     complete(interactive)
     assert dispatcher.pool.slot("a").in_flight == 0

@@ -377,6 +377,7 @@ class Dispatcher:
             # A batch line of the model yields its slot to this request (preemption): its
             # end gives the slot back, and the queue hands it on, interactive first.
             reason = "preempted by an interactive request"
+            self._metrics.count_preemption(model.id)
             await asyncio.shield(victim.cancel(reason, Preempted(reason)))
         slot = await waiter
         run.placed()
