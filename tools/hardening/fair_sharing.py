@@ -17,7 +17,16 @@ key ``op`` are issued with the control-plane's CLI. Then:
 3. **backfill**: three interactive clients stream requests to ``backfill``, first
    alone, then while a batch of ``--lines`` lines (made by key a) runs: time to first
    token (client side) and the edge's ``x-iop-overhead-ms`` (queueing included), p50
-   and p90 each; then the batch's end: every line done exactly once.
+   and p90 each; then the batch's end: every line done exactly once;
+4. **weights**: keys ``heavy`` (weight 3) and ``light`` (weight 1) each send
+   ``--flood`` / 2 requests to ``fair``, interleaved: of the first 80 answered once all
+   arrived, how many were each key's (today's FIFO: about 1:1).
+
+The control-plane's CLI does not set a key's weight or priority in this checkout, so
+they reach the edge the way every key's policy does, in the fleet config, written on
+its way: ``PolicyRelay`` (the control-plane's certificate towards the edge, the edge's
+towards the real control-plane, real mTLS both ways) sets ``POLICIES`` on the keys it
+names and passes every other frame as it is; the edge is restarted onto it.
 
 Runs against whichever checkout the venv imports (``PYTHONPATH`` of another
 checkout's ``src`` folders measures that one): the same script before and after.
@@ -28,18 +37,24 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import re
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import yaml
+
+from iop_proto.errors import ConnectionClosed
+from iop_proto.framing import read_frame, write_frame
+from iop_proto.tls import client_context, server_context
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -72,6 +87,7 @@ FLEET: dict[str, object] = {
         {"id": "node-fuzz", "providers": []},
     ],
 }
+POLICIES = {"heavy": (3, 0), "light": (1, 0), "urgent": (1, 5)}  # name: (weight, priority)
 FAIR_TOKENS = 1  # the burst's requests: 20 ms each on the one slot
 PRIORITY_HEADER = "x-iop-priority"
 
@@ -89,6 +105,114 @@ async def issue_keys(stack: Stack) -> Keys:
         await stack.issue_key("b"),
         await stack.issue_key("op", "--operator"),
     )
+
+
+class PolicyRelay:
+    """Between the edge and the control-plane: sets ``POLICIES`` on the fleet configs."""
+
+    def __init__(self, stack: Stack) -> None:
+        self._stack = stack
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.server: asyncio.Server | None = None
+
+    async def start(self) -> int:
+        context = server_context(self._stack.tls("control-plane"))
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0, ssl=context)
+        return int(self.server.sockets[0].getsockname()[1])
+
+    async def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection(
+            "127.0.0.1",
+            self._stack.cp_port,
+            ssl=client_context(self._stack.tls("edge")),
+            server_hostname="localhost",
+        )
+        pumps = [
+            asyncio.create_task(self._pump(reader, up_writer, rewrite=False)),
+            asyncio.create_task(self._pump(up_reader, writer, rewrite=True)),
+        ]
+        self._tasks.update(pumps)
+        await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
+        for task in pumps:
+            task.cancel()
+        await asyncio.gather(*pumps, return_exceptions=True)
+        self._tasks.difference_update(pumps)
+        for end in (writer, up_writer):
+            end.close()
+
+    @staticmethod
+    async def _pump(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, rewrite: bool
+    ) -> None:
+        with contextlib.suppress(ConnectionClosed, ConnectionError, OSError):
+            while True:
+                envelope = await read_frame(reader)
+                if rewrite and envelope.WhichOneof("body") == "fleet_config":
+                    for key in envelope.fleet_config.api_keys:
+                        if key.name in POLICIES:
+                            key.weight, key.priority = POLICIES[key.name]
+                await write_frame(writer, envelope)
+
+
+@contextlib.asynccontextmanager
+async def relayed(stack: Stack) -> AsyncIterator[dict[str, str]]:
+    """The stack's edge restarted onto a ``PolicyRelay``; the keys of ``POLICIES`` issued."""
+    relay = PolicyRelay(stack)
+    port = await relay.start()
+    try:
+        await stack.stop("edge")
+        path = stack.root / "edge.yaml"
+        settings = yaml.safe_load(path.read_text())
+        settings["control_plane"]["port"] = port
+        path.write_text(yaml.safe_dump(settings))
+        edge = await stack.start("edge")  # on its pinned ports: the nodes dial back
+        stack.edge_admin = edge.admin_url  # the admin port is a new one
+        await stack.wait_registered(("node-a", "node-b", "worker"), timeout_s=30)
+        yield {name: await stack.issue_key(name) for name in POLICIES}
+    finally:
+        await relay.close()
+
+
+async def weights_scenario(stack: Stack, keys: dict[str, str], n: int) -> dict[str, Any]:
+    async with session() as http:
+        tasks: dict[asyncio.Task[tuple[int, float]], str] = {}
+        for i in range(n):  # sent interleaved: a FIFO serves them 1:1
+            for name in ("heavy", "light"):
+                payload = body("fair", f"{name}-{i}", max_tokens=FAIR_TOKENS)
+                tasks[asyncio.create_task(ask(http, stack, keys[name], payload))] = name
+
+        async def all_arrived() -> bool:
+            held = await queued(http, stack, "fair")
+            return held + sum(t.done() for t in tasks) + 1 >= len(tasks)
+
+        await until(all_arrived)
+        since = time.monotonic()
+        await asyncio.gather(*tasks)
+    answered = sorted((t.result()[1], name) for t, name in tasks.items() if t.result()[1] > since)
+    window = [name for _, name in answered[:80]]  # while both keys still wait
+    return {
+        "statuses": sorted({t.result()[0] for t in tasks}),
+        "heavy_of_first_80": window.count("heavy"),
+        "light_of_first_80": window.count("light"),
+    }
+
+
+async def key_priority_scenario(stack: Stack, keys: dict[str, str], n: int) -> dict[str, Any]:
+    async with session() as http:
+        burst = await flood(http, stack, keys["light"], n, waves=1)
+        sent_at = time.monotonic()
+        payload = body("fair", "urgent", max_tokens=FAIR_TOKENS)
+        status, answered_at = await ask(http, stack, keys["urgent"], payload)
+        served = burst.served_between(sent_at, answered_at)
+        await asyncio.gather(*burst.tasks)
+    return {"urgent_status": status, "light_served_while_urgent_waited": served}
 
 
 def session() -> aiohttp.ClientSession:
@@ -349,11 +473,13 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
     from conftest import start_stack  # the test stack, one copy of it
 
     with tempfile.TemporaryDirectory(prefix="fair-sharing-") as root:
-        async with start_stack(Path(root), FLEET) as stack:
+        async with start_stack(Path(root), FLEET) as stack, relayed(stack) as weighted:
             keys = await issue_keys(stack)
             return {
                 "burst": await burst_scenario(stack, keys, args.flood),
                 "priority": await priority_scenario(stack, keys, args.flood // 2),
+                "key_priority": await key_priority_scenario(stack, weighted, args.flood // 2),
+                "weights": await weights_scenario(stack, weighted, args.flood // 2),
                 "backfill": await backfill_scenario(stack, keys, args.lines),
             }
 
