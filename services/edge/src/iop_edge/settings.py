@@ -225,7 +225,8 @@ class BatchSettings(FrozenModel):
         le=1,
         description=(
             "the share of a model's slots batch lines may hold at once (at least one slot):"
-            " the rest stays free for interactive requests; 1 lets batch fill an idle pool"
+            " the rest stays free for interactive requests; 1 (the default) lets batch fill"
+            " an idle pool, preemption giving slots back; lower it where lines are long"
         ),
     )
     preempt: bool = Field(

@@ -48,12 +48,14 @@ class Share:
 
 NO_SHARE = Share()
 
-DEFAULT_MAX_SHARE = 0.5
+DEFAULT_MAX_SHARE = 1.0
 """The share of a model's slots batch lines may hold by default (edge setting
-``batch.max_share``, ``service/backfill.py``): half. An interactive burst as large as
-the other half starts at once, with nothing to preempt; an idle pool still runs a
-batch at half its speed, or more with ``max_share`` raised where the interactive
-traffic is known to be light (preemption gives slots back as interactive work comes)."""
+``batch.max_share``, ``service/backfill.py``): all of them. Preemption (on by default)
+gives a batch line's slot to an interactive request within a cancel's round trip, so
+slots kept idle for interactive work would only slow every batch on an idle pool, and
+make lines past the share wait (and time out) in the queue. A share below 1 is for pools
+where preemption is off, or where lines are long (a preempted line's work is lost):
+then that part of the pool never holds a batch line at all."""
 
 
 @dataclass(slots=True)
