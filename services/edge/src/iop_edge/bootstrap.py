@@ -30,6 +30,7 @@ from iop_edge.entrypoints.stop_gate import StopGate
 from iop_edge.formats.reasoning_seal import ReasoningSeal, parse_key
 from iop_edge.metrics import EdgeMetrics
 from iop_edge.ports import EdgeRunRecord
+from iop_edge.service.backfill import Backfill
 from iop_edge.service.batches import BatchService
 from iop_edge.service.catalog import FleetKeyRing, PoolCatalog
 from iop_edge.service.dispatch import Dispatcher
@@ -110,6 +111,7 @@ async def build(
             settings.run_ack_timeout_s, settings.stall_timeout_s, settings.first_token_timeout_s
         ),
         affinity=settings.affinity.policy,
+        backfill=Backfill(settings.batch.max_share, preempt=settings.batch.preempt),
     )
     body_limit = max_body_bytes(settings.max_frame_size)  # what a node link can carry
     catalog = PoolCatalog(fleet_holder, providers, dispatcher)

@@ -125,6 +125,12 @@ class ModelNotAllowed(EdgeError):
     status, type, code = 403, "invalid_request_error", "model_not_allowed"
 
 
+class PriorityNotAllowed(EdgeError):
+    """A key that is not an operator's sent ``x-iop-priority`` (entrypoints/queue_share.py)."""
+
+    status, type, code = 403, "invalid_request_error", "priority_not_allowed"
+
+
 class ModelNotFound(EdgeError, LookupError):
     status, type, code = 404, "invalid_request_error", "model_not_found"
 
@@ -186,6 +192,13 @@ class TooManyConnections(EdgeError):
 
 class QueueTimeout(EdgeError, TimeoutError):
     status, type, code = 503, "server_error", "queue_timeout"
+
+
+class Preempted(EdgeError):
+    """A batch line's run was ended to give its slot to an interactive request
+    (``service/backfill.py``): its line goes back in the queue, never to a client."""
+
+    status, type, code = 503, "server_error", "preempted"
 
 
 class ProviderFailed(EdgeError):

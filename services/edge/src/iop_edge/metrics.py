@@ -86,10 +86,12 @@ class EdgeMetrics:
     control_plane_connected: Gauge
     retries: Counter  # by model and the provider that failed (docs/ARCHITECTURE.md#failover)
     affinity: Counter  # by model and decision (docs/ARCHITECTURE.md#cache-affinity)
+    preemptions: Counter  # batch lines' runs ended for interactive requests, by model
     _pool: _PoolCollector = field(default_factory=_PoolCollector, init=False)
     _providers: set[str] = field(default_factory=set, init=False)  # ejections' labels
     _retried: set[tuple[str, str]] = field(default_factory=set, init=False)  # retries' labels
     _affine: set[tuple[str, str]] = field(default_factory=set, init=False)  # affinity's labels
+    _preempted: set[str] = field(default_factory=set, init=False)  # preemptions' models
 
     @classmethod
     def create(cls, registry: CollectorRegistry) -> EdgeMetrics:
@@ -141,6 +143,13 @@ class EdgeMetrics:
                 ["model", "decision"],
                 registry=registry,
             ),
+            preemptions=Counter(
+                "iop_edge_batch_preemptions",
+                "Batch lines' runs ended to give their slot to an interactive request (the"
+                " line runs again), by model (docs/ARCHITECTURE.md#fair-queueing)",
+                ["model"],
+                registry=registry,
+            ),
         )
         registry.register(metrics._pool)
         return metrics
@@ -163,6 +172,11 @@ class EdgeMetrics:
         self._affine.add((model_id, decision))
         self.affinity.labels(model_id, decision).inc()
 
+    def count_preemption(self, model_id: str) -> None:
+        """A batch line of ``model_id`` yielded its slot to an interactive request."""
+        self._preempted.add(model_id)
+        self.preemptions.labels(model_id).inc()
+
     def track_provider(self, provider_id: str) -> None:
         """The provider joined the fleet: its ejection counter starts at 0, for rate()."""
         if provider_id not in self._providers:
@@ -184,6 +198,9 @@ class EdgeMetrics:
     def forget_model(self, model_id: str) -> None:
         """The model left the fleet: its counters' series go from the registry."""
         self._forget_retries(lambda labels: labels[0] == model_id)
+        if model_id in self._preempted:
+            self._preempted.discard(model_id)
+            self.preemptions.remove(model_id)
         for labels in [labels for labels in self._affine if labels[0] == model_id]:
             self._affine.discard(labels)
             self.affinity.remove(*labels)

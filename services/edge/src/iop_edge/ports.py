@@ -17,6 +17,7 @@ from iop_edge.domain.fleet import ApiKeyEntry, Fleet, ModelEntry, Operation
 from iop_edge.domain.key_rates import Gauge, Refusal, Scopes
 from iop_edge.domain.leases import LeaseGrant, LineReply
 from iop_edge.domain.outliers import Phase
+from iop_edge.domain.queue import NO_SHARE, Share
 from iop_edge.domain.usage import UsageRow
 from iop_edge.errors import EdgeError
 
@@ -40,6 +41,9 @@ class RunSpec:
     # The body asks the mock provider for a failure drill (``iop_mock``, domain/drills.py),
     # allowed for this caller: its run's failure is never counted against the provider.
     drill: bool = False
+    # Its turn in the model's queue (docs/ARCHITECTURE.md#fair-queueing): the key's id,
+    # weight and priority (an operator key's ``x-iop-priority`` header overrides it).
+    share: Share = NO_SHARE
 
 
 class RunEvents(Protocol):

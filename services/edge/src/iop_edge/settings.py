@@ -8,6 +8,7 @@ from pydantic import Field, model_validator
 
 from iop_edge.domain.affinity import AffinityPolicy
 from iop_edge.domain.outliers import OutlierPolicy
+from iop_edge.domain.queue import DEFAULT_MAX_SHARE
 from iop_proto.framing import DEFAULT_MAX_FRAME_SIZE
 from iop_proto.postgres import PostgresSettings
 from iop_proto.service import DrainingSettings
@@ -215,6 +216,28 @@ DAY_S = 86_400
 GIB = 1024**3
 
 
+class BatchSettings(FrozenModel):
+    """Batch lines as backfill (docs/ARCHITECTURE.md#fair-queueing)."""
+
+    max_share: float = Field(
+        default=DEFAULT_MAX_SHARE,
+        gt=0,
+        le=1,
+        description=(
+            "the share of a model's slots batch lines may hold at once (at least one slot):"
+            " the rest stays free for interactive requests; 1 (the default) lets batch fill"
+            " an idle pool, preemption giving slots back; lower it where lines are long"
+        ),
+    )
+    preempt: bool = Field(
+        default=True,
+        description=(
+            "an interactive request that finds no free slot takes one from a running batch"
+            " line of its model (the line runs again; nothing is lost or done twice)"
+        ),
+    )
+
+
 class StorageSettings(FrozenModel):
     """What a key may keep on the edge (stored Responses, Files API files), and for how
     long (docs/ARCHITECTURE.md#stored-responses-and-files)."""
@@ -261,6 +284,7 @@ class EdgeSettings(DrainingSettings):
     control_plane: ControlPlaneAddress = ControlPlaneAddress()
     affinity: AffinitySettings = AffinitySettings()
     storage: StorageSettings = StorageSettings()
+    batch: BatchSettings = BatchSettings()
     postgres: PostgresSettings | None = Field(
         default=None,
         description="the shared store of several edges (files, batches, stored responses, "

@@ -14,6 +14,7 @@ from iop_edge.domain.outliers import OutlierPolicy
 from iop_edge.errors import StorageQuotaExceeded
 from iop_edge.metrics import EdgeMetrics
 from iop_edge.ports import StoredResponse
+from iop_edge.service.backfill import Backfill
 from iop_edge.service.dispatch import Dispatcher
 from iop_edge.service.fleet_holder import FleetHolder
 from iop_edge.service.registry import ProviderRegistry
@@ -34,6 +35,7 @@ class WiredDispatcher(Dispatcher):
         outliers: OutlierPolicy | None = None,
         guards: RunGuards = UNGUARDED,
         affinity: AffinityPolicy | None = None,
+        backfill: Backfill | None = None,
     ) -> None:
         self.fleet = FleetHolder()
         self.pool = ProviderRegistry(self.fleet, metrics, outliers or OutlierPolicy())
@@ -46,6 +48,7 @@ class WiredDispatcher(Dispatcher):
             deadline_grace_s=grace_s,
             guards=guards,
             affinity=affinity,
+            backfill=backfill,
         )
 
 

@@ -31,6 +31,7 @@ from iop_edge.domain.drills import asks_drill, may_drill
 from iop_edge.domain.events import Completed, Delta
 from iop_edge.domain.fleet import ApiKeyEntry, Operation
 from iop_edge.domain.key_rates import Gauge
+from iop_edge.domain.queue import NO_SHARE
 from iop_edge.domain.session_key import session_key
 from iop_edge.entrypoints.api_auth import KeySlots, authenticate
 from iop_edge.entrypoints.api_dialect import Dialect, DialectRequest, StreamWriter
@@ -38,6 +39,7 @@ from iop_edge.entrypoints.api_metrics import ApiMetrics
 from iop_edge.entrypoints.api_request import ApiRequest
 from iop_edge.entrypoints.inference_request import read_json_body
 from iop_edge.entrypoints.openai_dialect import OpenAIDialect
+from iop_edge.entrypoints.queue_share import queue_share
 from iop_edge.entrypoints.rate_headers import anthropic_headers, openai_headers
 from iop_edge.entrypoints.run_trace import OVERHEAD_HEADER, RunTrace
 from iop_edge.errors import (
@@ -228,6 +230,9 @@ class InferenceRoutes:
         session = session_key(request.headers, body, scope)
         if session is not None or scope:
             changes["session"], changes["scope"] = session, scope
+        share = queue_share(key, request.headers)
+        if share is not NO_SHARE:
+            changes["share"] = share
         if asks_drill(spec.body):
             if not may_drill(key, self._mock_drills):
                 raise InvalidRequest(drills.REFUSAL, param=drills.HOOK)

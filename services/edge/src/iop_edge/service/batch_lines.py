@@ -8,7 +8,9 @@ room for it (queue full, queue timeout, no provider available) or the run was
 cancelled from the edge's side (edge stopping, batch cancelled, worker gone):
 nothing is stored, the line stays pending and runs again later. A batch line
 waits behind every interactive request, so under load it may time out in the
-queue; that must delay the batch, never fail its lines.
+queue; that must delay the batch, never fail its lines. A line whose run is preempted
+(its slot given to an interactive request: ``service/backfill.py``) goes back in the
+queue here, at once; nothing of the cancelled run was stored.
 
 The OpenAI wire shapes come from the HTTP layer's pure formatting modules, so a
 line's body is exactly what the same request would have returned over HTTP.
@@ -25,11 +27,13 @@ from dataclasses import dataclass
 from iop_edge.domain.batches import DONE, ENDPOINTS, LINE_FAILED, LineRecord, LineResult
 from iop_edge.domain.drills import asks_drill
 from iop_edge.domain.events import Completed, Usage
+from iop_edge.domain.queue import Share
 from iop_edge.errors import (
     EdgeError,
     InvalidRequest,
     ModelNotFound,
     NoProviderAvailable,
+    Preempted,
     ProviderFailed,
     QueueFull,
     QueueTimeout,
@@ -79,26 +83,37 @@ class LineRunner:
     async def run(
         self, endpoint: str, line: LineRecord, result_id: str, owner: str | None = None
     ) -> LineOutcome:
-        """Dispatch the line and wait for its end; never raises an ``EdgeError``; its run
-        is accounted for under the batch's ``owner`` (a key id) on every way out, and
-        counts in that key's token budget."""
-        trace = LineTrace(owner or "")
-        try:
-            return await self._budgeted(endpoint, line, result_id, owner, trace)
-        finally:
-            if self._account is not None:
-                try:  # synchronous: a worker gone (a cancellation) cannot cut it short
-                    self._account(trace.record())
-                except Exception as exc:
-                    log_unexpected(exc, "batch {} line {}: not recorded", line.batch_id, line.index)
+        """Dispatch the line and wait for its end; never raises an ``EdgeError``.
+        ``owner``: the batch's key (a key id), whose turn the line takes among batch
+        lines, in whose token budget it counts, and under which each try is accounted
+        for, on every way out.
+
+        The line's run is known to its batch from admission on, before it waits for a
+        slot: a batch that ends meanwhile ends it wherever it is (``cancel_batch``). A
+        preempted run is dispatched again, as a new run, until the line has an end."""
+        while True:
+            trace = LineTrace(owner or "")
+            try:
+                outcome = await self._budgeted(endpoint, line, result_id, owner or "", trace)
+            finally:
+                if self._account is not None:
+                    try:  # synchronous: a worker gone (a cancellation) cannot cut it short
+                        self._account(trace.record())
+                    except Exception as exc:
+                        log_unexpected(
+                            exc, "batch {} line {}: not recorded", line.batch_id, line.index
+                        )
+            if outcome is not None:
+                return outcome
 
     async def _budgeted(
-        self, endpoint: str, line: LineRecord, result_id: str, owner: str | None, trace: LineTrace
-    ) -> LineOutcome:
-        """The line run within its owner's budget: admitted against it, and settled with
-        the run's real usage (an estimate given back when it never completed)."""
+        self, endpoint: str, line: LineRecord, result_id: str, owner: str, trace: LineTrace
+    ) -> LineOutcome | None:
+        """One try within the owner's budget: admitted against it, and settled with the
+        run's real usage (an estimate given back when it never completed); ``None``: it
+        was preempted, and must run again."""
         try:
-            trace.spec = spec = self._spec(endpoint, line)
+            trace.spec = spec = self._spec(endpoint, line, owner)
             meter = await self._budget.admit(owner, spec.model, spec.body) if self._budget else None
         except EdgeError as exc:
             trace.failed(exc)
@@ -109,9 +124,9 @@ class LineRunner:
             log_unexpected(exc, "batch {} line {} could not be run", line.batch_id, line.index)
             return _failure(internal_error(), "", result_id)
         if meter is None:
-            return await self._run(spec, line, result_id, trace)
+            return await self._run_once(spec, line, result_id, trace)
         try:
-            return await self._run(spec, line, result_id, trace)
+            return await self._run_once(spec, line, result_id, trace)
         finally:
             if trace.end is None:  # never completed: its input estimate is given back
                 meter.settle(0, 0, ran=False)
@@ -120,19 +135,16 @@ class LineRunner:
                 meter.settle(done.prompt_tokens, done.completion_tokens, ran=True)
             await meter.close()
 
-    async def _run(
+    async def _run_once(
         self, spec: RunSpec, line: LineRecord, result_id: str, trace: LineTrace
-    ) -> LineOutcome:
-        """The line's run is known to its batch from admission on, before it waits for a
-        slot: a batch that ends meanwhile ends it wherever it is (``cancel_batch``)."""
+    ) -> LineOutcome | None:
+        """One run of the line; ``None``: it was preempted, and must run again."""
         try:
             trace.run = run = self._runs.admit(spec)
         except EdgeError as exc:
             trace.failed(exc)
             return _failure(exc, "", result_id)
         except Exception as exc:
-            # Per-line boundary: a line the edge cannot run fails alone, into the error
-            # file; left pending it would hold up its batch.
             log_unexpected(exc, "batch {} line {} could not be run", line.batch_id, line.index)
             return _failure(internal_error(), "", result_id)
         live = self._live.setdefault(line.batch_id, set())
@@ -141,6 +153,9 @@ class LineRunner:
             await run.open()  # at batch priority, maybe after a wait in the queue
             trace.opened()
             body = await self._collect(spec, run, trace)
+        except Preempted as exc:
+            trace.failed(exc)
+            return None
         except EdgeError as exc:
             trace.failed(exc)
             return _failure(exc, run.run_id, result_id)
@@ -168,7 +183,7 @@ class LineRunner:
         for run in list(self._live.get(batch_id, ())):
             await run.cancel(reason)
 
-    def _spec(self, endpoint: str, line: LineRecord) -> RunSpec:
+    def _spec(self, endpoint: str, line: LineRecord, owner: str) -> RunSpec:
         body = json.loads(line.body_json)
         model = body.get("model")
         if not isinstance(model, str) or not model:
@@ -187,6 +202,7 @@ class LineRunner:
             stream=False,
             include_usage=False,
             batch=True,
+            share=Share(key=owner),
             drill=asks_drill(body),  # refused at the batch's creation unless allowed then
         )
 

@@ -2,7 +2,8 @@
 chosen (docs/ARCHITECTURE.md#selection), the target rewritten to its served name
 (docs/ARCHITECTURE.md#target-rewrite), and the run sent to its node.
 
-Owns the per-model FIFO queues and the runs in flight, nothing else: the pool
+Owns the per-model queues (fair across keys: ``domain/queue.py``; batch lines as
+backfill: ``service/backfill.py``) and the runs in flight, nothing else: the pool
 and the node links are the ``ProviderRegistry``'s, the fleet the ``FleetHolder``'s.
 Each request's run (``RequestRun``) is made here at admission and owns the request
 from then on: its place in a queue, the slot handed to it, each attempt. Every release
@@ -34,6 +35,7 @@ from iop_edge.domain.session_key import successor_key
 from iop_edge.errors import (
     ModelNotFound,
     NoProviderAvailable,
+    Preempted,
     QueueFull,
     RequestTooLarge,
     ShuttingDown,
@@ -41,6 +43,7 @@ from iop_edge.errors import (
 )
 from iop_edge.metrics import EdgeMetrics
 from iop_edge.ports import FleetView, RunSpec
+from iop_edge.service.backfill import Backfill
 from iop_edge.service.limits import (
     RunBody,
     check_answer_size,
@@ -73,8 +76,10 @@ class Dispatcher:
         deadline_grace_s: float,
         guards: RunGuards = UNGUARDED,
         affinity: AffinityPolicy | None = None,
+        backfill: Backfill | None = None,
     ) -> None:
         self._fleet = fleet
+        self._backfill = backfill or Backfill()
         self._affinity = CacheAffinity(affinity or AffinityPolicy())
         # Requests waiting for one provider in particular, the one holding their cache
         # (docs/ARCHITECTURE.md#cache-affinity): served before the model's queue.
@@ -97,6 +102,8 @@ class Dispatcher:
         self._waiting: set[RequestRun] = set()  # in a queue, or aside
         # Waiters that are a retry, with the providers they may not go back to.
         self._excluded: dict[asyncio.Future[ProviderSlot | None], frozenset[str]] = {}
+        # The run of each waiter in a model's queue (batch lines count against their share).
+        self._queued: dict[asyncio.Future[ProviderSlot | None], RequestRun] = {}
         self._metrics = metrics
         metrics.watch_queues(self._queue_lengths)
         registry.subscribe(self)
@@ -233,6 +240,8 @@ class Dispatcher:
             slot = least
         else:
             slot = run.slot = await self._acquire(model, index, run, chain, exclude, deadline)
+            if spec.batch:
+                self._backfill.took(run)
         served = model.providers[slot.provider_id]
         entry = self._fleet.current.providers[slot.provider_id]
         if self._failing is not None:  # handed its slot just before fail_all: a 503 instead
@@ -299,9 +308,12 @@ class Dispatcher:
         spec = run.spec
         batch = spec.batch
         queue = self._queues[model.id]
-        # FIFO: nobody overtakes a waiter of its own class (and batch waits behind all).
+        # Nobody overtakes a waiter of its own class (and batch waits behind all); a batch
+        # line past its share of the model's slots waits (``Backfill``).
         # (With nobody waiting anywhere, nobody is overtaken.)
         overtakes = bool(self._waiting) and (len(queue) > 0 if batch else queue.interactive > 0)
+        if batch and not self._backfill.room(model.id, index.members):
+            overtakes = True
         if not overtakes and (spec.session is not None or chain):
             loop = asyncio.get_running_loop()
             now = loop.time()
@@ -326,6 +338,8 @@ class Dispatcher:
                     if self._queues.get(model.id) is not queue:  # removed while it waited
                         raise NoProviderAvailable("the model was removed")
                 overtakes = queue.interactive > 0  # others may have queued meanwhile
+                if batch and not self._backfill.room(model.id, index.members):
+                    overtakes = True
         slot = None if overtakes else index.select(exclude)
         if slot is not None:
             slot.take()
@@ -342,13 +356,15 @@ class Dispatcher:
         if (queue.batch if batch else queue.interactive) >= max_queue:
             raise QueueFull(f"The queue of '{model.id}' is full ({max_queue} waiting); retry later")
         waiter: asyncio.Future[ProviderSlot | None] = loop.create_future()
-        queue.push(waiter, batch=batch)
+        queue.push(waiter, batch=batch, share=spec.share)
+        self._queued[waiter] = run
         if exclude:
             self._excluded[waiter] = exclude
         self._waiting.add(run)
 
         def leave() -> None:
             queue.remove(waiter)
+            self._queued.pop(waiter, None)
             self._excluded.pop(waiter, None)
             self._waiting.discard(run)
             self._check_idle()
@@ -357,6 +373,12 @@ class Dispatcher:
         run.wait(waiter, leave, (timeout_s, message))
         if self._excluded:  # a retry waiting ahead may leave a free slot to this one
             self._serve_queues((model.id,))
+        elif not batch and (victim := self._backfill.victim(model.id, queue.interactive)):
+            # A batch line of the model yields its slot to this request (preemption): its
+            # end gives the slot back, and the queue hands it on, interactive first.
+            reason = "preempted by an interactive request"
+            self._metrics.count_preemption(model.id)
+            await asyncio.shield(victim.cancel(reason, Preempted(reason)))
         slot = await waiter
         run.placed()
         assert slot is not None  # a queue hands slots (the run's end raises instead)
@@ -445,6 +467,8 @@ class Dispatcher:
         freed = self._registry.record_outcome(
             run.provider_id, outcome, drill=run.spec.drill, release=run.slot is not None
         )
+        if run.spec.batch:
+            self._backfill.gave_back(run)
         if run.unacknowledged:  # the node, not the provider, is in doubt
             self._registry.node_unresponsive(run.node_id, f"run {run.attempt_id} unacknowledged")
         if freed is not None and self._waiting:  # nobody waits: nothing to serve
@@ -454,9 +478,11 @@ class Dispatcher:
         if self._became_idle is not None:
             self._check_idle()
 
-    def release(self, slot: ProviderSlot) -> None:
+    def release(self, slot: ProviderSlot, run: RequestRun) -> None:
         """A slot a run held without an attempt on it (``RunOwner``)."""
         slot.release()
+        if run.spec.batch:
+            self._backfill.gave_back(run)
         if self._waiting:
             self._serve_freed(slot)
         self._check_idle()
@@ -468,32 +494,41 @@ class Dispatcher:
         self._serve_queues(slot.model_ids())
 
     def _serve_queues(self, model_ids: Iterable[str]) -> None:
-        """Hand free slots to the heads of these models' queues, FIFO, interactive first."""
+        """Hand free slots to these models' queues in their order (``ModelQueue``: by
+        class, then the keys' turns, FIFO within a key), batch lines within their share."""
         for model_id in model_ids:
             queue = self._queues.get(model_id)
             index = self._registry.index(model_id)
             if not queue or index is None:
                 continue
             while queue:
+                batch_room = self._backfill.room(model_id, index.members)
                 if self._excluded:
-                    waiter, slot = self._servable(queue, index)
+                    waiter, slot = self._servable(queue, index, batch_room)
                 else:
                     slot = index.select()
-                    waiter = None if slot is None else queue.pop_waiting()
+                    waiter = None if slot is None else queue.pop_waiting(batch=batch_room)
                 if waiter is None or slot is None:
                     break
                 slot.take()
+                run = self._queued.get(waiter)
+                if run is not None and run.spec.batch:
+                    self._backfill.took(run)
                 waiter.set_result(slot)
 
     def _servable(
-        self, queue: ModelQueue[ProviderSlot | None], index: ModelIndex
+        self, queue: ModelQueue[ProviderSlot | None], index: ModelIndex, batch_room: bool
     ) -> tuple[asyncio.Future[ProviderSlot | None] | None, ProviderSlot | None]:
-        """The first waiter (interactive first) that may take a free slot, and that slot:
-        a retry that may not go back to the providers with one lets the next take it."""
+        """The first waiter (in the queue's order) that may take a free slot, and that
+        slot: a retry that may not go back to the providers with one lets the next take
+        it; a batch line past its share lets it too."""
         if index.select() is None:
             return None, None
         for waiter in queue:
             if waiter.done():
+                continue
+            run = self._queued.get(waiter)
+            if not batch_room and run is not None and run.spec.batch:
                 continue
             slot = index.select(self._excluded.get(waiter, _NOBODY))
             if slot is not None:

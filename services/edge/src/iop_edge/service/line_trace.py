@@ -58,7 +58,7 @@ class LineTrace:
 
     def failed(self, exc: EdgeError) -> None:
         # Not opened: the fleet had no room for it, or it was never a run (a bad line).
-        if exc.code == "cancelled":
+        if exc.code in ("cancelled", "preempted"):  # a preempted try runs again
             self.outcome = "cancelled"
         else:
             self.outcome = "failed" if self.opened_at else "rejected"

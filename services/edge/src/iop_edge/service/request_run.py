@@ -86,8 +86,8 @@ class RunOwner(Protocol):
         """The node reported the attempt's failure (before the attempt is over)."""
         ...
 
-    def release(self, slot: ProviderSlot) -> None:
-        """A slot the run held without an attempt on it goes back."""
+    def release(self, slot: ProviderSlot, run: RequestRun) -> None:
+        """A slot ``run`` held without an attempt on it goes back."""
         ...
 
 
@@ -219,7 +219,7 @@ class RequestRun:
             self._leave(self.error(outcome) if isinstance(outcome, Failed) else None)
         elif self.slot is not None:  # handed a slot, no attempt on it yet
             slot, self.slot = self.slot, None
-            self._owner.release(slot)
+            self._owner.release(slot, self)
         if self._timer is not None:
             self._timer.cancel()
         self._wake()
@@ -299,7 +299,7 @@ class RequestRun:
                 waiter.set_exception(error)
                 waiter.exception()  # its reader may have left already: nothing to log
             elif not waiter.cancelled() and (slot := waiter.result()) is not None:
-                self._owner.release(slot)  # handed a slot as it ended: passed on
+                self._owner.release(slot, self)  # handed a slot as it ended: passed on
         if leave is not None:
             leave()
 
