@@ -14,6 +14,7 @@ from typing import Any, Protocol
 from iop_edge.domain.cache_report import CacheReport
 from iop_edge.domain.events import Accepted, Failed, RunEvent
 from iop_edge.domain.fleet import ApiKeyEntry, Fleet, ModelEntry, Operation
+from iop_edge.domain.history import HistoryRange, HistoryRow
 from iop_edge.domain.key_rates import Gauge, Refusal, Scopes
 from iop_edge.domain.leases import LeaseGrant, LineReply
 from iop_edge.domain.outliers import Phase
@@ -358,6 +359,11 @@ class RunLog(Protocol):
     async def usage(self, since_ms: int, key_id: str | None = None) -> list[UsageRow]:
         """The runs received since ``since_ms`` (Unix ms), added up by key, model and
         API, unwritten ones included; only ``key_id``'s when it is given."""
+        ...
+
+    async def history(self, span: HistoryRange) -> list[HistoryRow]:
+        """The runs received in ``span``, added up by time bucket, model and provider,
+        unwritten ones included (``domain.history``)."""
         ...
 
 

@@ -20,6 +20,7 @@ from typing import Final
 import asyncpg
 from loguru import logger
 
+from iop_edge.adapters import runlog_history
 from iop_edge.adapters.runlog_usage import SUMS, in_window, usage_rows
 from iop_edge.adapters.sqlite_runlog import (
     COLUMNS,
@@ -28,6 +29,7 @@ from iop_edge.adapters.sqlite_runlog import (
     run_from_row,
     run_row,
 )
+from iop_edge.domain.history import HistoryRange, HistoryRow
 from iop_edge.domain.usage import UsageRow
 from iop_edge.ports import EdgeRunRecord
 from iop_proto.postgres import apply_migrations, reachable
@@ -86,6 +88,11 @@ _USAGE: Final = (
     " WHERE received_ms >= $1 AND NOT (run_id = ANY($2::text[]))"
 )
 _GROUPED: Final = " GROUP BY key_id, model, api"
+HISTORY_QUERY: Final = (  # since, step, until, the unwritten run ids
+    f"SELECT (received_ms - $1) / $2, model, provider_id, {runlog_history.SUMS}"
+    " FROM edge_runs WHERE received_ms >= $1 AND received_ms < $3"
+    " AND NOT (run_id = ANY($4::text[])) GROUP BY 1, 2, 3"
+)
 
 
 class PostgresRunLog(QueuedWriter[EdgeRunRecord]):
@@ -164,6 +171,19 @@ class PostgresRunLog(QueuedWriter[EdgeRunRecord]):
                     _USAGE + " AND key_id = $3" + _GROUPED, since_ms, unwritten, key_id
                 )
         return usage_rows(rows, memory)
+
+    async def history(self, span: HistoryRange) -> list[HistoryRow]:
+        """The runs of every edge received in ``span``, added up by bucket, model and
+        provider, this edge's unwritten ones included (``runlog_history``). Raises
+        ``StorageUnavailable`` while the server cannot be reached."""
+        self.check_open()
+        memory = runlog_history.unwritten_in(self.unwritten(), span)
+        unwritten = [r.run_id for r in memory]
+        with reachable("reading the run log"):
+            rows = await self._pool.fetch(
+                HISTORY_QUERY, span.since_ms, span.step_ms, span.until_ms, unwritten
+            )
+        return runlog_history.history_rows(rows, memory, span)
 
     async def _commit(self, rows: list[tuple[object, ...]]) -> None:
         with reachable("writing the run log"):

@@ -20,7 +20,9 @@ from typing import Any
 
 from loguru import logger
 
+from iop_edge.adapters import runlog_history
 from iop_edge.adapters.runlog_usage import SUMS, in_window, usage_rows
+from iop_edge.domain.history import HistoryRange, HistoryRow
 from iop_edge.domain.usage import UsageRow
 from iop_edge.ports import AttemptRecord, EdgeRunRecord
 from iop_proto import json_codec
@@ -82,6 +84,13 @@ _MIGRATIONS = {
 
 # REPLACE: a run id recorded twice (a retried write, a repeated record) keeps the last.
 _INSERT = f"INSERT OR REPLACE INTO runs ({_COLUMN_LIST}) VALUES ({', '.join('?' * len(COLUMNS))})"
+
+# since, step, since, until, the unwritten run ids (JSON): a range on runs_received.
+HISTORY_QUERY = (
+    f"SELECT (received_ms - ?) / ?, model, provider_id, {runlog_history.SUMS}"
+    " FROM runs WHERE received_ms >= ? AND received_ms < ?"
+    " AND run_id NOT IN (SELECT value FROM json_each(?)) GROUP BY 1, 2, 3"
+)
 
 BUSY_TIMEOUT_S = 5.0  # how long one write waits for another connection's lock, then fails
 
@@ -205,6 +214,16 @@ class SqliteRunLog(BatchedWriter[EdgeRunRecord]):
         parameters = (since_ms, unwritten) if key_id is None else (since_ms, key_id, unwritten)
         rows = await self._db.execute_fetchall(query, parameters)
         return usage_rows(rows, memory)
+
+    async def history(self, span: HistoryRange) -> list[HistoryRow]:
+        """The runs received in ``span``, added up by bucket, model and provider,
+        unwritten ones included (``runlog_history``)."""
+        self.check_open()
+        memory = runlog_history.unwritten_in(self.unwritten(), span)
+        unwritten = json_codec.dumps([r.run_id for r in memory]).decode()
+        parameters = (span.since_ms, span.step_ms, span.since_ms, span.until_ms, unwritten)
+        rows = await self._db.execute_fetchall(HISTORY_QUERY, parameters)
+        return runlog_history.history_rows(rows, memory, span)
 
     def _key(self, record: EdgeRunRecord) -> str:
         return record.run_id
