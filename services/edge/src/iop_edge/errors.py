@@ -131,6 +131,13 @@ class PriorityNotAllowed(EdgeError):
     status, type, code = 403, "invalid_request_error", "priority_not_allowed"
 
 
+class OperatorOnly(EdgeError):
+    """A key that is not an operator's asked for what only operators see (the fleet's
+    history, entrypoints/history_routes.py)."""
+
+    status, type, code = 403, "invalid_request_error", "operator_only"
+
+
 class ModelNotFound(EdgeError, LookupError):
     status, type, code = 404, "invalid_request_error", "model_not_found"
 

@@ -1260,6 +1260,7 @@ async def test_health_readiness_and_openapi(edge: Edge, http: aiohttp.ClientSess
         "/iop/v1/catalog/models",
         "/iop/v1/runs",
         "/iop/v1/usage",
+        "/iop/v1/history",
         "/healthz",
         "/readyz",
         "/openapi.json",

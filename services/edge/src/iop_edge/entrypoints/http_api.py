@@ -22,6 +22,7 @@ from iop_edge.entrypoints.api_metrics import ApiMetrics
 from iop_edge.entrypoints.batch_routes import BatchRoutes
 from iop_edge.entrypoints.cors import CorsPolicy
 from iop_edge.entrypoints.fast_front import ApiFront
+from iop_edge.entrypoints.history_routes import HistoryRoutes
 from iop_edge.entrypoints.inference_routes import HotRoutes, InferenceRoutes
 from iop_edge.entrypoints.messages_dialect import (
     is_anthropic_request,
@@ -36,6 +37,7 @@ from iop_edge.formats.errors import error_payload
 from iop_edge.formats.reasoning_seal import ReasoningSeal
 from iop_edge.ports import Catalog, KeyRing, ResponseStore, RunLog, RunService
 from iop_edge.service.batches import BatchService
+from iop_edge.service.history import HistoryReport
 from iop_edge.service.key_rates import KeyRates
 from iop_edge.service.limits import DEFAULT_MAX_BODY_BYTES
 from iop_edge.service.memory_key_rates import MemoryKeyRates
@@ -155,6 +157,7 @@ def create_api_app(
         seal = reasoning_seal if reasoning_seal is not None else ReasoningSeal.generate()
         ResponsesRoutes(responses, keys, seal, max_body_bytes).register(app, inference)
     ReadRoutes(catalog, keys, runlog, openapi).register(app)
+    HistoryRoutes(HistoryReport(runlog), keys).register(app)
     if batches is not None:
         BatchRoutes(batches, keys).register(app)
     if usage is not None:
