@@ -9,8 +9,10 @@ The browser test leaves ``test-artifacts/console.png`` (git-ignored) behind.
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import sys
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -182,7 +184,136 @@ async def test_console_shows_the_fleet_and_a_run_live(edge_url: str, page: Page)
         "/iop/v1/catalog/models",
         "/iop/v1/runs?limit=20",
         "/iop/v1/usage",
+        "/iop/v1/history",
     }
+
+
+HISTORY_METRICS = ("requests", "tokens_per_s", "ttft_ms", "queue_depth", "errors")
+STEP_S = 10  # the console's step (the history endpoint's default)
+WAVES = 3
+VAR = Path(__file__).resolve().parents[2] / "var"
+
+
+async def traffic(edge_url: str) -> list[int]:
+    """Real runs for the history: streams on both models, three at once on solo's one
+    slot (two of them queue), and one the provider fails (a drill); their statuses."""
+
+    async def chat(http: aiohttp.ClientSession, model: str, **drill: object) -> int:
+        body: dict[str, object] = {
+            "model": model,
+            "messages": [{"role": "user", "content": "plot me"}],
+            "max_tokens": 16,
+            "stream": True,
+        }
+        if drill:
+            body["iop_mock"] = drill
+        async with http.post(f"{edge_url}/v1/chat/completions", json=body) as response:
+            await response.read()
+            return response.status
+
+    async with aiohttp.ClientSession() as http:
+        return list(
+            await asyncio.gather(
+                *(chat(http, "solo", delay_ms=400) for _ in range(3)),
+                *(chat(http, "mock-small") for _ in range(6)),
+                chat(http, "mock-small", fail="provider_error"),
+            )
+        )
+
+
+async def history_holds(edge_url: str, what: dict[str, float]) -> dict[str, Any]:
+    """The history once the sum of each metric named in ``what`` (over every series and
+    step) reaches its value: the runs are in the run log (the writer flushes in batches)."""
+    async with aiohttp.ClientSession() as http:
+        async with asyncio.timeout(20):
+            while True:
+                async with http.get(f"{edge_url}/iop/v1/history") as response:
+                    assert response.status == 200
+                    history: dict[str, Any] = await response.json()
+                totals = {
+                    metric: sum(v or 0 for s in history["data"] for v in s[metric])
+                    for metric in what
+                }
+                if all(totals[metric] >= least for metric, least in what.items()):
+                    return history
+                await asyncio.sleep(0.2)  # the run log is written by another process
+
+
+COLOURED_PIXELS = """async (png) => {
+  // The pixels of a screenshot that are a line's colour: neither white nor a grey.
+  const image = new Image();
+  image.src = `data:image/png;base64,${png}`;
+  await image.decode();
+  const canvas = document.createElement("canvas");
+  canvas.width = image.width;
+  canvas.height = image.height;
+  const context = canvas.getContext("2d");
+  context.drawImage(image, 0, 0);
+  const { data } = context.getImageData(0, 0, image.width, image.height);
+  let coloured = 0;
+  for (let i = 0; i < data.length; i += 4) {
+    const [r, g, b] = [data[i], data[i + 1], data[i + 2]];
+    if (Math.max(r, g, b) - Math.min(r, g, b) > 60) coloured += 1;
+  }
+  return coloured;
+}"""
+
+
+async def test_console_plots_the_history_after_real_traffic(edge_url: str, page: Page) -> None:
+    """The history plots in a real browser after real runs: one plot per metric, each
+    with a line of points drawn, and the screenshot's pixels show them."""
+    from playwright.async_api import expect
+
+    await wait_until_available(edge_url, FLEET_PROVIDERS)
+    statuses: list[int] = []
+    for wave in range(WAVES):
+        if wave:  # each wave in a step of its own, so the plots show lines, not a spike
+            await asyncio.sleep(STEP_S - time.time() % STEP_S + 0.1)
+        statuses += await traffic(edge_url)
+    assert statuses.count(200) >= 9 * WAVES, statuses
+    history = await history_holds(
+        edge_url,
+        {"requests": 10 * WAVES, "errors": WAVES, "queue_depth": 0.001, "tokens_per_s": 1},
+    )
+    pairs = {(s["model"], s["provider_id"]) for s in history["data"]}
+    assert ("solo", "node-a-solo") in pairs
+    assert pairs & {("mock-small", "node-a-mock"), ("mock-small", "node-b-mock")}
+
+    page_errors: list[str] = []
+    page.on("pageerror", lambda error: page_errors.append(str(error)))
+    await page.goto(f"{edge_url}/iop/console")
+    plots = page.locator('[data-testid="history-plot"]')
+    await expect(plots).to_have_count(len(HISTORY_METRICS), timeout=WAIT_MS)
+    assert await plots.evaluate_all("ps => ps.map(p => p.dataset.metric)") == list(HISTORY_METRICS)
+    for metric in HISTORY_METRICS:
+        plot = page.locator(f'[data-testid="history-plot"][data-metric="{metric}"]')
+        # Every metric has data: its top is above zero, and a line with points is drawn.
+        assert float(await plot.get_attribute("data-max") or 0) > 0, metric
+        lines = plot.locator('[data-testid="history-line"]')
+        assert await lines.count() >= 1, metric
+        points = await lines.evaluate_all("ls => ls.map(l => Number(l.dataset.points))")
+        assert sum(points) >= 1, metric
+        # Drawn, not only in the DOM: the lines' box in the browser's layout is not empty.
+        box = await lines.evaluate_all(
+            "ls => ls.map(l => l.getBBox()).reduce((a, b) => a + b.width + b.height, 0)"
+        )
+        assert box > 0, metric
+    solo = page.locator(
+        '[data-testid="history-plot"][data-metric="requests"]'
+        ' [data-testid="history-line"][data-series="solo/node-a-solo"]'
+    )
+    await expect(solo).to_have_count(1)
+    assert "L" in (await solo.get_attribute("d") or "")  # a line across the steps
+
+    section = page.get_by_test_id("history")
+    png = await section.screenshot()
+    coloured = await page.evaluate(COLOURED_PIXELS, base64.b64encode(png).decode())
+    assert coloured > 200, coloured  # the lines and the legend's swatches
+    VAR.mkdir(exist_ok=True)
+    shot = VAR / "console-history.png"
+    await page.screenshot(path=shot, full_page=True)
+    print(f"console history screenshot: {shot}")
+    assert page_errors == []
 
 
 async def test_console_asks_for_a_key_and_sends_it_as_bearer(edge_url: str, page: Page) -> None:
@@ -196,7 +327,11 @@ async def test_console_asks_for_a_key_and_sends_it_as_bearer(edge_url: str, page
     async def keyed_edge(route: Route, request: Request) -> None:
         authorization = request.headers.get("authorization", "")
         seen.append(authorization)
-        if authorization == f"Bearer {key}":
+        if authorization == f"Bearer {key}" and "/iop/v1/history" in request.url:
+            # The key is not an operator's: the edge's answer to it (history_routes).
+            error = {"message": "operator keys only", "code": "operator_only"}
+            await route.fulfill(status=403, json={"error": error})
+        elif authorization == f"Bearer {key}":
             await route.continue_()
         else:
             error = {"message": "Incorrect API key provided.", "type": "invalid_request_error"}
@@ -218,6 +353,8 @@ async def test_console_asks_for_a_key_and_sends_it_as_bearer(edge_url: str, page
     await expect(rows).to_have_count(3, timeout=WAIT_MS)
     await expect(banner).to_be_hidden()
     assert f"Bearer {key}" in seen
+    # The rest of the page stays for a key the history is not for.
+    await expect(page.get_by_test_id("history-forbidden")).to_be_visible()
 
     # The key lives in this tab's sessionStorage: a reload keeps the console signed in.
     await page.reload()
@@ -238,7 +375,11 @@ async def test_console_assets_are_served_from_the_package(edge_url: str) -> None
             assert "connect-src 'self'" in csp
             html = await response.text()
         assert "console/static/console.js" in html
-        for name, content_type in (("console.js", "text/javascript"), ("console.css", "text/css")):
+        for name, content_type in (
+            ("console.js", "text/javascript"),
+            ("history.js", "text/javascript"),
+            ("console.css", "text/css"),
+        ):
             url = f"{edge_url}/iop/console/static/{name}"
             async with http.get(url) as response:
                 assert response.status == 200
@@ -246,7 +387,9 @@ async def test_console_assets_are_served_from_the_package(edge_url: str) -> None
                 assert response.charset == "utf-8"
                 etag = response.headers["ETag"]
                 text = await response.text()
-            # Offline: nothing is fetched from anywhere but the edge.
+            # Offline: nothing is fetched from anywhere but the edge. (SVG's namespace is
+            # a name, never fetched; it is the one such string the plots may hold.)
+            text = text.replace('"http://www.w3.org/2000/svg"', "")
             assert "http://" not in text
             assert "https://" not in text
             async with http.get(url, headers={"If-None-Match": etag}) as response:

@@ -13,10 +13,13 @@
     models: "v1/catalog/models",
     runs: `v1/runs?limit=${RUNS_LIMIT}`,
     usage: "v1/usage",
+    // The trailing 15 minutes in 10 s steps (the endpoint's defaults): operators only.
+    history: "v1/history",
   };
   const USAGE_COLUMNS = 8;
 
   class Unauthorized extends Error {}
+  class Forbidden extends Error {} // a key the endpoint is not for (the history: operators')
 
   const $ = (id) => document.getElementById(id);
 
@@ -55,7 +58,8 @@
 
   let apiKey = storedKey();
 
-  async function getData(path) {
+  // The body's "data", or the whole body when ``whole`` (the history's range comes with it).
+  async function getData(path, whole = false) {
     const headers = { Accept: "application/json" };
     if (apiKey) headers.Authorization = `Bearer ${apiKey}`;
     const response = await fetch(new URL(path, document.baseURI), {
@@ -73,9 +77,10 @@
       }
       throw new Unauthorized(reason);
     }
+    if (response.status === 403) throw new Forbidden(path);
     if (!response.ok) throw new Error(`${path}: HTTP ${response.status}`);
     const body = await response.json();
-    return body.data;
+    return whole ? body : body.data;
   }
 
   // ------------------------------------------------------------------ formatting
@@ -423,17 +428,23 @@
     $("usage").replaceChildren(...rows);
   }
 
-  function render(providers, models, runs, usage) {
+  function render(providers, models, runs, usage, history) {
     const modelsById = new Map(models.map((m) => [m.id, m]));
     renderSummary(providers, models);
     renderModels(providers, models, modelsById);
     renderNodes(providers, modelsById);
     renderUsage(usage);
     renderRuns(runs);
+    if (history) window.IOPHistory.render($("history"), history);
+    else {
+      $("history").replaceChildren(
+        el("p", { class: "muted", "data-testid": "history-forbidden" }, "The history is for operator keys."),
+      );
+    }
   }
 
   function clearData() {
-    for (const id of ["summary", "models", "nodes", "usage", "runs"]) $(id).replaceChildren();
+    for (const id of ["summary", "models", "nodes", "usage", "runs", "history"]) $(id).replaceChildren();
   }
 
   function setStatus(kind, text) {
@@ -462,14 +473,19 @@
     }
     polling = true;
     try {
-      const [providers, models, runs, usage] = await Promise.all([
+      const [providers, models, runs, usage, history] = await Promise.all([
         getData(ENDPOINTS.providers),
         getData(ENDPOINTS.models),
         getData(ENDPOINTS.runs),
         getData(ENDPOINTS.usage),
+        // Another key than an operator's still sees the rest of the page.
+        getData(ENDPOINTS.history, true).catch((error) => {
+          if (error instanceof Forbidden) return null;
+          throw error;
+        }),
       ]);
       setAuthMessage("");
-      render(providers, models, runs, usage);
+      render(providers, models, runs, usage, history);
       setStatus("live", `live · updated ${clock(Date.now())}`);
     } catch (error) {
       if (error instanceof Unauthorized) {
