@@ -1,5 +1,5 @@
 """The run log as time series: runs added up per time bucket, model and provider, and the
-series the console plots from them (docs/ARCHITECTURE.md#console).
+series the console plots from them (docs/ARCHITECTURE.md#console-history).
 
 Pure: the run log's adapters add up the rows (one ``GROUP BY`` over a time range), the
 history service turns them into series.

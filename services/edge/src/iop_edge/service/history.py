@@ -1,5 +1,5 @@
 """The fleet's recent history as time series: what ``GET /iop/v1/history`` and the
-console's plots show (docs/ARCHITECTURE.md#console).
+console's plots show (docs/ARCHITECTURE.md#console-history).
 
 From the run log (``RunLog.history``), so on PostgreSQL it is every edge's. The range
 defaults to the trailing ``DEFAULT_RANGE_MS`` in ``DEFAULT_STEP_MS`` buckets, ending
