@@ -3,7 +3,8 @@
 The browser is Debian's ``chromium`` driven by Playwright's Python package (never
 ``playwright install``: no download at test time). Where Chromium is missing or
 cannot start, the browser tests skip and say why; the ``iopctl`` tests still run.
-The browser test leaves ``test-artifacts/console.png`` (git-ignored) behind.
+The browser test leaves ``test-artifacts/console.png`` (git-ignored) behind, the
+history's ``var/console-history.png`` (git-ignored too; its path is printed).
 """
 
 from __future__ import annotations

@@ -296,6 +296,26 @@ async def test_an_operator_key_sees_every_run_and_the_whole_catalog(
     assert flags[tenants["small"].key_id] is False
 
 
+async def test_only_an_operator_key_reads_the_fleet_s_history(
+    stack: Any, tenants: dict[str, Key]
+) -> None:
+    """The history is every key's traffic (the console's plots): a key that is not an
+    operator's is refused it, not shown a part of it."""
+    operator = await issue(stack, "ops-history", "--operator")
+    async with sdk(stack, tenants["small"]) as client:
+        await chat_run_id(client, "mock-small")
+    status, refused = await get_json(stack, "/iop/v1/history", tenants["small"])
+    assert (status, refused["error"]["code"]) == (403, "operator_only")
+    async with asyncio.timeout(20):
+        while True:  # the run log is written in batches, by the edge's writer
+            status, history = await get_json(stack, "/iop/v1/history", operator)
+            assert status == 200, history
+            seen = {(s["model"], sum(s["requests"])) for s in history["data"]}
+            if any(model == "mock-small" and n >= 1 for model, n in seen):
+                break
+            await asyncio.sleep(0.2)
+
+
 # --- revocation --------------------------------------------------------------------------
 
 
