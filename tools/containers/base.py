@@ -23,7 +23,7 @@ SUITE = "bookworm"
 MIRROR = "http://deb.debian.org/debian"
 PACKAGES = ("python3", "python3-venv", "libgomp1", "ca-certificates")
 DEFAULT_TAG = "iop-base:bookworm-python3.11"
-SERVER_PACKAGES = ("postgresql-15", "haproxy")
+SERVER_PACKAGES = ("postgresql-15", "haproxy", "prometheus")
 SERVER_TAG = "iop-base:bookworm-servers"
 # The image config that `docker import` cannot take from a Dockerfile.
 CHANGES = (
