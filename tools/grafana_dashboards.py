@@ -430,15 +430,20 @@ EXPIRY = Dashboard(
         ),
         Panel(
             "API keys: days left",
-            (("(iop_control_plane_key_expiry_timestamp_seconds - time()) / 86400", "{{key}}"),),
+            (
+                (
+                    '(iop_credential_expiry_timestamp_seconds{kind="api_key"} - time()) / 86400',
+                    "{{id}}",
+                ),
+            ),
             kind="table",
         ),
         Panel(
             "Node tokens: days left",
             (
                 (
-                    "(iop_control_plane_node_token_expiry_timestamp_seconds - time()) / 86400",
-                    "{{node}}",
+                    '(iop_credential_expiry_timestamp_seconds{kind="node_token"} - time()) / 86400',
+                    "{{id}}",
                 ),
             ),
             kind="table",

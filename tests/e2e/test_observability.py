@@ -46,12 +46,9 @@ JOBS = {
     "worker": "iop-worker",
 }
 # Metrics the rules and dashboards read that a stack shows only once configured so: keys and
-# node tokens with an expiry date (the control-plane's gauges; none expires in this stack).
+# node tokens with an expiry date (the control-plane's gauge; none expires in this stack).
 # A query of them is checked like the others as soon as Prometheus holds a series of them.
-OPTIONAL = {
-    "iop_control_plane_key_expiry_timestamp_seconds",
-    "iop_control_plane_node_token_expiry_timestamp_seconds",
-}
+OPTIONAL = {"iop_credential_expiry_timestamp_seconds"}
 METRIC = re.compile(r"\b(iop_[a-z0-9_]+|up)\b")
 WAIT_S = 90.0  # generous: a busy machine; Prometheus scrapes and evaluates each second
 Stack = Any
