@@ -205,6 +205,7 @@ LOCKS := $(foreach name,$(IMAGE_SERVICES),services/$(name)/requirements.lock) \
 image_version = $(shell sed -n 's/^version *= *"\(.*\)"/\1/p' $(1) | head -n 1)
 POSTGRES_VERSION := 15
 HAPROXY_VERSION  := 2.6
+PROMETHEUS_VERSION := 2.42
 XLLAMACPP_VERSION = $(shell sed -n 's/^xllamacpp==\([^ ]*\).*/\1/p' deploy/llamacpp/requirements.in)
 DOCKER_BUILD = $(shell $(PYTHON) tools/containers/buildkit.py --command)
 define build_image
@@ -257,6 +258,7 @@ images:
 	$(call build_image,iop-llamacpp,deploy/llamacpp/Dockerfile,$(XLLAMACPP_VERSION))
 	$(call build_image,iop-postgres,deploy/postgres/Dockerfile,$(POSTGRES_VERSION),$(SERVER_BASE_IMAGE))
 	$(call build_image,iop-haproxy,deploy/haproxy/Dockerfile,$(HAPROXY_VERSION),$(SERVER_BASE_IMAGE))
+	$(call build_image,iop-prometheus,deploy/prometheus/Dockerfile,$(PROMETHEUS_VERSION),$(SERVER_BASE_IMAGE))
 
 # Every test of tests/containers for real, none skipped (TEST_CONTAINERS_REQUIRED): a Docker
 # engine of its own (installed with apt when none is, state under var/containers/, stopped at

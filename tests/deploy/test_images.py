@@ -423,7 +423,7 @@ def test_make_images_tags_each_image_with_its_own_version() -> None:
         assert command[-1] == "."  # the repository root is the build context
 
 
-SERVER_IMAGES = ("postgres", "haproxy")
+SERVER_IMAGES = ("postgres", "haproxy", "prometheus")
 
 
 def dockerfile_version(path: Path) -> str:

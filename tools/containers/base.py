@@ -23,8 +23,11 @@ SUITE = "bookworm"
 MIRROR = "http://deb.debian.org/debian"
 PACKAGES = ("python3", "python3-venv", "libgomp1", "ca-certificates")
 DEFAULT_TAG = "iop-base:bookworm-python3.11"
-SERVER_PACKAGES = ("postgresql-15", "haproxy")
-SERVER_TAG = "iop-base:bookworm-servers"
+SERVER_PACKAGES = ("postgresql-15", "haproxy", "prometheus")
+# Bumped with SERVER_PACKAGES (2: prometheus), so that a base cached without a package is not
+# reused: its tag and its tarball carry the revision.
+SERVERS_REVISION = 2
+SERVER_TAG = f"iop-base:bookworm-servers-{SERVERS_REVISION}"
 # The image config that `docker import` cannot take from a Dockerfile.
 CHANGES = (
     "ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
@@ -115,7 +118,7 @@ def ensure_base_image(
         say(f"base image {tag} is there")
         return tag
     python = cache / f"debian-{SUITE}-python.tar"
-    with_servers = cache / f"debian-{SUITE}-servers.tar"
+    with_servers = cache / f"debian-{SUITE}-servers-{SERVERS_REVISION}.tar"
     tarball = with_servers if servers else python
     if not tarball.is_file():
         make_rootfs_tarballs(python, with_servers, mirror)

@@ -22,6 +22,7 @@ from prometheus_client import CollectorRegistry, Info
 
 from iop_proto.errors import ConfigurationError, IopError, SettingsError
 from iop_proto.service.admin import AdminServer
+from iop_proto.service.cert_metrics import register_certificate_metrics
 from iop_proto.service.logging import configure_logging
 from iop_proto.service.process_metrics import register_process_metrics
 from iop_proto.service.settings import ServiceSettings, load_settings
@@ -73,6 +74,8 @@ async def serve(
     registry = CollectorRegistry()
     # Open fds and sockets, live tasks: where a leak (a disconnect not cleaned up) shows.
     register_process_metrics(registry, asyncio.get_running_loop())
+    # When its own certificate and its CAs expire, for the certificate alerts.
+    register_certificate_metrics(registry, name, settings.tls)
     Info("iop_build", "Version of this IOP service", registry=registry).info(
         {"service": name, "version": version, "service_id": settings.service_id}
     )
