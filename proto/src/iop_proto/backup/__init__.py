@@ -1,4 +1,4 @@
-"""Backups of a service's state, and their restore (docs/operations-backup.md).
+"""Backups of a service's state, and their restore (docs/backup.md).
 
 Each service names what it keeps (``StateFile``: a SQLite file with the schema version
 this release understands, and the directory of contents beside it, if any); this
