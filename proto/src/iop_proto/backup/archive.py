@@ -166,14 +166,17 @@ def restore_backup(state: ServiceState, source: Path, *, force: bool = False) ->
         if state.postgres_dsn is None:
             raise BackupError(f"{source} holds a PostgreSQL dump; this {state.service} has none")
         pg_tools.check_versions(manifest.postgres, state.postgres_versions)
-    live = [path for item in wanted for path in _live_paths(item) if path.exists()]
+    live = [str(path) for item in wanted for path in _live_paths(item) if path.exists()]
+    dsn = state.postgres_dsn if manifest.postgres is not None else None
+    if dsn is not None and pg_tools.holds_state(dsn):
+        live.append("the PostgreSQL store's contents")
     if live and not force:
-        shown = ", ".join(str(path) for path in live)
+        shown = ", ".join(live)
         raise BackupError(f"would replace {shown}; stop the {state.service} first and pass --force")
     for item in wanted:
         _put_back(source, item)
-    if manifest.postgres is not None and state.postgres_dsn is not None:
-        pg_tools.restore(state.postgres_dsn, source / PG_DUMP)
+    if dsn is not None:
+        pg_tools.restore(dsn, source / PG_DUMP)
     return manifest
 
 

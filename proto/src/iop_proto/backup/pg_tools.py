@@ -55,6 +55,20 @@ def _run(tool: str, dsn: str, *args: str) -> str:
     return result.stdout
 
 
+def holds_state(dsn: str) -> bool:
+    """Whether the database holds an IOP store already (a service may be using it)."""
+    answer = _run(
+        "psql",
+        dsn,
+        "--no-psqlrc",
+        "--tuples-only",
+        "--no-align",
+        "--command",
+        "SELECT to_regclass('iop_schema_versions') IS NOT NULL",
+    )
+    return answer.strip() == "t"
+
+
 def dump(dsn: str, target: Path) -> None:
     """The whole database in custom format (every component sharing it: one snapshot)."""
     _run("pg_dump", dsn, "--format=custom", "--no-owner", f"--file={target}")
