@@ -122,36 +122,47 @@ async def test_a_backup_restored_into_a_fresh_stack_serves_what_it_held(
         node_token = yaml.safe_load((old.root / "node-a.yaml").read_text())["token"]
         history = _rows(old.root / "node-a-history.db", "runs")
         # Taken while every service runs (SQLite's online backup: the WAL's commits too).
-        await old.control_plane_cli("backup", str(backups / "control-plane"))
-        await _ok("iop-edge", old.root / "edge.yaml", "backup", str(backups / "edge"))
-        await _ok("iop-node", old.root / "node-a.yaml", "backup", str(backups / "node-a"))
-        code, out = await _cli("iop-edge", old.root / "edge.yaml", "backup", str(backups / "edge"))
-        assert code == 1  # a backup is never overwritten
-        assert "not an empty directory" in out
+        await asyncio.gather(
+            _ok("iop-control-plane", old.cp_settings, "backup", str(backups / "control-plane")),
+            _ok("iop-edge", old.root / "edge.yaml", "backup", str(backups / "edge")),
+            _ok("iop-node", old.root / "node-a.yaml", "backup", str(backups / "node-a")),
+        )
     assert history > 0
 
     async with start_stack_factory(tmp_path / "after", FLEET) as fresh:
         edge_yaml = fresh.root / "edge.yaml"
-        code, out = await _cli("iop-edge", edge_yaml, "restore", str(backups / "edge"))
-        assert code == 1  # the edge runs: its files are live
-        assert "stop the edge first and pass --force" in out
-        code, out = await _cli("iop-edge", edge_yaml, "restore", str(backups / "control-plane"))
-        assert code == 1
-        assert "a backup of the control-plane, not of the edge" in out
+        live, other, again = await asyncio.gather(
+            _cli("iop-edge", edge_yaml, "restore", str(backups / "edge")),
+            _cli("iop-edge", edge_yaml, "restore", str(backups / "control-plane")),
+            _cli("iop-edge", edge_yaml, "backup", str(backups / "edge")),
+        )
+        assert live[0] == 1  # the edge runs: its files are live
+        assert "stop the edge first and pass --force" in live[1]
+        assert other[0] == 1
+        assert "a backup of the control-plane, not of the edge" in other[1]
+        assert again[0] == 1  # a backup is never written over
+        assert "not an empty directory" in again[1]
         # The worker and node-b are not needed to serve what was kept (node-a serves the
         # model): they stay stopped.
-        for name in ("worker", "node-a", "node-b", "edge", "control-plane"):
-            await fresh.stop(name)
-        await _ok(
-            "iop-control-plane",
-            fresh.cp_settings,
-            "restore",
-            str(backups / "control-plane"),
-            "--force",
-        )
-        await _ok("iop-edge", edge_yaml, "restore", str(backups / "edge"), "--force")
-        await _ok(
-            "iop-node", fresh.root / "node-a.yaml", "restore", str(backups / "node-a"), "--force"
+        await asyncio.gather(*(fresh.stop(name) for name in ("worker", "node-a", "node-b")))
+        await fresh.stop("edge")
+        await fresh.stop("control-plane")
+        await asyncio.gather(
+            _ok(
+                "iop-control-plane",
+                fresh.cp_settings,
+                "restore",
+                str(backups / "control-plane"),
+                "--force",
+            ),
+            _ok("iop-edge", edge_yaml, "restore", str(backups / "edge"), "--force"),
+            _ok(
+                "iop-node",
+                fresh.root / "node-a.yaml",
+                "restore",
+                str(backups / "node-a"),
+                "--force",
+            ),
         )
         assert _rows(fresh.root / "node-a-history.db", "runs") >= history
         # node-a's token is the restored store's (a node keeps its token file).
@@ -166,9 +177,9 @@ async def test_a_backup_restored_into_a_fresh_stack_serves_what_it_held(
         await _served_and_guarded(fresh.api_url, secret)
         async with AsyncOpenAI(base_url=fresh.api_url, api_key=secret, max_retries=0) as sdk:
             assert (await sdk.files.content(upload.id)).content == BATCH_INPUT
-            again = await sdk.batches.retrieve(created.id)
-            assert again.status == "completed"
-            assert again.output_file_id == batch.output_file_id
+            kept = await sdk.batches.retrieve(created.id)
+            assert kept.status == "completed"
+            assert kept.output_file_id == batch.output_file_id
             assert (await sdk.files.content(batch.output_file_id or "")).text == output
             assert (await sdk.responses.retrieve(stored.id)).id == stored.id
             follow = await sdk.responses.create(
