@@ -3,6 +3,8 @@ its WAL, and a restore that checks what it puts back before it changes anything.
 
 from __future__ import annotations
 
+import argparse
+import io
 import json
 import shutil
 import sqlite3
@@ -10,7 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from iop_proto.backup import BackupError, ServiceState, StateFile, make_backup, restore_backup
+from iop_proto.backup import (
+    BackupError,
+    ServiceState,
+    StateFile,
+    make_backup,
+    restore_backup,
+    run_backup_command,
+)
 from iop_proto.backup.pg_tools import _split_password
 
 
@@ -127,3 +136,20 @@ def test_the_dsn_password_leaves_the_command_line() -> None:
     assert bare == "postgresql://iop@db.example:5433/iop?sslmode=require"
     assert env == {"PGPASSWORD": "s3cret"}
     assert _split_password("postgresql:///iop") == ("postgresql:///iop", {})
+
+
+def test_the_commands_report_what_they_did_and_why_they_refused(tmp_path: Path) -> None:
+    live = tmp_path / "t.db"
+    _live_writer(live, 2).close()
+    out, err = io.StringIO(), io.StringIO()
+    backup = argparse.Namespace(command="backup", path=tmp_path / "b")
+    assert run_backup_command(backup, _state(live), out, err) == 0
+    assert f"backed up the edge (t.db) into {tmp_path / 'b'}" in out.getvalue()
+    restore = argparse.Namespace(command="restore", path=tmp_path / "b", force=False)
+    assert run_backup_command(restore, _state(live), out, err) == 1
+    assert err.getvalue().startswith("iop-edge: restore: would replace ")
+    live.write_bytes(b"not a database, " * 512)  # one line, no traceback
+    again = argparse.Namespace(command="backup", path=tmp_path / "c")
+    assert run_backup_command(again, _state(live), out, err) == 1
+    assert "iop-edge: backup: file is not a database" in err.getvalue()
+    assert not (tmp_path / "c").exists()  # no half backup left behind

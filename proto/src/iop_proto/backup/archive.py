@@ -104,7 +104,24 @@ def make_backup(state: ServiceState, destination: Path) -> Manifest:
     """Copy ``state`` into ``destination`` (a new or empty directory) while it is live."""
     if destination.exists() and (not destination.is_dir() or any(destination.iterdir())):
         raise BackupError(f"{destination} exists and is not an empty directory")
+    created = not destination.exists()
     destination.mkdir(mode=0o700, parents=True, exist_ok=True)
+    try:
+        return _write_backup(state, destination)
+    except BaseException:
+        # No half backup left to be mistaken for a whole one (its manifest comes last).
+        if created:
+            shutil.rmtree(destination, ignore_errors=True)
+        else:
+            for entry in destination.iterdir():
+                if entry.is_dir():
+                    shutil.rmtree(entry, ignore_errors=True)
+                else:
+                    entry.unlink(missing_ok=True)
+        raise
+
+
+def _write_backup(state: ServiceState, destination: Path) -> Manifest:
     files: dict[str, int] = {}
     postgres: dict[str, int] | None = None
     if state.postgres_dsn is not None:

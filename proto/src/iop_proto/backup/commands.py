@@ -11,6 +11,7 @@ command it runs the server, as before, so ``iop-edge --config FILE`` is unchange
 from __future__ import annotations
 
 import argparse
+import sqlite3
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -70,7 +71,7 @@ def run_backup_command(
     except BackupError as exc:
         print(f"iop-{state.service}: {args.command}: {exc}", file=err)
         return EXIT_FAILED
-    except OSError as exc:
+    except (OSError, sqlite3.Error) as exc:  # a path not ours to read or write, a full disk
         print(f"iop-{state.service}: {args.command}: {exc}", file=err)
         return EXIT_FAILED
     return EXIT_OK
