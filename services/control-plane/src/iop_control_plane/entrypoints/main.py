@@ -5,6 +5,7 @@ iop-control-plane --config FILE token issue --node N issue a node token (shown o
 iop-control-plane --config FILE key issue --name N   issue an API key (shown once)
 iop-control-plane --config FILE config reload        re-read the fleet file (SIGHUP)
 iop-control-plane --config FILE node add|retire|list node lifecycle (node_commands)
+iop-control-plane --config FILE backup|restore PATH  the credentials' backup (iop_proto.backup)
 iop-control-plane config check FLEET_FILE            validate without applying
 
 Every command but `config check FILE` runs on the control-plane's host: it opens the
@@ -22,12 +23,14 @@ from pathlib import Path
 from typing import TextIO
 
 from iop_control_plane import __version__
+from iop_control_plane.adapters.backup_state import control_plane_state
 from iop_control_plane.adapters.fleet_file import load_fleet_file
 from iop_control_plane.adapters.stores import open_store
 from iop_control_plane.bootstrap import build
 from iop_control_plane.entrypoints import cli, node_commands
 from iop_control_plane.errors import CredentialError, FleetConfigError
 from iop_control_plane.settings import ControlPlaneSettings
+from iop_proto.backup import add_backup_commands, is_backup_command, run_backup_command
 from iop_proto.errors import SettingsError
 from iop_proto.postgres import StorageUnavailable
 from iop_proto.service import load_settings, run_service
@@ -52,6 +55,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     cli.add_commands(commands)
     node_commands.add_commands(commands)
+    add_backup_commands(commands)
     return parser
 
 
@@ -131,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.action == "check":
             return check_fleet(settings.fleet_file, sys.stdout, sys.stderr)
         return reload_server(settings, sys.stdout, sys.stderr)
+    if is_backup_command(args):
+        return run_backup_command(args, control_plane_state(settings), sys.stdout, sys.stderr)
     return asyncio.run(_run_credential_command(args, settings))
 
 
