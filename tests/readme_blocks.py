@@ -88,6 +88,7 @@ def run_block(block: Block, env: dict[str, str], offset: int, timeout: float) ->
         done = subprocess.run(
             [python, "-c", body],
             cwd=ROOT,
+            stdin=subprocess.DEVNULL,
             env=env,
             capture_output=True,
             text=True,
@@ -100,6 +101,7 @@ def run_block(block: Block, env: dict[str, str], offset: int, timeout: float) ->
         done = subprocess.run(
             ["bash", "-c", script],
             cwd=ROOT,
+            stdin=subprocess.DEVNULL,  # an agent reads a prompt from stdin when it is open
             env=env,
             capture_output=True,
             text=True,
