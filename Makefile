@@ -54,11 +54,13 @@ certs: install
 	$(BIN)/python tools/devcerts.py --out certs/dev $(if $(FORCE),--force,)
 
 # DEV_STATE: where make run's services keep their state (the control-plane's database, which
-# `make key` issues into); PORT_OFFSET shifts every port (a second stack beside the first).
+# `make key` issues into); RUN_DIR: their pid files; PORT_OFFSET shifts every port (a second
+# stack beside the first: tests/test_readme.py runs one so).
 DEV_STATE ?= var/dev
+RUN_DIR ?= var/run
 run: install $(if $(VLLM),vllm,) $(if $(HA),postgres,)
 	$(BIN)/python tools/devcerts.py --out certs/dev $(if $(HA),--dev --identity edge-b:edge,)
-	$(BIN)/python tools/devstack.py --state-dir $(DEV_STATE) $(if $(PORT_OFFSET),--port-offset $(PORT_OFFSET),) $(if $(VLLM),--vllm,) $(if $(HA),--ha,)
+	$(BIN)/python tools/devstack.py --state-dir $(DEV_STATE) --run-dir $(RUN_DIR) $(if $(PORT_OFFSET),--port-offset $(PORT_OFFSET),) $(if $(VLLM),--vllm,) $(if $(HA),--ha,)
 
 # An API key in make run's own store (the control-plane's database under DEV_STATE, which the
 # running stack's edges hear of within a second): `make key NAME=app [ARGS="--models m --rpm 60"]`.

@@ -10,7 +10,8 @@ The README marks each block it wants run with a comment just above the fence::
 Blocks run one after the other as in one terminal: what a block exports is in the next
 one's environment (``export PATH=...``, ``export IOP_API_KEY=...``). The one thing the test
 changes is where the stack listens: it starts ``make run`` on ports moved by one offset
-(``PORT_OFFSET``) with its state in a directory of its own (``DEV_STATE``), so the README's
+(``PORT_OFFSET``) with its state and pid files in a directory of its own (``DEV_STATE``,
+``RUN_DIR``), so the README's
 ``127.0.0.1:8080`` becomes the moved port, and ``IOP_DATABASE`` points the control-plane's
 command at that state (``make key`` gets it from ``DEV_STATE``).
 """
@@ -128,6 +129,7 @@ def newcomer_env(state: Path, home: Path, offset: int) -> dict[str, str]:
         PATH=path or "/usr/bin:/bin",
         HOME=str(home),
         DEV_STATE=str(state),
+        RUN_DIR=str(state / "run"),  # beside a developer's own make run of this checkout
         PORT_OFFSET=str(offset),
     )
     return env
