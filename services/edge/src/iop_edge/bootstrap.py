@@ -128,14 +128,14 @@ async def build(
         nonlocal keys_were_open
         fleet = fleet_from_proto(config)
         providers.apply_fleet(fleet)
+        if nodes is not None:  # at once: the nodes' new configs go before any run sent now
+            await nodes.apply_fleet(config)
         metrics.config_version.set(config.version)
         # A revoked key leaves the fleet: its requests end now, not when they finish,
         # and its batches are cancelled (their lines in flight stopped).
         present = frozenset(k.key_id for k in fleet.api_keys.values())
         await key_slots.apply_keys(present)
         await batches.apply_keys(present)
-        if nodes is not None:
-            await nodes.apply_fleet(config)
         if keys_were_open is not None and keys.open is not keys_were_open:
             log_access_mode()
         keys_were_open = keys.open

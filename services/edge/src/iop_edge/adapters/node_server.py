@@ -184,14 +184,13 @@ class NodeServer:
         edges = list(config.edges)
         edges_changed = edges != self._edges
         self._edges = edges
+        # The configs first, every node's, then the disconnects (which wait): the caller
+        # applied the fleet to the pool just before, so requests that waited for a slot
+        # are about to be sent with the new fleet's served names; each node's new config
+        # is written to its link before any of them (a frame written first arrives first).
+        leaving = [n for n in self._nodes() if n.node_id in retired or n.token_id in revoked]
         for node in self._nodes():
-            if node.node_id in retired:
-                logger.warning("node {}: retired, disconnecting it", node.node_id)
-                await node.conn.close(error_body(pb.ERROR_CODE_UNAUTHENTICATED, "node retired"))
-                continue
-            if node.token_id in revoked:
-                logger.warning("node {}: its token {} was revoked", node.node_id, node.token_id)
-                await node.conn.close(error_body(pb.ERROR_CODE_UNAUTHENTICATED, "token revoked"))
+            if node.node_id in retired or node.token_id in revoked:
                 continue
             new = configs.get(node.node_id, pb.NodeConfig(node_id=node.node_id))
             tell_edges = edges_changed and node.follows_edges
@@ -204,6 +203,13 @@ class NodeServer:
                     await node.conn.send(update)
                 except ConnectionClosed:
                     continue
+        for node in leaving:
+            if node.node_id in retired:
+                logger.warning("node {}: retired, disconnecting it", node.node_id)
+                await node.conn.close(error_body(pb.ERROR_CODE_UNAUTHENTICATED, "node retired"))
+            else:
+                logger.warning("node {}: its token {} was revoked", node.node_id, node.token_id)
+                await node.conn.close(error_body(pb.ERROR_CODE_UNAUTHENTICATED, "token revoked"))
         if edges_changed:
             update = pb.RegisterResponse(accepted=True, edge_id=self._edge_id, edges=edges)
             for conn in list(self._following_workers):

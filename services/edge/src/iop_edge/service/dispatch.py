@@ -57,6 +57,12 @@ from iop_proto.errors import FrameTooLarge
 from iop_proto.framing import DEFAULT_MAX_FRAME_SIZE
 
 _NOBODY: frozenset[str] = frozenset()
+
+
+def _members(index: ModelIndex | None) -> Sequence[ProviderSlot]:
+    return () if index is None else index.members
+
+
 _CACHED_OPERATIONS = frozenset({Operation.CHAT_COMPLETIONS, Operation.COMPLETIONS})
 
 
@@ -111,7 +117,11 @@ class Dispatcher:
     # ------------------------------------------------------------ what the registry tells
 
     def fleet_applied(self, fleet: Fleet) -> None:
-        """Queues follow the fleet's models; a removed model's waiters fail."""
+        """Queues follow the fleet's models; a removed model's waiters fail, and so do
+        those of a model left with no provider at all (its nodes retired, its providers
+        dropped): nothing could ever hand them a slot, so they are answered now rather
+        than at their queue's timeout. A model whose providers are only unreachable
+        keeps its waiters (a node restarting comes back)."""
         for model_id in fleet.models:
             self._queues.setdefault(model_id, ModelQueue(model_id))
         for model_id in list(self._queues):
@@ -120,6 +130,13 @@ class Dispatcher:
                 for run in [r for r in self._waiting if r.model.id == model_id]:
                     run.refuse(NoProviderAvailable("the model was removed"))
                 self._metrics.forget_model(model_id)
+            elif self._waiting and not _members(self._registry.index(model_id)):
+                message = (
+                    f"The model '{model_id}' has no provider any more: the fleet changed"
+                    " while this request waited (its nodes retired or its providers removed)"
+                )
+                for run in [r for r in self._waiting if r.model.id == model_id]:
+                    run.refuse(NoProviderAvailable(message))
         self._serve_pinned()
         self._serve_queues(fleet.models)
 
@@ -242,8 +259,17 @@ class Dispatcher:
             slot = run.slot = await self._acquire(model, index, run, chain, exclude, deadline)
             if spec.batch:
                 self._backfill.took(run)
-        served = model.providers[slot.provider_id]
-        entry = self._fleet.current.providers[slot.provider_id]
+        # The fleet of now, not the one the request was admitted under: a `config reload`
+        # that renamed the provider's served name while the request waited sends the new
+        # name (the node has the new one too: its config comes on the same link, first).
+        fleet = self._fleet.current
+        current = fleet.models.get(model.id)
+        served = None if current is None else current.providers.get(slot.provider_id)
+        entry = fleet.providers.get(slot.provider_id)
+        if served is None or entry is None:  # left the model while this request waited
+            raise NoProviderAvailable(
+                f"provider {slot.provider_id} left '{model.id}'", code="provider_unavailable"
+            )
         if self._failing is not None:  # handed its slot just before fail_all: a 503 instead
             raise ShuttingDown(self._failing)
         link = self._registry.link(slot.node_id)
