@@ -41,6 +41,7 @@ from iop_edge.entrypoints.inference_request import read_json_body
 from iop_edge.entrypoints.openai_dialect import OpenAIDialect
 from iop_edge.entrypoints.queue_share import queue_share
 from iop_edge.entrypoints.rate_headers import anthropic_headers, openai_headers
+from iop_edge.entrypoints.run_span import open_span
 from iop_edge.entrypoints.run_trace import OVERHEAD_HEADER, RunTrace
 from iop_edge.errors import (
     EdgeError,
@@ -55,6 +56,7 @@ from iop_edge.service.key_rates import KeyRates, Meter, limited
 from iop_edge.service.limits import CLAMP_HEADER, clamp_output_tokens
 from iop_edge.service.run_reader import Collector, follow
 from iop_proto.service.logging import log_unexpected
+from iop_proto.tracing import Tracing, traceparent
 
 CLIENT_DISCONNECTED: Final = "client disconnected"
 
@@ -115,9 +117,11 @@ class InferenceRoutes:
         rates: KeyRates,
         *,
         mock_drills: bool = False,
+        tracing: Tracing | None = None,
     ) -> None:
         """``mock_drills``: honour the mock's failure drills from every caller, not only
-        operator keys (domain/drills.py)."""
+        operator keys (domain/drills.py). ``tracing``: a span per request (run_span);
+        ``None``: tracing off, no span made."""
         self._service = service
         self._catalog = catalog
         self._keys = keys
@@ -126,6 +130,7 @@ class InferenceRoutes:
         self._slots = slots
         self._rates = rates
         self._mock_drills = mock_drills
+        self._tracing = tracing
 
     def register(self, app: web.Application, hot: HotRoutes | None = None) -> None:
         """The endpoints on ``app``; in ``hot`` too, for the inference front (``fast_front``)."""
@@ -226,6 +231,15 @@ class InferenceRoutes:
         trace.series = self._metrics.models[spec.model]
         # What the pipeline adds to the dialect's run, made into one new spec at the end.
         changes: dict[str, Any] = {}
+        if self._tracing is not None:
+            trace.span = open_span(
+                self._tracing,
+                operation=spec.operation.value,
+                model=spec.model,
+                stream=spec.stream,
+                received_ms=trace.received_ms,
+            )
+            changes["traceparent"] = traceparent(trace.span)
         scope = key.key_id if key is not None else ""
         session = session_key(request.headers, body, scope)
         if session is not None or scope:
