@@ -190,6 +190,8 @@ async def test_a_streamed_request_is_one_trace_of_edge_node_and_engine_spans(
 
     assert len(spans) == 3, [s["name"] for s in spans]
     edge, node, engine = (s for s in sorted(spans, key=lambda s: s["start_time"]))
+    for span in (edge, node, engine):  # the trace as Phoenix holds it (pytest -s shows it)
+        print(span["name"], span["context"], span["parent_id"], span["attributes"])
     # one trace, each the child of the one before: edge -> node run -> engine call
     assert edge["name"] == f"chat {MODEL}"
     assert edge["parent_id"] is None
