@@ -25,11 +25,13 @@ import aiohttp
 import pytest
 import pytest_asyncio
 
-pytestmark = pytest.mark.asyncio(loop_scope="module")
+# Phoenix imports a large tree (pandas, pyarrow, GraphQL ...) before it listens: a minute
+# or more on a busy 2-core machine, counted in the first test's time.
+pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(420)]
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "mock-small"
-STARTUP_S = 180  # Phoenix's first start migrates its database: generous on a busy machine
+STARTUP_S = 300  # its imports, then its database's migrations: generous on a busy machine
 
 
 def mock(provider_id: str, served: str) -> dict[str, object]:

@@ -30,13 +30,17 @@ _HUMAN_FORMAT = (
     "<green>{time:HH:mm:ss.SSS}</green> <level>{level: <7}</level> "
     "<cyan>{extra[service]}</cyan> {message}"
 )
-_TRACED = " <dim>[run {extra[run_id]} trace {extra[trace_id]}]</dim>"
+_TRACED = " <dim>[trace {extra[trace_id]}]</dim>"
+_TRACED_RUN = " <dim>[run {extra[run_id]} trace {extra[trace_id]}]</dim>"
 
 
 def _human_format(record: Record) -> str:
-    """A line of a traced run (``iop_proto.tracing``) names its run and trace ids too."""
-    traced = "trace_id" in record["extra"]
-    return _HUMAN_FORMAT + (_TRACED if traced else "") + "\n{exception}"
+    """A line of a traced request (``iop_proto.tracing``) names its trace id, and its run
+    id where the line's context knows it (the node's)."""
+    extra = record["extra"]
+    if "trace_id" not in extra:
+        return _HUMAN_FORMAT + "\n{exception}"
+    return _HUMAN_FORMAT + (_TRACED_RUN if "run_id" in extra else _TRACED) + "\n{exception}"
 
 
 def configure_logging(service: str, settings: LogSettings) -> None:

@@ -25,6 +25,7 @@ from typing import Any, Final, Protocol, TypeVar, cast
 
 from aiohttp import web
 from aiohttp.typedefs import Handler
+from loguru import logger
 
 from iop_edge.domain import drills
 from iop_edge.domain.drills import asks_drill, may_drill
@@ -56,7 +57,7 @@ from iop_edge.service.key_rates import KeyRates, Meter, limited
 from iop_edge.service.limits import CLAMP_HEADER, clamp_output_tokens
 from iop_edge.service.run_reader import Collector, follow
 from iop_proto.service.logging import log_unexpected
-from iop_proto.tracing import Tracing, traceparent
+from iop_proto.tracing import Tracing, trace_id, traceparent
 
 CLIENT_DISCONNECTED: Final = "client disconnected"
 
@@ -272,7 +273,11 @@ class InferenceRoutes:
             if meter.refused is not None:
                 raise meter.refused
         try:
-            return await self._admitted(request, dialect, trace, key, asked, out, meter)
+            if trace.span is None:
+                return await self._admitted(request, dialect, trace, key, asked, out, meter)
+            # a traced request's log lines name its trace (the run log joins it to the run)
+            with logger.contextualize(trace_id=trace_id(trace.span)):
+                return await self._admitted(request, dialect, trace, key, asked, out, meter)
         finally:
             if meter is not None:
                 meter.settle(trace.prompt_tokens, trace.completion_tokens, trace.run is not None)
