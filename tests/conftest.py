@@ -220,11 +220,13 @@ async def start_stack(
     edge_settings: dict[str, object] | None = None,
     *,
     drills: bool = True,
+    node_settings: dict[str, object] | None = None,
 ) -> AsyncIterator[Stack]:
     """The stack for ``fleet``; ``edge_settings``: top-level keys of the edge's settings
     to set (a section replaces the stack's, e.g. ``node_listener``). ``drills``: the
     test fleet honours the mock's failure drills (``iop_mock``) from every caller, as a
-    real one does not (the edge's ``mock_drills``, off by default); False: the default."""
+    real one does not (the edge's ``mock_drills``, off by default); False: the default.
+    ``node_settings``: top-level keys of both nodes' settings to set (e.g. ``tracing``)."""
     ca = trustme.CA()
     for name, role in ROLES.items():
         write_identity(ca, root / "pki", name, role)
@@ -295,6 +297,7 @@ async def start_stack(
                     "history_db": str(root / f"{node}-history.db"),
                     "probes": {"interval_s": 0.2},
                     "reconnect": {"initial_s": 0.1, "max_s": 0.5},
+                    **(node_settings or {}),
                 },
             )
             await stack.start(node)

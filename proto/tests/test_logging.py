@@ -138,3 +138,28 @@ def test_other_library_records_keep_their_level_and_traceback() -> None:
     [record] = records
     assert record.startswith("ERROR asyncio: Error handling request from 127.0.0.1")
     assert "RuntimeError: a bug" in record
+
+
+# --- traced requests ------------------------------------------------------------------------
+
+
+def test_a_traced_line_names_its_trace_and_run(capsys: pytest.CaptureFixture[str]) -> None:
+    """Lines logged inside a traced request (``iop_proto.tracing``) carry its ids in the
+    human format too (the JSON one has them in ``extra``); others are unchanged."""
+    from iop_proto.service.logging import configure_logging
+    from iop_proto.service.settings import LogSettings
+
+    trace = "4bf92f3577b34da6a3ce929d0e0e4736"
+    configure_logging("node", LogSettings())
+    try:
+        with logger.contextualize(run_id="run-1", trace_id=trace):
+            logger.info("in a run")
+        with logger.contextualize(trace_id=trace):
+            logger.info("at the edge")
+        logger.info("outside")
+    finally:
+        logger.remove()
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0].endswith(f"node in a run [run run-1 trace {trace}]"), lines
+    assert lines[1].endswith(f"node at the edge [trace {trace}]"), lines
+    assert lines[2].endswith("node outside"), lines

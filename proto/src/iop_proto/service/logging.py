@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import sys
 import traceback
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 from loguru import logger
 
@@ -23,10 +23,24 @@ from iop_proto.service.redaction import RedactingStream
 from iop_proto.service.settings import LogSettings
 from iop_proto.service.stdlib_bridge import install_stdlib_bridge
 
+if TYPE_CHECKING:
+    from loguru import Record
+
 _HUMAN_FORMAT = (
     "<green>{time:HH:mm:ss.SSS}</green> <level>{level: <7}</level> "
     "<cyan>{extra[service]}</cyan> {message}"
 )
+_TRACED = " <dim>[trace {extra[trace_id]}]</dim>"
+_TRACED_RUN = " <dim>[run {extra[run_id]} trace {extra[trace_id]}]</dim>"
+
+
+def _human_format(record: Record) -> str:
+    """A line of a traced request (``iop_proto.tracing``) names its trace id, and its run
+    id where the line's context knows it (the node's)."""
+    extra = record["extra"]
+    if "trace_id" not in extra:
+        return _HUMAN_FORMAT + "\n{exception}"
+    return _HUMAN_FORMAT + (_TRACED_RUN if "run_id" in extra else _TRACED) + "\n{exception}"
 
 
 def configure_logging(service: str, settings: LogSettings) -> None:
@@ -47,7 +61,7 @@ def configure_logging(service: str, settings: LogSettings) -> None:
         logger.add(
             sink,
             level=settings.level,
-            format=_HUMAN_FORMAT,
+            format=_human_format,
             colorize=sys.stderr.isatty(),
             enqueue=False,
             backtrace=False,

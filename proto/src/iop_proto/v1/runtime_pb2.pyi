@@ -330,7 +330,7 @@ class NodeConfig(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., providers: _Optional[_Iterable[_Union[ProviderConfig, _Mapping]]] = ...) -> None: ...
 
 class RunRequest(_message.Message):
-    __slots__ = ("run_id", "model", "provider_id", "adapter", "target", "operation", "body_json", "stream", "deadline_unix_ms", "include_usage", "body_prepared", "prompt_blocks")
+    __slots__ = ("run_id", "model", "provider_id", "adapter", "target", "operation", "body_json", "stream", "deadline_unix_ms", "include_usage", "body_prepared", "prompt_blocks", "traceparent")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROVIDER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -343,6 +343,7 @@ class RunRequest(_message.Message):
     INCLUDE_USAGE_FIELD_NUMBER: _ClassVar[int]
     BODY_PREPARED_FIELD_NUMBER: _ClassVar[int]
     PROMPT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     model: str
     provider_id: str
@@ -355,7 +356,8 @@ class RunRequest(_message.Message):
     include_usage: bool
     body_prepared: bool
     prompt_blocks: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, run_id: _Optional[str] = ..., model: _Optional[str] = ..., provider_id: _Optional[str] = ..., adapter: _Optional[str] = ..., target: _Optional[str] = ..., operation: _Optional[_Union[Operation, str]] = ..., body_json: _Optional[bytes] = ..., stream: _Optional[bool] = ..., deadline_unix_ms: _Optional[int] = ..., include_usage: _Optional[bool] = ..., body_prepared: _Optional[bool] = ..., prompt_blocks: _Optional[_Iterable[int]] = ...) -> None: ...
+    traceparent: str
+    def __init__(self, run_id: _Optional[str] = ..., model: _Optional[str] = ..., provider_id: _Optional[str] = ..., adapter: _Optional[str] = ..., target: _Optional[str] = ..., operation: _Optional[_Union[Operation, str]] = ..., body_json: _Optional[bytes] = ..., stream: _Optional[bool] = ..., deadline_unix_ms: _Optional[int] = ..., include_usage: _Optional[bool] = ..., body_prepared: _Optional[bool] = ..., prompt_blocks: _Optional[_Iterable[int]] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "total_tokens", "cached_tokens")

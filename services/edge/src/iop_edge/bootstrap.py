@@ -45,6 +45,7 @@ from iop_proto.service import AdminServer
 from iop_proto.service.http_site import CappedSite
 from iop_proto.tasks import cancel_and_wait
 from iop_proto.tls import client_context, server_context
+from iop_proto.tracing import open_tracing
 from iop_proto.v1 import runtime_pb2 as pb
 
 
@@ -143,6 +144,9 @@ async def build(
     async with contextlib.AsyncExitStack() as stack:
         stack.callback(providers.close)  # last out: no cooldown timer outlives the edge
         stores = await open_stores(settings, stack)
+        tracing = open_tracing(settings.tracing, settings.service_id)
+        if tracing is not None:  # closed after the drain: the last requests' spans go too
+            stack.push_async_callback(tracing.close)
         runlog, response_store, batch_store = stores.runlog, stores.responses, stores.batches
         key_slots = KeySlots(stores.key_slots)  # where keys' slots are counted: the stores say
         storage = settings.storage
@@ -239,6 +243,7 @@ async def build(
             responses=response_store,
             reasoning_seal=reasoning_seal(settings),
             mock_drills=settings.mock_drills,
+            tracing=tracing,
             usage=UsageReport(fleet_holder, runlog, key_slots.held),
         )
         add_console_routes(app)  # the read-only operator page (before setup locks the routes)

@@ -45,6 +45,9 @@ class RunSpec:
     # Its turn in the model's queue (docs/ARCHITECTURE.md#fair-queueing): the key's id,
     # weight and priority (an operator key's ``x-iop-priority`` header overrides it).
     share: Share = NO_SHARE
+    # The edge's span of the request as a W3C traceparent, for the node's spans to join
+    # (docs/ARCHITECTURE.md#traces); "" while tracing is off.
+    traceparent: str = ""
 
 
 class RunEvents(Protocol):
@@ -341,6 +344,7 @@ class EdgeRunRecord:
     attempts: tuple[AttemptRecord, ...] = ()  # every attempt, oldest first; () = not dispatched
     cached_tokens: int = 0  # of prompt_tokens, served from the engine's prompt cache
     api: str = ""  # the public API it came through (domain.usage.Api); "" = recorded before
+    trace_id: str = ""  # its OpenTelemetry trace (32 hex digits); "" = not traced
 
 
 class RunLog(Protocol):

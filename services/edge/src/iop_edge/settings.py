@@ -13,6 +13,7 @@ from iop_proto.framing import DEFAULT_MAX_FRAME_SIZE
 from iop_proto.postgres import PostgresSettings
 from iop_proto.service import DrainingSettings
 from iop_proto.service.settings import FrozenModel
+from iop_proto.tracing import TracingSettings
 
 
 class HttpSettings(FrozenModel):
@@ -285,6 +286,10 @@ class EdgeSettings(DrainingSettings):
     affinity: AffinitySettings = AffinitySettings()
     storage: StorageSettings = StorageSettings()
     batch: BatchSettings = BatchSettings()
+    tracing: TracingSettings = Field(
+        default=TracingSettings(),
+        description="spans over OTLP/HTTP (docs/ARCHITECTURE.md#traces); off by default",
+    )
     postgres: PostgresSettings | None = Field(
         default=None,
         description="the shared store of several edges (files, batches, stored responses, "

@@ -57,6 +57,7 @@ def run(run_id: str, received_ms: int = T0, key_id: str = "key_1") -> EdgeRunRec
         ),
         cached_tokens=9,
         api="responses",
+        trace_id="4bf92f3577b34da6a3ce929d0e0e4736",
     )
 
 
@@ -430,14 +431,16 @@ async def test_a_version_1_file_is_migrated_and_keeps_its_runs(db_path: Path) ->
     try:
         migrated.record(run("new", T0 + 1, "key_a"))
         await migrated.flush()
-        old_run = dataclasses.replace(run("old"), key_id="", attempts=(), cached_tokens=0, api="")
+        old_run = dataclasses.replace(
+            run("old"), key_id="", attempts=(), cached_tokens=0, api="", trace_id=""
+        )
         assert await migrated.recent(10) == [run("new", T0 + 1, "key_a"), old_run]
         assert [r.run_id for r in await migrated.recent(10, key_id="key_a")] == ["new"]
     finally:
         await migrated.aclose()
     raw = sqlite3.connect(db_path)
     try:
-        assert raw.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 5
+        assert raw.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 6
     finally:
         raw.close()
 
@@ -458,7 +461,7 @@ async def test_a_version_2_file_gains_the_attempts_column(db_path: Path) -> None
     try:
         migrated.record(run("new", T0 + 1))
         await migrated.flush()
-        old_run = dataclasses.replace(run("old"), attempts=(), cached_tokens=0, api="")
+        old_run = dataclasses.replace(run("old"), attempts=(), cached_tokens=0, api="", trace_id="")
         assert await migrated.recent(10) == [run("new", T0 + 1), old_run]
     finally:
         await migrated.aclose()
@@ -481,7 +484,7 @@ async def test_a_version_3_file_gains_the_cached_tokens_column(db_path: Path) ->
     try:
         migrated.record(run("new", T0 + 1))
         await migrated.flush()
-        old_run = dataclasses.replace(run("old"), cached_tokens=0, api="")
+        old_run = dataclasses.replace(run("old"), cached_tokens=0, api="", trace_id="")
         assert await migrated.recent(10) == [run("new", T0 + 1), old_run]
         assert (await migrated.recent(1))[0].cached_tokens == 9
     finally:
@@ -502,7 +505,7 @@ async def test_a_version_4_file_gains_the_api_column(db_path: Path) -> None:
     raw.execute("ALTER TABLE runs ADD COLUMN key_id TEXT NOT NULL DEFAULT ''")
     raw.execute("ALTER TABLE runs ADD COLUMN attempts TEXT NOT NULL DEFAULT '[]'")
     raw.execute("ALTER TABLE runs ADD COLUMN cached_tokens INTEGER NOT NULL DEFAULT 0")
-    old = as_row(run("old"))[:-1]
+    old = as_row(run("old"))[:-2]
     raw.execute(f"INSERT INTO runs VALUES ({', '.join('?' * len(old))})", old)
     raw.execute("PRAGMA user_version = 4")
     raw.commit()
@@ -514,9 +517,42 @@ async def test_a_version_4_file_gains_the_api_column(db_path: Path) -> None:
         await migrated.flush()
         assert await migrated.recent(10) == [
             run("new", T0 + 1),
-            dataclasses.replace(run("old"), api=""),
+            dataclasses.replace(run("old"), api="", trace_id=""),
         ]
         assert {r.api for r in await migrated.usage(T0)} == {"", "responses"}
+    finally:
+        await migrated.aclose()
+    raw = sqlite3.connect(db_path)
+    try:
+        assert raw.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+    finally:
+        raw.close()
+
+
+async def test_a_version_5_file_gains_the_trace_id_column(db_path: Path) -> None:
+    """Runs recorded before traces say '' (not traced); new ones keep their trace id."""
+    db_path.parent.mkdir(parents=True)
+    raw = sqlite3.connect(db_path)
+    raw.execute(V1_TABLE)
+    raw.execute("ALTER TABLE runs ADD COLUMN key_id TEXT NOT NULL DEFAULT ''")
+    raw.execute("ALTER TABLE runs ADD COLUMN attempts TEXT NOT NULL DEFAULT '[]'")
+    raw.execute("ALTER TABLE runs ADD COLUMN cached_tokens INTEGER NOT NULL DEFAULT 0")
+    raw.execute("ALTER TABLE runs ADD COLUMN api TEXT NOT NULL DEFAULT ''")
+    old = as_row(run("old"))[:-1]
+    raw.execute(f"INSERT INTO runs VALUES ({', '.join('?' * len(old))})", old)
+    raw.execute("PRAGMA user_version = 5")
+    raw.commit()
+    raw.close()
+
+    migrated = await SqliteRunLog.open(db_path)
+    try:
+        migrated.record(run("new", T0 + 1))
+        await migrated.flush()
+        assert await migrated.recent(10) == [
+            run("new", T0 + 1),
+            dataclasses.replace(run("old"), trace_id=""),
+        ]
+        assert (await migrated.recent(1))[0].trace_id == "4bf92f3577b34da6a3ce929d0e0e4736"
     finally:
         await migrated.aclose()
     raw = sqlite3.connect(db_path)
@@ -592,6 +628,34 @@ async def test_a_step_1_table_gains_the_api_column_and_keeps_its_runs(
     assert pool is not None
     postgres.pools.append(pool)
     assert await apply_migrations(pool, COMPONENT, STEPS[:1]) == 1
+    old = as_row(run("old"))[:-2]
+    await pool.execute(
+        f"INSERT INTO edge_runs VALUES ({', '.join(f'${n}' for n in range(1, len(old) + 1))})",
+        *(True if n == 5 else v for n, v in enumerate(old)),
+    )
+    upgraded = await postgres.open()
+    try:
+        upgraded.record(run("new", T0 + 1))
+        await upgraded.flush()
+        assert await upgraded.recent(10) == [
+            run("new", T0 + 1),
+            dataclasses.replace(run("old"), api="", trace_id=""),
+        ]
+        assert await pool.fetchval(
+            "SELECT version FROM iop_schema_versions WHERE component = $1", COMPONENT
+        ) == len(STEPS)
+    finally:
+        await upgraded.aclose()
+
+
+async def test_a_step_2_table_gains_the_trace_id_column_and_keeps_its_runs(
+    postgres: PostgresBackend,
+) -> None:
+    """A database of the release before traces (step 2): its rows say '' (not traced)."""
+    pool = await asyncpg.create_pool(postgres.dsn, min_size=1, max_size=2, timeout=5)
+    assert pool is not None
+    postgres.pools.append(pool)
+    assert await apply_migrations(pool, COMPONENT, STEPS[:2]) == 2
     old = as_row(run("old"))[:-1]
     await pool.execute(
         f"INSERT INTO edge_runs VALUES ({', '.join(f'${n}' for n in range(1, len(old) + 1))})",
@@ -603,11 +667,8 @@ async def test_a_step_1_table_gains_the_api_column_and_keeps_its_runs(
         await upgraded.flush()
         assert await upgraded.recent(10) == [
             run("new", T0 + 1),
-            dataclasses.replace(run("old"), api=""),
+            dataclasses.replace(run("old"), trace_id=""),
         ]
-        assert await pool.fetchval(
-            "SELECT version FROM iop_schema_versions WHERE component = $1", COMPONENT
-        ) == len(STEPS)
     finally:
         await upgraded.aclose()
 

@@ -25,6 +25,7 @@ from iop_proto.framing import max_answer_bytes
 from iop_proto.service import AdminServer
 from iop_proto.tasks import cancel_and_wait
 from iop_proto.tls import client_context
+from iop_proto.tracing import open_tracing
 
 ADAPTERS: Mapping[str, AdapterFactory] = {
     "mock": mock.MockAdapter,
@@ -54,6 +55,9 @@ async def build(
         stack.push_async_callback(engines.aclose)
         history = await SqliteRunHistory.open(settings.history_db)
         stack.push_async_callback(history.aclose)
+        tracing = open_tracing(settings.tracing, settings.service_id)
+        if tracing is not None:  # closed after the runs: their last spans go too
+            stack.push_async_callback(tracing.close)
 
         core = NodeCore(
             settings.service_id,
@@ -68,6 +72,7 @@ async def build(
             metrics,
             ProbeSettings(**settings.probes.model_dump()),
             settings.cache_prefixes,
+            tracing=tracing,
         )
         stack.push_async_callback(core.aclose)
 

@@ -12,6 +12,7 @@ from iop_proto.errors import SettingsError
 from iop_proto.framing import DEFAULT_MAX_FRAME_SIZE
 from iop_proto.service import DrainingSettings
 from iop_proto.service.settings import FrozenModel
+from iop_proto.tracing import TracingSettings
 
 
 class EdgeAddress(FrozenModel):
@@ -67,6 +68,10 @@ class NodeSettings(DrainingSettings):
         default=10.0, gt=0, description="a snapshot is also sent on every change"
     )
     max_frame_size: int = Field(default=DEFAULT_MAX_FRAME_SIZE, ge=1024)
+    tracing: TracingSettings = Field(
+        default=TracingSettings(),
+        description="spans of the runs the edge traced (docs/ARCHITECTURE.md#traces); off",
+    )
     cache_prefixes: int = Field(
         default=DEFAULT_CACHE_PREFIXES,
         ge=0,

@@ -64,6 +64,8 @@ STEPS: Final = (
     CREATE INDEX edge_runs_key_received ON edge_runs (key_id, received_ms, run_id);""",
     # 2: the public API of each run (domain.usage.Api); runs recorded before say ''.
     "ALTER TABLE edge_runs ADD COLUMN api TEXT NOT NULL DEFAULT ''",
+    # 3: the OpenTelemetry trace of each run (docs/ARCHITECTURE.md#traces); '' untraced.
+    "ALTER TABLE edge_runs ADD COLUMN trace_id TEXT NOT NULL DEFAULT ''",
 )
 """Versioned steps (``iop_proto.postgres.apply_migrations``); append, never edit."""
 

@@ -130,6 +130,7 @@ def run_request(order: RunOrder) -> pb.RunRequest:
         include_usage=order.include_usage,
         body_prepared=order.body_prepared,
         prompt_blocks=order.prompt_blocks,
+        traceparent=order.traceparent,
     )
 
 

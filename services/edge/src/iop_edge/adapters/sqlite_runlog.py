@@ -28,7 +28,7 @@ from iop_edge.ports import AttemptRecord, EdgeRunRecord
 from iop_proto import json_codec
 from iop_proto.sqlite import BatchedWriter, WriterTuning, open_database, statement_migrations
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 """Kept in ``PRAGMA user_version``; bump it with a migration when the table changes."""
 
 # The record's fields, in order, are the table's columns (the round-trip test holds
@@ -58,7 +58,8 @@ _SCHEMA = (
         key_id            TEXT NOT NULL DEFAULT '',
         attempts          TEXT NOT NULL DEFAULT '[]',
         cached_tokens     INTEGER NOT NULL DEFAULT 0,
-        api               TEXT NOT NULL DEFAULT ''
+        api               TEXT NOT NULL DEFAULT '',
+        trace_id          TEXT NOT NULL DEFAULT ''
     )""",
     # "recent" walks this backwards; run_id breaks ties in the same millisecond.
     "CREATE INDEX IF NOT EXISTS runs_received ON runs (received_ms, run_id)",
@@ -79,6 +80,9 @@ _MIGRATIONS = {
     # 4 -> 5: the public API of each run (domain.usage.Api); runs recorded before say ''
     # (their operation cannot tell a Responses or Messages run from a chat completion)
     4: ("ALTER TABLE runs ADD COLUMN api TEXT NOT NULL DEFAULT ''",),
+    # 5 -> 6: the OpenTelemetry trace id of each run (docs/ARCHITECTURE.md#traces), which
+    # joins the run to its spans in a receiver; '' for a run not traced (tracing off)
+    5: ("ALTER TABLE runs ADD COLUMN trace_id TEXT NOT NULL DEFAULT ''",),
 }
 
 

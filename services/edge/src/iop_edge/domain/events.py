@@ -166,6 +166,7 @@ class RunOrder:
     # prompt's block hashes come with it (``iop_proto.prefix``; empty when not prompted).
     body_prepared: bool = False
     prompt_blocks: tuple[int, ...] = ()
+    traceparent: str = ""  # the request's span (RunSpec.traceparent); "" untraced
 
 
 @dataclass(frozen=True, slots=True)

@@ -43,6 +43,7 @@ from iop_edge.service.limits import DEFAULT_MAX_BODY_BYTES
 from iop_edge.service.memory_key_rates import MemoryKeyRates
 from iop_edge.service.usage import UsageReport
 from iop_proto.service.http_site import canned_response
+from iop_proto.tracing import Tracing
 
 MAX_BODY_BYTES: Final = DEFAULT_MAX_BODY_BYTES
 """Chat requests carry base64 images and long contexts: aiohttp's 1 MiB default is too small.
@@ -91,6 +92,7 @@ def create_api_app(
     responses: ResponseStore | None = None,
     reasoning_seal: ReasoningSeal | None = None,
     mock_drills: bool = False,
+    tracing: Tracing | None = None,
     usage: UsageReport | None = None,
 ) -> web.Application:
     """The API application; serve it with ``web.AppRunner(app, handler_cancellation=True)``,
@@ -122,6 +124,7 @@ def create_api_app(
     ``reasoning_seal``: seals the reasoning a Responses client keeps as
     ``encrypted_content`` (default: a new random key, opened by this app only).
     ``mock_drills``: the mock's failure drills from every caller, not operator keys only.
+    ``tracing``: a span per inference request (docs/ARCHITECTURE.md#traces); ``None``: off.
     ``usage``: when given, each key's usage against its limits at ``/iop/v1/usage``.
     """
     gate = ApiGate(
@@ -141,7 +144,15 @@ def create_api_app(
     slots = key_slots if key_slots is not None else KeySlots()
     rates = key_rates if key_rates is not None else KeyRates(MemoryKeyRates())
     inference = InferenceRoutes(
-        service, catalog, keys, runlog, metrics, slots, rates, mock_drills=mock_drills
+        service,
+        catalog,
+        keys,
+        runlog,
+        metrics,
+        slots,
+        rates,
+        mock_drills=mock_drills,
+        tracing=tracing,
     )
     hot: HotRoutes = {}
     inference.register(app, hot)

@@ -25,6 +25,7 @@ from typing import Any, Final, Protocol, TypeVar, cast
 
 from aiohttp import web
 from aiohttp.typedefs import Handler
+from loguru import logger
 
 from iop_edge.domain import drills
 from iop_edge.domain.drills import asks_drill, may_drill
@@ -41,6 +42,7 @@ from iop_edge.entrypoints.inference_request import read_json_body
 from iop_edge.entrypoints.openai_dialect import OpenAIDialect
 from iop_edge.entrypoints.queue_share import queue_share
 from iop_edge.entrypoints.rate_headers import anthropic_headers, openai_headers
+from iop_edge.entrypoints.run_span import open_span
 from iop_edge.entrypoints.run_trace import OVERHEAD_HEADER, RunTrace
 from iop_edge.errors import (
     EdgeError,
@@ -55,6 +57,7 @@ from iop_edge.service.key_rates import KeyRates, Meter, limited
 from iop_edge.service.limits import CLAMP_HEADER, clamp_output_tokens
 from iop_edge.service.run_reader import Collector, follow
 from iop_proto.service.logging import log_unexpected
+from iop_proto.tracing import Tracing, trace_id, traceparent
 
 CLIENT_DISCONNECTED: Final = "client disconnected"
 
@@ -115,9 +118,11 @@ class InferenceRoutes:
         rates: KeyRates,
         *,
         mock_drills: bool = False,
+        tracing: Tracing | None = None,
     ) -> None:
         """``mock_drills``: honour the mock's failure drills from every caller, not only
-        operator keys (domain/drills.py)."""
+        operator keys (domain/drills.py). ``tracing``: a span per request (run_span);
+        ``None``: tracing off, no span made."""
         self._service = service
         self._catalog = catalog
         self._keys = keys
@@ -126,6 +131,7 @@ class InferenceRoutes:
         self._slots = slots
         self._rates = rates
         self._mock_drills = mock_drills
+        self._tracing = tracing
 
     def register(self, app: web.Application, hot: HotRoutes | None = None) -> None:
         """The endpoints on ``app``; in ``hot`` too, for the inference front (``fast_front``)."""
@@ -226,6 +232,15 @@ class InferenceRoutes:
         trace.series = self._metrics.models[spec.model]
         # What the pipeline adds to the dialect's run, made into one new spec at the end.
         changes: dict[str, Any] = {}
+        if self._tracing is not None:
+            trace.span = open_span(
+                self._tracing,
+                operation=spec.operation.value,
+                model=spec.model,
+                stream=spec.stream,
+                received_ms=trace.received_ms,
+            )
+            changes["traceparent"] = traceparent(trace.span)
         scope = key.key_id if key is not None else ""
         session = session_key(request.headers, body, scope)
         if session is not None or scope:
@@ -258,7 +273,11 @@ class InferenceRoutes:
             if meter.refused is not None:
                 raise meter.refused
         try:
-            return await self._admitted(request, dialect, trace, key, asked, out, meter)
+            if trace.span is None:
+                return await self._admitted(request, dialect, trace, key, asked, out, meter)
+            # a traced request's log lines name its trace (the run log joins it to the run)
+            with logger.contextualize(trace_id=trace_id(trace.span)):
+                return await self._admitted(request, dialect, trace, key, asked, out, meter)
         finally:
             if meter is not None:
                 meter.settle(trace.prompt_tokens, trace.completion_tokens, trace.run is not None)

@@ -10,13 +10,17 @@ from __future__ import annotations
 import time
 import uuid
 
+from opentelemetry.trace import Span
+
 from iop_edge.domain.events import Completed, Started
 from iop_edge.domain.fleet import Operation
 from iop_edge.domain.usage import Api
 from iop_edge.entrypoints.api_metrics import ApiMetrics, ModelSeries
+from iop_edge.entrypoints.run_span import close_span
 from iop_edge.errors import EdgeError
 from iop_edge.ports import EdgeRunRecord, RunEvents, RunLog
 from iop_proto.service.logging import log_unexpected
+from iop_proto.tracing import trace_id
 
 CLIENT_CLOSED = 499
 """The status recorded when the client left before any response was sent (nginx's)."""
@@ -50,6 +54,7 @@ class RunTrace:
         "run",
         "run_id",
         "series",
+        "span",
         "status",
         "stream",
     )
@@ -82,6 +87,7 @@ class RunTrace:
         self.provider_s = 0.0  # the node's wait on the provider, as its last event said
         self.overhead_s: float | None = None  # what x-iop-overhead-ms said, once it was sent
         self.headers: dict[str, str] = {}  # every answer adds them (clamp, dialect's)
+        self.span: Span | None = None  # its span while tracing is on (run_span)
 
     @property
     def request_id(self) -> str:
@@ -195,7 +201,10 @@ class RunTrace:
             attempts=attempts,
             cached_tokens=self.cached_tokens,
             api=self.api.value,
+            trace_id="" if self.span is None else trace_id(self.span),
         )
+        if self.span is not None:
+            close_span(self.span, record)
         metrics.count(record)  # requests and tokens by model, provider, key and API
         try:
             # Synchronous (record() only queues), so even a second cancellation (server

@@ -297,6 +297,7 @@ class Dispatcher:
             drill=spec.drill,
             body_prepared=prepared,
             prompt_blocks=blocks,
+            traceparent=spec.traceparent,
         )
         # a node of an older version never acknowledges: its runs get no ack guard
         guards = self._guards if link.acknowledges_runs else self._stall_only

@@ -50,6 +50,8 @@ class RunOrder:
     prompt_blocks: tuple[int, ...] | None = None
     """The prompt's block hashes (``iop_proto.prefix``), hashed once by the edge (with a
     prepared body); ``None``: the node hashes the body when it needs them."""
+    traceparent: str = ""
+    """The edge's span of the request (W3C traceparent); "": not traced, no node span."""
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:
@@ -86,6 +88,7 @@ class ExecutionSpec:
     body_prepared: bool = False  # see ``RunOrder.body_prepared``
     prompt_blocks: tuple[int, ...] | None = None
     """The prompt's block hashes from the edge; ``None``: hash ``body`` when needed."""
+    traceparent: str = ""  # see ``RunOrder.traceparent``
     parsed: dict[str, Any] | None = field(default=None, compare=False, repr=False)
     """``body`` once parsed (``run_check`` parses an unprepared body up front)."""
 

@@ -70,6 +70,7 @@ def run_order(request: pb.RunRequest) -> RunOrder:
         deadline_unix_ms=request.deadline_unix_ms,
         body_prepared=prepared,
         prompt_blocks=tuple(request.prompt_blocks) if prepared else None,
+        traceparent=request.traceparent,
     )
 
 

@@ -28,6 +28,7 @@ from iop_node.ports import AdapterContext, AdapterFactory, LifecycleFlags, RunCh
 from iop_node.runtime import ProviderRuntime
 from iop_node.service.run_check import resolve
 from iop_node.service.runs import RunExecutor
+from iop_proto.tracing import Tracing
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +73,7 @@ class NodeCore:
         metrics: NodeMetrics,
         probes: ProbeSettings,
         cache_prefixes: int = DEFAULT_CACHE_PREFIXES,
+        tracing: Tracing | None = None,
     ) -> None:
         self.node_id = node_id
         self._factories = factories
@@ -85,7 +87,9 @@ class NodeCore:
         self._runs: dict[tuple[str, str], asyncio.Task[None]] = {}  # by (link, run id)
         self._retiring: set[asyncio.Task[None]] = set()
         self._listeners: list[Callable[[], None]] = []
-        self._executor = RunExecutor(history, metrics, self._changed)
+        self._executor = RunExecutor(
+            history, metrics, self._changed, node_id=node_id, tracing=tracing
+        )
 
     # ------------------------------------------------------------ change notification
 

@@ -61,5 +61,6 @@ def resolve(
         deadline=loop_now + max(budget_s, 0.0),
         body_prepared=order.body_prepared,
         prompt_blocks=order.prompt_blocks,
+        traceparent=order.traceparent,
         parsed=None if order.body_prepared else parse_body(order.body_json),
     )

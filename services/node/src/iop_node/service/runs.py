@@ -38,7 +38,9 @@ from iop_node.errors import (
 from iop_node.metrics import NodeMetrics
 from iop_node.ports import Adapter, RunChannel, RunHistory, RunRecord, TokenCounter
 from iop_node.runtime import ProviderRuntime
+from iop_node.service.run_spans import RunTimes, record_run_spans
 from iop_proto.prefix import body_blocks
+from iop_proto.tracing import Tracing
 
 ChangeCallback = Callable[[], None]
 PROMPTED: Final = frozenset({Operation.CHAT_COMPLETIONS, Operation.COMPLETIONS})
@@ -51,18 +53,40 @@ class RunExecutor:
     """Runs requests on providers; owns nothing but references to shared services."""
 
     def __init__(
-        self, history: RunHistory, metrics: NodeMetrics, on_change: ChangeCallback
+        self,
+        history: RunHistory,
+        metrics: NodeMetrics,
+        on_change: ChangeCallback,
+        *,
+        node_id: str = "",
+        tracing: Tracing | None = None,
     ) -> None:
+        """``tracing``: spans of the runs the edge traced (``run_spans``); ``None``: off."""
         self._history = history
         self._metrics = metrics
         self._on_change = on_change
+        self._node_id = node_id
+        self._tracing = tracing
 
     async def execute_run(
         self, runtime: ProviderRuntime, spec: ExecutionSpec, channel: RunChannel
     ) -> None:
-        """Run ``spec`` to its end. Raises only ``CancelledError`` (after cleaning up)."""
+        """Run ``spec`` to its end. Raises only ``CancelledError`` (after cleaning up).
+
+        A run the edge traced, on a node that traces, logs with its run and trace ids
+        (loguru's ``extra``) and leaves its spans (``run_spans``)."""
+        if self._tracing is None or not spec.traceparent:
+            await self._execute(runtime, spec, channel)
+            return
+        with logger.contextualize(run_id=spec.run_id, trace_id=spec.traceparent[3:35]):
+            await self._execute(runtime, spec, channel)
+
+    async def _execute(
+        self, runtime: ProviderRuntime, spec: ExecutionSpec, channel: RunChannel
+    ) -> None:
         loop = asyncio.get_running_loop()
-        received_ms = time.time_ns() // 1_000_000
+        received_ns = time.time_ns()
+        received_ms = received_ns // 1_000_000
         started_ms = 0
         outcome, code, message, completion = "failed", "", "", None
         adapter = runtime.adapter  # a config change must not swap it mid-run
@@ -209,6 +233,21 @@ class RunExecutor:
             if slot_taken_at is not None:
                 service_time = metrics.child(metrics.service_time, provider_id)
                 service_time.observe(loop.time() - slot_taken_at)
+            if self._tracing is not None and spec.traceparent:
+                ended_ns = time.time_ns()
+                began_ns = 0
+                if provider_began:  # on the perf clock: placed on the wall clock from the end
+                    began_ns = ended_ns - int((time.perf_counter() - provider_began) * 1e9)
+                times = RunTimes(received_ns, began_ns, channel.first_token_ms, ended_ns)
+                record_run_spans(
+                    self._tracing,
+                    spec,
+                    self._node_id,
+                    times,
+                    outcome=outcome,
+                    code=code,
+                    usage=usage,
+                )
 
     def _mark_unavailable(self, runtime: ProviderRuntime, detail: str) -> None:
         runtime.cache.forget()  # the engine is not there: nor is its cache
