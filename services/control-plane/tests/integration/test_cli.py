@@ -103,6 +103,8 @@ async def test_token_issue_prints_the_secret_once_and_stores_its_hash(
             "node_id": "gpu-1",
             "created_at": token.created_at.isoformat(),
             "revoked_at": None,
+            "expires_at": None,  # issued without --expires-in: never
+            "previous_secret_until": None,
         }
     ]
     assert "INSERT INTO" in logs.text()  # the capture works: aiosqlite or the server logged it

@@ -113,6 +113,12 @@ class AuthenticationFailed(EdgeError):
     status, type, code = 401, "invalid_request_error", "invalid_api_key"
 
 
+class KeyExpired(AuthenticationFailed):
+    """The request's key (or a rotation's previous secret of it) is past its expiry."""
+
+    code = "expired_api_key"
+
+
 class KeyRevoked(AuthenticationFailed):
     """The request's key was revoked while it ran or waited: the request is ended."""
 
