@@ -114,9 +114,8 @@ class AuthenticationFailed(EdgeError):
 
 
 class KeyExpired(AuthenticationFailed):
-    """The request's key (or a rotation's previous secret of it) is past its expiry."""
-
-    code = "expired_api_key"
+    """The request's key (or a rotation's previous secret of it) is past its expiry: the
+    code stays ``invalid_api_key`` (as a revoked key's), the message says why."""
 
 
 class KeyRevoked(AuthenticationFailed):
