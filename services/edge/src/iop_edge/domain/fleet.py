@@ -154,11 +154,11 @@ class Fleet:
     models: Mapping[str, ModelEntry] = field(default_factory=dict)
     providers: Mapping[str, ProviderEntry] = field(default_factory=dict)
     api_keys: Mapping[str, ApiKeyEntry] = field(default_factory=dict)  # by key_hash
+    revoked_token_ids: frozenset[str] = frozenset()
     # a rotation's previous secrets, by their hash: the same key (id, policy) with the
     # overlap's end as its expiry; apart so that each key is listed once in api_keys. Also
     # secrets that expired lately (no policy, their expiry past): refused as expired
     previous_keys: Mapping[str, ApiKeyEntry] = field(default_factory=dict)
-    revoked_token_ids: frozenset[str] = frozenset()
 
     def models_of_provider(self, provider_id: str) -> list[str]:
         return [m.id for m in self.models.values() if provider_id in m.providers]
