@@ -118,6 +118,9 @@ class Traffic:
     def stop(self) -> None:
         self._stop.set()
 
+    async def aclose(self) -> None:
+        await self._client.close()
+
 
 async def test_the_ca_is_rotated_with_no_request_failed(stack: Any, tmp_path: Path) -> None:
     pki = stack.root / "pki"
@@ -153,6 +156,7 @@ async def test_the_ca_is_rotated_with_no_request_failed(stack: Any, tmp_path: Pa
     finally:
         traffic.stop()
         await task
+        await traffic.aclose()
     assert traffic.failures == []
     print(f"{traffic.served} requests served through the rotation, none failed")
 
