@@ -17,6 +17,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, model_validator
 
 from iop_proto.errors import IopError, TlsConfigError
+from iop_proto.tls_reload import ReloadingContext
 
 MINIMUM_VERSION = ssl.TLSVersion.TLSv1_2
 
@@ -58,18 +59,30 @@ def _load(context: ssl.SSLContext, settings: TlsSettings) -> ssl.SSLContext:
 
 
 def server_context(settings: TlsSettings) -> ssl.SSLContext:
-    """A server context that requires and verifies a client certificate."""
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    context.verify_mode = ssl.CERT_REQUIRED
-    return _load(context, settings)
+    """A server context that requires and verifies a client certificate; it loads its
+    files again when they change (``tls_reload``: a CA rotated without a restart)."""
+    return _reloading(ssl.PROTOCOL_TLS_SERVER, settings)
 
 
 def client_context(settings: TlsSettings) -> ssl.SSLContext:
-    """A client context that verifies the server's certificate and host name."""
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    """A client context that verifies the server's certificate and host name; it loads
+    its files again when they change, as ``server_context``'s."""
+    return _reloading(ssl.PROTOCOL_TLS_CLIENT, settings)
+
+
+def _configure(context: ssl.SSLContext, settings: TlsSettings) -> ssl.SSLContext:
     context.verify_mode = ssl.CERT_REQUIRED
-    context.check_hostname = True
+    if context.protocol == ssl.PROTOCOL_TLS_CLIENT:
+        context.check_hostname = True
     return _load(context, settings)
+
+
+def _reloading(protocol: ssl._SSLMethod, settings: TlsSettings) -> ssl.SSLContext:
+    files = tuple(p for p in (settings.ca_file, settings.cert_file, settings.key_file) if p)
+    context = ReloadingContext(
+        protocol, files, lambda: _configure(ssl.SSLContext(protocol), settings)
+    )
+    return _configure(context, settings)
 
 
 @dataclass(frozen=True, slots=True)

@@ -517,7 +517,7 @@ class ModelConfig(_message.Message):
     def __init__(self, id: _Optional[str] = ..., display_name: _Optional[str] = ..., providers: _Optional[_Mapping[str, str]] = ..., max_output_tokens: _Optional[int] = ..., retries: _Optional[int] = ..., context_window: _Optional[int] = ...) -> None: ...
 
 class ApiKeyPolicy(_message.Message):
-    __slots__ = ("key_id", "name", "key_hash", "models", "max_concurrent", "operator", "limits", "model_limits", "weight", "priority")
+    __slots__ = ("key_id", "name", "key_hash", "models", "max_concurrent", "operator", "limits", "model_limits", "weight", "priority", "expires_unix_ms", "previous_key_hash", "previous_expires_unix_ms")
     KEY_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     KEY_HASH_FIELD_NUMBER: _ClassVar[int]
@@ -528,6 +528,9 @@ class ApiKeyPolicy(_message.Message):
     MODEL_LIMITS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_KEY_HASH_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_EXPIRES_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     key_id: str
     name: str
     key_hash: str
@@ -538,7 +541,10 @@ class ApiKeyPolicy(_message.Message):
     model_limits: _containers.RepeatedCompositeFieldContainer[ModelKeyLimits]
     weight: int
     priority: int
-    def __init__(self, key_id: _Optional[str] = ..., name: _Optional[str] = ..., key_hash: _Optional[str] = ..., models: _Optional[_Iterable[str]] = ..., max_concurrent: _Optional[int] = ..., operator: _Optional[bool] = ..., limits: _Optional[_Union[KeyLimits, _Mapping]] = ..., model_limits: _Optional[_Iterable[_Union[ModelKeyLimits, _Mapping]]] = ..., weight: _Optional[int] = ..., priority: _Optional[int] = ...) -> None: ...
+    expires_unix_ms: int
+    previous_key_hash: str
+    previous_expires_unix_ms: int
+    def __init__(self, key_id: _Optional[str] = ..., name: _Optional[str] = ..., key_hash: _Optional[str] = ..., models: _Optional[_Iterable[str]] = ..., max_concurrent: _Optional[int] = ..., operator: _Optional[bool] = ..., limits: _Optional[_Union[KeyLimits, _Mapping]] = ..., model_limits: _Optional[_Iterable[_Union[ModelKeyLimits, _Mapping]]] = ..., weight: _Optional[int] = ..., priority: _Optional[int] = ..., expires_unix_ms: _Optional[int] = ..., previous_key_hash: _Optional[str] = ..., previous_expires_unix_ms: _Optional[int] = ...) -> None: ...
 
 class KeyLimits(_message.Message):
     __slots__ = ("requests_per_minute", "input_tokens_per_minute", "output_tokens_per_minute", "token_budget", "budget_period", "max_concurrent")
@@ -565,7 +571,7 @@ class ModelKeyLimits(_message.Message):
     def __init__(self, model: _Optional[str] = ..., limits: _Optional[_Union[KeyLimits, _Mapping]] = ...) -> None: ...
 
 class FleetConfig(_message.Message):
-    __slots__ = ("version", "models", "nodes", "api_keys", "revoked_token_ids", "retired_node_ids", "accepts_node_status", "edges")
+    __slots__ = ("version", "models", "nodes", "api_keys", "revoked_token_ids", "retired_node_ids", "accepts_node_status", "edges", "expired_keys")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MODELS_FIELD_NUMBER: _ClassVar[int]
     NODES_FIELD_NUMBER: _ClassVar[int]
@@ -574,6 +580,7 @@ class FleetConfig(_message.Message):
     RETIRED_NODE_IDS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTS_NODE_STATUS_FIELD_NUMBER: _ClassVar[int]
     EDGES_FIELD_NUMBER: _ClassVar[int]
+    EXPIRED_KEYS_FIELD_NUMBER: _ClassVar[int]
     version: int
     models: _containers.RepeatedCompositeFieldContainer[ModelConfig]
     nodes: _containers.RepeatedCompositeFieldContainer[NodeConfig]
@@ -582,7 +589,18 @@ class FleetConfig(_message.Message):
     retired_node_ids: _containers.RepeatedScalarFieldContainer[str]
     accepts_node_status: bool
     edges: _containers.RepeatedCompositeFieldContainer[EdgeEndpoint]
-    def __init__(self, version: _Optional[int] = ..., models: _Optional[_Iterable[_Union[ModelConfig, _Mapping]]] = ..., nodes: _Optional[_Iterable[_Union[NodeConfig, _Mapping]]] = ..., api_keys: _Optional[_Iterable[_Union[ApiKeyPolicy, _Mapping]]] = ..., revoked_token_ids: _Optional[_Iterable[str]] = ..., retired_node_ids: _Optional[_Iterable[str]] = ..., accepts_node_status: _Optional[bool] = ..., edges: _Optional[_Iterable[_Union[EdgeEndpoint, _Mapping]]] = ...) -> None: ...
+    expired_keys: _containers.RepeatedCompositeFieldContainer[ExpiredKey]
+    def __init__(self, version: _Optional[int] = ..., models: _Optional[_Iterable[_Union[ModelConfig, _Mapping]]] = ..., nodes: _Optional[_Iterable[_Union[NodeConfig, _Mapping]]] = ..., api_keys: _Optional[_Iterable[_Union[ApiKeyPolicy, _Mapping]]] = ..., revoked_token_ids: _Optional[_Iterable[str]] = ..., retired_node_ids: _Optional[_Iterable[str]] = ..., accepts_node_status: _Optional[bool] = ..., edges: _Optional[_Iterable[_Union[EdgeEndpoint, _Mapping]]] = ..., expired_keys: _Optional[_Iterable[_Union[ExpiredKey, _Mapping]]] = ...) -> None: ...
+
+class ExpiredKey(_message.Message):
+    __slots__ = ("key_id", "key_hash", "expired_unix_ms")
+    KEY_ID_FIELD_NUMBER: _ClassVar[int]
+    KEY_HASH_FIELD_NUMBER: _ClassVar[int]
+    EXPIRED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    key_id: str
+    key_hash: str
+    expired_unix_ms: int
+    def __init__(self, key_id: _Optional[str] = ..., key_hash: _Optional[str] = ..., expired_unix_ms: _Optional[int] = ...) -> None: ...
 
 class NodeStatus(_message.Message):
     __slots__ = ("node_id", "connected", "token_id", "since_unix_ms", "peer_address", "detail")

@@ -19,12 +19,15 @@ from loguru import logger
 
 from iop_control_plane.adapters.fleet_file import load_fleet_file
 from iop_control_plane.adapters.fleet_proto import (
+    EXPIRED_LISTED_S,
+    expired_keys_to_proto,
+    key_expiry_to_proto,
     limits_to_proto,
     models_to_proto,
     node_config_to_proto,
 )
 from iop_control_plane.domain.authorization import Decision, Refusal, authorize
-from iop_control_plane.domain.credentials import hash_secret
+from iop_control_plane.domain.credentials import ApiKey, NodeToken, accepts, hash_secret
 from iop_control_plane.domain.fleet import FleetSpec, ParsedFleet
 from iop_control_plane.domain.nodes import NodeState
 from iop_control_plane.errors import FleetConfigError
@@ -52,9 +55,11 @@ class FleetAuthority:
         self._clock = clock
         self._fleet: ParsedFleet | None = None
         self._api_keys: list[pb.ApiKeyPolicy] = []
+        self._expired_keys: list[pb.ExpiredKey] = []
         self._revoked_token_ids: list[str] = []
         self._retired: frozenset[str] = frozenset()
         self._store_marker: int | None = None
+        self._next_expiry_s = float("inf")  # the next key expiry or overlap end (unix s)
         self._snapshot = pb.FleetConfig()
         self._digest = b""
         self._listeners: set[ChangeListener] = set()
@@ -128,9 +133,13 @@ class FleetAuthority:
         return []
 
     async def refresh_credentials(self) -> bool:
-        """Pick up token and key changes (made by the CLI); push them when they matter."""
+        """Pick up token and key changes (made by the CLI); push them when they matter.
+
+        Also when a key's expiry (or a rotation's overlap) has passed: the expired key
+        leaves the pushed configuration then, for edges from before the expiry field.
+        """
         marker = await self._store.change_marker()
-        if marker == self._store_marker:
+        if marker == self._store_marker and not self._clock() >= self._next_expiry_s:
             return False
         await self._load_credentials(marker)
         if not self._rebuild():
@@ -144,6 +153,16 @@ class FleetAuthority:
         so a store lost halfway leaves the old tables and the old marker (retried)."""
         if marker is None:
             marker = await self._store.change_marker()
+        now = datetime.fromtimestamp(self._clock(), UTC)
+        stored = await self._store.list_api_keys()
+        # An expired key leaves api_keys at its moment (an edge from before the expiry
+        # field then stops taking it at the next push) and is listed as expired instead.
+        keys = [
+            (key, *key_expiry_to_proto(key, now))
+            for key in stored
+            if not key.revoked and accepts(key, key.secret_hash, now)
+        ]
+        expired_keys = expired_keys_to_proto(stored, now)
         api_keys = [
             pb.ApiKeyPolicy(
                 key_id=key.key_id,
@@ -159,18 +178,35 @@ class FleetAuthority:
                 ],
                 weight=key.weight,
                 priority=key.priority,
+                expires_unix_ms=expires_ms,
+                previous_key_hash=previous_hash,
+                previous_expires_unix_ms=previous_ms,
             )
-            for key in await self._store.list_api_keys()
-            if not key.revoked
+            for key, expires_ms, previous_hash, previous_ms in keys
         ]
-        revoked_token_ids = sorted(
-            token.token_id for token in await self._store.list_node_tokens() if token.revoked
-        )
+        ends = [ms for _, key_ms, _, old_ms in keys for ms in (key_ms, old_ms) if ms]
+        ends += [e.expired_unix_ms + EXPIRED_LISTED_S * 1000 for e in expired_keys]
+        tokens = await self._store.list_node_tokens()
+        revoked_token_ids = sorted(token.token_id for token in tokens if token.revoked)
         retired = frozenset(await self._store.retired_nodes())
+        self._show_expiries(stored, tokens)
         self._store_marker = marker
+        self._next_expiry_s = min(ends) / 1000 if ends else float("inf")
         self._api_keys = api_keys
+        self._expired_keys = expired_keys
         self._revoked_token_ids = revoked_token_ids
         self._retired = retired
+
+    def _show_expiries(self, keys: list[ApiKey], tokens: list[NodeToken]) -> None:
+        """``iop_credential_expiry_timestamp_seconds`` for every credential that expires
+        and is not revoked (expired ones too: an alert sees what has lapsed)."""
+        gauge = self._metrics.credential_expiry
+        gauge.clear()
+        for kind, records in (("api_key", keys), ("node_token", tokens)):
+            for record in records:
+                if record.expires_at is not None and not record.revoked:
+                    record_id = record.key_id if isinstance(record, ApiKey) else record.token_id
+                    gauge.labels(kind=kind, id=record_id).set(record.expires_at.timestamp())
 
     def _rebuild(self) -> bool:
         """Rebuild the snapshot; the version moves only when the content changed."""
@@ -186,6 +222,7 @@ class FleetAuthority:
             retired_node_ids=sorted(retired),
             accepts_node_status=True,
             edges=[endpoint for _, (_, endpoint) in sorted(self._edges.items())],
+            expired_keys=self._expired_keys,
         )
         digest = hashlib.sha256(content.SerializeToString(deterministic=True)).digest()
         if digest == self._digest:
@@ -230,7 +267,13 @@ class FleetAuthority:
             )
         else:
             decision = authorize(
-                request.node_id, request.certificate_identity, token, self.fleet, self._retired
+                request.node_id,
+                request.certificate_identity,
+                token,
+                self.fleet,
+                self._retired,
+                presented_hash=hash_secret(request.token),
+                now=datetime.fromtimestamp(self._clock(), UTC),
             )
         reason = decision.refusal.value if decision.refusal else "accepted"
         self._metrics.authorizations.labels(

@@ -15,6 +15,7 @@ class ControlPlaneMetrics:
     reloads: Counter
     pushes: Counter
     tls_refusals: Counter
+    credential_expiry: Gauge
 
     @classmethod
     def create(cls, registry: CollectorRegistry) -> ControlPlaneMetrics:
@@ -50,6 +51,13 @@ class ControlPlaneMetrics:
                 "iop_control_plane_tls_refusals",
                 "Connections refused in the TLS handshake, by reason",
                 ["reason"],
+                registry=registry,
+            ),
+            credential_expiry=Gauge(
+                "iop_credential_expiry_timestamp_seconds",
+                "When an API key (kind api_key) or node token (kind node_token) that is not"
+                " revoked stops being accepted, unix seconds; none for one that never expires",
+                ["kind", "id"],
                 registry=registry,
             ),
         )

@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Protocol
 
-from iop_control_plane.domain.credentials import ApiKey, NodeToken
+from iop_control_plane.domain.credentials import ApiKey, NodeToken, Rotation
 from iop_control_plane.domain.nodes import NodeState
 
 
@@ -24,7 +24,8 @@ class CredentialStore(Protocol):
         ...
 
     async def find_node_token(self, secret_hash: str) -> NodeToken | None:
-        """The token whose secret hashes to ``secret_hash``, revoked or not, or ``None``."""
+        """The token whose secret, or previous secret of a rotation, hashes to
+        ``secret_hash``, revoked or expired or not, or ``None``."""
         ...
 
     async def list_node_tokens(self) -> list[NodeToken]:
@@ -44,7 +45,8 @@ class CredentialStore(Protocol):
         ...
 
     async def find_api_key(self, secret_hash: str) -> ApiKey | None:
-        """The key whose secret hashes to ``secret_hash``, revoked or not, or ``None``."""
+        """The key whose secret, or previous secret of a rotation, hashes to
+        ``secret_hash``, revoked or expired or not, or ``None``."""
         ...
 
     async def list_api_keys(self) -> list[ApiKey]:
@@ -62,6 +64,21 @@ class CredentialStore(Protocol):
         """Store ``key``'s policy (models, max_concurrent, limits, weight, priority) over the
         stored key of its id and return what is stored; ``CredentialError`` if the id is
         unknown or the key revoked (a revoked key stays as it was when revoked)."""
+        ...
+
+    async def rotate_node_token(
+        self, token_id: str, secret_hash: str, rotation: Rotation
+    ) -> NodeToken:
+        """Give the token the secret hashing to ``secret_hash`` and keep ``rotation`` (its
+        previous secret and the end of the overlap); return what is stored.
+
+        Only over ``rotation.previous_hash`` and only if not revoked: ``CredentialError``
+        otherwise (a rotation raced by another, or a revocation), so no previous secret
+        stays valid that its rotator was not told about."""
+        ...
+
+    async def rotate_api_key(self, key_id: str, secret_hash: str, rotation: Rotation) -> ApiKey:
+        """As ``rotate_node_token``, for an API key: same id, same policy, a new secret."""
         ...
 
     async def change_marker(self) -> int:

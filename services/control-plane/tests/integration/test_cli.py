@@ -103,6 +103,8 @@ async def test_token_issue_prints_the_secret_once_and_stores_its_hash(
             "node_id": "gpu-1",
             "created_at": token.created_at.isoformat(),
             "revoked_at": None,
+            "expires_at": None,  # issued without --expires-in: never
+            "previous_secret_until": None,
         }
     ]
     assert "INSERT INTO" in logs.text()  # the capture works: aiosqlite or the server logged it
@@ -352,3 +354,51 @@ async def test_a_keys_limits_are_issued_updated_per_model_and_listed(
     await _run(store, "key", "revoke", key.key_id)
     revoked = await _run(store, "key", "update", key.key_id, "--rpm", "1")
     assert (revoked.code, "revoked" in revoked.err) == (1, True)
+
+
+async def test_expiry_and_rotation_on_the_command_line(
+    store: OpenedCredentialStore, logs: Logs, tmp_path: Path
+) -> None:
+    issued = await _run(store, "token", "issue", "--node", "gpu-1", "--expires-in", "30d")
+    assert issued.code == 0, issued.err
+    [old] = TOKEN.findall(issued.out)
+    [token] = await store.list_node_tokens()
+    assert token.expires_at is not None
+    assert 29.9 < (token.expires_at - token.created_at).total_seconds() / 86400 <= 30
+    listing = await _run(store, "token", "list")
+    assert "EXPIRES" in listing.out
+    assert token.expires_at.strftime("%Y-%m-%d") in listing.out
+
+    output = tmp_path / "gpu-1.token"
+    rotated = await _run(store, "token", "rotate", token.token_id, "--overlap", "1h",
+                         "--output", str(output), "--json")  # fmt: skip
+    assert rotated.code == 0, rotated.err
+    new = output.read_text().strip()
+    assert TOKEN.fullmatch(new)
+    assert new not in rotated.out  # only where it went
+    shown = json.loads(rotated.out)
+    assert shown["id"] == token.token_id
+    assert shown["previous_secret_until"] is not None
+    assert await store.find_node_token(hash_secret(new)) == await store.find_node_token(
+        hash_secret(old)
+    )
+    assert old not in logs.text()
+    assert new not in logs.text()
+
+    key = await _run(store, "key", "issue", "--name", "ci", "--expires-at", "2099-01-31T00:00Z")
+    assert key.code == 0, key.err
+    [stored] = await store.list_api_keys()
+    assert stored.expires_at is not None
+    assert stored.expires_at.isoformat() == "2099-01-31T00:00:00+00:00"
+    again = await _run(store, "key", "rotate", stored.key_id)
+    assert again.code == 0, again.err
+    [fresh] = KEY.findall(again.out)
+    assert fresh not in key.out
+    past = await _run(store, "key", "issue", "--name", "late", "--expires-at", "2001-01-01T00:00Z")
+    assert past.code == 1
+    assert "not in the future" in past.err
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["key", "issue", "--name", "x", "--expires-in", "soon"])
+    gone = await _run(store, "key", "rotate", "key_00000000")
+    assert gone.code == 1
+    assert "no API key" in gone.err

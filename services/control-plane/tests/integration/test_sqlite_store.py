@@ -136,7 +136,7 @@ async def test_a_version_1_database_is_migrated_its_keys_ordinary_ones(db_path: 
         await store.aclose()
     raw = sqlite3.connect(db_path)
     try:
-        assert raw.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 4
+        assert raw.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 5
     finally:
         raw.close()
 
@@ -175,3 +175,34 @@ async def test_a_version_2_database_gains_the_node_tables(db_path: Path) -> None
         assert raw.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
     finally:
         raw.close()
+
+
+async def test_a_version_4_database_gains_expiry_and_rotation(db_path: Path) -> None:
+    """Keys and tokens from before expiry existed never expire and were never rotated."""
+    _create_database(db_path, 4)
+    raw = sqlite3.connect(db_path)
+    try:
+        raw.execute(V1_API_KEYS)
+        for column in (
+            "operator INTEGER NOT NULL DEFAULT 0",
+            "limits TEXT NOT NULL DEFAULT '{}'",
+            "weight INTEGER NOT NULL DEFAULT 1",
+            "priority INTEGER NOT NULL DEFAULT 0",
+        ):
+            raw.execute(f"ALTER TABLE api_keys ADD COLUMN {column}")
+        raw.execute(V1_NODE_TOKENS)
+        raw.execute(
+            "INSERT INTO api_keys (key_id, name, secret_hash, models, max_concurrent,"
+            " created_at) VALUES ('key_old', 'old', 'h', '[]', 0, ?)",
+            (NOW.isoformat(timespec="microseconds"),),
+        )
+        raw.commit()
+    finally:
+        raw.close()
+    store = await SqliteCredentialStore.open(db_path)
+    try:
+        [old] = await store.list_api_keys()
+        assert (old.key_id, old.expires_at, old.rotation) == ("key_old", None, None)
+        assert await store.find_api_key("h") == old
+    finally:
+        await store.aclose()

@@ -113,6 +113,11 @@ class AuthenticationFailed(EdgeError):
     status, type, code = 401, "invalid_request_error", "invalid_api_key"
 
 
+class KeyExpired(AuthenticationFailed):
+    """The request's key (or a rotation's previous secret of it) is past its expiry: the
+    code stays ``invalid_api_key`` (as a revoked key's), the message says why."""
+
+
 class KeyRevoked(AuthenticationFailed):
     """The request's key was revoked while it ran or waited: the request is ended."""
 

@@ -7,9 +7,12 @@ The domain stays free of protobuf (see STYLE.md); this is the one place that kno
 from __future__ import annotations
 
 import json
-from collections.abc import Set
+import math
+from collections.abc import Iterable, Set
+from datetime import datetime
 from typing import Any, Final
 
+from iop_control_plane.domain.credentials import ApiKey, accepts, secret_expiry
 from iop_control_plane.domain.fleet import Category, FleetSpec, NodeSpec, ProviderSpec
 from iop_control_plane.domain.key_limits import BudgetPeriod, KeyLimits
 from iop_proto.v1 import runtime_pb2 as pb
@@ -38,6 +41,47 @@ def limits_to_proto(limits: KeyLimits) -> pb.KeyLimits:
         budget_period=BUDGET_PERIOD_TO_PROTO[limits.budget_period],
         max_concurrent=limits.max_concurrent,
     )
+
+
+def key_expiry_to_proto(key: ApiKey, now: datetime) -> tuple[int, str, int]:
+    """``expires_unix_ms``, ``previous_key_hash`` and ``previous_expires_unix_ms`` of a key's
+    policy at ``now``: a rotation's previous secret only while its overlap lasts (its end
+    capped by the key's own expiry, as ``secret_expiry`` says)."""
+    expires_ms = _unix_ms(key.expires_at)
+    rotation = key.rotation
+    if rotation is None or not accepts(key, rotation.previous_hash, now):
+        return expires_ms, "", 0
+    return expires_ms, rotation.previous_hash, _unix_ms(secret_expiry(key, rotation.previous_hash))
+
+
+EXPIRED_LISTED_S: Final = 7 * 86400
+"""How long after its expiry a secret is still sent to the edges as expired (to be refused
+saying so): long enough for clients to be told why, short enough to keep the list small."""
+
+
+def expired_keys_to_proto(keys: Iterable[ApiKey], now: datetime) -> list[pb.ExpiredKey]:
+    """The secrets of ``keys`` (not revoked ones: those are refused as unknown, as before)
+    whose expiry, or rotation overlap, passed within ``EXPIRED_LISTED_S`` of ``now``."""
+    expired = []
+    for key in keys:
+        if key.revoked:
+            continue
+        hashes = [key.secret_hash]
+        if key.rotation is not None:
+            hashes.append(key.rotation.previous_hash)
+        for secret_hash in hashes:
+            ended = secret_expiry(key, secret_hash)
+            if ended is not None and 0 <= (now - ended).total_seconds() < EXPIRED_LISTED_S:
+                expired.append(
+                    pb.ExpiredKey(
+                        key_id=key.key_id, key_hash=secret_hash, expired_unix_ms=_unix_ms(ended)
+                    )
+                )
+    return expired
+
+
+def _unix_ms(moment: datetime | None) -> int:
+    return 0 if moment is None else math.ceil(moment.timestamp() * 1000)
 
 
 def settings_json(provider: ProviderSpec) -> bytes:

@@ -26,7 +26,13 @@ from typing import Any
 
 import asyncpg
 
-from iop_control_plane.domain.credentials import ApiKey, NodeToken, as_utc, updated_key
+from iop_control_plane.domain.credentials import (
+    ApiKey,
+    NodeToken,
+    Rotation,
+    as_utc,
+    updated_key,
+)
 from iop_control_plane.domain.key_limits import dump_limits, load_limits
 from iop_control_plane.domain.nodes import NodeState
 from iop_control_plane.errors import CredentialError
@@ -95,6 +101,18 @@ STEPS: tuple[str, ...] = (
     ALTER TABLE cp_api_keys ADD COLUMN weight INTEGER NOT NULL DEFAULT 1 CHECK (weight >= 1);
     ALTER TABLE cp_api_keys ADD COLUMN priority INTEGER NOT NULL DEFAULT 0;
     """,
+    # 3: expiry and rotation with an overlap (the previous secret, accepted until
+    # previous_until); every credential before never expires and was never rotated
+    """
+    ALTER TABLE cp_node_tokens ADD COLUMN expires_at TIMESTAMPTZ;
+    ALTER TABLE cp_node_tokens ADD COLUMN previous_hash TEXT;
+    ALTER TABLE cp_node_tokens ADD COLUMN previous_until TIMESTAMPTZ;
+    CREATE INDEX cp_node_tokens_previous_hash ON cp_node_tokens (previous_hash);
+    ALTER TABLE cp_api_keys ADD COLUMN expires_at TIMESTAMPTZ;
+    ALTER TABLE cp_api_keys ADD COLUMN previous_hash TEXT;
+    ALTER TABLE cp_api_keys ADD COLUMN previous_until TIMESTAMPTZ;
+    CREATE INDEX cp_api_keys_previous_hash ON cp_api_keys (previous_hash);
+    """,
 )
 """The schema, one SQL script per version (``apply_migrations``); append, never edit.
 
@@ -102,15 +120,32 @@ The triggers are row-level on purpose: a statement that changed no row (a repeat
 revocation) fires none, so the marker does not move for it. ``cp_node_states`` has
 none: edges' reports are not part of the pushed configuration."""
 
-_TOKEN_COLUMNS = "token_id, node_id, secret_hash, created_at, revoked_at"
+_EXPIRY_COLUMNS = "expires_at, previous_hash, previous_until"
+_TOKEN_COLUMNS = f"token_id, node_id, secret_hash, created_at, revoked_at, {_EXPIRY_COLUMNS}"
 _KEY_COLUMNS = (
     "key_id, name, secret_hash, models, max_concurrent, created_at, revoked_at, operator,"
-    " limits, weight, priority"
+    f" limits, weight, priority, {_EXPIRY_COLUMNS}"
 )
+_TABLES = {"node_tokens": ("cp_node_tokens", "token_id"), "api_keys": ("cp_api_keys", "key_id")}
 
 
 def _optional_utc(moment: datetime | None) -> datetime | None:
     return None if moment is None else as_utc(moment)
+
+
+def _rotation(row: asyncpg.Record) -> Rotation | None:
+    if row["previous_hash"] is None:
+        return None
+    return Rotation(previous_hash=row["previous_hash"], until=row["previous_until"])
+
+
+def _expiry_values(record: NodeToken | ApiKey) -> tuple[Any, ...]:
+    rotation = record.rotation
+    return (
+        _optional_utc(record.expires_at),
+        None if rotation is None else rotation.previous_hash,
+        None if rotation is None else as_utc(rotation.until),
+    )
 
 
 def _token(row: asyncpg.Record) -> NodeToken:
@@ -120,6 +155,8 @@ def _token(row: asyncpg.Record) -> NodeToken:
         secret_hash=row["secret_hash"],
         created_at=row["created_at"],
         revoked_at=row["revoked_at"],
+        expires_at=row["expires_at"],
+        rotation=_rotation(row),
     )
 
 
@@ -138,6 +175,8 @@ def _key(row: asyncpg.Record) -> ApiKey:
         model_limits=model_limits,
         weight=row["weight"],
         priority=row["priority"],
+        expires_at=row["expires_at"],
+        rotation=_rotation(row),
     )
 
 
@@ -193,18 +232,22 @@ class PostgresCredentialStore:
     async def add_node_token(self, token: NodeToken) -> None:
         await self._execute(
             "storing a node token",
-            f"INSERT INTO cp_node_tokens ({_TOKEN_COLUMNS}) VALUES ($1, $2, $3, $4, $5)",
+            f"INSERT INTO cp_node_tokens ({_TOKEN_COLUMNS})"
+            " VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
             token.token_id,
             token.node_id,
             token.secret_hash,
             as_utc(token.created_at),
             _optional_utc(token.revoked_at),
+            *_expiry_values(token),
         )
 
     async def find_node_token(self, secret_hash: str) -> NodeToken | None:
         rows = await self._fetch(
             "finding a node token",
-            f"SELECT {_TOKEN_COLUMNS} FROM cp_node_tokens WHERE secret_hash = $1",
+            f"SELECT {_TOKEN_COLUMNS} FROM cp_node_tokens WHERE secret_hash = $1"
+            f" UNION ALL SELECT {_TOKEN_COLUMNS} FROM cp_node_tokens WHERE previous_hash = $1"
+            " LIMIT 1",
             secret_hash,
         )
         return _token(rows[0]) if rows else None
@@ -240,7 +283,7 @@ class PostgresCredentialStore:
         await self._execute(
             "storing an API key",
             f"INSERT INTO cp_api_keys ({_KEY_COLUMNS})"
-            " VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)",
+            " VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)",
             key.key_id,
             key.name,
             key.secret_hash,
@@ -252,6 +295,7 @@ class PostgresCredentialStore:
             dump_limits(key.limits, key.model_limits),
             key.weight,
             key.priority,
+            *_expiry_values(key),
         )
 
     async def update_api_key(self, key: ApiKey) -> ApiKey:
@@ -276,7 +320,9 @@ class PostgresCredentialStore:
     async def find_api_key(self, secret_hash: str) -> ApiKey | None:
         rows = await self._fetch(
             "finding an API key",
-            f"SELECT {_KEY_COLUMNS} FROM cp_api_keys WHERE secret_hash = $1",
+            f"SELECT {_KEY_COLUMNS} FROM cp_api_keys WHERE secret_hash = $1"
+            f" UNION ALL SELECT {_KEY_COLUMNS} FROM cp_api_keys WHERE previous_hash = $1"
+            " LIMIT 1",
             secret_hash,
         )
         return _key(rows[0]) if rows else None
@@ -303,6 +349,35 @@ class PostgresCredentialStore:
         if not rows:
             raise CredentialError(f"no API key with id {key_id!r}")
         return _key(rows[0])
+
+    async def rotate_node_token(
+        self, token_id: str, secret_hash: str, rotation: Rotation
+    ) -> NodeToken:
+        return _token(await self._rotate("node_tokens", token_id, secret_hash, rotation))
+
+    async def rotate_api_key(self, key_id: str, secret_hash: str, rotation: Rotation) -> ApiKey:
+        return _key(await self._rotate("api_keys", key_id, secret_hash, rotation))
+
+    async def _rotate(
+        self, kind: str, record_id: str, secret_hash: str, rotation: Rotation
+    ) -> asyncpg.Record:
+        # Only over the secret the rotation was made from, as in the SQLite store; the
+        # table and column names come from _TABLES, never from input.
+        table, id_column = _TABLES[kind]
+        columns = _TOKEN_COLUMNS if kind == "node_tokens" else _KEY_COLUMNS
+        rows = await self._fetch(
+            "rotating a credential",
+            f"UPDATE {table} SET secret_hash = $1, previous_hash = $2, previous_until = $3"
+            f" WHERE {id_column} = $4 AND secret_hash = $2 AND revoked_at IS NULL"
+            f" RETURNING {columns}",
+            secret_hash,
+            rotation.previous_hash,
+            as_utc(rotation.until),
+            record_id,
+        )
+        if len(rows) != 1:
+            raise CredentialError(f"{record_id} changed or was revoked meanwhile; try again")
+        return rows[0]
 
     async def change_marker(self) -> int:
         """The version row the triggers bump: the same number for every control-plane."""

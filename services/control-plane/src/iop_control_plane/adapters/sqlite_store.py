@@ -17,13 +17,19 @@ from typing import Any
 
 import aiosqlite
 
-from iop_control_plane.domain.credentials import ApiKey, NodeToken, as_utc, updated_key
+from iop_control_plane.domain.credentials import (
+    ApiKey,
+    NodeToken,
+    Rotation,
+    as_utc,
+    updated_key,
+)
 from iop_control_plane.domain.key_limits import dump_limits, load_limits
 from iop_control_plane.domain.nodes import NodeState
 from iop_control_plane.errors import CredentialError
 from iop_proto.sqlite import open_database, statement_migrations
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 """Kept in ``PRAGMA user_version``; bump it with a migration when the tables change."""
 
 BUSY_TIMEOUT_S = 5.0
@@ -47,13 +53,22 @@ _NODE_TABLES = (
 )
 """Retired nodes and the connection states edges report (``node list``)."""
 
+_ROTATION_INDEXES = (
+    "CREATE INDEX IF NOT EXISTS node_tokens_previous_hash ON node_tokens (previous_hash)",
+    "CREATE INDEX IF NOT EXISTS api_keys_previous_hash ON api_keys (previous_hash)",
+)
+"""A rotated credential is also found by its previous secret, during the overlap."""
+
 _SCHEMA = (
     """CREATE TABLE IF NOT EXISTS node_tokens (
         token_id    TEXT PRIMARY KEY,
         node_id     TEXT NOT NULL,
         secret_hash TEXT NOT NULL,
         created_at  TEXT NOT NULL,
-        revoked_at  TEXT
+        revoked_at  TEXT,
+        expires_at     TEXT,
+        previous_hash  TEXT,
+        previous_until TEXT
     )""",
     "CREATE UNIQUE INDEX IF NOT EXISTS node_tokens_secret_hash ON node_tokens (secret_hash)",
     """CREATE TABLE IF NOT EXISTS api_keys (
@@ -67,10 +82,14 @@ _SCHEMA = (
         operator       INTEGER NOT NULL DEFAULT 0,
         limits         TEXT NOT NULL DEFAULT '{}',
         weight         INTEGER NOT NULL DEFAULT 1 CHECK (weight >= 1),
-        priority       INTEGER NOT NULL DEFAULT 0
+        priority       INTEGER NOT NULL DEFAULT 0,
+        expires_at     TEXT,
+        previous_hash  TEXT,
+        previous_until TEXT
     )""",
     "CREATE UNIQUE INDEX IF NOT EXISTS api_keys_secret_hash ON api_keys (secret_hash)",
     *_NODE_TABLES,
+    *_ROTATION_INDEXES,
 )
 """The schema, statement by statement, each idempotent (it also runs after the migrations)."""
 
@@ -85,14 +104,23 @@ _MIGRATIONS: dict[int, tuple[str, ...]] = {
         "ALTER TABLE api_keys ADD COLUMN weight INTEGER NOT NULL DEFAULT 1 CHECK (weight >= 1)",
         "ALTER TABLE api_keys ADD COLUMN priority INTEGER NOT NULL DEFAULT 0",
     ),
+    # version 4 -> 5: expiry and rotation with an overlap; every credential before never
+    # expires and was never rotated
+    4: tuple(
+        f"ALTER TABLE {table} ADD COLUMN {column} TEXT"
+        for table in ("node_tokens", "api_keys")
+        for column in ("expires_at", "previous_hash", "previous_until")
+    )
+    + _ROTATION_INDEXES,
 }
 """The statements that bring a file at version ``v`` (the key) to ``v + 1``."""
 
 _STATE_ROWS_PER_STATEMENT = 500  # 8 values a row, well under SQLite's 32766 variables
-_TOKEN_COLUMNS = "token_id, node_id, secret_hash, created_at, revoked_at"
+_EXPIRY_COLUMNS = "expires_at, previous_hash, previous_until"
+_TOKEN_COLUMNS = f"token_id, node_id, secret_hash, created_at, revoked_at, {_EXPIRY_COLUMNS}"
 _KEY_COLUMNS = (
     "key_id, name, secret_hash, models, max_concurrent, created_at, revoked_at, operator,"
-    " limits, weight, priority"
+    f" limits, weight, priority, {_EXPIRY_COLUMNS}"
 )
 
 
@@ -113,6 +141,21 @@ def _from_optional_text(text: str | None) -> datetime | None:
     return None if text is None else datetime.fromisoformat(text)
 
 
+def _rotation_from_row(row: sqlite3.Row) -> Rotation | None:
+    if row["previous_hash"] is None:
+        return None
+    return Rotation(previous_hash=row["previous_hash"], until=_from_text(row["previous_until"]))
+
+
+def _expiry_values(record: NodeToken | ApiKey) -> tuple[str | None, str | None, str | None]:
+    rotation = record.rotation
+    return (
+        _to_optional_text(record.expires_at),
+        None if rotation is None else rotation.previous_hash,
+        None if rotation is None else _to_text(rotation.until),
+    )
+
+
 def _token_from_row(row: sqlite3.Row) -> NodeToken:
     return NodeToken(
         token_id=row["token_id"],
@@ -120,6 +163,8 @@ def _token_from_row(row: sqlite3.Row) -> NodeToken:
         secret_hash=row["secret_hash"],
         created_at=_from_text(row["created_at"]),
         revoked_at=_from_optional_text(row["revoked_at"]),
+        expires_at=_from_optional_text(row["expires_at"]),
+        rotation=_rotation_from_row(row),
     )
 
 
@@ -138,6 +183,8 @@ def _key_from_row(row: sqlite3.Row) -> ApiKey:
         model_limits=model_limits,
         weight=row["weight"],
         priority=row["priority"],
+        expires_at=_from_optional_text(row["expires_at"]),
+        rotation=_rotation_from_row(row),
     )
 
 
@@ -192,19 +239,23 @@ class SqliteCredentialStore:
 
     async def add_node_token(self, token: NodeToken) -> None:
         await self._write(
-            f"INSERT INTO node_tokens ({_TOKEN_COLUMNS}) VALUES (?, ?, ?, ?, ?)",
+            f"INSERT INTO node_tokens ({_TOKEN_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
             (
                 token.token_id,
                 token.node_id,
                 token.secret_hash,
                 _to_text(token.created_at),
                 _to_optional_text(token.revoked_at),
+                *_expiry_values(token),
             ),
         )
 
     async def find_node_token(self, secret_hash: str) -> NodeToken | None:
         rows = await self._fetch(
-            f"SELECT {_TOKEN_COLUMNS} FROM node_tokens WHERE secret_hash = ?", (secret_hash,)
+            f"SELECT {_TOKEN_COLUMNS} FROM node_tokens WHERE secret_hash = ?"
+            " UNION ALL"
+            f" SELECT {_TOKEN_COLUMNS} FROM node_tokens WHERE previous_hash = ? LIMIT 1",
+            (secret_hash, secret_hash),
         )
         return _token_from_row(rows[0]) if rows else None
 
@@ -229,7 +280,8 @@ class SqliteCredentialStore:
 
     async def add_api_key(self, key: ApiKey) -> None:
         await self._write(
-            f"INSERT INTO api_keys ({_KEY_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            f"INSERT INTO api_keys ({_KEY_COLUMNS})"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (
                 key.key_id,
                 key.name,
@@ -242,12 +294,16 @@ class SqliteCredentialStore:
                 dump_limits(key.limits, key.model_limits),
                 key.weight,
                 key.priority,
+                *_expiry_values(key),
             ),
         )
 
     async def find_api_key(self, secret_hash: str) -> ApiKey | None:
         rows = await self._fetch(
-            f"SELECT {_KEY_COLUMNS} FROM api_keys WHERE secret_hash = ?", (secret_hash,)
+            f"SELECT {_KEY_COLUMNS} FROM api_keys WHERE secret_hash = ?"
+            " UNION ALL"
+            f" SELECT {_KEY_COLUMNS} FROM api_keys WHERE previous_hash = ? LIMIT 1",
+            (secret_hash, secret_hash),
         )
         return _key_from_row(rows[0]) if rows else None
 
@@ -282,6 +338,40 @@ class SqliteCredentialStore:
             f"SELECT {_KEY_COLUMNS} FROM api_keys WHERE key_id = ?", (key.key_id,)
         )
         return updated_key(key, [_key_from_row(row) for row in rows])
+
+    async def rotate_node_token(
+        self, token_id: str, secret_hash: str, rotation: Rotation
+    ) -> NodeToken:
+        await self._rotate("node_tokens", "token_id", token_id, secret_hash, rotation)
+        rows = await self._fetch(
+            f"SELECT {_TOKEN_COLUMNS} FROM node_tokens WHERE token_id = ?", (token_id,)
+        )
+        return _token_from_row(rows[0])
+
+    async def rotate_api_key(self, key_id: str, secret_hash: str, rotation: Rotation) -> ApiKey:
+        await self._rotate("api_keys", "key_id", key_id, secret_hash, rotation)
+        rows = await self._fetch(f"SELECT {_KEY_COLUMNS} FROM api_keys WHERE key_id = ?", (key_id,))
+        return _key_from_row(rows[0])
+
+    async def _rotate(
+        self, table: str, id_column: str, record_id: str, secret_hash: str, rotation: Rotation
+    ) -> None:
+        # Only over the secret the rotation was made from (and not revoked): two rotations
+        # at once, or one racing a revocation, leave one winner and an error, never a
+        # previous secret nobody was told about. Table and column names are ours, not input.
+        changed = await self._write(
+            f"UPDATE {table} SET secret_hash = ?, previous_hash = ?, previous_until = ?"
+            f" WHERE {id_column} = ? AND secret_hash = ? AND revoked_at IS NULL",
+            (
+                secret_hash,
+                rotation.previous_hash,
+                _to_text(rotation.until),
+                record_id,
+                rotation.previous_hash,
+            ),
+        )
+        if changed != 1:
+            raise CredentialError(f"{record_id} changed or was revoked meanwhile; try again")
 
     async def change_marker(self) -> int:
         # Both terms only grow, so their sum moves whenever either does.

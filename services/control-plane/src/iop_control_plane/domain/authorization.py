@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Set
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from enum import StrEnum
 
-from iop_control_plane.domain.credentials import NodeToken
+from iop_control_plane.domain.credentials import NodeToken, accepts, secret_expiry
 from iop_control_plane.domain.fleet import FleetSpec, NodeSpec
 
 
@@ -23,6 +24,7 @@ class Refusal(StrEnum):
     IDENTITY_MISMATCH = "identity_mismatch"
     UNKNOWN_TOKEN = "unknown_token"
     REVOKED = "token_revoked"
+    EXPIRED = "token_expired"
     OTHER_NODE = "token_of_another_node"
     UNKNOWN_NODE = "node_not_in_fleet"
     RETIRED = "node_retired"
@@ -49,11 +51,17 @@ def authorize(
     token: NodeToken | None,
     fleet: FleetSpec,
     retired: Set[str] = frozenset(),
+    *,
+    presented_hash: str | None = None,
+    now: datetime | None = None,
 ) -> Decision:
     """Decide a registration of ``node_id`` presenting ``token`` over a certificate.
 
     A retired node is refused as retired, whatever its token (``node retire`` revoked
     them): ``node add`` admits it again. The certificate already proved which node it is.
+    ``presented_hash`` (the hash of the secret presented: the token's own, or its previous
+    one during a rotation's overlap) is checked for expiry at ``now``; without it, the
+    token's own secret is.
     """
     if not node_id or not certificate_identity:
         return _refuse(Refusal.MALFORMED, "node id and certificate identity are required")
@@ -74,6 +82,16 @@ def authorize(
         return _refuse(Refusal.UNKNOWN_TOKEN, f"the token presented by {node_id!r} is not known")
     if token.revoked:
         return _refuse(Refusal.REVOKED, f"token {token.token_id} was revoked")
+    presented = token.secret_hash if presented_hash is None else presented_hash
+    moment = datetime.now(UTC) if now is None else now
+    if not accepts(token, presented, moment):
+        ended = secret_expiry(token, presented)
+        which = "its previous secret" if presented != token.secret_hash else "it"
+        return _refuse(
+            Refusal.EXPIRED,
+            f"token {token.token_id} expired ({which} was accepted until "
+            f"{ended.isoformat() if ended else '?'}): issue or rotate a new one",
+        )
     if token.node_id != node_id:
         return _refuse(
             Refusal.OTHER_NODE,

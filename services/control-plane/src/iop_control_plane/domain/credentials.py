@@ -16,7 +16,8 @@ import hashlib
 import secrets
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
+from typing import Protocol
 
 from iop_control_plane.domain.key_limits import NO_LIMITS, KeyLimits, ModelLimits
 from iop_control_plane.errors import CredentialError
@@ -47,6 +48,56 @@ def as_utc(moment: datetime) -> datetime:
 
 
 @dataclass(frozen=True, slots=True)
+class Rotation:
+    """A credential's previous secret after ``rotate``: still accepted until ``until``
+    (the end of the overlap), so clients and nodes can move to the new one without a cut."""
+
+    previous_hash: str = field(repr=False)
+    until: datetime
+
+
+class _Expiring(Protocol):
+    @property
+    def secret_hash(self) -> str: ...
+    @property
+    def expires_at(self) -> datetime | None: ...
+    @property
+    def rotation(self) -> Rotation | None: ...
+
+
+def secret_expiry(record: _Expiring, secret_hash: str) -> datetime | None:
+    """When the secret hashing to ``secret_hash`` stops being accepted for ``record``
+    (``None``: never). The previous secret of a rotation ends with its overlap, or with
+    the credential itself if that comes first; a hash of neither has already ended."""
+    if secret_hash == record.secret_hash:
+        return record.expires_at
+    rotation = record.rotation
+    if rotation is None or secret_hash != rotation.previous_hash:
+        return datetime.min.replace(tzinfo=UTC)
+    ends = record.expires_at
+    return rotation.until if ends is None else min(rotation.until, ends)
+
+
+def accepts(record: _Expiring, secret_hash: str, now: datetime) -> bool:
+    """Whether ``secret_hash`` (the hash of a presented secret) is still good at ``now``;
+    revocation is the caller's to check, as before."""
+    ends = secret_expiry(record, secret_hash)
+    return ends is None or as_utc(now) < ends
+
+
+def expires_after(now: datetime, seconds: float | None, at: datetime | None) -> datetime | None:
+    """An expiry given as a duration from ``now`` or as a moment (at most one of them);
+    ``CredentialError`` for one not in the future."""
+    if seconds is not None and at is not None:
+        raise CredentialError("give an expiry as a duration or as a moment, not both")
+    if seconds is not None:
+        at = as_utc(now) + timedelta(seconds=seconds)
+    if at is not None and as_utc(at) <= as_utc(now):
+        raise CredentialError(f"the expiry {as_utc(at).isoformat()} is not in the future")
+    return None if at is None else as_utc(at)
+
+
+@dataclass(frozen=True, slots=True)
 class NodeToken:
     """What is kept of a node token: who it is for, when it was made and revoked, not the secret."""
 
@@ -55,6 +106,8 @@ class NodeToken:
     secret_hash: str = field(repr=False)
     created_at: datetime
     revoked_at: datetime | None = None
+    expires_at: datetime | None = None  # None: never
+    rotation: Rotation | None = None  # the secret it had before its last rotation
 
     @property
     def revoked(self) -> bool:
@@ -90,6 +143,8 @@ class ApiKey:
     model_limits: ModelLimits = ()
     weight: int = 1  # its share of turns in a model's queue
     priority: int = 0  # higher is served first
+    expires_at: datetime | None = None  # None: never
+    rotation: Rotation | None = None  # the secret it had before its last rotation
 
     def __post_init__(self) -> None:
         if self.weight < 1:
@@ -126,7 +181,9 @@ class IssuedKey:
     plaintext: str = field(repr=False)
 
 
-def new_node_token(node_id: str, now: datetime) -> IssuedToken:
+def new_node_token(
+    node_id: str, now: datetime, *, expires_at: datetime | None = None
+) -> IssuedToken:
     """Make a token for ``node_id``; store ``.token``, hand ``.plaintext`` to the operator once."""
     node_id = node_id.strip()
     if not node_id:
@@ -137,6 +194,7 @@ def new_node_token(node_id: str, now: datetime) -> IssuedToken:
         node_id=node_id,
         secret_hash=hash_secret(plaintext),
         created_at=as_utc(now),
+        expires_at=expires_after(now, None, expires_at),
     )
     return IssuedToken(token=token, plaintext=plaintext)
 
@@ -151,6 +209,7 @@ def new_api_key(
     limits: KeyLimits = NO_LIMITS,
     weight: int = 1,
     priority: int = 0,
+    expires_at: datetime | None = None,
 ) -> IssuedKey:
     """Make an API key named ``name`` limited to ``models`` (none: all) and ``max_concurrent``;
     ``operator`` lets it see every key's work at the edge.
@@ -185,6 +244,7 @@ def new_api_key(
         limits=limits,
         weight=weight,
         priority=priority,
+        expires_at=expires_after(now, None, expires_at),
     )
     return IssuedKey(key=key, plaintext=plaintext)
 
@@ -198,3 +258,43 @@ def updated_key(asked: ApiKey, stored: list[ApiKey]) -> ApiKey:
     if key.revoked:
         raise CredentialError(f"API key {asked.key_id} is revoked; issue a new one")
     return key
+
+
+def new_secret(prefix: str) -> tuple[str, str]:
+    """A fresh secret with ``prefix`` and its hash: what ``rotate`` stores and hands out."""
+    plaintext = prefix + secrets.token_urlsafe(SECRET_BYTES)
+    return plaintext, hash_secret(plaintext)
+
+
+def rotation_of(
+    record: _Expiring, revoked: bool, what: str, now: datetime, overlap_s: float
+) -> Rotation:
+    """The ``Rotation`` a ``rotate`` of ``record`` keeps: its current secret, accepted for
+    ``overlap_s`` more seconds (0: not at all). A revoked or expired credential is not
+    rotated: it has no secret left to overlap with, and reviving it is ``issue``'s job."""
+    if revoked:
+        raise CredentialError(f"{what} is revoked; issue a new one")
+    if not accepts(record, record.secret_hash, now):
+        raise CredentialError(f"{what} has expired; issue a new one")
+    if overlap_s < 0:
+        raise CredentialError(f"the overlap must be 0 or more seconds (got {overlap_s})")
+    until = as_utc(now) + timedelta(seconds=overlap_s)
+    return Rotation(previous_hash=record.secret_hash, until=until)
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in ``30d``, ``24h``, ``90m``, ``45s`` or a bare number of seconds (the CLI's
+    ``--expires-in`` and ``--overlap``); ``CredentialError`` for anything else."""
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+    text = text.strip().lower()
+    scale = units.get(text[-1:])
+    number = text[:-1] if scale is not None else text
+    try:
+        value = float(number)
+    except ValueError:
+        raise CredentialError(
+            f"{text!r} is not a duration (say 30d, 24h, 90m, 45s or seconds)"
+        ) from None
+    if value < 0 or value != value:  # NaN is not a duration either
+        raise CredentialError(f"a duration must be 0 or more (got {text!r})")
+    return value * (scale or 1)

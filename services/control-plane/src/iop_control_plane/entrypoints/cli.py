@@ -1,7 +1,8 @@
 """The operator's credential commands: issue, revoke and list node tokens and API keys.
 
-    token issue --node ID [--output FILE [--force]]   token revoke TOKEN_ID   token list
-    key issue --name NAME [--models a,b] [--max-concurrent N] [--operator] [limits]
+    token issue --node ID [--output FILE [--force]] [expiry]   token revoke TOKEN_ID   token list
+    key issue --name NAME [--models a,b] [--max-concurrent N] [--operator] [limits] [expiry]
+    token rotate TOKEN_ID / key rotate KEY_ID [--overlap 24h]    (``rotation_cli``)
     key update KEY_ID [--model M] [limits]       (limits: see ``key_limits_cli``)
     key revoke KEY_ID              key list                   (each takes --json)
 
@@ -32,7 +33,7 @@ from iop_control_plane.domain.credentials import (
     new_node_token,
 )
 from iop_control_plane.domain.key_limits import NO_LIMITS, KeyLimits
-from iop_control_plane.entrypoints import key_limits_cli
+from iop_control_plane.entrypoints import key_limits_cli, rotation_cli
 from iop_control_plane.entrypoints.output import json_time as _json_time
 from iop_control_plane.entrypoints.output import print_json, write_secret_file
 from iop_control_plane.entrypoints.output import show_time as _show_time
@@ -80,15 +81,17 @@ async def issue_token(
     output: Path | None = None,
     force: bool = False,
     as_json: bool = False,
+    expires_at: datetime | None = None,
 ) -> int:
-    """Issue a token for ``node_id``; print its plaintext the one time it is ever shown,
-    or write it to ``output`` (0600) and print only where it went.
+    """Issue a token for ``node_id`` (valid until ``expires_at``, or for good); print its
+    plaintext the one time it is ever shown, or write it to ``output`` (0600) and print
+    only where it went.
 
     The file is written before the token is stored, so a refused path (it exists, the
     directory is missing) leaves no live token that nobody holds.
     """
     try:
-        issued = new_node_token(node_id, _when(now))
+        issued = new_node_token(node_id, _when(now), expires_at=expires_at)
         if output is not None:
             await asyncio.to_thread(write_secret_file, output, issued.plaintext, force=force)
     except CredentialError as exc:
@@ -150,6 +153,7 @@ def _token_json(token: NodeToken) -> dict[str, Any]:
         "node_id": token.node_id,
         "created_at": _json_time(token.created_at),
         "revoked_at": _json_time(token.revoked_at),
+        **rotation_cli.expiry_json(token),
     }
 
 
@@ -162,10 +166,16 @@ async def list_tokens(store: CredentialStore, out: TextIO, *, as_json: bool = Fa
         print("No node tokens.", file=out)
     else:
         rows = [
-            [t.token_id, t.node_id, _show_time(t.created_at), _show_time(t.revoked_at)]
+            [
+                t.token_id,
+                t.node_id,
+                _show_time(t.created_at),
+                _show_time(t.revoked_at),
+                rotation_cli.show_expiry(t),
+            ]
             for t in tokens
         ]
-        print(_table(["ID", "NODE", "CREATED", "REVOKED"], rows), file=out)
+        print(_table(["ID", "NODE", "CREATED", "REVOKED", "EXPIRES"], rows), file=out)
     return EXIT_OK
 
 
@@ -186,8 +196,10 @@ async def issue_key(
     err: TextIO | None = None,
     now: datetime | None = None,
     as_json: bool = False,
+    expires_at: datetime | None = None,
 ) -> int:
-    """Issue an API key and print its plaintext, the one time it is ever shown.
+    """Issue an API key (valid until ``expires_at``, or for good) and print its plaintext,
+    the one time it is ever shown.
 
     ``operator``: the key sees every key's runs, files and batches at the edge;
     ``limits``, ``weight``, ``priority``: what the edge holds it to.
@@ -202,6 +214,7 @@ async def issue_key(
             limits=limits,
             weight=weight,
             priority=priority,
+            expires_at=expires_at,
         )
         await store.add_api_key(issued.key)
     except CredentialError as exc:
@@ -215,7 +228,8 @@ async def issue_key(
         f"(models: {_show_models(key.models)}; "
         f"max concurrent: {_show_limit(key.max_concurrent)}"
         f"{'; operator' if key.operator else ''}; "
-        f"limits: {key_limits_cli.show_limits(key)}):",
+        f"limits: {key_limits_cli.show_limits(key)}; "
+        f"expires: {rotation_cli.show_expiry(key)}):",
         file=out,
     )
     print(f"\n{issued.plaintext}\n", file=out)
@@ -257,6 +271,7 @@ def _key_json(key: ApiKey) -> dict[str, Any]:
         "created_at": _json_time(key.created_at),
         "revoked_at": _json_time(key.revoked_at),
         **key_limits_cli.limits_json(key),
+        **rotation_cli.expiry_json(key),
     }
 
 
@@ -307,6 +322,7 @@ async def list_keys(store: CredentialStore, out: TextIO, *, as_json: bool = Fals
                 f"{k.weight}/{k.priority}",
                 _show_time(k.created_at),
                 _show_time(k.revoked_at),
+                rotation_cli.show_expiry(k),
             ]
             for k in keys
         ]
@@ -320,6 +336,7 @@ async def list_keys(store: CredentialStore, out: TextIO, *, as_json: bool = Fals
             "WEIGHT/PRIORITY",
             "CREATED",
             "REVOKED",
+            "EXPIRES",
         ]
         print(_table(headers, rows), file=out)
     return EXIT_OK
@@ -352,7 +369,14 @@ async def _run_token_issue(
     args: argparse.Namespace, store: CredentialStore, out: TextIO, err: TextIO
 ) -> int:
     return await issue_token(
-        store, out, args.node, err=err, output=args.output, force=args.force, as_json=args.json
+        store,
+        out,
+        args.node,
+        err=err,
+        output=args.output,
+        force=args.force,
+        as_json=args.json,
+        expires_at=args.expires_at,
     )
 
 
@@ -383,6 +407,7 @@ async def _run_key_issue(
         priority=args.priority,
         err=err,
         as_json=args.json,
+        expires_at=args.expires_at,
     )
 
 
@@ -417,6 +442,7 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
         help="write the token to FILE (mode 0600) and print only where it went",
     )
     issue.add_argument("--force", action="store_true", help="with --output: replace FILE")
+    rotation_cli.add_expiry_flags(issue)
     _json_flag(issue)
     issue.set_defaults(**{_HANDLER: _run_token_issue})
     revoke = token_actions.add_parser("revoke", help="revoke a node token")
@@ -426,6 +452,7 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
     listing = token_actions.add_parser("list", help="list node tokens (never their secrets)")
     _json_flag(listing)
     listing.set_defaults(**{_HANDLER: _run_token_list})
+    _json_flag(rotation_cli.add_rotate_parser(token_actions, "token", _HANDLER))
 
     key = subparsers.add_parser("key", help="issue, revoke or list API keys")
     key_actions = key.add_subparsers(dest="key_action", metavar="ACTION", required=True)
@@ -451,6 +478,7 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
         help="an operator key: sees every key's runs, files and batches (the console's key)",
     )
     key_limits_cli.add_limit_flags(issue, update=False)
+    rotation_cli.add_expiry_flags(issue)
     _json_flag(issue)
     issue.set_defaults(**{_HANDLER: _run_key_issue})
     update = key_limits_cli.add_update_parser(key_actions)
@@ -463,6 +491,7 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
     listing = key_actions.add_parser("list", help="list API keys (never their secrets)")
     _json_flag(listing)
     listing.set_defaults(**{_HANDLER: _run_key_list})
+    _json_flag(rotation_cli.add_rotate_parser(key_actions, "key", _HANDLER))
 
 
 def _json_flag(parser: argparse.ArgumentParser) -> None:

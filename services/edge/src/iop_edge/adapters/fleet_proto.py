@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Final
 
 from iop_edge.domain.fleet import (
@@ -77,14 +78,34 @@ def fleet_from_proto(config: pb.FleetConfig) -> Fleet:
             model_limits={m.model: key_limits(m.limits) for m in k.model_limits},
             weight=max(1, k.weight),
             priority=k.priority,
+            expires_ms=k.expires_unix_ms,
         )
         for k in config.api_keys
     }
+    previous = {
+        k.previous_key_hash: dataclasses.replace(
+            keys[k.key_hash], key_hash=k.previous_key_hash, expires_ms=k.previous_expires_unix_ms
+        )
+        for k in config.api_keys
+        if k.previous_key_hash
+    }
+    # expired secrets: found, to be refused as expired (authenticate), with no policy at all
+    for e in config.expired_keys:
+        if e.key_hash not in keys:
+            previous[e.key_hash] = ApiKeyEntry(
+                key_id=e.key_id,
+                name="",
+                key_hash=e.key_hash,
+                models=frozenset(),
+                max_concurrent=0,
+                expires_ms=max(1, e.expired_unix_ms),
+            )
     return Fleet(
         version=config.version,
         models=models,
         providers=providers,
         api_keys=keys,
+        previous_keys=previous,
         revoked_token_ids=frozenset(config.revoked_token_ids),
     )
 

@@ -138,9 +138,14 @@ class ApiKeyEntry:
     model_limits: Mapping[str, KeyLimits] = field(default_factory=dict)  # on top, per model
     weight: int = 1  # its share of turns in a model's queue (at least 1)
     priority: int = 0  # higher is served first; 0 = the interactive default
+    expires_ms: int = 0  # unix ms from which this secret is refused; 0 = never
 
     def allows(self, model: str) -> bool:
         return not self.models or model in self.models
+
+    def expired(self, now_ms: int) -> bool:
+        """Whether the secret this entry was found by is refused at ``now_ms``."""
+        return 0 < self.expires_ms <= now_ms
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,6 +155,10 @@ class Fleet:
     providers: Mapping[str, ProviderEntry] = field(default_factory=dict)
     api_keys: Mapping[str, ApiKeyEntry] = field(default_factory=dict)  # by key_hash
     revoked_token_ids: frozenset[str] = frozenset()
+    # a rotation's previous secrets, by their hash: the same key (id, policy) with the
+    # overlap's end as its expiry; apart so that each key is listed once in api_keys. Also
+    # secrets that expired lately (no policy, their expiry past): refused as expired
+    previous_keys: Mapping[str, ApiKeyEntry] = field(default_factory=dict)
 
     def models_of_provider(self, provider_id: str) -> list[str]:
         return [m.id for m in self.models.values() if provider_id in m.providers]

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import functools
 import ipaddress
+import time
+from datetime import UTC, datetime
 from typing import Final
 
 from loguru import logger
@@ -19,6 +21,7 @@ from iop_edge.domain.fleet import ApiKeyEntry
 from iop_edge.entrypoints.api_request import ApiRequest
 from iop_edge.errors import (
     AuthenticationFailed,
+    KeyExpired,
     KeyRevoked,
     LoopbackOnly,
     TooManyConcurrent,
@@ -56,7 +59,18 @@ def authenticate(request: ApiRequest, keys: KeyRing) -> ApiKeyEntry | None:
     entry = keys.lookup(token)
     if entry is None:
         raise AuthenticationFailed("Incorrect API key provided.")
+    if entry.expires_ms and entry.expired(int(time.time() * 1000)):
+        # Checked here, per request, against the edge's own clock: the moment holds to the
+        # millisecond whether or not the control-plane's next push has arrived.
+        raise KeyExpired(
+            f"This API key expired at {_utc(entry.expires_ms)}; "
+            "ask for a new one (or its rotated secret)."
+        )
     return entry
+
+
+def _utc(unix_ms: int) -> str:
+    return datetime.fromtimestamp(unix_ms / 1000, UTC).isoformat(timespec="seconds")
 
 
 @functools.lru_cache(maxsize=1024)

@@ -164,4 +164,7 @@ class FleetKeyRing:
 
     def lookup(self, presented_key: str) -> ApiKeyEntry | None:
         digest = hashlib.sha256(presented_key.encode()).hexdigest()
-        return self._fleet.current.api_keys.get(digest)
+        fleet = self._fleet.current
+        # a rotation's previous secret only when the current one is not it (rare, and
+        # one more dict look-up only for a key that is not found at first)
+        return fleet.api_keys.get(digest) or fleet.previous_keys.get(digest)

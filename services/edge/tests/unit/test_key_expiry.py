@@ -1,0 +1,99 @@
+"""The edge's side of expiry and rotation: the policy from the control-plane (protobuf) as
+the key ring holds it, and what ``authenticate`` answers for each secret at a moment."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import pytest
+
+from iop_edge.adapters.fleet_proto import fleet_from_proto
+from iop_edge.entrypoints.api_auth import authenticate
+from iop_edge.errors import AuthenticationFailed, KeyExpired
+from iop_edge.service.catalog import FleetKeyRing
+from iop_edge.service.fleet_holder import FleetHolder
+from iop_proto.v1 import runtime_pb2 as pb
+
+
+def digest(secret: str) -> str:
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+@dataclass
+class Request:
+    """An ``ApiRequest`` with headers only: all ``authenticate`` reads."""
+
+    headers: Mapping[str, str] = field(default_factory=dict)
+    method: str = "POST"
+    path: str = "/v1/chat/completions"
+    remote: str | None = "10.0.0.2"
+    body_exists: bool = False
+    content: object = None
+
+
+def bearer(secret: str) -> Request:
+    return Request(headers={"Authorization": f"Bearer {secret}"})
+
+
+@pytest.fixture
+def ring() -> FleetKeyRing:
+    now_ms = int(time.time() * 1000)
+    hour = 3_600_000
+    config = pb.FleetConfig(
+        version=1,
+        api_keys=[
+            pb.ApiKeyPolicy(key_id="key_live", name="live", key_hash=digest("sk-iop-live")),
+            pb.ApiKeyPolicy(
+                key_id="key_rot",
+                name="rotated",
+                key_hash=digest("sk-iop-new"),
+                models=["qwen"],
+                expires_unix_ms=now_ms + hour,
+                previous_key_hash=digest("sk-iop-old"),
+                previous_expires_unix_ms=now_ms + hour // 2,
+            ),
+            pb.ApiKeyPolicy(
+                key_id="key_past",
+                name="past",
+                key_hash=digest("sk-iop-past"),
+                expires_unix_ms=now_ms - 1,  # arrived just after its moment: refused anyway
+            ),
+        ],
+        expired_keys=[
+            pb.ExpiredKey(
+                key_id="key_gone", key_hash=digest("sk-iop-gone"), expired_unix_ms=now_ms - hour
+            )
+        ],
+    )
+    return FleetKeyRing(FleetHolder(fleet_from_proto(config)))
+
+
+def test_a_rotated_key_is_one_key_with_two_secrets(ring: FleetKeyRing) -> None:
+    new = authenticate(bearer("sk-iop-new"), ring)
+    old = authenticate(bearer("sk-iop-old"), ring)
+    assert new is not None
+    assert old is not None
+    assert (new.key_id, new.models) == (old.key_id, old.models) == ("key_rot", frozenset({"qwen"}))
+    assert old.expires_ms < new.expires_ms  # the old secret ends with the overlap
+    live = authenticate(bearer("sk-iop-live"), ring)
+    assert live is not None
+    assert live.expires_ms == 0
+
+
+@pytest.mark.parametrize("secret", ["sk-iop-past", "sk-iop-gone"])
+def test_an_expired_secret_is_refused_saying_so(ring: FleetKeyRing, secret: str) -> None:
+    with pytest.raises(KeyExpired) as refused:
+        authenticate(bearer(secret), ring)
+    assert refused.value.status == 401
+    assert refused.value.code == "invalid_api_key"
+    assert "expired at" in refused.value.message
+
+
+def test_an_unknown_secret_is_still_only_unknown(ring: FleetKeyRing) -> None:
+    with pytest.raises(AuthenticationFailed) as refused:
+        authenticate(bearer("sk-iop-never"), ring)
+    assert not isinstance(refused.value, KeyExpired)
+    assert refused.value.message == "Incorrect API key provided."
