@@ -70,8 +70,9 @@ async def test_a_batch_of_500_lines_backfills_without_slowing_interactive_reques
     assert figures["lines_done_while_interactive"] < 500  # the batch did run beside them
     alone, beside = figures["alone"], figures["beside_batch"]
     # Interactive requests never wait for a batch line (one takes 80 ms on the mock):
-    # the edge's overhead to the first byte, queueing included, stays far below that.
-    assert beside["overhead_p90_ms"] < 40, figures
+    # the edge's overhead to the first byte, queueing included, grows by far less than
+    # that over the same traffic alone (a busy machine slows both runs alike).
+    assert beside["overhead_p90_ms"] < alone["overhead_p90_ms"] + 40, figures
     # Time to first token within 10% of the same traffic alone, plus 10 ms of slack
     # for a busy machine (today's FIFO: the batch adds a line's wait to many requests).
     assert beside["ttft_p50_ms"] <= alone["ttft_p50_ms"] * 1.1 + 10, figures

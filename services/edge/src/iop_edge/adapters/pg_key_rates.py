@@ -64,6 +64,11 @@ RETRY_S: Final = 5.0
 """How long an edge counts on its own after the store failed, before asking it again."""
 PRESENCE_TTL_S: Final = 15.0
 STATEMENT_TIMEOUT_S: Final = 2.0
+ADMIT_TIMEOUT_S: Final = 10.0
+"""Longer than one statement: a key's admissions queue behind its advisory lock, so a
+burst of N requests of one key waits N round trips, and a timeout that tripped on that
+would put a healthy store's edge on its fallback (each edge then counting its share
+alone, on top of what the store already admitted)."""
 _ADD: Final = """
     INSERT INTO iop_key_rates (key_id, scope, kind, slot, amount)
     SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::bigint[], $5::float8[])
@@ -102,7 +107,7 @@ class PostgresKeyRates:
         if time.monotonic() >= self._down_until:
             try:
                 with reachable("admitting a limited key's request"):
-                    async with asyncio.timeout(STATEMENT_TIMEOUT_S):
+                    async with asyncio.timeout(ADMIT_TIMEOUT_S):
                         return await self._admit(key_id, scopes, input_tokens)
             except StorageUnavailable as exc:
                 self._lost(str(exc))
