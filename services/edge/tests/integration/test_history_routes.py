@@ -121,6 +121,9 @@ async def test_the_open_api_serves_it_and_bad_ranges_are_400s(runlog: SqliteRunL
             ({"step_ms": "ten"}, "step_ms"),
             ({"since_ms": "1.5"}, "since_ms"),
             ({"step_ms": 10}, "step_ms"),
+            ({"step_ms": 0}, "step_ms"),  # no default range laid on a zero step
+            ({"since_ms": -1}, "since_ms"),
+            ({"until_ms": 2**64}, "until_ms"),  # beyond the stores' integers
             ({"since_ms": NOW_MS, "until_ms": NOW_MS - 1}, "until_ms"),
             ({"since_ms": 0, "until_ms": NOW_MS, "step_ms": 1_000}, "step_ms"),
         ):

@@ -12,6 +12,8 @@ by default 10 s; at most ``MAX_BUCKETS`` of them).
 
 from __future__ import annotations
 
+from typing import Final
+
 from aiohttp import web
 
 from iop_edge.domain.history import HistoryRangeError
@@ -49,10 +51,18 @@ class HistoryRoutes:
         return web.json_response(await self._report.view(span))
 
 
+_LARGEST: Final = 2**53
+"""Above any time in milliseconds a run log holds, and within what both stores' integers
+(SQLite's and PostgreSQL's 64-bit ones) and the page's JSON numbers carry exactly."""
+
+
 def _integer(raw: str | None, param: str) -> int | None:
     if raw is None:
         return None
     try:
-        return int(raw)
+        value = int(raw)
     except ValueError:
         raise InvalidRequest(f"'{param}' must be an integer.", param=param) from None
+    if not 0 <= value <= _LARGEST:
+        raise InvalidRequest(f"'{param}' must be between 0 and {_LARGEST}.", param=param)
+    return value

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Final
 
-from iop_edge.domain.history import HistoryRange, series
+from iop_edge.domain.history import MIN_STEP_MS, HistoryRange, HistoryRangeError, series
 from iop_edge.ports import RunLog
 
 DEFAULT_RANGE_MS: Final = 15 * 60_000
@@ -31,6 +31,8 @@ class HistoryReport:
         """The range asked for, its missing ends the defaults' (``HistoryRangeError``
         when it cannot be answered)."""
         step = step_ms if step_ms is not None else DEFAULT_STEP_MS
+        if step < MIN_STEP_MS:  # before the default range is laid on it (a 0 divides)
+            raise HistoryRangeError(f"'step_ms' must be at least {MIN_STEP_MS}.", "step_ms")
         until = until_ms if until_ms is not None else int(self._clock() * 1000) + 1
         if since_ms is None:
             # On a multiple of the step, the buckets stay in place from one poll to the
