@@ -55,6 +55,8 @@ NODES = sorted(name for name, service in IDENTITIES.items() if service == "node"
 ONE_SHOTS = {"iop-init", "llamacpp-model", "ollama-pull"}  # run to completion, then exit 0
 PROVIDERS = {"llamacpp", "llamacpp-upstream", "ollama", "vllm"}
 HA = {"postgres", "edge-1", "edge-2", "haproxy"}  # `--profile ha`: two edges on one PostgreSQL
+OBSERVABILITY = {"prometheus", "grafana"}  # `--profile observability`: what watches the stack
+OBSERVABILITY_FILES = {"prometheus", "grafana"}  # deploy/<dir>: their settings, mounted read-only
 HA_EDGES = (
     "edge-1",
     "edge-2",
@@ -71,6 +73,7 @@ START_ORDER = {  # compose service -> the services it waits for (healthy, or com
     "edge-1": {"iop-init", "control-plane", "postgres"},
     "edge-2": {"iop-init", "control-plane", "postgres"},
     "haproxy": {"edge-1", "edge-2"},
+    "grafana": {"prometheus"},
 }
 PROFILES = {  # compose service -> its profiles; every other service starts with a plain `up`
     "node-gpu": ["gpu"],
@@ -81,6 +84,7 @@ PROFILES = {  # compose service -> its profiles; every other service starts with
     "llamacpp-model": ["llamacpp-upstream"],
     "llamacpp-upstream": ["llamacpp-upstream"],
     **{name: ["ha"] for name in HA},
+    **{name: ["observability"] for name in OBSERVABILITY},
 }
 DEV_REFERENCE = {"node-gpu": "node-a"}  # configs/dev/ has no GPU node: compare with node-a's keys
 
@@ -168,7 +172,7 @@ def docker_engine() -> str | None:
 
 def test_compose_file_has_the_stack_and_no_version_key() -> None:
     assert "version" not in compose()
-    assert set(compose_services()) == set(IDENTITIES) | ONE_SHOTS | PROVIDERS | HA
+    assert set(compose_services()) == set(IDENTITIES) | ONE_SHOTS | PROVIDERS | HA | OBSERVABILITY
 
 
 @pytest.mark.parametrize("identity", [*sorted(IDENTITIES), "iop-init"])
@@ -196,9 +200,13 @@ def test_compose_mounts_named_volumes_and_only_settings_files_from_the_host() ->
                 used.add(source)
                 continue
             path = ROOT / PurePosixPath(source).relative_to(".")
+            assert read_only, f"{name}: {source} must be mounted read-only"
+            if name in OBSERVABILITY:  # its rules and dashboards: files or folders of them
+                assert path.exists(), f"{name}: {source} is not in the repository"
+                assert path.relative_to(ROOT / "deploy").parts[0] in OBSERVABILITY_FILES, source
+                continue
             assert path.is_file(), f"{name}: {source} is not a file of the repository"
             assert path.parent in {ROOT / "deploy" / "compose"}, f"{name}: {source}"
-            assert read_only, f"{name}: {source} must be mounted read-only"
     assert used == declared, f"declared but unused: {declared - used}"
 
 
