@@ -12,14 +12,14 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from iop_edge.adapters.runlog_usage import ERROR_LIST, latest_versions
 from iop_edge.domain.history import HistoryRange, HistoryRow, merge_history
 from iop_edge.domain.usage import ERROR_OUTCOMES
 from iop_edge.ports import EdgeRunRecord
 
-_ERROR_LIST = ", ".join(f"'{o}'" for o in ERROR_OUTCOMES)
 SUMS = (
     "COUNT(*), "
-    f"CAST(SUM(CASE WHEN outcome IN ({_ERROR_LIST}) THEN 1 ELSE 0 END) AS BIGINT), "
+    f"CAST(SUM(CASE WHEN outcome IN ({ERROR_LIST}) THEN 1 ELSE 0 END) AS BIGINT), "
     "CAST(SUM(ttft_ms) AS BIGINT), "
     "CAST(SUM(CASE WHEN ttft_ms > 0 THEN 1 ELSE 0 END) AS BIGINT), "
     "CAST(SUM(prompt_tokens) AS BIGINT), CAST(SUM(completion_tokens) AS BIGINT), "
@@ -31,10 +31,7 @@ outcomes are constants, never values from a request)."""
 
 def unwritten_in(records: Iterable[EdgeRunRecord], span: HistoryRange) -> list[EdgeRunRecord]:
     """The latest version of each unwritten record received in the range."""
-    latest: dict[str, EdgeRunRecord] = {}
-    for record in records:  # oldest first: a later version replaces an earlier one
-        latest[record.run_id] = record
-    return [r for r in latest.values() if span.bucket_of(r.received_ms) is not None]
+    return [r for r in latest_versions(records) if span.bucket_of(r.received_ms) is not None]
 
 
 def history_rows(

@@ -15,10 +15,12 @@ from typing import Any
 from iop_edge.domain.usage import ERROR_OUTCOMES, UsageRow, merge_rows
 from iop_edge.ports import EdgeRunRecord
 
-_ERROR_LIST = ", ".join(f"'{o}'" for o in ERROR_OUTCOMES)
+ERROR_LIST = ", ".join(f"'{o}'" for o in ERROR_OUTCOMES)
+"""The error outcomes as an SQL list (this module's constants, never a request's values),
+for the usage and the history queries alike."""
 SUMS = (
     "COUNT(*), "
-    f"CAST(SUM(CASE WHEN outcome IN ({_ERROR_LIST}) THEN 1 ELSE 0 END) AS BIGINT), "
+    f"CAST(SUM(CASE WHEN outcome IN ({ERROR_LIST}) THEN 1 ELSE 0 END) AS BIGINT), "
     "CAST(SUM(prompt_tokens) AS BIGINT), CAST(SUM(completion_tokens) AS BIGINT)"
 )
 """The columns after ``key_id, model, api``, in ``UsageRow``'s order, on both databases
@@ -26,16 +28,21 @@ SUMS = (
 constants, never values from a request."""
 
 
+def latest_versions(records: Iterable[EdgeRunRecord]) -> list[EdgeRunRecord]:
+    """The latest version of each of the writer's unwritten records, one per run."""
+    latest: dict[str, EdgeRunRecord] = {}
+    for record in records:  # oldest first: a later version replaces an earlier one
+        latest[record.run_id] = record
+    return list(latest.values())
+
+
 def in_window(
     records: Iterable[EdgeRunRecord], since_ms: int, key_id: str | None
 ) -> list[EdgeRunRecord]:
     """The latest version of each unwritten record of the window (and of ``key_id``)."""
-    latest: dict[str, EdgeRunRecord] = {}
-    for record in records:  # oldest first: a later version replaces an earlier one
-        latest[record.run_id] = record
     return [
         r
-        for r in latest.values()
+        for r in latest_versions(records)
         if r.received_ms >= since_ms and (key_id is None or r.key_id == key_id)
     ]
 
