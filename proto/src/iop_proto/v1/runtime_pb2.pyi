@@ -102,7 +102,7 @@ BUDGET_PERIOD_WEEK: BudgetPeriod
 BUDGET_PERIOD_MONTH: BudgetPeriod
 
 class Envelope(_message.Message):
-    __slots__ = ("message_id", "correlation_id", "sent_at_unix_ms", "register_request", "register_response", "heartbeat", "provider_snapshot", "run_request", "run_event", "cancel_request", "error", "edge_hello", "fleet_config", "authorize_node_request", "authorize_node_response", "node_status_report", "lease_request", "lease_grant", "lease_renew", "lease_release", "batch_line_request", "batch_line_result")
+    __slots__ = ("message_id", "correlation_id", "sent_at_unix_ms", "register_request", "register_response", "heartbeat", "provider_snapshot", "run_request", "run_event", "cancel_request", "error", "edge_hello", "fleet_config", "authorize_node_request", "authorize_node_response", "node_status_report", "runtime_control_request", "runtime_control_response", "lease_request", "lease_grant", "lease_renew", "lease_release", "batch_line_request", "batch_line_result")
     MESSAGE_ID_FIELD_NUMBER: _ClassVar[int]
     CORRELATION_ID_FIELD_NUMBER: _ClassVar[int]
     SENT_AT_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
@@ -119,6 +119,8 @@ class Envelope(_message.Message):
     AUTHORIZE_NODE_REQUEST_FIELD_NUMBER: _ClassVar[int]
     AUTHORIZE_NODE_RESPONSE_FIELD_NUMBER: _ClassVar[int]
     NODE_STATUS_REPORT_FIELD_NUMBER: _ClassVar[int]
+    RUNTIME_CONTROL_REQUEST_FIELD_NUMBER: _ClassVar[int]
+    RUNTIME_CONTROL_RESPONSE_FIELD_NUMBER: _ClassVar[int]
     LEASE_REQUEST_FIELD_NUMBER: _ClassVar[int]
     LEASE_GRANT_FIELD_NUMBER: _ClassVar[int]
     LEASE_RENEW_FIELD_NUMBER: _ClassVar[int]
@@ -141,13 +143,15 @@ class Envelope(_message.Message):
     authorize_node_request: AuthorizeNodeRequest
     authorize_node_response: AuthorizeNodeResponse
     node_status_report: NodeStatusReport
+    runtime_control_request: RuntimeControlRequest
+    runtime_control_response: RuntimeControlResponse
     lease_request: LeaseRequest
     lease_grant: LeaseGrant
     lease_renew: LeaseRenew
     lease_release: LeaseRelease
     batch_line_request: BatchLineRequest
     batch_line_result: BatchLineResult
-    def __init__(self, message_id: _Optional[str] = ..., correlation_id: _Optional[str] = ..., sent_at_unix_ms: _Optional[int] = ..., register_request: _Optional[_Union[RegisterRequest, _Mapping]] = ..., register_response: _Optional[_Union[RegisterResponse, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., provider_snapshot: _Optional[_Union[ProviderSnapshot, _Mapping]] = ..., run_request: _Optional[_Union[RunRequest, _Mapping]] = ..., run_event: _Optional[_Union[RunEvent, _Mapping]] = ..., cancel_request: _Optional[_Union[CancelRequest, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., edge_hello: _Optional[_Union[EdgeHello, _Mapping]] = ..., fleet_config: _Optional[_Union[FleetConfig, _Mapping]] = ..., authorize_node_request: _Optional[_Union[AuthorizeNodeRequest, _Mapping]] = ..., authorize_node_response: _Optional[_Union[AuthorizeNodeResponse, _Mapping]] = ..., node_status_report: _Optional[_Union[NodeStatusReport, _Mapping]] = ..., lease_request: _Optional[_Union[LeaseRequest, _Mapping]] = ..., lease_grant: _Optional[_Union[LeaseGrant, _Mapping]] = ..., lease_renew: _Optional[_Union[LeaseRenew, _Mapping]] = ..., lease_release: _Optional[_Union[LeaseRelease, _Mapping]] = ..., batch_line_request: _Optional[_Union[BatchLineRequest, _Mapping]] = ..., batch_line_result: _Optional[_Union[BatchLineResult, _Mapping]] = ...) -> None: ...
+    def __init__(self, message_id: _Optional[str] = ..., correlation_id: _Optional[str] = ..., sent_at_unix_ms: _Optional[int] = ..., register_request: _Optional[_Union[RegisterRequest, _Mapping]] = ..., register_response: _Optional[_Union[RegisterResponse, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., provider_snapshot: _Optional[_Union[ProviderSnapshot, _Mapping]] = ..., run_request: _Optional[_Union[RunRequest, _Mapping]] = ..., run_event: _Optional[_Union[RunEvent, _Mapping]] = ..., cancel_request: _Optional[_Union[CancelRequest, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., edge_hello: _Optional[_Union[EdgeHello, _Mapping]] = ..., fleet_config: _Optional[_Union[FleetConfig, _Mapping]] = ..., authorize_node_request: _Optional[_Union[AuthorizeNodeRequest, _Mapping]] = ..., authorize_node_response: _Optional[_Union[AuthorizeNodeResponse, _Mapping]] = ..., node_status_report: _Optional[_Union[NodeStatusReport, _Mapping]] = ..., runtime_control_request: _Optional[_Union[RuntimeControlRequest, _Mapping]] = ..., runtime_control_response: _Optional[_Union[RuntimeControlResponse, _Mapping]] = ..., lease_request: _Optional[_Union[LeaseRequest, _Mapping]] = ..., lease_grant: _Optional[_Union[LeaseGrant, _Mapping]] = ..., lease_renew: _Optional[_Union[LeaseRenew, _Mapping]] = ..., lease_release: _Optional[_Union[LeaseRelease, _Mapping]] = ..., batch_line_request: _Optional[_Union[BatchLineRequest, _Mapping]] = ..., batch_line_result: _Optional[_Union[BatchLineResult, _Mapping]] = ...) -> None: ...
 
 class Error(_message.Message):
     __slots__ = ("code", "message", "run_id")
@@ -298,7 +302,7 @@ class ProviderSnapshot(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., providers: _Optional[_Iterable[_Union[ProviderState, _Mapping]]] = ...) -> None: ...
 
 class ProviderConfig(_message.Message):
-    __slots__ = ("id", "type", "category", "models", "capacity", "max_queue", "queue_timeout_ms", "request_timeout_ms", "settings_json", "operations")
+    __slots__ = ("id", "type", "category", "models", "capacity", "max_queue", "queue_timeout_ms", "request_timeout_ms", "settings_json", "operations", "control_state", "declared_capacity")
     ID_FIELD_NUMBER: _ClassVar[int]
     TYPE_FIELD_NUMBER: _ClassVar[int]
     CATEGORY_FIELD_NUMBER: _ClassVar[int]
@@ -309,6 +313,8 @@ class ProviderConfig(_message.Message):
     REQUEST_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     SETTINGS_JSON_FIELD_NUMBER: _ClassVar[int]
     OPERATIONS_FIELD_NUMBER: _ClassVar[int]
+    CONTROL_STATE_FIELD_NUMBER: _ClassVar[int]
+    DECLARED_CAPACITY_FIELD_NUMBER: _ClassVar[int]
     id: str
     type: str
     category: ProviderCategory
@@ -319,7 +325,9 @@ class ProviderConfig(_message.Message):
     request_timeout_ms: int
     settings_json: bytes
     operations: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, id: _Optional[str] = ..., type: _Optional[str] = ..., category: _Optional[_Union[ProviderCategory, str]] = ..., models: _Optional[_Iterable[str]] = ..., capacity: _Optional[int] = ..., max_queue: _Optional[int] = ..., queue_timeout_ms: _Optional[int] = ..., request_timeout_ms: _Optional[int] = ..., settings_json: _Optional[bytes] = ..., operations: _Optional[_Iterable[str]] = ...) -> None: ...
+    control_state: str
+    declared_capacity: int
+    def __init__(self, id: _Optional[str] = ..., type: _Optional[str] = ..., category: _Optional[_Union[ProviderCategory, str]] = ..., models: _Optional[_Iterable[str]] = ..., capacity: _Optional[int] = ..., max_queue: _Optional[int] = ..., queue_timeout_ms: _Optional[int] = ..., request_timeout_ms: _Optional[int] = ..., settings_json: _Optional[bytes] = ..., operations: _Optional[_Iterable[str]] = ..., control_state: _Optional[str] = ..., declared_capacity: _Optional[int] = ...) -> None: ...
 
 class NodeConfig(_message.Message):
     __slots__ = ("node_id", "providers")
@@ -571,7 +579,7 @@ class ModelKeyLimits(_message.Message):
     def __init__(self, model: _Optional[str] = ..., limits: _Optional[_Union[KeyLimits, _Mapping]] = ...) -> None: ...
 
 class FleetConfig(_message.Message):
-    __slots__ = ("version", "models", "nodes", "api_keys", "revoked_token_ids", "retired_node_ids", "accepts_node_status", "edges", "expired_keys")
+    __slots__ = ("version", "models", "nodes", "api_keys", "revoked_token_ids", "retired_node_ids", "accepts_node_status", "edges", "expired_keys", "runtime_controls")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MODELS_FIELD_NUMBER: _ClassVar[int]
     NODES_FIELD_NUMBER: _ClassVar[int]
@@ -581,6 +589,7 @@ class FleetConfig(_message.Message):
     ACCEPTS_NODE_STATUS_FIELD_NUMBER: _ClassVar[int]
     EDGES_FIELD_NUMBER: _ClassVar[int]
     EXPIRED_KEYS_FIELD_NUMBER: _ClassVar[int]
+    RUNTIME_CONTROLS_FIELD_NUMBER: _ClassVar[int]
     version: int
     models: _containers.RepeatedCompositeFieldContainer[ModelConfig]
     nodes: _containers.RepeatedCompositeFieldContainer[NodeConfig]
@@ -590,7 +599,82 @@ class FleetConfig(_message.Message):
     accepts_node_status: bool
     edges: _containers.RepeatedCompositeFieldContainer[EdgeEndpoint]
     expired_keys: _containers.RepeatedCompositeFieldContainer[ExpiredKey]
-    def __init__(self, version: _Optional[int] = ..., models: _Optional[_Iterable[_Union[ModelConfig, _Mapping]]] = ..., nodes: _Optional[_Iterable[_Union[NodeConfig, _Mapping]]] = ..., api_keys: _Optional[_Iterable[_Union[ApiKeyPolicy, _Mapping]]] = ..., revoked_token_ids: _Optional[_Iterable[str]] = ..., retired_node_ids: _Optional[_Iterable[str]] = ..., accepts_node_status: _Optional[bool] = ..., edges: _Optional[_Iterable[_Union[EdgeEndpoint, _Mapping]]] = ..., expired_keys: _Optional[_Iterable[_Union[ExpiredKey, _Mapping]]] = ...) -> None: ...
+    runtime_controls: _containers.RepeatedCompositeFieldContainer[RuntimeControl]
+    def __init__(self, version: _Optional[int] = ..., models: _Optional[_Iterable[_Union[ModelConfig, _Mapping]]] = ..., nodes: _Optional[_Iterable[_Union[NodeConfig, _Mapping]]] = ..., api_keys: _Optional[_Iterable[_Union[ApiKeyPolicy, _Mapping]]] = ..., revoked_token_ids: _Optional[_Iterable[str]] = ..., retired_node_ids: _Optional[_Iterable[str]] = ..., accepts_node_status: _Optional[bool] = ..., edges: _Optional[_Iterable[_Union[EdgeEndpoint, _Mapping]]] = ..., expired_keys: _Optional[_Iterable[_Union[ExpiredKey, _Mapping]]] = ..., runtime_controls: _Optional[_Iterable[_Union[RuntimeControl, _Mapping]]] = ...) -> None: ...
+
+class RuntimeControl(_message.Message):
+    __slots__ = ("kind", "target", "value", "change_id", "changed_by", "changed_unix_ms", "reason")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    CHANGE_ID_FIELD_NUMBER: _ClassVar[int]
+    CHANGED_BY_FIELD_NUMBER: _ClassVar[int]
+    CHANGED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    target: str
+    value: str
+    change_id: str
+    changed_by: str
+    changed_unix_ms: int
+    reason: str
+    def __init__(self, kind: _Optional[str] = ..., target: _Optional[str] = ..., value: _Optional[str] = ..., change_id: _Optional[str] = ..., changed_by: _Optional[str] = ..., changed_unix_ms: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class RuntimeControlChange(_message.Message):
+    __slots__ = ("change_id", "at_unix_ms", "changed_by", "kind", "target", "before", "after", "reason", "reverts")
+    CHANGE_ID_FIELD_NUMBER: _ClassVar[int]
+    AT_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    CHANGED_BY_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    BEFORE_FIELD_NUMBER: _ClassVar[int]
+    AFTER_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    REVERTS_FIELD_NUMBER: _ClassVar[int]
+    change_id: str
+    at_unix_ms: int
+    changed_by: str
+    kind: str
+    target: str
+    before: str
+    after: str
+    reason: str
+    reverts: str
+    def __init__(self, change_id: _Optional[str] = ..., at_unix_ms: _Optional[int] = ..., changed_by: _Optional[str] = ..., kind: _Optional[str] = ..., target: _Optional[str] = ..., before: _Optional[str] = ..., after: _Optional[str] = ..., reason: _Optional[str] = ..., reverts: _Optional[str] = ...) -> None: ...
+
+class RuntimeControlRequest(_message.Message):
+    __slots__ = ("changed_by", "kind", "target", "value", "reason", "revert_change_id", "list_only", "audit_limit")
+    CHANGED_BY_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    REVERT_CHANGE_ID_FIELD_NUMBER: _ClassVar[int]
+    LIST_ONLY_FIELD_NUMBER: _ClassVar[int]
+    AUDIT_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    changed_by: str
+    kind: str
+    target: str
+    value: str
+    reason: str
+    revert_change_id: str
+    list_only: bool
+    audit_limit: int
+    def __init__(self, changed_by: _Optional[str] = ..., kind: _Optional[str] = ..., target: _Optional[str] = ..., value: _Optional[str] = ..., reason: _Optional[str] = ..., revert_change_id: _Optional[str] = ..., list_only: _Optional[bool] = ..., audit_limit: _Optional[int] = ...) -> None: ...
+
+class RuntimeControlResponse(_message.Message):
+    __slots__ = ("error", "error_code", "change", "controls", "audit")
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
+    CHANGE_FIELD_NUMBER: _ClassVar[int]
+    CONTROLS_FIELD_NUMBER: _ClassVar[int]
+    AUDIT_FIELD_NUMBER: _ClassVar[int]
+    error: str
+    error_code: str
+    change: RuntimeControlChange
+    controls: _containers.RepeatedCompositeFieldContainer[RuntimeControl]
+    audit: _containers.RepeatedCompositeFieldContainer[RuntimeControlChange]
+    def __init__(self, error: _Optional[str] = ..., error_code: _Optional[str] = ..., change: _Optional[_Union[RuntimeControlChange, _Mapping]] = ..., controls: _Optional[_Iterable[_Union[RuntimeControl, _Mapping]]] = ..., audit: _Optional[_Iterable[_Union[RuntimeControlChange, _Mapping]]] = ...) -> None: ...
 
 class ExpiredKey(_message.Message):
     __slots__ = ("key_id", "key_hash", "expired_unix_ms")

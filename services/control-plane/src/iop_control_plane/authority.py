@@ -17,6 +17,7 @@ from pathlib import Path
 
 from loguru import logger
 
+from iop_control_plane.adapters.controls_proto import bake_controls, controls_to_proto
 from iop_control_plane.adapters.fleet_file import load_fleet_file
 from iop_control_plane.adapters.fleet_proto import (
     EXPIRED_LISTED_S,
@@ -27,8 +28,9 @@ from iop_control_plane.adapters.fleet_proto import (
     node_config_to_proto,
 )
 from iop_control_plane.domain.authorization import Decision, Refusal, authorize
+from iop_control_plane.domain.controls import Control, provider_controls
 from iop_control_plane.domain.credentials import ApiKey, NodeToken, accepts, hash_secret
-from iop_control_plane.domain.fleet import FleetSpec, ParsedFleet
+from iop_control_plane.domain.fleet import FleetSpec, NodeSpec, ParsedFleet
 from iop_control_plane.domain.nodes import NodeState
 from iop_control_plane.errors import FleetConfigError
 from iop_control_plane.metrics import ControlPlaneMetrics
@@ -58,6 +60,7 @@ class FleetAuthority:
         self._expired_keys: list[pb.ExpiredKey] = []
         self._revoked_token_ids: list[str] = []
         self._retired: frozenset[str] = frozenset()
+        self._controls: list[Control] = []  # runtime controls in force (entrypoints.controls)
         self._store_marker: int | None = None
         self._next_expiry_s = float("inf")  # the next key expiry or overlap end (unix s)
         self._snapshot = pb.FleetConfig()
@@ -189,6 +192,7 @@ class FleetAuthority:
         tokens = await self._store.list_node_tokens()
         revoked_token_ids = sorted(token.token_id for token in tokens if token.revoked)
         retired = frozenset(await self._store.retired_nodes())
+        controls = await self._store.runtime_controls()
         self._show_expiries(stored, tokens)
         self._store_marker = marker
         self._next_expiry_s = min(ends) / 1000 if ends else float("inf")
@@ -196,6 +200,7 @@ class FleetAuthority:
         self._expired_keys = expired_keys
         self._revoked_token_ids = revoked_token_ids
         self._retired = retired
+        self._controls = controls
 
     def _show_expiries(self, keys: list[ApiKey], tokens: list[NodeToken]) -> None:
         """``iop_credential_expiry_timestamp_seconds`` for every credential that expires
@@ -214,15 +219,14 @@ class FleetAuthority:
         gone = {p.id for n in self.fleet.nodes if n.id in retired for p in n.providers}
         content = pb.FleetConfig(
             models=models_to_proto(self.fleet, without=gone),
-            nodes=[
-                node_config_to_proto(node) for node in self.fleet.nodes if node.id not in retired
-            ],
+            nodes=[self._node_config(node) for node in self.fleet.nodes if node.id not in retired],
             api_keys=self._api_keys,
             revoked_token_ids=self._revoked_token_ids,
             retired_node_ids=sorted(retired),
             accepts_node_status=True,
             edges=[endpoint for _, (_, endpoint) in sorted(self._edges.items())],
             expired_keys=self._expired_keys,
+            runtime_controls=controls_to_proto(self._controls),
         )
         digest = hashlib.sha256(content.SerializeToString(deterministic=True)).digest()
         if digest == self._digest:
@@ -233,6 +237,22 @@ class FleetAuthority:
         self._snapshot = content
         self._metrics.config_version.set(content.version)
         return True
+
+    def _node_config(self, node: NodeSpec) -> pb.NodeConfig:
+        """A node's config with the runtime controls of its providers baked in."""
+        return bake_controls(node_config_to_proto(node), provider_controls(self._controls))
+
+    @property
+    def controls(self) -> list[Control]:
+        return self._controls
+
+    async def controls_changed(self, controls: list[Control]) -> None:
+        """A runtime control was stored (``entrypoints.controls``): push it now, not at
+        the next poll, so every edge has it within the second."""
+        self._controls = controls
+        if self._rebuild():
+            logger.info("runtime controls changed: version {}", self.version)
+            await self._notify()
 
     async def _notify(self) -> None:
         """Push to every listener at once, so one slow edge does not delay the rest."""
@@ -350,6 +370,6 @@ class FleetAuthority:
             )
         return pb.AuthorizeNodeResponse(
             accepted=True,
-            node_config=node_config_to_proto(decision.node),
+            node_config=self._node_config(decision.node),
             token_id=decision.token_id,
         )

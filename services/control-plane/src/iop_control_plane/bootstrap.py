@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry
 from iop_control_plane.adapters.stores import open_store
 from iop_control_plane.authority import FleetAuthority
 from iop_control_plane.entrypoints.admin_routes import add_fleet_routes
+from iop_control_plane.entrypoints.controls import ControlDesk
 from iop_control_plane.entrypoints.edge_server import EdgeServer
 from iop_control_plane.metrics import ControlPlaneMetrics
 from iop_control_plane.settings import ControlPlaneSettings
@@ -97,7 +98,7 @@ async def build(
         authority = FleetAuthority(settings.fleet_file, store, metrics)
         await authority.start()
 
-        edge_server = EdgeServer(settings, authority, metrics, tls)
+        edge_server = EdgeServer(settings, authority, metrics, tls, ControlDesk(authority, store))
         admin.report_port("edges", await edge_server.start())
         stack.push_async_callback(edge_server.aclose)
 

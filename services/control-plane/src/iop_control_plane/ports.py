@@ -5,6 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Protocol
 
+from iop_control_plane.domain.controls import Control, ControlChange
 from iop_control_plane.domain.credentials import ApiKey, NodeToken, Rotation
 from iop_control_plane.domain.nodes import NodeState
 
@@ -113,6 +114,22 @@ class CredentialStore(Protocol):
 
     async def edge_lost(self, edge_id: str, now: datetime) -> None:
         """The edge's link ended: the nodes it reported connected are no longer known."""
+        ...
+
+    async def runtime_controls(self) -> list[Control]:
+        """The runtime controls in force (docs/ARCHITECTURE.md#runtime-control)."""
+        ...
+
+    async def control_audit(self, limit: int, change_id: str = "") -> list[ControlChange]:
+        """The latest ``limit`` changes of runtime controls, newest first (only the one
+        ``change_id`` names, when given)."""
+        ...
+
+    async def record_control_change(self, change: ControlChange) -> bool:
+        """Put ``change.applied()`` in force for ``(change.kind, change.target)`` and add
+        ``change`` to the audit trail, together, and count it as a change
+        (``change_marker``); only while the control in force there is ``change.before``
+        (""  none): False, and nothing stored, when another change came first."""
         ...
 
 

@@ -48,7 +48,8 @@ async def test_control_planes_starting_together_migrate_once(postgres_dsn: str) 
         finally:
             await connection.close()
         assert version == len(STEPS)
-        assert tables == 5  # tokens, keys, retirements, node states, the version row
+        # tokens, keys, retirements, node states, the version row, controls and their audit
+        assert tables == 7
     finally:
         for store in stores:
             await store.aclose()

@@ -136,7 +136,7 @@ async def test_a_version_1_database_is_migrated_its_keys_ordinary_ones(db_path: 
         await store.aclose()
     raw = sqlite3.connect(db_path)
     try:
-        assert raw.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 5
+        assert raw.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 6
     finally:
         raw.close()
 

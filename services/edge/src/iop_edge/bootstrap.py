@@ -11,6 +11,7 @@ from loguru import logger
 from prometheus_client import CollectorRegistry
 
 from iop_edge import __version__
+from iop_edge.adapters.control_desk import ControlDesk
 from iop_edge.adapters.control_plane import ControlPlaneClient
 from iop_edge.adapters.fleet_proto import fleet_from_proto
 from iop_edge.adapters.node_server import NodeServer
@@ -20,6 +21,7 @@ from iop_edge.console import add_console_routes
 from iop_edge.domain.fleet import ApiKeyEntry
 from iop_edge.entrypoints.api_auth import KeySlots, access_mode
 from iop_edge.entrypoints.api_metrics import ApiMetrics
+from iop_edge.entrypoints.control_routes import ControlRoutes
 from iop_edge.entrypoints.http_api import (
     API_FRONT,
     connection_limit_refusal,
@@ -246,6 +248,7 @@ async def build(
             tracing=tracing,
             usage=UsageReport(fleet_holder, runlog, key_slots.held),
         )
+        ControlRoutes(ControlDesk(control_plane), keys).register(app)  # runtime control
         add_console_routes(app)  # the read-only operator page (before setup locks the routes)
         # handler_cancellation: a client that disconnects cancels its handler, which
         # cancels its run at the node (aiohttp leaves it off by default).

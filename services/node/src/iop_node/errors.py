@@ -94,6 +94,14 @@ class QueueFull(RunFailure):
     code = ErrorCode.QUEUE_FULL
 
 
+class ProviderHeld(QueueFull):
+    """An operator disabled or drains the provider (docs/ARCHITECTURE.md#runtime-control):
+    a run not started yet is handed back before its first byte, with a code the edge
+    fails over on; the provider is not marked unavailable for it (it is fine)."""
+
+    code = ErrorCode.PROVIDER_UNAVAILABLE
+
+
 class QueueTimeout(RunFailure, TimeoutError):
     code = ErrorCode.QUEUE_TIMEOUT
 

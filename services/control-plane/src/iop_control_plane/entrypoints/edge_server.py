@@ -14,6 +14,7 @@ import ssl
 from loguru import logger
 
 from iop_control_plane.authority import FleetAuthority
+from iop_control_plane.entrypoints.controls import ControlDesk
 from iop_control_plane.metrics import ControlPlaneMetrics
 from iop_control_plane.settings import ControlPlaneSettings
 from iop_proto.accept import StreamServer
@@ -29,9 +30,12 @@ HELLO_TIMEOUT_S = 10.0
 class EdgeSession:
     """One connected edge: answers its requests and forwards pushes to it."""
 
-    def __init__(self, conn: Connection, authority: FleetAuthority) -> None:
+    def __init__(
+        self, conn: Connection, authority: FleetAuthority, desk: ControlDesk | None = None
+    ) -> None:
         self.conn = conn
         self.authority = authority
+        self.desk = desk
         self.edge_id = conn.peer_name
 
     async def push(self, snapshot: pb.FleetConfig) -> None:
@@ -76,6 +80,9 @@ class EdgeSession:
                 self.authority.authorization_response(decision),
                 correlation_id=envelope.message_id,
             )
+        elif kind == "runtime_control_request" and self.desk is not None:
+            answer = await self.desk.answer(envelope.runtime_control_request)
+            await self.conn.send(answer, correlation_id=envelope.message_id)
         elif kind == "node_status_report":
             await self.authority.record_node_status(self.edge_id, envelope.node_status_report)
         elif kind == "error":
@@ -93,9 +100,11 @@ class EdgeServer:
         authority: FleetAuthority,
         metrics: ControlPlaneMetrics,
         tls: ssl.SSLContext | None,
+        desk: ControlDesk | None = None,
     ) -> None:
         self._settings = settings
         self._authority = authority
+        self._desk = desk  # runtime control changes (None: refused as unexpected)
         self._metrics = metrics
         self._tls = tls
         self._server: StreamServer | None = None
@@ -147,7 +156,7 @@ class EdgeServer:
                 logger.warning("refused {}: {}", conn.peer_name, refusal)
                 await conn.close(error_body(pb.ERROR_CODE_PERMISSION_DENIED, refusal))
                 return
-            await EdgeSession(conn, self._authority).serve()
+            await EdgeSession(conn, self._authority, self._desk).serve()
         except ProtocolError as exc:
             await conn.abort(exc)  # a no-op when receive() already closed for it
             logger.info("edge connection {} ended: {}", conn.peer_name, exc)

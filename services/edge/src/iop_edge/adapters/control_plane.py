@@ -16,6 +16,7 @@ import os
 import ssl
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any, TypeVar
 
 from loguru import logger
 
@@ -27,6 +28,7 @@ from iop_proto.tasks import cancel_and_wait
 from iop_proto.tls import TlsSettings
 from iop_proto.v1 import runtime_pb2 as pb
 
+_Answer = TypeVar("_Answer", pb.AuthorizeNodeResponse, pb.RuntimeControlResponse)
 FleetListener = Callable[[pb.FleetConfig], Awaitable[None]]
 REPORT_COALESCE_S = 0.2
 """How long a node status report waits for the ones right behind it (a reconnect storm)."""
@@ -82,7 +84,8 @@ class ControlPlaneClient(Dialer):
         self._on_fleet = on_fleet
         self._authorize_timeout_s = authorize_timeout_s
         self._conn: Connection | None = None
-        self._pending: dict[str, asyncio.Future[pb.AuthorizeNodeResponse]] = {}
+        # the requests awaiting their answer (an authorization, a runtime control change)
+        self._pending: dict[str, asyncio.Future[Any]] = {}
         self._node_report = pb.NodeStatusReport()  # the latest, sent again on each connect
         self._report_task: asyncio.Task[None] | None = None  # at most one send pending
         self.config: pb.FleetConfig | None = None
@@ -132,17 +135,30 @@ class ControlPlaneClient(Dialer):
     async def authorize(
         self, node_id: str, token: str, certificate_identity: str
     ) -> pb.AuthorizeNodeResponse:
-        conn = self._conn
-        if conn is None or not self.registered.is_set():
-            raise ControlPlaneUnavailable(
-                "the control-plane is unreachable: new registrations are refused until it returns"
-            )
         request = pb.AuthorizeNodeRequest(
             node_id=node_id, token=token, certificate_identity=certificate_identity
         )
-        future: asyncio.Future[pb.AuthorizeNodeResponse] = (
-            asyncio.get_running_loop().create_future()
+        return await self._ask(
+            request,
+            pb.AuthorizeNodeResponse,
+            "the control-plane is unreachable: new registrations are refused until it returns",
         )
+
+    async def runtime_control(self, request: pb.RuntimeControlRequest) -> pb.RuntimeControlResponse:
+        """An operator's runtime control change (or a listing), answered once the
+        control-plane stored it and pushed it (docs/ARCHITECTURE.md#runtime-control)."""
+        return await self._ask(
+            request,
+            pb.RuntimeControlResponse,
+            "the control-plane is unreachable: runtime controls cannot change until it returns",
+        )
+
+    async def _ask(self, request: object, answer: type[_Answer], unreachable: str) -> _Answer:
+        """Send ``request`` and wait for the answer that correlates with it."""
+        conn = self._conn
+        if conn is None or not self.registered.is_set():
+            raise ControlPlaneUnavailable(unreachable)
+        future: asyncio.Future[_Answer] = asyncio.get_running_loop().create_future()
         envelope = conn.envelope(request)  # its id is registered before any answer can arrive
         self._pending[envelope.message_id] = future
         try:
@@ -221,10 +237,10 @@ class ControlPlaneClient(Dialer):
         if kind == "fleet_config":
             await self._apply(envelope.fleet_config, save=True)
             logger.info("fleet config version {} pushed", envelope.fleet_config.version)
-        elif kind == "authorize_node_response":
+        elif kind in ("authorize_node_response", "runtime_control_response"):
             future = self._pending.get(envelope.correlation_id)
             if future is not None and not future.done():
-                future.set_result(envelope.authorize_node_response)
+                future.set_result(getattr(envelope, kind))
         elif kind == "error":
             logger.warning("control-plane reported: {}", envelope.error.message)
         else:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Final
 
+from iop_edge.domain.controls import ControlEntry, preferences
 from iop_edge.domain.fleet import (
     DEFAULT_MAX_OUTPUT_TOKENS,
     DEFAULT_RETRIES,
@@ -38,7 +39,8 @@ def fleet_from_proto(config: pb.FleetConfig) -> Fleet:
             type=p.type,
             category=_CATEGORY.get(p.category, "unspecified"),
             models=tuple(p.models),
-            capacity=p.capacity,
+            # a provider an operator disabled or drains takes no new run: no capacity
+            capacity=0 if p.control_state else p.capacity,
             max_queue=p.max_queue,
             queue_timeout_ms=p.queue_timeout_ms,
             request_timeout_ms=p.request_timeout_ms,
@@ -46,10 +48,19 @@ def fleet_from_proto(config: pb.FleetConfig) -> Fleet:
             operations=offered_operations(
                 p.type, (Operation(o) for o in p.operations if o in _OPERATIONS)
             ),
+            control_state=p.control_state,
+            declared_capacity=p.declared_capacity,
         )
         for node in config.nodes
         for p in node.providers
     }
+    controls = tuple(
+        ControlEntry(
+            c.kind, c.target, c.value, c.change_id, c.changed_by, c.changed_unix_ms, c.reason
+        )
+        for c in config.runtime_controls
+    )
+    preferred = preferences(controls)
     models = {
         m.id: ModelEntry(
             id=m.id,
@@ -62,6 +73,7 @@ def fleet_from_proto(config: pb.FleetConfig) -> Fleet:
             # unset: a control-plane from before the field (0 is a value: no failover)
             retries=m.retries if m.HasField("retries") else DEFAULT_RETRIES,
             context_window=m.context_window,
+            preference=preferred.get(m.id, ()),
         )
         for m in config.models
     }
@@ -107,6 +119,7 @@ def fleet_from_proto(config: pb.FleetConfig) -> Fleet:
         api_keys=keys,
         previous_keys=previous,
         revoked_token_ids=frozenset(config.revoked_token_ids),
+        controls=controls,
     )
 
 

@@ -25,6 +25,7 @@ from typing import Any, Final, TextIO
 
 import aiohttp
 
+from iop_edge.cli.control_commands import CONTROL_COMMANDS, ControlError, add_control_commands
 from iop_edge.cli.usage_view import usage_screen
 
 DEFAULT_URL: Final = "http://127.0.0.1:8080"
@@ -357,6 +358,7 @@ def parser() -> argparse.ArgumentParser:
     )
     watch = commands.add_parser("watch", parents=sub, help="a live table (Ctrl-C stops)")
     watch.add_argument("--interval", type=_positive_float, default=1.0, help="seconds (default 1)")
+    add_control_commands(commands, sub)  # runtime control, with an operator key
     return top
 
 
@@ -380,6 +382,7 @@ COMMANDS: Final = {
     "runs": cmd_runs,
     "usage": cmd_usage,
     "watch": cmd_watch,
+    **CONTROL_COMMANDS,
 }
 
 
@@ -391,7 +394,7 @@ async def run(argv: Sequence[str], out: TextIO, err: TextIO) -> int:
     try:
         async with aiohttp.ClientSession(timeout=timeout) as session:
             await COMMANDS[args.command](EdgeClient(session, url, args.key), args, out, err)
-    except CtlError as exc:
+    except (CtlError, ControlError) as exc:
         _line(err, f"iopctl: {exc}")
         return 1
     return 0

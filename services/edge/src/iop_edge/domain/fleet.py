@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Final
 
+from iop_edge.domain.controls import ControlEntry
+
 DEFAULT_MAX_OUTPUT_TOKENS: Final = 32_768
 """A model's output cap when the fleet file gives none: above any model's real output
 length today, and far below a max_tokens that would hold a slot for hours."""
@@ -69,6 +71,7 @@ class ModelEntry:
     max_output_tokens: int = DEFAULT_MAX_OUTPUT_TOKENS  # the most max_tokens a request may ask
     retries: int = DEFAULT_RETRIES  # failovers per run before the first byte; 0 = none
     context_window: int = 0  # the model's context in tokens (fleet file); 0 = not said
+    preference: tuple[str, ...] = ()  # an operator's provider order (domain.controls)
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +88,10 @@ class ProviderEntry:
     queue_timeout_ms: int
     request_timeout_ms: int
     operations: frozenset[Operation] = ALL_OPERATIONS  # what it offers (the fleet file's word)
+    # runtime control (domain.controls): "disabled", "draining" (``capacity`` is then 0,
+    # out of selection) or ""; the fleet file's capacity when an operator's overrides it
+    control_state: str = ""
+    declared_capacity: int = 0
 
 
 class BudgetPeriod(StrEnum):
@@ -159,6 +166,7 @@ class Fleet:
     # overlap's end as its expiry; apart so that each key is listed once in api_keys. Also
     # secrets that expired lately (no policy, their expiry past): refused as expired
     previous_keys: Mapping[str, ApiKeyEntry] = field(default_factory=dict)
+    controls: tuple[ControlEntry, ...] = ()  # the operators' runtime controls in force
 
     def models_of_provider(self, provider_id: str) -> list[str]:
         return [m.id for m in self.models.values() if provider_id in m.providers]

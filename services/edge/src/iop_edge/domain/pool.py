@@ -34,6 +34,7 @@ from collections.abc import Container, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from iop_edge.domain.cache_report import CacheReport
+from iop_edge.domain.controls import preference_tiers
 from iop_edge.domain.events import Completed, Failed
 from iop_edge.domain.fleet import ALL_OPERATIONS, PUBLIC_OPERATIONS, Operation
 from iop_edge.domain.outliers import OutlierPolicy, OutlierState, Phase, may_eject
@@ -261,7 +262,7 @@ class ProviderSlot:
                 index.count_usable(step)
         if load is not None and load < FULL:
             for index, position in self._indexes:
-                index.push((load, position, version, self))
+                index.push((load + index.tiers[position], position, version, self))
 
 
 class ModelIndex:
@@ -275,12 +276,16 @@ class ModelIndex:
     or not.
     """
 
-    __slots__ = ("_heap", "_limit", "_usable_count", "lacking", "members", "model_id")
+    __slots__ = ("_heap", "_limit", "_usable_count", "lacking", "members", "model_id", "tiers")
 
-    def __init__(self, model_id: str, members: Sequence[ProviderSlot]) -> None:
-        """``members`` in the model's provider order (the tie-break)."""
+    def __init__(
+        self, model_id: str, members: Sequence[ProviderSlot], preference: Sequence[str] = ()
+    ) -> None:
+        """``members`` in the model's provider order (the tie-break); ``preference``: an
+        operator's order of them (``domain.controls``: tiers before the load ratio)."""
         self.model_id = model_id
         self.members = tuple(members)
+        self.tiers = preference_tiers([slot.provider_id for slot in self.members], preference)
         self._usable_count = 0
         self._limit = 3 * len(self.members) + 64
         for position, slot in enumerate(self.members):
@@ -390,19 +395,22 @@ class ModelIndex:
         for position, slot in enumerate(self.members):
             load = standing(slot)
             if load is not None and load < FULL:
-                heap.append((load, position, slot.version, slot))
+                heap.append((load + self.tiers[position], position, slot.version, slot))
         heapq.heapify(heap)
         self._heap = heap
 
 
 def index_models(
-    models: Iterable[tuple[str, Sequence[ProviderSlot]]], slots: Iterable[ProviderSlot]
+    models: Iterable[
+        tuple[str, Sequence[ProviderSlot]] | tuple[str, Sequence[ProviderSlot], Sequence[str]]
+    ],
+    slots: Iterable[ProviderSlot],
 ) -> dict[str, ModelIndex]:
-    """Fresh indexes for ``models`` (model id, its slots in provider order); every one
-    of ``slots`` leaves the indexes it was in first."""
+    """Fresh indexes for ``models`` (model id, its slots in provider order, and maybe its
+    preference); every one of ``slots`` leaves the indexes it was in first."""
     for slot in slots:
         slot.detach()
-    return {model_id: ModelIndex(model_id, members) for model_id, members in models}
+    return {entry[0]: ModelIndex(*entry) for entry in models}
 
 
 def select(candidates: Iterable[ProviderSlot]) -> ProviderSlot | None:

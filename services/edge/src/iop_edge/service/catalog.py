@@ -12,13 +12,21 @@ each such provider only those models: what it may not use, it cannot probe.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable
 from typing import Any, TypeGuard
 
 from iop_edge.domain.cache_report import CacheReport
-from iop_edge.domain.fleet import PUBLIC_OPERATIONS, ApiKeyEntry, ModelEntry, Operation
+from iop_edge.domain.controls import ControlEntry, provider_control_view
+from iop_edge.domain.fleet import (
+    PUBLIC_OPERATIONS,
+    ApiKeyEntry,
+    ModelEntry,
+    Operation,
+    ProviderEntry,
+)
 from iop_edge.domain.outliers import Phase
 from iop_edge.domain.pool import LIFECYCLE_FLAGS, UNAVAILABLE
-from iop_edge.ports import FleetView, OutlierView, ProviderView, QueueView
+from iop_edge.ports import FleetView, OutlierView, ProviderView, QueueView, SlotView
 
 
 class PoolCatalog:
@@ -73,6 +81,7 @@ class PoolCatalog:
                     "detail": slot.detail,
                     **_outlier_fields(slot.outlier),
                     "cache": _cache_fields(slot.cache),
+                    "control": _control_fields(entry, slot, fleet.controls),
                 }
             )
         return views
@@ -100,6 +109,7 @@ class PoolCatalog:
             # what some provider of it offers: any other is refused with a 400
             "operations": _in_order(frozenset().union(*(slot.operations for slot in slots))),
             "queued": self._queues.queued(model.id),
+            "preference": list(model.preference),  # an operator's order (runtime control)
         }
 
     def any_available(self) -> bool:
@@ -145,6 +155,17 @@ def _cache_fields(cache: CacheReport) -> dict[str, Any]:
         "prompt_tokens": cache.prompt_tokens,
         "cached_tokens": cache.cached_tokens,
     }
+
+
+def _control_fields(
+    entry: ProviderEntry | None, slot: SlotView, controls: Iterable[ControlEntry]
+) -> dict[str, Any]:
+    """Its runtime control (docs/ARCHITECTURE.md#runtime-control): state, override, who
+    set what and when."""
+    state, declared = (entry.control_state, entry.declared_capacity) if entry else ("", 0)
+    return provider_control_view(
+        slot.node_id, slot.provider_id, state, declared, slot.in_flight, controls
+    )
 
 
 def _restricted(key: ApiKeyEntry | None) -> TypeGuard[ApiKeyEntry]:

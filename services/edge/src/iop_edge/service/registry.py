@@ -114,7 +114,10 @@ class ProviderRegistry:
             # connected follows the node, also for a provider moved to another node
             slot.update(capacity=entry.capacity, connected=entry.node_id in self._links)
         self._indexes = index_models(
-            ((m.id, [slots[p] for p in m.providers if p in slots]) for m in fleet.models.values()),
+            (
+                (m.id, [slots[p] for p in m.providers if p in slots], m.preference)
+                for m in fleet.models.values()
+            ),
             slots.values(),
         )
         self._model_rank = {model_id: rank for rank, model_id in enumerate(fleet.models)}

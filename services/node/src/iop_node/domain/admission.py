@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 from collections import deque
 
-from iop_node.errors import QueueFull
+from iop_node.errors import ProviderHeld, QueueFull
 
 
 class AdmissionGate:
@@ -28,6 +28,7 @@ class AdmissionGate:
         self.capacity = capacity
         self.max_queue = max_queue
         self.in_flight = 0
+        self.held = ""  # an operator's "disabled" or "draining": no new run starts
         self._waiters: deque[asyncio.Future[None]] = deque()
 
     @property
@@ -41,6 +42,8 @@ class AdmissionGate:
         slot is handed over or the caller is cancelled (its deadline, its client gone):
         then it leaves the queue, passing on a slot handed to it in that same moment.
         """
+        if self.held:
+            raise self._held_error()
         if self.in_flight < self.capacity and not self._waiters:
             self.in_flight += 1
             return 0.0
@@ -56,7 +59,7 @@ class AdmissionGate:
         try:
             await waiter
         except BaseException:
-            if waiter.done() and not waiter.cancelled():
+            if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
                 # The slot was handed to us as we gave up: pass it on, never lose it.
                 self.release()
             else:
@@ -81,8 +84,27 @@ class AdmissionGate:
         self.max_queue = max_queue
         self._promote()
 
+    def hold(self, state: str) -> None:
+        """An operator's runtime control (docs/ARCHITECTURE.md#runtime-control): while
+        ``state`` ("disabled", "draining"; "" lifts it), runs in flight go on, a new run is
+        refused and every waiting one handed back now (``ProviderHeld``, retriable: the
+        edge sends it elsewhere before its first byte)."""
+        self.held = state
+        if not state:
+            self._promote()
+            return
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_exception(self._held_error())
+
+    def _held_error(self) -> ProviderHeld:
+        return ProviderHeld(
+            f"provider {self.provider_id} is {self.held} by an operator: run it elsewhere"
+        )
+
     def _promote(self) -> None:
-        while self._waiters and self.in_flight < self.capacity:
+        while self._waiters and self.in_flight < self.capacity and not self.held:
             waiter = self._waiters.popleft()
             if not waiter.done():
                 self.in_flight += 1

@@ -24,6 +24,7 @@ class ProviderConfig:
     queue_timeout_ms: int = 30_000
     request_timeout_ms: int = 600_000
     settings: Mapping[str, Any] = field(default_factory=dict)
+    control_state: str = ""  # an operator's "disabled" or "draining" (AdmissionGate.hold)
 
     def setting(self, key: str, default: Any = None) -> Any:
         value = self.settings.get(key)

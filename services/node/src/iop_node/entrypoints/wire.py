@@ -86,6 +86,7 @@ def provider_config(message: pb.ProviderConfig) -> ProviderConfig:
         queue_timeout_ms=message.queue_timeout_ms,
         request_timeout_ms=message.request_timeout_ms,
         settings=settings,
+        control_state=message.control_state,
     )
 
 

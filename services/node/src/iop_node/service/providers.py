@@ -137,6 +137,7 @@ class NodeCore:
             health=HealthTracker(self._probes.rise, self._probes.fall),
             cache=CacheAccount(self._cache_prefixes),
         )
+        runtime.gate.hold(config.control_state)
         runtime.publish(self._metrics)
         logger.info(
             "provider {} ({}) configured, capacity {}", config.id, config.type, config.capacity
@@ -166,6 +167,7 @@ class NodeCore:
                 runtime.health.models = ()
             self._close_when_idle(runtime, old_adapter)
         runtime.gate.resize(config.capacity, config.max_queue)
+        runtime.gate.hold(config.control_state)
         runtime.config = config
         runtime.publish(self._metrics)
         logger.info("provider {} updated", config.id)
