@@ -1,0 +1,67 @@
+"""Runtime control in edge selection: a model's preference (the first listed provider with
+a free slot wins, then the next, the unlisted last by the normal rule), and a disabled or
+draining provider pushed with no capacity, out of selection
+(docs/ARCHITECTURE.md#runtime-control)."""
+
+from __future__ import annotations
+
+from iop_edge.adapters.fleet_proto import fleet_from_proto
+from iop_edge.domain.controls import preference_tiers
+from iop_edge.domain.pool import AVAILABLE, ModelIndex, ProviderSlot, index_models
+from iop_proto.v1 import runtime_pb2 as pb
+
+
+def slot(name: str, in_flight: int = 0, capacity: int = 4) -> ProviderSlot:
+    s = ProviderSlot(name, "node", capacity=capacity, health=AVAILABLE, connected=True)
+    s.own_in_flight = in_flight
+    return s
+
+
+def test_preference_tiers_put_the_unlisted_last() -> None:
+    assert preference_tiers(["a", "b", "c"], ["c", "a"]) == (1, 2, 0)
+    assert preference_tiers(["a", "b"], []) == (0, 0)
+
+
+def test_the_first_preferred_provider_with_a_free_slot_wins_over_a_lower_load() -> None:
+    a, b, c = slot("a"), slot("b", 3), slot("c", 2)
+    index = ModelIndex("m", [a, b, c], ["b", "c"])
+    assert index.select() is b  # 3/4 loaded, but listed first
+    b.take()  # full now: the next listed
+    assert index.select() is c
+    c.take()
+    c.take()  # full: the unlisted one
+    assert index.select() is a
+    c.release()
+    assert index.select() is c  # a place back on a preferred one: it wins again
+    assert index.select(exclude={"c"}) is a
+
+
+def test_without_a_preference_the_rule_is_unchanged() -> None:
+    a, b = slot("a", 2), slot("b", 1)
+    [(_, index)] = index_models([("m", [a, b])], [a, b]).items()
+    assert index.select() is b
+
+
+def config(state: str = "", capacity: int = 2, declared: int = 0) -> pb.FleetConfig:
+    provider = pb.ProviderConfig(
+        id="p", type="mock", models=["x"], capacity=capacity, control_state=state
+    )
+    provider.declared_capacity = declared
+    return pb.FleetConfig(
+        version=1,
+        models=[pb.ModelConfig(id="m", providers={"p": "x"})],
+        nodes=[pb.NodeConfig(node_id="n", providers=[provider])],
+        runtime_controls=[
+            pb.RuntimeControl(kind="prefer", target="m", value="p", change_id="chg_1"),
+        ],
+    )
+
+
+def test_a_held_provider_has_no_capacity_and_an_override_is_kept_apart() -> None:
+    fleet = fleet_from_proto(config("draining"))
+    assert fleet.providers["p"].capacity == 0
+    assert fleet.providers["p"].control_state == "draining"
+    assert fleet.models["m"].preference == ("p",)
+    assert [c.change_id for c in fleet.controls] == ["chg_1"]
+    overridden = fleet_from_proto(config(capacity=5, declared=2)).providers["p"]
+    assert (overridden.capacity, overridden.declared_capacity) == (5, 2)
