@@ -271,6 +271,9 @@ async def test_a_drain_lets_streams_finish_and_sends_queued_work_elsewhere(
         outcomes = await asyncio.gather(stream_a, stream_b, *queued)
         assert [o.kind for o in outcomes] == ["completed"] * 5, outcomes
         assert (await providers(http, api))[A]["control"]["state"] == "drained"
+        table = await ctl(fleet, "providers")
+        assert any(A in line and "drained" in line for line in table.splitlines()), table
+        report("iopctl providers, after the drain:\n" + table)
         more = [faults.stream_chat(http, fleet.apis[1], body(2), 60) for _ in range(2)]
         assert [o.kind for o in await asyncio.gather(*more)] == ["completed"] * 2
 
@@ -288,7 +291,7 @@ async def test_a_drain_lets_streams_finish_and_sends_queued_work_elsewhere(
 
 
 async def test_the_audit_trail_a_revert_and_a_control_plane_restart(
-    fleet: SimpleNamespace,
+    fleet: SimpleNamespace, report: Any
 ) -> None:
     stack = fleet.stack
     headers = {"Authorization": f"Bearer {fleet.operator}"}
@@ -313,6 +316,12 @@ async def test_the_audit_trail_a_revert_and_a_control_plane_restart(
         assert newest["at_ms"] > 0
         assert len(listing["audit"]) == len(before["audit"]) + 2
         table = await ctl(fleet, "controls", "--audit")
+        report(
+            "iopctl controls:\n"
+            + await ctl(fleet, "controls")
+            + "iopctl controls --audit:\n"
+            + table
+        )
         assert drain_id in table
         assert "draining" in table
 
@@ -332,6 +341,7 @@ async def test_the_audit_trail_a_revert_and_a_control_plane_restart(
         assert model["preference"] == [B, A]
 
         out = await ctl(fleet, "revert", drain_id, api=fleet.apis[1])
+        report(f"iopctl revert {drain_id}:\n{out}")
         assert f"(reverts {drain_id})" in out, out
         assert "draining -> serving" in out, out
         await until(

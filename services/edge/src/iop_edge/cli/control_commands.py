@@ -194,6 +194,18 @@ def _audit_table(audit: list[Row]) -> str:
     return _table(headers, rows)
 
 
+def control_verdict(provider: Row, verdict: str | None) -> str | None:
+    """The health column's note for ``iopctl providers``: the edge's verdict, and an
+    operator's state beside it (``draining 2`` with its runs in flight, ``drained``)."""
+    control = provider.get("control") or {}
+    state = control.get("state", "serving")
+    if state == "serving":
+        return verdict
+    if state == "draining":
+        state = f"draining {control.get('in_flight', 0)}"
+    return f"{verdict}, {state}" if verdict else state
+
+
 CONTROL_COMMANDS: Final = {
     name: cmd_control
     for name in ("disable", "enable", "drain", "capacity", "prefer", "controls", "revert")

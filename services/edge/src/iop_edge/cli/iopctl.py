@@ -25,7 +25,12 @@ from typing import Any, Final, TextIO
 
 import aiohttp
 
-from iop_edge.cli.control_commands import CONTROL_COMMANDS, ControlError, add_control_commands
+from iop_edge.cli.control_commands import (
+    CONTROL_COMMANDS,
+    ControlError,
+    add_control_commands,
+    control_verdict,
+)
 from iop_edge.cli.usage_view import usage_screen
 
 DEFAULT_URL: Final = "http://127.0.0.1:8080"
@@ -134,6 +139,7 @@ def _hit_rate(p: Row) -> str:
 def _health(p: Row) -> str:
     """The node's word, and the edge's outlier verdict beside it when there is one."""
     verdict = {"ejected": "ejected", "half_open": "on trial"}.get(p.get("outlier_state", ""))
+    verdict = control_verdict(p, verdict)  # an operator's disable or drain, when one is on
     return f"{p['health']} ({verdict})" if verdict else str(p["health"])
 
 
