@@ -1,0 +1,92 @@
+"""The console's runtime control page (console/static/controls.html) in a real headless
+Chromium against the real stack: drain and enable a provider by its buttons, and see the
+state and the audit trail the control-plane keeps (docs/ARCHITECTURE.md#runtime-control).
+
+Like tests/e2e/test_console.py: Debian's ``chromium`` driven by Playwright's Python
+package; where Chromium is missing or cannot start, the test skips and says why.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+import pytest
+import pytest_asyncio
+
+if TYPE_CHECKING:
+    from playwright.async_api import Browser, Page, Request
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run"]
+WAIT_MS = 15_000
+TARGET = "node-a/node-a-mock"
+
+
+@pytest.fixture(scope="module")
+def chromium() -> Path:
+    if not CHROMIUM.exists():
+        pytest.skip(f"{CHROMIUM} is missing (Debian: apt-get install chromium)")
+    return CHROMIUM
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def browser(chromium: Path) -> AsyncIterator[Browser]:
+    async_api = pytest.importorskip(
+        "playwright.async_api", reason="the playwright package is not installed"
+    )
+    async with async_api.async_playwright() as playwright:
+        try:
+            launched = await playwright.chromium.launch(
+                executable_path=str(chromium), args=CHROMIUM_ARGS, timeout=60_000
+            )
+        except async_api.Error as exc:
+            pytest.skip(f"playwright cannot launch {chromium}: {exc.message.splitlines()[0]}")
+        try:
+            yield launched
+        finally:
+            await launched.close()
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def page(browser: Browser) -> AsyncIterator[Page]:
+    context = await browser.new_context(viewport={"width": 1280, "height": 900})
+    try:
+        yield await context.new_page()
+    finally:
+        await context.close()
+
+
+async def test_the_control_page_drains_and_enables_a_provider(stack: Any, page: Page) -> None:
+    from playwright.async_api import expect
+
+    edge_url = str(stack.api_url).removesuffix("/v1")
+    posts: list[Request] = []
+    page.on("request", lambda r: posts.append(r) if r.method == "POST" else None)
+    page_errors: list[str] = []
+    page.on("pageerror", lambda error: page_errors.append(str(error)))
+
+    await page.goto(f"{edge_url}/iop/console")
+    await page.get_by_test_id("controls-link").click()
+    await page.wait_for_url("**/iop/console/static/controls.html")
+    await page.get_by_test_id(f"control-drain-{TARGET}").click(timeout=WAIT_MS)
+    audit = page.get_by_test_id("controls-audit")
+    await expect(audit).to_contain_text(f"state {TARGET}", timeout=WAIT_MS)
+    await expect(audit).to_contain_text("draining")
+    await expect(page.get_by_test_id("controls-in-force")).to_contain_text(
+        f"state {TARGET} = draining"
+    )
+    async with aiohttp.ClientSession() as http:
+        async with http.get(f"{edge_url}/iop/v1/catalog/providers") as response:
+            rows = {r["provider_id"]: r for r in (await response.json())["data"]}
+    assert rows["node-a-mock"]["control"]["state"] in ("draining", "drained")
+    assert rows["node-a-mock"]["control"]["controls"][0]["changed_by"] == "open API"
+
+    await page.get_by_test_id(f"control-enable-{TARGET}").click()
+    await expect(page.get_by_test_id("controls-in-force")).to_have_count(0, timeout=WAIT_MS)
+    assert [r.url.removeprefix(edge_url) for r in posts] == ["/iop/v1/controls"] * 2
+    assert page_errors == []
