@@ -393,3 +393,49 @@ async def test_an_edge_that_reads_loads_gets_them_on_each_runs_end_and_no_snapsh
 
             await configure(session, 4)
             assert [s.providers[0].capacity for s in session.snapshots[since:]] == [4]
+
+
+async def test_a_drained_provider_hands_its_queued_runs_back_and_its_running_one_finishes(
+    pki: Pki, tmp_path: Path
+) -> None:
+    """Runtime control (docs/ARCHITECTURE.md#runtime-control): a config that says
+    ``draining`` hands the runs waiting in the provider's FIFO back at once, retriable
+    (``provider_unavailable``, before their first byte: the edge fails them over),
+    refuses new ones the same way, and lets the run under way finish; the provider is
+    not marked unavailable for it."""
+    provider = mock_provider(tokens_per_second=20)
+    provider.capacity = 1
+    edge = FakeEdge([provider])
+    hello = {"messages": [{"role": "user", "content": "hi"}], "iop_mock": FILL}
+    async with loopback_server(edge.handle, server_context(pki.edge)) as port:
+        async with running_node(pki, port, tmp_path):
+            session = await asyncio.wait_for(edge.sessions.get(), 10)
+            await session.wait_for_snapshot(lambda p: p.health == pb.HEALTH_AVAILABLE)
+            await session.run("long", {**hello, "max_tokens": 40}, stream=True)  # 2 s
+            for run_id in ("queued-1", "queued-2"):
+                await session.run(run_id, {**hello, "max_tokens": 2}, stream=False)
+            await session.wait_for_snapshot(lambda p: p.queued == 2)
+            held = pb.ProviderConfig()
+            held.CopyFrom(provider)
+            held.control_state = "draining"
+            config = pb.NodeConfig(node_id="node-a", providers=[held])
+            await session.conn.send(pb.RegisterResponse(accepted=True, node_config=config))
+            await session.run("new", {**hello, "max_tokens": 2}, stream=False)
+            ends: dict[str, pb.RunEvent] = {}
+            started: set[str] = set()
+            async with asyncio.timeout(20):
+                while len(ends) < 4:
+                    event = (await session.inbox.get()).run_event
+                    kind = event.WhichOneof("kind")
+                    if kind in ("complete", "error"):
+                        ends[event.run_id] = event
+                    elif kind == "start":
+                        started.add(event.run_id)
+            assert ends["long"].WhichOneof("kind") == "complete"
+            for run_id in ("queued-1", "queued-2", "new"):
+                assert ends[run_id].WhichOneof("kind") == "error", ends[run_id]
+                assert ends[run_id].error.code == pb.ERROR_CODE_PROVIDER_UNAVAILABLE
+                assert "draining by an operator" in ends[run_id].error.message
+            assert started == {"long"}  # nothing but the long run reached the provider
+            snapshot = await session.wait_for_snapshot(lambda p: p.in_flight == 0)
+            assert snapshot.providers[0].health == pb.HEALTH_AVAILABLE
