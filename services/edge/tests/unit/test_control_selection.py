@@ -5,6 +5,8 @@ draining provider pushed with no capacity, out of selection
 
 from __future__ import annotations
 
+import random
+
 from iop_edge.adapters.fleet_proto import fleet_from_proto
 from iop_edge.domain.controls import preference_tiers
 from iop_edge.domain.pool import AVAILABLE, ModelIndex, ProviderSlot, index_models
@@ -65,3 +67,30 @@ def test_a_held_provider_has_no_capacity_and_an_override_is_kept_apart() -> None
     assert [c.change_id for c in fleet.controls] == ["chg_1"]
     overridden = fleet_from_proto(config(capacity=5, declared=2)).providers["p"]
     assert (overridden.capacity, overridden.declared_capacity) == (5, 2)
+
+
+def reference(members: list[ProviderSlot], preference: list[str]) -> ProviderSlot | None:
+    """The rule with a preference, as a scan: (tier, load, position) among free slots."""
+    tiers = preference_tiers([s.provider_id for s in members], preference)
+    free = [
+        (tiers[i], s.in_flight / s.capacity, i)
+        for i, s in enumerate(members)
+        if s.capacity > 0 and s.in_flight < s.capacity
+    ]
+    return members[min(free)[2]] if free else None
+
+
+def test_the_index_with_a_preference_matches_the_scan_under_random_changes() -> None:
+    chance = random.Random(34)
+    for _ in range(200):
+        members = [slot(f"p{i}", 0, chance.randint(1, 4)) for i in range(chance.randint(1, 6))]
+        ids = [s.provider_id for s in members]
+        preference = chance.sample(ids, chance.randint(0, len(ids)))
+        index = ModelIndex("m", members, preference)
+        for _ in range(30):
+            target = chance.choice(members)
+            if chance.random() < 0.6 and target.in_flight < target.capacity:
+                target.take()
+            elif target.own_in_flight:
+                target.release()
+            assert index.select() is reference(members, preference)
