@@ -17,6 +17,7 @@ from typing import Any
 
 import aiosqlite
 
+from iop_control_plane.adapters.sqlite_controls import CONTROL_TABLES, SqliteControls
 from iop_control_plane.domain.controls import Control, ControlChange
 from iop_control_plane.domain.credentials import (
     ApiKey,
@@ -53,32 +54,6 @@ _NODE_TABLES = (
     )""",
 )
 """Retired nodes and the connection states edges report (``node list``)."""
-
-_CONTROL_TABLES = (
-    """CREATE TABLE IF NOT EXISTS runtime_controls (
-        kind       TEXT NOT NULL,
-        target     TEXT NOT NULL,
-        value      TEXT NOT NULL,
-        change_id  TEXT NOT NULL,
-        changed_by TEXT NOT NULL,
-        changed_at TEXT NOT NULL,
-        reason     TEXT NOT NULL,
-        PRIMARY KEY (kind, target)
-    )""",
-    """CREATE TABLE IF NOT EXISTS runtime_control_audit (
-        change_id    TEXT PRIMARY KEY,
-        at           TEXT NOT NULL,
-        changed_by   TEXT NOT NULL,
-        kind         TEXT NOT NULL,
-        target       TEXT NOT NULL,
-        before_value TEXT NOT NULL,
-        after_value  TEXT NOT NULL,
-        reason       TEXT NOT NULL,
-        reverts      TEXT NOT NULL
-    )""",
-    "CREATE INDEX IF NOT EXISTS runtime_control_audit_at ON runtime_control_audit (at)",
-)
-"""Runtime controls in force and the audit trail of their changes (domain.controls)."""
 
 _ROTATION_INDEXES = (
     "CREATE INDEX IF NOT EXISTS node_tokens_previous_hash ON node_tokens (previous_hash)",
@@ -117,7 +92,7 @@ _SCHEMA = (
     "CREATE UNIQUE INDEX IF NOT EXISTS api_keys_secret_hash ON api_keys (secret_hash)",
     *_NODE_TABLES,
     *_ROTATION_INDEXES,
-    *_CONTROL_TABLES,
+    *CONTROL_TABLES,
 )
 """The schema, statement by statement, each idempotent (it also runs after the migrations)."""
 
@@ -141,7 +116,7 @@ _MIGRATIONS: dict[int, tuple[str, ...]] = {
     )
     + _ROTATION_INDEXES,
     # version 5 -> 6: runtime controls and their audit trail
-    5: _CONTROL_TABLES,
+    5: CONTROL_TABLES,
 }
 """The statements that bring a file at version ``v`` (the key) to ``v + 1``."""
 
@@ -226,6 +201,7 @@ class SqliteCredentialStore:
         self.path = path
         # PRAGMA data_version only moves for other connections' commits; our own count here.
         self._own_writes = 0
+        self._controls = SqliteControls(db)
 
     @classmethod
     async def open(cls, path: Path) -> SqliteCredentialStore:
@@ -489,103 +465,13 @@ class SqliteCredentialStore:
     # ------------------------------------------------------------ runtime controls
 
     async def runtime_controls(self) -> list[Control]:
-        rows = await self._fetch(
-            "SELECT kind, target, value, change_id, changed_by, changed_at, reason"
-            " FROM runtime_controls ORDER BY kind, target"
-        )
-        return [
-            Control(
-                row["kind"],
-                row["target"],
-                row["value"],
-                row["change_id"],
-                row["changed_by"],
-                _from_text(row["changed_at"]),
-                row["reason"],
-            )
-            for row in rows
-        ]
+        return await self._controls.runtime_controls()
 
     async def control_audit(self, limit: int, change_id: str = "") -> list[ControlChange]:
-        rows = await self._fetch(
-            "SELECT * FROM runtime_control_audit WHERE (? = '' OR change_id = ?)"
-            " ORDER BY at DESC, change_id LIMIT ?",
-            (change_id, change_id, limit),
-        )
-        return [
-            ControlChange(
-                change_id=row["change_id"],
-                at=_from_text(row["at"]),
-                changed_by=row["changed_by"],
-                kind=row["kind"],
-                target=row["target"],
-                before=row["before_value"],
-                after=row["after_value"],
-                reason=row["reason"],
-                reverts=row["reverts"],
-            )
-            for row in rows
-        ]
+        return await self._controls.control_audit(limit, change_id)
 
     async def record_control_change(self, change: ControlChange) -> bool:
-        """The control and its audit entry in one transaction, only over ``change.before``
-        (compare and set: a change raced by another's is refused, never lost unseen).
-
-        Another coroutine's statement may fall inside the transaction (the connection is
-        shared): it is committed with it, which harms nothing, and nothing is rolled back
-        but on an error.
-        """
-        await self._run("BEGIN IMMEDIATE")
-        try:
-            rows = await self._fetch(
-                "SELECT value FROM runtime_controls WHERE kind = ? AND target = ?",
-                (change.kind, change.target),
-            )
-            if (rows[0]["value"] if rows else "") != change.before:
-                await self._run("COMMIT")
-                return False
-            control = change.applied()
-            if control is None:
-                await self._run(
-                    "DELETE FROM runtime_controls WHERE kind = ? AND target = ?",
-                    (change.kind, change.target),
-                )
-            else:
-                await self._run(
-                    "INSERT OR REPLACE INTO runtime_controls (kind, target, value, change_id,"
-                    " changed_by, changed_at, reason) VALUES (?, ?, ?, ?, ?, ?, ?)",
-                    (
-                        control.kind,
-                        control.target,
-                        control.value,
-                        control.change_id,
-                        control.changed_by,
-                        _to_text(control.changed_at),
-                        control.reason,
-                    ),
-                )
-            await self._run(
-                "INSERT INTO runtime_control_audit (change_id, at, changed_by, kind, target,"
-                " before_value, after_value, reason, reverts) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (
-                    change.change_id,
-                    _to_text(change.at),
-                    change.changed_by,
-                    change.kind,
-                    change.target,
-                    change.before,
-                    change.after,
-                    change.reason,
-                    change.reverts,
-                ),
-            )
-            await self._run("COMMIT")
-        except BaseException:
-            await self._run("ROLLBACK")
-            raise
-        self._own_writes += 1
-        return True
-
-    async def _run(self, sql: str, parameters: tuple[Any, ...] = ()) -> None:
-        async with self._db.execute(sql, parameters):
-            pass
+        stored = await self._controls.record_control_change(change)
+        if stored:
+            self._own_writes += 1
+        return stored
