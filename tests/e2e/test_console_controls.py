@@ -8,6 +8,7 @@ package; where Chromium is missing or cannot start, the test skips and says why.
 
 from __future__ import annotations
 
+import re
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -85,6 +86,19 @@ async def test_the_control_page_drains_and_enables_a_provider(stack: Any, page: 
             rows = {r["provider_id"]: r for r in (await response.json())["data"]}
     assert rows["node-a-mock"]["control"]["state"] in ("draining", "drained")
     assert rows["node-a-mock"]["control"]["controls"][0]["changed_by"] == "open API"
+    assert rows["node-a-mock"]["capacity"] == 0  # the JSON keeps selection's truth
+    # The main page shows the capacity it serves with once enabled and the state, not 0/100%
+    overview = await page.context.new_page()
+    await overview.goto(f"{edge_url}/iop/console")
+    row = overview.get_by_test_id("nodes").locator(
+        '[data-testid="provider-row"][data-provider-id="node-a-mock"]'
+    )
+    await expect(row.get_by_test_id("held-state")).to_have_text(
+        re.compile("^(draining|drained)$"), timeout=WAIT_MS
+    )
+    await expect(row.get_by_test_id("capacity")).to_have_text("2")
+    await expect(row.get_by_test_id("load-bar")).to_have_count(0)
+    await overview.close()
 
     await page.get_by_test_id(f"control-enable-{TARGET}").click()
     await expect(page.get_by_test_id("controls-in-force")).to_have_count(0, timeout=WAIT_MS)

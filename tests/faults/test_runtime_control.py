@@ -193,6 +193,8 @@ async def test_disable_enable_and_capacity_are_seen_by_both_edges_within_a_secon
         [control] = row["control"]["controls"]
         assert (control["value"], control["reason"]) == ("disabled", "maintenance")
         assert control["changed_by"].startswith("ops (")
+        # the truth selection uses (no capacity), and the one it serves with once enabled
+        assert (row["capacity"], row["control"]["held_capacity"]) == (0, 1), row
 
         started = time.monotonic()
         await ctl(fleet, "enable", f"node-a/{A}", api=fleet.apis[1])
@@ -272,7 +274,9 @@ async def test_a_drain_lets_streams_finish_and_sends_queued_work_elsewhere(
         assert [o.kind for o in outcomes] == ["completed"] * 5, outcomes
         assert (await providers(http, api))[A]["control"]["state"] == "drained"
         table = await ctl(fleet, "providers")
-        assert any(A in line and "drained" in line for line in table.splitlines()), table
+        [line] = [line for line in table.splitlines() if line.startswith(A)]
+        assert "drained" in line, table
+        assert "0/1" in line, table  # its capacity once enabled, not the 0/0 it holds now
         report("iopctl providers, after the drain:\n" + table)
         more = [faults.stream_chat(http, fleet.apis[1], body(2), 60) for _ in range(2)]
         assert [o.kind for o in await asyncio.gather(*more)] == ["completed"] * 2

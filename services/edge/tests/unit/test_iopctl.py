@@ -259,6 +259,20 @@ async def test_the_health_column_shows_the_edges_ejection_beside_the_nodes_word(
     assert cells(second)[3:6] == ["unavailable", "(on", "trial)"]
 
 
+async def test_a_held_provider_shows_its_capacity_and_state_not_0_of_0(edge: Canned) -> None:
+    # What the catalog says of a drained and a disabled provider: capacity 0 (selection's
+    # truth), load 1.0; the capacity it serves with once enabled in control.held_capacity.
+    held = {"capacity": 0, "load_ratio": 1.0, "in_flight": 0}
+    edge.providers[0].update(held, control={"state": "drained", "held_capacity": 2})
+    edge.providers[1].update(held, control={"state": "disabled", "held_capacity": 3})
+    _, out, _ = await iopctl("providers", "--url", edge.url)
+    _, first, second = out.splitlines()
+    assert cells(first)[3:7] == ["available", "(drained)", "0/2", "drained"]
+    assert cells(second)[3:7] == ["unavailable", "(disabled)", "0/3", "disabled"]
+    assert "0/0" not in out
+    assert "100%" not in out
+
+
 async def test_models_table(edge: Canned) -> None:
     status, out, _ = await iopctl("models", "--url", edge.url)
     assert status == 0

@@ -50,6 +50,7 @@ def fleet_from_proto(config: pb.FleetConfig) -> Fleet:
             ),
             control_state=p.control_state,
             declared_capacity=p.declared_capacity,
+            held_capacity=p.capacity if p.control_state else 0,
         )
         for node in config.nodes
         for p in node.providers

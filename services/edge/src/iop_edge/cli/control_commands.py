@@ -206,6 +206,17 @@ def control_verdict(provider: Row, verdict: str | None) -> str | None:
     return f"{verdict}, {state}" if verdict else state
 
 
+def held_load(provider: Row) -> tuple[str, str] | None:
+    """The capacity and load cells of a provider an operator holds (disabled, draining,
+    drained): ``0/2`` and the state, rather than the ``0/0`` and 100% its zero capacity
+    (the truth selection uses, which the JSON keeps) would print; None while it serves."""
+    control = provider.get("control") or {}
+    held = control.get("held_capacity")
+    if held is None:
+        return None
+    return f"{provider['in_flight']}/{held}", str(control.get("state", "held"))
+
+
 CONTROL_COMMANDS: Final = {
     name: cmd_control
     for name in ("disable", "enable", "drain", "capacity", "prefer", "controls", "revert")

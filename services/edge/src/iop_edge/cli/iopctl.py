@@ -30,6 +30,7 @@ from iop_edge.cli.control_commands import (
     ControlError,
     add_control_commands,
     control_verdict,
+    held_load,
 )
 from iop_edge.cli.usage_view import usage_screen
 
@@ -116,13 +117,18 @@ RUN_WIDTHS: Final = (8, 32, 16, 16, 8, 8, 8, 9, 6, 0)
 
 
 def provider_row(p: Row) -> list[object]:
+    # an operator's held provider: its capacity once enabled and its state (control_commands)
+    in_flight, load = held_load(p) or (
+        f"{p['in_flight']}/{p['capacity']}",
+        f"{round(p['load_ratio'] * 100)}%",
+    )
     return [
         p["provider_id"],
         p["node_id"],
         p["type"],
         _health(p),
-        f"{p['in_flight']}/{p['capacity']}",
-        f"{round(p['load_ratio'] * 100)}%",
+        in_flight,
+        load,
         p["queued"],
         _hit_rate(p),
         ",".join(p.get("serves") or p.get("models") or []) or "-",

@@ -66,9 +66,13 @@ def provider_control_view(
     declared_capacity: int,
     in_flight: int,
     controls: Iterable[ControlEntry],
+    held_capacity: int = 0,
 ) -> dict[str, Any]:
     """A provider's runtime control for the catalog: its state (``draining`` while runs of
-    it are in flight, then ``drained``), its capacity override, and who set what, when."""
+    it are in flight, then ``drained``), its capacity override, and who set what, when.
+    A held provider's capacity is 0 in the view (the truth selection uses, so its load
+    reads 100%); ``held_capacity`` is the one it serves with once enabled, so a console or
+    ``iopctl`` can show ``0/2 drained`` rather than a bare ``0/0``."""
     mine = [
         c.view()
         for c in controls
@@ -82,5 +86,6 @@ def provider_control_view(
         "in_flight": in_flight,
         "capacity_override": declared_capacity > 0,
         "declared_capacity": declared_capacity or None,
+        "held_capacity": held_capacity if state else None,
         "controls": mine,
     }

@@ -92,6 +92,7 @@ class ProviderEntry:
     # out of selection) or ""; the fleet file's capacity when an operator's overrides it
     control_state: str = ""
     declared_capacity: int = 0
+    held_capacity: int = 0  # a held provider's capacity once it serves again (views only)
 
 
 class BudgetPeriod(StrEnum):

@@ -162,9 +162,11 @@ def _control_fields(
 ) -> dict[str, Any]:
     """Its runtime control (docs/ARCHITECTURE.md#runtime-control): state, override, who
     set what and when."""
-    state, declared = (entry.control_state, entry.declared_capacity) if entry else ("", 0)
+    state, declared, held = (
+        (entry.control_state, entry.declared_capacity, entry.held_capacity) if entry else ("", 0, 0)
+    )
     return provider_control_view(
-        slot.node_id, slot.provider_id, state, declared, slot.in_flight, controls
+        slot.node_id, slot.provider_id, state, declared, slot.in_flight, controls, held
     )
 
 

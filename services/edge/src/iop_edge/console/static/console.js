@@ -127,6 +127,15 @@
     return null;
   }
 
+  // A provider an operator holds (disabled, draining, drained) has no capacity while held,
+  // so its load would read 100%: show the capacity it serves with once enabled and its
+  // state instead (the catalog's JSON keeps the zero; docs/ARCHITECTURE.md#runtime-control).
+  function heldState(provider) {
+    const control = provider.control;
+    if (control?.held_capacity == null) return null;
+    return el("span", { class: "badge health-other", "data-testid": "held-state" }, control.state);
+  }
+
   function loadBar(ratio) {
     const percent = Math.round(Math.max(0, ratio) * 100);
     const level = ratio >= 1 ? "full" : ratio >= 0.5 ? "busy" : "ok";
@@ -200,9 +209,9 @@
         ),
         el("td", { class: "mono" }, p.node_id),
         el("td", {}, [healthBadge(p), ejectionBadge(p)].filter(Boolean)),
-        el("td", { class: "num", "data-testid": "capacity" }, p.capacity),
+        el("td", { class: "num", "data-testid": "capacity" }, p.control?.held_capacity ?? p.capacity),
         el("td", { class: "num", "data-testid": "in-flight" }, p.in_flight),
-        el("td", {}, loadBar(p.load_ratio)),
+        el("td", {}, heldState(p) || loadBar(p.load_ratio)),
         el("td", { class: "num", "data-testid": "queued" }, p.queued),
         el("td", { class: "num", "data-testid": "cache-hit-rate" }, cacheHits(p.cache)),
         el("td", { "data-testid": "served-models" }, servedModels(p, modelsById)),
