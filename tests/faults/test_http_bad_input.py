@@ -63,6 +63,11 @@ INFERENCE = (
     "POST /v1/embeddings",
     "POST /v1/responses",
 )
+# Runtime control's changes (docs/ARCHITECTURE.md#runtime-control) are not fuzzed: the
+# stack is shared, and a generated body that happened to name a real target ("state",
+# "node-a", "disabled") would take a provider out of every later test's fleet. Their input
+# checks are tested by hand (tests/faults/test_runtime_control.py); the listing is fuzzed.
+NOT_FUZZED = ("POST /iop/v1/controls", "POST /iop/v1/controls/{change_id}/revert")
 GATEWAY_STATUSES = frozenset({502, 503, 504})
 MAX_BODY_BYTES = DEFAULT_MAX_BODY_BYTES  # the frame limit less its headroom
 ERROR_FIELDS = {"message", "type", "param", "code"}
@@ -232,6 +237,8 @@ def run_schemathesis(origin: str) -> Findings:
         session.trust_env = False  # no proxy from the environment: 127.0.0.1 only
         for result in schema.get_all_operations():
             operation = result.ok()
+            if operation.label in NOT_FUZZED:
+                continue
             for mode in (
                 schemathesis.GenerationMode.POSITIVE,
                 schemathesis.GenerationMode.NEGATIVE,
@@ -391,6 +398,47 @@ async def test_malformed_bodies_and_wrong_content_types_get_400_error_objects(
             assert response.status == status, (method, path, response.status)
             assert openai_error_problem(status, payload) is None, (method, path)
     report(f"{sum(statuses.values())} malformed requests: statuses {dict(statuses)}")
+
+
+async def test_runtime_control_changes_refuse_bad_input_and_change_nothing(
+    stack: Any, report: Callable[[str], None]
+) -> None:
+    """By hand what the fuzz leaves out (NOT_FUZZED): malformed bodies, wrong shapes and
+    unknown targets or changes are error objects, and nothing was stored."""
+    origin = stack.api_url.removesuffix("/v1")
+    controls = f"{origin}/iop/v1/controls"
+    refused: list[tuple[str, str | bytes, str, int]] = [
+        (controls, body, content_type, 400) for content_type, body in BAD_BODIES.values()
+    ]
+    refused += [
+        (controls, json.dumps(body), "application/json", status)
+        for body, status in (
+            ([], 400),
+            ({"target": "node-a"}, 400),
+            ({"kind": "state", "target": "node-a", "value": True}, 400),
+            ({"kind": "restart", "target": "node-a", "value": "now"}, 400),
+            ({"kind": "state", "target": "node-a", "value": "asleep"}, 400),
+            ({"kind": "state", "target": "node-zz", "value": "disabled"}, 404),
+            ({"kind": "prefer", "target": "no-such-model", "value": "node-a-mock"}, 404),
+        )
+    ]
+    refused += [
+        (f"{controls}/chg_nothex/revert", "{}", "application/json", 400),
+        (f"{controls}/chg_000000000000/revert", "{}", "application/json", 404),
+        (f"{controls}/chg_000000000000/revert", "[1]", "application/json", 400),
+    ]
+    async with aiohttp.ClientSession() as http:
+        for url, body, content_type, status in refused:
+            headers = {"Content-Type": content_type}
+            async with http.post(url, data=body, headers=headers) as response:
+                payload = await response.read()
+            assert response.status == status, (url, body, response.status, payload[:200])
+            assert openai_error_problem(status, payload) is None, (url, body)
+        async with http.get(controls) as response:
+            assert response.status == 200
+            listing = await response.json()
+    assert (listing["controls"], listing["audit"]) == ([], [])
+    report(f"{len(refused)} bad runtime control changes refused, none stored")
 
 
 if __name__ == "__main__":

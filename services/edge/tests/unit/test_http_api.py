@@ -1261,6 +1261,8 @@ async def test_health_readiness_and_openapi(edge: Edge, http: aiohttp.ClientSess
         "/iop/v1/runs",
         "/iop/v1/usage",
         "/iop/v1/history",
+        "/iop/v1/controls",
+        "/iop/v1/controls/{change_id}/revert",
         "/healthz",
         "/readyz",
         "/openapi.json",
