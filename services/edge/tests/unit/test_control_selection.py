@@ -7,9 +7,17 @@ from __future__ import annotations
 
 import random
 
+from prometheus_client import CollectorRegistry
+
 from iop_edge.adapters.fleet_proto import fleet_from_proto
+from iop_edge.adapters.run_wire import provider_reports
 from iop_edge.domain.controls import preference_tiers
+from iop_edge.domain.events import Completed
+from iop_edge.domain.fleet import Fleet, ModelEntry, Operation, ProviderEntry
 from iop_edge.domain.pool import AVAILABLE, ModelIndex, ProviderSlot, index_models
+from iop_edge.metrics import EdgeMetrics
+from iop_edge.ports import RunSpec
+from iop_edge.testing import RecordingNodeLink, WiredDispatcher
 from iop_proto.v1 import runtime_pb2 as pb
 
 
@@ -63,6 +71,7 @@ def test_a_held_provider_has_no_capacity_and_an_override_is_kept_apart() -> None
     fleet = fleet_from_proto(config("draining"))
     assert fleet.providers["p"].capacity == 0
     assert fleet.providers["p"].control_state == "draining"
+    assert fleet.providers["p"].held_capacity == 2  # its capacity once enabled (views)
     assert fleet.models["m"].preference == ("p",)
     assert [c.change_id for c in fleet.controls] == ["chg_1"]
     overridden = fleet_from_proto(config(capacity=5, declared=2)).providers["p"]
@@ -94,3 +103,59 @@ def test_the_index_with_a_preference_matches_the_scan_under_random_changes() -> 
             elif target.own_in_flight:
                 target.release()
             assert index.select() is reference(members, preference)
+
+
+# ---------------------------------------------------------------- preference and affinity
+
+
+def a_fleet(preference: tuple[str, ...] = (), held: str = "") -> Fleet:
+    providers = {
+        pid: ProviderEntry(
+            id=pid,
+            node_id=f"n-{pid}",
+            type="mock",
+            category="local_inference",
+            models=("m",),
+            capacity=0 if pid == held else 4,
+            max_queue=8,
+            queue_timeout_ms=2_000,
+            request_timeout_ms=30_000,
+            control_state="disabled" if pid == held else "",
+        )
+        for pid in ("a", "b", "c")
+    }
+    model = ModelEntry("m", "m", {pid: "served" for pid in providers}, preference=preference)
+    return Fleet(version=1, models={"m": model}, providers=providers)
+
+
+def turn(session: str) -> RunSpec:
+    body = {"model": "m", "messages": [{"role": "user", "content": f"hello from {session}"}]}
+    return RunSpec("m", Operation.CHAT_COMPLETIONS, body, True, True, session=session)
+
+
+async def served_by(edge: WiredDispatcher, session: str) -> str:
+    run = await edge.open_run(turn(session))
+    run.deliver(Completed(finish_reason="stop"))
+    return run.provider_id
+
+
+async def test_a_preference_starts_new_conversations_and_ongoing_ones_keep_their_cache() -> None:
+    edge = WiredDispatcher(EdgeMetrics.create(CollectorRegistry()))
+    edge.pool.apply_fleet(a_fleet())
+    for pid in ("a", "b", "c"):
+        state = pb.ProviderState(provider_id=pid, health=pb.HEALTH_AVAILABLE)
+        edge.pool.node_connected(RecordingNodeLink(f"n-{pid}"), provider_reports([state]))
+    ongoing = [f"k\x00ongoing-{n}" for n in range(12)]
+    before = {session: await served_by(edge, session) for session in ongoing}
+    assert len(set(before.values())) > 1  # spread by rendezvous, with no preference
+    warm = next(p for p in before.values() if p != "c")  # one not preferred below
+
+    edge.pool.apply_fleet(a_fleet(preference=("c",)))  # an operator: "prefer c"
+    new = [await served_by(edge, f"k\x00new-{n}") for n in range(12)]
+    assert new == ["c"] * 12  # a new conversation goes where the operator said
+    # an ongoing one stays on its warm cache, preferred or not
+    assert {session: await served_by(edge, session) for session in ongoing} == before
+
+    edge.pool.apply_fleet(a_fleet(preference=("c",), held=warm))  # its provider held
+    moved = [s for s in ongoing if before[s] == warm]
+    assert {await served_by(edge, session) for session in moved} == {"c"}

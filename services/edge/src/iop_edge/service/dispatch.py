@@ -347,8 +347,9 @@ class Dispatcher:
             preference = self._affinity.prefer(
                 model.id, index.members, spec.session, chain, now, exclude
             )
-            if preference is None and spec.session is not None:
-                # A new session: where every edge would start it (nothing to reuse yet).
+            if preference is None and spec.session is not None and not model.preference:
+                # A new session: where every edge would start it (nothing to reuse yet);
+                # under an operator's preference, where it says (index.select, below).
                 preference = self._affinity.rendezvous(index.members, spec.session, now, exclude)
             if preference is not None:
                 if preference.slot.has_free_slot:
