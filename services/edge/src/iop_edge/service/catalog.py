@@ -73,6 +73,7 @@ class PoolCatalog:
                     "detail": slot.detail,
                     **_outlier_fields(slot.outlier),
                     "cache": _cache_fields(slot.cache),
+                    "engine": dict(slot.engine) or None,  # None until its node said
                 }
             )
         return views
