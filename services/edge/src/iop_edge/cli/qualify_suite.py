@@ -40,6 +40,7 @@ PIN_HEADER: Final = "x-iop-provider"
 KIND: Final = "iop.qualification/v1"
 CONTEXT_START_WORDS: Final = 256
 CONTEXT_MAX_WORDS: Final = 131_072  # ~128k tokens: where a model without a declared window stops
+CONTEXT_BISECTIONS: Final = 4  # after the first refusal: the limit within 1/16 of the last step
 CONTEXT_MARGIN: Final = 64  # below the declared window: the chat template's tokens, one output
 DETERMINISM_PROMPT: Final = "List the first five planets of the solar system, one per line."
 
@@ -192,12 +193,15 @@ async def performance(
 async def context_reached(
     pinned: PinnedClient, model: str, declared: int, options: SuiteOptions
 ) -> dict[str, Any]:
-    """Grow a prompt (one word a token, about) until refused as too long, the declared
-    window, or the time bound; the longest accepted prompt's tokens as the engine counted."""
+    """Grow a prompt (one word a token, about), doubling, until refused as too long, the
+    declared window, or the time bound; after a refusal, halve the gap between the longest
+    accepted and the shortest refused prompt ``CONTEXT_BISECTIONS`` times (time allowing).
+    The longest accepted prompt's tokens as the engine counted them."""
     deadline = time.monotonic() + options.context_timeout_s
     ceiling = declared - CONTEXT_MARGIN if declared > CONTEXT_MARGIN else CONTEXT_MAX_WORDS
-    words = min(CONTEXT_START_WORDS, ceiling)
+    words, accepted = min(CONTEXT_START_WORDS, ceiling), 0
     reached, refused_at, stopped = 0, None, "time bound"
+    bisections = 0
     while (left := deadline - time.monotonic()) > 0:
         body = {
             "model": model,
@@ -210,16 +214,22 @@ async def context_reached(
             break  # the time bound, mid-request
         if probe.status == 200:
             reached = int((probe.body.get("usage") or {}).get("prompt_tokens") or words)
-            if words >= ceiling:
+            accepted = words
+            if refused_at is None and words >= ceiling:
                 stopped = "declared context window" if declared else "largest prompt tried"
                 break
-            words = min(words * 2, ceiling)
-            continue
-        if probe.code == "context_length_exceeded":
+        elif probe.code == "context_length_exceeded":
             refused_at, stopped = words, "context overflow"
         else:
             stopped = f"error: {probe.error}"
-        break
+            break
+        if refused_at is None:
+            words = min(words * 2, ceiling)
+            continue
+        if bisections == CONTEXT_BISECTIONS or refused_at - accepted <= 1:
+            break
+        bisections += 1
+        words = (accepted + refused_at) // 2
     return {
         "declared": declared or None,
         "reached_tokens": reached,

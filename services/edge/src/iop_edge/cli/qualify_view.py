@@ -104,7 +104,13 @@ def report_screen(report: Row) -> str:
             for row in report["performance"]
         ],
     )
+    failures = [
+        f"  c={row['concurrency']}: {row['failed']} failed, the first: {row['first_failure']}"
+        for row in report["performance"]
+        if row["failed"] and row.get("first_failure")
+    ]
     checks = [
+        *failures,
         f"  context        {_context(report['context'])}",
         f"  tool call      {_verdict(report['tool_call'])}",
         f"  JSON schema    {_verdict(report['json_schema'])}",
