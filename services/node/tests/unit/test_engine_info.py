@@ -14,6 +14,7 @@ from aiohttp import web
 
 from iop_node.adapters import openai_compat
 from iop_node.adapters.mock import MockAdapter
+from iop_node.adapters.ollama import OllamaAdapter
 from iop_node.adapters.provider_http import ProviderHttp
 from iop_node.domain.provider import ProviderConfig
 from iop_node.ports import AdapterContext, EngineInfo
@@ -31,9 +32,13 @@ async def engine_url() -> AsyncIterator[str]:
     async def props(_: web.Request) -> web.Response:
         return web.json_response({"build_info": "b6713-abc1234", "total_slots": 1})
 
+    async def ollama_version(_: web.Request) -> web.Response:
+        return web.json_response({"version": "0.12.3"})
+
     app = web.Application()
     app.router.add_get("/version", version)
     app.router.add_get("/props", props)
+    app.router.add_get("/api/version", ollama_version)
     runner = web.AppRunner(app, shutdown_timeout=1)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -73,6 +78,17 @@ async def test_an_engine_that_does_not_say_leaves_the_version_empty(engine_url: 
     assert (refused.name, refused.version) == ("vllm", "")
     gone = await engine_of("vllm", "http://127.0.0.1:9")  # nobody listens (discard port)
     assert gone.version == ""
+
+
+async def test_ollama_says_its_version(engine_url: str) -> None:
+    async with aiohttp.ClientSession() as session:
+        config = ProviderConfig(id="o", type="ollama", settings={"endpoint": engine_url})
+        ollama = OllamaAdapter(config, AdapterContext(http=session, environ={}))
+        info = await describe(ollama, "ollama")
+        assert (info.name, info.version) == ("ollama", "0.12.3")
+        gone = ProviderConfig(id="o", type="ollama", settings={"endpoint": "http://127.0.0.1:9"})
+        silent = OllamaAdapter(gone, AdapterContext(http=session, environ={}))
+        assert (await describe(silent, "ollama")).version == ""
 
 
 async def test_the_mock_names_itself_and_no_device() -> None:
