@@ -366,6 +366,60 @@ async def test_console_asks_for_a_key_and_sends_it_as_bearer(edge_url: str, page
 # ---------------------------------------------------------------- what the edge serves
 
 
+def qualification(provider_id: str, ttft_ms: float) -> dict[str, Any]:
+    """A report as ``iopctl qualify`` posts it (only what the panel reads)."""
+    return {
+        "kind": "iop.qualification/v1",
+        "model": "mock-small",
+        "provider_id": provider_id,
+        "node_id": provider_id.rsplit("-", 1)[0],
+        "engine": {"name": "iop-mock", "version": "0.1.0", "device": "none (simulated)"},
+        "performance": [
+            {
+                "concurrency": 1,
+                "ttft_p50_ms": ttft_ms,
+                "tokens_per_s_single": 50.0,
+                "tokens_per_s_aggregate": 40.0,
+                "failed": 0,
+            }
+        ],
+        "context": {"reached_tokens": 4096},
+        "tool_call": {"passed": True, "reason": ""},
+        "json_schema": {"passed": False, "reason": "the answer is not JSON"},
+        "determinism": {"runs": 3, "answered": 3, "distinct": 1, "identical": True},
+        "summary": {
+            "ttft_p50_ms": ttft_ms,
+            "tool_call": "pass",
+            "json_schema": "fail",
+            "deterministic": True,
+        },
+    }
+
+
+async def test_console_lists_qualification_reports_and_compares_two(
+    edge_url: str, page: Page
+) -> None:
+    from playwright.async_api import expect
+
+    stored = []
+    async with aiohttp.ClientSession() as http:
+        for provider_id, ttft in (("node-a-mock", 200.0), ("node-b-mock", 100.0)):
+            url = f"{edge_url}/iop/v1/qualifications"
+            async with http.post(url, json=qualification(provider_id, ttft)) as response:
+                assert response.status == 201, await response.text()
+                stored.append((await response.json())["id"])
+    await page.goto(f"{edge_url}/iop/console")
+    rows = page.locator('[data-testid="qualifications-table"] tbody tr')
+    await expect(rows).to_have_count(2, timeout=WAIT_MS)
+    await expect(rows.first).to_contain_text("iop-mock 0.1.0")
+    for report_id in stored:  # A first, then B
+        await page.locator(f'input[data-id="{report_id}"]').check()
+    compared = page.get_by_test_id("qualification-compare-table")
+    await expect(compared).to_contain_text("B vs A", timeout=WAIT_MS)
+    await expect(compared).to_contain_text("node-b/node-b-mock")
+    await expect(compared).to_contain_text("-100 (0.50x)")  # B's TTFT against A's
+
+
 async def test_console_assets_are_served_from_the_package(edge_url: str) -> None:
     async with aiohttp.ClientSession() as http:
         async with http.get(f"{edge_url}/iop/console") as response:
@@ -379,6 +433,7 @@ async def test_console_assets_are_served_from_the_package(edge_url: str) -> None
         for name, content_type in (
             ("console.js", "text/javascript"),
             ("history.js", "text/javascript"),
+            ("qualifications.js", "text/javascript"),
             ("console.css", "text/css"),
         ):
             url = f"{edge_url}/iop/console/static/{name}"

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import json
+import re
 import sys
 from collections import Counter
 from pathlib import Path
@@ -39,6 +41,7 @@ def _load(name: str) -> ModuleType:
 
 
 local = _load("test_local_stack")
+qualify = _load("qualify_checks")
 certs = local.certs  # the fixture, under this module's name
 
 
@@ -97,6 +100,38 @@ async def test_make_run_vllm_serves_one_model_from_llamacpp_and_vllm(
         assert set(served) == {"node-a-llamacpp", "node-b-vllm"}, served
         assert sum(served.values()) == 5
 
+        await check_qualification_of_both(up["api"].removesuffix("/v1"))
+
         code = await running.stop()
     assert code == 0, running.output
     assert "stopping vLLM" in running.output
+
+
+async def check_qualification_of_both(edge: str) -> None:
+    """``iopctl qualify`` of the alias: a report per provider, pinned through the pool,
+    each with its engine's version (vLLM's release, llama.cpp's build), then the two
+    providers compared (docs/ARCHITECTURE.md#qualification-reports)."""
+    code, out, err = await qualify.iopctl(edge, "qualify", MODEL, *qualify.FAST, "--json")
+    assert code == 0, err
+    reports = {r["provider_id"]: r for r in json.loads(out)}
+    assert set(reports) == {"node-a-llamacpp", "node-b-vllm"}
+    qualify.check_report(reports["node-a-llamacpp"], MODEL, "node-a-llamacpp", "llamacpp")
+    vllm = reports["node-b-vllm"]
+    qualify.check_report(vllm, MODEL, "node-b-vllm", "vllm")
+    assert vllm["served_as"] == "smollm2-135m-vllm"
+    assert re.fullmatch(r"\d+\.\d+.*", vllm["engine"]["version"]), vllm["engine"]
+    # vLLM's max_model_len (1024) is below llama.cpp's 8192: the report says so
+    assert vllm["context"]["stopped"] == "context overflow", vllm["context"]
+    assert vllm["context"]["reached_tokens"] < 1024
+    llama, vllm_id = reports["node-a-llamacpp"]["id"], vllm["id"]
+    code, out, err = await qualify.iopctl(edge, "qualify", "compare", llama, vllm_id, "--json")
+    assert code == 0, err
+    rows = {row["metric"]: row for row in json.loads(out)["rows"]}
+    assert rows["provider"]["a"] == "node-a/node-a-llamacpp"
+    assert rows["provider"]["b"] == "node-b/node-b-vllm"
+    assert rows["engine"]["b"] == f"vllm {vllm['engine']['version']}"
+    assert rows["context reached"]["b"] == vllm["context"]["reached_tokens"]
+    assert {"c=1 ttft p50 ms", "c=2 tok/s aggregate"} <= set(rows)
+    code, out, err = await qualify.iopctl(edge, "qualify", "compare", llama, vllm_id)
+    assert code == 0, err
+    assert "node-b/node-b-vllm" in out

@@ -234,7 +234,7 @@ class LifecycleCapabilities(_message.Message):
     def __init__(self, list_models: _Optional[bool] = ..., load_model: _Optional[bool] = ..., unload_model: _Optional[bool] = ..., pull_model: _Optional[bool] = ..., delete_model: _Optional[bool] = ...) -> None: ...
 
 class ProviderState(_message.Message):
-    __slots__ = ("provider_id", "type", "category", "health", "capacity", "in_flight", "queued", "max_queue", "models", "capabilities", "last_probe_unix_ms", "detail", "cache")
+    __slots__ = ("provider_id", "type", "category", "health", "capacity", "in_flight", "queued", "max_queue", "models", "capabilities", "last_probe_unix_ms", "detail", "cache", "engine")
     PROVIDER_ID_FIELD_NUMBER: _ClassVar[int]
     TYPE_FIELD_NUMBER: _ClassVar[int]
     CATEGORY_FIELD_NUMBER: _ClassVar[int]
@@ -248,6 +248,7 @@ class ProviderState(_message.Message):
     LAST_PROBE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
     CACHE_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
     provider_id: str
     type: str
     category: ProviderCategory
@@ -261,7 +262,20 @@ class ProviderState(_message.Message):
     last_probe_unix_ms: int
     detail: str
     cache: CacheState
-    def __init__(self, provider_id: _Optional[str] = ..., type: _Optional[str] = ..., category: _Optional[_Union[ProviderCategory, str]] = ..., health: _Optional[_Union[Health, str]] = ..., capacity: _Optional[int] = ..., in_flight: _Optional[int] = ..., queued: _Optional[int] = ..., max_queue: _Optional[int] = ..., models: _Optional[_Iterable[str]] = ..., capabilities: _Optional[_Union[LifecycleCapabilities, _Mapping]] = ..., last_probe_unix_ms: _Optional[int] = ..., detail: _Optional[str] = ..., cache: _Optional[_Union[CacheState, _Mapping]] = ...) -> None: ...
+    engine: QualificationEngine
+    def __init__(self, provider_id: _Optional[str] = ..., type: _Optional[str] = ..., category: _Optional[_Union[ProviderCategory, str]] = ..., health: _Optional[_Union[Health, str]] = ..., capacity: _Optional[int] = ..., in_flight: _Optional[int] = ..., queued: _Optional[int] = ..., max_queue: _Optional[int] = ..., models: _Optional[_Iterable[str]] = ..., capabilities: _Optional[_Union[LifecycleCapabilities, _Mapping]] = ..., last_probe_unix_ms: _Optional[int] = ..., detail: _Optional[str] = ..., cache: _Optional[_Union[CacheState, _Mapping]] = ..., engine: _Optional[_Union[QualificationEngine, _Mapping]] = ...) -> None: ...
+
+class QualificationEngine(_message.Message):
+    __slots__ = ("name", "version", "device", "listed_models")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    LISTED_MODELS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    version: str
+    device: str
+    listed_models: int
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., device: _Optional[str] = ..., listed_models: _Optional[int] = ...) -> None: ...
 
 class CachedPrefix(_message.Message):
     __slots__ = ("tail", "blocks")

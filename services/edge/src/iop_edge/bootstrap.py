@@ -39,6 +39,7 @@ from iop_edge.service.dispatch import Dispatcher
 from iop_edge.service.fleet_holder import FleetHolder
 from iop_edge.service.key_rates import KeyRates, LineBudget
 from iop_edge.service.limits import max_body_bytes
+from iop_edge.service.qualifications import QualificationBook
 from iop_edge.service.registry import ProviderRegistry
 from iop_edge.service.runs import RunGuards
 from iop_edge.service.usage import UsageReport
@@ -247,6 +248,7 @@ async def build(
             mock_drills=settings.mock_drills,
             tracing=tracing,
             usage=UsageReport(fleet_holder, runlog, key_slots.held),
+            qualifications=QualificationBook(stores.qualifications),
         )
         ControlRoutes(ControlDesk(control_plane), keys).register(app)  # runtime control
         add_console_routes(app)  # the read-only operator page (before setup locks the routes)

@@ -45,6 +45,8 @@ class RunSpec:
     # Its turn in the model's queue (docs/ARCHITECTURE.md#fair-queueing): the key's id,
     # weight and priority (an operator key's ``x-iop-priority`` header overrides it).
     share: Share = NO_SHARE
+    # An operator's ``x-iop-provider``: the one provider it may run on (domain.pin); "": any.
+    pin: str = ""
     # The edge's span of the request as a W3C traceparent, for the node's spans to join
     # (docs/ARCHITECTURE.md#traces); "" while tracing is off.
     traceparent: str = ""
@@ -174,6 +176,8 @@ class SlotView(Protocol):
     def refused(self) -> frozenset[Operation]: ...
     @property
     def cache(self) -> CacheReport: ...
+    @property
+    def engine(self) -> Mapping[str, str | int]: ...
 
 
 class ProviderView(Protocol):

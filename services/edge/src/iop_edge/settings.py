@@ -317,6 +317,12 @@ class EdgeSettings(DrainingSettings):
         default=Path("var/edge/batches.db"),
         description="Batch API files, batches, line results (file contents in <name>.files/)",
     )
+    qualification_db: Path | None = Field(
+        default=None,
+        description=(
+            "qualification reports (iopctl qualify); unset: qualifications.db beside history_db"
+        ),
+    )
     batch_lease_ttl_s: float = Field(
         default=30.0, gt=0, description="a worker that stops renewing loses its batch after this"
     )
@@ -439,3 +445,8 @@ class EdgeSettings(DrainingSettings):
             self.outlier_max_cooldown_s,
             self.outlier_max_ejection_percent,
         )
+
+    @property
+    def qualifications_path(self) -> Path:
+        """Where this edge keeps qualification reports on SQLite."""
+        return self.qualification_db or self.history_db.with_name("qualifications.db")

@@ -35,6 +35,25 @@ class LifecycleFlags:
     delete_model: bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class EngineInfo:
+    """The engine behind a provider, as it tells (docs/ARCHITECTURE.md#qualification-reports):
+    its name, its version ("" when it does not say) and the device it runs on ("" when
+    it does not say: the node then names its own host's CPU, ``service.engine_probe``)."""
+
+    name: str
+    version: str = ""
+    device: str = ""
+
+
+@runtime_checkable
+class EngineReporter(Protocol):
+    """An adapter that can ask its engine what it is (one cheap GET, never a completion).
+    Asked when the provider starts and when its health changes, not per request."""
+
+    async def engine(self) -> EngineInfo: ...
+
+
 class EventSink(Protocol):
     """Where an adapter sends the pieces of a streamed answer, in order."""
 

@@ -1,7 +1,8 @@
 """What the edge keeps, for ``iop-edge backup`` / ``restore`` (iop_proto.backup).
 
-On SQLite: the run log, the stored responses, and the batch store with its file
-contents. On PostgreSQL: the shared store every edge of the fleet uses (one dump).
+On SQLite: the run log, the stored responses, the batch store with its file
+contents, and the qualification reports. On PostgreSQL: the shared store every edge of
+the fleet uses (one dump).
 Not here: the fleet config cache (fetched again from the control-plane at start) and
 the reasoning key file (a secret of the settings, kept with them).
 """
@@ -14,9 +15,11 @@ from iop_edge.adapters import (
     pg_batch_schema,
     pg_key_rates,
     pg_key_slots,
+    pg_qualifications,
     postgres_responses,
     postgres_runlog,
     response_rows,
+    sqlite_qualifications,
     sqlite_runlog,
 )
 from iop_edge.adapters.batch_files import ContentDir
@@ -32,6 +35,7 @@ def edge_state(settings: EdgeSettings) -> ServiceState:
             pg_batch_schema.COMPONENT: len(pg_batch_schema.STEPS),
             pg_key_rates.COMPONENT: len(pg_key_rates.STEPS),
             pg_key_slots.COMPONENT: len(pg_key_slots.STEPS),
+            pg_qualifications.COMPONENT: len(pg_qualifications.STEPS),
         }
         return ServiceState(
             "edge",
@@ -50,6 +54,11 @@ def edge_state(settings: EdgeSettings) -> ServiceState:
                 settings.batch_db,
                 batch_schema.SCHEMA_VERSION,
                 contents=ContentDir.beside(settings.batch_db).path,
+            ),
+            StateFile(
+                "qualifications.db",
+                settings.qualifications_path,
+                sqlite_qualifications.SCHEMA_VERSION,
             ),
         ),
     )

@@ -151,9 +151,24 @@ def provider_reports(states: Iterable[pb.ProviderState]) -> list[ProviderReport]
                 "delete_model": state.capabilities.delete_model,
             },
             cache_report(state.cache) if state.HasField("cache") else None,
+            qualification_engine(state),
         )
         for state in states
     ]
+
+
+def qualification_engine(state: pb.ProviderState) -> dict[str, str | int] | None:
+    """The engine and device the node asked its provider's engine about (``None``: not yet,
+    or an older node), for the catalog and qualification reports."""
+    if not state.HasField("engine"):
+        return None
+    engine = state.engine
+    return {
+        "name": engine.name,
+        "version": engine.version,
+        "device": engine.device,
+        "listed_models": engine.listed_models,
+    }
 
 
 def cache_report(cache: pb.CacheState) -> CacheReport:

@@ -17,12 +17,15 @@ from iop_edge.adapters.batch_store import SqliteBatchStore
 from iop_edge.adapters.pg_batch_store import PostgresBatchStore
 from iop_edge.adapters.pg_key_rates import PostgresKeyRates
 from iop_edge.adapters.pg_key_slots import PostgresKeyConcurrency
+from iop_edge.adapters.pg_qualifications import PostgresQualifications
 from iop_edge.adapters.postgres_responses import PostgresResponseStore
 from iop_edge.adapters.postgres_runlog import PostgresRunLog
+from iop_edge.adapters.sqlite_qualifications import SqliteQualifications
 from iop_edge.adapters.sqlite_responses import ResponseLimits, SqliteResponseStore
 from iop_edge.adapters.sqlite_runlog import SqliteRunLog
 from iop_edge.batch_ports import BatchStore
 from iop_edge.ports import KeyConcurrency, KeyRateStore, ResponseStore, RunLog
+from iop_edge.qualification_ports import QualificationStore
 from iop_edge.service.memory_key_rates import MemoryKeyRates
 from iop_edge.settings import EdgeSettings
 from iop_proto.postgres import open_pool
@@ -40,6 +43,7 @@ class EdgeStores:
     # API keys' rates and budgets: in the shared store, so they hold across edges; in
     # this edge's memory on SQLite (docs/ARCHITECTURE.md#limits-per-key)
     key_rates: KeyRateStore
+    qualifications: QualificationStore  # iopctl qualify's reports
 
 
 async def open_stores(settings: EdgeSettings, stack: contextlib.AsyncExitStack) -> EdgeStores:
@@ -98,4 +102,11 @@ async def open_stores(settings: EdgeSettings, stack: contextlib.AsyncExitStack) 
         shared_rates = await PostgresKeyRates.open(pool, settings.service_id)
         stack.push_async_callback(shared_rates.aclose)
         key_rates = shared_rates
-    return EdgeStores(runlog, responses, batches, pool, key_slots, key_rates)
+    qualifications: QualificationStore
+    if pool is not None:
+        qualifications = await PostgresQualifications.open(pool)
+    else:
+        local = await SqliteQualifications.open(settings.qualifications_path)
+        stack.push_async_callback(local.aclose)
+        qualifications = local
+    return EdgeStores(runlog, responses, batches, pool, key_slots, key_rates, qualifications)

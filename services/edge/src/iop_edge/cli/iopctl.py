@@ -8,6 +8,9 @@ with the same Bearer key as the API. ``--json`` prints an endpoint's ``data`` so
 scripts never parse the tables; the live commands (``runs --tail``, ``watch``)
 print one JSON document per line instead.
 
+``iopctl qualify`` is the exception that writes: it runs the qualification suite through
+the pool and stores its reports (``qualify_cmd``; docs/ARCHITECTURE.md#qualification-reports).
+
 Any failure is one line on stderr and exit status 1; Ctrl-C ends the live
 commands with status 0, because that is how they are meant to end.
 """
@@ -21,7 +24,7 @@ import os
 import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Final, TextIO
+from typing import Final, TextIO
 
 import aiohttp
 
@@ -32,76 +35,15 @@ from iop_edge.cli.control_commands import (
     control_verdict,
     held_load,
 )
+from iop_edge.cli.edge_client import CtlError, EdgeClient, KeyRejected, Row, table
+from iop_edge.cli.qualify_cmd import add_parser as add_qualify_parser
+from iop_edge.cli.qualify_cmd import cmd_qualify
 from iop_edge.cli.usage_view import usage_screen
 
 DEFAULT_URL: Final = "http://127.0.0.1:8080"
 REQUEST_TIMEOUT_S: Final = 10.0
 TAIL_WINDOW: Final = 200  # runs read per poll while tailing: the newest of them are new
 CLEAR_SCREEN: Final = "\x1b[H\x1b[2J"
-
-Row = dict[str, Any]
-
-
-class CtlError(Exception):
-    """An expected failure, shown as one line on stderr (exit status 1)."""
-
-
-class KeyRejected(CtlError):
-    """401: retrying cannot help, so even the live commands stop."""
-
-
-class EdgeClient:
-    """GETs one endpoint's ``data``; every HTTP or connection failure becomes a ``CtlError``."""
-
-    def __init__(self, session: aiohttp.ClientSession, url: str, key: str) -> None:
-        self._session = session
-        self.url = url
-        self._headers = {"Accept": "application/json"}
-        if key:
-            self._headers["Authorization"] = f"Bearer {key}"
-
-    async def data(self, path: str, **query: int | str) -> list[Row]:
-        try:
-            async with self._session.get(
-                f"{self.url}{path}", params=query, headers=self._headers
-            ) as response:
-                if response.status == 401:
-                    raise KeyRejected(
-                        f"API key required: {await _message(response)} "
-                        "(pass --key or set IOP_API_KEY)"
-                    )
-                if response.status != 200:
-                    raise CtlError(f"{path}: HTTP {response.status}: {await _message(response)}")
-                body = await response.json()
-        except aiohttp.ClientError as exc:
-            raise CtlError(f"cannot reach the edge at {self.url}: {exc}") from exc
-        except TimeoutError as exc:
-            raise CtlError(f"the edge at {self.url} did not answer in time") from exc
-        data: list[Row] = body["data"]
-        return data
-
-
-async def _message(response: aiohttp.ClientResponse) -> str:
-    """The OpenAI error object's message, or the raw body when there is none."""
-    text = await response.text()
-    try:
-        return str(json.loads(text)["error"]["message"])
-    except (ValueError, KeyError, TypeError):
-        return text.strip()[:200] or response.reason or ""
-
-
-# ---------------------------------------------------------------- tables
-
-
-def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-    """Columns padded to their widest cell, two spaces apart (what ``kubectl get`` does)."""
-    cells = [[str(c) for c in headers], *[[str(c) for c in row] for row in rows]]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
-    return "\n".join(
-        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
-        for row in cells
-    )
-
 
 PROVIDER_HEADERS: Final = (
     "PROVIDER", "NODE", "TYPE", "HEALTH", "IN_FLIGHT/CAP", "LOAD", "QUEUED", "CACHE_HIT",
@@ -368,6 +310,7 @@ def parser() -> argparse.ArgumentParser:
     usage.add_argument(
         "of", nargs="?", metavar="KEY", help="one key, by its id or name (default: every key)"
     )
+    add_qualify_parser(commands, sub)
     watch = commands.add_parser("watch", parents=sub, help="a live table (Ctrl-C stops)")
     watch.add_argument("--interval", type=_positive_float, default=1.0, help="seconds (default 1)")
     add_control_commands(commands, sub)  # runtime control, with an operator key
@@ -395,6 +338,7 @@ COMMANDS: Final = {
     "usage": cmd_usage,
     "watch": cmd_watch,
     **CONTROL_COMMANDS,
+    "qualify": cmd_qualify,
 }
 
 

@@ -192,3 +192,5 @@ class ProviderReport:
     lifecycle: dict[str, bool] | None = None
     cache: CacheReport | None = None
     """What its engine's prompt cache holds; ``None`` from a node that does not say."""
+    engine: dict[str, str | int] | None = None
+    """Its engine's name, version and device (``QualificationEngine``); ``None``: not said."""

@@ -111,6 +111,7 @@ class ProviderSlot:
     operations: frozenset[Operation] = ALL_OPERATIONS
     # What its engine's prompt cache holds, by the node's last snapshot.
     cache: CacheReport = field(default_factory=CacheReport)
+    engine: dict[str, str | int] = field(default_factory=dict)  # its engine, device (catalog)
     # The indexes this slot is in, with its position in each, and what they last saw.
     _indexes: list[tuple[ModelIndex, int]] = field(default_factory=list, init=False, repr=False)
     # Grows with every change selection depends on: an index entry of an older version is

@@ -28,6 +28,7 @@ from iop_edge.entrypoints.messages_dialect import (
     is_anthropic_request,
     register_messages,
 )
+from iop_edge.entrypoints.qualification_routes import QualificationRoutes
 from iop_edge.entrypoints.responses_routes import ResponsesRoutes
 from iop_edge.entrypoints.stop_gate import StopGate
 from iop_edge.entrypoints.usage_routes import UsageRoutes
@@ -41,6 +42,7 @@ from iop_edge.service.history import HistoryReport
 from iop_edge.service.key_rates import KeyRates
 from iop_edge.service.limits import DEFAULT_MAX_BODY_BYTES
 from iop_edge.service.memory_key_rates import MemoryKeyRates
+from iop_edge.service.qualifications import QualificationBook
 from iop_edge.service.usage import UsageReport
 from iop_proto.service.http_site import canned_response
 from iop_proto.tracing import Tracing
@@ -94,6 +96,7 @@ def create_api_app(
     mock_drills: bool = False,
     tracing: Tracing | None = None,
     usage: UsageReport | None = None,
+    qualifications: QualificationBook | None = None,
 ) -> web.Application:
     """The API application; serve it with ``web.AppRunner(app, handler_cancellation=True)``,
     through ``app[API_FRONT]``'s protocol for the inference routes (``bootstrap``).
@@ -173,6 +176,8 @@ def create_api_app(
         BatchRoutes(batches, keys).register(app)
     if usage is not None:
         UsageRoutes(usage, keys).register(app)
+    if qualifications is not None:  # docs/ARCHITECTURE.md#qualification-reports
+        QualificationRoutes(qualifications, keys).register(app)
     return app
 
 

@@ -40,6 +40,7 @@ from iop_edge.entrypoints.api_metrics import ApiMetrics
 from iop_edge.entrypoints.api_request import ApiRequest
 from iop_edge.entrypoints.inference_request import read_json_body
 from iop_edge.entrypoints.openai_dialect import OpenAIDialect
+from iop_edge.entrypoints.provider_pin import provider_pin
 from iop_edge.entrypoints.queue_share import queue_share
 from iop_edge.entrypoints.rate_headers import anthropic_headers, openai_headers
 from iop_edge.entrypoints.run_span import open_span
@@ -248,6 +249,8 @@ class InferenceRoutes:
         share = queue_share(key, request.headers)
         if share is not NO_SHARE:
             changes["share"] = share
+        if pin := provider_pin(key, request.headers):
+            changes["pin"] = pin
         if asks_drill(spec.body):
             if not may_drill(key, self._mock_drills):
                 raise InvalidRequest(drills.REFUSAL, param=drills.HOOK)

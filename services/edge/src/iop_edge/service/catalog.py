@@ -82,6 +82,7 @@ class PoolCatalog:
                     **_outlier_fields(slot.outlier),
                     "cache": _cache_fields(slot.cache),
                     "control": _control_fields(entry, slot, fleet.controls),
+                    "engine": dict(slot.engine) or None,  # None until its node said
                 }
             )
         return views

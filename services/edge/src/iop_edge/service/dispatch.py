@@ -29,10 +29,12 @@ from iop_edge.domain.events import (
     RunOrder,
 )
 from iop_edge.domain.fleet import Fleet, ModelEntry, Operation
+from iop_edge.domain.pin import PinUnknown, pinned_out
 from iop_edge.domain.pool import ModelIndex, ProviderSlot
 from iop_edge.domain.queue import ModelQueue
 from iop_edge.domain.session_key import successor_key
 from iop_edge.errors import (
+    InvalidRequest,
     ModelNotFound,
     NoProviderAvailable,
     Preempted,
@@ -190,7 +192,12 @@ class Dispatcher:
                 " providers does",
                 param="model",
             )
-        return RequestRun(self, spec, body, model, lacking, asyncio.get_running_loop())
+        if not spec.pin:
+            return RequestRun(self, spec, body, model, lacking, asyncio.get_running_loop())
+        others = pinned(spec, () if index is None else index.members)
+        run = RequestRun(self, spec, body, model, lacking | others, asyncio.get_running_loop())
+        run.exclude = others  # a retry stays on the pinned provider too (or fails)
+        return run
 
     async def open_run(self, spec: RunSpec) -> RequestRun:
         """``admit`` and ``RequestRun.open``: the run, dispatched."""
@@ -612,3 +619,13 @@ class Dispatcher:
 
     def runs_in_flight(self) -> int:
         return len(self._runs)
+
+
+def pinned(spec: RunSpec, members: Sequence[ProviderSlot]) -> frozenset[str]:
+    """The providers of the model a pinned request may not go to (``domain.pin``)."""
+    try:
+        return pinned_out(spec.pin, members)
+    except PinUnknown:
+        raise InvalidRequest(
+            f"The provider '{spec.pin}' does not serve the model '{spec.model}'.", param="model"
+        ) from None

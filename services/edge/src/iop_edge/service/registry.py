@@ -155,6 +155,7 @@ class ProviderRegistry:
             slot.models = state.models
             slot.detail = state.detail
             slot.lifecycle = dict(state.lifecycle or {})
+            slot.engine = dict(state.engine or slot.engine)  # kept until the node says again
             if state.cache is not None:
                 # Plain data for selection to read: it changes no load, so no index moves.
                 slot.cache = state.cache

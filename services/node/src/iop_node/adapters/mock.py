@@ -62,6 +62,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
+from iop_node import __version__
 from iop_node.adapters.mock_schema import instance
 from iop_node.domain.health import ProbeResult
 from iop_node.domain.provider import ProviderConfig
@@ -73,7 +74,7 @@ from iop_node.errors import (
     ProviderTimeout,
     ProviderUnavailable,
 )
-from iop_node.ports import AdapterContext, EventSink, LifecycleFlags
+from iop_node.ports import AdapterContext, EngineInfo, EventSink, LifecycleFlags
 
 WORDS = (
     "the", "quick", "brown", "fox", "jumps", "over", "the", "lazy", "dog",
@@ -155,6 +156,10 @@ class MockAdapter:
 
     async def probe(self) -> ProbeResult:
         return ProbeResult(ok=True, models=self._config.models)
+
+    async def engine(self) -> EngineInfo:
+        """The mock is its own engine: this node's version, on no device (``EngineReporter``)."""
+        return EngineInfo("iop-mock", version=__version__, device="none (simulated)")
 
     async def aclose(self) -> None:
         """Nothing to release; present because every adapter is closed the same way."""

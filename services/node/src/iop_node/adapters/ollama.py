@@ -42,7 +42,7 @@ from iop_node.errors import (
     ProviderUnavailable,
     RunFailure,
 )
-from iop_node.ports import AdapterContext, EventSink, LifecycleFlags
+from iop_node.ports import AdapterContext, EngineInfo, EventSink, LifecycleFlags
 from iop_proto import json_codec
 
 PROBE_TIMEOUT_S = 2.0
@@ -109,6 +109,16 @@ class OllamaAdapter:
             if scope.expired():
                 raise ProviderTimeout(f"ollama run {spec.run_id} passed its deadline") from exc
             raise
+
+    async def engine(self) -> EngineInfo:
+        """Ollama's version (``/api/version``), for qualification reports; "" when it
+        does not answer (``EngineReporter``)."""
+        try:
+            async with asyncio.timeout(PROBE_TIMEOUT_S):
+                answer = await self._request("GET", "/api/version")
+        except (RunFailure, TimeoutError):
+            return EngineInfo("ollama")
+        return EngineInfo("ollama", version=str(answer.get("version") or ""))
 
     # ------------------------------------------------------------ model lifecycle
 

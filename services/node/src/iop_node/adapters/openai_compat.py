@@ -41,7 +41,14 @@ from iop_node.errors import (
     ProviderUnavailable,
     RunFailure,
 )
-from iop_node.ports import Adapter, AdapterContext, AdapterFactory, EventSink, LifecycleFlags
+from iop_node.ports import (
+    Adapter,
+    AdapterContext,
+    AdapterFactory,
+    EngineInfo,
+    EventSink,
+    LifecycleFlags,
+)
 from iop_proto import json_codec
 from iop_proto.engine_fields import OUTPUT_LENGTH_FIELDS as OUTPUT_LENGTH_FIELDS
 from iop_proto.engine_fields import provider_body
@@ -71,12 +78,15 @@ class Flavor:
     lifecycle: LifecycleFlags = field(default_factory=lambda: LifecycleFlags(list_models=True))
     tokenizer: str = ""
     """How the server counts a prompt's tokens (``tokenizer.STYLES``); empty: it cannot."""
+    version: tuple[str, str] = ("", "")
+    """Where the engine tells its version: (path, JSON field); empty: it does not."""
 
 
 FLAVORS: Final[Mapping[str, Flavor]] = {
-    "vllm": Flavor("vllm", tokenizer=tokenizer.VLLM),
-    "sglang": Flavor("sglang"),
-    "llamacpp": Flavor("llamacpp", tokenizer=tokenizer.LLAMACPP),
+    "vllm": Flavor("vllm", tokenizer=tokenizer.VLLM, version=("/version", "version")),
+    "sglang": Flavor("sglang", version=("/get_server_info", "version")),
+    # llama.cpp's server: its build (``b<number>-<commit>``) in /props
+    "llamacpp": Flavor("llamacpp", tokenizer=tokenizer.LLAMACPP, version=("/props", "build_info")),
     "openai_api": Flavor("openai_api"),
     "lemonade": Flavor(
         "lemonade",
@@ -188,6 +198,27 @@ class OpenAICompatAdapter:
         except ValueError:
             return ProbeResult(ok=False, detail=f"{url}: HTTP {status} but the body is not JSON")
         return ProbeResult(ok=True, models=_model_ids(document))
+
+    async def engine(self) -> EngineInfo:
+        """The engine's version where its flavor says where to read it (``EngineReporter``);
+        any failure leaves it empty: a version is for reports, never for routing."""
+        path, field_name = self._flavor.version
+        if not path or self._key_problem:
+            return EngineInfo(self.name)
+        url = self._base + path
+        try:
+            async with asyncio.timeout(PROBE_TIMEOUT_S):
+                response = await self._http.request(
+                    "GET", url, headers=self._headers, connect_timeout_s=PROBE_TIMEOUT_S
+                )
+                async with response:
+                    status = response.status
+                    body = await read_answer(response, self._max_answer)
+            document = json.loads(body) if status < 400 else {}
+        except (TimeoutError, ValueError, AnswerTooLarge, ProviderHttpError):
+            return EngineInfo(self.name)
+        value = document.get(field_name) if isinstance(document, dict) else None
+        return EngineInfo(self.name, version=str(value or ""))
 
     async def execute(self, spec: ExecutionSpec, sink: EventSink) -> Completion:
         """Run ``spec`` on the provider, streaming deltas into ``sink`` when asked to."""

@@ -214,4 +214,18 @@ def provider_state(status: ProviderStatus) -> pb.ProviderState:
         last_probe_unix_ms=status.last_probe_unix_ms,
         detail=status.detail,
         cache=_cache_state(status.cache),
+        engine=_engine(status),
+    )
+
+
+def _engine(status: ProviderStatus) -> pb.QualificationEngine | None:
+    """The engine and device, once asked (``service.engine_probe``); absent before."""
+    info = status.engine
+    if info is None:
+        return None
+    return pb.QualificationEngine(
+        name=info.name,
+        version=info.version,
+        device=info.device,
+        listed_models=status.listed_models,
     )

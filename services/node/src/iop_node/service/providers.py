@@ -24,8 +24,16 @@ from iop_node.domain.provider import ProviderConfig
 from iop_node.domain.runs import RunOrder
 from iop_node.errors import ConfigError, RunFailure
 from iop_node.metrics import NodeMetrics
-from iop_node.ports import AdapterContext, AdapterFactory, LifecycleFlags, RunChannel, RunHistory
+from iop_node.ports import (
+    AdapterContext,
+    AdapterFactory,
+    EngineInfo,
+    LifecycleFlags,
+    RunChannel,
+    RunHistory,
+)
 from iop_node.runtime import ProviderRuntime
+from iop_node.service.engine_probe import describe
 from iop_node.service.run_check import resolve
 from iop_node.service.runs import RunExecutor
 from iop_proto.tracing import Tracing
@@ -59,6 +67,8 @@ class ProviderStatus:
     last_probe_unix_ms: int
     detail: str
     cache: CacheView = field(default_factory=CacheView)
+    engine: EngineInfo | None = None  # None until the engine was asked (engine_probe)
+    listed_models: int = 0  # how many models the last probe listed (0: none, config's names)
 
 
 class NodeCore:
@@ -84,6 +94,7 @@ class NodeCore:
         self.providers: dict[str, ProviderRuntime] = {}
         self._probe_tasks: dict[str, asyncio.Task[None]] = {}
         self._last_probe_ms: dict[str, int] = {}
+        self._engines: dict[str, EngineInfo] = {}  # asked when a provider becomes available
         self._runs: dict[tuple[str, str], asyncio.Task[None]] = {}  # by (link, run id)
         self._retiring: set[asyncio.Task[None]] = set()
         self._listeners: list[Callable[[], None]] = []
@@ -203,6 +214,7 @@ class NodeCore:
 
     def _stop_probe(self, provider_id: str) -> None:
         task = self._probe_tasks.pop(provider_id, None)
+        self._engines.pop(provider_id, None)  # a provider probed again is asked again
         if task is not None:
             task.cancel()
 
@@ -225,6 +237,11 @@ class NodeCore:
             runtime.cache.forget()
         if not changed and runtime.health.models != models_before:
             self._changed()  # the upstream lists other names: the edge's catalog follows
+        if result.ok and (changed or provider_id not in self._engines):
+            # at start and after it was down (an upgrade restarts the engine): once, not per probe
+            self._engines[provider_id] = await describe(runtime.adapter, runtime.config.type)
+            if not changed:
+                self._changed()  # the edge's catalog learns the engine
         if changed:
             logger.info(
                 "provider {} is {}{}",
@@ -330,6 +347,8 @@ class NodeCore:
                 last_probe_unix_ms=self._last_probe_ms.get(pid, 0),
                 detail=rt.health.detail,
                 cache=rt.cache.view(),
+                engine=self._engines.get(pid),
+                listed_models=len(rt.health.models),
             )
             for pid, rt in self.providers.items()
         ]
