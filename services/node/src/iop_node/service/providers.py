@@ -20,11 +20,19 @@ from iop_node.domain.admission import AdmissionGate
 from iop_node.domain.cache_account import DEFAULT_CACHE_PREFIXES, CacheAccount, CacheView
 from iop_node.domain.events import Failed
 from iop_node.domain.health import Health, HealthTracker, ProbeResult
+from iop_node.domain.model_load import LoadState
 from iop_node.domain.provider import ProviderConfig
 from iop_node.domain.runs import RunOrder
 from iop_node.errors import ConfigError, RunFailure
 from iop_node.metrics import NodeMetrics
-from iop_node.ports import AdapterContext, AdapterFactory, LifecycleFlags, RunChannel, RunHistory
+from iop_node.ports import (
+    AdapterContext,
+    AdapterFactory,
+    LifecycleFlags,
+    LoadReporter,
+    RunChannel,
+    RunHistory,
+)
 from iop_node.runtime import ProviderRuntime
 from iop_node.service.run_check import resolve
 from iop_node.service.runs import RunExecutor
@@ -59,6 +67,7 @@ class ProviderStatus:
     last_probe_unix_ms: int
     detail: str
     cache: CacheView = field(default_factory=CacheView)
+    loaded: LoadState | None = None  # None: every model always loaded
 
 
 class NodeCore:
@@ -328,6 +337,7 @@ class NodeCore:
                 last_probe_unix_ms=self._last_probe_ms.get(pid, 0),
                 detail=rt.health.detail,
                 cache=rt.cache.view(),
+                loaded=rt.adapter.load_state() if isinstance(rt.adapter, LoadReporter) else None,
             )
             for pid, rt in self.providers.items()
         ]
