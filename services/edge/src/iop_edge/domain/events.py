@@ -15,6 +15,7 @@ from enum import StrEnum
 
 from iop_edge.domain.cache_report import CacheReport
 from iop_edge.domain.fleet import Operation
+from iop_edge.domain.warmth import LoadReport
 
 
 class ErrorCode(StrEnum):
@@ -192,3 +193,5 @@ class ProviderReport:
     lifecycle: dict[str, bool] | None = None
     cache: CacheReport | None = None
     """What its engine's prompt cache holds; ``None`` from a node that does not say."""
+    loaded: LoadReport | None = None
+    """What it holds in memory; ``None``: every model, always (or a node that does not say)."""

@@ -37,6 +37,7 @@ from iop_edge.domain.cache_report import CacheReport
 from iop_edge.domain.events import Completed, Failed
 from iop_edge.domain.fleet import ALL_OPERATIONS, PUBLIC_OPERATIONS, Operation
 from iop_edge.domain.outliers import OutlierPolicy, OutlierState, Phase, may_eject
+from iop_edge.domain.warmth import LoadReport
 
 AVAILABLE = "available"
 UNAVAILABLE = "unavailable"
@@ -110,6 +111,8 @@ class ProviderSlot:
     operations: frozenset[Operation] = ALL_OPERATIONS
     # What its engine's prompt cache holds, by the node's last snapshot.
     cache: CacheReport = field(default_factory=CacheReport)
+    # What it holds in memory, for a provider that loads models on demand (``report_loads``).
+    warmth: LoadReport | None = None
     # The indexes this slot is in, with its position in each, and what they last saw.
     _indexes: list[tuple[ModelIndex, int]] = field(default_factory=list, init=False, repr=False)
     # Grows with every change selection depends on: an index entry of an older version is
@@ -235,6 +238,14 @@ class ProviderSlot:
             for index, _ in self._indexes:
                 index.count_operations()
 
+    def report_loads(self, report: LoadReport | None) -> None:
+        """The node's word on what it holds (``None``: every model, always); the indexes
+        count their members that load on demand (``ModelIndex.loaders``)."""
+        if (report is None) != (self.warmth is None):
+            for index, _ in self._indexes:
+                index.loaders += 1 if report is not None else -1
+        self.warmth = report
+
     def model_ids(self) -> list[str]:
         """The models whose index holds this slot, in the order the indexes were built."""
         return [index.model_id for index, _ in self._indexes]
@@ -275,7 +286,7 @@ class ModelIndex:
     or not.
     """
 
-    __slots__ = ("_heap", "_limit", "_usable_count", "lacking", "members", "model_id")
+    __slots__ = ("_heap", "_limit", "_usable_count", "lacking", "loaders", "members", "model_id")
 
     def __init__(self, model_id: str, members: Sequence[ProviderSlot]) -> None:
         """``members`` in the model's provider order (the tie-break)."""
@@ -285,6 +296,8 @@ class ModelIndex:
         self._limit = 3 * len(self.members) + 64
         for position, slot in enumerate(self.members):
             self._usable_count += slot.join(self, position)
+        # Members that load models on demand: 0 keeps selection to the heap alone.
+        self.loaders = sum(1 for slot in self.members if slot.warmth is not None)
         self._heap: list[_Entry] = []
         self._rebuild()
         self.lacking: dict[Operation, frozenset[str]] = {}

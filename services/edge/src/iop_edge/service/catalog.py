@@ -19,6 +19,7 @@ from iop_edge.domain.fleet import PUBLIC_OPERATIONS, ApiKeyEntry, ModelEntry, Op
 from iop_edge.domain.outliers import Phase
 from iop_edge.domain.pool import LIFECYCLE_FLAGS, UNAVAILABLE
 from iop_edge.ports import FleetView, OutlierView, ProviderView, QueueView
+from iop_edge.service.warm_catalog import warm_provider_ids, warmth_fields
 
 
 class PoolCatalog:
@@ -73,6 +74,7 @@ class PoolCatalog:
                     "detail": slot.detail,
                     **_outlier_fields(slot.outlier),
                     "cache": _cache_fields(slot.cache),
+                    "warmth": warmth_fields(slot.warmth, models),
                 }
             )
         return views
@@ -100,6 +102,10 @@ class PoolCatalog:
             # what some provider of it offers: any other is refused with a 400
             "operations": _in_order(frozenset().union(*(slot.operations for slot in slots))),
             "queued": self._queues.queued(model.id),
+            # the usable providers holding it in memory now (all, for always-loaded ones)
+            "warm_providers": warm_provider_ids(
+                (s.provider_id, model.providers[s.provider_id], s.warmth, s.usable) for s in slots
+            ),
         }
 
     def any_available(self) -> bool:
