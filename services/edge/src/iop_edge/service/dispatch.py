@@ -387,6 +387,8 @@ class Dispatcher:
         # Each class has its own room: batch lines never take an interactive place.
         if self._stopping is not None:  # back from a wait aside after the drain began
             raise ShuttingDown(self._stopping)
+        if index.loaders and len(queue) >= max_queue:
+            self._serve_queues((model.id,))  # held for a load: a full queue spreads instead
         if (queue.batch if batch else queue.interactive) >= max_queue:
             raise QueueFull(f"The queue of '{model.id}' is full ({max_queue} waiting); retry later")
         waiter: asyncio.Future[ProviderSlot | None] = loop.create_future()

@@ -116,8 +116,12 @@ class WarmScheduler:
         if report is None:
             return True
         swapped = self._swapped.get(slot.provider_id)
-        if swapped is not None and swapped != name:
-            return False  # told to load another: this one is on its way out
+        if swapped is not None:
+            if swapped in report.loaded:  # the node's word caught up with the swap
+                del self._swapped[slot.provider_id]
+                swapped = None
+            elif swapped != name:
+                return False  # told to load another: this one is on its way out
         seen = self._seen.get((slot.provider_id, name))
         if seen is not None and now - seen < SEEN_S:
             return True
@@ -154,8 +158,6 @@ class WarmScheduler:
         model = self._fleet.current.models.get(model_id)
         name = "" if model is None else model.providers.get(provider_id, "")
         self._seen[(provider_id, name)] = asyncio.get_running_loop().time()
-        if self._swapped.get(provider_id) == name:
-            del self._swapped[provider_id]  # the swap is done
 
     def close(self) -> None:
         for handle in self._timers.values():
