@@ -31,14 +31,17 @@ import contextlib
 import json
 import re
 import signal
+import sys
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 
+SCRIPT = str(Path(__file__).resolve())
 WARM_LOAD_NS = 2_000_000  # what a warm Ollama reports as load_duration: it checks the model
 TOKENS = ("Hello", " from", " the", " double", ".")
 _DURATION = re.compile(r"^(-?\d+(?:\.\d+)?)(ms|s|m|h)?$")
@@ -70,9 +73,17 @@ class Loaded:
 class Double:
     """The server's state: installed models, loaded ones, loads in progress."""
 
-    def __init__(self, models: Sequence[str], load_s: float, max_loaded: int, keep_s: float):
+    def __init__(
+        self,
+        models: Sequence[str],
+        load_s: float,
+        max_loaded: int,
+        keep_s: float,
+        token_s: float = 0.0,
+    ) -> None:
         self.models = tuple(models)
         self.load_s = load_s
+        self.token_s = token_s  # generation time per token (0: at once)
         self.max_loaded = max_loaded
         self.keep_s = keep_s
         self.loaded: dict[str, Loaded] = {}
@@ -223,10 +234,13 @@ def build_app(double: Double) -> web.Application:
                     final["message"]["content"] = text
                 else:
                     final["response"] = text
+                await asyncio.sleep(double.token_s * len(TOKENS))
                 return web.json_response(final)
             response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
             await response.prepare(request)
             for token in TOKENS:
+                if double.token_s:
+                    await asyncio.sleep(double.token_s)
                 await response.write(json.dumps(_piece(model, chat, token)).encode() + b"\n")
             final = _final(model, chat, load_ns, time.monotonic_ns() - started, prompt)
             await response.write(json.dumps(final).encode() + b"\n")
@@ -247,7 +261,8 @@ def build_app(double: Double) -> web.Application:
 
 async def serve(args: argparse.Namespace) -> None:
     models = [m for m in args.models.split(",") if m]
-    double = Double(models, args.load_s, args.max_loaded, keep_alive_s(args.keep_alive, 300))
+    keep_s = keep_alive_s(args.keep_alive, 300)
+    double = Double(models, args.load_s, args.max_loaded, keep_s, args.token_s)
     runner = web.AppRunner(build_app(double), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port)
@@ -267,6 +282,27 @@ async def serve(args: argparse.Namespace) -> None:
         await runner.cleanup()
 
 
+@contextlib.asynccontextmanager
+async def spawned(*options: str) -> AsyncIterator[str]:
+    """This double in a process of its own (``options``: its command line); yields its base
+    URL once it serves, and stops it on the way out."""
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, SCRIPT, "--port", "0", *options,
+        stdout=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        assert process.stdout is not None
+        async with asyncio.timeout(30):
+            line = (await process.stdout.readline()).decode()
+        if "listening on" not in line:
+            raise RuntimeError(f"the ollama double did not start: {line!r}")
+        yield f"http://{line.rsplit(' ', 1)[1].strip()}"
+    finally:
+        if process.returncode is None:
+            process.terminate()
+            await asyncio.wait_for(process.wait(), 10)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--host", default="127.0.0.1")
@@ -275,6 +311,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--load-s", type=float, default=1.5, help="a load's time")
     parser.add_argument("--max-loaded", type=int, default=0, help="0: no limit")
     parser.add_argument("--keep-alive", default="5m", help="the default keep_alive")
+    parser.add_argument("--token-s", type=float, default=0.0, help="time per token")
     asyncio.run(serve(parser.parse_args(argv)))
 
 
