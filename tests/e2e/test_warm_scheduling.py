@@ -77,12 +77,13 @@ async def warm_row(stack: Any, provider_id: str, served: str) -> dict[str, Any]:
     return next(m for m in row["warmth"]["models"] if m["name"] == served)
 
 
-async def chat(stack: Any, model: str) -> float:
+async def chat(stack: Any, model: str, **extra: object) -> float:
     """One streamed chat request through the edge; its time to first token, in seconds."""
     loop = asyncio.get_running_loop()
     started = loop.time()
     first = 0.0
     body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    body.update(extra)
     async with (
         aiohttp.ClientSession() as http,
         http.post(f"{stack.api_url}/chat/completions", json=body) as response,
@@ -141,6 +142,17 @@ async def test_a_warm_provider_is_preferred_over_a_cold_one(hosts: tuple[Any, st
     # the seed's rule picks on ties) never loaded.
     assert await loads(a) == {}
     assert await loads(b) == {"llama3": 1}  # the preload only
+
+    # Ollama unloads a model after its keep_alive: the node sees it gone, and so does the
+    # edge, which no longer counts b warm; the next request costs a load again.
+    await chat(stack, "chat", keep_alive="1s")
+
+    async def b_cold() -> bool:
+        return not (await warm_row(stack, "b-ollama", "llama3"))["warm"]
+
+    await eventually(b_cold)
+    await chat(stack, "chat")
+    assert sum((await loads(a)).values()) + sum((await loads(b)).values()) == 2
 
 
 async def test_a_burst_to_a_cold_model_loads_it_once_and_the_catalog_shows_the_load(

@@ -36,9 +36,11 @@ from iop_edge.domain.pool import FULL, ModelIndex, ProviderSlot, standing
 from iop_edge.domain.warmth import WarmPolicy
 from iop_edge.ports import FleetView
 
-SEEN_S = 30.0
+SEEN_S = 2.0
 """A run of the model completed on a provider this recently: it is warm there, whatever a
-snapshot sent before the run's end said (the next probe's list corrects it)."""
+snapshot sent before the run's end said. The node sends one right after the run's end,
+with the model in it (its adapter counted the answer first), so the mark only bridges
+that gap; kept longer, it would outlive an unload the node reports (``keep_alive``)."""
 
 
 class WarmScheduler:
