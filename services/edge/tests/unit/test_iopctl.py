@@ -259,6 +259,25 @@ async def test_the_health_column_shows_the_edges_ejection_beside_the_nodes_word(
     assert cells(second)[3:6] == ["unavailable", "(on", "trial)"]
 
 
+async def test_the_warm_column_shows_each_model_warm_or_cold_with_its_last_load(
+    edge: Canned,
+) -> None:
+    models = [
+        {"name": "llama3", "warm": True, "last_load_ms": 2140},
+        {"name": "qwen3", "warm": False, "last_load_ms": None},
+    ]
+    edge.providers[0]["warmth"] = {"on_demand": True, "max_loaded": 1, "models": models}
+    edge.providers[1]["warmth"] = {"on_demand": False, "max_loaded": 0, "models": []}
+    edge.models[0]["warm_providers"] = ["node-a-mock"]
+    _, out, _ = await iopctl("providers", "--url", edge.url)
+    header, first, second = out.splitlines()
+    warm = cells(header).index("WARM")
+    assert cells(first)[warm] == "llama3:warm(2.14s),qwen3:cold"
+    assert cells(second)[warm] == "always"  # vLLM, llama.cpp: every model, always
+    _, out, _ = await iopctl("models", "--url", edge.url)
+    assert cells(out.splitlines()[1]) == ["mock-small", "Mock", "(small)", "1/2", "1", "2"]
+
+
 async def test_models_table(edge: Canned) -> None:
     status, out, _ = await iopctl("models", "--url", edge.url)
     assert status == 0
