@@ -51,6 +51,10 @@ class LoadAccount:
         self._loaded: dict[str, LoadedModel] = {}
         self._timings: dict[str, LoadTiming] = {}
 
+    def limit(self, max_loaded: int) -> None:
+        """How many models the engine holds at once, as it says itself (0 unknown)."""
+        self._max_loaded = max_loaded
+
     def listed(self, entries: Iterable[tuple[str, int]], now_ms: int) -> None:
         """The engine's own list (name, expiry in Unix ms; 0 unknown): it replaces ours,
         keeping when each model was first seen loaded."""
