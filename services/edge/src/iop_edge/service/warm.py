@@ -134,7 +134,7 @@ class WarmScheduler:
         host that swaps, a starving cold model first, then the loaded ones."""
         model_ids = slot.model_ids()
         report = slot.warmth
-        if report is None or not report.swaps or len(model_ids) < 2:
+        if report is None or not report.swaps or len(model_ids) < 2 or not self.policy.enabled:
             return model_ids
         models = self._fleet.current.models
         now = asyncio.get_running_loop().time()
