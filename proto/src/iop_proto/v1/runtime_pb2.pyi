@@ -234,7 +234,7 @@ class LifecycleCapabilities(_message.Message):
     def __init__(self, list_models: _Optional[bool] = ..., load_model: _Optional[bool] = ..., unload_model: _Optional[bool] = ..., pull_model: _Optional[bool] = ..., delete_model: _Optional[bool] = ...) -> None: ...
 
 class ProviderState(_message.Message):
-    __slots__ = ("provider_id", "type", "category", "health", "capacity", "in_flight", "queued", "max_queue", "models", "capabilities", "last_probe_unix_ms", "detail", "cache", "engine")
+    __slots__ = ("provider_id", "type", "category", "health", "capacity", "in_flight", "queued", "max_queue", "models", "capabilities", "last_probe_unix_ms", "detail", "cache", "loaded", "engine")
     PROVIDER_ID_FIELD_NUMBER: _ClassVar[int]
     TYPE_FIELD_NUMBER: _ClassVar[int]
     CATEGORY_FIELD_NUMBER: _ClassVar[int]
@@ -248,6 +248,7 @@ class ProviderState(_message.Message):
     LAST_PROBE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
     CACHE_FIELD_NUMBER: _ClassVar[int]
+    LOADED_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     provider_id: str
     type: str
@@ -262,8 +263,41 @@ class ProviderState(_message.Message):
     last_probe_unix_ms: int
     detail: str
     cache: CacheState
+    loaded: LoadedModels
     engine: QualificationEngine
-    def __init__(self, provider_id: _Optional[str] = ..., type: _Optional[str] = ..., category: _Optional[_Union[ProviderCategory, str]] = ..., health: _Optional[_Union[Health, str]] = ..., capacity: _Optional[int] = ..., in_flight: _Optional[int] = ..., queued: _Optional[int] = ..., max_queue: _Optional[int] = ..., models: _Optional[_Iterable[str]] = ..., capabilities: _Optional[_Union[LifecycleCapabilities, _Mapping]] = ..., last_probe_unix_ms: _Optional[int] = ..., detail: _Optional[str] = ..., cache: _Optional[_Union[CacheState, _Mapping]] = ..., engine: _Optional[_Union[QualificationEngine, _Mapping]] = ...) -> None: ...
+    def __init__(self, provider_id: _Optional[str] = ..., type: _Optional[str] = ..., category: _Optional[_Union[ProviderCategory, str]] = ..., health: _Optional[_Union[Health, str]] = ..., capacity: _Optional[int] = ..., in_flight: _Optional[int] = ..., queued: _Optional[int] = ..., max_queue: _Optional[int] = ..., models: _Optional[_Iterable[str]] = ..., capabilities: _Optional[_Union[LifecycleCapabilities, _Mapping]] = ..., last_probe_unix_ms: _Optional[int] = ..., detail: _Optional[str] = ..., cache: _Optional[_Union[CacheState, _Mapping]] = ..., loaded: _Optional[_Union[LoadedModels, _Mapping]] = ..., engine: _Optional[_Union[QualificationEngine, _Mapping]] = ...) -> None: ...
+
+class LoadedModel(_message.Message):
+    __slots__ = ("name", "since_unix_ms", "expires_unix_ms")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SINCE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    since_unix_ms: int
+    expires_unix_ms: int
+    def __init__(self, name: _Optional[str] = ..., since_unix_ms: _Optional[int] = ..., expires_unix_ms: _Optional[int] = ...) -> None: ...
+
+class LoadedTiming(_message.Message):
+    __slots__ = ("name", "last_ms", "mean_ms", "loads")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    LAST_MS_FIELD_NUMBER: _ClassVar[int]
+    MEAN_MS_FIELD_NUMBER: _ClassVar[int]
+    LOADS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    last_ms: int
+    mean_ms: int
+    loads: int
+    def __init__(self, name: _Optional[str] = ..., last_ms: _Optional[int] = ..., mean_ms: _Optional[int] = ..., loads: _Optional[int] = ...) -> None: ...
+
+class LoadedModels(_message.Message):
+    __slots__ = ("models", "timings", "max_loaded")
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    MAX_LOADED_FIELD_NUMBER: _ClassVar[int]
+    models: _containers.RepeatedCompositeFieldContainer[LoadedModel]
+    timings: _containers.RepeatedCompositeFieldContainer[LoadedTiming]
+    max_loaded: int
+    def __init__(self, models: _Optional[_Iterable[_Union[LoadedModel, _Mapping]]] = ..., timings: _Optional[_Iterable[_Union[LoadedTiming, _Mapping]]] = ..., max_loaded: _Optional[int] = ...) -> None: ...
 
 class QualificationEngine(_message.Message):
     __slots__ = ("name", "version", "device", "listed_models")

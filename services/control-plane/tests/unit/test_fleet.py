@@ -228,7 +228,7 @@ RULES: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
         "api_key_env on ollama",
         set_path("nodes", 1, "providers", 0, "api_key_env", value="OLLAMA_KEY"),
         "nodes[mac].providers[mac-ollama].api_key_env: not a setting of type 'ollama' "
-        "(it takes: endpoint)",
+        "(it takes: endpoint, max_loaded_models)",
     ),
     (
         "api_key_env that is not a variable name",
@@ -384,7 +384,7 @@ def test_type_settings_holds_only_the_types_own_settings_with_defaults() -> None
     cli.type_settings()["command"].append("changed")  # a copy: the frozen spec is untouched
     assert cli.command == ["llm", "-m", "{model}"]
     ollama = provider(type="ollama", category="local_inference", endpoint="http://h:11434")
-    assert ollama.type_settings() == {"endpoint": "http://h:11434"}
+    assert ollama.type_settings() == {"endpoint": "http://h:11434", "max_loaded_models": None}
     api = provider(
         type="openai_api",
         category="api",

@@ -116,6 +116,7 @@ async def build(
         ),
         affinity=settings.affinity.policy,
         backfill=Backfill(settings.batch.max_share, preempt=settings.batch.preempt),
+        warm=settings.warm.policy,
     )
     body_limit = max_body_bytes(settings.max_frame_size)  # what a node link can carry
     catalog = PoolCatalog(fleet_holder, providers, dispatcher)
@@ -146,6 +147,7 @@ async def build(
 
     async with contextlib.AsyncExitStack() as stack:
         stack.callback(providers.close)  # last out: no cooldown timer outlives the edge
+        stack.callback(dispatcher.close)  # nor a warm-aware hold's timer
         stores = await open_stores(settings, stack)
         tracing = open_tracing(settings.tracing, settings.service_id)
         if tracing is not None:  # closed after the drain: the last requests' spans go too

@@ -20,6 +20,7 @@ from iop_edge.domain.leases import LeaseGrant, LineReply
 from iop_edge.domain.outliers import Phase
 from iop_edge.domain.queue import NO_SHARE, Share
 from iop_edge.domain.usage import UsageRow
+from iop_edge.domain.warmth import LoadReport
 from iop_edge.errors import EdgeError
 
 
@@ -178,6 +179,8 @@ class SlotView(Protocol):
     def cache(self) -> CacheReport: ...
     @property
     def engine(self) -> Mapping[str, str | int]: ...
+    @property
+    def warmth(self) -> LoadReport | None: ...
 
 
 class ProviderView(Protocol):

@@ -9,6 +9,7 @@ from pydantic import Field, model_validator
 from iop_edge.domain.affinity import AffinityPolicy
 from iop_edge.domain.outliers import OutlierPolicy
 from iop_edge.domain.queue import DEFAULT_MAX_SHARE
+from iop_edge.domain.warmth import WarmPolicy
 from iop_proto.framing import DEFAULT_MAX_FRAME_SIZE
 from iop_proto.postgres import PostgresSettings
 from iop_proto.service import DrainingSettings
@@ -213,6 +214,48 @@ class AffinitySettings(FrozenModel):
         )
 
 
+class WarmSettings(FrozenModel):
+    """Warm-aware scheduling, for providers that load models on demand
+    (docs/ARCHITECTURE.md#warm-aware-scheduling)."""
+
+    enabled: bool = Field(
+        default=True, description="prefer providers that hold the model; hold while one loads it"
+    )
+    hold_factor: float = Field(
+        default=2.0,
+        ge=0,
+        description="a model's requests wait for the host loading (or serving) it this many"
+        " times its measured load time before another host loads it too",
+    )
+    assumed_load_s: float = Field(
+        default=5.0, gt=0, description="the load time assumed before one was measured"
+    )
+    max_hold_s: float = Field(default=30.0, ge=0, description="the longest such wait")
+    group_grants: int = Field(
+        default=8,
+        ge=1,
+        description="a host that swaps: freed slots in a row its loaded model takes while"
+        " another of its models waits",
+    )
+    group_wait_s: float = Field(
+        default=10.0,
+        ge=0,
+        description="a host that swaps: how long another model's request waits for it to"
+        " finish the loaded model's work before it swaps",
+    )
+
+    @property
+    def policy(self) -> WarmPolicy:
+        return WarmPolicy(
+            enabled=self.enabled,
+            hold_factor=self.hold_factor,
+            assumed_load_s=self.assumed_load_s,
+            max_hold_s=self.max_hold_s,
+            group_grants=self.group_grants,
+            group_wait_s=self.group_wait_s,
+        )
+
+
 DAY_S = 86_400
 GIB = 1024**3
 
@@ -284,6 +327,7 @@ class EdgeSettings(DrainingSettings):
     node_listener: NodeListenerSettings = NodeListenerSettings()
     control_plane: ControlPlaneAddress = ControlPlaneAddress()
     affinity: AffinitySettings = AffinitySettings()
+    warm: WarmSettings = WarmSettings()
     storage: StorageSettings = StorageSettings()
     batch: BatchSettings = BatchSettings()
     tracing: TracingSettings = Field(

@@ -11,6 +11,7 @@ import dataclasses
 from iop_edge.domain.affinity import AffinityPolicy
 from iop_edge.domain.events import RunOrder
 from iop_edge.domain.outliers import OutlierPolicy
+from iop_edge.domain.warmth import WarmPolicy
 from iop_edge.errors import StorageQuotaExceeded
 from iop_edge.metrics import EdgeMetrics
 from iop_edge.ports import StoredResponse
@@ -36,6 +37,7 @@ class WiredDispatcher(Dispatcher):
         guards: RunGuards = UNGUARDED,
         affinity: AffinityPolicy | None = None,
         backfill: Backfill | None = None,
+        warm: WarmPolicy | None = None,
     ) -> None:
         self.fleet = FleetHolder()
         self.pool = ProviderRegistry(self.fleet, metrics, outliers or OutlierPolicy())
@@ -49,6 +51,7 @@ class WiredDispatcher(Dispatcher):
             guards=guards,
             affinity=affinity,
             backfill=backfill,
+            warm=warm,
         )
 
 

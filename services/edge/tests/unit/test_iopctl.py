@@ -236,13 +236,13 @@ async def test_providers_table(edge: Canned) -> None:
     header, first, second = out.splitlines()
     assert cells(header) == [
         "PROVIDER", "NODE", "TYPE", "HEALTH", "IN_FLIGHT/CAP", "LOAD", "QUEUED", "CACHE_HIT",
-        "MODELS",
+        "WARM", "MODELS",
     ]  # fmt: skip
     assert cells(first) == ["node-a-mock", "node-a", "mock", "available", "1/2", "50%", "0",
-                            "46%", "mock-small"]  # fmt: skip
+                            "46%", "-", "mock-small"]  # fmt: skip
     # nothing reported yet (or an edge from before the cache was reported): "-"
     assert cells(second) == ["node-b-mock", "node-b", "mock", "unavailable", "0/2", "0%", "3",
-                             "-", "mock-small,solo"]  # fmt: skip
+                             "-", "-", "mock-small,solo"]  # fmt: skip
     # Aligned columns: every row's NODE starts where the header's does.
     assert {line.index("node-") for line in (first, second)} == {0}
     assert {line.index(" node-", 1) for line in (first, second)} == {header.index(" NODE")}
@@ -273,13 +273,32 @@ async def test_a_held_provider_shows_its_capacity_and_state_not_0_of_0(edge: Can
     assert "100%" not in out
 
 
+async def test_the_warm_column_shows_each_model_warm_or_cold_with_its_last_load(
+    edge: Canned,
+) -> None:
+    models = [
+        {"name": "llama3", "warm": True, "last_load_ms": 2140},
+        {"name": "qwen3", "warm": False, "last_load_ms": None},
+    ]
+    edge.providers[0]["warmth"] = {"on_demand": True, "max_loaded": 1, "models": models}
+    edge.providers[1]["warmth"] = {"on_demand": False, "max_loaded": 0, "models": []}
+    edge.models[0]["warm_providers"] = ["node-a-mock"]
+    _, out, _ = await iopctl("providers", "--url", edge.url)
+    header, first, second = out.splitlines()
+    warm = cells(header).index("WARM")
+    assert cells(first)[warm] == "llama3:warm(2.14s),qwen3:cold"
+    assert cells(second)[warm] == "always"  # vLLM, llama.cpp: every model, always
+    _, out, _ = await iopctl("models", "--url", edge.url)
+    assert cells(out.splitlines()[1]) == ["mock-small", "Mock", "(small)", "1/2", "1", "2"]
+
+
 async def test_models_table(edge: Canned) -> None:
     status, out, _ = await iopctl("models", "--url", edge.url)
     assert status == 0
     lines = out.splitlines()
-    assert cells(lines[0]) == ["ID", "NAME", "AVAILABLE/PROVIDERS", "QUEUED"]
-    assert cells(lines[1]) == ["mock-small", "Mock", "(small)", "1/2", "2"]
-    assert cells(lines[2]) == ["solo", "solo", "0/1", "0"]  # no display name: the id
+    assert cells(lines[0]) == ["ID", "NAME", "AVAILABLE/PROVIDERS", "WARM", "QUEUED"]
+    assert cells(lines[1]) == ["mock-small", "Mock", "(small)", "1/2", "-", "2"]
+    assert cells(lines[2]) == ["solo", "solo", "0/1", "-", "0"]  # no display name: the id
 
 
 async def test_runs_table_reads_oldest_first_and_passes_the_limit(edge: Canned) -> None:

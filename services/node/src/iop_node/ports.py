@@ -14,6 +14,7 @@ import aiohttp
 
 from iop_node.domain.events import Failed, Started
 from iop_node.domain.health import ProbeResult
+from iop_node.domain.model_load import LoadState
 from iop_node.domain.provider import ProviderConfig
 from iop_node.domain.record import record
 from iop_node.domain.runs import Completion, Delta, ExecutionSpec
@@ -116,6 +117,15 @@ class TokenCounter(Protocol):
         provider's chat completion would count them; ``InvalidRequest`` with
         ``provider_status`` 501 where this provider has no tokenizer to ask."""
         ...
+
+
+@runtime_checkable
+class LoadReporter(Protocol):
+    """An adapter whose provider loads and unloads models on demand (Ollama): which it
+    holds now and how long loads take (docs/ARCHITECTURE.md#warm-aware-scheduling).
+    An adapter without it serves every model it lists from memory (vLLM, llama.cpp)."""
+
+    def load_state(self) -> LoadState: ...
 
 
 @dataclass(frozen=True, slots=True)

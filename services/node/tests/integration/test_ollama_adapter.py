@@ -509,7 +509,8 @@ async def test_probe_lists_models_and_never_runs_one(
     result = await adapter.probe()
     assert result.ok
     assert set(result.models) == fake.installed
-    assert [(m, p) for m, p, _ in fake.requests] == [("GET", "/api/tags")]
+    # the installed models, then the loaded ones (warm-aware scheduling): lists only
+    assert [(m, p) for m, p, _ in fake.requests] == [("GET", "/api/tags"), ("GET", "/api/ps")]
 
 
 async def test_probe_of_an_unreachable_server_is_not_ok(http: aiohttp.ClientSession) -> None:

@@ -52,7 +52,7 @@ TYPE_OPERATIONS: Final[Mapping[str, tuple[Operation, ...]]] = {
 TYPE_SETTINGS: Final[Mapping[str, tuple[str, ...]]] = {
     "mock": ("tokens_per_second", "default_tokens"),
     "cli": ("command", "prompt_via"),
-    "ollama": ("endpoint",),  # a local daemon: it takes no key
+    "ollama": ("endpoint", "max_loaded_models"),  # a local daemon: it takes no key
     "vllm": ("endpoint", "api_key_env"),
     "sglang": ("endpoint", "api_key_env"),
     "lemonade": ("endpoint", "api_key_env"),
@@ -62,7 +62,7 @@ TYPE_SETTINGS: Final[Mapping[str, tuple[str, ...]]] = {
 _REQUIRED_SETTINGS: Final = frozenset({"endpoint", "command"})
 # in field order, so that one provider's problems are listed in the order of the class
 _ALL_SETTINGS: Final = ("endpoint", "api_key_env", "command", "prompt_via", "tokens_per_second",
-                        "default_tokens")  # fmt: skip
+                        "default_tokens", "max_loaded_models")  # fmt: skip
 _TOP_LEVEL_KEYS: Final = ("models", "nodes", "openai")
 _UINT32_MAX: Final = 2**32 - 1  # the wire carries capacities and timeouts as uint32
 _PROBLEMS: Final = "fleet_problems"  # the error type carrying id-named problems
@@ -174,6 +174,9 @@ class ProviderSpec(_Frozen):
     prompt_via: Literal["stdin", "argument"] = "stdin"
     tokens_per_second: float = Field(default=50.0, gt=0)
     default_tokens: int = Field(default=32, ge=1)
+    # models the engine holds at once (Ollama's OLLAMA_MAX_LOADED_MODELS); None: unknown.
+    # One model at a time makes it a host that swaps (docs/ARCHITECTURE.md#warm-aware-scheduling).
+    max_loaded_models: int | None = Field(default=None, ge=1, le=_UINT32_MAX)
 
     @model_validator(mode="after")
     def _check_type_fit(self) -> ProviderSpec:

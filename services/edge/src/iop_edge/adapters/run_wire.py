@@ -30,6 +30,7 @@ from iop_edge.domain.events import (
 from iop_edge.domain.fleet import Operation
 from iop_edge.domain.leases import LeaseGrant, LineReply
 from iop_edge.domain.pool import AVAILABLE, UNAVAILABLE, UNKNOWN
+from iop_edge.domain.warmth import LoadReport, LoadTime
 from iop_proto.v1 import runtime_pb2 as pb
 
 _OPERATIONS = {
@@ -152,6 +153,7 @@ def provider_reports(states: Iterable[pb.ProviderState]) -> list[ProviderReport]
             },
             cache_report(state.cache) if state.HasField("cache") else None,
             qualification_engine(state),
+            load_report(state.loaded) if state.HasField("loaded") else None,
         )
         for state in states
     ]
@@ -169,6 +171,15 @@ def qualification_engine(state: pb.ProviderState) -> dict[str, str | int] | None
         "device": engine.device,
         "listed_models": engine.listed_models,
     }
+
+
+def load_report(loaded: pb.LoadedModels) -> LoadReport:
+    """An on-demand provider's memory (docs/ARCHITECTURE.md#warm-aware-scheduling)."""
+    return LoadReport(
+        {m.name: (m.since_unix_ms, m.expires_unix_ms) for m in loaded.models},
+        {t.name: LoadTime(t.last_ms, t.mean_ms, t.loads) for t in loaded.timings},
+        loaded.max_loaded,
+    )
 
 
 def cache_report(cache: pb.CacheState) -> CacheReport:

@@ -47,9 +47,9 @@ CLEAR_SCREEN: Final = "\x1b[H\x1b[2J"
 
 PROVIDER_HEADERS: Final = (
     "PROVIDER", "NODE", "TYPE", "HEALTH", "IN_FLIGHT/CAP", "LOAD", "QUEUED", "CACHE_HIT",
-    "MODELS",
+    "WARM", "MODELS",
 )  # fmt: skip
-MODEL_HEADERS: Final = ("ID", "NAME", "AVAILABLE/PROVIDERS", "QUEUED")
+MODEL_HEADERS: Final = ("ID", "NAME", "AVAILABLE/PROVIDERS", "WARM", "QUEUED")
 RUN_HEADERS: Final = (
     "RECEIVED", "RUN", "MODEL", "PROVIDER", "WAIT", "TTFT", "DURATION", "TOKENS", "CACHED",
     "OUTCOME",
@@ -73,6 +73,7 @@ def provider_row(p: Row) -> list[object]:
         load,
         p["queued"],
         _hit_rate(p),
+        _warm_cell(p),
         ",".join(p.get("serves") or p.get("models") or []) or "-",
     ]
 
@@ -82,6 +83,23 @@ def _hit_rate(p: Row) -> str:
     before any was reported (or from an edge that does not say)."""
     rate = (p.get("cache") or {}).get("hit_rate")
     return "-" if rate is None else f"{round(rate * 100)}%"
+
+
+def _warm_cell(p: Row) -> str:
+    """Each served model warm or cold, with its last load time (docs/ARCHITECTURE.md#warm-
+    aware-scheduling): "always" for a provider that holds every model (vLLM, llama.cpp),
+    "-" from an edge that does not say."""
+    warmth = p.get("warmth")
+    if not warmth:
+        return "-"
+    if not warmth["on_demand"]:
+        return "always"
+    cells = []
+    for row in warmth["models"]:
+        load = row.get("last_load_ms")
+        took = f"({_ms(load)})" if load else ""
+        cells.append(f"{row['name']}:{'warm' if row['warm'] else 'cold'}{took}")
+    return ",".join(cells) or "-"
 
 
 def _health(p: Row) -> str:
@@ -96,6 +114,7 @@ def model_row(m: Row) -> list[object]:
         m["id"],
         m["display_name"] or m["id"],
         f"{len(m['available_providers'])}/{len(m['providers'])}",
+        len(m["warm_providers"]) if "warm_providers" in m else "-",  # usable ones holding it
         m["queued"],
     ]
 

@@ -15,6 +15,7 @@ from enum import StrEnum
 
 from iop_edge.domain.cache_report import CacheReport
 from iop_edge.domain.fleet import Operation
+from iop_edge.domain.warmth import LoadReport
 
 
 class ErrorCode(StrEnum):
@@ -194,3 +195,5 @@ class ProviderReport:
     """What its engine's prompt cache holds; ``None`` from a node that does not say."""
     engine: dict[str, str | int] | None = None
     """Its engine's name, version and device (``QualificationEngine``); ``None``: not said."""
+    loaded: LoadReport | None = None
+    """What it holds in memory; ``None``: every model, always (or a node that does not say)."""

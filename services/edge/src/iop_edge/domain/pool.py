@@ -38,6 +38,7 @@ from iop_edge.domain.controls import preference_tiers
 from iop_edge.domain.events import Completed, Failed
 from iop_edge.domain.fleet import ALL_OPERATIONS, PUBLIC_OPERATIONS, Operation
 from iop_edge.domain.outliers import OutlierPolicy, OutlierState, Phase, may_eject
+from iop_edge.domain.warmth import LoadReport
 
 AVAILABLE = "available"
 UNAVAILABLE = "unavailable"
@@ -112,6 +113,8 @@ class ProviderSlot:
     # What its engine's prompt cache holds, by the node's last snapshot.
     cache: CacheReport = field(default_factory=CacheReport)
     engine: dict[str, str | int] = field(default_factory=dict)  # its engine, device (catalog)
+    # What it holds in memory, for a provider that loads models on demand (``report_loads``).
+    warmth: LoadReport | None = None
     # The indexes this slot is in, with its position in each, and what they last saw.
     _indexes: list[tuple[ModelIndex, int]] = field(default_factory=list, init=False, repr=False)
     # Grows with every change selection depends on: an index entry of an older version is
@@ -237,6 +240,14 @@ class ProviderSlot:
             for index, _ in self._indexes:
                 index.count_operations()
 
+    def report_loads(self, report: LoadReport | None) -> None:
+        """The node's word on what it holds (``None``: every model, always); the indexes
+        count their members that load on demand (``ModelIndex.loaders``)."""
+        if (report is None) != (self.warmth is None):
+            for index, _ in self._indexes:
+                index.loaders += 1 if report is not None else -1
+        self.warmth = report
+
     def model_ids(self) -> list[str]:
         """The models whose index holds this slot, in the order the indexes were built."""
         return [index.model_id for index, _ in self._indexes]
@@ -277,7 +288,16 @@ class ModelIndex:
     or not.
     """
 
-    __slots__ = ("_heap", "_limit", "_usable_count", "lacking", "members", "model_id", "tiers")
+    __slots__ = (
+        "_heap",
+        "_limit",
+        "_usable_count",
+        "lacking",
+        "loaders",
+        "members",
+        "model_id",
+        "tiers",
+    )
 
     def __init__(
         self, model_id: str, members: Sequence[ProviderSlot], preference: Sequence[str] = ()
@@ -291,6 +311,8 @@ class ModelIndex:
         self._limit = 3 * len(self.members) + 64
         for position, slot in enumerate(self.members):
             self._usable_count += slot.join(self, position)
+        # Members that load models on demand: 0 keeps selection to the heap alone.
+        self.loaders = sum(1 for slot in self.members if slot.warmth is not None)
         self._heap: list[_Entry] = []
         self._rebuild()
         self.lacking: dict[Operation, frozenset[str]] = {}

@@ -27,6 +27,7 @@ from iop_edge.domain.fleet import (
 from iop_edge.domain.outliers import Phase
 from iop_edge.domain.pool import LIFECYCLE_FLAGS, UNAVAILABLE
 from iop_edge.ports import FleetView, OutlierView, ProviderView, QueueView, SlotView
+from iop_edge.service.warm_catalog import warm_provider_ids, warmth_fields
 
 
 class PoolCatalog:
@@ -83,6 +84,7 @@ class PoolCatalog:
                     "cache": _cache_fields(slot.cache),
                     "control": _control_fields(entry, slot, fleet.controls),
                     "engine": dict(slot.engine) or None,  # None until its node said
+                    "warmth": warmth_fields(slot.warmth, models),
                 }
             )
         return views
@@ -111,6 +113,10 @@ class PoolCatalog:
             "operations": _in_order(frozenset().union(*(slot.operations for slot in slots))),
             "queued": self._queues.queued(model.id),
             "preference": list(model.preference),  # an operator's order (runtime control)
+            # the usable providers holding it in memory now (all, for always-loaded ones)
+            "warm_providers": warm_provider_ids(
+                (s.provider_id, model.providers[s.provider_id], s.warmth, s.usable) for s in slots
+            ),
         }
 
     def any_available(self) -> bool:

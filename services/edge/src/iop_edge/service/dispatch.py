@@ -18,7 +18,7 @@ import asyncio
 import secrets
 import time
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Container, Iterable, Mapping, Sequence
 
 from iop_edge.domain.affinity import AffinityPolicy, CacheAffinity, Preference
 from iop_edge.domain.events import (
@@ -33,6 +33,7 @@ from iop_edge.domain.pin import PinUnknown, pinned_out
 from iop_edge.domain.pool import ModelIndex, ProviderSlot
 from iop_edge.domain.queue import ModelQueue
 from iop_edge.domain.session_key import successor_key
+from iop_edge.domain.warmth import WarmPolicy
 from iop_edge.errors import (
     InvalidRequest,
     ModelNotFound,
@@ -55,6 +56,7 @@ from iop_edge.service.limits import (
 from iop_edge.service.registry import ProviderRegistry
 from iop_edge.service.request_run import RequestRun
 from iop_edge.service.runs import UNGUARDED, NodeLink, RunGuards
+from iop_edge.service.warm import WarmScheduler
 from iop_proto.errors import FrameTooLarge
 from iop_proto.framing import DEFAULT_MAX_FRAME_SIZE
 
@@ -85,8 +87,13 @@ class Dispatcher:
         guards: RunGuards = UNGUARDED,
         affinity: AffinityPolicy | None = None,
         backfill: Backfill | None = None,
+        warm: WarmPolicy | None = None,
     ) -> None:
         self._fleet = fleet
+        # Warm-aware selection, for models with providers that load them on demand.
+        warm = warm or WarmPolicy()
+        self._warm = WarmScheduler(warm, fleet, self.queued, self.slots_changed)
+        self._warm_on = warm.enabled
         self._backfill = backfill or Backfill()
         self._affinity = CacheAffinity(affinity or AffinityPolicy())
         # Requests waiting for one provider in particular, the one holding their cache
@@ -375,7 +382,7 @@ class Dispatcher:
                 overtakes = queue.interactive > 0  # others may have queued meanwhile
                 if batch and not self._backfill.room(model.id, index.members):
                     overtakes = True
-        slot = None if overtakes else index.select(exclude)
+        slot = None if overtakes else self._select(index, exclude)
         if slot is not None:
             slot.take()
             return slot
@@ -388,6 +395,8 @@ class Dispatcher:
         # Each class has its own room: batch lines never take an interactive place.
         if self._stopping is not None:  # back from a wait aside after the drain began
             raise ShuttingDown(self._stopping)
+        if index.loaders and len(queue) >= max_queue:
+            self._serve_queues((model.id,))  # held for a load: a full queue spreads instead
         if (queue.batch if batch else queue.interactive) >= max_queue:
             raise QueueFull(f"The queue of '{model.id}' is full ({max_queue} waiting); retry later")
         waiter: asyncio.Future[ProviderSlot | None] = loop.create_future()
@@ -506,6 +515,8 @@ class Dispatcher:
             self._backfill.gave_back(run)
         if run.unacknowledged:  # the node, not the provider, is in doubt
             self._registry.node_unresponsive(run.node_id, f"run {run.attempt_id} unacknowledged")
+        if self._warm.tracking:
+            self._warm.ended(run.model.id, run.provider_id, isinstance(outcome, Completed))
         if freed is not None and self._waiting:  # nobody waits: nothing to serve
             self._serve_freed(freed)
         if outcome.load is not None:  # the node's count after the run: the one kept
@@ -526,7 +537,14 @@ class Dispatcher:
         """A place of ``slot`` went back: to whoever waits for it (aside or in a queue)."""
         if self._pinned:
             self._serve_pinned(slot)
-        self._serve_queues(slot.model_ids())
+        self._serve_queues(slot.model_ids() if slot.warmth is None else self._warm.order(slot))
+
+    def _select(self, index: ModelIndex, exclude: Container[str] = _NOBODY) -> ProviderSlot | None:
+        """The model's provider for its next request: the heap's, unless some provider of
+        the model loads it on demand (docs/ARCHITECTURE.md#warm-aware-scheduling)."""
+        if index.loaders and self._warm_on:
+            return self._warm.select(index, exclude)
+        return index.select(exclude)
 
     def _serve_queues(self, model_ids: Iterable[str]) -> None:
         """Hand free slots to these models' queues in their order (``ModelQueue``: by
@@ -541,7 +559,7 @@ class Dispatcher:
                 if self._excluded:
                     waiter, slot = self._servable(queue, index, batch_room)
                 else:
-                    slot = index.select()
+                    slot = self._select(index)
                     waiter = None if slot is None else queue.pop_waiting(batch=batch_room)
                 if waiter is None or slot is None:
                     break
@@ -565,7 +583,7 @@ class Dispatcher:
             run = self._queued.get(waiter)
             if not batch_room and run is not None and run.spec.batch:
                 continue
-            slot = index.select(self._excluded.get(waiter, _NOBODY))
+            slot = self._select(index, self._excluded.get(waiter, _NOBODY))
             if slot is not None:
                 queue.remove(waiter)
                 return waiter, slot
@@ -608,6 +626,10 @@ class Dispatcher:
         self._failing = reason
         for run in list(self._runs.values()):
             await run.cancel(reason)
+
+    def close(self) -> None:
+        """Stop the warm-aware holds' timers (the edge is stopping)."""
+        self._warm.close()
 
     def _queue_lengths(self) -> list[tuple[str, int]]:
         """Each model's waiters, for ``iop_edge_model_queued`` (read at scrape time)."""

@@ -159,6 +159,7 @@ class ProviderRegistry:
             if state.cache is not None:
                 # Plain data for selection to read: it changes no load, so no index moves.
                 slot.cache = state.cache
+            slot.report_loads(state.loaded)
             changed.update(slot.model_ids())
         if self._listener is not None:
             self._listener.slots_changed(sorted(changed, key=self._model_rank.__getitem__))

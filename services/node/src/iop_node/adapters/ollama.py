@@ -21,6 +21,7 @@ import json
 import struct
 import time
 from collections.abc import AsyncIterator
+from datetime import datetime
 from typing import Any
 
 import aiohttp
@@ -31,6 +32,7 @@ from iop_node.adapters.context_overflow import context_overflow
 from iop_node.adapters.ollama_request import OUTPUT_LENGTH_FIELDS as OUTPUT_LENGTH_FIELDS
 from iop_node.adapters.ollama_request import chat_payload, embed_payload, generate_payload
 from iop_node.domain.health import ProbeResult
+from iop_node.domain.model_load import LoadAccount, LoadState
 from iop_node.domain.provider import ProviderConfig
 from iop_node.domain.runs import Completion, Delta, ExecutionSpec, Operation, ToolCallDelta, Usage
 from iop_node.errors import (
@@ -65,6 +67,10 @@ class OllamaAdapter:
         self._base = endpoint.rstrip("/")
         self._http = context.http
         self._max_answer = context.max_answer_bytes
+        # What the server holds in memory (``/api/ps`` at each probe, ``load_duration``
+        # in each answer): the edge schedules around loads by it.
+        max_loaded = config.setting("max_loaded_models", 0)
+        self._loads = LoadAccount(max_loaded if isinstance(max_loaded, int) else 0)
 
     @property
     def name(self) -> str:
@@ -89,7 +95,31 @@ class OllamaAdapter:
             detail = f"ollama at {self._base} sent no model list within {PROBE_TIMEOUT_S:g} s"
             return ProbeResult(ok=False, detail=detail)
         names = (str(m.get("name") or m.get("model") or "") for m in models)
+        await self._read_loaded()
         return ProbeResult(ok=True, models=tuple(name for name in names if name))
+
+    def load_state(self) -> LoadState:
+        """The models in memory and the load times seen (``LoadReporter``)."""
+        return self._loads.state()
+
+    async def _read_loaded(self) -> None:
+        """``/api/ps`` into the load account; a server that does not answer it keeps the
+        account as the answers left it (the probe judges health by ``/api/tags``)."""
+        try:
+            async with asyncio.timeout(PROBE_TIMEOUT_S):
+                running = await self.running_models()
+        except (RunFailure, TimeoutError):
+            return
+        entries = [
+            (str(m.get("name") or m.get("model") or ""), _unix_ms(m.get("expires_at")))
+            for m in running
+        ]
+        self._loads.listed([e for e in entries if e[0]], time.time_ns() // 1_000_000)
+
+    def _answered(self, spec: ExecutionSpec, final: dict[str, Any]) -> None:
+        load_ns = final.get("load_duration")
+        load_ms = load_ns // 1_000_000 if isinstance(load_ns, int) and load_ns > 0 else 0
+        self._loads.answered(spec.target, load_ms, time.time_ns() // 1_000_000)
 
     async def execute(self, spec: ExecutionSpec, sink: EventSink) -> Completion:
         scope = asyncio.timeout_at(spec.deadline)
@@ -104,6 +134,7 @@ class OllamaAdapter:
                 if spec.stream:
                     return await self._stream(spec, path, payload, sink)
                 answer = await self._request("POST", path, payload)
+                self._answered(spec, answer)
                 return _completion(spec, answer)
         except TimeoutError as exc:
             if scope.expired():
@@ -200,6 +231,7 @@ class OllamaAdapter:
                     final = chunk
         if final is None:
             raise ProviderFailed("ollama's stream ended before its final (done) line")
+        self._answered(spec, final)
         if role:
             await sink.delta(Delta(role=role))  # an empty answer: the client still learns who spoke
         return Completion(finish_reason=_finish_reason(final, calls), usage=_usage(final))
@@ -391,6 +423,21 @@ def _models(answer: dict[str, Any]) -> list[dict[str, Any]]:
     if not isinstance(models, list):
         raise ProviderFailed("ollama's model list is not a list")
     return [m for m in models if isinstance(m, dict)]
+
+
+def _unix_ms(stamp: Any) -> int:
+    """Ollama's ``expires_at`` (RFC 3339, nanoseconds and all) in Unix ms; 0 unknown."""
+    if not isinstance(stamp, str) or not stamp:
+        return 0
+    head, dot, rest = stamp.partition(".")
+    if dot:  # fromisoformat takes at most 6 fractional digits
+        digits = len(rest) - len(rest.lstrip("0123456789"))
+        rest = rest[:digits][:6] + rest[digits:]
+        stamp = f"{head}.{rest}"
+    try:
+        return int(datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp() * 1000)
+    except ValueError:
+        return 0
 
 
 def _packed(vector: Any) -> str:

@@ -15,6 +15,7 @@ from iop_node.domain.admission import AdmissionGate
 from iop_node.domain.cache_account import CacheView
 from iop_node.domain.events import Failed, Started
 from iop_node.domain.health import Health
+from iop_node.domain.model_load import LoadState
 from iop_node.domain.provider import ProviderConfig
 from iop_node.domain.runs import Completion, Delta, Operation, RunOrder, Usage
 from iop_node.errors import ErrorCode
@@ -215,6 +216,7 @@ def provider_state(status: ProviderStatus) -> pb.ProviderState:
         detail=status.detail,
         cache=_cache_state(status.cache),
         engine=_engine(status),
+        loaded=None if status.loaded is None else _loaded(status.loaded),
     )
 
 
@@ -228,4 +230,19 @@ def _engine(status: ProviderStatus) -> pb.QualificationEngine | None:
         version=info.version,
         device=info.device,
         listed_models=status.listed_models,
+    )
+
+
+def _loaded(state: LoadState) -> pb.LoadedModels:
+    """An on-demand provider's memory (``pb.LoadedModels``)."""
+    return pb.LoadedModels(
+        models=[
+            pb.LoadedModel(name=m.name, since_unix_ms=m.since_ms, expires_unix_ms=m.expires_ms)
+            for m in state.models
+        ],
+        timings=[
+            pb.LoadedTiming(name=t.name, last_ms=t.last_ms, mean_ms=t.mean_ms, loads=t.loads)
+            for t in state.timings
+        ],
+        max_loaded=state.max_loaded,
     )

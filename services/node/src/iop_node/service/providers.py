@@ -20,6 +20,7 @@ from iop_node.domain.admission import AdmissionGate
 from iop_node.domain.cache_account import DEFAULT_CACHE_PREFIXES, CacheAccount, CacheView
 from iop_node.domain.events import Failed
 from iop_node.domain.health import Health, HealthTracker, ProbeResult
+from iop_node.domain.model_load import LoadState
 from iop_node.domain.provider import ProviderConfig
 from iop_node.domain.runs import RunOrder
 from iop_node.errors import ConfigError, RunFailure
@@ -29,6 +30,7 @@ from iop_node.ports import (
     AdapterFactory,
     EngineInfo,
     LifecycleFlags,
+    LoadReporter,
     RunChannel,
     RunHistory,
 )
@@ -69,6 +71,7 @@ class ProviderStatus:
     cache: CacheView = field(default_factory=CacheView)
     engine: EngineInfo | None = None  # None until the engine was asked (engine_probe)
     listed_models: int = 0  # how many models the last probe listed (0: none, config's names)
+    loaded: LoadState | None = None  # None: every model always loaded
 
 
 class NodeCore:
@@ -349,6 +352,7 @@ class NodeCore:
                 cache=rt.cache.view(),
                 engine=self._engines.get(pid),
                 listed_models=len(rt.health.models),
+                loaded=rt.adapter.load_state() if isinstance(rt.adapter, LoadReporter) else None,
             )
             for pid, rt in self.providers.items()
         ]

@@ -189,11 +189,25 @@
     );
   }
 
+  // Each served model warm (in memory) or cold, with its last load time, for a provider
+  // that loads models on demand (Ollama); "always" for one that holds every model.
+  function warmth(w) {
+    if (!w) return el("span", { class: "muted" }, "—");
+    if (!w.on_demand) return el("span", { class: "muted" }, "always");
+    return w.models.map((m) =>
+      el(
+        "span",
+        { class: m.warm ? "tag" : "tag muted", title: m.mean_load_ms ? `mean load ${m.mean_load_ms} ms over ${m.loads}` : "" },
+        `${m.name} ${m.warm ? "warm" : "cold"}${m.last_load_ms ? ` · ${(m.last_load_ms / 1000).toFixed(1)}s` : ""}`,
+      ),
+    );
+  }
+
   // ------------------------------------------------------------------ rendering
 
   const PROVIDER_COLUMNS = [
     "Provider", "Node", "Health", "Capacity", "In flight", "Load", "Queued",
-    "Cache hits", "Served models", "Lifecycle",
+    "Cache hits", "Warm", "Served models", "Lifecycle",
   ];
 
   function providerTable(providers, modelsById, emptyText) {
@@ -214,6 +228,7 @@
         el("td", {}, heldState(p) || loadBar(p.load_ratio)),
         el("td", { class: "num", "data-testid": "queued" }, p.queued),
         el("td", { class: "num", "data-testid": "cache-hit-rate" }, cacheHits(p.cache)),
+        el("td", { "data-testid": "warmth" }, warmth(p.warmth)),
         el("td", { "data-testid": "served-models" }, servedModels(p, modelsById)),
         el("td", { "data-testid": "lifecycle" }, lifecycleTags(p)),
       ),
