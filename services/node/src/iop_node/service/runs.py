@@ -108,7 +108,7 @@ class RunExecutor:
                         metrics = self._metrics
                         metrics.child(metrics.queue_wait, spec.provider_id).observe(queue_wait_s)
                     started_ms = time.time_ns() // 1_000_000
-                    await self._history.run_started(
+                    self._history.run_started(
                         RunRecord(
                             spec.run_id,
                             spec.model,
@@ -202,8 +202,8 @@ class RunExecutor:
         finally:
             usage = completion.usage if completion else None
             # complete_run only queues the record (the store writes in batches off the
-            # request path), so awaiting it here, even while cancelling, costs nothing.
-            await self._history.complete_run(
+            # request path): nothing here waits, even while cancelling.
+            self._history.complete_run(
                 RunRecord(
                     spec.run_id,
                     spec.model,
