@@ -65,10 +65,10 @@ class Channel:
 
 
 class NoHistory:
-    async def run_started(self, record: RunRecord) -> None:
+    def run_started(self, record: RunRecord) -> None:
         pass
 
-    async def complete_run(self, record: RunRecord) -> None:
+    def complete_run(self, record: RunRecord) -> None:
         pass
 
     async def recent(self, limit: int) -> list[RunRecord]:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import socket
 from collections.abc import Callable
 from typing import Any, Final, cast
@@ -32,6 +33,8 @@ from typing import Any, Final, cast
 from aiohttp import web
 from loguru import logger
 
+ClosingFactory = Callable[[Callable[[], None]], asyncio.Protocol]
+"""Makes a connection's protocol, given what it calls once when the connection is lost."""
 ACCEPT_BATCH: Final = 32
 """Connections accepted before the loop runs anything else."""
 ACCEPT_RETRY_S: Final = 0.1  # after EMFILE and the like: the listener stays, the loop breathes
@@ -75,11 +78,12 @@ class CappedSite(web.BaseSite):
         backlog: int = DEFAULT_BACKLOG,
         refusal: bytes = DEFAULT_REFUSAL,
         refusal_linger_s: float = REFUSAL_LINGER_S,
-        protocol_factory: Callable[[Callable[[], asyncio.Protocol]], Callable[[], asyncio.Protocol]]
-        | None = None,
+        protocol_factory: Callable[[Callable[[], asyncio.Protocol]], ClosingFactory] | None = None,
     ) -> None:
         """``protocol_factory``: given the runner's protocol factory, the one connections
-        get instead (a front that hands some of them on to aiohttp's protocol)."""
+        get instead (a front that hands some of them on to aiohttp's protocol); its
+        protocols call the ``on_close`` they are made with once, when the connection is
+        lost, as ``_Counted`` does for aiohttp's."""
         if max_connections < 1:
             raise ValueError(f"max_connections must be at least 1, not {max_connections}")
         super().__init__(runner, backlog=backlog)
@@ -131,7 +135,7 @@ class CappedSite(web.BaseSite):
         loop = asyncio.get_running_loop()
         server = self._runner.server
         assert server is not None  # BaseSite: the runner was set up
-        factory: Callable[[], asyncio.Protocol] = server
+        factory: ClosingFactory = functools.partial(_Counted, server)
         if self._protocol_factory is not None:
             factory = self._protocol_factory(server)
         since_yield = 0
@@ -175,9 +179,7 @@ class CappedSite(web.BaseSite):
             for task in list(self._handing_over):
                 task.cancel()
 
-    async def _hand_over(
-        self, sock: socket.socket, factory: Callable[[], asyncio.Protocol]
-    ) -> None:
+    async def _hand_over(self, sock: socket.socket, factory: ClosingFactory) -> None:
         """Make ``sock`` a connection of the aiohttp server; its slot is freed when it closes
         (or here, when it never became one)."""
         loop = asyncio.get_running_loop()
@@ -191,7 +193,7 @@ class CappedSite(web.BaseSite):
                 self._room.set()
 
         try:
-            await loop.connect_accepted_socket(lambda: _Counted(factory(), release), sock)
+            await loop.connect_accepted_socket(functools.partial(factory, release), sock)
         except asyncio.CancelledError:
             sock.close()
             release()
@@ -270,8 +272,8 @@ class _Counted(asyncio.Protocol):
 
     __slots__ = ("_inner", "_on_close")
 
-    def __init__(self, inner: asyncio.Protocol, on_close: Callable[[], None]) -> None:
-        self._inner = inner
+    def __init__(self, make: Callable[[], asyncio.Protocol], on_close: Callable[[], None]) -> None:
+        self._inner = make()
         self._on_close: Callable[[], None] | None = on_close
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:

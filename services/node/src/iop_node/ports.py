@@ -173,12 +173,13 @@ class RunRecord:
 class RunHistory(Protocol):
     """Run history that survives restarts; never blocks the request path."""
 
-    async def run_started(self, record: RunRecord) -> None:
-        """Note a run that was admitted (so a crash leaves a trace of it)."""
+    def run_started(self, record: RunRecord) -> None:
+        """Note a run that was admitted (so a crash leaves a trace of it); queued, never
+        waited for: the request path does not wait on a disk."""
         ...
 
-    async def complete_run(self, record: RunRecord) -> None:
-        """Record how a run ended (replaces the started record)."""
+    def complete_run(self, record: RunRecord) -> None:
+        """Record how a run ended (replaces the started record); queued, as ``run_started``."""
         ...
 
     async def recent(self, limit: int) -> list[RunRecord]: ...

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import sqlite3
 import stat
-from collections.abc import AsyncIterator, Coroutine, Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -67,10 +67,9 @@ def rows(path: Path) -> list[tuple[Any, ...]]:
         raw.close()
 
 
-def returns_at_once(call: Coroutine[Any, Any, None]) -> None:
-    """Run a coroutine one step: it must finish without ever suspending (no I/O awaited)."""
-    with pytest.raises(StopIteration):
-        call.send(None)
+def returns_at_once(result: object) -> None:
+    """A history call's result: it returned, ``None``, nothing to await (no I/O waited for)."""
+    assert result is None
 
 
 @pytest.fixture
@@ -114,8 +113,8 @@ async def test_open_creates_a_private_wal_database_with_a_versioned_schema(
 async def test_a_run_started_and_completed_before_a_flush_is_written_once(
     history: SqliteRunHistory, db_path: Path
 ) -> None:
-    await history.run_started(started("r1"))
-    await history.complete_run(completed("r1"))
+    history.run_started(started("r1"))
+    history.complete_run(completed("r1"))
     await history.flush()
 
     assert history.writes == 1
@@ -128,11 +127,11 @@ async def test_a_run_started_and_completed_before_a_flush_is_written_once(
 async def test_a_run_written_at_start_is_replaced_by_its_completion(
     history: SqliteRunHistory, db_path: Path
 ) -> None:
-    await history.run_started(started("r1"))
+    history.run_started(started("r1"))
     await history.flush()
     assert rows(db_path) == [("r1", "running", "", "", 0)]
 
-    await history.complete_run(completed("r1"))
+    history.complete_run(completed("r1"))
     await history.flush()
 
     assert history.writes == 2
@@ -144,11 +143,11 @@ async def test_a_run_written_at_start_is_replaced_by_its_completion(
 async def test_a_late_start_never_undoes_a_completion(
     history: SqliteRunHistory, db_path: Path
 ) -> None:
-    await history.complete_run(completed("in-memory"))
-    await history.run_started(started("in-memory"))
-    await history.complete_run(completed("on-disk"))
+    history.complete_run(completed("in-memory"))
+    history.run_started(started("in-memory"))
+    history.complete_run(completed("on-disk"))
     await history.flush()
-    await history.run_started(started("on-disk"))
+    history.run_started(started("on-disk"))
     await history.flush()
 
     assert [row[:2] for row in rows(db_path)] == [
@@ -161,10 +160,10 @@ async def test_recent_lists_newest_first_including_unwritten_runs(
     history: SqliteRunHistory,
 ) -> None:
     for n in range(4):
-        await history.complete_run(completed(f"r{n}", T0 + n))
+        history.complete_run(completed(f"r{n}", T0 + n))
     await history.flush()
-    await history.run_started(started("r4", T0 + 4))  # still only in memory
-    await history.run_started(started("r1", T0 + 1))  # stale: r1 is complete on disk
+    history.run_started(started("r4", T0 + 4))  # still only in memory
+    history.run_started(started("r1", T0 + 1))  # stale: r1 is complete on disk
 
     newest = await history.recent(3)
 
@@ -176,8 +175,8 @@ async def test_recent_lists_newest_first_including_unwritten_runs(
 
 async def test_history_survives_a_restart(db_path: Path) -> None:
     first = await SqliteRunHistory.open(db_path)
-    await first.complete_run(completed("r1", T0))
-    await first.complete_run(completed("r2", T0 + 1))
+    first.complete_run(completed("r1", T0))
+    first.complete_run(completed("r2", T0 + 1))
     await first.aclose()  # writes what is pending
 
     second = await SqliteRunHistory.open(db_path)
@@ -191,8 +190,8 @@ async def test_a_run_left_running_by_a_dead_process_is_marked_interrupted(
     db_path: Path, log: list[str]
 ) -> None:
     crashed = await SqliteRunHistory.open(db_path)
-    await crashed.run_started(started("lost"))
-    await crashed.complete_run(completed("done"))
+    crashed.run_started(started("lost"))
+    crashed.complete_run(completed("done"))
     await crashed.flush()
     await crashed.aclose()  # the process dies here: "lost" never completes
 
@@ -256,7 +255,7 @@ async def test_aclose_gives_up_on_a_locked_database_after_its_timeout(
     lock = sqlite3.connect(db_path, isolation_level=None)
     try:
         lock.execute("BEGIN EXCLUSIVE")
-        await history.complete_run(completed("r1"))
+        history.complete_run(completed("r1"))
         async with asyncio.timeout(10):
             await history.aclose(timeout_s=0.3)
     finally:
@@ -265,15 +264,15 @@ async def test_aclose_gives_up_on_a_locked_database_after_its_timeout(
     assert history.writes == 0
     assert any("1 run record(s) not written within 0.3s of shutdown" in line for line in log)
     with pytest.raises(HistoryClosed):
-        await history.run_started(started("r2"))
+        history.run_started(started("r2"))
 
 
 async def test_ten_thousand_runs_are_written_in_a_few_batches(
     history: SqliteRunHistory, db_path: Path
 ) -> None:
     for n in range(10_000):
-        await history.run_started(started(f"r{n:05}", T0 + n))
-        await history.complete_run(completed(f"r{n:05}", T0 + n))
+        history.run_started(started(f"r{n:05}", T0 + n))
+        history.complete_run(completed(f"r{n:05}", T0 + n))
     await history.flush()
 
     assert history.writes <= 25  # 10,000 / max_batch 500 = 20
@@ -288,11 +287,11 @@ async def test_pending_records_are_bounded_dropping_old_starts_first(
     history = await SqliteRunHistory.open(db_path, max_pending=10)
     try:
         # No await yields to the writer in between, so all of these stay pending.
-        await history.run_started(started("s0"))
+        history.run_started(started("s0"))
         for n in range(5):
-            await history.complete_run(completed(f"c{n}"))
+            history.complete_run(completed(f"c{n}"))
         for n in range(1, 6):
-            await history.run_started(started(f"s{n}"))
+            history.run_started(started(f"s{n}"))
         await history.flush()
     finally:
         await history.aclose()
@@ -309,9 +308,9 @@ async def test_after_aclose_every_call_raises(history: SqliteRunHistory) -> None
     await history.aclose()  # idempotent
 
     with pytest.raises(HistoryClosed):
-        await history.run_started(started("r1"))
+        history.run_started(started("r1"))
     with pytest.raises(HistoryClosed):
-        await history.complete_run(completed("r1"))
+        history.complete_run(completed("r1"))
     with pytest.raises(HistoryClosed):
         await history.recent(1)
     with pytest.raises(HistoryClosed):
@@ -351,7 +350,7 @@ async def test_a_version_1_file_gains_the_cached_tokens_column(db_path: Path) ->
 
     migrated = await SqliteRunHistory.open(db_path)
     try:
-        await migrated.complete_run(completed("new", T0 + 1))
+        migrated.complete_run(completed("new", T0 + 1))
         await migrated.flush()
         assert await migrated.recent(10) == [completed("new", T0 + 1), old]
     finally:

@@ -38,11 +38,11 @@ class History:
     completed: list[RunRecord] = field(default_factory=list)
     a_run_started: asyncio.Event = field(default_factory=asyncio.Event)
 
-    async def run_started(self, record: RunRecord) -> None:
+    def run_started(self, record: RunRecord) -> None:
         self.started.append(record)
         self.a_run_started.set()
 
-    async def complete_run(self, record: RunRecord) -> None:
+    def complete_run(self, record: RunRecord) -> None:
         self.completed.append(record)
 
     async def recent(self, limit: int) -> list[RunRecord]:

@@ -98,7 +98,7 @@ class OutlierState:
         whether the phase changed (the slot's place in selection with it). An ejection
         that ``room`` refuses (``max_ejection_percent``) leaves the provider where it is,
         its count growing: the next failure asks again."""
-        if not policy.enabled or self.phase is Phase.EJECTED:
+        if policy.consecutive_failures <= 0 or self.phase is Phase.EJECTED:  # not ``enabled``
             return False
         if isinstance(outcome, Completed):
             self.consecutive_failures = 0

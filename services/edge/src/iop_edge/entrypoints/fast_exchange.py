@@ -43,20 +43,20 @@ class FastRequest:
 
     __slots__ = (
         "_body",
-        "_chunks",
-        "_complete",
         "_connection",
         "_error",
-        "_max_bytes",
-        "_waiter",
         "body_exists",
+        "chunks",
+        "complete",
         "content",
         "headers",
         "keep_alive",
+        "max_bytes",
         "method",
         "path",
         "remote",
         "total_bytes",
+        "waiter",
     )
 
     def __init__(
@@ -80,69 +80,69 @@ class FastRequest:
             length is not None and length.strip() != "0"
         )
         self.content = self  # the body's progress (``api_request.BodyProgress``) is its own
+        # The body as the connection's parser reads it (``fast_front``): its chunks up to
+        # ``max_bytes`` (past it counted in ``total_bytes``, not kept), ``complete`` once
+        # it has all arrived; ``waiter``: ``read`` waiting for more, woken by ``wake``.
         self.total_bytes = 0
-        self._max_bytes = max_bytes
-        self._chunks: list[bytes] = []
+        self.max_bytes = max_bytes
+        self.chunks: list[bytes] = []
+        self.complete = False
+        self.waiter: asyncio.Future[None] | None = None
         self._body: bytes | None = None
-        self._complete = False
         self._error: Exception | None = None
-        self._waiter: asyncio.Future[None] | None = None
 
     @property
     def transport(self) -> asyncio.Transport | None:
         return self._connection.transport
 
     def is_eof(self) -> bool:
-        return self._complete
+        return self.complete
 
     async def read(self) -> bytes:
         """The whole body, once: ``web.HTTPRequestEntityTooLarge`` as soon as it passes the
         limit (as aiohttp's ``read``), the parser's error for a body it could not read."""
-        while not (self._complete or self._error is not None or self.total_bytes > self._max_bytes):
-            self._waiter = asyncio.get_running_loop().create_future()
+        while not (self.complete or self._error is not None or self.total_bytes > self.max_bytes):
+            self.waiter = asyncio.get_running_loop().create_future()
             try:
-                await self._waiter
+                await self.waiter
             finally:
-                self._waiter = None
-        if self.total_bytes > self._max_bytes:
+                self.waiter = None
+        if self.total_bytes > self.max_bytes:
             raise web.HTTPRequestEntityTooLarge(
-                max_size=self._max_bytes, actual_size=self.total_bytes
+                max_size=self.max_bytes, actual_size=self.total_bytes
             )
         if self._error is not None:
             raise self._error
         if self._body is None:
-            self._body = b"".join(self._chunks)
-            self._chunks.clear()
+            self._body = b"".join(self.chunks)
+            self.chunks.clear()
         return self._body
-
-    def feed(self, data: bytes) -> None:
-        """More of the body; past the limit it is counted, not kept."""
-        self.total_bytes += len(data)
-        if self.total_bytes <= self._max_bytes:
-            self._chunks.append(data)
-            return
-        self._chunks.clear()
-        self._wake()
-
-    def finish(self) -> None:
-        self._complete = True
-        if self._waiter is not None:
-            self._wake()
 
     def fail(self, error: Exception) -> None:
         self._error = error
-        self._wake()
+        self.wake()
 
-    def _wake(self) -> None:
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
+    def wake(self) -> None:
+        """``read`` goes on: more of the body, its end, or its failure."""
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
 
 
 class FastStream:
-    """A streamed answer (SSE): the status line and headers at ``prepare``, then each
-    ``write`` as one HTTP/1.1 chunk, ``write_eof`` the last."""
+    """A streamed answer (SSE): the status line and headers made at ``prepare`` and sent
+    with the first ``write`` (the client reads nothing of a stream before its first
+    chunk, so both leave in one packet), then each ``write`` as one HTTP/1.1 chunk,
+    ``write_eof`` the last."""
 
-    __slots__ = ("_connection", "_request", "finished", "headers", "keep_alive", "prepared")
+    __slots__ = (
+        "_connection",
+        "_head",
+        "_request",
+        "finished",
+        "headers",
+        "keep_alive",
+        "prepared",
+    )
 
     def __init__(
         self, connection: Connection, request: FastRequest, headers: Mapping[str, str]
@@ -153,6 +153,7 @@ class FastStream:
         self.prepared = False
         self.finished = False
         self.keep_alive = request.keep_alive
+        self._head = b""  # made, not sent yet
 
     async def prepare(self, request: Any) -> None:
         transport = self._connection.transport
@@ -160,12 +161,11 @@ class FastStream:
             raise ConnectionResetError(CLOSING)
         # the stream starts once the body was read: a connection that still has some of it
         # unread ends with the answer
-        self.keep_alive = self.keep_alive and self._request.is_eof()
-        head = response_head(
+        self.keep_alive = self.keep_alive and self._request.complete
+        self._head = response_head(
             200, "OK", self.headers, "Transfer-Encoding: chunked\r\n", self.keep_alive
         )
         self.prepared = True
-        transport.write(head)
 
     async def write(self, data: bytes) -> None:
         if not data:
@@ -174,7 +174,8 @@ class FastStream:
         transport = connection.transport
         if transport is None or transport.is_closing():
             raise ConnectionResetError(CLOSING)
-        transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+        transport.write(b"%b%x\r\n%b\r\n" % (self._head, len(data), data))
+        self._head = b""
         if connection.write_paused:
             await connection.drained()
 
@@ -186,9 +187,10 @@ class FastStream:
         if transport is None or transport.is_closing():
             raise ConnectionResetError(CLOSING)
         if data:
-            transport.write(b"%x\r\n%b\r\n%b" % (len(data), data, CHUNK_END))
+            transport.write(b"%b%x\r\n%b\r\n%b" % (self._head, len(data), data, CHUNK_END))
         else:
-            transport.write(CHUNK_END)
+            transport.write(self._head + CHUNK_END)
+        self._head = b""
         self.finished = True
         if connection.write_paused:
             await connection.drained()

@@ -71,8 +71,9 @@ class ApiFront:
 
     def protocol_factory(
         self, fallback: Callable[[], asyncio.Protocol]
-    ) -> Callable[[], asyncio.Protocol]:
-        """Protocols for the public port; ``fallback`` makes aiohttp's (``runner.server``)."""
+    ) -> Callable[[Callable[[], None]], asyncio.Protocol]:
+        """Protocols for the public port (``CappedSite``'s ``ClosingFactory``): each calls
+        its ``on_close`` once lost; ``fallback`` makes aiohttp's (``runner.server``)."""
         return functools.partial(_Connection, self, fallback)
 
     async def shutdown(self, timeout_s: float) -> None:
@@ -91,9 +92,15 @@ class ApiFront:
 class _Connection(asyncio.Protocol):
     """One client connection on the public port (see the module's docstring)."""
 
-    def __init__(self, front: ApiFront, fallback: Callable[[], asyncio.Protocol]) -> None:
+    def __init__(
+        self,
+        front: ApiFront,
+        fallback: Callable[[], asyncio.Protocol],
+        on_close: Callable[[], None],
+    ) -> None:
         self._front = front
         self._fallback = fallback
+        self._on_close = on_close  # the site's count of open connections
         self.transport: asyncio.Transport | None = None
         self._inner: asyncio.Protocol | None = None  # aiohttp's, once handed over
         self._parser = httptools.HttpRequestParser(self)
@@ -125,7 +132,7 @@ class _Connection(asyncio.Protocol):
             self._inner.data_received(data)
             return
         request = self._request
-        if request is not None and request.is_eof():
+        if request is not None and request.complete:
             if self._closing:
                 return  # the connection ends with its answer: nothing more is read
             self._pending += data  # answered in order: it waits for the answer in progress
@@ -133,7 +140,37 @@ class _Connection(asyncio.Protocol):
                 self.transport.pause_reading()
                 self._reading_paused = True
             return
-        self._feed(data)
+        if self._closing:
+            # the rest of a body answered already: read to its end (``on_message_complete``
+            # closes), kept nowhere
+            with contextlib.suppress(httptools.HttpParserError, httptools.HttpParserUpgrade):
+                self._parser.feed_data(data)
+            return
+        self._raw += data  # kept until the request is read: aiohttp's if handed over
+        self._stop = None
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserCallbackError:
+            if self._stop is None:
+                raise  # a bug in a callback
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
+            if self._request is None:
+                self._hand_over()  # aiohttp answers a head it refuses, in its own way
+            else:
+                self._request.fail(BadHttpMessage(str(exc)))
+                self._closing = self._broken = True  # nothing more can be read
+            return
+        if self._stop == "hand over":
+            self._hand_over()
+        elif self._stop == "overrun":
+            raw = bytes(self._raw)
+            self._pending += raw[_message_end(raw) :]
+            self._raw.clear()
+        elif self._request is None:
+            if len(self._raw) > MAX_HEAD_BYTES:
+                self._hand_over()
+        elif self._request.complete:
+            self._raw.clear()
 
     def eof_received(self) -> bool | None:
         if self._inner is not None:
@@ -152,6 +189,7 @@ class _Connection(asyncio.Protocol):
         self._release_drain(None)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._on_close()  # the loop reports a connection's loss once
         self._front._connections.discard(self)
         self._cancel_timer()
         self._release_drain(ConnectionResetError("Connection lost"))
@@ -234,48 +272,27 @@ class _Connection(asyncio.Protocol):
         self.task = asyncio.get_running_loop().create_task(self._serve(request, route))
 
     def on_body(self, body: bytes) -> None:
-        if self._request is not None and not self._closing:
-            self._request.feed(body)
+        request = self._request
+        if request is None or self._closing:
+            return
+        # the request's body (``FastRequest.read``): kept up to its limit, past it counted
+        request.total_bytes += len(body)
+        if request.total_bytes <= request.max_bytes:
+            request.chunks.append(body)
+        else:
+            request.chunks.clear()
+            request.wake()  # ``read`` refuses it now, before the rest arrives
 
     def on_message_complete(self) -> None:
-        if self._request is not None:
-            self._request.finish()
+        request = self._request
+        if request is not None:
+            request.complete = True
+            if request.waiter is not None:
+                request.wake()
         if self._closing and self.task is None:
             self.close()  # answered already; the rest of its body has arrived
 
     # serving
-
-    def _feed(self, data: bytes) -> None:
-        if self._closing:
-            # the rest of a body answered already: read to its end (``on_message_complete``
-            # closes), kept nowhere
-            with contextlib.suppress(httptools.HttpParserError, httptools.HttpParserUpgrade):
-                self._parser.feed_data(data)
-            return
-        self._raw += data  # kept until the request is read: aiohttp's if handed over
-        self._stop = None
-        try:
-            self._parser.feed_data(data)
-        except httptools.HttpParserCallbackError:
-            if self._stop is None:
-                raise  # a bug in a callback
-        except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
-            if self._request is None:
-                self._hand_over()  # aiohttp answers a head it refuses, in its own way
-            else:
-                self._request.fail(BadHttpMessage(str(exc)))
-                self._closing = self._broken = True  # nothing more can be read
-            return
-        if self._stop == "hand over":
-            self._hand_over()
-        elif self._stop == "overrun":
-            raw = bytes(self._raw)
-            self._pending += raw[_message_end(raw) :]
-            self._raw.clear()
-        elif self._request is None and len(self._raw) > MAX_HEAD_BYTES:
-            self._hand_over()
-        elif self._request is not None and self._request.is_eof():
-            self._raw.clear()
 
     async def _serve(self, request: FastRequest, route: HotRoute) -> None:
         stream = FastStream(self, request, SSE_HEADERS)  # where the route's stream goes, if any
@@ -285,7 +302,7 @@ class _Connection(asyncio.Protocol):
             if answer is stream:
                 keep_alive = stream.finished and stream.keep_alive
             else:
-                keep_alive = request.keep_alive and request.is_eof()
+                keep_alive = request.keep_alive and request.complete
                 self._write(whole_answer(cast(web.StreamResponse, answer), keep_alive))
         except asyncio.CancelledError:
             return  # the client left (the connection is lost): nothing to answer
@@ -303,7 +320,7 @@ class _Connection(asyncio.Protocol):
     def _answered(self, request: FastRequest, keep_alive: bool) -> None:
         if not keep_alive or self._idle_close or self.transport is None:
             self._closing = True
-            if request.is_eof() or self._broken or self.transport is None:
+            if request.complete or self._broken or self.transport is None:
                 self.close()
             else:
                 self._timer = asyncio.get_running_loop().call_later(LINGER_S, self.close)
@@ -317,7 +334,7 @@ class _Connection(asyncio.Protocol):
             self.transport.resume_reading()
         if self._pending:
             data, self._pending = bytes(self._pending), bytearray()
-            self._feed(data)
+            self.data_received(data)  # read as if it arrived now: the next request
 
     def _hand_over(self) -> None:
         """Make the connection aiohttp's, from the first byte of the request being read."""
@@ -333,7 +350,9 @@ class _Connection(asyncio.Protocol):
             inner.data_received(raw)
 
     def _arm_header_timer(self) -> None:
-        self._cancel_timer()
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         timeout = self._front.header_timeout_s
         if timeout > 0:
             self._timer = asyncio.get_running_loop().call_later(timeout, self._head_late)

@@ -174,7 +174,10 @@ class InferenceRoutes:
             trace.crashed()  # the middleware logs it and answers 500
             raise
         finally:
-            trace.account(self._metrics, self._runlog)
+            # On the next loop pass: a whole answer leaves as this handler returns (the
+            # front writes it in the same step), so the client does not wait for the
+            # record and the metrics; the request's outcome is settled already.
+            asyncio.get_running_loop().call_soon(trace.account, self._metrics, self._runlog)
 
     async def serve_stream(
         self,

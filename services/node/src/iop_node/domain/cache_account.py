@@ -73,10 +73,8 @@ class CacheAccount:
         if prefill_ms_per_token is not None and evaluated > 0:
             self._rate_ms = self._rate_ms * RATE_DECAY + prefill_ms_per_token * evaluated
             self._rate_tokens = self._rate_tokens * RATE_DECAY + evaluated
-        if chain and self.limit:
-            self._keep(chain)
-
-    def _keep(self, chain: Sequence[int]) -> None:
+        if not chain or not self.limit:
+            return
         blocks = len(chain)
         # Drop what this prompt repeats or extends: the same tail, or a shorter prompt
         # that this one starts with.
