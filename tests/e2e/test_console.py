@@ -186,6 +186,7 @@ async def test_console_shows_the_fleet_and_a_run_live(edge_url: str, page: Page)
         "/iop/v1/runs?limit=20",
         "/iop/v1/usage",
         "/iop/v1/history",
+        "/iop/v1/catalog/qualifications",
     }
 
 

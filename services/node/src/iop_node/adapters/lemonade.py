@@ -25,6 +25,10 @@ from iop_node.domain.runs import Completion, ExecutionSpec
 from iop_node.errors import AnswerTooLarge
 from iop_node.ports import AdapterContext, EventSink
 
+# Its requests are the OpenAI-compatible adapter's, so it reads the same output lengths,
+# capped alike at the edge (tests/security/test_answer_limits.py reads each adapter's).
+from iop_proto.engine_fields import OUTPUT_LENGTH_FIELDS as OUTPUT_LENGTH_FIELDS
+
 HEALTH_PATH = "/v1/health"  # under the endpoint's base (``http://h:8000/api``)
 
 
