@@ -118,7 +118,7 @@ OPENAI_FIELDS: Final[Mapping[str, frozenset[str]]] = {
 """The request fields of OpenAI's API reference, per operation (2026)."""
 
 _SAMPLING: Final = frozenset({"top_k", "min_p"})
-ENGINE_FIELDS: Final[Mapping[str, frozenset[str]]] = {
+_OWN_FIELDS: Final[Mapping[str, frozenset[str]]] = {
     # llama.cpp's server README (tools/server): sampling, constrained output, its cache,
     # probabilities (n_probs: capped by the edge as top_logprobs). Not n_predict (an
     # output length), id_slot (another request's slot), lora (the server's adapters).
@@ -204,6 +204,11 @@ ENGINE_FIELDS: Final[Mapping[str, frozenset[str]]] = {
     },
     "lemonade": _SAMPLING | {"repeat_penalty"},
     "openai_api": frozenset(),  # OpenAI itself: its own fields only
+}
+ENGINE_FIELDS: Final[Mapping[str, frozenset[str]]] = {
+    **_OWN_FIELDS,
+    # llama-swap hands a request to the llama.cpp server it started for the model
+    "llamaswap": _OWN_FIELDS["llamacpp"],
 }
 """Each OpenAI-compatible provider type's own fields that it is sent; its keys are the
 OpenAI-compatible provider types."""

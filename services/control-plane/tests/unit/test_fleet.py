@@ -245,7 +245,7 @@ RULES: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
         "unknown provider type",
         set_path(*VLLM, "type", value="tgi"),
         "nodes[gpu-a].providers[gpu-a-vllm].type: Input should be 'mock', 'cli', 'ollama', "
-        "'vllm', 'sglang', 'lemonade', 'llamacpp' or 'openai_api' (got 'tgi')",
+        "'vllm', 'sglang', 'lemonade', 'llamacpp', 'llamaswap' or 'openai_api' (got 'tgi')",
     ),
     (
         "no served models",
@@ -385,6 +385,14 @@ def test_type_settings_holds_only_the_types_own_settings_with_defaults() -> None
     assert cli.command == ["llm", "-m", "{model}"]
     ollama = provider(type="ollama", category="local_inference", endpoint="http://h:11434")
     assert ollama.type_settings() == {"endpoint": "http://h:11434", "max_loaded_models": None}
+    swap = provider(
+        type="llamaswap", category="local_inference", endpoint="http://h:8080", max_loaded_models=1
+    )  # llama-swap's groups are in its own config: the fleet says how many it runs
+    assert swap.type_settings() == {
+        "endpoint": "http://h:8080",
+        "api_key_env": None,
+        "max_loaded_models": 1,
+    }
     api = provider(
         type="openai_api",
         category="api",

@@ -207,7 +207,7 @@ def test_a_model_routed_twice_to_one_provider_is_refused() -> None:
           "openai.model_routes[0].node: required"]),
         ({"model_routes": [{"model": "m", "adapter": "tgi", "target": "t", "node": "n"}]},
          ["openai.model_routes[0].adapter: unknown provider type 'tgi' (known: mock, cli, "
-          "ollama, vllm, sglang, lemonade, llamacpp, openai_api)"]),
+          "ollama, vllm, sglang, lemonade, llamacpp, llamaswap, openai_api)"]),
         ({"model_routes": [{"model": "m", "adapter": "mock", "target": "t", "node": "n",
                             "gpu": 1}]},
          ["openai.model_routes[0].gpu: unknown key"]),

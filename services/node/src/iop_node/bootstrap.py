@@ -11,7 +11,7 @@ import aiohttp
 from prometheus_client import CollectorRegistry
 
 from iop_node import __version__
-from iop_node.adapters import cli, lemonade, mock, ollama, openai_compat
+from iop_node.adapters import cli, lemonade, llamaswap, mock, ollama, openai_compat
 from iop_node.adapters.provider_http import ProviderHttp
 from iop_node.adapters.sqlite_history import SqliteRunHistory
 from iop_node.entrypoints.edge_link import EdgeLink, Neighbours, drain
@@ -35,6 +35,7 @@ ADAPTERS: Mapping[str, AdapterFactory] = {
     "sglang": openai_compat.factory("sglang"),
     "lemonade": lemonade.LemonadeAdapter,
     "llamacpp": openai_compat.factory("llamacpp"),
+    "llamaswap": llamaswap.LlamaSwapAdapter,
     "openai_api": openai_compat.factory("openai_api"),
 }
 

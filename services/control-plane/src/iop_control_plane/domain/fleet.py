@@ -23,7 +23,7 @@ from iop_control_plane.domain import legacy
 from iop_control_plane.errors import FleetConfigError
 
 ProviderType = Literal[
-    "mock", "cli", "ollama", "vllm", "sglang", "lemonade", "llamacpp", "openai_api"
+    "mock", "cli", "ollama", "vllm", "sglang", "lemonade", "llamacpp", "llamaswap", "openai_api"
 ]
 Category = Literal["api", "cli", "local_inference"]
 
@@ -36,6 +36,7 @@ ALLOWED_CATEGORIES: Final[Mapping[str, tuple[Category, ...]]] = {
     "sglang": ("local_inference",),
     "lemonade": ("local_inference",),
     "llamacpp": ("local_inference",),
+    "llamaswap": ("local_inference",),
     "openai_api": ("api",),
 }
 
@@ -57,6 +58,8 @@ TYPE_SETTINGS: Final[Mapping[str, tuple[str, ...]]] = {
     "sglang": ("endpoint", "api_key_env"),
     "lemonade": ("endpoint", "api_key_env"),
     "llamacpp": ("endpoint", "api_key_env"),
+    # how many it runs at once is in its own config file (groups), which it does not publish
+    "llamaswap": ("endpoint", "api_key_env", "max_loaded_models"),
     "openai_api": ("endpoint", "api_key_env"),
 }
 _REQUIRED_SETTINGS: Final = frozenset({"endpoint", "command"})
@@ -174,7 +177,8 @@ class ProviderSpec(_Frozen):
     prompt_via: Literal["stdin", "argument"] = "stdin"
     tokens_per_second: float = Field(default=50.0, gt=0)
     default_tokens: int = Field(default=32, ge=1)
-    # models the engine holds at once (Ollama's OLLAMA_MAX_LOADED_MODELS); None: unknown.
+    # models the engine holds at once (Ollama's OLLAMA_MAX_LOADED_MODELS, llama-swap's
+    # groups); None: unknown.
     # One model at a time makes it a host that swaps (docs/ARCHITECTURE.md#warm-aware-scheduling).
     max_loaded_models: int | None = Field(default=None, ge=1, le=_UINT32_MAX)
 

@@ -32,6 +32,7 @@ NATURAL_CATEGORY: Final[Mapping[str, str]] = {
     "sglang": "local_inference",
     "lemonade": "local_inference",
     "llamacpp": "local_inference",
+    "llamaswap": "local_inference",
     "openai_api": "api",
 }
 ROUTE_KEYS: Final = ("model", "adapter", "target", "node")

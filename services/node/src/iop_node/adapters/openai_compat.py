@@ -1,6 +1,6 @@
 """One adapter for every provider that speaks the OpenAI HTTP API.
 
-vLLM, SGLang, Lemonade, llama.cpp's server and OpenAI itself differ only in
+vLLM, SGLang, Lemonade, llama.cpp's server, llama-swap and OpenAI itself differ only in
 small facts (lifecycle capabilities, the probe path, their own request fields),
 so they share this code and differ by a ``Flavor``. The request body is what the
 edge prepared for this provider type (``body_prepared``: the fields the type is sent,
@@ -88,6 +88,7 @@ FLAVORS: Final[Mapping[str, Flavor]] = {
     # llama.cpp's server: its build (``b<number>-<commit>``) in /props
     "llamacpp": Flavor("llamacpp", tokenizer=tokenizer.LLAMACPP, version=("/props", "build_info")),
     "openai_api": Flavor("openai_api"),
+    "llamaswap": Flavor("llamaswap"),  # llama-swap: a proxy starting llama.cpp servers
     "lemonade": Flavor(
         "lemonade",
         lifecycle=LifecycleFlags(
