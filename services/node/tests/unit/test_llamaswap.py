@@ -35,13 +35,16 @@ DEADLINE_S = 30.0
 class FakeLlamaSwap:
     """Two configured models, one running at a time. A request for a model that is not
     running stops the running one and starts it: ``starting`` until ``loaded`` is set
-    (the load's delay, held by the test), then ``ready``."""
+    (the load's delay, held by the test), then ``ready``. ``/running`` lists the ready
+    ones, as llama-swap does now; ``every_state``: every process with its state, as
+    older versions did."""
 
     def __init__(self) -> None:
         self.running: dict[str, str] = {}  # model -> state
         self.loaded = asyncio.Event()
         self.starting = asyncio.Event()
         self.running_status = 200
+        self.every_state = False
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -60,6 +63,7 @@ class FakeLlamaSwap:
         rows: list[dict[str, Any]] = [
             {"model": name, "state": state, "cmd": "llama-server --port 5800", "ttl": 0}
             for name, state in self.running.items()
+            if self.every_state or state == "ready"
         ]
         return web.json_response({"running": rows})
 
@@ -117,10 +121,12 @@ def held(adapter: LlamaSwapAdapter) -> list[str]:
     return [m.name for m in adapter.load_state().models]
 
 
+@pytest.mark.parametrize("every_state", [False, True], ids=["ready-only", "older-every-state"])
 async def test_the_probe_reads_what_llama_swap_runs_and_a_starting_model_is_cold(
-    swap: tuple[FakeLlamaSwap, LlamaSwapAdapter],
+    swap: tuple[FakeLlamaSwap, LlamaSwapAdapter], every_state: bool
 ) -> None:
     fake, adapter = swap
+    fake.every_state = every_state
     assert isinstance(adapter, LoadReporter)
     assert (await adapter.probe()).models == ("qwen", "smollm")
     assert held(adapter) == []  # nothing runs until a request asks for it

@@ -4,7 +4,9 @@ models it holds in memory (docs/ARCHITECTURE.md#warm-aware-scheduling).
 llama-swap starts a llama.cpp server for a model at its first request and stops it to
 start another: one at a time unless its groups let several run together. ``GET /running``
 (at the proxy's root, beside ``/v1``) names the running ones; it is read with each probe,
-after the model list. Only a ``ready`` one is warm: a ``starting`` one is still loading.
+after the model list. Only a ``ready`` one is warm: a ``starting`` one is still loading
+(llama-swap lists only the ready ones now; older versions listed each with its state).
+A model is named there by its id in llama-swap's config, as in ``/v1/models``.
 How many it holds at once is in its own config file, which it does not publish: the fleet
 says it (``max_loaded_models``; unset: unknown). Its answers say nothing of a load's time,
 and the time to an answer's first byte mixes the load with the prompt (and, unstreamed,
