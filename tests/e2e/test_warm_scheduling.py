@@ -285,3 +285,61 @@ async def test_the_ollama_adapter_reports_what_the_double_holds_and_its_load_tim
             assert loaded.name == "y"
             assert loaded.expires_ms > loaded.since_ms > 0
             assert adapter.load_state().max_loaded == 1
+
+
+@pytest.fixture
+async def slow_answers(tmp_path: Path, start_stack_factory: Any) -> AsyncIterator[tuple[Any, str]]:
+    """One Ollama double on node-a (node-b has no provider): a 1.5 s load, then each answer
+    streams its five tokens a second apart. The node probes rarely (30 s): what the edge
+    knows of the load comes from the runs it carries, not from a probe of ``/api/ps``."""
+    async with AsyncExitStack() as stack:
+        double = await stack.enter_async_context(
+            spawned("--models", "llama3", "--load-s", LOAD_S, "--token-s", "1")
+        )
+        fleet = {
+            "models": [{"id": "chat", "providers": {"only": "llama3"}}],
+            "nodes": [
+                {"id": "node-a", "providers": [ollama("only", double, ["llama3"])]},
+                {"id": "node-b", "providers": []},
+            ],
+        }
+        running = await stack.enter_async_context(
+            start_stack_factory(tmp_path, fleet, node_settings={"probes": {"interval_s": 30}})
+        )
+        yield running, double
+
+
+async def streamed(stack: Any, model: str) -> tuple[float, float]:
+    """One streamed chat request through the edge: when (the loop's clock) its first
+    token and its last byte arrived."""
+    loop = asyncio.get_running_loop()
+    first = 0.0
+    body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    async with (
+        aiohttp.ClientSession() as http,
+        http.post(f"{stack.api_url}/chat/completions", json=body) as response,
+    ):
+        assert response.status == 200, await response.text()
+        async for raw in response.content:
+            if raw.startswith(b"data: {") and b'"content"' in raw and not first:
+                first = loop.time()
+    assert first > 0
+    return first, loop.time()
+
+
+async def test_the_requests_held_for_a_load_start_at_its_first_token_not_its_end(
+    slow_answers: tuple[Any, str],
+) -> None:
+    stack, double = slow_answers
+    assert (await warm_row(stack, "only", "llama3"))["warm"] is False
+    # A burst to the cold model: one request loads it, the others are held for that load.
+    times = await asyncio.gather(*(streamed(stack, "chat") for _ in range(4)))
+    assert await loads(double) == {"llama3": 1}
+    # The loading run answers first (its first token right after the load); it streams
+    # for four more seconds. The held requests went when its first token came (the model
+    # in memory), so theirs came a second later, seconds before its end; held until its
+    # end, as before, each first token would come after it.
+    loading_first, loading_end = min(times)
+    held = sorted(times)[1:]
+    assert all(first < loading_end for first, _ in held), (times, loading_end)
+    assert loading_first < min(first for first, _ in held)

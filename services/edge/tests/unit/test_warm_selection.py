@@ -9,7 +9,7 @@ import asyncio
 from prometheus_client import CollectorRegistry
 
 from iop_edge.adapters.run_wire import provider_reports
-from iop_edge.domain.events import Completed
+from iop_edge.domain.events import Completed, Delta
 from iop_edge.domain.fleet import Fleet, ModelEntry, Operation, ProviderEntry
 from iop_edge.domain.warmth import WarmPolicy
 from iop_edge.metrics import EdgeMetrics
@@ -108,6 +108,30 @@ async def test_a_burst_to_a_cold_model_waits_for_one_load_then_takes_the_warm_ho
     complete(first)  # a answered: it holds the model now
     runs = await asyncio.wait_for(asyncio.gather(*held), WAIT)
     assert [r.provider_id for r in runs] == ["a", "a", "a"]
+
+
+async def test_the_load_is_over_at_the_loading_runs_first_delta_not_its_end() -> None:
+    dispatcher, node = wired([provider("a", capacity=2), provider("b")], {"m": "x"})
+    dispatcher.pool.node_connected(node, provider_reports([state("a", ()), state("b", ())]))
+    first = await dispatcher.open_run(spec("m"))
+    assert first.provider_id == "a"  # a cold host: its load begins
+    held = [asyncio.create_task(dispatcher.open_run(spec("m"))) for _ in range(2)]
+    await asyncio.sleep(0)
+    assert dispatcher.queued("m") == 2
+    # a's first token: the model is in memory there, though the run goes on streaming.
+    # a's one free slot goes to the oldest held request now; the other waits for a slot
+    # of a (warm, busy: still its home), not for a load on b.
+    first.deliver(Delta(text="Hello"))
+    second = await asyncio.wait_for(held[0], WAIT)
+    assert second.provider_id == "a"
+    assert first.outcome is None  # the loading run has not ended
+    await asyncio.sleep(0)
+    assert dispatcher.queued("m") == 1
+    assert [r.provider_id for r in node.sent] == ["a", "a"]
+    first.deliver(Delta(text=" there"))  # later deltas change nothing
+    complete(first)  # its slot goes to the last one, on a (warm by its runs)
+    third = await asyncio.wait_for(held[1], WAIT)
+    assert third.provider_id == "a"
 
 
 async def test_the_hold_ends_after_its_bound_and_the_requests_spread() -> None:

@@ -516,13 +516,23 @@ class Dispatcher:
         if run.unacknowledged:  # the node, not the provider, is in doubt
             self._registry.node_unresponsive(run.node_id, f"run {run.attempt_id} unacknowledged")
         if self._warm.tracking:
-            self._warm.ended(run.model.id, run.provider_id, isinstance(outcome, Completed))
+            completed = isinstance(outcome, Completed)
+            self._warm.ended(run.model.id, run.provider_id, completed, answered=run.answered)
         if freed is not None and self._waiting:  # nobody waits: nothing to serve
             self._serve_freed(freed)
         if outcome.load is not None:  # the node's count after the run: the one kept
             self._registry.apply_load(run.node_id, run.provider_id, outcome.load)
         if self._became_idle is not None:
             self._check_idle()
+
+    def first_delta(self, run: RequestRun) -> None:
+        """The attempt's first delta (``RunOwner``): a provider that was loading the model
+        holds it now, so the requests held for that load go at once, to its free slots,
+        rather than when the loading run ends (docs/ARCHITECTURE.md#warm-aware-scheduling)."""
+        if not self._warm.tracking:
+            return
+        if self._warm.answered(run.model.id, run.provider_id) and self._waiting:
+            self._serve_queues((run.model.id,))
 
     def release(self, slot: ProviderSlot, run: RequestRun) -> None:
         """A slot a run held without an attempt on it (``RunOwner``)."""

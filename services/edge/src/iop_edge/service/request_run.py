@@ -86,6 +86,10 @@ class RunOwner(Protocol):
         """The node reported the attempt's failure (before the attempt is over)."""
         ...
 
+    def first_delta(self, run: RequestRun) -> None:
+        """The attempt's first delta arrived: its provider answers, so it holds the model."""
+        ...
+
     def release(self, slot: ProviderSlot, run: RequestRun) -> None:
         """A slot ``run`` held without an attempt on it goes back."""
         ...
@@ -119,6 +123,7 @@ class RequestRun:
         "_timer",
         "_untold",
         "_waiter",
+        "answered",
         "attempt_id",
         "body",
         "deadline",
@@ -181,6 +186,7 @@ class RequestRun:
         self.slot: ProviderSlot | None = None  # the slot it holds (none for count_tokens)
         self.edge_queue_wait_s = 0.0
         self.unacknowledged = False  # failed for want of the node's acknowledgement
+        self.answered = False  # the attempt's first delta arrived
         self._untold: tuple[NodeLink, str, str] | None = None  # a node to tell to drop it
         self._started_ms = 0
         self._opened_at = 0.0
@@ -325,6 +331,7 @@ class RequestRun:
         self.target = order.target
         self.link = link
         self.unacknowledged = False
+        self.answered = False
         self._started_ms = started_ms
         self._opened_at = self._last_event = now
         self._expires_at = now + timeout_s + grace_s
@@ -349,6 +356,9 @@ class RequestRun:
             self._awaiting_first = False
             self._events.append(event)
             self._wake()
+            if not self.answered:  # the provider answers: its load, if any, is over
+                self.answered = True
+                self._owner.first_delta(self)
         elif isinstance(event, Completed):
             self._attempt_over(event, told=True)
             self.end(event)

@@ -6,8 +6,10 @@ providers reports what it holds (``ModelIndex.loaders``); a pool of vLLM and lla
 never reaches this module. The rule, over the model's candidates (``pool.standing``):
 
 1. A provider that holds the model (its node's report, or a run of the model this edge
-   saw complete there since) with a free slot: the usual order among those (load ratio,
-   then fleet position). Always-loaded providers are warm.
+   sees answering there, or saw complete there since) with a free slot: the usual order
+   among those (load ratio, then fleet position). Always-loaded providers are warm. A
+   load is over at the loading run's first delta (the engine answers only once the model
+   is in memory), not at its end: the requests held for it go then.
 2. Else, while the model has a *home* (a warm provider, all busy; a provider this edge
    sent the model's first request to, loading it; a host that swaps finishing another
    model's work), the request is held at the edge, in the model's queue: the home will
@@ -44,8 +46,8 @@ that gap; kept longer, it would outlive an unload the node reports (``keep_alive
 
 
 class WarmScheduler:
-    """The rule above, with the little it remembers: loads this edge began, runs it saw
-    complete, the holds' start times and their wake-up timers."""
+    """The rule above, with the little it remembers: loads this edge began, runs it sees
+    answering or saw complete, the holds' start times and their wake-up timers."""
 
     def __init__(
         self,
@@ -60,6 +62,7 @@ class WarmScheduler:
         self._wake = wake  # serve these models' queues (a hold ended)
         self._loading: dict[tuple[str, str], float] = {}  # (model, provider): began
         self._seen: dict[tuple[str, str], float] = {}  # (provider, served): completed at
+        self._answering: dict[tuple[str, str], int] = {}  # (model, provider): runs streaming
         self._hold: dict[str, float] = {}  # model: its queue began to wait
         self._swapped: dict[str, str] = {}  # provider (swaps): the served name it loads
         self._grants: dict[str, int] = {}  # provider (swaps): loaded model's grants in a row
@@ -86,7 +89,7 @@ class WarmScheduler:
             if load is None:
                 continue
             name = served.get(provider_id, "")
-            if self.warm(slot, name, now):
+            if self.warm(slot, name, now, model_id):
                 home = True
                 if (load, position) < warm_key:
                     warm_best, warm_key = slot, (load, position)
@@ -112,8 +115,8 @@ class WarmScheduler:
             self._began(model_id, cold_best, served.get(cold_best.provider_id, ""), now)
         return cold_best
 
-    def warm(self, slot: ProviderSlot, name: str, now: float) -> bool:
-        """``slot`` holds the served model ``name`` (or holds every model, always)."""
+    def warm(self, slot: ProviderSlot, name: str, now: float, model_id: str = "") -> bool:
+        """``slot`` holds the served model ``name`` (of ``model_id``), or every model."""
         report = slot.warmth
         if report is None:
             return True
@@ -124,6 +127,8 @@ class WarmScheduler:
                 swapped = None
             elif swapped != name:
                 return False  # told to load another: this one is on its way out
+        if (model_id, slot.provider_id) in self._answering:
+            return True  # a run of the model streams there: it is in memory
         seen = self._seen.get((slot.provider_id, name))
         if seen is not None and now - seen < SEEN_S:
             return True
@@ -142,7 +147,7 @@ class WarmScheduler:
         def rank(model_id: str) -> int:
             model = models.get(model_id)
             name = "" if model is None else model.providers.get(slot.provider_id, "")
-            if self.warm(slot, name, now):
+            if self.warm(slot, name, now, model_id):
                 return 1
             waiting = self._queued(model_id) > 0
             return 0 if waiting and self._starving(model_id, slot.provider_id, now) else 2
@@ -151,10 +156,28 @@ class WarmScheduler:
 
     # ------------------------------------------------------------ what the dispatcher tells
 
-    def ended(self, model_id: str, provider_id: str, completed: bool) -> None:
+    def answered(self, model_id: str, provider_id: str) -> bool:
+        """A run of the model on the provider sent its first delta: the engine answers only
+        once the model is in memory, so a load there is over now, not at the run's end (a
+        long generation would keep the requests held for it waiting). Warm there while the
+        run streams (``ended`` with ``answered``). True: the edge had counted it loading."""
+        key = (model_id, provider_id)
+        self._answering[key] = self._answering.get(key, 0) + 1
+        return self._loading.pop(key, None) is not None
+
+    def ended(
+        self, model_id: str, provider_id: str, completed: bool, answered: bool = False
+    ) -> None:
         """A run of the model on the provider ended; ``completed``: the model answered, so
-        it is loaded there now."""
-        self._loading.pop((model_id, provider_id), None)
+        it is loaded there now; ``answered``: its first delta came (``answered``)."""
+        key = (model_id, provider_id)
+        self._loading.pop(key, None)
+        if answered:
+            left = self._answering.get(key, 0) - 1
+            if left > 0:
+                self._answering[key] = left
+            else:
+                self._answering.pop(key, None)
         if not completed:
             return
         model = self._fleet.current.models.get(model_id)
