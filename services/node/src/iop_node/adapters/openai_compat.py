@@ -206,20 +206,28 @@ class OpenAICompatAdapter:
         path, field_name = self._flavor.version
         if not path or self._key_problem:
             return EngineInfo(self.name)
-        url = self._base + path
+        document = await self._get_document(path)
+        value = document.get(field_name) if isinstance(document, dict) else None
+        return EngineInfo(self.name, version=str(value or ""))
+
+    async def _get_document(self, path: str) -> object:
+        """GET ``path`` under the endpoint as JSON, bounded like a probe; ``None`` for any
+        failure (no answer, an HTTP error, too large, not JSON): the documents read this
+        way (a version, what is loaded) inform, and a provider is judged by ``probe``."""
         try:
             async with asyncio.timeout(PROBE_TIMEOUT_S):
                 response = await self._http.request(
-                    "GET", url, headers=self._headers, connect_timeout_s=PROBE_TIMEOUT_S
+                    "GET",
+                    self._base + path,
+                    headers=self._headers,
+                    connect_timeout_s=PROBE_TIMEOUT_S,
                 )
                 async with response:
                     status = response.status
                     body = await read_answer(response, self._max_answer)
-            document = json.loads(body) if status < 400 else {}
+            return json.loads(body) if status < 400 else None
         except (TimeoutError, ValueError, AnswerTooLarge, ProviderHttpError):
-            return EngineInfo(self.name)
-        value = document.get(field_name) if isinstance(document, dict) else None
-        return EngineInfo(self.name, version=str(value or ""))
+            return None
 
     async def execute(self, spec: ExecutionSpec, sink: EventSink) -> Completion:
         """Run ``spec`` on the provider, streaming deltas into ``sink`` when asked to."""
