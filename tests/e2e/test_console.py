@@ -29,16 +29,6 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 Stack = Any  # the `stack` fixture of conftest.py (a conftest cannot be imported)
 
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_ARGS = [
-    "--headless",
-    "--no-sandbox",  # CI runs as root in a container, where Chromium's sandbox cannot start
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-]
 ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
 FLEET_PROVIDERS = {"node-a-mock", "node-a-solo", "node-b-mock"}
 WAIT_MS = 15_000  # upper bound for the page to show a state (it polls every second)
@@ -47,31 +37,6 @@ WAIT_MS = 15_000  # upper bound for the page to show a state (it polls every sec
 @pytest.fixture(scope="module")
 def edge_url(stack: Stack) -> str:
     return str(stack.api_url).removesuffix("/v1")
-
-
-@pytest.fixture(scope="module")
-def chromium() -> Path:
-    if not CHROMIUM.exists():
-        pytest.skip(f"{CHROMIUM} is missing (Debian: apt-get install chromium)")
-    return CHROMIUM
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def browser(chromium: Path) -> AsyncIterator[Browser]:
-    async_api = pytest.importorskip(
-        "playwright.async_api", reason="the playwright package is not installed"
-    )
-    async with async_api.async_playwright() as playwright:
-        try:
-            launched = await playwright.chromium.launch(
-                executable_path=str(chromium), args=CHROMIUM_ARGS, timeout=60_000
-            )
-        except async_api.Error as exc:
-            pytest.skip(f"playwright cannot launch {chromium}: {exc.message.splitlines()[0]}")
-        try:
-            yield launched
-        finally:
-            await launched.close()
 
 
 @pytest_asyncio.fixture(loop_scope="module")

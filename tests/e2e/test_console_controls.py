@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
@@ -22,35 +21,8 @@ if TYPE_CHECKING:
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run"]
 WAIT_MS = 15_000
 TARGET = "node-a/node-a-mock"
-
-
-@pytest.fixture(scope="module")
-def chromium() -> Path:
-    if not CHROMIUM.exists():
-        pytest.skip(f"{CHROMIUM} is missing (Debian: apt-get install chromium)")
-    return CHROMIUM
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def browser(chromium: Path) -> AsyncIterator[Browser]:
-    async_api = pytest.importorskip(
-        "playwright.async_api", reason="the playwright package is not installed"
-    )
-    async with async_api.async_playwright() as playwright:
-        try:
-            launched = await playwright.chromium.launch(
-                executable_path=str(chromium), args=CHROMIUM_ARGS, timeout=60_000
-            )
-        except async_api.Error as exc:
-            pytest.skip(f"playwright cannot launch {chromium}: {exc.message.splitlines()[0]}")
-        try:
-            yield launched
-        finally:
-            await launched.close()
 
 
 @pytest_asyncio.fixture(loop_scope="module")
