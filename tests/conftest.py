@@ -172,6 +172,17 @@ class Stack:
         path.write_text(yaml.safe_dump({**base, **data}))
         return path
 
+    def second_edge_settings(self, name: str = "edge-b") -> Path:
+        """Settings for another edge of the stack: the first's (the same control-plane and
+        stores), with its own identity, ports (0: any) and local files."""
+        first = yaml.safe_load((self.root / "edge.yaml").read_text())
+        settings = {k: v for k, v in first.items() if k not in ("service_id", "admin", "tls")}
+        settings["http"] = {**settings["http"], "port": 0}
+        settings["node_listener"] = {**settings["node_listener"], "port": 0}
+        for key in ("config_cache", "history_db", "responses_db", "batch_db"):
+            settings[key] = str(self.root / f"{name}-{Path(first[key]).name}")
+        return self.settings_file(name, settings)
+
     async def control_plane_cli(self, *args: str) -> str:
         process = await asyncio.create_subprocess_exec(
             str(Path(sys.executable).parent / "iop-control-plane"),

@@ -35,7 +35,6 @@ from typing import Any
 import aiohttp
 import pytest
 import pytest_asyncio
-import yaml
 from openai import AsyncOpenAI
 
 from iop_proto.testing_postgres import PostgresServer, why_postgres_cannot_run
@@ -139,18 +138,6 @@ async def drain(stream: asyncio.StreamReader) -> None:
         pass
 
 
-def second_edge(stack: Stack, root: Path) -> None:
-    """edge-b's settings: edge's (the same store and control-plane), with its own identity,
-    ports and local files."""
-    first = yaml.safe_load((root / "edge.yaml").read_text())
-    settings = {k: v for k, v in first.items() if k not in ("service_id", "admin", "tls")}
-    settings["http"] = {**settings["http"], "port": 0}
-    settings["node_listener"] = {**settings["node_listener"], "port": 0}
-    for key in ("config_cache", "history_db", "responses_db", "batch_db"):
-        settings[key] = str(root / f"edge-b-{Path(first[key]).name}")
-    stack.settings_file("edge-b", settings)
-
-
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def ha(
     tmp_path_factory: pytest.TempPathFactory,
@@ -166,7 +153,7 @@ async def ha(
         root = tmp_path_factory.mktemp("ha")
         fleet = faults.pool_fleet(MODEL, "ha", **PROVIDER)
         async with start_stack_factory(root, fleet, {"postgres": {"dsn": dsn}}) as stack:
-            second_edge(stack, root)
+            stack.second_edge_settings()
             edge_b = await stack.start("edge-b")
             stack.pin_ports("edge-b")
             edges = {

@@ -24,7 +24,6 @@ from typing import Any
 import aiohttp
 import pytest
 import pytest_asyncio
-import yaml
 
 from iop_edge.cli.iopctl import run as iopctl
 
@@ -63,13 +62,7 @@ async def fleet(
     """The stack, a second edge (edge-b), an operator key and a tenant's key."""
     root = tmp_path_factory.mktemp("controls")
     async with start_stack_factory(root, FLEET) as stack:
-        first = yaml.safe_load((root / "edge.yaml").read_text())
-        settings = {k: v for k, v in first.items() if k not in ("service_id", "admin", "tls")}
-        settings["http"] = {**settings["http"], "port": 0}
-        settings["node_listener"] = {**settings["node_listener"], "port": 0}
-        for key in ("config_cache", "history_db", "responses_db", "batch_db"):
-            settings[key] = str(root / f"edge-b-{key}")
-        stack.settings_file("edge-b", settings)
+        stack.second_edge_settings()
         second = await stack.start("edge-b")
         operator = await stack.issue_key("ops", "--operator")
         tenant = await stack.issue_key("tenant")

@@ -60,13 +60,7 @@ async def edges(
     """The stack (control-plane, edge, two nodes, a worker) and a second edge, edge-b."""
     root = tmp_path_factory.mktemp("edges")
     async with start_stack_factory(root, FLEET) as stack:
-        first = yaml.safe_load((root / "edge.yaml").read_text())
-        settings = {k: v for k, v in first.items() if k not in ("service_id", "admin", "tls")}
-        settings["http"] = {**settings["http"], "port": 0}
-        settings["node_listener"] = {**settings["node_listener"], "port": 0}
-        for key in ("config_cache", "history_db", "responses_db", "batch_db"):
-            settings[key] = str(root / f"edge-b-{key}")
-        stack.settings_file("edge-b", settings)
+        stack.second_edge_settings()
         second = await stack.start("edge-b")
         stack.pin_ports("edge-b")
         yield SimpleNamespace(
