@@ -360,7 +360,7 @@ class LoadChannel(Channel):
 
     def _note(self) -> None:
         assert self.runtime is not None
-        self.seen.append((self.runtime.gate.in_flight, self.runtime.cache.view().prefixes))
+        self.seen.append((self.runtime.gate.in_flight, self.runtime.cache.view.prefixes))
 
     def started(self, event: Started) -> None:
         self._note()
@@ -389,7 +389,7 @@ async def test_a_served_prompt_is_in_the_account_before_its_slot_is_free() -> No
     held = ((chain[-1], 4),)
     assert channel.seen == [(1, ()), (0, held)]  # slot taken, ended
     assert changes == []
-    view = s.runtime.cache.view()
+    view = s.runtime.cache.view
     assert (view.prompt_tokens, view.cached_tokens) == (300, 280)
     assert view.prefill_ms_per_token == pytest.approx(1.5)
 
@@ -399,31 +399,31 @@ async def test_completions_are_accounted_and_embeddings_are_not() -> None:
     s = setup(Adapter(completion=Completion("stop", Usage(150, 1, 151))))
     embed = dataclasses.replace(prompt_spec("r1"), operation=Operation.EMBEDDINGS)
     await s.executor.execute_run(s.runtime, embed, Channel())
-    assert s.runtime.cache.view().prefixes == ()
-    assert s.runtime.cache.view().prompt_tokens == 0
+    assert s.runtime.cache.view.prefixes == ()
+    assert s.runtime.cache.view.prompt_tokens == 0
     text = dataclasses.replace(
         spec("r2"), operation=Operation.COMPLETIONS, body_json=json_codec.dumps(completions)
     )
     await s.executor.execute_run(s.runtime, text, Channel())
-    assert s.runtime.cache.view().prefixes == ((body_blocks(completions)[-1], 2),)
+    assert s.runtime.cache.view.prefixes == ((body_blocks(completions)[-1], 2),)
 
 
 async def test_a_failed_run_is_not_accounted() -> None:
     failure = ContextLengthExceeded("too long", context_window=8, prompt_tokens=9)
     s = setup(Adapter(failure=failure))
     await s.executor.execute_run(s.runtime, prompt_spec("r1"), Channel())
-    assert s.runtime.cache.view().prefixes == ()
+    assert s.runtime.cache.view.prefixes == ()
 
 
 async def test_an_unreachable_provider_forgets_what_its_engine_held() -> None:
     adapter = Adapter(completion=Completion("stop", Usage(300, 2, 302)))
     s = setup(adapter)
     await s.executor.execute_run(s.runtime, prompt_spec("r1"), Channel())
-    assert s.runtime.cache.view().prefixes
+    assert s.runtime.cache.view.prefixes
     adapter.failure = ProviderUnavailable("connection refused")
     await s.executor.execute_run(s.runtime, prompt_spec("r2"), Channel())
-    assert s.runtime.cache.view().prefixes == ()
-    assert s.runtime.cache.view().prompt_tokens == 300  # the totals count what was served
+    assert s.runtime.cache.view.prefixes == ()
+    assert s.runtime.cache.view.prompt_tokens == 300  # the totals count what was served
 
 
 async def test_one_deadline_scope_a_run_queued_past_its_queue_timeout() -> None:

@@ -91,7 +91,7 @@ async def node() -> AsyncIterator[tuple[NodeCore, Engine]]:
 
 
 def held(core: NodeCore) -> tuple[tuple[int, int], ...]:
-    return core.providers["p1"].cache.view().prefixes
+    return core.providers["p1"].cache.view.prefixes
 
 
 async def test_the_setting_bounds_each_providers_account(node: tuple[NodeCore, Engine]) -> None:
@@ -111,7 +111,7 @@ async def test_a_provider_seen_down_forgets_its_cache(node: tuple[NodeCore, Engi
     assert await core.probe_once("p1")
     assert core.providers["p1"].health.state is Health.UNAVAILABLE
     assert held(core) == ()
-    assert core.providers["p1"].cache.view().prompt_tokens == 40
+    assert core.providers["p1"].cache.view.prompt_tokens == 40
 
 
 async def test_one_failed_probe_forgets_though_health_waits_for_more(

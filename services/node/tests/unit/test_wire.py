@@ -10,7 +10,7 @@ from iop_proto.v1 import runtime_pb2 as pb
 
 
 def test_a_text_delta_carries_only_its_text() -> None:
-    event = wire.delta_event(Delta(text="x "))
+    event = wire.run_event(Delta(text="x "))
     assert event.WhichOneof("kind") == "delta"
     assert event.delta == pb.RunDelta(text="x ")
     assert (
@@ -19,7 +19,7 @@ def test_a_text_delta_carries_only_its_text() -> None:
 
 
 def test_an_empty_delta_is_still_a_delta() -> None:
-    assert wire.delta_event(Delta()).WhichOneof("kind") == "delta"
+    assert wire.run_event(Delta()).WhichOneof("kind") == "delta"
 
 
 def test_every_field_of_a_delta_arrives() -> None:
@@ -53,13 +53,13 @@ def test_every_field_of_a_delta_arrives() -> None:
             pb.ToolCallDelta(index=1, function_arguments='ty"}'),
         ],
     )
-    assert wire.delta_event(delta).delta == expected
+    assert wire.run_event(delta).delta == expected
 
 
 def test_the_provider_result_bytes_are_forwarded_untouched() -> None:
     raw = b'{\n  "object": "chat.completion",  "choices": []\n}\n'
     completion = Completion("stop", Usage(1, 2, 3), json.loads(raw), result_json=raw)
-    event = wire.complete_event(completion)
+    event = wire.run_event(completion)
     assert event.complete == pb.RunComplete(
         finish_reason="stop",
         usage=pb.Usage(prompt_tokens=1, completion_tokens=2, total_tokens=3),
@@ -69,13 +69,13 @@ def test_the_provider_result_bytes_are_forwarded_untouched() -> None:
 
 def test_a_result_without_its_bytes_is_encoded_compactly() -> None:
     completion = Completion("stop", None, {"object": "list", "data": ["é"]})
-    complete = wire.complete_event(completion).complete
+    complete = wire.run_event(completion).complete
     assert complete.result_json == '{"object":"list","data":["é"]}'.encode()
     assert not complete.HasField("usage")
 
 
 def test_a_streamed_run_completes_without_a_result() -> None:
-    event = wire.complete_event(Completion("length", Usage(5, 16, 21)))
+    event = wire.run_event(Completion("length", Usage(5, 16, 21)))
     assert event.WhichOneof("kind") == "complete"
     assert event.complete.result_json == b""
     assert event.complete.usage.total_tokens == 21

@@ -20,6 +20,7 @@ undo.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -32,7 +33,8 @@ RATE_DECAY = 0.8
 
 @dataclass(frozen=True, slots=True)
 class CacheView:
-    """The account at one moment, for the provider's snapshot."""
+    """The account at one moment (``CacheAccount.view``), for the provider's snapshot and
+    a run's end."""
 
     prefixes: tuple[tuple[int, int], ...] = ()
     """(last block hash, blocks) of the prompts served last, most recent first."""
@@ -48,9 +50,9 @@ class CacheAccount:
         if limit < 0:
             raise ValueError("limit must be at least 0")
         self.limit = limit
-        self._prefixes: list[tuple[int, int]] = []  # newest first
-        self._prompt_tokens = 0
-        self._cached_tokens = 0
+        self.view = CacheView()
+        """The account as it stands: a value replaced by each change, never changed itself,
+        so whoever holds one (a snapshot) keeps what it said then."""
         # The prefill rate is a token-weighted moving average: an answer that evaluated
         # 8 tokens after a cache hit says little about the rate next to one that
         # evaluated 5,000.
@@ -67,34 +69,29 @@ class CacheAccount:
     ) -> None:
         """The engine answered a prompt whose block hashes are ``chain`` (empty: a prompt
         without a whole block, not kept) with these token counts."""
-        self._prompt_tokens += prompt_tokens
-        self._cached_tokens += min(cached_tokens, prompt_tokens)
         evaluated = prompt_tokens - cached_tokens
         if prefill_ms_per_token is not None and evaluated > 0:
             self._rate_ms = self._rate_ms * RATE_DECAY + prefill_ms_per_token * evaluated
             self._rate_tokens = self._rate_tokens * RATE_DECAY + evaluated
-        if not chain or not self.limit:
-            return
-        blocks = len(chain)
-        # Drop what this prompt repeats or extends: the same tail, or a shorter prompt
-        # that this one starts with.
-        kept = [
-            (tail, length)
-            for tail, length in self._prefixes
-            if not (length <= blocks and chain[length - 1] == tail)
-        ]
-        kept.insert(0, (chain[-1], blocks))
-        del kept[self.limit :]
-        self._prefixes = kept
+        prefixes = self.view.prefixes
+        if chain and self.limit:
+            blocks = len(chain)
+            # Drop what this prompt repeats or extends: the same tail, or a shorter prompt
+            # that this one starts with.
+            kept = [
+                (tail, length)
+                for tail, length in prefixes
+                if not (length <= blocks and chain[length - 1] == tail)
+            ]
+            kept.insert(0, (chain[-1], blocks))
+            prefixes = tuple(kept[: self.limit])
+        self.view = CacheView(
+            prefixes,
+            self.view.prompt_tokens + prompt_tokens,
+            self.view.cached_tokens + min(cached_tokens, prompt_tokens),
+            self._rate_ms / self._rate_tokens if self._rate_tokens else None,
+        )
 
     def forget(self) -> None:
         """The engine's cache is gone (it was seen down, or serving other models)."""
-        self._prefixes.clear()
-
-    def view(self) -> CacheView:
-        return CacheView(
-            prefixes=tuple(self._prefixes),
-            prompt_tokens=self._prompt_tokens,
-            cached_tokens=self._cached_tokens,
-            prefill_ms_per_token=(self._rate_ms / self._rate_tokens if self._rate_tokens else None),
-        )
+        self.view = dataclasses.replace(self.view, prefixes=())

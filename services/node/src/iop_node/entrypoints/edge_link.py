@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import ssl
 import time
@@ -144,23 +145,24 @@ class ConnectionChannel:
             self._conn.send_soon(ack, correlation_id=self._run_id)
 
     def started(self, event: Started) -> None:
-        self._start = wire.start_event(event)  # leaves with the run's next event
+        self._start = wire.run_event(event)  # leaves with the run's next event
         self._provider_began = time.perf_counter()
         if self._changed is not None:
             self._changed()
 
     async def delta(self, delta: Delta) -> None:
-        if self.first_token_ms:
-            await self._send(wire.delta_event(delta), defer=True)
-            return
-        self.first_token_ms = time.time_ns() // 1_000_000
-        waited_us = int((time.perf_counter() - self._provider_began) * 1_000_000)
-        await self._send(wire.delta_event(delta, waited_us), defer=True)
+        if not self.first_token_ms:
+            self.first_token_ms = time.time_ns() // 1_000_000
+            waited_us = int((time.perf_counter() - self._provider_began) * 1_000_000)
+            delta = dataclasses.replace(delta, provider_us=waited_us)
+        await self._send(wire.run_event(delta), defer=True)
 
     async def completed(self, completion: Completion) -> None:
-        runtime = self._runtime
-        load = None if runtime is None else wire.provider_load(runtime.gate, runtime.cache.view())
-        event = wire.complete_event(completion, load)
+        runtime, load = self._runtime, None
+        if runtime is not None:
+            gate = runtime.gate
+            load = wire.provider_load(gate.in_flight, gate.queued, runtime.cache.view)
+        event = wire.run_event(completion, load)
         if self._fold and self._ack is not None and self._start is not None:
             event.complete.start.CopyFrom(self._start.start)
             self._ack = self._start = None  # the completion acknowledges and starts it
@@ -173,10 +175,12 @@ class ConnectionChannel:
                 self._changed()
 
     async def failed(self, failure: Failed) -> None:
-        runtime = self._runtime
-        load = None if runtime is None else wire.provider_load(runtime.gate, runtime.cache.view())
+        runtime, load = self._runtime, None
+        if runtime is not None:
+            gate = runtime.gate
+            load = wire.provider_load(gate.in_flight, gate.queued, runtime.cache.view)
         try:
-            await self._send(wire.failed_event(failure, load))
+            await self._send(wire.run_event(failure, load))
         finally:
             if self._changed is not None:
                 self._changed()

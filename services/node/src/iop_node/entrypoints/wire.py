@@ -1,8 +1,8 @@
 """Conversions between the node's domain types and the protobuf contract (the one place).
 
-In: provider configs and run orders (``run_order``). Out: provider states and run
-events (``delta_event``, ``complete_event``, ``start_event``, ``failed_event``, a run's
-end with its provider's load: ``provider_load``), with the error codes' wire numbers.
+In: provider configs and run orders (``run_order``). Out: provider states and a run's
+events (``run_event``: the executor's domain events, a run's end with its provider's
+load, ``provider_load``), with the error codes' wire numbers.
 Nothing else in the node imports ``iop_proto.v1``.
 """
 
@@ -11,9 +11,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from iop_node.domain.admission import AdmissionGate
 from iop_node.domain.cache_account import CacheView
-from iop_node.domain.events import Failed, Started
+from iop_node.domain.events import RunEvent, Started
 from iop_node.domain.health import Health
 from iop_node.domain.model_load import LoadState
 from iop_node.domain.provider import ProviderConfig
@@ -91,105 +90,91 @@ def provider_config(message: pb.ProviderConfig) -> ProviderConfig:
     )
 
 
-def usage(value: Usage) -> dict[str, int]:
-    """A ``pb.Usage`` as the dict the protobuf constructors take for it."""
-    return {
-        "prompt_tokens": value.prompt_tokens,
-        "completion_tokens": value.completion_tokens,
-        "total_tokens": value.total_tokens,
-        "cached_tokens": value.cached_tokens,
-    }
+def run_event(event: RunEvent, load: dict[str, Any] | None = None) -> pb.RunEvent:
+    """One of a run's events as the edge reads it (``run_id`` and ``sequence`` are the
+    channel's); ``load``: a run's end's provider load (``provider_load``), for an edge
+    that reads it.
 
-
-# The run events are built from dicts (upb fills a message and its submessages from one).
-# Empty fields are left out; proto3 does not send them either way.
-
-
-def delta_event(delta: Delta, provider_us: int = 0) -> pb.RunEvent:
-    """A ``run.event`` carrying one delta (``run_id`` and ``sequence`` are the channel's);
-    ``provider_us``: the run's first delta's wait on the provider, which the channel saw."""
-    fields: dict[str, Any] = {"text": delta.text, "choice_index": delta.choice_index}
-    if delta.role:
-        fields["role"] = delta.role
-    if delta.finish_reason:
-        fields["finish_reason"] = delta.finish_reason
-    if delta.reasoning_text:
-        fields["reasoning_text"] = delta.reasoning_text
-    if delta.tool_calls:
-        fields["tool_calls"] = [
-            {
-                "index": call.index,
-                "id": call.id,
-                "type": call.type,
-                "function_name": call.function_name,
-                "function_arguments": call.function_arguments,
-            }
-            for call in delta.tool_calls
-        ]
-    if delta.usage is not None:
-        fields["usage"] = usage(delta.usage)
-    if delta.logprobs_json:
-        fields["logprobs_json"] = delta.logprobs_json
-    if provider_us or delta.provider_us:
-        fields["provider_us"] = provider_us or delta.provider_us
-    return pb.RunEvent(delta=fields)
-
-
-def complete_event(completion: Completion, load: dict[str, Any] | None = None) -> pb.RunEvent:
-    """The ``run.event`` that ends a run well, with the provider's result when it gave one
-    (``load``: its provider's, ``provider_load``, for an edge that reads it)."""
-    fields: dict[str, Any] = {
-        "finish_reason": completion.finish_reason,
-        "provider_us": completion.provider_us,
-    }
-    if completion.usage is not None:
-        fields["usage"] = usage(completion.usage)
-    if completion.result_json:
-        fields["result_json"] = completion.result_json
-    elif completion.result is not None:
-        fields["result_json"] = json_codec.dumps(completion.result)
-    if load is not None:
-        fields["load"] = load
-    return pb.RunEvent(complete=fields)
-
-
-def start_event(start: Started) -> pb.RunEvent:
-    return pb.RunEvent(
-        start={
-            "provider_id": start.provider_id,
-            "target": start.target,
-            "queue_wait_ms": start.queue_wait_ms,
+    The event is built from one dict (upb fills a message and its submessages from it).
+    Empty fields are left out; proto3 does not send them either way. A delta's and a
+    completion's usage converts alike, once below.
+    """
+    if isinstance(event, Started):
+        start = {
+            "provider_id": event.provider_id,
+            "target": event.target,
+            "queue_wait_ms": event.queue_wait_ms,
         }
-    )
-
-
-def failed_event(failure: Failed, load: dict[str, Any] | None = None) -> pb.RunEvent:
-    fields: dict[str, Any] = {
-        "code": _CODES[failure.code],
-        "message": failure.message,
-        "provider_status": failure.provider_status,
-        "provider_us": failure.provider_us,
-        "context_window": failure.context_window,
-        "prompt_tokens": failure.prompt_tokens,
-    }
+        return pb.RunEvent(start=start)
+    usage: Usage | None = None
+    fields: dict[str, Any]
+    if isinstance(event, Delta):
+        kind, usage = "delta", event.usage
+        fields = {"text": event.text, "choice_index": event.choice_index}
+        if event.role:
+            fields["role"] = event.role
+        if event.finish_reason:
+            fields["finish_reason"] = event.finish_reason
+        if event.reasoning_text:
+            fields["reasoning_text"] = event.reasoning_text
+        if event.tool_calls:
+            fields["tool_calls"] = [
+                {
+                    "index": call.index,
+                    "id": call.id,
+                    "type": call.type,
+                    "function_name": call.function_name,
+                    "function_arguments": call.function_arguments,
+                }
+                for call in event.tool_calls
+            ]
+        if event.logprobs_json:
+            fields["logprobs_json"] = event.logprobs_json
+        if event.provider_us:  # a run's first delta: its wait on the provider
+            fields["provider_us"] = event.provider_us
+    elif isinstance(event, Completion):
+        kind, usage = "complete", event.usage
+        fields = {"finish_reason": event.finish_reason, "provider_us": event.provider_us}
+        if event.result_json:
+            fields["result_json"] = event.result_json
+        elif event.result is not None:
+            fields["result_json"] = json_codec.dumps(event.result)
+    else:
+        kind = "error"
+        fields = {
+            "code": _CODES[event.code],
+            "message": event.message,
+            "provider_status": event.provider_status,
+            "provider_us": event.provider_us,
+            "context_window": event.context_window,
+            "prompt_tokens": event.prompt_tokens,
+        }
+    if usage is not None:
+        fields["usage"] = {
+            "prompt_tokens": usage.prompt_tokens,
+            "completion_tokens": usage.completion_tokens,
+            "total_tokens": usage.total_tokens,
+            "cached_tokens": usage.cached_tokens,
+        }
     if load is not None:
         fields["load"] = load
-    return pb.RunEvent(error=fields)
+    body: dict[str, Any] = {kind: fields}
+    return pb.RunEvent(**body)
 
 
-def provider_load(gate: AdmissionGate, cache: CacheView) -> dict[str, Any]:
-    """A run's provider as the run ends (``pb.ProviderLoad``, as the event's dict): the
-    load and the cache account its snapshot would carry, for an edge that reads them."""
-    return {"in_flight": gate.in_flight, "queued": gate.queued, "cache": _cache_state(cache)}
-
-
-def _cache_state(cache: CacheView) -> dict[str, Any]:
-    """The cache account (``pb.CacheState``; a rate of 0: unknown)."""
+def provider_load(in_flight: int, queued: int, cache: CacheView) -> dict[str, Any]:
+    """A provider's load and cache account (``pb.ProviderLoad``, as a dict): what its
+    snapshot carries (``provider_state``) and, for an edge that reads it, a run's end
+    as the run let go of its slot (a rate of 0: unknown)."""
     return {
-        "prefixes": [{"tail": t, "blocks": b} for t, b in cache.prefixes],
-        "prompt_tokens": cache.prompt_tokens,
-        "cached_tokens": cache.cached_tokens,
-        "prefill_ms_per_token": cache.prefill_ms_per_token or 0.0,
+        "in_flight": in_flight,
+        "queued": queued,
+        "cache": {
+            "prefixes": [{"tail": t, "blocks": b} for t, b in cache.prefixes],
+            "prompt_tokens": cache.prompt_tokens,
+            "cached_tokens": cache.cached_tokens,
+            "prefill_ms_per_token": cache.prefill_ms_per_token or 0.0,
+        },
     }
 
 
@@ -201,8 +186,6 @@ def provider_state(status: ProviderStatus) -> pb.ProviderState:
         category=_CATEGORY_TO_PB.get(config.category, pb.PROVIDER_CATEGORY_UNSPECIFIED),
         health=_HEALTH[status.health],
         capacity=config.capacity,
-        in_flight=status.in_flight,
-        queued=status.queued,
         max_queue=config.max_queue,
         models=list(status.models),
         capabilities=pb.LifecycleCapabilities(
@@ -214,9 +197,9 @@ def provider_state(status: ProviderStatus) -> pb.ProviderState:
         ),
         last_probe_unix_ms=status.last_probe_unix_ms,
         detail=status.detail,
-        cache=_cache_state(status.cache),
         engine=_engine(status),
         loaded=None if status.loaded is None else _loaded(status.loaded),
+        **provider_load(status.in_flight, status.queued, status.cache),
     )
 
 

@@ -349,7 +349,7 @@ class NodeCore:
                 capabilities=rt.adapter.capabilities(),
                 last_probe_unix_ms=self._last_probe_ms.get(pid, 0),
                 detail=rt.health.detail,
-                cache=rt.cache.view(),
+                cache=rt.cache.view,
                 engine=self._engines.get(pid),
                 listed_models=len(rt.health.models),
                 loaded=rt.adapter.load_state() if isinstance(rt.adapter, LoadReporter) else None,
