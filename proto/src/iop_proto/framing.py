@@ -71,20 +71,6 @@ def encode_frame(envelope: pb.Envelope, max_frame_size: int = DEFAULT_MAX_FRAME_
     return HEADER.pack(len(payload)) + payload
 
 
-def decode_payload(payload: bytes | bytearray) -> pb.Envelope:
-    """Parse a frame's payload; an envelope without a body is as useless as garbage."""
-    envelope = pb.Envelope()
-    try:
-        # The stubs say bytes; the C (upb) parser reads any buffer (FrameBuffer's tests
-        # parse every frame from its bytearray).
-        envelope.ParseFromString(payload)  # type: ignore[arg-type]
-    except DecodeError as exc:
-        raise UnparsableFrame(f"payload of {len(payload)} bytes is not an Envelope: {exc}") from exc
-    if envelope.WhichOneof("body") is None:
-        raise UnparsableFrame(f"payload of {len(payload)} bytes carries no message body")
-    return envelope
-
-
 class FrameBuffer:
     """Bytes as a stream delivered them, cut into frames.
 
@@ -133,7 +119,17 @@ class FrameBuffer:
         self._pos = end
         # The slice is the one copy: protobuf parses a bytearray as it parses bytes,
         # and keeps nothing of it.
-        return decode_payload(data[pos + HEADER.size : end])
+        payload = data[pos + HEADER.size : end]
+        envelope = pb.Envelope()
+        try:
+            # The stubs say bytes; the C (upb) parser reads any buffer.
+            envelope.ParseFromString(payload)  # type: ignore[arg-type]
+        except DecodeError as exc:
+            raise UnparsableFrame(f"payload of {length} bytes is not an Envelope: {exc}") from exc
+        # an envelope without a body is as useless as garbage
+        if envelope.WhichOneof("body") is None:
+            raise UnparsableFrame(f"payload of {length} bytes carries no message body")
+        return envelope
 
     @property
     def in_frame(self) -> bool:
@@ -161,39 +157,25 @@ class FrameBuffer:
 async def read_frame(
     reader: asyncio.StreamReader, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE
 ) -> pb.Envelope:
-    """Read exactly one frame.
+    """Read exactly one frame, cut out by a ``FrameBuffer`` as a connection's frames are:
+    its header first, whose length is checked before the payload is waited for.
 
     Raises ``ConnectionClosed`` when the stream ends cleanly between frames,
     ``ShortRead`` when it ends inside one, ``FrameTooLarge`` and
     ``UnparsableFrame`` for bad frames.
     """
-    length = await read_header(reader, max_frame_size)
-    return await read_payload(reader, length)
-
-
-async def read_header(
-    reader: asyncio.StreamReader, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE
-) -> int:
-    """Read a frame's length prefix; the payload length, checked against the maximum."""
+    frames = FrameBuffer(max_frame_size)
     try:
-        header = await reader.readexactly(HEADER.size)
+        frames.feed(await reader.readexactly(HEADER.size))
+        envelope = frames.next_frame()  # a payload follows, unless the frame is empty
+        if envelope is None:
+            frames.feed(await reader.readexactly(frames.frame_length))
+            envelope = frames.next_frame()
     except asyncio.IncompleteReadError as exc:
-        if not exc.partial:
-            raise ConnectionClosed("peer closed the connection") from None
-        raise ShortRead(HEADER.size, len(exc.partial)) from None
-    (length,) = HEADER.unpack(header)
-    if length > max_frame_size:
-        raise FrameTooLarge(length, max_frame_size)
-    return int(length)
-
-
-async def read_payload(reader: asyncio.StreamReader, length: int) -> pb.Envelope:
-    """Read and parse the ``length`` payload bytes that follow a header."""
-    try:
-        payload = await reader.readexactly(length)
-    except asyncio.IncompleteReadError as exc:
-        raise ShortRead(HEADER.size + length, HEADER.size + len(exc.partial)) from None
-    return decode_payload(payload)
+        frames.feed(exc.partial)
+        raise frames.end_of_stream() from None
+    assert envelope is not None  # the whole frame was read
+    return envelope
 
 
 async def write_frame(
