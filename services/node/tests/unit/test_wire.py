@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 
+from iop_node.domain.cache_account import CacheView
+from iop_node.domain.events import Failed, Started
 from iop_node.domain.runs import Completion, Delta, ToolCallDelta, Usage
 from iop_node.entrypoints import wire
+from iop_node.errors import ErrorCode
 from iop_proto.v1 import runtime_pb2 as pb
 
 
@@ -79,3 +82,39 @@ def test_a_streamed_run_completes_without_a_result() -> None:
     assert event.WhichOneof("kind") == "complete"
     assert event.complete.result_json == b""
     assert event.complete.usage.total_tokens == 21
+
+
+def test_a_first_delta_carries_its_wait_on_the_provider() -> None:
+    assert wire.run_event(Delta(text="x", provider_us=1500)).delta.provider_us == 1500
+
+
+def test_a_start_carries_its_provider_and_queue_wait() -> None:
+    event = wire.run_event(Started("p1", "served", 12))
+    assert event.start == pb.RunStart(provider_id="p1", target="served", queue_wait_ms=12)
+
+
+def test_a_failure_carries_its_code_numbers_and_load() -> None:
+    failure = Failed(ErrorCode.CONTEXT_LENGTH_EXCEEDED, "too long", 400, 7, 4096, 5000)
+    cache = CacheView(((9, 2),), 100, 40, None)
+    event = wire.run_event(failure, wire.provider_load(1, 2, cache))
+    assert event.error == pb.RunError(
+        code=pb.ERROR_CODE_CONTEXT_LENGTH_EXCEEDED,
+        message="too long",
+        provider_status=400,
+        provider_us=7,
+        context_window=4096,
+        prompt_tokens=5000,
+        load=pb.ProviderLoad(
+            in_flight=1,
+            queued=2,
+            cache=pb.CacheState(
+                prefixes=[pb.CachedPrefix(tail=9, blocks=2)], prompt_tokens=100, cached_tokens=40
+            ),
+        ),
+    )
+
+
+def test_a_completion_carries_the_load_it_is_given() -> None:
+    event = wire.run_event(Completion("stop"), wire.provider_load(0, 0, CacheView()))
+    assert event.complete.HasField("load")
+    assert not event.complete.HasField("usage")
