@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+from collections.abc import AsyncGenerator
 from types import TracebackType
 from typing import Final, Protocol
 
@@ -52,29 +53,33 @@ class Keeper(Protocol):
 class Exchange(asyncio.Protocol):
     """One connection to an engine; one request and its response at a time."""
 
+    # The state of the answer to the request out: these values until the first request,
+    # set anew by ``send`` for each.
+    status: int = 0
+    content_type: str = ""
+    content_length: int | None = None
+    received: int = 0  # bytes of this response so far (headers included)
+    headers_done: bool = False
+    keep_alive: bool = False  # read at the headers: llhttp forgets it after the body
+    complete: bool = False
+    failure: BaseException | None = None
+    buffered: int = 0  # body bytes parsed and not yet taken by the reader
+    paused: bool = False
+
     def __init__(self, pool: Keeper, origin: str) -> None:
         self.pool = pool
         self.origin = origin
         self.transport: asyncio.Transport | None = None
         self.idle_since = 0.0
         self._parser = httptools.HttpResponseParser(self)
-        self._waiter: asyncio.Future[None] | None = None
+        # What the reader waits on: resolved once a read from the socket was parsed
+        # (or the connection failed), whatever it brought.
+        self.waiter: asyncio.Future[None] | None = None
         self.pending = False  # a request is out and its answer not complete
         self._finishing: asyncio.TimerHandle | None = None  # released before its end
-        self._reset()
-
-    def _reset(self) -> None:
-        self.status = 0
-        self.content_type = ""
-        self.content_length: int | None = None
-        self.received = 0  # bytes of this response so far (headers included)
-        self.headers_done = False
-        self.keep_alive = False  # read at the headers: llhttp forgets it after the body
-        self.complete = False
-        self.failure: BaseException | None = None
+        # The body's chunks parsed and not yet read; empty whenever a request goes out (an
+        # answer is pooled only once read to its end, and ``release`` drops the rest).
         self.body: collections.deque[bytes] = collections.deque()
-        self.buffered = 0
-        self.paused = False
 
     # -- asyncio.Protocol
 
@@ -93,6 +98,12 @@ class Exchange(asyncio.Protocol):
             return
         if not self.headers_done and self.received > MAX_HEADER_BYTES:
             self._fail(ProviderConnectionLost(f"headers over {MAX_HEADER_BYTES} bytes"))
+            return
+        # The reader is woken once per read, after the parser took all of it: it finds
+        # the headers, the body's chunks and the end together, however many there were.
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self._finishing is not None:
@@ -132,7 +143,6 @@ class Exchange(asyncio.Protocol):
             return
         self.headers_done = True
         self.keep_alive = self._parser.should_keep_alive()
-        self._wake()
 
     def on_body(self, body: bytes) -> None:
         if not self.pending:
@@ -147,27 +157,17 @@ class Exchange(asyncio.Protocol):
         if self.buffered > HIGH_WATER and not self.paused and self.transport is not None:
             self.paused = True
             self.transport.pause_reading()
-        self._wake()
 
     def on_message_complete(self) -> None:
         if self.headers_done and self.pending:
             self.complete = True
             self.pending = False
-            self._wake()
             if self._finishing is not None:
                 self._finishing.cancel()
                 self._finishing = None
                 self.pool.put_back(self)
 
     # -- the client's side
-
-    async def wait(self) -> None:
-        """Until the next thing the reader waits for (headers, body, end) happened."""
-        self._waiter = asyncio.get_running_loop().create_future()
-        try:
-            await self._waiter
-        finally:
-            self._waiter = None
 
     def resume(self) -> None:
         """The reader caught up: read the socket again."""
@@ -176,8 +176,18 @@ class Exchange(asyncio.Protocol):
             self.transport.resume_reading()
 
     def send(self, request: bytes) -> None:
+        """Send ``request``, its answer's state started afresh."""
         assert self.transport is not None
-        self._reset()
+        self.status = 0
+        self.content_type = ""
+        self.content_length = None
+        self.received = 0
+        self.headers_done = False
+        self.keep_alive = False
+        self.complete = False
+        self.failure = None
+        self.buffered = 0
+        self.paused = False
         self.pending = True
         self.transport.write(request)
 
@@ -211,8 +221,8 @@ class Exchange(asyncio.Protocol):
             self.transport.abort()
 
     def _wake(self) -> None:
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
 
 
 class ProviderResponse:
@@ -221,11 +231,8 @@ class ProviderResponse:
     Read it to its end and ``release()`` it (the connection goes back to the
     pool), or ``close()`` it (the connection is dropped: the engine stops).
     ``async with`` does the one or the other. The body reader is shaped as
-    aiohttp's (``response.content.iter_any()``), so the readers of answers
-    (``answer_read``, ``sse``) serve the node's other adapters too; it is this
-    object itself, not an async generator: a reader that stops early (the SSE
-    reader at ``[DONE]``) leaves nothing for a finalizer to close, which asyncio
-    would do from a task scheduled through ``call_soon_threadsafe``.
+    aiohttp's (``response.content.iter_any()``), so the reader of answers
+    (``answer_read``) serves the node's other adapters too.
     """
 
     __slots__ = (
@@ -248,13 +255,13 @@ class ProviderResponse:
         self._exchange = exchange
         self._done = False
 
-    def __aiter__(self) -> ProviderResponse:
-        """The body's bytes as they arrive; ``ProviderConnectionLost`` if it is cut off."""
-        return self
+    async def iter_any(self) -> AsyncGenerator[bytes, None]:
+        """The body's bytes as they arrive; ``ProviderConnectionLost`` if it is cut off.
 
-    iter_any = __aiter__  # aiohttp's name for the same reading (``content.iter_any()``)
-
-    async def __anext__(self) -> bytes:
+        A reader that stops before the end closes it (``contextlib.aclosing``, as the SSE
+        reader does at ``[DONE]``): one left open is closed by asyncio's finalizer, from a
+        task scheduled through ``call_soon_threadsafe``, which is correct but costs more.
+        """
         exchange = self._exchange
         while True:
             if exchange.body:
@@ -262,12 +269,16 @@ class ProviderResponse:
                 exchange.buffered -= len(chunk)
                 if exchange.paused and exchange.buffered <= HIGH_WATER // 4:
                     exchange.resume()
-                return chunk
-            if exchange.complete:
-                raise StopAsyncIteration
-            if exchange.failure is not None:
+                yield chunk
+            elif exchange.complete:
+                return
+            elif exchange.failure is not None:
                 raise exchange.failure
-            await exchange.wait()
+            else:
+                waiter = exchange.waiter = asyncio.get_running_loop().create_future()
+                await waiter
+
+    __aiter__ = iter_any  # ``async for chunk in response`` reads the same
 
     async def read(self) -> bytes:
         """The whole body (for small answers: tokenizer calls)."""

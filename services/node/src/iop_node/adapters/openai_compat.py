@@ -495,11 +495,12 @@ async def _http_failure(response: ProviderResponse, spec: ExecutionSpec) -> RunF
     elsewhere or to count against the provider."""
     chunks: list[bytes] = []
     size = 0
-    async for chunk in response.iter_any():
-        chunks.append(chunk)
-        size += len(chunk)
-        if size >= ERROR_BODY_LIMIT:
-            break
+    async with contextlib.aclosing(response.iter_any()) as body_chunks:
+        async for chunk in body_chunks:
+            chunks.append(chunk)
+            size += len(chunk)
+            if size >= ERROR_BODY_LIMIT:
+                break
     body = b"".join(chunks)
     message = f"HTTP {response.status}: {_error_message(body)}"
     overflow = context_overflow(_error_object(body), message, response.status)

@@ -232,7 +232,8 @@ class ProviderHttp:
                 while not exchange.headers_done:
                     if exchange.failure is not None:
                         raise exchange.failure
-                    await exchange.wait()
+                    waiter = exchange.waiter = asyncio.get_running_loop().create_future()
+                    await waiter  # resolved by the next read, or the connection's failure
             except ProviderConnectionLost:
                 exchange.close()
                 self._pool.forget(exchange)
