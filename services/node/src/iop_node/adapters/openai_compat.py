@@ -233,11 +233,21 @@ class OpenAICompatAdapter:
         """Run ``spec`` on the provider, streaming deltas into ``sink`` when asked to."""
         if self._key_problem:
             raise ProviderUnavailable(self._key_problem)
+        if spec.stream and spec.operation is Operation.EMBEDDINGS:
+            raise InvalidRequest("embeddings cannot be streamed")
+        # The upstream body: the edge's prepared bytes as they came, or (an older edge) the
+        # client's body (``model`` already the served name: the edge wrote it) less the
+        # fields this type is not sent, with only the streaming switches forced.
+        if spec.body_prepared:
+            data = spec.body_json
+        else:
+            data = json_codec.dumps(
+                provider_body(spec.body, self.name, spec.operation.value, spec.stream)
+            )
         timeout = asyncio.timeout_at(spec.deadline)
         try:
             async with timeout:
                 url = self._base + _PATHS[spec.operation]
-                data = self._payload(spec)
                 began = time.perf_counter()  # the provider's time: the HTTP exchange, not our work
                 try:
                     response = await self._http.request(
@@ -299,17 +309,6 @@ class OpenAICompatAdapter:
         )
         provider_us = int((time.perf_counter() - began) * 1_000_000)
         return Completion(usage=Usage(counted, 0, counted), provider_us=provider_us)
-
-    def _payload(self, spec: ExecutionSpec) -> bytes:
-        """The upstream body: the edge's prepared bytes as they came, or (an older
-        edge) the client's body (``model`` already the served name: the edge wrote it)
-        less the fields this type is not sent, with only the streaming switches forced."""
-        if spec.stream and spec.operation is Operation.EMBEDDINGS:
-            raise InvalidRequest("embeddings cannot be streamed")
-        if spec.body_prepared:
-            return spec.body_json
-        payload = provider_body(spec.body, self.name, spec.operation.value, spec.stream)
-        return json_codec.dumps(payload)
 
 
 async def _read_stream(
