@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import json
 import time
 from collections.abc import Mapping
@@ -233,11 +232,21 @@ class OpenAICompatAdapter:
         """Run ``spec`` on the provider, streaming deltas into ``sink`` when asked to."""
         if self._key_problem:
             raise ProviderUnavailable(self._key_problem)
+        if spec.stream and spec.operation is Operation.EMBEDDINGS:
+            raise InvalidRequest("embeddings cannot be streamed")
+        # The upstream body: the edge's prepared bytes as they came, or (an older edge) the
+        # client's body (``model`` already the served name: the edge wrote it) less the
+        # fields this type is not sent, with only the streaming switches forced.
+        if spec.body_prepared:
+            data = spec.body_json
+        else:
+            data = json_codec.dumps(
+                provider_body(spec.body, self.name, spec.operation.value, spec.stream)
+            )
         timeout = asyncio.timeout_at(spec.deadline)
         try:
             async with timeout:
                 url = self._base + _PATHS[spec.operation]
-                data = self._payload(spec)
                 began = time.perf_counter()  # the provider's time: the HTTP exchange, not our work
                 try:
                     response = await self._http.request(
@@ -300,24 +309,13 @@ class OpenAICompatAdapter:
         provider_us = int((time.perf_counter() - began) * 1_000_000)
         return Completion(usage=Usage(counted, 0, counted), provider_us=provider_us)
 
-    def _payload(self, spec: ExecutionSpec) -> bytes:
-        """The upstream body: the edge's prepared bytes as they came, or (an older
-        edge) the client's body (``model`` already the served name: the edge wrote it)
-        less the fields this type is not sent, with only the streaming switches forced."""
-        if spec.stream and spec.operation is Operation.EMBEDDINGS:
-            raise InvalidRequest("embeddings cannot be streamed")
-        if spec.body_prepared:
-            return spec.body_json
-        payload = provider_body(spec.body, self.name, spec.operation.value, spec.stream)
-        return json_codec.dumps(payload)
-
 
 async def _read_stream(
     response: ProviderResponse, spec: ExecutionSpec, sink: EventSink, max_event_bytes: int
 ) -> Completion:
     text_mode = spec.operation is Operation.COMPLETIONS
     finish_reasons: dict[int, str] = {}
-    usage: Usage | None = None
+    usage: Any = None  # the last usage object, read once the stream has ended
     timings: Any = None
     # aclosing: a run that stops early (cancelled, sink gone) finalises the reader now,
     # not whenever the garbage collector finds it.
@@ -332,8 +330,8 @@ async def _read_stream(
                 raise ProviderFailed(f"stream chunk is not an object: {_tail(data)}")
             if "error" in chunk:
                 raise _error_from_object(chunk["error"])
-            if chunk.get("usage"):
-                usage = _usage(chunk["usage"]) or usage
+            if chunk.get("usage") and isinstance(chunk["usage"], dict):
+                usage = chunk["usage"]  # vLLM's continuous usage: in every chunk
             if chunk.get("timings"):  # llama.cpp: the last chunk(s) carry its timings
                 timings = chunk["timings"]
             for choice in chunk.get("choices") or ():
@@ -344,9 +342,7 @@ async def _read_stream(
                     finish_reasons[delta.choice_index] = delta.finish_reason
                 await sink.delta(delta)
     finish = finish_reasons.get(0) or next(iter(finish_reasons.values()), "")
-    if timings is not None:
-        usage = _with_timings(usage, timings)
-    return Completion(finish_reason=finish, usage=usage, result=None)
+    return Completion(finish_reason=finish, usage=_usage(usage, timings), result=None)
 
 
 def _choice_delta(choice: Any, text_mode: bool) -> Delta | None:
@@ -436,14 +432,18 @@ def _read_result(body: bytes, operation: Operation, provider_us: int = 0) -> Com
             finish = _str(choices[0].get("finish_reason"))
     return Completion(
         finish_reason=finish,
-        usage=_with_timings(_usage(result.get("usage")), result.get("timings")),
+        usage=_usage(result.get("usage"), result.get("timings")),
         result=result,
         result_json=body,  # forwarded as it came: the edge's codec reads what json reads
         provider_us=provider_us,
     )
 
 
-def _usage(value: Any) -> Usage | None:
+def _usage(value: Any, timings: Any) -> Usage | None:
+    """An answer's ``usage`` object, with what llama.cpp's ``timings`` add: the prompt
+    tokens it took from its cache (``cache_n``; ``prompt_tokens_details`` says the same in
+    newer builds, older ones only there) and the time it spent on the rest (``prompt_ms``
+    for ``prompt_n`` tokens), which the node's cache account turns into a prefill rate."""
     if not isinstance(value, dict):
         return None
     # JSON's integers are exactly int (a bool, an int subclass, is not a count): ``_int``
@@ -458,25 +458,15 @@ def _usage(value: Any) -> Usage | None:
         total = 0
     details = value.get("prompt_tokens_details")
     cached = _int(details.get("cached_tokens")) if isinstance(details, dict) else 0
-    return Usage(prompt, completion, total or prompt + completion, min(cached, prompt))
-
-
-def _with_timings(usage: Usage | None, timings: Any) -> Usage | None:
-    """``usage`` with what llama.cpp's ``timings`` add: the prompt tokens it took from its
-    cache (``cache_n``; the answer's ``prompt_tokens_details`` says the same in newer
-    builds, older ones only here) and the time it spent on the rest (``prompt_ms`` for
-    ``prompt_n`` tokens), which the node's cache account turns into a prefill rate."""
-    if usage is None or not isinstance(timings, dict):
-        return usage
-    cached = max(usage.cached_tokens, _int(timings.get("cache_n")))
-    evaluated = _int(timings.get("prompt_n"))
-    prompt_ms = timings.get("prompt_ms")
     rate = None
-    if evaluated > 0 and isinstance(prompt_ms, (int, float)) and prompt_ms >= 0:
-        rate = float(prompt_ms) / evaluated
-    return dataclasses.replace(
-        usage, cached_tokens=min(cached, usage.prompt_tokens), prefill_ms_per_token=rate
-    )
+    if isinstance(timings, dict):
+        cached = max(cached, _int(timings.get("cache_n")))
+        evaluated = _int(timings.get("prompt_n"))
+        prompt_ms = timings.get("prompt_ms")
+        if evaluated > 0 and isinstance(prompt_ms, (int, float)) and prompt_ms >= 0:
+            rate = float(prompt_ms) / evaluated
+    total = total or prompt + completion
+    return Usage(prompt, completion, total, min(cached, prompt), prefill_ms_per_token=rate)
 
 
 def _model_ids(document: Any) -> tuple[str, ...]:
@@ -495,11 +485,12 @@ async def _http_failure(response: ProviderResponse, spec: ExecutionSpec) -> RunF
     elsewhere or to count against the provider."""
     chunks: list[bytes] = []
     size = 0
-    async for chunk in response.iter_any():
-        chunks.append(chunk)
-        size += len(chunk)
-        if size >= ERROR_BODY_LIMIT:
-            break
+    async with contextlib.aclosing(response.iter_any()) as body_chunks:
+        async for chunk in body_chunks:
+            chunks.append(chunk)
+            size += len(chunk)
+            if size >= ERROR_BODY_LIMIT:
+                break
     body = b"".join(chunks)
     message = f"HTTP {response.status}: {_error_message(body)}"
     overflow = context_overflow(_error_object(body), message, response.status)

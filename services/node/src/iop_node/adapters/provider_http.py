@@ -108,13 +108,14 @@ class _Pool:
         self._notify()
 
     def put_back(self, exchange: Exchange) -> None:
-        transport = exchange.transport
+        transport, answer = exchange.transport, exchange.answer
         if (
-            exchange.complete  # read to its end, all of it taken, and still open
-            and not exchange.body
+            answer is not None  # read to its end, all of it taken, and still open
+            and answer.complete
+            and not answer.body
+            and answer.keep_alive
             and transport is not None
             and not transport.is_closing()
-            and exchange.keep_alive
         ):
             exchange.idle_since = asyncio.get_running_loop().time()
             self.idle.setdefault(exchange.origin, []).append(exchange)
@@ -227,23 +228,26 @@ class ProviderHttp:
             reused = exchange is not None
             if exchange is None:
                 exchange = await self._connect(origin, scheme, host, port, connect_timeout_s)
+            assert exchange.transport is not None
+            response = exchange.answer = ProviderResponse(url, exchange)
             try:
-                exchange.send(request)
-                while not exchange.headers_done:
-                    if exchange.failure is not None:
-                        raise exchange.failure
-                    await exchange.wait()
+                exchange.transport.write(request)
+                while not response.headers_done:
+                    if response.failure is not None:
+                        raise response.failure
+                    waiter = exchange.waiter = asyncio.get_running_loop().create_future()
+                    await waiter  # resolved by the next read, or the connection's failure
             except ProviderConnectionLost:
                 exchange.close()
                 self._pool.forget(exchange)
-                if reused and exchange.received == 0:
+                if reused and response.received == 0:
                     continue
                 raise
             except BaseException:
                 exchange.close()  # cancelled or timed out before the answer began
                 self._pool.forget(exchange)
                 raise
-            return ProviderResponse(url, exchange)
+            return response
 
     async def _connect(
         self, origin: str, scheme: str, host: str, port: int, timeout_s: float
