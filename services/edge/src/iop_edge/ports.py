@@ -7,7 +7,7 @@ with small fakes of these protocols.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -77,11 +77,10 @@ class RunEvents(Protocol):
         """
         ...
 
-    def __aiter__(self) -> AsyncIterator[RunEvent]: ...
-
-    @property
-    def more_ready(self) -> bool:
-        """More events are queued already (the node sent several at once)."""
+    async def next_events(self) -> Sequence[RunEvent]:
+        """The events that arrived since the last call, oldest first, waiting while none
+        has: those the node sent together come together (a relay writes them as one
+        chunk). The run's end is the last event; after it, an empty sequence."""
         ...
 
     @property

@@ -102,6 +102,7 @@ class FakeRun:
         self._ended = asyncio.Event()  # cancel(): a hanging run ends with an error event
         self._error: EdgeError | None = None  # what cancel() said the client sees
         self._told_end = False  # its terminal event went to the reader
+        self._reading = as_events(self._iterate())
         self.service: FakeService | None = None  # who admitted it (its queue)
 
     async def open(self) -> None:
@@ -125,13 +126,15 @@ class FakeRun:
     def error(self, failed: Failed) -> EdgeError:
         return self._error or from_failure(failed)
 
-    def __aiter__(self) -> AsyncIterator[RunEvent]:
-        return as_events(self._iterate())
-
-    @property
-    def more_ready(self) -> bool:
-        """All given events count as arrived at once: the relay's batching path runs."""
-        return self._yielded < len(self._events)
+    async def next_events(self) -> list[RunEvent]:
+        """All given events count as arrived at once (the relay's batching path runs);
+        what the run says after them comes alone."""
+        batch: list[RunEvent] = []
+        async for event in self._reading:
+            batch.append(event)
+            if self._yielded == len(self._events):
+                break
+        return batch
 
     async def _iterate(self) -> AsyncIterator[pb.RunEvent]:
         for sequence, event in enumerate(self._events):

@@ -35,7 +35,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from iop_edge.domain.events import (
@@ -476,29 +476,23 @@ class RequestRun:
 
     # ------------------------------------------------------------ the reader
 
-    @property
-    def more_ready(self) -> bool:
-        """Events wait already: a relay can write them out together with this one."""
-        return bool(self._events)
-
     def _wake(self) -> None:
         reader = self._reader
         if reader is not None and not reader.done():
             reader.set_result(None)
 
-    def __aiter__(self) -> RequestRun:
-        return self  # one reader: the run is its own iterator
-
-    async def __anext__(self) -> RunEvent:
+    async def next_events(self) -> Sequence[RunEvent]:
+        """Implements ``RunEvents.next_events``: one reader takes what arrived, the
+        outcome last; a failed attempt's next one is opened here (the reader's task)."""
         events = self._events
         while not events:
             if self.outcome is not None:
                 if self._iterated:
-                    raise StopAsyncIteration
+                    return ()
                 self._iterated = True  # the outcome is the last event anyone sees
                 if self._untold is not None:
                     await self._tell_node()
-                return self.outcome
+                return (self.outcome,)
             if self._failed is not None:
                 return await self._fail_over(self._failed)
             self._reader = self._loop.create_future()
@@ -506,9 +500,10 @@ class RequestRun:
                 await self._reader
             finally:
                 self._reader = None
-        return events.popleft()
+        self._events = deque()  # what arrives from now on is the next call's
+        return events
 
-    async def _fail_over(self, failed: Failed) -> RunEvent:
+    async def _fail_over(self, failed: Failed) -> Sequence[RunEvent]:
         """The next attempt, announced by ``Retrying``; the run's end when no other
         provider can take it in time."""
         self._failed = None
@@ -522,10 +517,10 @@ class RequestRun:
             await self._owner.reopen(self, failed)
         except EdgeError as exc:
             self.refuse(exc)  # nobody else, or no room in time
-            return await self.__anext__()
+            return await self.next_events()
         finally:
             self._last_failure = None
-        return Retrying(failed, last)
+        return (Retrying(failed, last),)
 
     # ------------------------------------------------------------ the record
 

@@ -21,10 +21,12 @@ class RunSink(Protocol):
 
     def started(self, event: Started) -> None: ...
 
-    def delta(self, event: Delta) -> Awaitable[None] | None:
+    def delta(self, event: Delta, more: bool) -> Awaitable[None] | None:
         """Take one delta; what it returns (a write, say) is awaited before the next.
-        Not a coroutine itself: a sink that only keeps the delta, or batches it with
-        the next ones, has nothing to wait for; the reader awaits what it returns."""
+        ``more``: other events arrived with it and follow at once (a relay may hold it
+        back to write them together). Not a coroutine itself: a sink that only keeps the
+        delta, or batches it with the next ones, has nothing to wait for; the reader
+        awaits what it returns."""
         ...
 
     def restart(self) -> None:
@@ -36,22 +38,24 @@ class RunSink(Protocol):
 async def follow(events: RunEvents, sink: RunSink) -> Completed | Failed | None:
     """Feed ``sink`` until the run ends; its terminal event (``None``: the events
     stopped without one, which only a broken run does)."""
-    async for event in events:
-        match event:
-            case Delta():  # first: nearly every event is one
-                wait = sink.delta(event)
-                if wait is not None:
-                    await wait
-            case Started():
-                sink.started(event)
-            case Completed():
-                if event.start is not None:  # a folded completion: the start came with it
-                    sink.started(event.start)
-                return event
-            case Failed():
-                return event
-            case Retrying():
-                sink.restart()
+    while batch := await events.next_events():
+        last = batch[-1]
+        for event in batch:
+            match event:
+                case Delta():  # first: nearly every event is one
+                    wait = sink.delta(event, event is not last)
+                    if wait is not None:
+                        await wait
+                case Started():
+                    sink.started(event)
+                case Completed():
+                    if event.start is not None:  # a folded completion: the start came with it
+                        sink.started(event.start)
+                    return event
+                case Failed():
+                    return event
+                case Retrying():
+                    sink.restart()
     return None
 
 
@@ -81,7 +85,7 @@ class Collector:
         if self._watcher is not None:
             self._watcher.started(event)
 
-    def delta(self, event: Delta) -> None:
+    def delta(self, event: Delta, more: bool) -> None:
         if self._watcher is not None:
             self._watcher.first_delta()
         self.deltas.append(event)
