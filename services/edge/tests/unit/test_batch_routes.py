@@ -53,6 +53,7 @@ class FakeRun:
 
     def __init__(self, spec: RunSpec, run_id: str) -> None:
         self.run_id, self.provider_id, self.node_id, self.target = run_id, "p1", "n1", "served"
+        self.node_wait_ms = 0
         self.spec = spec
 
     _reading: AsyncIterator[RunEvent] | None = None

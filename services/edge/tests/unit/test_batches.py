@@ -83,6 +83,7 @@ class FakeRun:
         self.runs = runs
         self.run_id = run_id
         self.provider_id, self.node_id, self.target = "p1", "n1", SERVED
+        self.node_wait_ms = 0
         self.spec = spec
         self.gate = gate
         self.cancel_reasons: list[str] = []

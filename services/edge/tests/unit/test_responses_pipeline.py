@@ -48,6 +48,7 @@ class Run:
         self.provider_id = "p1"
         self.node_id = "n1"
         self.target = "served"
+        self.node_wait_ms = 0
         self._events = events
         self.cancelled: list[str] = []
 

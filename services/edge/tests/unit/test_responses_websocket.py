@@ -42,6 +42,7 @@ class Run:
         self.provider_id = "p1"
         self.node_id = "n1"
         self.target = "served"
+        self.node_wait_ms = 0
         self.cancelled: list[str] = []
         self.stopped = asyncio.Event()
 

@@ -443,7 +443,6 @@ class _SseSink:
         "_write_delta",
         "_writer",
         "pending",
-        "started",
     )
 
     def __init__(
@@ -461,7 +460,6 @@ class _SseSink:
         self._writer = writer
         self._write_delta = writer.delta  # the writer is fixed for the stream
         self.pending: list[bytes] = []
-        self.started = trace.started  # the start only times the run: the trace's own
 
     def restart(self) -> None:
         """Nothing to drop: a stream fails over only before its first delta, and that

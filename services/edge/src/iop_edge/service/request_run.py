@@ -47,6 +47,7 @@ from iop_edge.domain.events import (
     Retrying,
     RunEvent,
     RunOrder,
+    Started,
 )
 from iop_edge.domain.faults import retryable
 from iop_edge.domain.fleet import ModelEntry
@@ -133,6 +134,7 @@ class RequestRun:
         "link",
         "model",
         "node_id",
+        "node_wait_ms",
         "outcome",
         "provider_id",
         "run_id",
@@ -182,6 +184,7 @@ class RequestRun:
         self.provider_id = ""
         self.node_id = ""
         self.target = ""
+        self.node_wait_ms = 0  # the node's queue, as the attempt's start said
         self.link: NodeLink | None = None  # while an attempt is on its node
         self.slot: ProviderSlot | None = None  # the slot it holds (none for count_tokens)
         self.edge_queue_wait_s = 0.0
@@ -346,7 +349,8 @@ class RequestRun:
 
     def deliver(self, event: RunEvent | Accepted) -> None:
         """An event of the attempt from its node. Any event is an acknowledgement;
-        ``Accepted`` is nothing else (never queued)."""
+        ``Accepted`` is nothing else, a start is the run's to keep (its node's queue
+        wait): only deltas are queued for the reader, and the end is the outcome."""
         if self.link is None:
             return  # the attempt is over: a late event
         self._acked = True
@@ -359,15 +363,16 @@ class RequestRun:
             if not self.answered:  # the provider answers: its load, if any, is over
                 self.answered = True
                 self._owner.first_delta(self)
+        elif isinstance(event, Started):
+            self.node_wait_ms = event.queue_wait_ms
         elif isinstance(event, Completed):
+            if event.start is not None:  # a folded completion: the start came with it
+                self.node_wait_ms = event.start.queue_wait_ms
             self._attempt_over(event, told=True)
             self.end(event)
         elif isinstance(event, Failed):
             self._owner.provider_failed(self, event)
             self._attempt_failed(event, told=True)
-        elif not isinstance(event, Accepted):
-            self._events.append(event)
-            self._wake()
 
     def fail(self, code: ErrorCode, message: str) -> None:
         """The attempt's node link is gone (its node dropped its runs with it)."""

@@ -1,10 +1,11 @@
-"""Reading a run's events: the one ``match`` over ``Started | Delta | Completed | Failed``.
+"""Reading a run's events: the one ``match`` over ``Delta | Completed | Failed | Retrying``.
 
 The streaming relay, the non-streaming answer and batch lines all read a run
-the same way: starts and deltas go to a ``RunSink`` as they come, the run's end
-is returned. What each does with a delta (write a chunk, keep it) is its own.
-A ``Retrying`` between two attempts (docs/ARCHITECTURE.md#failover) tells the
-sink to drop what it kept: the next attempt starts clean.
+the same way: deltas go to a ``RunSink`` as they come, the run's end is returned
+(its start is the run's own fact: ``RunEvents.node_wait_ms``). What each does with
+a delta (write a chunk, keep it) is its own. A ``Retrying`` between two attempts
+(docs/ARCHITECTURE.md#failover) tells the sink to drop what it kept: the next
+attempt starts clean.
 """
 
 from __future__ import annotations
@@ -12,14 +13,12 @@ from __future__ import annotations
 from collections.abc import Awaitable
 from typing import Protocol
 
-from iop_edge.domain.events import Completed, Delta, Failed, Retrying, Started
+from iop_edge.domain.events import Completed, Delta, Failed, Retrying
 from iop_edge.ports import RunEvents
 
 
 class RunSink(Protocol):
     """What a reader does with the events before the end."""
-
-    def started(self, event: Started) -> None: ...
 
     def delta(self, event: Delta, more: bool) -> Awaitable[None] | None:
         """Take one delta; what it returns (a write, say) is awaited before the next.
@@ -46,13 +45,7 @@ async def follow(events: RunEvents, sink: RunSink) -> Completed | Failed | None:
                     wait = sink.delta(event, event is not last)
                     if wait is not None:
                         await wait
-                case Started():
-                    sink.started(event)
-                case Completed():
-                    if event.start is not None:  # a folded completion: the start came with it
-                        sink.started(event.start)
-                    return event
-                case Failed():
+                case Completed() | Failed():
                     return event
                 case Retrying():
                     sink.restart()
@@ -60,9 +53,7 @@ async def follow(events: RunEvents, sink: RunSink) -> Completed | Failed | None:
 
 
 class RunWatcher(Protocol):
-    """Who times the run (the HTTP layer's trace): its start and its first delta."""
-
-    def started(self, start: Started) -> None: ...
+    """Who times the run (the HTTP layer's trace): its first delta."""
 
     def first_delta(self) -> None: ...
 
@@ -73,17 +64,13 @@ class RunWatcher(Protocol):
 
 class Collector:
     """A ``RunSink`` that keeps the deltas for one answer at the end; ``watcher`` is told
-    of the start and of each delta as they come."""
+    of each delta as it comes."""
 
     __slots__ = ("_watcher", "deltas")
 
     def __init__(self, watcher: RunWatcher | None = None) -> None:
         self.deltas: list[Delta] = []
         self._watcher = watcher
-
-    def started(self, event: Started) -> None:
-        if self._watcher is not None:
-            self._watcher.started(event)
 
     def delta(self, event: Delta, more: bool) -> None:
         if self._watcher is not None:
