@@ -466,11 +466,11 @@ class _SseSink:
         delta is what sends the status line (``_first``)."""
 
     def delta(self, event: Delta, more: bool) -> Awaitable[None] | None:
-        if self._meter is not None:
-            self._meter.output()
         response = self._response
         if not response.prepared:
-            return self._first(event, more)
+            return self._first(event, more)  # which comes back here, prepared
+        if self._meter is not None:
+            self._meter.output()
         pending = self.pending
         pending.append(self._write_delta(event))
         if more:
