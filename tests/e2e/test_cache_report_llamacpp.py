@@ -117,11 +117,12 @@ class Stack:
         spec = RunSpec(MODEL, Operation.CHAT_COMPLETIONS, body, stream=False, include_usage=True)
         run = await self.dispatcher.open_run(spec)
         async with asyncio.timeout(WAIT_S):
-            async for event in run:
-                if isinstance(event, Failed):
-                    raise AssertionError(f"the run failed: {event}")
-                if isinstance(event, Completed):
-                    return event
+            while batch := await run.next_events():
+                for event in batch:
+                    if isinstance(event, Failed):
+                        raise AssertionError(f"the run failed: {event}")
+                    if isinstance(event, Completed):
+                        return event
         raise AssertionError("the run ended without its terminal event")
 
     async def until(self, check: Any, what: str) -> None:

@@ -7,7 +7,7 @@ with small fakes of these protocols.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -60,13 +60,17 @@ class RunEvents(Protocol):
 
     run_id: str  # the client's id (X-Request-Id): its first attempt's, once dispatched
 
-    # These three: the attempt in progress (or the last one).
+    # These four: the attempt in progress (or the last one).
     @property
     def provider_id(self) -> str: ...
     @property
     def node_id(self) -> str: ...
     @property
     def target(self) -> str: ...
+    @property
+    def node_wait_ms(self) -> int:
+        """Its wait in the node's queue, as its start said (0 before it started)."""
+        ...
 
     async def open(self) -> None:
         """Take a slot (maybe after a wait in the model's queue) and start the run.
@@ -77,11 +81,11 @@ class RunEvents(Protocol):
         """
         ...
 
-    def __aiter__(self) -> AsyncIterator[RunEvent]: ...
-
-    @property
-    def more_ready(self) -> bool:
-        """More events are queued already (the node sent several at once)."""
+    async def next_events(self) -> Sequence[RunEvent]:
+        """The events that arrived since the last call, oldest first, waiting while none
+        has: those the node sent together come together (a relay writes them as one
+        chunk). The run's end is the last event; after it, an empty sequence. A start
+        is not among them: the run keeps what it says (``node_wait_ms``)."""
         ...
 
     @property

@@ -7,14 +7,15 @@ bootstrap's, and tests that drive the pool directly must not drift from it.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import AsyncIterator
 
 from iop_edge.domain.affinity import AffinityPolicy
-from iop_edge.domain.events import RunOrder
+from iop_edge.domain.events import RunEvent, RunOrder
 from iop_edge.domain.outliers import OutlierPolicy
 from iop_edge.domain.warmth import WarmPolicy
 from iop_edge.errors import StorageQuotaExceeded
 from iop_edge.metrics import EdgeMetrics
-from iop_edge.ports import StoredResponse
+from iop_edge.ports import RunEvents, StoredResponse
 from iop_edge.service.backfill import Backfill
 from iop_edge.service.dispatch import Dispatcher
 from iop_edge.service.fleet_holder import FleetHolder
@@ -22,6 +23,22 @@ from iop_edge.service.registry import ProviderRegistry
 from iop_edge.service.runs import UNGUARDED, RunGuards
 from iop_edge.settings import EdgeSettings
 from iop_proto.framing import DEFAULT_MAX_FRAME_SIZE
+
+
+async def read_all(run: RunEvents) -> list[RunEvent]:
+    """Every event ``run`` gives its reader, its end last."""
+    events: list[RunEvent] = []
+    while batch := await run.next_events():
+        events.extend(batch)
+    return events
+
+
+async def one_at_a_time(events: AsyncIterator[RunEvent]) -> tuple[RunEvent, ...]:
+    """A fake run's ``next_events`` over its events as an async iterator: the next one
+    alone (as if each came in a frame of its own), none once they ran out."""
+    async for event in events:
+        return (event,)
+    return ()
 
 
 class WiredDispatcher(Dispatcher):

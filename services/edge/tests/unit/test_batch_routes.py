@@ -31,6 +31,7 @@ from iop_edge.entrypoints.http_api import create_api_app, load_openapi
 from iop_edge.errors import EdgeError, from_failure
 from iop_edge.ports import AttemptRecord, EdgeRunRecord, RunSpec
 from iop_edge.service.batches import BatchService
+from iop_edge.testing import one_at_a_time
 from iop_proto.v1 import runtime_pb2 as pb
 
 
@@ -52,15 +53,18 @@ class FakeRun:
 
     def __init__(self, spec: RunSpec, run_id: str) -> None:
         self.run_id, self.provider_id, self.node_id, self.target = run_id, "p1", "n1", "served"
+        self.node_wait_ms = 0
         self.spec = spec
 
-    more_ready = False  # batch lines are collected whole, never relayed
+    _reading: AsyncIterator[RunEvent] | None = None
 
     def attempt_records(self) -> tuple[AttemptRecord, ...]:
         return (AttemptRecord(self.run_id, self.provider_id, self.node_id, "completed"),)
 
-    def __aiter__(self) -> AsyncIterator[RunEvent]:
-        return as_events(self._events())
+    async def next_events(self) -> tuple[RunEvent, ...]:
+        if self._reading is None:
+            self._reading = as_events(self._events())
+        return await one_at_a_time(self._reading)
 
     async def _events(self) -> AsyncIterator[pb.RunEvent]:
         result = {

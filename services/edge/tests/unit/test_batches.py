@@ -44,6 +44,7 @@ from iop_edge.errors import (
 from iop_edge.formats.errors import error_payload
 from iop_edge.ports import AttemptRecord, EdgeRunRecord, RunSpec
 from iop_edge.service.batches import BatchService
+from iop_edge.testing import one_at_a_time
 from iop_proto.v1 import runtime_pb2 as pb
 
 
@@ -82,15 +83,18 @@ class FakeRun:
         self.runs = runs
         self.run_id = run_id
         self.provider_id, self.node_id, self.target = "p1", "n1", SERVED
+        self.node_wait_ms = 0
         self.spec = spec
         self.gate = gate
         self.cancel_reasons: list[str] = []
         self._cancelled = asyncio.Event()
 
-    more_ready = False  # batch lines are collected whole, never relayed
+    _reading: AsyncIterator[RunEvent] | None = None
 
-    def __aiter__(self) -> AsyncIterator[RunEvent]:
-        return as_events(self._events())
+    async def next_events(self) -> tuple[RunEvent, ...]:
+        if self._reading is None:
+            self._reading = as_events(self._events())
+        return await one_at_a_time(self._reading)
 
     async def _events(self) -> AsyncIterator[pb.RunEvent]:
         yield pb.RunEvent(run_id=self.run_id, start=pb.RunStart(provider_id="p1", target=SERVED))

@@ -17,6 +17,7 @@ from iop_edge.metrics import EdgeMetrics
 from iop_edge.ports import RunSpec
 from iop_edge.service.request_run import RequestRun
 from iop_edge.testing import WiredDispatcher as Dispatch
+from iop_edge.testing import read_all
 from iop_proto.v1 import runtime_pb2 as pb
 
 
@@ -183,7 +184,7 @@ async def test_cancel_frees_the_slot_and_tells_the_node(dispatcher: Dispatch) ->
     await run.cancel("client disconnected")
     assert node_a.cancelled == [run.run_id]
     assert dispatcher.pool.slot("a").in_flight == 0
-    events = [event async for event in run]
+    events = await read_all(run)
     assert events[-1].code == ErrorCode.CANCELLED
 
 
@@ -194,7 +195,7 @@ async def test_a_lost_node_ends_its_runs_and_its_providers_are_unavailable(
     available(dispatcher, node_a, "a")
     run = await dispatcher.open_run(spec())
     dispatcher.pool.node_disconnected(node_a, "heartbeat timeout")
-    events = [event async for event in run]
+    events = await read_all(run)
     assert events[-1].code == ErrorCode.PROVIDER_UNAVAILABLE
     assert "heartbeat timeout" in events[-1].message
     assert not dispatcher.pool.slot("a").usable

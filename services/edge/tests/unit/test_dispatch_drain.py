@@ -18,6 +18,7 @@ from iop_edge.ports import RunSpec
 from iop_edge.service.request_run import RequestRun
 from iop_edge.settings import EdgeSettings
 from iop_edge.testing import WiredDispatcher as Dispatch
+from iop_edge.testing import read_all
 from iop_proto.v1 import runtime_pb2 as pb
 
 
@@ -98,7 +99,7 @@ async def test_what_outlasts_the_drain_ends_with_an_error(dispatcher: Dispatch) 
     await dispatcher.fail_all("edge is stopping")
     with pytest.raises(ShuttingDown):
         await queued  # a 503 for its client
-    events = [event async for event in running]
+    events = await read_all(running)
     assert isinstance(events[-1], Failed)  # a stream's last SSE event
     assert dispatcher.idle
 

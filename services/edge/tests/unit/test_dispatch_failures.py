@@ -31,6 +31,7 @@ from iop_edge.ports import RunSpec
 from iop_edge.service.limits import RunBody
 from iop_edge.service.request_run import RequestRun
 from iop_edge.testing import WiredDispatcher as Dispatch
+from iop_edge.testing import read_all
 from iop_proto import json_codec
 from iop_proto.errors import ConnectionClosed
 from iop_proto.framing import encode_frame
@@ -162,7 +163,7 @@ async def _failed_in_send(dispatcher: Dispatch, fault: BaseException) -> BaseExc
     over to here): what the reader gets at its end, as the client would see it."""
     connect(dispatcher, Link(fault))
     run = await dispatcher.open_run(spec())
-    events = [event async for event in run]
+    events = await read_all(run)
     assert isinstance(events[-1], Failed), events
     return from_failure(events[-1])
 

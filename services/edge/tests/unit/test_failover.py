@@ -27,9 +27,9 @@ from iop_edge.metrics import EdgeMetrics
 from iop_edge.ports import RunSpec
 from iop_edge.service.batch_lines import LineRunner
 from iop_edge.service.catalog import PoolCatalog
-from iop_edge.service.request_run import RequestRun
 from iop_edge.service.run_reader import Collector, follow
 from iop_edge.testing import WiredDispatcher as Dispatch
+from iop_edge.testing import read_all
 from iop_proto.v1 import runtime_pb2 as pb
 
 MODEL = "m"
@@ -124,10 +124,6 @@ class Pool:
 async def settle() -> None:
     for _ in range(10):
         await asyncio.sleep(0)
-
-
-async def read_all(run: RequestRun) -> list[RunEvent]:
-    return [event async for event in run]
 
 
 # ------------------------------------------------------------------ the rule

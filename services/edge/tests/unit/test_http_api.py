@@ -25,7 +25,7 @@ from openai import AsyncOpenAI
 from prometheus_client import CollectorRegistry
 
 from iop_edge.adapters.run_wire import run_event
-from iop_edge.domain.events import Failed, RunEvent
+from iop_edge.domain.events import Completed, Failed, RunEvent, Started
 from iop_edge.domain.fleet import ApiKeyEntry, ModelEntry, Operation
 from iop_edge.entrypoints.api_auth import KeySlots
 from iop_edge.entrypoints.api_metrics import ApiMetrics
@@ -92,6 +92,7 @@ class FakeRun:
         self.provider_id = "p1"
         self.node_id = "n1"
         self.target = SERVED
+        self.node_wait_ms = 0
         self._events = events
         self._hang = hang
         self._fail = fail
@@ -102,6 +103,7 @@ class FakeRun:
         self._ended = asyncio.Event()  # cancel(): a hanging run ends with an error event
         self._error: EdgeError | None = None  # what cancel() said the client sees
         self._told_end = False  # its terminal event went to the reader
+        self._reading = as_events(self._iterate())
         self.service: FakeService | None = None  # who admitted it (its queue)
 
     async def open(self) -> None:
@@ -125,13 +127,20 @@ class FakeRun:
     def error(self, failed: Failed) -> EdgeError:
         return self._error or from_failure(failed)
 
-    def __aiter__(self) -> AsyncIterator[RunEvent]:
-        return as_events(self._iterate())
-
-    @property
-    def more_ready(self) -> bool:
-        """All given events count as arrived at once: the relay's batching path runs."""
-        return self._yielded < len(self._events)
+    async def next_events(self) -> list[RunEvent]:
+        """All given events count as arrived at once (the relay's batching path runs);
+        what the run says after them comes alone. A start is the run's to keep, as
+        ``RequestRun.deliver`` keeps it."""
+        batch: list[RunEvent] = []
+        async for event in self._reading:
+            start = event.start if isinstance(event, Completed) else event
+            if isinstance(start, Started):
+                self.node_wait_ms = start.queue_wait_ms
+            if not isinstance(event, Started):
+                batch.append(event)
+            if batch and self._yielded == len(self._events):
+                break
+        return batch
 
     async def _iterate(self) -> AsyncIterator[pb.RunEvent]:
         for sequence, event in enumerate(self._events):

@@ -5,12 +5,15 @@ stops the key for the rest of its calendar period, and the headers say the same.
 
 from __future__ import annotations
 
+from collections.abc import MutableMapping
 from datetime import UTC, datetime
+from typing import Any
 
 import pytest
 
 from iop_edge.adapters.fleet_proto import fleet_from_proto
-from iop_edge.domain.fleet import NO_LIMITS, ApiKeyEntry, BudgetPeriod, KeyLimits
+from iop_edge.domain.events import Delta
+from iop_edge.domain.fleet import NO_LIMITS, ApiKeyEntry, BudgetPeriod, KeyLimits, Operation
 from iop_edge.domain.key_rates import (
     BUDGET,
     INPUT,
@@ -19,8 +22,12 @@ from iop_edge.domain.key_rates import (
     period_bounds,
     scopes_of,
 )
+from iop_edge.domain.usage import Api
+from iop_edge.entrypoints.inference_routes import _SseSink
 from iop_edge.entrypoints.rate_headers import anthropic_headers, duration, openai_headers
+from iop_edge.entrypoints.run_trace import RunTrace
 from iop_edge.errors import TooManyConcurrent
+from iop_edge.formats.openai import ChunkStream
 from iop_edge.service.key_rates import KeyRates, estimate_input_tokens, limited
 from iop_edge.service.memory_key_rates import MemoryKeyRates
 from iop_proto.v1 import runtime_pb2 as pb
@@ -218,6 +225,45 @@ async def test_a_meter_counts_the_stream_and_corrects_the_estimate_once() -> Non
         1000 - 30 - 1 - 1  # the first, the later one's estimate, this one's: none of its 100
     )
     assert not limited(keyed(NO_LIMITS))
+
+
+class Written:
+    """A ``StreamOut`` that keeps what the relay writes."""
+
+    def __init__(self) -> None:
+        self.prepared = False
+        self.headers: MutableMapping[str, str] = {}
+        self.data = b""
+
+    async def prepare(self, request: Any) -> None:
+        self.prepared = True
+
+    async def write(self, data: bytes) -> None:
+        self.data += data
+
+    async def write_eof(self, data: bytes = b"") -> None:
+        self.data += data
+
+
+async def test_a_relayed_stream_counts_each_delta_once_the_first_too() -> None:
+    rates = KeyRates(MemoryKeyRates(Clock()))
+    key = keyed(KeyLimits(output_tokens_per_minute=1000))
+    meter = await rates.admit(key, "m", {"messages": []})
+    chat = Operation.CHAT_COMPLETIONS
+    writer = ChunkStream(chat, run_id="r", model="m", created=0)
+    out = Written()
+    request: Any = None  # what ``prepare`` is given: nothing a ``Written`` reads
+    sink = _SseSink(request, out, writer, RunTrace(chat, Api.CHAT_COMPLETIONS), meter)
+    for text in ("a", "b", "c"):
+        write = sink.delta(Delta(text), more=False)
+        if write is not None:
+            await write
+    assert out.prepared
+    assert out.data.count(b"data: ") == 3
+    meter.settle(prompt_tokens=0, completion_tokens=0, ran=True)  # the deltas stand for it
+    await meter.close()
+    later = await rates.admit(key, "m", {"messages": []})
+    assert {g.kind: g.remaining for g in later.gauges}[OUTPUT] == 1000 - 3
 
 
 async def test_no_sixty_seconds_hold_more_than_the_limit_across_a_seconds_edge() -> None:

@@ -19,8 +19,8 @@ from iop_edge.errors import UnsupportedOperation, from_failure
 from iop_edge.metrics import EdgeMetrics
 from iop_edge.ports import RunSpec
 from iop_edge.service.catalog import PoolCatalog
-from iop_edge.service.request_run import RequestRun
 from iop_edge.testing import WiredDispatcher as Dispatch
+from iop_edge.testing import read_all
 from iop_proto.v1 import runtime_pb2 as pb
 
 MODEL = "m"
@@ -97,10 +97,6 @@ def spec(operation: Operation) -> RunSpec:
     if operation is Operation.CHAT_COMPLETIONS:
         body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
     return RunSpec(MODEL, operation, body, stream=False, include_usage=False)
-
-
-async def read_all(run: RequestRun) -> list[RunEvent]:
-    return [event async for event in run]
 
 
 async def test_a_request_goes_only_to_a_provider_that_offers_its_operation() -> None:

@@ -18,8 +18,7 @@ from iop_edge.entrypoints.provider_pin import provider_pin
 from iop_edge.errors import InvalidRequest, OperatorOnly
 from iop_edge.metrics import EdgeMetrics
 from iop_edge.ports import RunSpec
-from iop_edge.service.request_run import RequestRun
-from iop_edge.testing import WiredDispatcher
+from iop_edge.testing import WiredDispatcher, read_all
 from iop_proto.v1 import runtime_pb2 as pb
 
 MODEL = "m"
@@ -81,10 +80,6 @@ class Pool:
 def spec(pin: str = "") -> RunSpec:
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
     return RunSpec(MODEL, Operation.CHAT_COMPLETIONS, body, False, False, pin=pin)
-
-
-async def read_all(run: RequestRun) -> list[RunEvent]:
-    return [event async for event in run]
 
 
 @pytest.mark.parametrize("pin", ["b", "node-b/b"])

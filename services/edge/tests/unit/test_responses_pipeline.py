@@ -32,7 +32,7 @@ from iop_edge.entrypoints.api_metrics import ApiMetrics
 from iop_edge.entrypoints.http_api import create_api_app, load_openapi
 from iop_edge.errors import EdgeError, from_failure
 from iop_edge.ports import AttemptRecord, EdgeRunRecord, RunSpec, StoredResponse
-from iop_edge.testing import MemoryResponseStore
+from iop_edge.testing import MemoryResponseStore, one_at_a_time
 from iop_proto import json_codec
 from iop_proto.postgres import StorageUnavailable as StoreDown
 from iop_proto.testing import loopback_app
@@ -48,6 +48,7 @@ class Run:
         self.provider_id = "p1"
         self.node_id = "n1"
         self.target = "served"
+        self.node_wait_ms = 0
         self._events = events
         self.cancelled: list[str] = []
 
@@ -55,12 +56,12 @@ class Run:
         for event in self._events:
             yield event
 
-    def __aiter__(self) -> AsyncIterator[RunEvent]:
-        return self._iterate()
+    _reading: AsyncIterator[RunEvent] | None = None
 
-    @property
-    def more_ready(self) -> bool:
-        return False
+    async def next_events(self) -> tuple[RunEvent, ...]:
+        if self._reading is None:
+            self._reading = self._iterate()
+        return await one_at_a_time(self._reading)
 
     async def cancel(self, reason: str, error: EdgeError | None = None) -> None:
         self.cancelled.append(reason)

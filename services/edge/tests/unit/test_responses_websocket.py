@@ -26,7 +26,7 @@ from iop_edge.formats.reasoning_seal import ReasoningSeal
 from iop_edge.ports import AttemptRecord, EdgeRunRecord, RunSpec
 from iop_edge.service.key_rates import KeyRates
 from iop_edge.service.memory_key_rates import MemoryKeyRates
-from iop_edge.testing import MemoryResponseStore
+from iop_edge.testing import MemoryResponseStore, one_at_a_time
 from iop_proto.postgres import StorageUnavailable as StoreDown
 from iop_proto.testing import loopback_app
 
@@ -42,6 +42,7 @@ class Run:
         self.provider_id = "p1"
         self.node_id = "n1"
         self.target = "served"
+        self.node_wait_ms = 0
         self.cancelled: list[str] = []
         self.stopped = asyncio.Event()
 
@@ -50,12 +51,12 @@ class Run:
         yield Delta(text="one", role="assistant")
         await self.stopped.wait()
 
-    def __aiter__(self) -> AsyncIterator[RunEvent]:
-        return self._iterate()
+    _reading: AsyncIterator[RunEvent] | None = None
 
-    @property
-    def more_ready(self) -> bool:
-        return False
+    async def next_events(self) -> tuple[RunEvent, ...]:
+        if self._reading is None:
+            self._reading = self._iterate()
+        return await one_at_a_time(self._reading)
 
     async def cancel(self, reason: str, error: EdgeError | None = None) -> None:
         self.cancelled.append(reason)

@@ -135,10 +135,11 @@ class World:
         try:
             async with self.slots.hold(request.key, run):
                 await run.open()
-                async for event in run:
-                    request.seen.append(event)
-                    if isinstance(event, Completed | Failed):
-                        request.outcomes.append(event)
+                while batch := await run.next_events():
+                    for event in batch:
+                        request.seen.append(event)
+                        if isinstance(event, Completed | Failed):
+                            request.outcomes.append(event)
         except BaseException as exc:
             if not run.ended:  # as the route: what leaves the run open ends it
                 await asyncio.shield(run.cancel(f"ended by {type(exc).__name__}"))

@@ -347,7 +347,7 @@ class InferenceRoutes:
         response.headers["X-Request-Id"] = run.run_id
         response.headers.update(trace.headers)
         writer = dialect.stream_writer(asked, run.run_id, trace.created)
-        sink = _SseSink(request, response, writer, run, trace, meter)
+        sink = _SseSink(request, response, writer, trace, meter)
         try:
             end = await follow(run, sink)
             pending = sink.pending
@@ -436,7 +436,6 @@ class _SseSink:
     (one frame batch from the node) leave as one HTTP chunk."""
 
     __slots__ = (
-        "_events",
         "_meter",
         "_request",
         "_response",
@@ -444,7 +443,6 @@ class _SseSink:
         "_write_delta",
         "_writer",
         "pending",
-        "started",
     )
 
     def __init__(
@@ -452,39 +450,36 @@ class _SseSink:
         request: ApiRequest,
         response: StreamOut,
         writer: StreamWriter,
-        events: RunEvents,
         trace: RunTrace,
         meter: Meter | None = None,
     ) -> None:
         self._request = request
         self._meter = meter  # a limited key's: each delta counts as an output token
         self._response = response
-        self._events = events
         self._trace = trace
         self._writer = writer
         self._write_delta = writer.delta  # the writer is fixed for the stream
         self.pending: list[bytes] = []
-        self.started = trace.started  # the start only times the run: the trace's own
 
     def restart(self) -> None:
         """Nothing to drop: a stream fails over only before its first delta, and that
         delta is what sends the status line (``_first``)."""
 
-    def delta(self, event: Delta) -> Awaitable[None] | None:
-        if self._meter is not None:
-            self._meter.output()
+    def delta(self, event: Delta, more: bool) -> Awaitable[None] | None:
         response = self._response
         if not response.prepared:
-            return self._first(event)
+            return self._first(event, more)  # which comes back here, prepared
+        if self._meter is not None:
+            self._meter.output()
         pending = self.pending
         pending.append(self._write_delta(event))
-        if self._events.more_ready:
+        if more:
             return None
         data = b"".join(pending)
         pending.clear()
         return response.write(data)
 
-    async def _first(self, event: Delta) -> None:
+    async def _first(self, event: Delta, more: bool) -> None:
         """The first delta sends the status line (a run failing before it gets a real
         HTTP error instead)."""
         trace = self._trace
@@ -494,7 +489,7 @@ class _SseSink:
         await self._response.prepare(self._request)
         if self._writer.opening is not None:
             self.pending.append(self._writer.opening())
-        write = self.delta(event)
+        write = self.delta(event, more)
         if write is not None:
             await write
 

@@ -1,7 +1,7 @@
 """What one inference request went through, gathered as it happens, recorded once.
 
-Handlers note facts (the run once dispatched, its start, first delta, completion,
-failure, a client gone) as they occur; at the end ``account()`` turns them into the metrics and the
+Handlers note facts (the run once dispatched, its first delta, completion, failure,
+a client gone) as they occur; at the end ``account()`` turns them into the metrics and the
 ``EdgeRunRecord`` it records, whatever way the request ended.
 """
 
@@ -12,7 +12,7 @@ import uuid
 
 from opentelemetry.trace import Span
 
-from iop_edge.domain.events import Completed, Started
+from iop_edge.domain.events import Completed
 from iop_edge.domain.fleet import Operation
 from iop_edge.domain.usage import Api
 from iop_edge.entrypoints.api_metrics import ApiMetrics, ModelSeries
@@ -42,12 +42,10 @@ class RunTrace:
         "key_id",
         "local_id",
         "model",
-        "node_wait_ms",
         "operation",
         "outcome",
         "overhead_s",
         "prompt_tokens",
-        "provider_id",
         "provider_s",
         "received_at",
         "received_ms",
@@ -74,9 +72,7 @@ class RunTrace:
         self.run_id = ""  # set once RunService dispatched the request, with:
         self.run: RunEvents | None = None  # the dispatched run: its attempts, for the record
         self.local_id = ""  # the log's id for a request that never became a run
-        self.provider_id = ""
         self.edge_wait_s = 0.0  # inside the run's open (RunEvents.open): the model's queue
-        self.node_wait_ms = 0  # the node's FIFO queue (RunStart)
         self.first_delta_at = 0.0  # a stream's relay sets it, a collector by first_delta()
         self.outcome = ""
         self.status = 0
@@ -97,10 +93,6 @@ class RunTrace:
         if not self.local_id:
             self.local_id = "req-" + uuid.uuid4().hex
         return self.local_id
-
-    def started(self, start: Started) -> None:
-        self.node_wait_ms = start.queue_wait_ms
-        self.provider_id = start.provider_id or self.provider_id
 
     def overhead(self, provider_us: int | None = None) -> str:
         """``x-iop-overhead-ms``: the time since the request arrived, less the provider's
@@ -161,8 +153,10 @@ class RunTrace:
         status = self.status or 500
         series = self.series if self.series is not None else metrics.models[self.model]
         series.duration.observe(ended_at - received_at)
-        queue_wait_ms = round(self.edge_wait_s * 1000) + self.node_wait_ms
-        if self.run_id:
+        run = self.run
+        queue_wait_ms = round(self.edge_wait_s * 1000)
+        if run is not None:  # dispatched: the node's queue too
+            queue_wait_ms += run.node_wait_ms
             series.queue_wait.observe(queue_wait_ms / 1000)
         # 0 means "did not happen" in the record: anything that happened is at least 1 ms.
         ttft_ms = 0
@@ -172,12 +166,11 @@ class RunTrace:
             ttft_ms = max(1, round(ttft_s * 1000))
         if self.overhead_s is not None:
             metrics.overheads[operation, self.stream].observe(self.overhead_s)
-        run = self.run
         attempts = run.attempt_records() if run is not None else ()
         if attempts:  # who served it: the last attempt (after a failover too)
             provider_id, node_id = attempts[-1].provider_id, attempts[-1].node_id
         elif run is not None:
-            provider_id, node_id = self.provider_id or run.provider_id, run.node_id
+            provider_id, node_id = run.provider_id, run.node_id
         else:
             provider_id = node_id = ""  # never dispatched
         outcome = self.outcome or "failed"

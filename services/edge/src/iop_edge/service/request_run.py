@@ -35,7 +35,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from iop_edge.domain.events import (
@@ -47,6 +47,7 @@ from iop_edge.domain.events import (
     Retrying,
     RunEvent,
     RunOrder,
+    Started,
 )
 from iop_edge.domain.faults import retryable
 from iop_edge.domain.fleet import ModelEntry
@@ -133,6 +134,7 @@ class RequestRun:
         "link",
         "model",
         "node_id",
+        "node_wait_ms",
         "outcome",
         "provider_id",
         "run_id",
@@ -182,6 +184,7 @@ class RequestRun:
         self.provider_id = ""
         self.node_id = ""
         self.target = ""
+        self.node_wait_ms = 0  # the node's queue, as the attempt's start said
         self.link: NodeLink | None = None  # while an attempt is on its node
         self.slot: ProviderSlot | None = None  # the slot it holds (none for count_tokens)
         self.edge_queue_wait_s = 0.0
@@ -346,7 +349,8 @@ class RequestRun:
 
     def deliver(self, event: RunEvent | Accepted) -> None:
         """An event of the attempt from its node. Any event is an acknowledgement;
-        ``Accepted`` is nothing else (never queued)."""
+        ``Accepted`` is nothing else, a start is the run's to keep (its node's queue
+        wait): only deltas are queued for the reader, and the end is the outcome."""
         if self.link is None:
             return  # the attempt is over: a late event
         self._acked = True
@@ -359,15 +363,16 @@ class RequestRun:
             if not self.answered:  # the provider answers: its load, if any, is over
                 self.answered = True
                 self._owner.first_delta(self)
+        elif isinstance(event, Started):
+            self.node_wait_ms = event.queue_wait_ms
         elif isinstance(event, Completed):
+            if event.start is not None:  # a folded completion: the start came with it
+                self.node_wait_ms = event.start.queue_wait_ms
             self._attempt_over(event, told=True)
             self.end(event)
         elif isinstance(event, Failed):
             self._owner.provider_failed(self, event)
             self._attempt_failed(event, told=True)
-        elif not isinstance(event, Accepted):
-            self._events.append(event)
-            self._wake()
 
     def fail(self, code: ErrorCode, message: str) -> None:
         """The attempt's node link is gone (its node dropped its runs with it)."""
@@ -476,29 +481,23 @@ class RequestRun:
 
     # ------------------------------------------------------------ the reader
 
-    @property
-    def more_ready(self) -> bool:
-        """Events wait already: a relay can write them out together with this one."""
-        return bool(self._events)
-
     def _wake(self) -> None:
         reader = self._reader
         if reader is not None and not reader.done():
             reader.set_result(None)
 
-    def __aiter__(self) -> RequestRun:
-        return self  # one reader: the run is its own iterator
-
-    async def __anext__(self) -> RunEvent:
+    async def next_events(self) -> Sequence[RunEvent]:
+        """Implements ``RunEvents.next_events``: one reader takes what arrived, the
+        outcome last; a failed attempt's next one is opened here (the reader's task)."""
         events = self._events
         while not events:
             if self.outcome is not None:
                 if self._iterated:
-                    raise StopAsyncIteration
+                    return ()
                 self._iterated = True  # the outcome is the last event anyone sees
                 if self._untold is not None:
                     await self._tell_node()
-                return self.outcome
+                return (self.outcome,)
             if self._failed is not None:
                 return await self._fail_over(self._failed)
             self._reader = self._loop.create_future()
@@ -506,9 +505,10 @@ class RequestRun:
                 await self._reader
             finally:
                 self._reader = None
-        return events.popleft()
+        self._events = deque()  # what arrives from now on is the next call's
+        return events
 
-    async def _fail_over(self, failed: Failed) -> RunEvent:
+    async def _fail_over(self, failed: Failed) -> Sequence[RunEvent]:
         """The next attempt, announced by ``Retrying``; the run's end when no other
         provider can take it in time."""
         self._failed = None
@@ -522,10 +522,10 @@ class RequestRun:
             await self._owner.reopen(self, failed)
         except EdgeError as exc:
             self.refuse(exc)  # nobody else, or no room in time
-            return await self.__anext__()
+            return await self.next_events()
         finally:
             self._last_failure = None
-        return Retrying(failed, last)
+        return (Retrying(failed, last),)
 
     # ------------------------------------------------------------ the record
 
