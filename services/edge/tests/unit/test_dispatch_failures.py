@@ -28,7 +28,7 @@ from iop_edge.errors import (
 )
 from iop_edge.metrics import EdgeMetrics
 from iop_edge.ports import RunSpec
-from iop_edge.service.limits import RunBody
+from iop_edge.service.limits import RUN_FRAME_OVERHEAD, SWITCHES_SLACK, RunBody
 from iop_edge.service.request_run import RequestRun
 from iop_edge.testing import WiredDispatcher as Dispatch
 from iop_proto import json_codec
@@ -442,7 +442,8 @@ async def test_output_lengths_past_the_models_cap_are_lowered_to_it() -> None:
 def test_the_run_body_is_measured_exactly_and_reads_back(
     body: dict[str, object], served: str
 ) -> None:
-    run_body = RunBody(body)
-    written = run_body.with_model(served)
-    assert run_body.size_with(served) == len(written)
+    run_body = RunBody(body, [served])
+    written, _, _ = run_body.for_provider("mock", served, Operation.CHAT_COMPLETIONS, False)
+    needed = len(written) + len(served.encode()) + SWITCHES_SLACK + RUN_FRAME_OVERHEAD
+    assert run_body.frame_bytes == needed
     assert json_codec.loads(written) == {**body, "model": served}

@@ -55,7 +55,7 @@ from iop_edge.errors import (
 from iop_edge.formats.errors import internal_error
 from iop_edge.ports import Catalog, KeyRing, RunEvents, RunLog, RunService
 from iop_edge.service.key_rates import KeyRates, Meter, limited
-from iop_edge.service.limits import CLAMP_HEADER, clamp_output_tokens
+from iop_edge.service.limits import CLAMP_HEADER, bound_answer
 from iop_edge.service.run_reader import Collector, follow
 from iop_proto.service.logging import log_unexpected
 from iop_proto.tracing import Tracing, trace_id, traceparent
@@ -258,7 +258,7 @@ class InferenceRoutes:
             if not may_drill(key, self._mock_drills):
                 raise InvalidRequest(drills.REFUSAL, param=drills.HOOK)
             changes["drill"] = True
-        chat, clamp = clamp_output_tokens(
+        chat, clamp = bound_answer(
             spec.operation,
             spec.body,
             entry.max_output_tokens,

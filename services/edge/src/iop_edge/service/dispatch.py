@@ -47,12 +47,7 @@ from iop_edge.errors import (
 from iop_edge.metrics import EdgeMetrics
 from iop_edge.ports import FleetView, RunSpec
 from iop_edge.service.backfill import Backfill
-from iop_edge.service.limits import (
-    RunBody,
-    check_answer_size,
-    check_run_frame,
-    clamp_output_tokens,
-)
+from iop_edge.service.limits import RunBody, bound_answer
 from iop_edge.service.registry import ProviderRegistry
 from iop_edge.service.request_run import RequestRun
 from iop_edge.service.runs import UNGUARDED, NodeLink, RunGuards
@@ -174,7 +169,7 @@ class Dispatcher:
 
         What can be judged without a slot is judged here: the output cap (a larger
         output length is lowered to it), the fields that multiply the answer's size
-        (``check_answer_size``), and the run's frame, serialised once and measured.
+        (``bound_answer``), and the run's frame, serialised once and measured (``RunBody``).
         """
         if self._stopping is not None:
             raise ShuttingDown(self._stopping)
@@ -183,10 +178,8 @@ class Dispatcher:
             raise ModelNotFound(f"The model '{spec.model}' does not exist", param="model")
         # The HTTP pipeline has clamped already (and said so in a header); a batch line
         # is clamped here, by the same rule.
-        chat, _ = clamp_output_tokens(spec.operation, spec.body, model.max_output_tokens)
-        check_answer_size(spec.operation, chat)
-        body = RunBody(chat)
-        check_run_frame(body, model, self._max_frame_size)
+        chat, _ = bound_answer(spec.operation, spec.body, model.max_output_tokens)
+        body = RunBody(chat, model.providers.values(), self._max_frame_size)
         # The model's providers that do not offer the operation, which it may not go to;
         # when that is all of them, the request is refused before any queue.
         index = self._registry.index(spec.model)
