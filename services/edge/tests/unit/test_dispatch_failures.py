@@ -302,7 +302,7 @@ async def test_a_failure_at_any_step_gives_every_slot_and_queue_place_back(case:
     assert dispatcher.queued(MODEL) == 0
     assert dispatcher.runs_in_flight() == 0
     if case.told_node:
-        link = dispatcher.pool.link("node-a")
+        link = dispatcher.pool.links.get("node-a")
         assert isinstance(link, Link)
         assert len(link.cancelled) == 1  # the node drops a run that may have reached it
         link.gate.set()

@@ -134,7 +134,7 @@ class Dispatcher:
                 for run in [r for r in self._waiting if r.model.id == model_id]:
                     run.refuse(NoProviderAvailable("the model was removed"))
                 self._metrics.forget_model(model_id)
-            elif self._waiting and not _members(self._registry.index(model_id)):
+            elif self._waiting and not _members(self._registry.indexes.get(model_id)):
                 message = (
                     f"The model '{model_id}' has no provider any more: the fleet changed"
                     " while this request waited (its nodes retired or its providers removed)"
@@ -182,7 +182,7 @@ class Dispatcher:
         body = RunBody(chat, model.providers.values(), self._max_frame_size)
         # The model's providers that do not offer the operation, which it may not go to;
         # when that is all of them, the request is refused before any queue.
-        index = self._registry.index(spec.model)
+        index = self._registry.indexes.get(spec.model)
         lacking = None if index is None else index.lacking.get(spec.operation)
         if index is None or lacking is None:  # all offer it
             lacking = _NOBODY
@@ -218,7 +218,7 @@ class Dispatcher:
         if self._stopping is not None:
             raise ShuttingDown(self._stopping)
         model = self._fleet.current.models.get(spec.model)
-        index = self._registry.index(spec.model)
+        index = self._registry.indexes.get(spec.model)
         exclude = run.exclude
         if index is not None and (lacking := index.lacking.get(spec.operation)):
             exclude = exclude | lacking  # also what it learnt from the failed attempt's 501
@@ -241,7 +241,7 @@ class Dispatcher:
         loop = asyncio.get_running_loop()
         started = loop.time()
         spec = run.spec
-        index = self._registry.index(model.id)
+        index = self._registry.indexes.get(model.id)
         if index is None:  # the fleet's models and the registry's indexes change together
             raise NoProviderAvailable(f"No provider of '{model.id}' is available right now")
         # The request's prompt prefix as block hashes (``iop_proto.prefix``) steers cache
@@ -279,7 +279,7 @@ class Dispatcher:
             )
         if self._failing is not None:  # handed its slot just before fail_all: a 503 instead
             raise ShuttingDown(self._failing)
-        link = self._registry.link(slot.node_id)
+        link = self._registry.links.get(slot.node_id)
         if link is None:  # the node left while this request waited for the slot
             raise NoProviderAvailable(f"node {slot.node_id} is gone", code="provider_unavailable")
         timeout_s = (entry.request_timeout_ms or 600_000) / 1000
@@ -554,7 +554,7 @@ class Dispatcher:
         class, then the keys' turns, FIFO within a key), batch lines within their share."""
         for model_id in model_ids:
             queue = self._queues.get(model_id)
-            index = self._registry.index(model_id)
+            index = self._registry.indexes.get(model_id)
             if not queue or index is None:
                 continue
             while queue:

@@ -170,8 +170,9 @@ class RunBody:
         prepared (its fields, the served name, its streaming switches), any other type
         the client's body with the served name, for its adapter to read."""
         fields = ALLOWED.get((provider_type, operation))
+        blocks: tuple[int, ...] = ()
         if fields is None:  # not an OpenAI-compatible type, or count_tokens
-            switches, prepared, blocks = self.switches, False, ()
+            switches, prepared = self.switches, False
         else:
             blocks = self.prompt_blocks() if operation in _PROMPTED else ()
             if not self.fields.keys() - _PER_PROVIDER <= fields:
