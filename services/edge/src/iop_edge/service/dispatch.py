@@ -310,9 +310,11 @@ class Dispatcher:
         guards = self._guards if link.acknowledges_runs else self._stall_only
         run.attempt(order, link, guards, timeout_s, self._deadline_grace_s, now_ms)
         self._runs[order.run_id] = run
-        if not slotless:
-            # The first attempt's id is the response's (Responses): its successor's key.
-            chained = spec.chained and deadline is None
+        # Where the request went, for cache affinity: its session, the key its successor
+        # names (Responses: the first attempt's id is the response's), its prefix. A
+        # request that names none of them leaves nothing to remember.
+        chained = spec.chained and deadline is None
+        if not slotless and (spec.session is not None or chained or chain):
             also = successor_key(run.run_id, spec.scope) if chained else None
             self._affinity.placed(model.id, slot, spec.session, chain, started, also)
         run.edge_queue_wait_s = loop.time() - started
