@@ -34,7 +34,7 @@ from iop_edge.metrics import EdgeMetrics
 from iop_edge.ports import EdgeRunRecord
 from iop_edge.service.backfill import Backfill
 from iop_edge.service.batches import BatchService
-from iop_edge.service.catalog import FleetKeyRing, PoolCatalog
+from iop_edge.service.catalog import PoolCatalog
 from iop_edge.service.dispatch import Dispatcher
 from iop_edge.service.fleet_holder import FleetHolder
 from iop_edge.service.key_rates import KeyRates, LineBudget
@@ -120,7 +120,7 @@ async def build(
     )
     body_limit = max_body_bytes(settings.max_frame_size)  # what a node link can carry
     catalog = PoolCatalog(fleet_holder, providers, dispatcher)
-    keys = FleetKeyRing(fleet_holder)
+    keys = fleet_holder  # the key ring: the fleet's API keys (hashes only)
     nodes: NodeServer | None = None
     keys_were_open: bool | None = None
     http = settings.http

@@ -131,7 +131,7 @@ class ModelNotAllowed(EdgeError):
 
 
 class PriorityNotAllowed(EdgeError):
-    """A key that is not an operator's sent ``x-iop-priority`` (entrypoints/queue_share.py)."""
+    """A key that is not an operator's sent ``x-iop-priority`` (entrypoints/routing_hints.py)."""
 
     status, type, code = 403, "invalid_request_error", "priority_not_allowed"
 

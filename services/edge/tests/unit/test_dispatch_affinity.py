@@ -172,7 +172,7 @@ async def test_with_no_free_slot_elsewhere_the_wait_goes_on_up_to_its_bound() ->
 
 async def test_a_waiter_whose_provider_goes_away_goes_elsewhere_at_once() -> None:
     dispatcher, first, waiting = await waiting_aside()
-    node = dispatcher.pool.link(f"n-{first.provider_id}")
+    node = dispatcher.pool.links.get(f"n-{first.provider_id}")
     assert node is not None
     dispatcher.pool.node_disconnected(node, "test")  # failover: its node is gone
     second = await asyncio.wait_for(waiting, 1)
@@ -248,7 +248,7 @@ async def test_affinity_survives_the_node_s_restart() -> None:
     dispatcher = wired(capacity=2)
     first = await dispatcher.open_run(turn("s1", "one"))
     complete(first)
-    node = dispatcher.pool.link(f"n-{first.provider_id}")
+    node = dispatcher.pool.links.get(f"n-{first.provider_id}")
     assert node is not None
     dispatcher.pool.node_disconnected(node, "restart")
     connect(dispatcher, first.provider_id)

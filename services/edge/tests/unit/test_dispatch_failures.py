@@ -28,7 +28,7 @@ from iop_edge.errors import (
 )
 from iop_edge.metrics import EdgeMetrics
 from iop_edge.ports import RunSpec
-from iop_edge.service.limits import RunBody
+from iop_edge.service.limits import RUN_FRAME_OVERHEAD, SWITCHES_SLACK, RunBody
 from iop_edge.service.request_run import RequestRun
 from iop_edge.testing import WiredDispatcher as Dispatch
 from iop_edge.testing import read_all
@@ -303,7 +303,7 @@ async def test_a_failure_at_any_step_gives_every_slot_and_queue_place_back(case:
     assert dispatcher.queued(MODEL) == 0
     assert dispatcher.runs_in_flight() == 0
     if case.told_node:
-        link = dispatcher.pool.link("node-a")
+        link = dispatcher.pool.links.get("node-a")
         assert isinstance(link, Link)
         assert len(link.cancelled) == 1  # the node drops a run that may have reached it
         link.gate.set()
@@ -443,7 +443,8 @@ async def test_output_lengths_past_the_models_cap_are_lowered_to_it() -> None:
 def test_the_run_body_is_measured_exactly_and_reads_back(
     body: dict[str, object], served: str
 ) -> None:
-    run_body = RunBody(body)
-    written = run_body.with_model(served)
-    assert run_body.size_with(served) == len(written)
+    run_body = RunBody(body, [served])
+    written, _, _ = run_body.for_provider("mock", served, Operation.CHAT_COMPLETIONS, False)
+    needed = len(written) + len(served.encode()) + SWITCHES_SLACK + RUN_FRAME_OVERHEAD
+    assert run_body.frame_bytes == needed
     assert json_codec.loads(written) == {**body, "model": served}

@@ -174,7 +174,7 @@ def test_the_share_is_of_the_usable_capacity_and_at_least_one_slot() -> None:
     with pytest.raises(ValueError, match="max_share"):
         Backfill(0)
     dispatcher, _ = wired(capacity=5)
-    members = dispatcher.pool.index(MODEL).members  # type: ignore[union-attr]
+    members = dispatcher.pool.indexes.get(MODEL).members  # type: ignore[union-attr]
     assert Backfill(0.5).cap(members) == 2
     assert Backfill(0.01).cap(members) == 1
     assert Backfill(1.0).cap(members) == 5

@@ -113,11 +113,11 @@ async def test_every_dispatch_chooses_what_the_scan_chooses(seed: int) -> None:
                 ending.deliver(Failed(ErrorCode.PROVIDER_ERROR, "500", 500))
             await asyncio.sleep(0)  # a cooldown armed before may end now
         elif action < 0.8:
-            if dispatcher.pool.link(node.node_id) is not None:
+            if dispatcher.pool.links.get(node.node_id) is not None:
                 dispatcher.pool.apply_snapshot(node.node_id, provider_reports(states))
             else:
                 dispatcher.pool.node_connected(node, provider_reports(states))
-        elif action < 0.88 and dispatcher.pool.link(node.node_id) is not None:
+        elif action < 0.88 and dispatcher.pool.links.get(node.node_id) is not None:
             dispatcher.pool.node_disconnected(node, "test")
         elif action < 0.94 and runs:
             run = rng.choice(runs)
@@ -128,7 +128,7 @@ async def test_every_dispatch_chooses_what_the_scan_chooses(seed: int) -> None:
             dispatcher.pool.apply_fleet(random_fleet(rng, step + 2))
         runs = [r for r in runs if not r.attempt_finished]
         for slot in dispatcher.pool.slots():
-            assert slot.connected == (dispatcher.pool.link(slot.node_id) is not None), (seed, step)
+            assert slot.connected == (slot.node_id in dispatcher.pool.links), (seed, step)
             ejected = slot.outlier.phase is Phase.EJECTED
             assert ejected == (slot.provider_id in dispatcher.pool._cooldowns), (seed, step)
             ejections.update([slot.provider_id] if ejected else [])

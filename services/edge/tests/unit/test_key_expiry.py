@@ -13,7 +13,6 @@ import pytest
 from iop_edge.adapters.fleet_proto import fleet_from_proto
 from iop_edge.entrypoints.api_auth import authenticate
 from iop_edge.errors import AuthenticationFailed, KeyExpired
-from iop_edge.service.catalog import FleetKeyRing
 from iop_edge.service.fleet_holder import FleetHolder
 from iop_proto.v1 import runtime_pb2 as pb
 
@@ -39,7 +38,7 @@ def bearer(secret: str) -> Request:
 
 
 @pytest.fixture
-def ring() -> FleetKeyRing:
+def ring() -> FleetHolder:
     now_ms = int(time.time() * 1000)
     hour = 3_600_000
     config = pb.FleetConfig(
@@ -68,10 +67,10 @@ def ring() -> FleetKeyRing:
             )
         ],
     )
-    return FleetKeyRing(FleetHolder(fleet_from_proto(config)))
+    return FleetHolder(fleet_from_proto(config))
 
 
-def test_a_rotated_key_is_one_key_with_two_secrets(ring: FleetKeyRing) -> None:
+def test_a_rotated_key_is_one_key_with_two_secrets(ring: FleetHolder) -> None:
     new = authenticate(bearer("sk-iop-new"), ring)
     old = authenticate(bearer("sk-iop-old"), ring)
     assert new is not None
@@ -84,7 +83,7 @@ def test_a_rotated_key_is_one_key_with_two_secrets(ring: FleetKeyRing) -> None:
 
 
 @pytest.mark.parametrize("secret", ["sk-iop-past", "sk-iop-gone"])
-def test_an_expired_secret_is_refused_saying_so(ring: FleetKeyRing, secret: str) -> None:
+def test_an_expired_secret_is_refused_saying_so(ring: FleetHolder, secret: str) -> None:
     with pytest.raises(KeyExpired) as refused:
         authenticate(bearer(secret), ring)
     assert refused.value.status == 401
@@ -92,7 +91,7 @@ def test_an_expired_secret_is_refused_saying_so(ring: FleetKeyRing, secret: str)
     assert "expired at" in refused.value.message
 
 
-def test_an_unknown_secret_is_still_only_unknown(ring: FleetKeyRing) -> None:
+def test_an_unknown_secret_is_still_only_unknown(ring: FleetHolder) -> None:
     with pytest.raises(AuthenticationFailed) as refused:
         authenticate(bearer("sk-iop-never"), ring)
     assert not isinstance(refused.value, KeyExpired)

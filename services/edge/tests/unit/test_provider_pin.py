@@ -14,7 +14,7 @@ from iop_edge.adapters.run_wire import provider_reports
 from iop_edge.domain.events import Completed, ErrorCode, Failed, RunEvent, RunOrder
 from iop_edge.domain.fleet import ApiKeyEntry, Fleet, ModelEntry, Operation, ProviderEntry
 from iop_edge.domain.pin import PinUnknown, pinned_out
-from iop_edge.entrypoints.provider_pin import provider_pin
+from iop_edge.entrypoints.routing_hints import routing_hints
 from iop_edge.errors import InvalidRequest, OperatorOnly
 from iop_edge.metrics import EdgeMetrics
 from iop_edge.ports import RunSpec
@@ -139,6 +139,12 @@ def test_pinned_out_names_every_other_provider() -> None:
     assert pinned_out("n1/c", members) == {"a", "b"}
     with pytest.raises(PinUnknown):
         pinned_out("n2/c", members)
+
+
+def provider_pin(key: ApiKeyEntry | None, headers: dict[str, str]) -> str:
+    """The pin the request's routing hints set ("": none)."""
+    pin: str = routing_hints(key, headers, {}, {}).get("pin", "")
+    return pin
 
 
 def test_the_header_is_an_operator_s() -> None:

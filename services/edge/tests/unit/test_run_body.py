@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from iop_edge.domain.fleet import Operation
-from iop_edge.service.limits import SWITCHES_SLACK, RunBody
+from iop_edge.service.limits import RUN_FRAME_OVERHEAD, SWITCHES_SLACK, RunBody
 from iop_proto import json_codec
 from iop_proto.engine_fields import provider_body
 from iop_proto.prefix import body_blocks
@@ -33,26 +33,29 @@ def test_a_prepared_body_is_what_the_node_would_send(
     body: dict[str, Any], provider_type: str, stream: bool
 ) -> None:
     operation = Operation.COMPLETIONS if "prompt" in body else Operation.CHAT_COMPLETIONS
-    run_body = RunBody(body)
+    run_body = RunBody(body, ["served/é"])
     sent, prepared, blocks = run_body.for_provider(provider_type, "served/é", operation, stream)
     named = {**body, "model": "served/é"}
     assert prepared is True
     assert json_codec.loads(sent) == provider_body(named, provider_type, operation, stream)
     assert blocks == tuple(body_blocks(body))
-    assert len(sent) <= run_body.size_with("served/é") + SWITCHES_SLACK  # the frame's bound
+    # the frame's bound: the body, the served name again, the rest of the frame
+    assert len(sent) + len("served/é".encode()) + RUN_FRAME_OVERHEAD <= run_body.frame_bytes
     assert json_codec.loads(sent)["model"] == "served/é"
     assert body.get("model") != "served/é"  # the client's body is never changed
 
 
 def test_other_provider_types_get_the_clients_body_with_the_served_name() -> None:
     body = {"model": "public", "messages": [], "stream": True, "x_vendor": 1}
-    run_body = RunBody(body)
+    run_body = RunBody(body, ["served"])
     sent, prepared, blocks = run_body.for_provider(
         "mock", "served", Operation.CHAT_COMPLETIONS, True
     )
     assert (prepared, blocks) == (False, ())
     assert json_codec.loads(sent) == {**body, "model": "served"}
-    assert len(sent) == run_body.size_with("served")
+    # measured exactly: what was sent, the name again, the switches' slack, the frame's rest
+    bound = len(sent) + len(b"served") + SWITCHES_SLACK + RUN_FRAME_OVERHEAD
+    assert run_body.frame_bytes == bound
 
 
 def test_count_tokens_is_never_prepared() -> None:

@@ -210,7 +210,7 @@ class World:
         elif kind == "lose":
             pid = PROVIDERS[n // 2 % len(PROVIDERS)]
             node = self.nodes[pid]
-            if d.pool.link(node.node_id) is node:
+            if d.pool.links.get(node.node_id) is node:
                 # what the node still runs goes with its link; what the edge cut is not
                 node.lost.update(i for i, r in d._runs.items() if r.link is node)
                 d.pool.node_disconnected(node, "lost")
@@ -232,7 +232,7 @@ class World:
         what still waits, stop the edge."""
         for pid, node in self.nodes.items():
             node.broken = False
-            if self.dispatcher.pool.link(node.node_id) is not node:
+            if self.dispatcher.pool.links.get(node.node_id) is not node:
                 self.connect(pid, node)
         for _ in range(40):
             pending = [r for r in self.requests if r.task is not None and not r.task.done()]

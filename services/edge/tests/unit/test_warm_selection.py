@@ -76,7 +76,7 @@ def complete(run: RequestRun) -> None:
 
 async def test_the_loaders_count_follows_the_reports_and_a_plain_pool_keeps_the_heap() -> None:
     dispatcher, node = wired([provider("a"), provider("b")], {"m": "x"})
-    index = dispatcher.pool.index("m")
+    index = dispatcher.pool.indexes.get("m")
     assert index is not None
     dispatcher.pool.node_connected(node, provider_reports([state("a", None), state("b", None)]))
     assert index.loaders == 0  # vLLM-like: selection never leaves the heap

@@ -253,7 +253,7 @@ class NodeServer:
             await conn.close()
             if node is not None:
                 self._registry.node_disconnected(node, reason)
-                if self._registry.link(node.node_id) is None:  # else a new one replaced it
+                if self._registry.links.get(node.node_id) is None:  # else a new one replaced it
                     self.status.disconnected(node.node_id, node.token_id, reason)
                 logger.warning("node {} disconnected: {}", node.node_id, reason)
             self._tasks.discard(task)
@@ -311,7 +311,7 @@ class NodeServer:
             request.acknowledges_runs,
             request.follows_edges,
         )
-        previous = self._registry.link(node.node_id)
+        previous = self._registry.links.get(node.node_id)
         if isinstance(previous, NodeConnection):
             await previous.conn.close(
                 error_body(pb.ERROR_CODE_UNEXPECTED_MESSAGE, "replaced by a new connection")
@@ -354,7 +354,7 @@ class NodeServer:
 
     def _nodes(self) -> list[NodeConnection]:
         """The registered connections (the registry's links are this server's)."""
-        return [link for link in self._registry.links() if isinstance(link, NodeConnection)]
+        return [link for link in self._registry.links.values() if isinstance(link, NodeConnection)]
 
     def _tls_refused(self, exc: TlsRefused, peer: object) -> None:
         self._guard.refuse("tls", UNKNOWN_ROLE, exc.reason, peer, exc.detail)

@@ -27,27 +27,21 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 from loguru import logger
 
-from iop_edge.domain import drills
-from iop_edge.domain.drills import asks_drill, may_drill
 from iop_edge.domain.events import Completed, Delta
 from iop_edge.domain.fleet import ApiKeyEntry, Operation
 from iop_edge.domain.key_rates import Gauge
-from iop_edge.domain.queue import NO_SHARE
-from iop_edge.domain.session_key import session_key
 from iop_edge.entrypoints.api_auth import KeySlots, authenticate
 from iop_edge.entrypoints.api_dialect import Dialect, DialectRequest, StreamWriter
 from iop_edge.entrypoints.api_metrics import ApiMetrics
 from iop_edge.entrypoints.api_request import ApiRequest
 from iop_edge.entrypoints.inference_request import read_json_body
 from iop_edge.entrypoints.openai_dialect import OpenAIDialect
-from iop_edge.entrypoints.provider_pin import provider_pin
-from iop_edge.entrypoints.queue_share import queue_share
 from iop_edge.entrypoints.rate_headers import anthropic_headers, openai_headers
+from iop_edge.entrypoints.routing_hints import routing_hints
 from iop_edge.entrypoints.run_span import open_span
 from iop_edge.entrypoints.run_trace import OVERHEAD_HEADER, RunTrace
 from iop_edge.errors import (
     EdgeError,
-    InvalidRequest,
     ModelNotAllowed,
     ModelNotFound,
     ProviderFailed,
@@ -55,7 +49,7 @@ from iop_edge.errors import (
 from iop_edge.formats.errors import internal_error
 from iop_edge.ports import Catalog, KeyRing, RunEvents, RunLog, RunService
 from iop_edge.service.key_rates import KeyRates, Meter, limited
-from iop_edge.service.limits import CLAMP_HEADER, clamp_output_tokens
+from iop_edge.service.limits import CLAMP_HEADER, bound_answer
 from iop_edge.service.run_reader import Collector, follow
 from iop_proto.service.logging import log_unexpected
 from iop_proto.tracing import Tracing, trace_id, traceparent
@@ -245,20 +239,10 @@ class InferenceRoutes:
                 received_ms=trace.received_ms,
             )
             changes["traceparent"] = traceparent(trace.span)
-        scope = key.key_id if key is not None else ""
-        session = session_key(request.headers, body, scope)
-        if session is not None or scope:
-            changes["session"], changes["scope"] = session, scope
-        share = queue_share(key, request.headers)
-        if share is not NO_SHARE:
-            changes["share"] = share
-        if pin := provider_pin(key, request.headers):
-            changes["pin"] = pin
-        if asks_drill(spec.body):
-            if not may_drill(key, self._mock_drills):
-                raise InvalidRequest(drills.REFUSAL, param=drills.HOOK)
-            changes["drill"] = True
-        chat, clamp = clamp_output_tokens(
+        changes.update(
+            routing_hints(key, request.headers, body, spec.body, mock_drills=self._mock_drills)
+        )
+        chat, clamp = bound_answer(
             spec.operation,
             spec.body,
             entry.max_output_tokens,

@@ -107,7 +107,7 @@ def chat_body(body: Mapping[str, Any]) -> dict[str, Any]:
     """The chat-completions body of a ``POST /v1/messages`` body.
 
     A ``max_tokens`` above the model's ``max_output_tokens`` is lowered to it by the
-    pipeline, as on every API (``service.limits.clamp_output_tokens``): Anthropic
+    pipeline, as on every API (``service.limits.bound_answer``): Anthropic
     clients size it for Claude, not for the pool's model.
     """
     max_tokens = body.get("max_tokens")

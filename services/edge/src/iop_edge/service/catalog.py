@@ -1,8 +1,7 @@
-"""The read-only provider and model catalog (docs/ARCHITECTURE.md#catalog) and the API key ring.
+"""The read-only provider and model catalog (docs/ARCHITECTURE.md#catalog).
 
-Views only: nothing here changes routing. The catalog reads the registry's live
-pool through ``ProviderView``; the key ring reads the fleet's key policies (hashes
-only) through ``FleetView``.
+A view only: nothing here changes routing. The catalog reads the registry's live
+pool through ``ProviderView`` (the API key ring is the fleet's: ``FleetHolder``).
 
 A restricted key (one with a model list) sees the catalog through that list:
 only the models it may use, only the providers serving one of them, and of
@@ -11,7 +10,6 @@ each such provider only those models: what it may not use, it cannot probe.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterable
 from typing import Any, TypeGuard
 
@@ -180,21 +178,3 @@ def _control_fields(
 def _restricted(key: ApiKeyEntry | None) -> TypeGuard[ApiKeyEntry]:
     """The catalog is filtered for this key: it has a model list and is not an operator's."""
     return key is not None and bool(key.models) and not key.operator
-
-
-class FleetKeyRing:
-    """Implements ``KeyRing``: a presented key is hashed and looked up, never stored."""
-
-    def __init__(self, fleet: FleetView) -> None:
-        self._fleet = fleet
-
-    @property
-    def open(self) -> bool:
-        return not self._fleet.current.api_keys
-
-    def lookup(self, presented_key: str) -> ApiKeyEntry | None:
-        digest = hashlib.sha256(presented_key.encode()).hexdigest()
-        fleet = self._fleet.current
-        # a rotation's previous secret only when the current one is not it (rare, and
-        # one more dict look-up only for a key that is not found at first)
-        return fleet.api_keys.get(digest) or fleet.previous_keys.get(digest)

@@ -47,12 +47,7 @@ from iop_edge.errors import (
 from iop_edge.metrics import EdgeMetrics
 from iop_edge.ports import FleetView, RunSpec
 from iop_edge.service.backfill import Backfill
-from iop_edge.service.limits import (
-    RunBody,
-    check_answer_size,
-    check_run_frame,
-    clamp_output_tokens,
-)
+from iop_edge.service.limits import RunBody, bound_answer
 from iop_edge.service.registry import ProviderRegistry
 from iop_edge.service.request_run import RequestRun
 from iop_edge.service.runs import UNGUARDED, NodeLink, RunGuards
@@ -139,7 +134,7 @@ class Dispatcher:
                 for run in [r for r in self._waiting if r.model.id == model_id]:
                     run.refuse(NoProviderAvailable("the model was removed"))
                 self._metrics.forget_model(model_id)
-            elif self._waiting and not _members(self._registry.index(model_id)):
+            elif self._waiting and not _members(self._registry.indexes.get(model_id)):
                 message = (
                     f"The model '{model_id}' has no provider any more: the fleet changed"
                     " while this request waited (its nodes retired or its providers removed)"
@@ -174,7 +169,7 @@ class Dispatcher:
 
         What can be judged without a slot is judged here: the output cap (a larger
         output length is lowered to it), the fields that multiply the answer's size
-        (``check_answer_size``), and the run's frame, serialised once and measured.
+        (``bound_answer``), and the run's frame, serialised once and measured (``RunBody``).
         """
         if self._stopping is not None:
             raise ShuttingDown(self._stopping)
@@ -183,13 +178,11 @@ class Dispatcher:
             raise ModelNotFound(f"The model '{spec.model}' does not exist", param="model")
         # The HTTP pipeline has clamped already (and said so in a header); a batch line
         # is clamped here, by the same rule.
-        chat, _ = clamp_output_tokens(spec.operation, spec.body, model.max_output_tokens)
-        check_answer_size(spec.operation, chat)
-        body = RunBody(chat)
-        check_run_frame(body, model, self._max_frame_size)
+        chat, _ = bound_answer(spec.operation, spec.body, model.max_output_tokens)
+        body = RunBody(chat, model.providers.values(), self._max_frame_size)
         # The model's providers that do not offer the operation, which it may not go to;
         # when that is all of them, the request is refused before any queue.
-        index = self._registry.index(spec.model)
+        index = self._registry.indexes.get(spec.model)
         lacking = None if index is None else index.lacking.get(spec.operation)
         if index is None or lacking is None:  # all offer it
             lacking = _NOBODY
@@ -225,7 +218,7 @@ class Dispatcher:
         if self._stopping is not None:
             raise ShuttingDown(self._stopping)
         model = self._fleet.current.models.get(spec.model)
-        index = self._registry.index(spec.model)
+        index = self._registry.indexes.get(spec.model)
         exclude = run.exclude
         if index is not None and (lacking := index.lacking.get(spec.operation)):
             exclude = exclude | lacking  # also what it learnt from the failed attempt's 501
@@ -248,7 +241,7 @@ class Dispatcher:
         loop = asyncio.get_running_loop()
         started = loop.time()
         spec = run.spec
-        index = self._registry.index(model.id)
+        index = self._registry.indexes.get(model.id)
         if index is None:  # the fleet's models and the registry's indexes change together
             raise NoProviderAvailable(f"No provider of '{model.id}' is available right now")
         # The request's prompt prefix as block hashes (``iop_proto.prefix``) steers cache
@@ -286,7 +279,7 @@ class Dispatcher:
             )
         if self._failing is not None:  # handed its slot just before fail_all: a 503 instead
             raise ShuttingDown(self._failing)
-        link = self._registry.link(slot.node_id)
+        link = self._registry.links.get(slot.node_id)
         if link is None:  # the node left while this request waited for the slot
             raise NoProviderAvailable(f"node {slot.node_id} is gone", code="provider_unavailable")
         timeout_s = (entry.request_timeout_ms or 600_000) / 1000
@@ -317,9 +310,11 @@ class Dispatcher:
         guards = self._guards if link.acknowledges_runs else self._stall_only
         run.attempt(order, link, guards, timeout_s, self._deadline_grace_s, now_ms)
         self._runs[order.run_id] = run
-        if not slotless:
-            # The first attempt's id is the response's (Responses): its successor's key.
-            chained = spec.chained and deadline is None
+        # Where the request went, for cache affinity: its session, the key its successor
+        # names (Responses: the first attempt's id is the response's), its prefix. A
+        # request that names none of them leaves nothing to remember.
+        chained = spec.chained and deadline is None
+        if not slotless and (spec.session is not None or chained or chain):
             also = successor_key(run.run_id, spec.scope) if chained else None
             self._affinity.placed(model.id, slot, spec.session, chain, started, also)
         run.edge_queue_wait_s = loop.time() - started
@@ -561,7 +556,7 @@ class Dispatcher:
         class, then the keys' turns, FIFO within a key), batch lines within their share."""
         for model_id in model_ids:
             queue = self._queues.get(model_id)
-            index = self._registry.index(model_id)
+            index = self._registry.indexes.get(model_id)
             if not queue or index is None:
                 continue
             while queue:

@@ -2,25 +2,39 @@
 
 The control-plane pushes a new ``Fleet``; the provider registry puts it here
 (``ProviderRegistry.apply_fleet``) before it rebuilds the pool, so whoever reads
-``current`` afterwards sees the fleet the pool was built from.
+``current`` afterwards sees the fleet the pool was built from. The API keys come with
+the fleet: the holder is the key ring too.
 """
 
 from __future__ import annotations
 
-from iop_edge.domain.fleet import Fleet
+import hashlib
+
+from iop_edge.domain.fleet import ApiKeyEntry, Fleet
 
 
 class FleetHolder:
-    """Implements ``FleetView``: the current fleet, empty until the first config.
+    """Implements ``FleetView`` and ``KeyRing``: the current fleet, empty until the first
+    config, and its API keys (a presented key is hashed and looked up, never stored).
 
-    ``current`` is a plain attribute, not a property: the fleet it holds is never
-    changed in place, so whoever reads it gets a whole fleet. Only ``replace`` assigns it.
+    ``current`` and ``open`` are plain attributes, not properties: the fleet held is never
+    changed in place, so whoever reads it gets a whole fleet, and whether it has keys is
+    known when it arrives. Only ``replace`` assigns them.
     """
 
-    __slots__ = ("current",)
+    __slots__ = ("current", "open")
 
     def __init__(self, fleet: Fleet | None = None) -> None:
         self.current = fleet if fleet is not None else Fleet()
+        self.open = not self.current.api_keys  # no keys configured: the API is open
 
     def replace(self, fleet: Fleet) -> None:
         self.current = fleet
+        self.open = not fleet.api_keys
+
+    def lookup(self, presented_key: str) -> ApiKeyEntry | None:
+        digest = hashlib.sha256(presented_key.encode()).hexdigest()
+        fleet = self.current
+        # a rotation's previous secret only when the current one is not it (rare, and
+        # one more dict look-up only for a key that is not found at first)
+        return fleet.api_keys.get(digest) or fleet.previous_keys.get(digest)

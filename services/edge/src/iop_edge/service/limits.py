@@ -6,9 +6,9 @@ much). The HTTP body limit follows from it: ``max_frame_size -
 RUN_FRAME_HEADROOM``, the headroom being room for what a frame carries around
 the body (envelope, ids, names) with plenty to spare. A body may still grow when
 it is written again (``1e15`` is written ``1000000000000000.0``), so before a
-provider slot is taken the dispatcher serialises the body once (``RunBody``) and
-refuses a run whose frame would not fit (``check_run_frame``): a 413, and no
-slot or queue place is ever held for it. Batch lines are held to the same body
+provider slot is taken the dispatcher serialises the body once (``RunBody``), measuring it
+as it goes, and refuses a run whose frame would not fit: a 413, and no slot or queue
+place is ever held for it. Batch lines are held to the same body
 limit when their batch is created.
 
 Once. What a provider gets is that serialisation completed for it, not the body
@@ -29,7 +29,7 @@ Output. An output-length field (``max_tokens`` / ``max_completion_tokens`` of a 
 body, ``max_tokens`` of a completion; Responses' ``max_output_tokens`` and Messages'
 ``max_tokens`` arrive here as the chat body's ``max_tokens``) must be a positive integer
 below 2**31; one above the model's ``max_output_tokens`` (fleet file;
-``DEFAULT_MAX_OUTPUT_TOKENS`` when unset) is lowered to it (``clamp_output_tokens``), and
+``DEFAULT_MAX_OUTPUT_TOKENS`` when unset) is lowered to it (``bound_answer``), and
 the answer says so in ``CLAMP_HEADER`` (``32000->4096``). Agents size the field for the
 largest model they know (opencode asks 32000, Claude Code 32000 or more), not for the
 pool's: refusing would fail every request, while the cap still keeps a client from
@@ -43,8 +43,9 @@ own constants.
 Answer size. An answer returns to the edge as one frame too, and some parameters
 multiply its size far past what the output length says: log probabilities (llama.cpp's
 ``n_probs`` of 100000 puts the whole vocabulary on every token: 65 MB for 16 tokens of
-SmolLM2). ``ANSWER_SIZE_CAPS`` bounds each such field (``check_answer_size``): over its
-cap, or not a count, is a 400 naming the field and the cap, before any slot is taken.
+SmolLM2). ``ANSWER_SIZE_CAPS`` bounds each such field (``bound_answer`` too, one pass
+over a body's bounded fields): over its cap, or not a count, is a 400 naming the field
+and the cap, before any slot is taken.
 The caps are OpenAI's own (``top_logprobs`` at most 20), and engines' fields of the same
 meaning take the same; ``n`` and ``best_of`` are held to 1 (not every provider returns
 several choices). A non-streamed answer may still pass a frame (thousands of tokens
@@ -54,11 +55,11 @@ node, that run alone (docs/ARCHITECTURE.md#answers-bounded-like-requests).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
-from iop_edge.domain.fleet import ModelEntry, Operation
+from iop_edge.domain.fleet import Operation
 from iop_edge.errors import InvalidRequest, RequestTooLarge
 from iop_proto import json_codec
 from iop_proto.engine_fields import ALLOWED, STREAM_FIELDS, provider_body, stream_switches
@@ -116,25 +117,50 @@ DEFAULT_MAX_BODY_BYTES: Final = max_body_bytes(DEFAULT_MAX_FRAME_SIZE)
 
 
 class RunBody:
-    """A request body serialised once, before a provider is chosen: everything but the
-    fields written per provider (``model``: the chosen provider's served name, written
-    first, docs/ARCHITECTURE.md#target-rewrite; ``stream`` and ``stream_options``)."""
+    """A request body serialised once, before a provider is chosen, and measured against
+    the frame limit: everything but the fields written per provider (``model``: the
+    chosen provider's served name, written first, docs/ARCHITECTURE.md#target-rewrite;
+    ``stream`` and ``stream_options``)."""
 
-    __slots__ = ("_blocks", "fields", "rest", "switches")
+    __slots__ = ("_blocks", "fields", "frame_bytes", "rest", "switches")
 
-    def __init__(self, body: Mapping[str, Any]) -> None:
+    def __init__(
+        self,
+        body: Mapping[str, Any],
+        served: Iterable[str] = (),
+        max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
+    ) -> None:
+        """``RequestTooLarge`` unless the run fits in a frame whichever provider runs it
+        (``served``: the model's served names, one per provider).
+
+        ``frame_bytes``, the most a frame carrying it can take: the body with the longest
+        served name, the slack of that provider's streaming switches, the served name
+        again (the order's target) and the rest of the frame (``RUN_FRAME_OVERHEAD``);
+        0 for a model without providers (nothing can run it)."""
         self.fields = body  # the body as a dict (not changed: the client's, clamped)
         # the body without the per-provider fields, as a JSON object
-        self.rest = json_codec.dumps({k: v for k, v in body.items() if k not in _PER_PROVIDER})
+        rest = self.rest = json_codec.dumps(
+            {k: v for k, v in body.items() if k not in _PER_PROVIDER}
+        )
         # the client's own ``stream`` fields, as a JSON object
-        switches = {k: body[k] for k in STREAM_FIELDS if k in body}
-        self.switches = json_codec.dumps(switches) if switches else b"{}"
+        own = {k: body[k] for k in STREAM_FIELDS if k in body}
+        switches = self.switches = json_codec.dumps(own) if own else b"{}"
         self._blocks: tuple[int, ...] | None = None
-
-    def with_model(self, served: str) -> bytes:
-        """The client's body with ``model`` the served name (what a provider of a type
-        that reads the body itself gets: mock, Ollama, CLI)."""
-        return self._join(served, self.switches)
+        # What ``for_provider`` writes around the served name: the ``model`` key, the
+        # closing brace, and the members of ``rest`` and ``switches`` (without braces).
+        unnamed = len(_MODEL_KEY) + 1
+        if rest != b"{}":
+            unnamed += len(rest) - 1
+        if switches != b"{}":
+            unnamed += len(switches) - 1
+        # the served name twice: in the body (as JSON) and as the order's target
+        named = max((len(json_codec.dumps(s)) + len(s.encode()) for s in served), default=0)
+        self.frame_bytes = unnamed + named + SWITCHES_SLACK + RUN_FRAME_OVERHEAD if named else 0
+        if self.frame_bytes > max_frame_size:
+            raise RequestTooLarge(
+                f"The request is too large: it takes up to {self.frame_bytes} bytes on its way"
+                f" to the provider, over this server's limit of {max_frame_size} bytes."
+            )
 
     def for_provider(
         self, provider_type: str, served: str, operation: Operation, stream: bool
@@ -144,33 +170,18 @@ class RunBody:
         prepared (its fields, the served name, its streaming switches), any other type
         the client's body with the served name, for its adapter to read."""
         fields = ALLOWED.get((provider_type, operation))
+        blocks: tuple[int, ...] = ()
         if fields is None:  # not an OpenAI-compatible type, or count_tokens
-            return self.with_model(served), False, ()
-        switches = stream_switches(self.fields, provider_type, operation, stream)
-        if self.fields.keys() - _PER_PROVIDER <= fields:
-            body = self._join(served, json_codec.dumps(switches) if switches else b"{}")
-        else:  # a field this type is not sent: the body written again without it
-            named = {**self.fields, "model": served}
-            body = json_codec.dumps(provider_body(named, provider_type, operation, stream))
-        return body, True, self.prompt_blocks() if operation in _PROMPTED else ()
-
-    def prompt_blocks(self) -> tuple[int, ...]:
-        """The prompt's block hashes (``iop_proto.prefix``), hashed on first use, once:
-        the same for cache affinity and for every attempt's order."""
-        if self._blocks is None:
-            self._blocks = tuple(block_hashes(prompt_text(self.fields)))  # ``body_blocks``
-        return self._blocks
-
-    def size_with(self, served: str) -> int:
-        """``len(self.with_model(served))``, without building it."""
-        size = len(_MODEL_KEY) + len(json_codec.dumps(served)) + 1
-        if self.rest != b"{}":
-            size += len(self.rest) - 1
-        if self.switches != b"{}":
-            size += len(self.switches) - 1
-        return size
-
-    def _join(self, served: str, switches: bytes) -> bytes:
+            switches, prepared = self.switches, False
+        else:
+            blocks = self.prompt_blocks() if operation in _PROMPTED else ()
+            if not self.fields.keys() - _PER_PROVIDER <= fields:
+                # a field this type is not sent: the body written again without it
+                named = {**self.fields, "model": served}
+                body = provider_body(named, provider_type, operation, stream)
+                return json_codec.dumps(body), True, blocks
+            forced = stream_switches(self.fields, provider_type, operation, stream)
+            switches, prepared = json_codec.dumps(forced) if forced else b"{}", True
         # the target rewrite (docs/ARCHITECTURE.md#target-rewrite): the served name first
         parts: list[bytes | memoryview] = [_MODEL_KEY + json_codec.dumps(served)]
         with memoryview(self.rest) as rest:  # one copy of a body of megabytes, not two
@@ -179,27 +190,14 @@ class RunBody:
             if switches != b"{}":
                 parts += (b",", switches[1:-1])
             parts.append(b"}")
-            return b"".join(parts)
+            return b"".join(parts), prepared, blocks
 
-
-def check_run_frame(body: RunBody, model: ModelEntry, max_frame_size: int) -> None:
-    """``RequestTooLarge`` unless the run fits in a frame, whichever provider runs it.
-
-    The most a frame carrying ``body`` to a provider serving ``served`` can take: the body
-    with the served name, the slack of that provider's streaming switches, the served name
-    again (the order's target) and the rest of the frame (``RUN_FRAME_OVERHEAD``)."""
-    largest = max(
-        (body.size_with(served) + len(served.encode()) for served in model.providers.values()),
-        default=None,
-    )
-    if largest is None:
-        return
-    needed = largest + SWITCHES_SLACK + RUN_FRAME_OVERHEAD
-    if needed > max_frame_size:
-        raise RequestTooLarge(
-            f"The request is too large: it takes up to {needed} bytes on its way to the "
-            f"provider, over this server's limit of {max_frame_size} bytes."
-        )
+    def prompt_blocks(self) -> tuple[int, ...]:
+        """The prompt's block hashes (``iop_proto.prefix``), hashed on first use, once:
+        the same for cache affinity and for every attempt's order."""
+        if self._blocks is None:
+            self._blocks = tuple(block_hashes(prompt_text(self.fields)))  # ``body_blocks``
+        return self._blocks
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,76 +213,72 @@ class OutputClamp:
         return f"{self.asked}->{self.cap}"
 
 
-def clamp_output_tokens(
+_MULTIPLIES: Final = " (it multiplies the answer's size; this server's limit)"
+_BOUNDS: Final[Mapping[Operation, tuple[tuple[str, int, int, bool], ...]]] = {
+    operation: (
+        *((field, 1, MAX_OUTPUT_TOKENS_ASKED, True) for field in lengths),
+        *(
+            (field, 0, cap, False)
+            for field, cap in ANSWER_SIZE_CAPS.items()
+            if operation in _PROMPTED  # embeddings and token counts answer no tokens
+        ),
+    )
+    for operation, lengths in OUTPUT_TOKEN_FIELDS.items()
+}
+"""Each operation's bounded fields, output lengths first: (field, lowest, highest,
+whether it is an output length, lowered to the model's cap)."""
+
+
+def bound_answer(
     operation: Operation, body: dict[str, Any], cap: int, *, cap_when_unasked: bool = False
 ) -> tuple[dict[str, Any], OutputClamp | None]:
     """``body`` with each output-length field held to the model's ``cap``, and what was
-    lowered (the largest asked; ``None`` when nothing was, and ``body`` itself comes back).
-    ``cap_when_unasked``: a body that asks no length is given ``max_tokens`` = ``cap``
-    (the fleet described the model's limits: an engine left to its own default, such as
-    llama.cpp's, generates until its context is full; said in no header, since nothing
-    the client asked was changed).
+    lowered (the largest asked; ``None`` when nothing was, and ``body`` itself comes back
+    unless ``cap_when_unasked`` gave it one). ``cap_when_unasked``: a body that asks no
+    length is given ``max_tokens`` = ``cap`` (the fleet described the model's limits: an
+    engine left to its own default, such as llama.cpp's, generates until its context is
+    full; said in no header, since nothing the client asked was changed).
 
-    ``InvalidRequest`` naming the field (as OpenAI does) unless each such field is
-    absent, null, or an integer from 1 to 2**31 - 1.
+    ``InvalidRequest`` naming the field, in OpenAI's words, unless each output length is
+    absent, null, or an integer from 1 to 2**31 - 1, and each ``ANSWER_SIZE_CAPS`` field
+    absent, null, or a count within its cap (chat's ``logprobs`` is a boolean: the switch
+    of ``top_logprobs``, which carries the count).
     """
-    fields = OUTPUT_TOKEN_FIELDS[operation]
-    if cap_when_unasked and fields and all(body.get(field) is None for field in fields):
-        return {**body, fields[0]: cap}, None
+    lengths = OUTPUT_TOKEN_FIELDS[operation]
+    if cap_when_unasked and lengths and all(body.get(field) is None for field in lengths):
+        body = {**body, lengths[0]: cap}
     clamp: OutputClamp | None = None
-    for field in fields:
+    for field, low, high, is_length in _BOUNDS[operation]:
         value = body.get(field)
-        if value is None:
+        if value is None or (field == "logprobs" and type(value) is bool):
             continue
-        value = _integer_within(field, value, 1, MAX_OUTPUT_TOKENS_ASKED)
-        if value > cap:
+        if type(value) is not int:
+            raise InvalidRequest(
+                f"Invalid type for '{field}': expected an integer, but got {_kind(value)} instead.",
+                param=field,
+                code="invalid_type",
+            )
+        if value < low:
+            raise InvalidRequest(
+                f"Invalid '{field}': integer below minimum value. Expected a value >= {low}, "
+                f"but got {_shown(value)} instead.",
+                param=field,
+                code="integer_below_min_value",
+            )
+        if value > high:
+            raise InvalidRequest(
+                f"Invalid '{field}': integer above maximum value. Expected a value <= {high}, "
+                f"but got {_shown(value)} instead{'' if is_length else _MULTIPLIES}.",
+                param=field,
+                code="integer_above_max_value",
+            )
+        if is_length and value > cap:
             if clamp is None:
                 body = dict(body)  # the client's body is never changed in place
             body[field] = cap
             if clamp is None or value > clamp.asked:
                 clamp = OutputClamp(value, cap)
     return body, clamp
-
-
-def check_answer_size(operation: Operation, body: Mapping[str, Any]) -> None:
-    """``InvalidRequest`` naming the field unless each ``ANSWER_SIZE_CAPS`` field is absent,
-    null, or a count within its cap (chat's ``logprobs`` is a boolean: the switch of
-    ``top_logprobs``, which carries the count)."""
-    if operation is Operation.EMBEDDINGS or operation is Operation.COUNT_TOKENS:
-        return
-    for field, cap in ANSWER_SIZE_CAPS.items():
-        value = body.get(field)
-        if value is None or (field == "logprobs" and type(value) is bool):
-            continue
-        _integer_within(
-            field, value, 0, cap, why=" (it multiplies the answer's size; this server's limit)"
-        )
-
-
-def _integer_within(field: str, value: object, low: int, high: int, why: str = "") -> int:
-    """``value`` when it is an integer from ``low`` to ``high``, else ``InvalidRequest``
-    naming ``field`` in OpenAI's words (``why``: what the upper bound is for)."""
-    if type(value) is not int:
-        raise InvalidRequest(
-            f"Invalid type for '{field}': expected an integer, but got {_kind(value)} instead.",
-            param=field,
-            code="invalid_type",
-        )
-    if value < low:
-        raise InvalidRequest(
-            f"Invalid '{field}': integer below minimum value. Expected a value >= {low}, "
-            f"but got {_shown(value)} instead.",
-            param=field,
-            code="integer_below_min_value",
-        )
-    if value > high:
-        raise InvalidRequest(
-            f"Invalid '{field}': integer above maximum value. Expected a value <= {high}, "
-            f"but got {_shown(value)} instead{why}.",
-            param=field,
-            code="integer_above_max_value",
-        )
-    return value
 
 
 def _kind(value: object) -> str:

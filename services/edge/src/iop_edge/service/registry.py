@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Protocol
 
 from loguru import logger
@@ -64,9 +64,13 @@ class ProviderRegistry:
         self._clock = clock  # wall time: the catalog shows when an ejection ends
         self._cooldowns: dict[str, asyncio.TimerHandle] = {}  # ejected providers' timers
         self._slots: dict[str, ProviderSlot] = {}
-        self._indexes: dict[str, ModelIndex] = {}
+        # Each model's index, read only: a plain attribute, replaced whole by
+        # ``apply_fleet`` (whoever reads it gets every model's index of one fleet).
+        self.indexes: Mapping[str, ModelIndex] = {}
         self._model_rank: dict[str, int] = {}  # fleet order, in which queues are served
         self._links: dict[str, NodeLink] = {}
+        # Each registered node's current connection, read only (absent: not registered).
+        self.links: Mapping[str, NodeLink] = self._links
         self._listener: PoolListener | None = None
         metrics.watch_slots(self._slots.values)  # the pool's gauges, read at scrape time
 
@@ -82,16 +86,6 @@ class ProviderRegistry:
     def slots(self) -> Sequence[ProviderSlot]:
         """Every provider of the fleet, in the fleet file's order."""
         return tuple(self._slots.values())
-
-    def index(self, model_id: str) -> ModelIndex | None:
-        return self._indexes.get(model_id)
-
-    def link(self, node_id: str) -> NodeLink | None:
-        """The node's current connection; ``None`` while it is not registered."""
-        return self._links.get(node_id)
-
-    def links(self) -> Sequence[NodeLink]:
-        return tuple(self._links.values())
 
     # ------------------------------------------------------------ changes
 
@@ -113,7 +107,7 @@ class ProviderRegistry:
             slot.offer(entry.operations)  # what it refused is tried again under a new fleet
             # connected follows the node, also for a provider moved to another node
             slot.update(capacity=entry.capacity, connected=entry.node_id in self._links)
-        self._indexes = index_models(
+        self.indexes = index_models(
             (
                 (m.id, [slots[p] for p in m.providers if p in slots], m.preference)
                 for m in fleet.models.values()
