@@ -291,13 +291,16 @@ class QueuedWriter(Generic[R]):
             self._drains -= 1
 
     async def _write_forever(self) -> None:
-        """The one task that writes: gather, commit a batch, repeat; back off on failure.
+        """The one task that writes: gather, commit the oldest pending records in one
+        transaction, repeat; back off on failure.
 
         Records gather for ``flush_interval_s`` (less if a flush is waiting) before the
         first batch and before each batch that follows a full one's commit while fewer
         than ``max_batch`` wait: under steady traffic one transaction per interval, not
         one per record (each a thread round trip, a commit, GIL handoffs). A retry after
-        a failed write gathers nothing: its pause was the wait.
+        a failed write gathers nothing: its pause was the wait. A batch is ``_in_flight``
+        while it commits (``unwritten`` lists it); a failed or cancelled one goes back in
+        front (``_restore``), a written one releases what waited for it (``_written``).
         """
         failures = 0
         while True:
@@ -308,7 +311,24 @@ class QueuedWriter(Generic[R]):
                     with contextlib.suppress(TimeoutError):
                         async with asyncio.timeout(self._flush_interval_s):
                             await self._urgent.wait()
-                if await self._write_batch():
+                oldest = list(itertools.islice(self._pending, self._max_batch))
+                batch = self._in_flight = {key: self._pending.pop(key) for key in oldest}
+                written = False
+                try:
+                    async with self._write_lock:
+                        await self._commit([self._row(r) for _, r in batch.values()])
+                    written = True
+                except asyncio.CancelledError:
+                    self._restore(batch)
+                    raise
+                except Exception:
+                    self._failed(batch)
+                finally:
+                    self._in_flight = {}
+                if written:
+                    self.writes += 1
+                    if self._waiters or self._drains:  # only a persist or a flush waits
+                        self._written(batch)
                     failures = 0
                     gather = len(self._pending) < self._max_batch
                     continue
@@ -321,38 +341,26 @@ class QueuedWriter(Generic[R]):
             self._wake.clear()
             self._urgent.clear()
 
-    async def _write_batch(self) -> bool:
-        """Commit the oldest pending records in one transaction; False if that failed."""
-        oldest = list(itertools.islice(self._pending, self._max_batch))
-        batch = {key: self._pending.pop(key) for key in oldest}
-        self._in_flight = batch
-        try:
-            async with self._write_lock:
-                await self._commit([self._row(r) for _, r in batch.values()])
-        except asyncio.CancelledError:
-            self._restore(batch)
-            raise
-        except Exception:
-            self.failed_writes += 1
-            logger.exception(
-                "{} {}: writing {} {}(s) failed; keeping them for a retry",
-                self.what,
-                self.path,
-                len(batch),
-                self.noun,
-            )
-            self._restore(batch)
-            return False
-        finally:
-            self._in_flight = {}
-        self.writes += 1
+    def _failed(self, batch: dict[str, tuple[int, R]]) -> None:
+        """A batch the database refused: logged, and kept in front for the retry."""
+        self.failed_writes += 1
+        logger.exception(
+            "{} {}: writing {} {}(s) failed; keeping them for a retry",
+            self.what,
+            self.path,
+            len(batch),
+            self.noun,
+        )
+        self._restore(batch)
+
+    def _written(self, batch: dict[str, tuple[int, R]]) -> None:
+        """A committed batch: its records' ``persist`` calls return, a waiting flush looks."""
         for seq, _ in batch.values():
             for waiter in self._waiters.pop(seq, ()):
                 if not waiter.done():
                     waiter.set_result(None)
-        if self._drains:  # a written batch concerns only a flush waiting for it
+        if self._drains:
             self._notify()
-        return True
 
     def _fail_waiters(self, seqs: list[int], why: str) -> None:
         for seq in seqs:
