@@ -103,7 +103,7 @@ class _Connection(asyncio.Protocol):
         self._on_close = on_close  # the site's count of open connections
         self.transport: asyncio.Transport | None = None
         self._inner: asyncio.Protocol | None = None  # aiohttp's, once handed over
-        self._parser = httptools.HttpRequestParser(self)
+        self._parser: httptools.HttpRequestParser  # each request's own (``_next_request``)
         self._raw = bytearray()  # the request's bytes from its first one, until it is read
         self._url = b""
         self._head: list[tuple[bytes, bytes]] = []
@@ -125,7 +125,7 @@ class _Connection(asyncio.Protocol):
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
         tcp_keepalive(self.transport)
         self._front._connections.add(self)
-        self._arm_header_timer()
+        self._next_request()
 
     def data_received(self, data: bytes) -> None:
         if self._inner is not None:
@@ -311,24 +311,36 @@ class _Connection(asyncio.Protocol):
             keep_alive = False
         finally:
             self.task = None
-        self._answered(request, keep_alive)
+        if keep_alive and not self._idle_close and self.transport is not None:
+            self._next_request()
+        else:
+            self._close_after(request)
 
     def _write(self, data: bytes) -> None:
         if self.transport is not None and not self.transport.is_closing():
             self.transport.write(data)
 
-    def _answered(self, request: FastRequest, keep_alive: bool) -> None:
-        if not keep_alive or self._idle_close or self.transport is None:
-            self._closing = True
-            if request.complete or self._broken or self.transport is None:
-                self.close()
-            else:
-                self._timer = asyncio.get_running_loop().call_later(LINGER_S, self.close)
-            return
+    def _close_after(self, request: FastRequest) -> None:
+        """The connection ends with this answer: now, or once the request's body ended."""
+        self._closing = True
+        if request.complete or self._broken or self.transport is None:
+            self.close()
+        else:
+            self._timer = asyncio.get_running_loop().call_later(LINGER_S, self.close)
+
+    def _next_request(self) -> None:
+        """Wait for the next request's head (the connection's first, or the one after an
+        answer): a parser of its own from its first byte, at most ``header_timeout_s``,
+        reading resumed, and what was pipelined behind the last request read now."""
         self._request = None
-        self._parser = httptools.HttpRequestParser(self)  # each request's own, from its start
+        self._parser = httptools.HttpRequestParser(self)
         self._url, self._head = b"", []
-        self._arm_header_timer()
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        timeout = self._front.header_timeout_s
+        if timeout > 0:
+            self._timer = asyncio.get_running_loop().call_later(timeout, self._head_late)
         if self._reading_paused and self.transport is not None:
             self._reading_paused = False
             self.transport.resume_reading()
@@ -348,14 +360,6 @@ class _Connection(asyncio.Protocol):
             inner.pause_writing()
         if raw:
             inner.data_received(raw)
-
-    def _arm_header_timer(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        timeout = self._front.header_timeout_s
-        if timeout > 0:
-            self._timer = asyncio.get_running_loop().call_later(timeout, self._head_late)
 
     def _head_late(self) -> None:
         if self._request is None and self._inner is None:
