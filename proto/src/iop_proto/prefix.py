@@ -43,36 +43,50 @@ their start, which already tells their engine apart; the bound keeps hashing che
 _SEPARATOR: Final = "\x1e"  # between messages; a record separator no chat text carries
 
 
-def prompt_text(body: Mapping[str, Any]) -> str:
-    """The text of a chat-completions or completions body that an engine's prompt starts
-    with, in order; ``""`` for a body with nothing to cache (embeddings)."""
+def body_blocks(body: Mapping[str, Any]) -> list[int]:
+    """A run body's prefix chain: the prefix hashes of its prompt text's whole blocks (at
+    most ``MAX_BLOCKS``), element ``i`` naming the text's first ``(i + 1) * BLOCK_CHARS``
+    bytes of UTF-8; ``[]`` for a body with nothing to cache (embeddings).
+
+    The text (see the module's docstring) is what an engine's prompt starts with, in
+    order; it exists only to be hashed, so it is made and hashed here, in one place.
+    """
     prompt = body.get("prompt")
-    if isinstance(prompt, str):
-        return prompt
-    if isinstance(prompt, list) and all(isinstance(p, str) for p in prompt):
-        return _SEPARATOR.join(prompt)
     messages = body.get("messages")
-    if not isinstance(messages, list):
-        return ""
-    parts: list[str] = []
-    tools = body.get("tools")
-    if tools:
-        parts.append("tools:" + _canonical(tools))
-    for message in messages:
-        if not isinstance(message, Mapping):
-            continue
-        content = message.get("content")
-        if isinstance(content, str):
-            text = content
-        elif isinstance(content, list):
-            text = "".join(_part_text(part) for part in content)
-        else:
-            text = ""
-        calls = message.get("tool_calls")
-        if calls:  # an assistant turn that called tools renders the calls
-            text += _canonical(calls)
-        parts.append(f"{message.get('role', '')}:{text}")
-    return _SEPARATOR.join(parts)
+    if isinstance(prompt, str):
+        text = prompt
+    elif isinstance(prompt, list) and all(isinstance(p, str) for p in prompt):
+        text = _SEPARATOR.join(prompt)
+    elif not isinstance(messages, list):
+        return []
+    else:
+        parts: list[str] = []
+        tools = body.get("tools")
+        if tools:
+            parts.append("tools:" + _canonical(tools))
+        for message in messages:
+            if not isinstance(message, Mapping):
+                continue
+            content = message.get("content")
+            if isinstance(content, str):
+                said = content
+            elif isinstance(content, list):
+                said = "".join(_part_text(part) for part in content)
+            else:
+                said = ""
+            calls = message.get("tool_calls")
+            if calls:  # an assistant turn that called tools renders the calls
+                said += _canonical(calls)
+            parts.append(f"{message.get('role', '')}:{said}")
+        text = _SEPARATOR.join(parts)
+    raw = memoryview(text.encode("utf-8", "surrogatepass"))
+    whole = min(len(raw) // BLOCK_CHARS, MAX_BLOCKS)
+    running = hashlib.blake2b(digest_size=8)
+    hashes: list[int] = []
+    for start in range(0, whole * BLOCK_CHARS, BLOCK_CHARS):
+        running.update(raw[start : start + BLOCK_CHARS])
+        hashes.append(int.from_bytes(running.copy().digest(), "big"))
+    return hashes
 
 
 def _part_text(part: object) -> str:
@@ -93,24 +107,6 @@ def _canonical(value: object) -> str:
         return orjson.dumps(value, option=orjson.OPT_SORT_KEYS).decode()
     except TypeError:  # what orjson refuses (integers past 64 bits ...): the slow way
         return json.dumps(value, sort_keys=True, ensure_ascii=False, default=str)
-
-
-def block_hashes(text: str, *, max_blocks: int = MAX_BLOCKS) -> list[int]:
-    """The prefix hashes of ``text``'s whole blocks (at most ``max_blocks``): element
-    ``i`` names its first ``(i + 1) * BLOCK_CHARS`` bytes of UTF-8."""
-    raw = memoryview(text.encode("utf-8", "surrogatepass"))
-    whole = min(len(raw) // BLOCK_CHARS, max_blocks)
-    running = hashlib.blake2b(digest_size=8)
-    hashes: list[int] = []
-    for start in range(0, whole * BLOCK_CHARS, BLOCK_CHARS):
-        running.update(raw[start : start + BLOCK_CHARS])
-        hashes.append(int.from_bytes(running.copy().digest(), "big"))
-    return hashes
-
-
-def body_blocks(body: Mapping[str, Any]) -> list[int]:
-    """``block_hashes(prompt_text(body))``: a run body's prefix chain."""
-    return block_hashes(prompt_text(body))
 
 
 def longest_match(chain: Iterable[int], held: Mapping[int, int]) -> int:

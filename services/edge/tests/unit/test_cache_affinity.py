@@ -16,7 +16,7 @@ from iop_edge.domain.pool import AVAILABLE, ProviderSlot
 from iop_edge.domain.prefix_index import PrefixIndex
 from iop_edge.domain.session_key import session_key, successor_key
 from iop_edge.formats.responses_output import response_id
-from iop_proto.prefix import BLOCK_CHARS, block_hashes
+from iop_proto.prefix import BLOCK_CHARS, body_blocks
 
 REQUESTS = Path(__file__).resolve().parents[4] / "tests" / "agents" / "requests"
 
@@ -79,7 +79,7 @@ def test_user_and_safety_identifier_come_last() -> None:
 
 
 def chain(text: str) -> list[int]:
-    return block_hashes(text)
+    return body_blocks({"prompt": text})  # a prompt string is its own text
 
 
 def test_the_index_matches_the_longest_run_of_leading_blocks_per_holder() -> None:

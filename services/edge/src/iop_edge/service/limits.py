@@ -64,7 +64,7 @@ from iop_edge.errors import InvalidRequest, RequestTooLarge
 from iop_proto import json_codec
 from iop_proto.engine_fields import ALLOWED, STREAM_FIELDS, provider_body, stream_switches
 from iop_proto.framing import DEFAULT_MAX_FRAME_SIZE
-from iop_proto.prefix import block_hashes, prompt_text
+from iop_proto.prefix import body_blocks
 
 RUN_FRAME_HEADROOM: Final = 64 * 1024
 """Bytes of a frame kept free of the HTTP body: at least ``RUN_FRAME_OVERHEAD`` plus the
@@ -196,7 +196,7 @@ class RunBody:
         """The prompt's block hashes (``iop_proto.prefix``), hashed on first use, once:
         the same for cache affinity and for every attempt's order."""
         if self._blocks is None:
-            self._blocks = tuple(block_hashes(prompt_text(self.fields)))  # ``body_blocks``
+            self._blocks = tuple(body_blocks(self.fields))
         return self._blocks
 
 
