@@ -356,8 +356,8 @@ class InferenceRoutes:
                         await _end_with_error(response, writer, unsettled)
                         return response
                 pending.append(closing)
-                await response.write(b"".join(pending))
-                await response.write_eof()
+                # the last chunk and the stream's end leave together: one write, one packet
+                await response.write_eof(b"".join(pending))
                 return response
             if end is None:
                 error: EdgeError = ProviderFailed("the run ended without a result")
@@ -484,8 +484,7 @@ async def _end_with_error(response: StreamOut, writer: StreamWriter, error: Edge
     data = writer.failure(error)
     if writer.settle is not None:
         await writer.settle()
-    await response.write(data)
-    await response.write_eof()
+    await response.write_eof(data)
 
 
 CHAT: Final = Operation.CHAT_COMPLETIONS
