@@ -118,12 +118,17 @@ class _Connection(asyncio.Protocol):
         self._closing = False  # ends with the request in progress
         self._broken = False  # its parser refused the body: nothing more is read
         self._idle_close = False
+        self._remote: str | None = None  # the client's address (``connection_made``)
 
     # asyncio.Protocol
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
         tcp_keepalive(self.transport)
+        # The client's address, for every request of the connection (a system call each
+        # time it is asked of uvloop's transport).
+        peer = transport.get_extra_info("peername")
+        self._remote = peer[0] if isinstance(peer, tuple) else None
         self._front._connections.add(self)
         self._next_request()
 
@@ -258,13 +263,11 @@ class _Connection(asyncio.Protocol):
             raise _Stop
         if self._timer is not None:
             self._timer.cancel()
-        transport = self.transport
-        peer = transport.get_extra_info("peername") if transport is not None else None
         request = FastRequest(
             self,
             self._url.partition(b"?")[0].decode("ascii"),
             headers,
-            remote=peer[0] if isinstance(peer, tuple) else None,
+            remote=self._remote,
             keep_alive=parser.should_keep_alive(),
             max_bytes=front.max_body_bytes,
         )
