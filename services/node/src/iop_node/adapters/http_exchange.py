@@ -65,9 +65,9 @@ class Exchange(asyncio.Protocol):
         self.idle_since = 0.0
         self._parser = httptools.HttpResponseParser(self)
         self.answer: ProviderResponse | None = None
-        # What the reader waits on: resolved once a read from the socket was parsed
-        # (or the connection failed), whatever it brought.
-        self.waiter: asyncio.Future[None] | None = None
+        # What the reader waits on (``wait``): resolved once a read from the socket was
+        # parsed (or the connection failed), whatever it brought.
+        self._waiter: asyncio.Future[None] | None = None
         self.paused = False  # the socket is not read: the reader is behind
         self._finishing: asyncio.TimerHandle | None = None  # released before its end
 
@@ -92,9 +92,7 @@ class Exchange(asyncio.Protocol):
             return
         # The reader is woken once per read, after the parser took all of it: it finds
         # the headers, the body's chunks and the end together, however many there were.
-        waiter = self.waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+        self._wake()
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self._finishing is not None:
@@ -168,6 +166,14 @@ class Exchange(asyncio.Protocol):
 
     # -- the client's side
 
+    async def wait(self) -> None:
+        """Until the parser took the next read from the socket, or the connection failed."""
+        self._waiter = asyncio.get_running_loop().create_future()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
+
     def resume(self) -> None:
         """The reader caught up: read the socket again."""
         self.paused = False
@@ -201,8 +207,8 @@ class Exchange(asyncio.Protocol):
             self.transport.abort()
 
     def _wake(self) -> None:
-        if self.waiter is not None and not self.waiter.done():
-            self.waiter.set_result(None)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
 
 
 class ProviderResponse:
@@ -271,8 +277,7 @@ class ProviderResponse:
             elif self.failure is not None:
                 raise self.failure
             else:
-                waiter = exchange.waiter = asyncio.get_running_loop().create_future()
-                await waiter
+                await exchange.wait()
 
     __aiter__ = iter_any  # ``async for chunk in response`` reads the same
 

@@ -235,8 +235,7 @@ class ProviderHttp:
                 while not response.headers_done:
                     if response.failure is not None:
                         raise response.failure
-                    waiter = exchange.waiter = asyncio.get_running_loop().create_future()
-                    await waiter  # resolved by the next read, or the connection's failure
+                    await exchange.wait()
             except ProviderConnectionLost:
                 exchange.close()
                 self._pool.forget(exchange)
