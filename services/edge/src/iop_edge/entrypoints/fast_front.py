@@ -338,9 +338,7 @@ class _Connection(asyncio.Protocol):
         self._request = None
         self._parser = httptools.HttpRequestParser(self)
         self._url, self._head = b"", []
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self._cancel_timer()
         timeout = self._front.header_timeout_s
         if timeout > 0:
             self._timer = asyncio.get_running_loop().call_later(timeout, self._head_late)
