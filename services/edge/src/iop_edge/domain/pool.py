@@ -273,13 +273,8 @@ class ProviderSlot:
             for index, _ in self._indexes:
                 index.count_usable(step)
         if load is not None and load < FULL:
-            # A fresh place in each index (its older entries are stale now); an index
-            # whose stale entries outnumber its members about 2 to 1 is rebuilt.
             for index, position in self._indexes:
-                heap = index._heap
-                heapq.heappush(heap, (load + index.tiers[position], position, version, self))
-                if len(heap) > index._limit:
-                    index._rebuild()
+                index.push((load + index.tiers[position], position, version, self))
 
 
 class ModelIndex:
@@ -410,6 +405,12 @@ class ModelIndex:
     def count_usable(self, step: int) -> None:
         """A member became usable (+1) or stopped being so (-1)."""
         self._usable_count += step
+
+    def push(self, entry: _Entry) -> None:
+        """A member's fresh place; its older entries are now stale."""
+        heapq.heappush(self._heap, entry)
+        if len(self._heap) > self._limit:
+            self._rebuild()
 
     def _rebuild(self) -> None:
         # The members' current places, straight from the rule: every stale entry goes.
