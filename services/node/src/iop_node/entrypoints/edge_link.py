@@ -21,6 +21,7 @@ import functools
 import ssl
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from loguru import logger
 
@@ -157,12 +158,17 @@ class ConnectionChannel:
             delta = dataclasses.replace(delta, provider_us=waited_us)
         await self._send(wire.run_event(delta), defer=True)
 
+    def _end_load(self) -> dict[str, Any] | None:
+        """The provider's load and cache account as the run let go of its slot, for a run's
+        end (``None``: an edge that does not read it, ``runtime`` not given)."""
+        runtime = self._runtime
+        if runtime is None:
+            return None
+        gate = runtime.gate
+        return wire.provider_load(gate.in_flight, gate.queued, runtime.cache.view)
+
     async def completed(self, completion: Completion) -> None:
-        runtime, load = self._runtime, None
-        if runtime is not None:
-            gate = runtime.gate
-            load = wire.provider_load(gate.in_flight, gate.queued, runtime.cache.view)
-        event = wire.run_event(completion, load)
+        event = wire.run_event(completion, self._end_load())
         if self._fold and self._ack is not None and self._start is not None:
             event.complete.start.CopyFrom(self._start.start)
             self._ack = self._start = None  # the completion acknowledges and starts it
@@ -175,12 +181,8 @@ class ConnectionChannel:
                 self._changed()
 
     async def failed(self, failure: Failed) -> None:
-        runtime, load = self._runtime, None
-        if runtime is not None:
-            gate = runtime.gate
-            load = wire.provider_load(gate.in_flight, gate.queued, runtime.cache.view)
         try:
-            await self._send(wire.run_event(failure, load))
+            await self._send(wire.run_event(failure, self._end_load()))
         finally:
             if self._changed is not None:
                 self._changed()
