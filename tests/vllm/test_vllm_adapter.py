@@ -23,7 +23,7 @@ from iop_node.domain.provider import ProviderConfig
 from iop_node.domain.runs import ExecutionSpec, Operation
 from iop_node.errors import ContextLengthExceeded, InvalidRequest, ProviderTimeout
 from iop_node.ports import AdapterContext, LifecycleFlags
-from iop_node.testing import RecordingSink
+from iop_node.testing import RecordingSink, execute_as_node
 from iop_proto import json_codec
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(420)]
@@ -226,8 +226,8 @@ async def test_deadline_becomes_provider_timeout_and_aborts(
     generated_before = await vllm_server.generated()
     body = chat(600, ignore_eos=True)
     with pytest.raises(ProviderTimeout):
-        await adapter.execute(
-            spec(vllm_server.served, body, stream=True, seconds=2.0), RecordingSink()
+        await execute_as_node(
+            adapter, spec(vllm_server.served, body, stream=True, seconds=2.0), RecordingSink()
         )
     await vllm_server.wait_idle(within_s=10)
     assert await vllm_server.generated() - generated_before < 300

@@ -89,8 +89,9 @@ class Adapter(Protocol):
 
     ``execute`` returns the run's ``Completion`` or raises a ``RunFailure``
     subclass; it must stop promptly when cancelled (``CancelledError``) and
-    abort the provider call, and never outlive ``spec.deadline`` (the executor
-    also enforces it). ``probe`` must be cheap: never a completion.
+    abort the provider call. ``spec.deadline`` is the executor's to keep: its one
+    deadline scope cancels the call there and reports ``ProviderTimeout``, so an
+    adapter opens no scope of its own. ``probe`` must be cheap: never a completion.
     """
 
     @property

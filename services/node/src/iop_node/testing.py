@@ -1,5 +1,6 @@
 """What the adapter tests share: an ``EventSink`` that records what an adapter streams,
-and a real llama.cpp server to run against.
+a run through the node's executor (``execute_as_node``), and a real llama.cpp server
+to run against.
 
 Every adapter's tests (mock, OpenAI-compatible, llama.cpp, Ollama, vLLM) need the same
 sink, so it lives once, beside the ``EventSink`` port it implements, not in each test file;
@@ -20,8 +21,26 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
-from iop_node.domain.runs import Delta
-from iop_node.errors import RunCancelled
+from prometheus_client import CollectorRegistry
+
+from iop_node.domain.admission import AdmissionGate
+from iop_node.domain.events import Failed, Started
+from iop_node.domain.provider import ProviderConfig
+from iop_node.domain.runs import Completion, Delta, ExecutionSpec
+from iop_node.errors import (
+    InvalidRequest,
+    ProviderFailed,
+    ProviderTimeout,
+    ProviderUnavailable,
+    QueueFull,
+    QueueTimeout,
+    RunCancelled,
+    RunFailure,
+)
+from iop_node.metrics import NodeMetrics
+from iop_node.ports import Adapter, EventSink, RunRecord
+from iop_node.runtime import ProviderRuntime
+from iop_node.service.runs import RunExecutor
 
 
 class RecordingSink:
@@ -42,6 +61,75 @@ class RecordingSink:
     @property
     def text(self) -> str:
         return "".join(d.text for d in self.deltas)
+
+
+_FAILURES: dict[str, type[RunFailure]] = {
+    failure.code.value: failure
+    for failure in (
+        InvalidRequest,
+        QueueFull,
+        QueueTimeout,
+        ProviderUnavailable,
+        ProviderFailed,
+        ProviderTimeout,
+        RunCancelled,
+    )
+}
+"""The failure a run's error code stands for (``execute_as_node`` raises it again)."""
+
+
+class _EndOfRun:
+    """The ``RunChannel`` of ``execute_as_node``: deltas go to the test's sink, and the
+    run's end (its completion or its failure) is kept."""
+
+    def __init__(self, sink: EventSink) -> None:
+        self.first_token_ms = 0
+        self.completion: Completion | None = None
+        self.failure: Failed | None = None
+        self._sink = sink
+
+    def started(self, event: Started) -> None:
+        pass
+
+    async def delta(self, delta: Delta) -> None:
+        await self._sink.delta(delta)
+
+    async def completed(self, completion: Completion) -> None:
+        self.completion = completion
+
+    async def failed(self, failure: Failed) -> None:
+        self.failure = failure
+
+
+class _NoHistory:
+    """A ``RunHistory`` that keeps nothing: these runs are the test's, not the node's."""
+
+    def run_started(self, record: RunRecord) -> None:
+        pass
+
+    def complete_run(self, record: RunRecord) -> None:
+        pass
+
+    async def recent(self, limit: int) -> list[RunRecord]:
+        return []
+
+
+async def execute_as_node(adapter: Adapter, spec: ExecutionSpec, sink: EventSink) -> Completion:
+    """``adapter.execute(spec, sink)`` as the node runs it: through a ``RunExecutor``,
+    whose one scope keeps the run's deadline (an adapter opens none of its own).
+
+    Returns the run's completion, or raises the ``RunFailure`` its error code names
+    (``ProviderTimeout`` for a run past its deadline), with the run's message."""
+    config = ProviderConfig(id=spec.provider_id, type=adapter.name, models=(spec.target,))
+    runtime = ProviderRuntime(config, adapter, AdmissionGate(config.id, 1, 0))
+    metrics = NodeMetrics.create(CollectorRegistry())
+    runtime.publish(metrics)
+    channel = _EndOfRun(sink)
+    await RunExecutor(_NoHistory(), metrics, lambda: None).execute_run(runtime, spec, channel)
+    if channel.failure is not None:
+        raise _FAILURES.get(channel.failure.code.value, RunFailure)(channel.failure.message)
+    assert channel.completion is not None
+    return channel.completion
 
 
 LLAMACPP_START_TIMEOUT_S = 60.0

@@ -26,6 +26,7 @@ from iop_node.errors import (
     ProviderUnavailable,
 )
 from iop_node.ports import AdapterContext, LifecycleFlags
+from iop_node.testing import execute_as_node
 from iop_proto import json_codec
 
 pytestmark = pytest.mark.slow
@@ -255,7 +256,9 @@ async def test_deadline_is_a_provider_timeout_and_stops_the_program(
     program = script(tmp_path, "sleepy.py", "print(os.getpid(), flush=True); time.sleep(1000)")
     sink = Collect()
     with pytest.raises(ProviderTimeout):
-        await cli(context, [sys.executable, program]).execute(spec(CHAT, timeout=1.0), sink)
+        await execute_as_node(
+            cli(context, [sys.executable, program]), spec(CHAT, timeout=1.0), sink
+        )
     assert await gone(int(sink.text))
 
 

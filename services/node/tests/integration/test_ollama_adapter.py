@@ -37,7 +37,7 @@ from iop_node.errors import (
     ProviderUnavailable,
 )
 from iop_node.ports import AdapterContext
-from iop_node.testing import RecordingSink
+from iop_node.testing import RecordingSink, execute_as_node
 from iop_proto import json_codec
 from iop_proto.testing import refused_port
 
@@ -484,7 +484,7 @@ async def test_connection_refused_is_provider_unavailable(http: aiohttp.ClientSe
 async def test_deadline_is_provider_timeout(adapter: OllamaAdapter, fake: FakeOllama) -> None:
     sink = RecordingSink()
     with pytest.raises(ProviderTimeout):
-        await adapter.execute(spec(chat(model=SLOW), stream=True, seconds=0.2), sink)
+        await execute_as_node(adapter, spec(chat(model=SLOW), stream=True, seconds=0.2), sink)
     assert sink.deltas
     async with asyncio.timeout(5):
         await fake.disconnected.wait()

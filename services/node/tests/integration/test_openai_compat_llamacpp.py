@@ -24,7 +24,7 @@ from iop_node.domain.provider import ProviderConfig
 from iop_node.domain.runs import ExecutionSpec, Operation
 from iop_node.errors import ContextLengthExceeded, ErrorCode, InvalidRequest, ProviderTimeout
 from iop_node.ports import AdapterContext
-from iop_node.testing import RecordingSink, llamacpp_child, llamacpp_missing
+from iop_node.testing import RecordingSink, execute_as_node, llamacpp_child, llamacpp_missing
 from iop_proto import json_codec
 
 pytestmark = pytest.mark.slow
@@ -208,8 +208,8 @@ async def test_deadline_becomes_provider_timeout(
     loop = asyncio.get_running_loop()
     started = loop.time()
     with pytest.raises(ProviderTimeout):
-        await adapter.execute(
-            spec(chat(200, ignore_eos=True), stream=True, seconds=0.5), RecordingSink()
+        await execute_as_node(
+            adapter, spec(chat(200, ignore_eos=True), stream=True, seconds=0.5), RecordingSink()
         )
     assert loop.time() - started < 2
     # The abort itself is proven by the cancel test; here the deadline may fall in prompt

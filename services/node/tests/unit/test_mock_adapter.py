@@ -24,7 +24,7 @@ from iop_node.errors import (
     ProviderUnavailable,
 )
 from iop_node.ports import AdapterContext, LifecycleFlags
-from iop_node.testing import RecordingSink
+from iop_node.testing import RecordingSink, execute_as_node
 from iop_proto import json_codec
 
 CHAT = {
@@ -497,7 +497,7 @@ async def test_timeout_drill_hangs_until_the_deadline(context: AdapterContext) -
     sink = RecordingSink()
     drill = {"fail": "timeout", "after_tokens": 2}
     with pytest.raises(ProviderTimeout):
-        await mock(context).execute(spec({**CHAT, "iop_mock": drill}, timeout=0.2), sink)
+        await execute_as_node(mock(context), spec({**CHAT, "iop_mock": drill}, timeout=0.2), sink)
     assert sink.text == expected_text(2)
 
 
@@ -512,7 +512,7 @@ async def test_slow_answer_past_the_deadline_is_a_provider_timeout(context: Adap
     adapter = mock(context, tokens_per_second=20, default_tokens=1000)
     sink = RecordingSink()
     with pytest.raises(ProviderTimeout):
-        await adapter.execute(spec(CHAT, timeout=0.2), sink)
+        await execute_as_node(adapter, spec(CHAT, timeout=0.2), sink)
     assert 0 < len(sink.deltas) < 1000
 
 

@@ -35,7 +35,7 @@ from iop_node.errors import (
     RunCancelled,
 )
 from iop_node.ports import AdapterContext, LifecycleFlags
-from iop_node.testing import RecordingSink
+from iop_node.testing import RecordingSink, execute_as_node
 from iop_proto import json_codec
 from iop_proto.framing import DEFAULT_MAX_ANSWER_BYTES
 from iop_proto.testing import refused_port
@@ -667,12 +667,12 @@ async def test_deadline_becomes_provider_timeout(provider: FakeProvider, http: C
     loop = asyncio.get_running_loop()
     started = loop.time()
     with pytest.raises(ProviderTimeout):
-        await adapter.execute(make_spec({"messages": []}, seconds=0.3), RecordingSink())
+        await execute_as_node(adapter, make_spec({"messages": []}, seconds=0.3), RecordingSink())
     assert loop.time() - started < 2
     await asyncio.wait_for(provider.disconnected.wait(), 5)
 
     with pytest.raises(ProviderTimeout):  # already past: fails without waiting
-        await adapter.execute(make_spec({"messages": []}, seconds=-1), RecordingSink())
+        await execute_as_node(adapter, make_spec({"messages": []}, seconds=-1), RecordingSink())
 
 
 async def test_cancel_mid_stream_disconnects_from_the_provider(

@@ -43,7 +43,6 @@ from iop_node.errors import (
     ConfigError,
     InvalidRequest,
     ProviderFailed,
-    ProviderTimeout,
     ProviderUnavailable,
 )
 from iop_node.ports import AdapterContext, EventSink, LifecycleFlags
@@ -109,16 +108,7 @@ class CliAdapter:
         prompt = _prompt(spec)
         argv = self._argv(spec.target, prompt)
         stdin = (prompt + "\n").encode() if self._prompt_via == "stdin" else None
-        scope = asyncio.timeout_at(spec.deadline)
-        try:
-            async with scope:
-                output = await self._run(spec, argv, stdin, sink)
-        except TimeoutError as exc:
-            if scope.expired():
-                raise ProviderTimeout(
-                    f"{self._command[0]} did not finish before the run's deadline"
-                ) from exc
-            raise
+        output = await self._run(spec, argv, stdin, sink)
         usage = Usage.of(len(prompt.split()), len(output.split()))
         if spec.stream:
             return Completion(finish_reason="stop", usage=usage)

@@ -71,7 +71,6 @@ from iop_node.errors import (
     ConfigError,
     InvalidRequest,
     ProviderFailed,
-    ProviderTimeout,
     ProviderUnavailable,
 )
 from iop_node.ports import AdapterContext, EngineInfo, EventSink, LifecycleFlags
@@ -171,20 +170,13 @@ class MockAdapter:
 
     async def execute(self, spec: ExecutionSpec, sink: EventSink) -> Completion:
         drill = FailureDrill.from_body(spec.body)
-        scope = asyncio.timeout_at(spec.deadline)
-        try:
-            async with scope:
-                if drill.delay_ms > 0:
-                    await asyncio.sleep(drill.delay_ms / 1000)
-                if spec.operation is Operation.EMBEDDINGS:
-                    await self._maybe_fail(drill, produced=0, planned=0)
-                    return _embeddings(spec)
+        if drill.delay_ms > 0:
+            await asyncio.sleep(drill.delay_ms / 1000)
+        if spec.operation is Operation.EMBEDDINGS:
+            await self._maybe_fail(drill, produced=0, planned=0)
+            return _embeddings(spec)
 
-                return await self._generate(spec, sink, drill)
-        except TimeoutError as exc:
-            if scope.expired():
-                raise ProviderTimeout(f"mock run {spec.run_id} passed its deadline") from exc
-            raise
+        return await self._generate(spec, sink, drill)
 
     async def _generate(
         self, spec: ExecutionSpec, sink: EventSink, drill: FailureDrill

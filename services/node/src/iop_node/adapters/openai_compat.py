@@ -36,7 +36,6 @@ from iop_node.errors import (
     ConfigError,
     InvalidRequest,
     ProviderFailed,
-    ProviderTimeout,
     ProviderUnavailable,
     RunFailure,
 )
@@ -243,55 +242,46 @@ class OpenAICompatAdapter:
             data = json_codec.dumps(
                 provider_body(spec.body, self.name, spec.operation.value, spec.stream)
             )
-        timeout = asyncio.timeout_at(spec.deadline)
+        url = self._base + _PATHS[spec.operation]
+        began = time.perf_counter()  # the provider's time: the HTTP exchange, not our work
         try:
-            async with timeout:
-                url = self._base + _PATHS[spec.operation]
-                began = time.perf_counter()  # the provider's time: the HTTP exchange, not our work
-                try:
-                    response = await self._http.request(
-                        "POST",
-                        url,
-                        body=data,
-                        headers=self._post_headers,
-                        connect_timeout_s=CONNECT_TIMEOUT_S,
-                    )
-                except ProviderHttpError as exc:
-                    # No response at all: refused, DNS, TLS, reset or connect timeout.
-                    raise ProviderUnavailable(f"{url}: {_describe(exc)}") from exc
-                try:
-                    if response.status >= 400:
-                        failure = await _http_failure(response, spec)
-                        response.release()  # read to the end (usually): the connection is reused
-                        raise failure
-                    if spec.stream and response.content_type != "application/json":
-                        completion = await _read_stream(response, spec, sink, self._max_answer)
-                    elif spec.stream:
-                        # A server that ignored ``stream`` answers with one JSON body: an error
-                        # object at best, and nothing we could replay as deltas otherwise.
-                        _read_result(await read_answer(response, self._max_answer), spec.operation)
-                        raise ProviderFailed(f"{url}: asked for a stream, got one JSON body")
-                    else:
-                        # At most a frame's worth, refused past it unparsed (``answer_read``).
-                        body = await read_answer(response, self._max_answer)
-                        provider_us = int((time.perf_counter() - began) * 1_000_000)
-                        completion = _read_result(body, spec.operation, provider_us)
-                except ProviderConnectionLost as exc:
-                    response.close()
-                    raise ProviderFailed(
-                        f"{url}: connection lost mid-response: {_describe(exc)}"
-                    ) from exc
-                except BaseException:
-                    # Cancellation, deadline, sink gone or a bad answer: drop the connection so
-                    # the provider stops generating (a pooled connection would keep the slot busy).
-                    response.close()
-                    raise
-                response.release()
-                return completion
-        except TimeoutError:
-            if timeout.expired():
-                raise ProviderTimeout(f"{self.name} run passed its deadline") from None
+            response = await self._http.request(
+                "POST",
+                url,
+                body=data,
+                headers=self._post_headers,
+                connect_timeout_s=CONNECT_TIMEOUT_S,
+            )
+        except ProviderHttpError as exc:
+            # No response at all: refused, DNS, TLS, reset or connect timeout.
+            raise ProviderUnavailable(f"{url}: {_describe(exc)}") from exc
+        try:
+            if response.status >= 400:
+                failure = await _http_failure(response, spec)
+                response.release()  # read to the end (usually): the connection is reused
+                raise failure
+            if spec.stream and response.content_type != "application/json":
+                completion = await _read_stream(response, spec, sink, self._max_answer, began)
+            elif spec.stream:
+                # A server that ignored ``stream`` answers with one JSON body: an error
+                # object at best, and nothing we could replay as deltas otherwise.
+                _read_result(await read_answer(response, self._max_answer), spec.operation)
+                raise ProviderFailed(f"{url}: asked for a stream, got one JSON body")
+            else:
+                # At most a frame's worth, refused past it unparsed (``answer_read``).
+                body = await read_answer(response, self._max_answer)
+                provider_us = int((time.perf_counter() - began) * 1_000_000)
+                completion = _read_result(body, spec.operation, provider_us)
+        except ProviderConnectionLost as exc:
+            response.close()
+            raise ProviderFailed(f"{url}: connection lost mid-response: {_describe(exc)}") from exc
+        except BaseException:
+            # Cancellation, deadline, sink gone or a bad answer: drop the connection so
+            # the provider stops generating (a pooled connection would keep the slot busy).
+            response.close()
             raise
+        response.release()
+        return completion
 
     async def count_tokens(self, spec: ExecutionSpec) -> Completion:
         """``TokenCounter``: the prompt tokens from the server's own tokenizer."""
@@ -311,8 +301,14 @@ class OpenAICompatAdapter:
 
 
 async def _read_stream(
-    response: ProviderResponse, spec: ExecutionSpec, sink: EventSink, max_event_bytes: int
+    response: ProviderResponse,
+    spec: ExecutionSpec,
+    sink: EventSink,
+    max_event_bytes: int,
+    began: float,
 ) -> Completion:
+    """The stream's deltas into ``sink``; its ``Completion`` carries the provider's time
+    since ``began`` (the request's start), as a non-streamed answer's does."""
     text_mode = spec.operation is Operation.COMPLETIONS
     finish_reasons: dict[int, str] = {}
     usage: Any = None  # the last usage object, read once the stream has ended
@@ -342,7 +338,10 @@ async def _read_stream(
                     finish_reasons[delta.choice_index] = delta.finish_reason
                 await sink.delta(delta)
     finish = finish_reasons.get(0) or next(iter(finish_reasons.values()), "")
-    return Completion(finish_reason=finish, usage=_usage(usage, timings), result=None)
+    provider_us = int((time.perf_counter() - began) * 1_000_000)
+    return Completion(
+        finish_reason=finish, usage=_usage(usage, timings), result=None, provider_us=provider_us
+    )
 
 
 def _choice_delta(choice: Any, text_mode: bool) -> Delta | None:
