@@ -22,6 +22,24 @@ async def test_runs_start_while_slots_are_free() -> None:
         await gate.acquire()
 
 
+async def test_a_free_slot_is_taken_at_once_and_never_past_a_waiter() -> None:
+    gate = AdmissionGate("p", capacity=1, max_queue=1)
+    assert gate.take_free()
+    assert gate.in_flight == 1
+    assert not gate.take_free()  # busy: the run must queue (acquire)
+    waiting = asyncio.create_task(gate.acquire())
+    await asyncio.sleep(0)
+    gate.release()  # handed to the waiter, not left free
+    assert not gate.take_free()
+    await waiting
+    assert (gate.in_flight, gate.queued) == (1, 0)
+    gate.release()
+    gate.hold("draining")
+    with pytest.raises(QueueFull, match="draining"):
+        gate.take_free()
+    assert gate.in_flight == 0
+
+
 async def test_waiters_are_served_in_fifo_order() -> None:
     gate = AdmissionGate("p", capacity=1, max_queue=10)
     await gate.acquire()

@@ -35,6 +35,20 @@ class AdmissionGate:
     def queued(self) -> int:
         return len(self._waiters)
 
+    def take_free(self) -> bool:
+        """Take a slot that is free now (none busy past capacity, nobody queued before):
+        ``True``. ``False``: every slot is busy or others wait, and the run must queue
+        (``acquire``). ``ProviderHeld`` while an operator holds the provider.
+
+        The executor asks this first, so a run that never waits bounds itself by its
+        deadline alone, with no queue timeout to set and then move."""
+        if self.held:
+            raise self._held_error()
+        if self.in_flight < self.capacity and not self._waiters:
+            self.in_flight += 1
+            return True
+        return False
+
     async def acquire(self) -> float:
         """Take a slot, waiting in FIFO order; returns the seconds spent queued.
 
@@ -42,10 +56,7 @@ class AdmissionGate:
         slot is handed over or the caller is cancelled (its deadline, its client gone):
         then it leaves the queue, passing on a slot handed to it in that same moment.
         """
-        if self.held:
-            raise self._held_error()
-        if self.in_flight < self.capacity and not self._waiters:
-            self.in_flight += 1
+        if self.take_free():
             return 0.0
         if len(self._waiters) >= self.max_queue:
             raise QueueFull(

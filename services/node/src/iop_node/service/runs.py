@@ -5,9 +5,10 @@ queueing, deadlines, error codes and history are the same for all adapters.
 Whatever ends a run (result, failure, deadline, cancellation), its slot or
 queue place is released and exactly one terminal event is attempted.
 
-One deadline scope bounds the run, queue wait included: while the run waits for a
-slot the scope ends at the earlier of the provider's queue timeout and the run's
-deadline, and once it has the slot it is moved to the deadline. Which of the two
+One deadline scope bounds the run, queue wait included, and the adapters open none
+of their own: a run that finds a slot free has the scope end at its deadline; one
+that must wait for a slot has it end at the earlier of the provider's queue timeout
+and the deadline, moved to the deadline once it has the slot. Which of the two
 ended it says the error: ``queue_timeout`` while queued, ``provider_timeout`` after.
 """
 
@@ -91,18 +92,28 @@ class RunExecutor:
             gate = None if spec.operation is Operation.COUNT_TOKENS else runtime.gate
             slot_taken_at: float | None = None
             provider_began = 0.0
-            # count_tokens takes no slot: the engine's tokenizer answers beside its generations
-            queue_s = 0.0 if gate is None else runtime.config.queue_timeout_ms / 1000
-            queue_s = max(min(queue_s, spec.deadline - loop.time()), 0.0)
-            scope = asyncio.timeout_at(spec.deadline if gate is None else loop.time() + queue_s)
             try:
+                # count_tokens takes no slot: the engine's tokenizer answers beside its
+                # generations. A free slot is taken here, before the scope: a run that has
+                # it at once is bounded by its deadline alone.
+                waits, queue_s = False, 0.0
+                if gate is not None:
+                    if gate.take_free():
+                        slot_taken_at = loop.time()
+                    else:
+                        waits = True
+                        queue_s = runtime.config.queue_timeout_ms / 1000
+                        queue_s = max(min(queue_s, spec.deadline - loop.time()), 0.0)
+                scope = asyncio.timeout_at(loop.time() + queue_s if waits else spec.deadline)
                 try:
                     async with scope:
                         queue_wait_s = 0.0
-                        if gate is not None:
+                        if waits:
+                            assert gate is not None
                             queue_wait_s = await gate.acquire()
                             slot_taken_at = loop.time()
                             scope.reschedule(spec.deadline)
+                        if gate is not None:
                             metrics = self._metrics
                             metrics.child(metrics.queue_wait, spec.provider_id).observe(
                                 queue_wait_s
@@ -147,7 +158,7 @@ class RunExecutor:
                 except TimeoutError:
                     if not scope.expired():
                         raise  # the adapter's own (a RunFailure) or a bug: not this scope's
-                    if gate is not None and slot_taken_at is None:
+                    if waits and slot_taken_at is None:
                         raise QueueTimeout(
                             f"provider {spec.provider_id}: no slot free within"
                             f" {queue_s * 1000:.0f} ms"
