@@ -254,10 +254,13 @@ class _Connection(asyncio.Protocol):
         ):
             self._stop = "hand over"
             raise _Stop
-        headers = CIMultiDict(
-            (n.decode("utf-8", "surrogateescape"), v.decode("utf-8", "surrogateescape"))
-            for n, v in self._head
-        )
+        # pair by pair: CIMultiDict's constructor takes a generator of pairs at about
+        # half the speed (seven headers of a typical client)
+        headers: CIMultiDict[str] = CIMultiDict()
+        for name, value in self._head:
+            headers.add(
+                name.decode("utf-8", "surrogateescape"), value.decode("utf-8", "surrogateescape")
+            )
         if "Expect" in headers or (front.cors and "Origin" in headers):
             self._stop = "hand over"  # 100-continue, CORS marks: aiohttp's
             raise _Stop

@@ -122,7 +122,7 @@ class RunBody:
     chosen provider's served name, written first, docs/ARCHITECTURE.md#target-rewrite;
     ``stream`` and ``stream_options``)."""
 
-    __slots__ = ("_blocks", "fields", "frame_bytes", "rest", "switches")
+    __slots__ = ("_blocks", "_names", "fields", "frame_bytes", "rest", "switches")
 
     def __init__(
         self,
@@ -153,8 +153,11 @@ class RunBody:
             unnamed += len(rest) - 1
         if switches != b"{}":
             unnamed += len(switches) - 1
+        # each served name as JSON, written once: measured here, put in the body by
+        # ``for_provider``
+        names = self._names = {name: json_codec.dumps(name) for name in served}
         # the served name twice: in the body (as JSON) and as the order's target
-        named = max((len(json_codec.dumps(s)) + len(s.encode()) for s in served), default=0)
+        named = max((len(text) + len(name.encode()) for name, text in names.items()), default=0)
         self.frame_bytes = unnamed + named + SWITCHES_SLACK + RUN_FRAME_OVERHEAD if named else 0
         if self.frame_bytes > max_frame_size:
             raise RequestTooLarge(
@@ -183,7 +186,9 @@ class RunBody:
             forced = stream_switches(self.fields, provider_type, operation, stream)
             switches, prepared = json_codec.dumps(forced) if forced else b"{}", True
         # the target rewrite (docs/ARCHITECTURE.md#target-rewrite): the served name first
-        parts: list[bytes | memoryview] = [_MODEL_KEY + json_codec.dumps(served)]
+        # (a name outside ``served``: the fleet renamed it while the request waited)
+        name = self._names.get(served) or json_codec.dumps(served)
+        parts: list[bytes | memoryview] = [_MODEL_KEY + name]
         with memoryview(self.rest) as rest:  # one copy of a body of megabytes, not two
             if self.rest != b"{}":
                 parts += (b",", rest[1:-1])
