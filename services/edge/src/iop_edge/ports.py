@@ -205,8 +205,8 @@ class QueueView(Protocol):
 
 
 class RunLink(Protocol):
-    """A run in flight, as the node listener checks events against it and hands them
-    to it."""
+    """A run in flight, as the peer guard checks events against it and the node
+    listener hands them to it."""
 
     @property
     def node_id(self) -> str: ...

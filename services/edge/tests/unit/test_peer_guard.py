@@ -1,5 +1,4 @@
-"""The ownership rule with a real dispatcher, fake connections and fake leases (a run's
-events through the node listener, which checks their run's connection)."""
+"""The ownership rule with a real dispatcher, fake connections and fake leases."""
 
 from __future__ import annotations
 
@@ -8,7 +7,6 @@ from collections.abc import Iterable, Set
 import pytest
 from prometheus_client import CollectorRegistry
 
-from iop_edge.adapters.node_server import NodeServer
 from iop_edge.adapters.peer_guard import NotYours, PeerGuard
 from iop_edge.adapters.run_wire import provider_reports
 from iop_edge.domain.events import RunOrder
@@ -17,22 +15,12 @@ from iop_edge.metrics import EdgeMetrics
 from iop_edge.ports import RunSpec
 from iop_edge.testing import WiredDispatcher as Dispatch
 from iop_proto.connection import Connection
-from iop_proto.errors import ConnectionClosed
-from iop_proto.framing import DEFAULT_MAX_FRAME_SIZE
 from iop_proto.v1 import runtime_pb2 as pb
 
 
 class FakeConn:
     peer = None
     peer_name = "127.0.0.1:1"
-
-    def __init__(self) -> None:
-        self.frames: list[pb.Envelope] = []  # what ``receive`` gives, then a clean close
-
-    async def receive(self) -> pb.Envelope:
-        if not self.frames:
-            raise ConnectionClosed("closed by the node")
-        return self.frames.pop(0)
 
 
 class FakeNode:
@@ -92,33 +80,7 @@ def dispatcher(metrics: EdgeMetrics) -> Dispatch:
 
 @pytest.fixture
 def rules(dispatcher: Dispatch, metrics: EdgeMetrics) -> PeerGuard:
-    return PeerGuard(dispatcher.pool, metrics, Leases({"lease_1": "worker"}))  # type: ignore[arg-type]
-
-
-@pytest.fixture
-def listener(dispatcher: Dispatch, rules: PeerGuard, metrics: EdgeMetrics) -> NodeServer:
-    """The node listener, for what a registered node's connection sends (``_follow``)."""
-    return NodeServer(
-        host="127.0.0.1",
-        port=0,
-        edge_id="edge",
-        registry=dispatcher.pool,
-        runs=dispatcher,
-        authorizer=None,  # type: ignore[arg-type]  # nobody registers here
-        guard=rules,
-        metrics=metrics,
-        tls=None,
-        heartbeat_interval_s=5.0,
-        max_frame_size=DEFAULT_MAX_FRAME_SIZE,
-        register_timeout_s=10.0,
-        handshake_timeout_s=10.0,
-    )
-
-
-async def send(listener: NodeServer, node: FakeNode, event: pb.RunEvent) -> None:
-    """``event`` from ``node``'s connection, followed until the node closes it."""
-    node.conn.frames.append(pb.Envelope(run_event=event))  # type: ignore[attr-defined]
-    await listener._follow(node)  # type: ignore[arg-type]
+    return PeerGuard(dispatcher, dispatcher.pool, metrics, Leases({"lease_1": "worker"}))  # type: ignore[arg-type]
 
 
 def refused(registry: CollectorRegistry, role: str, reason: str) -> float:
@@ -127,7 +89,7 @@ def refused(registry: CollectorRegistry, role: str, reason: str) -> float:
 
 
 async def test_a_run_takes_events_only_from_the_connection_it_was_dispatched_on(
-    dispatcher: Dispatch, listener: NodeServer, registry: CollectorRegistry
+    dispatcher: Dispatch, rules: PeerGuard, registry: CollectorRegistry
 ) -> None:
     owner, again, other = FakeNode("node-a"), FakeNode("node-a"), FakeNode("node-fuzz")
     state = pb.ProviderState(provider_id="a", health=pb.HEALTH_AVAILABLE)
@@ -136,11 +98,11 @@ async def test_a_run_takes_events_only_from_the_connection_it_was_dispatched_on(
     run = await dispatcher.open_run(spec)
     event = pb.RunEvent(run_id=run.run_id, delta=pb.RunDelta(text="x"))
 
-    await send(listener, owner, event)  # its own: passes
-    await send(listener, other, pb.RunEvent(run_id="ended-here-already"))  # unknown: passes
+    rules.run_event(owner, event)  # its own: passes
+    rules.run_event(other, pb.RunEvent(run_id="ended-here-already"))  # unknown: passes
     for stranger in (other, again):  # another node, or the same node on another connection
         with pytest.raises(NotYours) as caught:
-            await send(listener, stranger, event)
+            rules.run_event(stranger, event)
         assert caught.value.code == pb.ERROR_CODE_PERMISSION_DENIED
     assert refused(registry, "node", "foreign_run") == 2
     assert not run.attempt_finished

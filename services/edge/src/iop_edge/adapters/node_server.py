@@ -12,7 +12,7 @@ refused before any credential is read, and told so: that is the protocol, no sec
 A retired node is told that it is retired: its certificate proved which node it is,
 and its operator, reading its log, is who must act. What a registered peer sends
 about runs, providers and leases is checked by ``PeerGuard`` (one rule for every message
-type), a run event's owner here, where its run is looked up, and refused by the guard.
+type).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from iop_edge.adapters.worker_session import WorkerSession
 from iop_edge.domain.events import RunOrder
 from iop_edge.errors import ControlPlaneUnavailable
 from iop_edge.metrics import EdgeMetrics
-from iop_edge.ports import BatchLeases, RunView
+from iop_edge.ports import BatchLeases
 from iop_edge.service.registry import ProviderRegistry
 from iop_proto.accept import StreamServer
 from iop_proto.connection import Connection, error_body
@@ -97,7 +97,8 @@ class NodeConnection:
 class NodeServer:
     """Accepts node connections over mTLS and keeps the registry's pool in step: a
     registered connection is the registry's node link until it drops. A run event goes
-    to its run (the dispatcher's), once checked to be this connection's."""
+    to its run (the dispatcher's, found by the peer guard, which checks it is this
+    connection's)."""
 
     def __init__(
         self,
@@ -106,7 +107,6 @@ class NodeServer:
         port: int,
         edge_id: str,
         registry: ProviderRegistry,
-        runs: RunView,
         authorizer: Authorizer,
         guard: PeerGuard,
         metrics: EdgeMetrics,
@@ -124,7 +124,6 @@ class NodeServer:
         self.status = status or NodeStatusBook()
         self._edge_id = edge_id
         self._registry = registry
-        self._runs = runs
         self._authorizer = authorizer
         self._guard = guard
         self._metrics = metrics
@@ -447,7 +446,6 @@ class NodeServer:
 
     async def _follow(self, node: NodeConnection) -> None:
         registry, guard, conn = self._registry, self._guard, node.conn
-        runs = self._runs.runs  # the dispatcher's, as they change
         while True:
             try:
                 envelope = await conn.receive()
@@ -456,14 +454,11 @@ class NodeServer:
             kind = envelope.WhichOneof("body")
             if kind == "run_event":
                 event = envelope.run_event
-                run = runs.get(event.run_id)
-                if run is None:
-                    continue  # the run ended here already: its event is dropped
-                if run.link is not node:  # a node speaks only of runs dispatched to it
-                    raise guard.foreign_run(node, event, run)
-                converted = run_event(event)
-                if converted is not None:
-                    run.deliver(converted)
+                run = guard.run_event(node, event)  # NotYours for another connection's run
+                if run is not None:  # else ended here already: dropped
+                    converted = run_event(event)
+                    if converted is not None:
+                        run.deliver(converted)
             elif kind == "provider_snapshot":
                 snapshot = envelope.provider_snapshot
                 guard.snapshot(node, snapshot)

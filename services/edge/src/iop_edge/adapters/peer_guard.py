@@ -1,13 +1,11 @@
 """Ownership on the node port: a peer speaks only of what is its own.
 
 One rule for every message a node or a worker sends about something the edge
-keeps, checked here and refused here (a run's events: refused here, checked where
-their run is looked up):
+keeps, checked here and nowhere else:
 
 - a run's events are taken only from the connection the run was dispatched on
   (the connection object: a second connection of the same node owns nothing of
-  the first's); the node listener compares the two as it finds the event's run
-  (``NodeServer._follow``), and ``foreign_run`` refuses the event;
+  the first's);
 - provider states only for the sender's own providers (a snapshot's
   ``node_id``, when set, must be the sender's);
 - lease renewals, releases and line runs only on leases the sender holds (the
@@ -36,13 +34,13 @@ Registration refusals and TLS refusals are logged and counted here as well
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Set
+from collections.abc import Iterable, Mapping, Set
 from typing import Protocol
 
 from loguru import logger
 
 from iop_edge.metrics import EdgeMetrics
-from iop_edge.ports import BatchLeases, ProviderView, RunLink
+from iop_edge.ports import BatchLeases, ProviderView, RunLink, RunView
 from iop_edge.service.runs import NodeLink
 from iop_proto.connection import Connection
 from iop_proto.errors import ProtocolError
@@ -90,18 +88,27 @@ class PeerGuard:
     """The ownership rule of the node port, which the node and worker listeners both call."""
 
     def __init__(
-        self, providers: ProviderView, metrics: EdgeMetrics, leases: BatchLeases | None
+        self,
+        runs: RunView,
+        providers: ProviderView,
+        metrics: EdgeMetrics,
+        leases: BatchLeases | None,
     ) -> None:
+        self._runs: Mapping[str, RunLink] = runs.runs  # the dispatcher's, as they change
         self._providers = providers
         self._metrics = metrics
         self._leases = leases
 
     # ------------------------------------------------------------ nodes
 
-    def foreign_run(self, node: NodePeer, event: pb.RunEvent, run: RunLink) -> NotYours:
-        """The refusal of an event ``node`` sent for ``run``, which was dispatched on
-        another connection (logged and counted now; the caller raises it)."""
-        return self._not_yours(
+    def run_event(self, node: NodePeer, event: pb.RunEvent) -> RunLink | None:
+        """The run an event of this connection speaks of; ``None`` for a run unknown here
+        (it ended at the edge already: the event is dropped); refuse one of another
+        connection's run."""
+        run = self._runs.get(event.run_id)
+        if run is None or run.link is node:
+            return run
+        raise self._not_yours(
             node.conn,
             "node",
             "foreign_run",
