@@ -254,8 +254,7 @@ class _Connection(asyncio.Protocol):
         ):
             self._stop = "hand over"
             raise _Stop
-        # pair by pair: CIMultiDict's constructor takes a generator of pairs at about
-        # half the speed (seven headers of a typical client)
+        # as str, every byte kept (surrogateescape), in the order the client sent them
         headers: CIMultiDict[str] = CIMultiDict()
         for name, value in self._head:
             headers.add(
