@@ -28,6 +28,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(600)]
 E2E = Path(__file__).resolve().parents[1] / "e2e"
 MODEL = "smollm2:135m"
 UP_WITHIN_S = 420.0
+CONTEXT_TIMEOUT_S = 60
+"""The context probe's time (``--context-timeout``; the fast suite's 30 s suits llama.cpp).
+vLLM on a slow 2-core machine took about 15 s to prefill each of the probe's 256- and
+512-word prompts, and only the one after them, past its 1,024-token window, is refused:
+29.5 s for the two in one run, a hair inside 30 s, and about 31 s in the next (a time
+bound where the report must say context overflow)."""
 
 
 def _load(name: str) -> ModuleType:
@@ -111,7 +117,9 @@ async def check_qualification_of_both(edge: str) -> None:
     """``iopctl qualify`` of the alias: a report per provider, pinned through the pool,
     each with its engine's version (vLLM's release, llama.cpp's build), then the two
     providers compared (docs/ARCHITECTURE.md#qualification-reports)."""
-    code, out, err = await qualify.iopctl(edge, "qualify", MODEL, *qualify.FAST, "--json")
+    code, out, err = await qualify.iopctl(
+        edge, "qualify", MODEL, *qualify.FAST, "--context-timeout", str(CONTEXT_TIMEOUT_S), "--json"
+    )
     assert code == 0, err
     reports = {r["provider_id"]: r for r in json.loads(out)}
     assert set(reports) == {"node-a-llamacpp", "node-b-vllm"}
