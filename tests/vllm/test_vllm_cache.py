@@ -28,8 +28,9 @@ from iop_node.domain.provider import ProviderConfig
 from iop_node.domain.runs import Completion, Delta
 from iop_node.entrypoints import wire
 from iop_node.metrics import NodeMetrics
-from iop_node.ports import AdapterContext, RunRecord
+from iop_node.ports import AdapterContext
 from iop_node.service.providers import NodeCore, ProbeSettings
+from iop_node.testing import NoHistory
 from iop_proto.prefix import body_blocks
 from iop_proto.v1 import runtime_pb2 as pb
 
@@ -62,17 +63,6 @@ class Channel:
     async def failed(self, failure: Failed) -> None:
         self.failure = failure.message
         self.ended.set()
-
-
-class NoHistory:
-    def run_started(self, record: RunRecord) -> None:
-        pass
-
-    def complete_run(self, record: RunRecord) -> None:
-        pass
-
-    async def recent(self, limit: int) -> list[RunRecord]:
-        return []
 
 
 @pytest.fixture

@@ -101,7 +101,7 @@ class _EndOfRun:
         self.failure = failure
 
 
-class _NoHistory:
+class NoHistory:
     """A ``RunHistory`` that keeps nothing: these runs are the test's, not the node's."""
 
     def run_started(self, record: RunRecord) -> None:
@@ -125,7 +125,7 @@ async def execute_as_node(adapter: Adapter, spec: ExecutionSpec, sink: EventSink
     metrics = NodeMetrics.create(CollectorRegistry())
     runtime.publish(metrics)
     channel = _EndOfRun(sink)
-    await RunExecutor(_NoHistory(), metrics, lambda: None).execute_run(runtime, spec, channel)
+    await RunExecutor(NoHistory(), metrics, lambda: None).execute_run(runtime, spec, channel)
     if channel.failure is not None:
         raise _FAILURES.get(channel.failure.code.value, RunFailure)(channel.failure.message)
     assert channel.completion is not None

@@ -16,8 +16,9 @@ from iop_node.domain.provider import ProviderConfig
 from iop_node.domain.runs import Completion, ExecutionSpec
 from iop_node.entrypoints import wire
 from iop_node.metrics import NodeMetrics
-from iop_node.ports import AdapterContext, EventSink, LifecycleFlags, RunRecord
+from iop_node.ports import AdapterContext, EventSink, LifecycleFlags
 from iop_node.service.providers import NodeCore, ProbeSettings
+from iop_node.testing import NoHistory
 from iop_proto.v1 import runtime_pb2 as pb
 
 CONFIG = ProviderConfig(id="p1", type="fake", models=("m",))
@@ -51,17 +52,6 @@ class FakeAdapter:
 
     async def aclose(self) -> None:
         pass
-
-
-class NoHistory:
-    def run_started(self, record: RunRecord) -> None:
-        pass
-
-    def complete_run(self, record: RunRecord) -> None:
-        pass
-
-    async def recent(self, limit: int) -> list[RunRecord]:
-        return []
 
 
 @pytest.fixture
