@@ -111,3 +111,17 @@ def test_hops_reports_the_path_of_a_stream(tmp_path: Path) -> None:
     assert all(row["bytes"] >= body["min_bytes"] for row in body["parsed"]["by"])
     assert "body parsed: " in output
     assert "body serialised: " in output
+
+
+def test_edges_model_takes_no_cap_from_a_process_that_spent_no_measurable_cpu() -> None:
+    # a tiny round on a busy machine can leave the fake engine's or the client's CPU
+    # under the clock's tick: 0 ms per request bounds nothing, and must not divide
+    sys.path.insert(0, str(REPO / "tools"))
+    from bench.edges import predict
+
+    costs = {"edge": 1.0, "node": 0.5, "balancer": 0.25, "engine": 0.0, "client": 0.0}
+    assert predict(costs, 1, 4, balanced=False) == pytest.approx(1000.0)  # the edge's loop
+    assert predict(costs, 3, 4, balanced=False) == pytest.approx(2000.0)  # the node's
+    assert predict(costs, 2, 1, balanced=True) == pytest.approx(1000 / 1.75)  # the cores
+    nothing = dict.fromkeys(costs, 0.0)
+    assert predict(nothing, 1, 4, balanced=True) is None

@@ -229,19 +229,29 @@ def per_request_ms(row: Mapping[str, Any], name: str) -> float:
     return float(row["cpu_s_per_1000"].get(name, 0.0))
 
 
-def predict(costs: Mapping[str, float], edges: int, cores: int, balanced: bool) -> float:
+def predict(costs: Mapping[str, float], edges: int, cores: float, balanced: bool) -> float | None:
     """Requests/s the model predicts: each process is one event loop (at most one core),
     and all of them share ``cores``. ``costs``: CPU ms per request of one edge, the node,
-    the balancer, the engine, the client and PostgreSQL, each measured through one edge."""
-    edge, node = costs["edge"], costs["node"]
+    the balancer, the engine, the client and PostgreSQL, each measured through one edge.
+
+    A cost of 0 is a process whose CPU stayed under the clock's tick over a short round
+    (the fake engine, a tiny run's client): it bounds nothing, so it gives no cap. None
+    when no process's CPU was measured at all: then the model has nothing to say.
+    """
     balancer = costs["balancer"] if balanced else 0.0
-    rest = costs["engine"] + costs["client"] + costs.get("postgres", 0.0)
-    caps = [edges * 1000 / edge, 1000 / node, cores * 1000 / (edge + node + balancer + rest)]
+    loops = {"edge": edges, "node": 1, "engine": 1, "client": 1}
     if balanced:
-        caps.append(1000 / balancer)
-    for name in ("engine", "client"):
-        caps.append(1000 / costs[name])
-    return min(caps)
+        loops["balancer"] = 1
+    caps = [n * 1000 / costs[name] for name, n in loops.items() if costs[name] > 0]
+    shared = sum(costs[name] for name in ("edge", "node", "engine", "client"))
+    shared += balancer + costs.get("postgres", 0.0)
+    if shared > 0:
+        caps.append(cores * 1000 / shared)
+    return min(caps) if caps else None
+
+
+def _rps(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f}"
 
 
 def model(sqlite: Mapping[str, Any], cores: int) -> dict[str, Any]:
@@ -317,7 +327,7 @@ def _rows(data: Mapping[str, Any]) -> list[Row]:
         predicted = data["model"][level]["predicted_rps"]
         for way in (ONE, TWO_LB, TWO_SPREAD):
             value = ways[way]["rps"]
-            metric = f"throughput at c={level}, {way} (model: {predicted[way]:.0f})"
+            metric = f"throughput at c={level}, {way} (model: {_rps(predicted[way])})"
             ratio = value / one if one else None
             of = f"{way}/1 edge"
             rows.append(Row(SCENARIO, metric, "req/s", value, ratio=ratio, ratio_of=of))
@@ -349,10 +359,10 @@ def _table(data: Mapping[str, Any]) -> str:
                 )
     for level, fit in data["model"].items():
         pairs = ", ".join(
-            f"{way} {fit['predicted_rps'][way]:.0f} vs {fit['measured_rps'][way]:.0f}"
+            f"{way} {_rps(fit['predicted_rps'][way])} vs {fit['measured_rps'][way]:.0f}"
             for way in fit["predicted_rps"]
         )
         lines.append(f"model c={level} (predicted at the cores got vs measured req/s): {pairs}")
-        free = ", ".join(f"{way} {rps:.0f}" for way, rps in fit["predicted_rps_free"].items())
+        free = ", ".join(f"{way} {_rps(rps)}" for way, rps in fit["predicted_rps_free"].items())
         lines.append(f"model c={level} on {fit['cores']} idle cores: {free}")
     return "\n".join(lines)
