@@ -119,6 +119,40 @@ async def test_an_unacknowledged_run_fails_and_takes_its_node_out_of_selection()
     assert health(dispatcher, "a") == AVAILABLE
 
 
+class SlowWriter(Node):
+    """A link whose ``send_run`` returns only after ``seconds``: a large order that takes
+    its edge that long to encode, encrypt and write."""
+
+    def __init__(self, node_id: str, seconds: float) -> None:
+        super().__init__(node_id)
+        self.seconds = seconds
+
+    async def send_run(self, request: RunOrder) -> None:
+        await asyncio.sleep(self.seconds)
+        await super().send_run(request)
+
+
+async def test_the_acknowledgement_is_timed_from_when_the_order_has_left() -> None:
+    dispatcher = wired(RunGuards(ack_timeout_s=SHORT * 2))
+    node = SlowWriter("node-a", SHORT * 4)  # the order leaves two ack timeouts late
+    connect(dispatcher, node, "a")
+    run = await dispatcher.open_run(spec())  # returns once the order has left
+    assert [order.run_id for order in node.sent] == [run.run_id]
+    await asyncio.sleep(SHORT)  # within the ack timeout counted from the send
+    assert not run.attempt_finished
+    run.deliver(ACCEPTED)
+    run.deliver(Completed("stop"))
+    assert await read_all(run) == [Completed("stop")]
+    assert health(dispatcher, "a") == AVAILABLE
+
+    # a node that does not acknowledge a slowly written order still fails it
+    silent = await dispatcher.open_run(spec())
+    ended = await last_event(silent)
+    assert isinstance(ended, Failed)
+    assert ended.code is ErrorCode.PROVIDER_UNAVAILABLE
+    assert health(dispatcher, "a") == UNAVAILABLE
+
+
 async def test_an_acknowledged_run_is_left_to_its_deadline() -> None:
     dispatcher = wired(RunGuards(ack_timeout_s=SHORT))
     node = Node("node-a")

@@ -329,6 +329,8 @@ class Dispatcher:
                 f"The request is too large: its run takes {exc.length} bytes on its way to "
                 f"the provider, over this server's limit of {exc.maximum} bytes."
             ) from exc
+        else:
+            run.order_sent(order.run_id)
 
     async def _acquire(
         self,

@@ -114,6 +114,7 @@ class RequestRun:
         "_leave_place",
         "_loop",
         "_opened_at",
+        "_order_left",
         "_owner",
         "_reader",
         "_records",
@@ -195,6 +196,7 @@ class RequestRun:
         self._opened_at = 0.0
         self._expires_at = 0.0
         self._acked = True
+        self._order_left = True
         self._ack_by = 0.0
         self._ack_timeout_s = 0.0
         self._stall_s = 0.0
@@ -341,11 +343,24 @@ class RequestRun:
         self._ack_timeout_s = guards.ack_timeout_s
         self._acked = guards.ack_timeout_s <= 0  # nothing to wait for
         self._ack_by = now + guards.ack_timeout_s
+        self._order_left = False  # ``order_sent`` says when it has
         stream = self.spec.stream
         self._stall_s = guards.stall_timeout_s if stream else 0.0
         self._first_token_s = guards.first_token_timeout_s if stream else 0.0
         self._awaiting_first = stream  # no delta yet: the first-token bound holds
         self._timer = self._loop.call_at(self._next_check(), self._check)
+
+    def order_sent(self, attempt_id: str) -> None:
+        """The attempt's order has left (its link's ``send_run`` returned): the node's
+        acknowledgement is timed from now. The setting promises a bound "after it was
+        sent", and a multi-MiB order takes a busy edge seconds to encode, encrypt and
+        write: that time is the edge's own, and must not take its node out of selection.
+
+        The timer armed at ``attempt`` is left as it is: it fires at or before the new
+        bound, and ``_check`` re-arms it for what is then the earliest guard."""
+        if self.attempt_id == attempt_id and self.link is not None:
+            self._order_left = True
+            self._ack_by = self._loop.time() + self._ack_timeout_s
 
     def deliver(self, event: RunEvent | Accepted) -> None:
         """An event of the attempt from its node. Any event is an acknowledgement;
@@ -459,6 +474,10 @@ class RequestRun:
         if self.link is None:
             return
         now = self._loop.time()
+        if not self._order_left and now >= self._ack_by:
+            # Still being written: its node cannot have answered. Look again a timeout
+            # later; once it has left, ``order_sent`` sets the bound.
+            self._ack_by = now + self._ack_timeout_s
         if now >= self._expires_at:
             message = "the provider did not answer in time"
             self._attempt_failed(Failed(ErrorCode.PROVIDER_TIMEOUT, message), told=False)
