@@ -89,7 +89,8 @@ class NodeConnection:
         self._configured.update(provider.id for provider in config.providers)
 
     async def send_run(self, order: RunOrder) -> None:
-        """Returns once the order has left, as far as the edge can tell: its node's
+        """Returns once the order is on its way: a small one queued for this pass's
+        write, a large one written and its transport drained. Its node's
         acknowledgement is timed from then (``RequestRun.order_sent``)."""
         # Deferred: the small runs dispatched in one event-loop pass leave in one TLS write
         # (a cancel sent later takes them along first, so the node never sees it before

@@ -34,6 +34,9 @@ class NodeLink(Protocol):
     acknowledges_runs: bool
     """The node sends ``Accepted`` for each run it takes (it said so when it registered)."""
 
-    async def send_run(self, order: RunOrder) -> None: ...
+    async def send_run(self, order: RunOrder) -> None:
+        """Send ``order``; returns once it is on its way (the node's acknowledgement is
+        timed from then, not from the time its edge takes to write a large one)."""
+        ...
 
     async def send_cancel(self, run_id: str, reason: str) -> None: ...
