@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from iop_proto.connection import Connection
+from iop_proto.connection import DEFER_AT_MOST, Connection
 from iop_proto.errors import ConnectionClosed, HeartbeatTimeout, ProtocolError, UnparsableFrame
 from iop_proto.framing import HEADER, FrameReadTimeout, encode_frame, read_frame
 from iop_proto.testing import Pki, loopback_server, open_client
@@ -358,3 +358,23 @@ async def test_deferred_frames_leave_together_in_order(pki: Pki, ending: str) ->
     expected = ["d0", "d1", "d2"] + ([] if ending == "close" else ["after"])
     assert recorder.run_ids == expected
     assert len(writes) == {"pass ends": 2, "plain send": 1, "close": 1}[ending]
+
+
+async def test_a_deferred_frame_over_the_bound_is_written_at_once_after_the_waiting_ones(
+    pki: Pki,
+) -> None:
+    recorder = Recorder()
+    async with loopback_server(recorder.handle, pki.server()) as port:
+        reader, writer = await open_client(port, pki.client())
+        writes = counting_writes(writer)
+        conn = Connection(reader, writer, sender_id="node", heartbeat_interval=0)
+        await conn.send(cancel("small"), defer=True)
+        assert writes == []
+        large = cancel("large-" + "x" * DEFER_AT_MOST)  # its frame is over the bound
+        await conn.send(large, defer=True)
+        # before send returned: the waiting frame, then the large one, in one write
+        assert len(writes) == 1
+        assert writes[0] > DEFER_AT_MOST
+        await conn.close()
+        await asyncio.wait_for(recorder.done.wait(), 5)
+    assert recorder.run_ids == ["small", large.run_id]

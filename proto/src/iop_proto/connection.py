@@ -19,7 +19,9 @@ Frames sent with ``defer=True`` (a stream's tokens, the edge's run requests) wai
 for the end of the event loop's current pass and leave together: the tokens one
 provider read produced, or the requests one pass dispatched, cost one TLS record
 and one system call, not one each. Any other send takes the waiting frames along,
-in order.
+in order. A frame over ``DEFER_AT_MOST`` is written at once even so: company saves it
+nothing, and the sender's wait for the transport to drain then covers it (the edge
+times a run's acknowledgement from when its order has left).
 """
 
 from __future__ import annotations
@@ -50,6 +52,9 @@ DEFAULT_HEARTBEAT_INTERVAL = 2.0  # a dead peer is judged within 3 x 2 s (the 10
 DEFAULT_MISSED_HEARTBEATS = 3
 _CLOSE_TIMEOUT = 2.0
 READ_SIZE = 64 * 1024  # per read: whatever has arrived, up to this
+DEFER_AT_MOST = 64 * 1024
+"""The largest frame a deferred send holds for the pass's others: asyncio's default
+high-water mark, past which a frame would wait in the transport's buffer anyway."""
 
 
 def error_body(code: int, message: str, run_id: str = "") -> pb.Error:
@@ -212,7 +217,8 @@ class Connection:
         """Wrap a body message in an envelope (or take an ``Envelope`` made already, by
         ``envelope``), send it, and wait for drain; returns the envelope sent.
 
-        ``defer``: leave with the other frames of this event-loop pass (see above).
+        ``defer``: leave with the other frames of this event-loop pass, unless the
+        frame is over ``DEFER_AT_MOST`` (see above).
         """
         if self._closed.is_set() or self._writer.is_closing():
             raise ConnectionClosed(f"connection to {self.peer_name} is closed") from self._fault
@@ -230,7 +236,7 @@ class Connection:
                 **oneof,
             )
         frame = encode_frame(envelope, self.max_frame_size)
-        if defer:
+        if defer and len(frame) <= DEFER_AT_MOST:
             self._deferred.append(frame)
             if len(self._deferred) == 1:
                 self._running_loop().call_soon(self._flush_deferred)

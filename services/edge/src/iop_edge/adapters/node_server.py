@@ -45,9 +45,6 @@ REFUSED = "registration refused (the edge's log says why)"
 """All a refused peer learns: which node a token belongs to, or whether the
 control-plane is up, is for the operator, not for whoever holds a certificate."""
 RETIRED = "node_retired"  # the control-plane's reason code for a retired node
-DEFER_AT_MOST = 64 * 1024
-"""The largest order body sent with its pass's others: asyncio's default high-water
-mark, past which a frame would wait in the transport's buffer anyway."""
 
 
 class Authorizer(Protocol):
@@ -90,14 +87,11 @@ class NodeConnection:
 
     async def send_run(self, order: RunOrder) -> None:
         """Returns once the order is on its way: a small one queued for this pass's
-        write, a large one written and its transport drained. Its node's
-        acknowledgement is timed from then (``RequestRun.order_sent``)."""
-        # Deferred: the small runs dispatched in one event-loop pass leave in one TLS write
-        # (a cancel sent later takes them along first, so the node never sees it before
-        # them). A large one is written now and waited for until the transport's buffer
-        # drains: batching it saves nothing, and the wait is what makes "left" true.
-        defer = len(order.body_json) <= DEFER_AT_MOST
-        await self.conn.send(run_request(order), correlation_id=order.run_id, defer=defer)
+        write, a large one written and its transport drained (``Connection.send``). Its
+        node's acknowledgement is timed from then (``RequestRun.order_sent``)."""
+        # Deferred: the runs dispatched in one event-loop pass leave in one TLS write (a
+        # cancel sent later takes them along first, so the node never sees it before them).
+        await self.conn.send(run_request(order), correlation_id=order.run_id, defer=True)
 
     async def send_cancel(self, run_id: str, reason: str) -> None:
         await self.conn.send(pb.CancelRequest(run_id=run_id, reason=reason), correlation_id=run_id)
