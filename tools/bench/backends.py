@@ -45,7 +45,10 @@ params.cpuparams_batch.n_threads = {THREADS}
 params.port = 0
 params.hostnames = ["127.0.0.1"]
 server = xllamacpp.Server(params)
-print("llama.cpp server on", server.listening_address, flush=True)
+# One write of the whole line: llama.cpp logs on the same pipe from its own threads, and a
+# line printed in pieces (print's arguments, unbuffered) can be cut by one of its lines.
+sys.stdout.write(f"llama.cpp server on {server.listening_address}\\n")
+sys.stdout.flush()
 sys.stdin.read()
 os._exit(0)
 """
