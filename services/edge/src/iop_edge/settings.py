@@ -390,10 +390,10 @@ class EdgeSettings(DrainingSettings):
         default=2.0,
         ge=0,
         description=(
-            "a run its node has not acknowledged this long after it was sent fails"
-            " (provider_unavailable) and the node's providers leave selection until its next"
-            " snapshot; 0 = off (nodes of older versions, which do not acknowledge, never are"
-            " timed)"
+            "a run its node has not acknowledged this long after it was sent (plus 1 s per"
+            " MiB of its body, which the node reads first) fails (provider_unavailable) and"
+            " the node's providers leave selection until its next snapshot; 0 = off (nodes"
+            " of older versions, which do not acknowledge, never are timed)"
         ),
     )
     stall_timeout_s: float = Field(

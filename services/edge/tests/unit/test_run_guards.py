@@ -28,7 +28,7 @@ from iop_edge.domain.fleet import Fleet, ModelEntry, Operation, ProviderEntry
 from iop_edge.domain.pool import AVAILABLE, UNAVAILABLE
 from iop_edge.metrics import EdgeMetrics
 from iop_edge.ports import RunSpec
-from iop_edge.service.request_run import RequestRun
+from iop_edge.service.request_run import ACK_SECONDS_PER_MIB, RequestRun
 from iop_edge.service.runs import RunGuards
 from iop_edge.testing import WiredDispatcher, read_all
 from iop_proto.v1 import runtime_pb2 as pb
@@ -150,6 +150,33 @@ async def test_the_acknowledgement_is_timed_from_when_the_order_has_left() -> No
     ended = await last_event(silent)
     assert isinstance(ended, Failed)
     assert ended.code is ErrorCode.PROVIDER_UNAVAILABLE
+    assert health(dispatcher, "a") == UNAVAILABLE
+
+
+async def test_a_large_order_gives_its_node_a_second_per_mib_to_acknowledge() -> None:
+    # The node reads, decrypts and decodes the whole order before it can acknowledge it.
+    dispatcher = wired(RunGuards(ack_timeout_s=SHORT))
+    node = Node("node-a")
+    connect(dispatcher, node, "a")
+    quarter_mib = {"model": "m", "messages": [{"role": "user", "content": "x" * (1 << 18)}]}
+    large = RunSpec("m", Operation.CHAT_COMPLETIONS, quarter_mib, False, False)
+    run = await dispatcher.open_run(large)
+    allowance = len(node.sent[-1].body_json) / (1 << 20) * ACK_SECONDS_PER_MIB
+    assert allowance >= 0.25
+    await asyncio.sleep(SHORT * 3)  # past the plain timeout, within the allowance
+    assert not run.attempt_finished
+    run.deliver(ACCEPTED)
+    run.deliver(Completed("stop"))
+    assert await read_all(run) == [Completed("stop")]
+
+    # a node that never acknowledges it still fails it, once the allowance has passed too
+    silent = await dispatcher.open_run(large)
+    started = asyncio.get_running_loop().time()
+    ended = await last_event(silent)
+    assert asyncio.get_running_loop().time() - started >= SHORT + allowance
+    assert isinstance(ended, Failed)
+    bound = SHORT + allowance
+    assert ended.message == f"node node-a did not acknowledge the run within {bound:.3g} s"
     assert health(dispatcher, "a") == UNAVAILABLE
 
 

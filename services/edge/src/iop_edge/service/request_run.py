@@ -58,6 +58,10 @@ from iop_edge.service.limits import RunBody
 from iop_edge.service.runs import NodeLink, RunGuards
 
 CLIENT_GONE = "client disconnected"
+ACK_SECONDS_PER_MIB = 1.0
+"""What a node is given beyond ``run_ack_timeout_s`` to acknowledge, per MiB of the order's
+body: it reads, decrypts and decodes the whole order before it can, and on a busy host a
+14 MiB one has taken it over 2 s. A few-KiB order gains milliseconds."""
 
 
 class RunOwner(Protocol):
@@ -340,9 +344,11 @@ class RequestRun:
         self._started_ms = started_ms
         self._opened_at = self._last_event = now
         self._expires_at = now + timeout_s + grace_s
-        self._ack_timeout_s = guards.ack_timeout_s
         self._acked = guards.ack_timeout_s <= 0  # nothing to wait for
-        self._ack_by = now + guards.ack_timeout_s
+        self._ack_timeout_s = ack_timeout_s = (
+            guards.ack_timeout_s + len(order.body_json) / (1 << 20) * ACK_SECONDS_PER_MIB
+        )
+        self._ack_by = now + ack_timeout_s
         self._order_left = False  # ``order_sent`` says when it has
         stream = self.spec.stream
         self._stall_s = guards.stall_timeout_s if stream else 0.0
@@ -483,9 +489,8 @@ class RequestRun:
             self._attempt_failed(Failed(ErrorCode.PROVIDER_TIMEOUT, message), told=False)
         elif not self._acked and now >= self._ack_by:
             self.unacknowledged = True
-            message = (
-                f"node {self.node_id} did not acknowledge the run within {self._ack_timeout_s:g} s"
-            )
+            within = f"{self._ack_timeout_s:.3g}"
+            message = f"node {self.node_id} did not acknowledge the run within {within} s"
             self._attempt_failed(Failed(ErrorCode.PROVIDER_UNAVAILABLE, message), told=False)
         elif self._awaiting_first and (
             self._first_token_s and now - self._opened_at >= self._first_token_s
