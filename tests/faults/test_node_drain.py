@@ -48,18 +48,28 @@ async def test_sigterm_lets_the_runs_in_flight_finish(
         "iop_mock": {"fill": True},  # 40 tokens, not the mock's short answer
     }
 
+    streaming = 0
+
+    def started() -> None:
+        nonlocal streaming
+        streaming += 1
+
     async with aiohttp.ClientSession() as http:
 
-        def client() -> asyncio.Task[Any]:
+        def client(on_start: Callable[[], None] | None = None) -> asyncio.Task[Any]:
             return asyncio.create_task(
-                stream_chat(http, stack.api_url, body, REQUEST_TIMEOUT_S + 5)
+                stream_chat(http, stack.api_url, body, REQUEST_TIMEOUT_S + 5, on_start)
             )
 
-        first = [client() for _ in range(4)]
+        first = [client(started) for _ in range(4)]
 
         async def both_busy() -> bool:
+            # The edge counts a run from its dispatch, so its two per provider may still be
+            # unread on a busy node, which then stops with nothing in flight and the edge
+            # sends them elsewhere (as it should). Only a run that streams is in flight on
+            # its node: all four streaming, two on each, is what this test is about.
             rows = await catalog(stack.api_url, "providers")
-            return all(r["in_flight"] == 2 for r in rows)
+            return streaming == 4 and all(r["in_flight"] == 2 for r in rows)
 
         await eventually(both_busy)
         stopping = asyncio.create_task(stack.stop("node-a"))  # SIGTERM
