@@ -158,26 +158,41 @@ CLIENTS_DIR  := var/clients
 CLIENT_LIBRARIES := llamaindex:llama-index-llms-openai-like==0.8.1 litellm:litellm==1.110.2 \
 	instructor:instructor==1.17.0 pydantic-ai:pydantic-ai-slim[openai,anthropic]==2.68.0
 
+# Three kinds of install that share nothing but the package caches: `make -j3 agents` (as CI
+# runs it) does the npm agents, aider and the client libraries side by side.
+AGENTS_NPM_STAMP := $(AGENTS_DIR)/.npm-installed-stamp
+AIDER_STAMP      := $(AGENTS_DIR)/aider/.installed-stamp
+CLIENT_NAMES     := $(foreach client,$(CLIENT_LIBRARIES),$(word 1,$(subst :, ,$(client))))
+CLIENT_STAMPS    := $(foreach name,$(CLIENT_NAMES),$(CLIENTS_DIR)/$(name)/.installed-stamp)
+# The pip requirement of a client library by its name: llamaindex -> llama-index-llms-...
+client_spec = $(word 2,$(subst :, ,$(filter $(1):%,$(CLIENT_LIBRARIES))))
+
 agents: $(AGENTS_STAMP)
 
-define client_venv
-	test -x $(1)/bin/python || $(PYTHON) -m venv $(1)
-	$(1)/bin/python -m pip install --quiet "$(2)"
+$(AGENTS_STAMP): $(AGENTS_NPM_STAMP) $(AIDER_STAMP) $(CLIENT_STAMPS)
+	touch $@
 
-endef
-
-$(AGENTS_STAMP): Makefile
+$(AGENTS_NPM_STAMP): Makefile
 	command -v npm >/dev/null || (export DEBIAN_FRONTEND=noninteractive; apt-get update -qq && apt-get install -y -qq nodejs npm >/dev/null)
 	mkdir -p $(AGENTS_DIR)
 	npm install --prefix $(AGENTS_DIR) --no-save --no-audit --no-fund --loglevel=error $(AGENTS_NPM)
-	test -x $(AGENTS_DIR)/aider/bin/python || $(PYTHON) -m venv $(AGENTS_DIR)/aider
-	$(AGENTS_DIR)/aider/bin/python -m pip install --quiet aider-chat==$(AIDER_VERSION)
-	$(foreach client,$(CLIENT_LIBRARIES),$(call client_venv,$(CLIENTS_DIR)/$(word 1,$(subst :, ,$(client))),$(word 2,$(subst :, ,$(client)))))
 	touch $@
 
-# Every agent and client library against make run's stack, none skipped (TEST_AGENTS_REQUIRED).
+$(AIDER_STAMP): Makefile
+	test -x $(AGENTS_DIR)/aider/bin/python || $(PYTHON) -m venv $(AGENTS_DIR)/aider
+	$(AGENTS_DIR)/aider/bin/python -m pip install --quiet aider-chat==$(AIDER_VERSION)
+	touch $@
+
+$(CLIENTS_DIR)/%/.installed-stamp: Makefile
+	test -x $(CLIENTS_DIR)/$*/bin/python || $(PYTHON) -m venv $(CLIENTS_DIR)/$*
+	$(CLIENTS_DIR)/$*/bin/python -m pip install --quiet "$(call client_spec,$*)"
+	touch $@
+
+# Every agent and client library against make run's stack, and the README's Codex and Claude
+# Code blocks as a newcomer runs them, none skipped (TEST_AGENTS_REQUIRED).
 test-agents: install agents
-	TEST_AGENTS_REQUIRED=1 $(BIN)/python -m pytest tests/agents
+	TEST_AGENTS_REQUIRED=1 $(BIN)/python -m pytest tests/agents \
+		tests/test_readme.py::test_an_agent_as_the_readme_points_it
 
 lint: install
 	$(BIN)/ruff check .

@@ -194,7 +194,10 @@ def test_an_agent_as_the_readme_points_it(newcomer: Newcomer, program: str) -> N
     (block,) = [block for block in blocks() if block.needs == program]
     found = find_program(program, newcomer.env)
     if found is None:
-        pytest.skip(f"{program} is not installed (make agents installs it into var/agents)")
+        why = f"{program} is not installed (make agents installs it into var/agents)"
+        if os.environ.get("TEST_AGENTS_REQUIRED") == "1":
+            pytest.fail(f"TEST_AGENTS_REQUIRED is set but {why}", pytrace=False)
+        pytest.skip(why)
     env = dict(newcomer.env, PATH=f"{Path(found).parent}:{newcomer.env['PATH']}")
     ran = run_block(block, env, newcomer.offset, BLOCK_TIMEOUT_S)
     assert ran.returncode == 0, f"{program} failed:\n{ran.output}"
