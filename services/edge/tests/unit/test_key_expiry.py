@@ -96,3 +96,27 @@ def test_an_unknown_secret_is_still_only_unknown(ring: FleetHolder) -> None:
         authenticate(bearer("sk-iop-never"), ring)
     assert not isinstance(refused.value, KeyExpired)
     assert refused.value.message == "Incorrect API key provided."
+
+
+def test_an_edge_whose_only_key_expired_is_not_open() -> None:
+    """The push that moves the last key to the expired list leaves keys required: the
+    expired secret is refused as expired, any other as unknown, from loopback too."""
+    config = pb.FleetConfig(
+        version=2,
+        expired_keys=[
+            pb.ExpiredKey(
+                key_id="key_last",
+                key_hash=digest("sk-iop-last"),
+                expired_unix_ms=int(time.time() * 1000) - 1,
+            )
+        ],
+    )
+    ring = FleetHolder(fleet_from_proto(config))
+    assert not ring.open
+    loopback = Request(headers={"Authorization": "Bearer sk-iop-last"}, remote="127.0.0.1")
+    with pytest.raises(KeyExpired):
+        authenticate(loopback, ring)
+    with pytest.raises(AuthenticationFailed):
+        authenticate(Request(remote="127.0.0.1"), ring)
+    ring.replace(fleet_from_proto(pb.FleetConfig(version=3)))
+    assert ring.open  # no key known at all: open again, as with no key ever issued

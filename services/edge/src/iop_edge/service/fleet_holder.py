@@ -26,11 +26,11 @@ class FleetHolder:
 
     def __init__(self, fleet: Fleet | None = None) -> None:
         self.current = fleet if fleet is not None else Fleet()
-        self.open = not self.current.api_keys  # no keys configured: the API is open
+        self.open = _open(self.current)
 
     def replace(self, fleet: Fleet) -> None:
         self.current = fleet
-        self.open = not fleet.api_keys
+        self.open = _open(fleet)
 
     def lookup(self, presented_key: str) -> ApiKeyEntry | None:
         digest = hashlib.sha256(presented_key.encode()).hexdigest()
@@ -38,3 +38,13 @@ class FleetHolder:
         # a rotation's previous secret only when the current one is not it (rare, and
         # one more dict look-up only for a key that is not found at first)
         return fleet.api_keys.get(digest) or fleet.previous_keys.get(digest)
+
+
+def _open(fleet: Fleet) -> bool:
+    """No key known at all: the API is open (loopback only, unless ``allow_open``).
+
+    A key that expired is still known: the control-plane lists it as expired (for a week)
+    so that it is refused saying so. Were only live keys counted, the push that moves the
+    last key to that list would open the API, and the expired key would be served again.
+    """
+    return not fleet.api_keys and not fleet.previous_keys
