@@ -215,6 +215,25 @@ async def test_without_keys_only_loopback_clients_are_served(stack: Any, namespa
         await restart_edge(stack, host="127.0.0.1")
 
 
+async def test_revoking_the_last_key_leaves_keys_required(stack: Any) -> None:
+    """Once a key was issued, the API never falls back to serving loopback clients without
+    one: revoking the only key leaves every request refused, that key's included."""
+    only = await issue(stack, "only")  # the module's first key: none before it
+    await stack.control_plane_cli("key", "revoke", only.key_id)
+    async with asyncio.timeout(10):
+        while (await get_json(stack, "/v1/models", only))[0] != 401:  # noqa: ASYNC110
+            await asyncio.sleep(0.05)
+    for secret in (only.secret, "sk-iop-none"):
+        async with sdk(stack, secret) as local:
+            with pytest.raises(openai.AuthenticationError, match="Incorrect API key"):
+                await local.chat.completions.create(
+                    model="mock-small", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+                )
+    base = stack.api_url.removesuffix("/v1")
+    async with aiohttp.ClientSession() as http, http.get(base + "/v1/models") as keyless:
+        assert keyless.status == 401
+
+
 # --- runs and catalog per key ------------------------------------------------------------
 
 

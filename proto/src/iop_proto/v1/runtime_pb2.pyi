@@ -627,7 +627,7 @@ class ModelKeyLimits(_message.Message):
     def __init__(self, model: _Optional[str] = ..., limits: _Optional[_Union[KeyLimits, _Mapping]] = ...) -> None: ...
 
 class FleetConfig(_message.Message):
-    __slots__ = ("version", "models", "nodes", "api_keys", "revoked_token_ids", "retired_node_ids", "accepts_node_status", "edges", "expired_keys", "runtime_controls")
+    __slots__ = ("version", "models", "nodes", "api_keys", "revoked_token_ids", "retired_node_ids", "accepts_node_status", "edges", "expired_keys", "runtime_controls", "keys_required")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MODELS_FIELD_NUMBER: _ClassVar[int]
     NODES_FIELD_NUMBER: _ClassVar[int]
@@ -638,6 +638,7 @@ class FleetConfig(_message.Message):
     EDGES_FIELD_NUMBER: _ClassVar[int]
     EXPIRED_KEYS_FIELD_NUMBER: _ClassVar[int]
     RUNTIME_CONTROLS_FIELD_NUMBER: _ClassVar[int]
+    KEYS_REQUIRED_FIELD_NUMBER: _ClassVar[int]
     version: int
     models: _containers.RepeatedCompositeFieldContainer[ModelConfig]
     nodes: _containers.RepeatedCompositeFieldContainer[NodeConfig]
@@ -648,7 +649,8 @@ class FleetConfig(_message.Message):
     edges: _containers.RepeatedCompositeFieldContainer[EdgeEndpoint]
     expired_keys: _containers.RepeatedCompositeFieldContainer[ExpiredKey]
     runtime_controls: _containers.RepeatedCompositeFieldContainer[RuntimeControl]
-    def __init__(self, version: _Optional[int] = ..., models: _Optional[_Iterable[_Union[ModelConfig, _Mapping]]] = ..., nodes: _Optional[_Iterable[_Union[NodeConfig, _Mapping]]] = ..., api_keys: _Optional[_Iterable[_Union[ApiKeyPolicy, _Mapping]]] = ..., revoked_token_ids: _Optional[_Iterable[str]] = ..., retired_node_ids: _Optional[_Iterable[str]] = ..., accepts_node_status: _Optional[bool] = ..., edges: _Optional[_Iterable[_Union[EdgeEndpoint, _Mapping]]] = ..., expired_keys: _Optional[_Iterable[_Union[ExpiredKey, _Mapping]]] = ..., runtime_controls: _Optional[_Iterable[_Union[RuntimeControl, _Mapping]]] = ...) -> None: ...
+    keys_required: bool
+    def __init__(self, version: _Optional[int] = ..., models: _Optional[_Iterable[_Union[ModelConfig, _Mapping]]] = ..., nodes: _Optional[_Iterable[_Union[NodeConfig, _Mapping]]] = ..., api_keys: _Optional[_Iterable[_Union[ApiKeyPolicy, _Mapping]]] = ..., revoked_token_ids: _Optional[_Iterable[str]] = ..., retired_node_ids: _Optional[_Iterable[str]] = ..., accepts_node_status: _Optional[bool] = ..., edges: _Optional[_Iterable[_Union[EdgeEndpoint, _Mapping]]] = ..., expired_keys: _Optional[_Iterable[_Union[ExpiredKey, _Mapping]]] = ..., runtime_controls: _Optional[_Iterable[_Union[RuntimeControl, _Mapping]]] = ..., keys_required: _Optional[bool] = ...) -> None: ...
 
 class RuntimeControl(_message.Message):
     __slots__ = ("kind", "target", "value", "change_id", "changed_by", "changed_unix_ms", "reason")

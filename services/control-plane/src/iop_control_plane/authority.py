@@ -58,6 +58,7 @@ class FleetAuthority:
         self._fleet: ParsedFleet | None = None
         self._api_keys: list[pb.ApiKeyPolicy] = []
         self._expired_keys: list[pb.ExpiredKey] = []
+        self._keys_required = False  # a key is stored, live or not: FleetConfig.keys_required
         self._revoked_token_ids: list[str] = []
         self._retired: frozenset[str] = frozenset()
         self._controls: list[Control] = []  # runtime controls in force (entrypoints.controls)
@@ -198,6 +199,9 @@ class FleetAuthority:
         self._next_expiry_s = min(ends) / 1000 if ends else float("inf")
         self._api_keys = api_keys
         self._expired_keys = expired_keys
+        # Revoked and long-expired keys stay in the store: once one was issued, the edges
+        # require keys for good, whatever is live.
+        self._keys_required = bool(stored)
         self._revoked_token_ids = revoked_token_ids
         self._retired = retired
         self._controls = controls
@@ -226,6 +230,7 @@ class FleetAuthority:
             accepts_node_status=True,
             edges=[endpoint for _, (_, endpoint) in sorted(self._edges.items())],
             expired_keys=self._expired_keys,
+            keys_required=self._keys_required,
             runtime_controls=controls_to_proto(self._controls),
         )
         digest = hashlib.sha256(content.SerializeToString(deterministic=True)).digest()

@@ -9,6 +9,7 @@ from pathlib import Path
 import yaml
 from prometheus_client import CollectorRegistry
 
+from iop_control_plane.adapters.fleet_proto import EXPIRED_LISTED_S
 from iop_control_plane.adapters.sqlite_store import SqliteCredentialStore
 from iop_control_plane.authority import FleetAuthority
 from iop_control_plane.domain.credentials import new_api_key, new_node_token
@@ -70,5 +71,43 @@ async def test_an_expired_key_leaves_the_pushed_keys_at_its_moment(tmp_path: Pat
         assert [k.key_id for k in pushed[-1].api_keys] == [lasting.key_id]
         [expired] = pushed[-1].expired_keys
         assert (expired.key_id, expired.key_hash) == (expiring.key_id, expiring.secret_hash)
+    finally:
+        await store.aclose()
+
+
+async def test_keys_stay_required_once_one_was_issued(tmp_path: Path) -> None:
+    """``keys_required``: false in a fleet that never had a key, true from the first key on,
+    also when the last one is revoked or expired past the week it is listed as expired
+    (the edges would otherwise open the API to loopback clients)."""
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text(yaml.safe_dump({"models": [], "nodes": [{"id": "node-a"}]}))
+    store = await SqliteCredentialStore.open(tmp_path / "cp.db")
+    clock = Clock()
+    try:
+        metrics = ControlPlaneMetrics.create(CollectorRegistry())
+        authority = FleetAuthority(fleet, store, metrics, clock)
+        await authority.start()
+        assert not authority.snapshot.keys_required
+
+        revoked = new_api_key("revoked", [], 0, NOW).key
+        expiring = new_api_key("short", [], 0, NOW, expires_at=NOW + timedelta(hours=1)).key
+        await store.add_api_key(revoked)
+        assert await authority.refresh_credentials()
+        assert authority.snapshot.keys_required
+        await store.revoke_api_key(revoked.key_id, NOW)
+        await store.add_api_key(expiring)
+        assert await authority.refresh_credentials()
+        assert [k.key_id for k in authority.snapshot.api_keys] == [expiring.key_id]
+
+        clock.now += 3600  # the last live key expires: listed as expired ...
+        assert await authority.refresh_credentials()
+        assert not authority.snapshot.api_keys
+        assert [e.key_id for e in authority.snapshot.expired_keys] == [expiring.key_id]
+        assert authority.snapshot.keys_required
+        clock.now += EXPIRED_LISTED_S  # ... then no longer: no key is sent at all
+        assert await authority.refresh_credentials()
+        assert not authority.snapshot.api_keys
+        assert not authority.snapshot.expired_keys
+        assert authority.snapshot.keys_required
     finally:
         await store.aclose()

@@ -118,5 +118,24 @@ def test_an_edge_whose_only_key_expired_is_not_open() -> None:
         authenticate(loopback, ring)
     with pytest.raises(AuthenticationFailed):
         authenticate(Request(remote="127.0.0.1"), ring)
+    # a control-plane from before keys_required: no key known at all, open again
     ring.replace(fleet_from_proto(pb.FleetConfig(version=3)))
-    assert ring.open  # no key known at all: open again, as with no key ever issued
+    assert ring.open
+
+
+def test_an_edge_whose_keys_were_all_revoked_or_forgotten_is_not_open() -> None:
+    """The control-plane says keys were issued: with no key live, revoked or expired past
+    the week it lists them, every request is refused, from loopback too, the old secret as
+    unknown; only a fleet that never had a key is open."""
+    ring = FleetHolder(fleet_from_proto(pb.FleetConfig(version=4, keys_required=True)))
+    assert not ring.open
+    for secret in ("sk-iop-revoked", "sk-iop-anything"):
+        loopback = Request(headers={"Authorization": f"Bearer {secret}"}, remote="127.0.0.1")
+        with pytest.raises(AuthenticationFailed) as refused:
+            authenticate(loopback, ring)
+        assert not isinstance(refused.value, KeyExpired)
+        assert refused.value.message == "Incorrect API key provided."
+    with pytest.raises(AuthenticationFailed):
+        authenticate(Request(remote="127.0.0.1"), ring)
+    ring.replace(fleet_from_proto(pb.FleetConfig(version=5, keys_required=False)))
+    assert ring.open

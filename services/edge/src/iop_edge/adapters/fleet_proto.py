@@ -121,6 +121,7 @@ def fleet_from_proto(config: pb.FleetConfig) -> Fleet:
         previous_keys=previous,
         revoked_token_ids=frozenset(config.revoked_token_ids),
         controls=controls,
+        keys_required=config.keys_required,
     )
 
 

@@ -168,6 +168,9 @@ class Fleet:
     # secrets that expired lately (no policy, their expiry past): refused as expired
     previous_keys: Mapping[str, ApiKeyEntry] = field(default_factory=dict)
     controls: tuple[ControlEntry, ...] = ()  # the operators' runtime controls in force
+    # a key was ever issued (revoked and expired ones count): keys are required even while
+    # none is live (the control-plane says so; one from before it sends False)
+    keys_required: bool = False
 
     def models_of_provider(self, provider_id: str) -> list[str]:
         return [m.id for m in self.models.values() if provider_id in m.providers]

@@ -41,10 +41,12 @@ class FleetHolder:
 
 
 def _open(fleet: Fleet) -> bool:
-    """No key known at all: the API is open (loopback only, unless ``allow_open``).
+    """No key ever issued: the API is open (loopback only, unless ``allow_open``).
 
-    A key that expired is still known: the control-plane lists it as expired (for a week)
-    so that it is refused saying so. Were only live keys counted, the push that moves the
-    last key to that list would open the API, and the expired key would be served again.
+    The control-plane says whether a key was ever issued (``keys_required``): revoking
+    the last live key, or its expiry, must not open the API, or the revoked or expired
+    key, and any other, would be served from loopback. A control-plane from before that
+    field says nothing; then the keys it sends count, the expired ones included (it lists
+    an expired key for a week so that it is refused saying so).
     """
-    return not fleet.api_keys and not fleet.previous_keys
+    return not (fleet.keys_required or fleet.api_keys or fleet.previous_keys)
