@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 import aiohttp
+import openai
 import pytest
 import yaml
 from openai import AsyncOpenAI
@@ -97,3 +98,29 @@ async def test_edge_serves_while_the_control_plane_is_away(
     providers = {r["provider_id"]: r for r in await faults.catalog(stack.api_url, "providers")}
     assert not providers["node-b-mock"]["connected"]
     assert await chat(stack) == 2  # node-a still serves the pool
+
+
+async def test_an_edge_started_with_no_config_serves_nobody_until_one_arrives(
+    stack: Any, faults: Any, report: Callable[[str], None]
+) -> None:
+    """A new edge (no cached config) whose control-plane does not answer cannot know
+    whether keys are required: it refuses every request (503), loopback ones too, instead of
+    serving them as the open API (every key's runs to whoever asks), until the config comes."""
+    assert await stack.stop("control-plane") == 0
+    assert await stack.stop("edge") == 0
+    (stack.root / "edge-cache.pb").unlink()
+    edge = await stack.start("edge")
+    await asyncio.wait_for(edge.wait_for_line("no fleet config yet"), 10)
+    with pytest.raises(openai.APIStatusError) as refused:
+        await chat(stack)
+    assert refused.value.status_code == 503
+    assert "no fleet config yet" in refused.value.message
+    runs = stack.api_url.replace("/v1", "/iop/v1/runs")
+    async with aiohttp.ClientSession() as http, http.get(runs) as history:
+        assert history.status == 503  # the fleet's history is nobody's before the config
+    report(f"before its config the edge answered {refused.value.status_code}")
+
+    await stack.start("control-plane")
+    await asyncio.wait_for(edge.wait_for_line("serves loopback clients only"), 20)
+    await stack.wait_registered(("node-a",))  # (node-b's token is revoked above)
+    assert await chat(stack) == 2

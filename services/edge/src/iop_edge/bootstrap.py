@@ -122,15 +122,17 @@ async def build(
     catalog = PoolCatalog(fleet_holder, providers, dispatcher)
     keys = fleet_holder  # the key ring: the fleet's API keys (hashes only)
     nodes: NodeServer | None = None
-    keys_were_open: bool | None = None
+    logged_mode: str | None = None  # what the log said of access last; None: not yet
     http = settings.http
 
     def log_access_mode() -> None:
-        mode = access_mode(keys.open, http.allow_open, http.host)
-        (logger.warning if keys.open else logger.info)(mode)
+        nonlocal logged_mode
+        mode = access_mode(keys, http.allow_open, http.host)
+        if mode != logged_mode:
+            (logger.warning if keys.open else logger.info)(mode)
+            logged_mode = mode
 
     async def on_fleet(config: pb.FleetConfig) -> None:
-        nonlocal keys_were_open
         fleet = fleet_from_proto(config)
         providers.apply_fleet(fleet)
         if nodes is not None:  # at once: the nodes' new configs go before any run sent now
@@ -141,9 +143,8 @@ async def build(
         present = frozenset(k.key_id for k in fleet.api_keys.values())
         await key_slots.apply_keys(present)
         await batches.apply_keys(present)
-        if keys_were_open is not None and keys.open is not keys_were_open:
+        if logged_mode is not None:  # the API serves already: say what changed
             log_access_mode()
-        keys_were_open = keys.open
 
     async with contextlib.AsyncExitStack() as stack:
         stack.callback(providers.close)  # last out: no cooldown timer outlives the edge

@@ -269,8 +269,13 @@ class KeyRing(Protocol):
     """API keys from the control-plane's policy (hashes only)."""
 
     @property
+    def configured(self) -> bool:
+        """A fleet config has arrived: until then every request is refused (503)."""
+        ...
+
+    @property
     def open(self) -> bool:
-        """No keys configured: the API is open (and says so in the log)."""
+        """No key was ever issued: the API is open (and says so in the log)."""
         ...
 
     def lookup(self, presented_key: str) -> ApiKeyEntry | None: ...

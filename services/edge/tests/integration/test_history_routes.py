@@ -29,6 +29,8 @@ ALICE = ApiKeyEntry("key_a", "alice", "hash-a", frozenset(), 0)
 class FakeKeys:
     by_key: dict[str, ApiKeyEntry] | None  # None: no keys configured (the open API)
 
+    configured = True  # a fleet config has arrived
+
     @property
     def open(self) -> bool:
         return self.by_key is None

@@ -28,6 +28,7 @@ ALICE = ApiKeyEntry("key_a", "alice", "hash-a", frozenset(), 0)
 
 
 class Keys:
+    configured = True  # a fleet config has arrived
     open = False
 
     def lookup(self, presented_key: str) -> ApiKeyEntry | None:

@@ -28,6 +28,7 @@ from iop_proto.testing import loopback_app
 class OpenKeys:
     """No keys configured: the API is open (to loopback clients by default)."""
 
+    configured = True  # a fleet config has arrived
     open = True
 
     def lookup(self, presented_key: str) -> ApiKeyEntry | None:

@@ -20,6 +20,8 @@ class Keys:
     def __init__(self, open_: bool) -> None:
         self._open = open_
 
+    configured = True  # a fleet config has arrived
+
     @property
     def open(self) -> bool:
         return self._open
@@ -63,9 +65,9 @@ def test_with_keys_the_address_does_not_matter() -> None:
 
 
 def test_the_start_line_names_the_mode() -> None:
-    assert "loopback clients only" in access_mode(True, False, "0.0.0.0")
-    assert "open to anyone" in access_mode(True, True, "0.0.0.0")
-    assert "needs a Bearer key" in access_mode(False, False, "0.0.0.0")
+    assert "loopback clients only" in access_mode(Keys(True), False, "0.0.0.0")
+    assert "open to anyone" in access_mode(Keys(True), True, "0.0.0.0")
+    assert "needs a Bearer key" in access_mode(Keys(False), False, "0.0.0.0")
 
 
 # ---------------------------------------------------------------- the catalog per key

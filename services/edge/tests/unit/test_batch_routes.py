@@ -128,6 +128,8 @@ class FakeCatalog:
 class FakeKeys:
     by_key: dict[str, ApiKeyEntry] | None
 
+    configured = True  # a fleet config has arrived
+
     @property
     def open(self) -> bool:
         return self.by_key is None

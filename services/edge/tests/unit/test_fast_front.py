@@ -28,6 +28,7 @@ HEADER_TIMEOUT_S = 0.5
 
 
 class OpenKeys:
+    configured = True  # a fleet config has arrived
     open = True
 
     def lookup(self, presented_key: str) -> None:

@@ -252,6 +252,8 @@ class FakeCatalog:
 class FakeKeys:
     by_key: dict[str, ApiKeyEntry] | None  # None: no keys configured
 
+    configured = True  # a fleet config has arrived
+
     @property
     def open(self) -> bool:
         return self.by_key is None

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 import pytest
 
 from iop_edge.adapters.fleet_proto import fleet_from_proto
-from iop_edge.entrypoints.api_auth import authenticate
-from iop_edge.errors import AuthenticationFailed, KeyExpired
+from iop_edge.entrypoints.api_auth import access_mode, authenticate, check_open_access
+from iop_edge.errors import AuthenticationFailed, ControlPlaneUnavailable, KeyExpired
 from iop_edge.service.fleet_holder import FleetHolder
 from iop_proto.v1 import runtime_pb2 as pb
 
@@ -139,3 +139,23 @@ def test_an_edge_whose_keys_were_all_revoked_or_forgotten_is_not_open() -> None:
         authenticate(Request(remote="127.0.0.1"), ring)
     ring.replace(fleet_from_proto(pb.FleetConfig(version=5, keys_required=False)))
     assert ring.open
+
+
+def test_an_edge_with_no_fleet_config_yet_serves_nobody() -> None:
+    """Before its first fleet config (no cached copy, the control-plane not answering) the
+    edge cannot know whether keys are required: nothing is served, loopback included,
+    rather than everything to loopback clients as the open API's operator."""
+    ring = FleetHolder()
+    assert not ring.configured
+    assert not ring.open
+    assert "no fleet config yet" in access_mode(ring, allow_open=False, host="127.0.0.1")
+    check_open_access("10.0.0.2", ring, allow_open=False)  # not LoopbackOnly: not open
+    for request in (Request(remote="127.0.0.1"), bearer("sk-iop-live")):
+        with pytest.raises(ControlPlaneUnavailable) as refused:
+            authenticate(request, ring)
+        assert refused.value.status == 503
+        assert "no fleet config yet" in refused.value.message
+    ring.replace(fleet_from_proto(pb.FleetConfig(version=1)))  # a fleet that never had a key
+    assert ring.configured
+    assert ring.open
+    assert authenticate(Request(remote="127.0.0.1"), ring) is None

@@ -33,6 +33,7 @@ MemoryStore = MemoryResponseStore
 class Keys:
     """A ``KeyRing`` of two keys, ``sk-a`` and ``sk-b``."""
 
+    configured = True  # a fleet config has arrived
     open = False
 
     def lookup(self, presented_key: str) -> ApiKeyEntry | None:

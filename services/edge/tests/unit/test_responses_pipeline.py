@@ -98,6 +98,7 @@ class Catalog:
 
 
 class OpenKeys:
+    configured = True  # a fleet config has arrived
     open = True
 
     def lookup(self, presented_key: str) -> ApiKeyEntry | None:

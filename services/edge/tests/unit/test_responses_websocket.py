@@ -91,6 +91,7 @@ class Catalog:
 
 
 class Keys:
+    configured = True  # a fleet config has arrived
     open = False
 
     def lookup(self, presented_key: str) -> ApiKeyEntry | None:

@@ -21,6 +21,7 @@ from iop_edge.domain.fleet import ApiKeyEntry
 from iop_edge.entrypoints.api_request import ApiRequest
 from iop_edge.errors import (
     AuthenticationFailed,
+    ControlPlaneUnavailable,
     KeyExpired,
     KeyRevoked,
     LoopbackOnly,
@@ -31,6 +32,10 @@ from iop_edge.ports import KeyConcurrency, KeyRing, KeySlot, RunEvents
 KEY_REVOKED: Final = "The API key of this request was revoked; the request was ended."
 OPEN_PATHS: Final = frozenset({"/healthz", "/readyz"})
 """Probes carry no data: load balancers reach them from anywhere, keys or not."""
+NO_FLEET_YET: Final = (
+    "This edge has no fleet config yet (the control-plane has not answered, and it has no "
+    "cached copy): it serves nothing until one arrives; retry shortly."
+)
 
 
 def authenticate(request: ApiRequest, keys: KeyRing) -> ApiKeyEntry | None:
@@ -39,10 +44,13 @@ def authenticate(request: ApiRequest, keys: KeyRing) -> ApiKeyEntry | None:
     The key comes as ``Authorization: Bearer <key>`` (OpenAI's clients) or as
     ``x-api-key: <key>`` (Anthropic's); either way it is the same key, with the
     same allow-list. Raises ``AuthenticationFailed`` (401) for a missing,
-    malformed (not ASCII: bytes that are not UTF-8, say) or unknown key.
+    malformed (not ASCII: bytes that are not UTF-8, say) or unknown key, and
+    ``ControlPlaneUnavailable`` (503) before the edge has a fleet config.
     """
     if keys.open:
         return None
+    if not keys.configured:
+        raise ControlPlaneUnavailable(NO_FLEET_YET)
     scheme, _, token = request.headers.get("Authorization", "").partition(" ")
     token = token.strip()
     if scheme.lower() != "bearer" or not token:
@@ -105,9 +113,11 @@ def check_open_access(remote: str | None, keys: KeyRing, allow_open: bool) -> No
         )
 
 
-def access_mode(keys_open: bool, allow_open: bool, host: str) -> str:
+def access_mode(keys: KeyRing, allow_open: bool, host: str) -> str:
     """The log line saying who the API serves (at start, and when keys come or go)."""
-    if not keys_open:
+    if not keys.configured:
+        return "no fleet config yet: every request is refused (503) until the control-plane answers"
+    if not keys.open:
         return "API keys configured: every request needs a Bearer key"
     if allow_open:
         return (

@@ -17,19 +17,25 @@ class FleetHolder:
     """Implements ``FleetView`` and ``KeyRing``: the current fleet, empty until the first
     config, and its API keys (a presented key is hashed and looked up, never stored).
 
-    ``current`` and ``open`` are plain attributes, not properties: the fleet held is never
-    changed in place, so whoever reads it gets a whole fleet, and whether it has keys is
-    known when it arrives. Only ``replace`` assigns them.
+    ``current``, ``configured`` and ``open`` are plain attributes, not properties: the fleet
+    held is never changed in place, so whoever reads it gets a whole fleet, and whether it
+    has keys is known when it arrives. Only ``replace`` assigns them.
+
+    Until the first fleet arrives (from the control-plane, or the edge's cached copy) the
+    ring is not open: nobody knows yet whether keys are required, and an open API serves
+    loopback clients as operators (every key's runs, files and batches, the controls).
     """
 
-    __slots__ = ("current", "open")
+    __slots__ = ("configured", "current", "open")
 
     def __init__(self, fleet: Fleet | None = None) -> None:
         self.current = fleet if fleet is not None else Fleet()
-        self.open = _open(self.current)
+        self.configured = fleet is not None
+        self.open = self.configured and _open(self.current)
 
     def replace(self, fleet: Fleet) -> None:
         self.current = fleet
+        self.configured = True
         self.open = _open(fleet)
 
     def lookup(self, presented_key: str) -> ApiKeyEntry | None:
