@@ -224,7 +224,9 @@ class ProviderTimeout(EdgeError, TimeoutError):
 
 
 class ControlPlaneUnavailable(EdgeError, ConnectionError):
-    """Registrations fail closed while the control-plane is away."""
+    """Registrations fail closed while the control-plane is away, and an edge with no
+    fleet config yet (none cached) serves no request: it cannot tell whether keys are
+    required."""
 
     status, type, code = 503, "server_error", "control_plane_unavailable"
 
