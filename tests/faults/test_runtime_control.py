@@ -327,8 +327,7 @@ async def test_the_audit_trail_a_revert_and_a_control_plane_restart(
         await stack.start("control-plane")
 
         async def answered() -> bool:
-            """Both edges' control-plane links are back (a listing is asked of it): an edge
-            may show a pushed config a moment before its link takes requests."""
+            """Both edges' control-plane links are back (a listing is asked of it)."""
             for api in fleet.apis:
                 async with http.get(api.replace("/v1", "/iop/v1/controls")) as response:
                     if response.status != 200:

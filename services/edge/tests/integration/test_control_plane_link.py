@@ -198,3 +198,38 @@ async def test_a_control_plane_certificate_that_does_not_fit_is_logged_and_diale
         finally:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
+
+
+class HeldLink(Link):
+    """A link whose edge takes its time applying a config: until ``release`` is set."""
+
+    def __init__(self, port: int, pki: Pki, cache_file: Path) -> None:
+        super().__init__(port, pki, cache_file)
+        self.applying, self.release = asyncio.Event(), asyncio.Event()
+
+    async def _on_fleet(self, config: pb.FleetConfig) -> None:
+        self.applying.set()
+        await self.release.wait()
+
+
+async def test_an_ask_while_the_handshake_s_config_is_applied_is_answered(
+    pki: Pki, tmp_path: Path
+) -> None:
+    """The edge shows the handshake's config while it applies it (before the registration
+    counts): an authorization asked in that moment waits for its answer instead of being
+    told the control-plane is unreachable."""
+    async with loopback_server(FakeControlPlane().handle, pki.server()) as port:
+        link = HeldLink(port, pki, tmp_path / "fleet.cache")
+        task = asyncio.create_task(link.client.run())
+        try:
+            await asyncio.wait_for(link.applying.wait(), 10)
+            asking = asyncio.create_task(link.client.authorize("node-a", "good", "node-a"))
+            await asyncio.sleep(0.2)  # the answer has arrived; the link is not yet serving
+            assert not asking.done()
+            assert not link.client.registered.is_set()
+            link.release.set()
+            answer = await asyncio.wait_for(asking, 10)
+            assert answer.accepted
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)

@@ -156,7 +156,7 @@ class ControlPlaneClient(Dialer):
     async def _ask(self, request: object, answer: type[_Answer], unreachable: str) -> _Answer:
         """Send ``request`` and wait for the answer that correlates with it."""
         conn = self._conn
-        if conn is None or not self.registered.is_set():
+        if conn is None:
             raise ControlPlaneUnavailable(unreachable)
         future: asyncio.Future[_Answer] = asyncio.get_running_loop().create_future()
         envelope = conn.envelope(request)  # its id is registered before any answer can arrive
@@ -211,8 +211,12 @@ class ControlPlaneClient(Dialer):
             first = await conn.receive()
         if first.WhichOneof("body") != "fleet_config":
             raise UnexpectedMessage(f"expected fleet_config, got {first.WhichOneof('body')}")
-        await self._apply(first.fleet_config, save=True)
+        # The control-plane has answered: asks may go from here on. Their answers are read
+        # once the link serves, after this config is applied and cached (the registration
+        # counts from then), within each ask's timeout. The edge shows this config while it
+        # is applied, so an operator asking meanwhile must not be told "unreachable".
         self._conn = conn
+        await self._apply(first.fleet_config, save=True)
         return f"with the control-plane (config version {self.version})"
 
     async def _serve(self, conn: Connection) -> None:
