@@ -224,7 +224,7 @@ async def test_an_ask_while_the_handshake_s_config_is_applied_is_answered(
         try:
             await asyncio.wait_for(link.applying.wait(), 10)
             asking = asyncio.create_task(link.client.authorize("node-a", "good", "node-a"))
-            await asyncio.sleep(0.2)  # the answer has arrived; the link is not yet serving
+            await asyncio.sleep(0.2)  # time for the answer to come; the link is not serving yet
             assert not asking.done()
             assert not link.client.registered.is_set()
             link.release.set()
